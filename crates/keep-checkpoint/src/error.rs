@@ -1,0 +1,54 @@
+//! Typed errors of the checkpoint layer: each names the file and, where there is one, the tensor,
+//! so that the CLI can say what happened, where, and what to do next.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong reading or writing a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// An operating-system error on a file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The safetensors header of a file is malformed.
+    #[error("{path}: bad safetensors header: {msg}")]
+    Header { path: PathBuf, msg: String },
+    /// One tensor's entry in a safetensors header is malformed.
+    #[error("{path}: tensor `{tensor}`: {msg}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+    /// config.json is missing, malformed or disagrees with the tensors.
+    #[error("{path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+    /// The shard index is malformed or names a missing shard.
+    #[error("{path}: {msg}")]
+    Index { path: PathBuf, msg: String },
+    /// A tensor looked up by name does not exist.
+    #[error("tensor `{tensor}` is not in the checkpoint at {dir}")]
+    NoSuchTensor { dir: PathBuf, tensor: String },
+    /// The output already exists and `--force` was not given.
+    #[error("{path} already exists; pass --force to replace it, or choose another output")]
+    OutputExists { path: PathBuf },
+    /// A writer was used out of order (a bug in the caller, reported, not panicked on).
+    #[error("writer: {0}")]
+    Writer(String),
+    /// A SHA256SUMS check failed.
+    #[error("{path}: {msg}")]
+    Verify { path: PathBuf, msg: String },
+}
+
+impl CheckpointError {
+    /// Wrap an I/O error with the path it happened on.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        CheckpointError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

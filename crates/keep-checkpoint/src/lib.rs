@@ -1,0 +1,34 @@
+//! keep-checkpoint: Hugging Face model directories in DeepSeek's published layout.
+//!
+//! What it is: zero-copy (mmap) reading of one or many `*.safetensors` shards with a hostile-input
+//! header parser, the `model.safetensors.index.json` index, `config.json` as DeepSeek publishes
+//! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), and an
+//! atomic writer that shards, writes the index and a `SHA256SUMS` file, building the output in a
+//! sibling temporary directory and renaming it into place only when complete.
+//!
+//! What it is not: it never decodes weights (bytes are copied, never interpreted: that is
+//! `keep-format`'s job), it never prints, and it never panics on input: every problem is a typed
+//! [`CheckpointError`] naming the file and tensor.
+//!
+//! Depends on: nothing of keep's (not even `keep-format`); `memmap2`, `serde_json`, `sha2`.
+
+pub mod checkpoint;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod fuzzing;
+pub mod index;
+pub mod naming;
+pub mod safetensors;
+pub mod sums;
+pub mod writer;
+
+pub use checkpoint::{Checkpoint, TensorRef};
+pub use config::DeepSeekConfig;
+pub use dtype::Dtype;
+pub use error::CheckpointError;
+pub use safetensors::{ShardFile, TensorInfo};
+pub use writer::{CheckpointWriter, TensorMeta, WriterOptions};
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, CheckpointError>;

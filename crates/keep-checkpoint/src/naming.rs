@@ -1,0 +1,357 @@
+//! All DeepSeek V4/V4.1 tensor naming, in one place.
+//!
+//! For every published tensor name: its scope (model, layer N, MTP layer N), its role
+//! (embedding, head, norm, hyper-connection, attention projection, compressor, indexer, router
+//! weight / bias / bias_vl / tid2eid, routed expert e with w1|w2|w3, shared expert, MTP
+//! projection, engram, vision), whether it is a weight, a block scale or something else, and its
+//! scale partner. Names have no `model.` prefix (DeepSeek's own tree, not mlx-lm's).
+
+/// Where a tensor lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    /// Not inside a layer (embedding, head, final norm).
+    Model,
+    /// Decoder layer N.
+    Layer(usize),
+    /// Multi-token-prediction layer N (`mtp.N.*`).
+    Mtp(usize),
+}
+
+/// Which of an expert's three matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ExpertMat {
+    /// Gate projection (`w1`).
+    W1,
+    /// Down projection (`w2`).
+    W2,
+    /// Up projection (`w3`).
+    W3,
+}
+
+impl ExpertMat {
+    /// All three, in name order.
+    pub const ALL: [ExpertMat; 3] = [ExpertMat::W1, ExpertMat::W2, ExpertMat::W3];
+    /// `"w1"`, `"w2"` or `"w3"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertMat::W1 => "w1",
+            ExpertMat::W2 => "w2",
+            ExpertMat::W3 => "w3",
+        }
+    }
+    fn parse(s: &str) -> Option<ExpertMat> {
+        match s {
+            "w1" => Some(ExpertMat::W1),
+            "w2" => Some(ExpertMat::W2),
+            "w3" => Some(ExpertMat::W3),
+            _ => None,
+        }
+    }
+}
+
+/// What a tensor is for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Embedding,
+    Head,
+    /// An RMSNorm weight (which one is in the name).
+    Norm,
+    /// Hyper-connection mixing parameters (`hc_*_{fn,base,scale}`).
+    Hc,
+    /// `attn.{wq_a,wq_b,wkv,wo_a,wo_b}`: the projection's short name.
+    AttnProj(String),
+    /// Attention sinks.
+    AttnSink,
+    /// `attn.compressor.*`.
+    Compressor,
+    /// `attn.indexer.*`.
+    Indexer,
+    RouterWeight,
+    RouterBias,
+    RouterBiasVl,
+    /// Hash routing table of V4-Flash's first layers.
+    RouterTid2eid,
+    RoutedExpert {
+        expert: usize,
+        mat: ExpertMat,
+    },
+    SharedExpert(ExpertMat),
+    /// MTP's `e_proj` / `h_proj` and other MTP-only tensors.
+    MtpProj,
+    Engram,
+    Vision,
+    Unknown,
+}
+
+impl Role {
+    /// A short label for reports (`"routed_expert"`, `"attn"`, ...).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Role::Embedding => "embedding",
+            Role::Head => "head",
+            Role::Norm => "norm",
+            Role::Hc => "hc",
+            Role::AttnProj(_) => "attn_proj",
+            Role::AttnSink => "attn_sink",
+            Role::Compressor => "compressor",
+            Role::Indexer => "indexer",
+            Role::RouterWeight => "router_weight",
+            Role::RouterBias => "router_bias",
+            Role::RouterBiasVl => "router_bias_vl",
+            Role::RouterTid2eid => "router_tid2eid",
+            Role::RoutedExpert { .. } => "routed_expert",
+            Role::SharedExpert(_) => "shared_expert",
+            Role::MtpProj => "mtp_proj",
+            Role::Engram => "engram",
+            Role::Vision => "vision",
+            Role::Unknown => "unknown",
+        }
+    }
+}
+
+/// Whether the tensor is a weight, the block scale of one, or neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// `*.weight`.
+    Weight,
+    /// `*.scale` (V4) or `*.weight_scale_inv` (V3).
+    Scale,
+    /// Anything else (`attn_sink`, `hc_*`, `gate.bias`, ...).
+    Other,
+}
+
+/// A parsed tensor name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TensorName {
+    pub scope: Scope,
+    pub role: Role,
+    pub part: Part,
+}
+
+impl TensorName {
+    /// The layer index for decoder layers.
+    pub fn layer(&self) -> Option<usize> {
+        match self.scope {
+            Scope::Layer(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+/// Parse any tensor name (never fails: unrecognised names get [`Role::Unknown`]).
+pub fn parse(name: &str) -> TensorName {
+    let part = if name.ends_with(".weight") {
+        Part::Weight
+    } else if name.ends_with(".scale") || name.ends_with(".weight_scale_inv") {
+        Part::Scale
+    } else {
+        Part::Other
+    };
+    let (scope, rest) = if let Some((n, rest)) = split_index(name, "layers.") {
+        (Scope::Layer(n), rest)
+    } else if let Some((n, rest)) = split_index(name, "mtp.") {
+        (Scope::Mtp(n), rest)
+    } else {
+        (Scope::Model, name)
+    };
+    let role = match scope {
+        Scope::Model => model_role(rest),
+        Scope::Layer(_) => layer_role(rest),
+        Scope::Mtp(_) => match layer_role(rest) {
+            Role::Unknown => mtp_role(rest),
+            r => r,
+        },
+    };
+    let role = if name.starts_with("vision.") || name.starts_with("aligner.") {
+        Role::Vision
+    } else {
+        role
+    };
+    TensorName { scope, role, part }
+}
+
+fn split_index<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
+    let rest = name.strip_prefix(prefix)?;
+    let dot = rest.find('.')?;
+    let n = rest[..dot].parse().ok()?;
+    Some((n, &rest[dot + 1..]))
+}
+
+fn stem(rest: &str) -> &str {
+    rest.strip_suffix(".weight_scale_inv")
+        .or_else(|| rest.strip_suffix(".weight"))
+        .or_else(|| rest.strip_suffix(".scale"))
+        .unwrap_or(rest)
+}
+
+fn model_role(rest: &str) -> Role {
+    match stem(rest) {
+        "embed" => Role::Embedding,
+        "head" => Role::Head,
+        "norm" => Role::Norm,
+        s if s.starts_with("hc_head") => Role::Hc,
+        s if s.starts_with("image_") => Role::Vision,
+        _ => Role::Unknown,
+    }
+}
+
+fn layer_role(rest: &str) -> Role {
+    let s = stem(rest);
+    if s.starts_with("engram.") {
+        return Role::Engram;
+    }
+    if s.ends_with("_norm") || s.ends_with(".q_norm") || s.ends_with(".kv_norm") {
+        if !s.contains("compressor") && !s.contains("indexer") {
+            return Role::Norm;
+        }
+    }
+    if s.starts_with("hc_attn_") || s.starts_with("hc_ffn_") {
+        return Role::Hc;
+    }
+    if let Some(a) = s.strip_prefix("attn.") {
+        return match a {
+            "wq_a" | "wq_b" | "wkv" | "wo_a" | "wo_b" => Role::AttnProj(a.to_string()),
+            "attn_sink" => Role::AttnSink,
+            a if a.starts_with("compressor.") => Role::Compressor,
+            a if a.starts_with("indexer.") => Role::Indexer,
+            _ => Role::Unknown,
+        };
+    }
+    if let Some(f) = s.strip_prefix("ffn.") {
+        match f {
+            "gate" => return Role::RouterWeight,
+            "gate.bias" => return Role::RouterBias,
+            "gate.bias_vl" => return Role::RouterBiasVl,
+            "gate.tid2eid" => return Role::RouterTid2eid,
+            _ => {}
+        }
+        if let Some(e) = f.strip_prefix("experts.") {
+            let mut it = e.split('.');
+            if let (Some(idx), Some(w), None) = (it.next(), it.next(), it.next()) {
+                if let (Ok(expert), Some(mat)) = (idx.parse(), ExpertMat::parse(w)) {
+                    return Role::RoutedExpert { expert, mat };
+                }
+            }
+        }
+        if let Some(w) = f.strip_prefix("shared_experts.") {
+            if let Some(mat) = ExpertMat::parse(w) {
+                return Role::SharedExpert(mat);
+            }
+        }
+    }
+    Role::Unknown
+}
+
+fn mtp_role(rest: &str) -> Role {
+    match stem(rest) {
+        "e_proj" | "h_proj" | "enorm" | "hnorm" | "norm" | "head" | "embed" => Role::MtpProj,
+        s if s.starts_with("hc_head") => Role::Hc,
+        _ => Role::Unknown,
+    }
+}
+
+/// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
+/// `.weight_scale_inv`); empty for a name that is not a `.weight`.
+pub fn scale_candidates(name: &str) -> Vec<String> {
+    match name.strip_suffix(".weight") {
+        Some(s) => vec![format!("{s}.scale"), format!("{name}_scale_inv")],
+        None => vec![],
+    }
+}
+
+/// The weight a scale tensor belongs to.
+pub fn weight_of_scale(name: &str) -> Option<String> {
+    if let Some(s) = name.strip_suffix(".weight_scale_inv") {
+        return Some(format!("{s}.weight"));
+    }
+    name.strip_suffix(".scale").map(|s| format!("{s}.weight"))
+}
+
+/// `layers.{layer}.ffn.experts.{expert}.{w}.{part}` (`part` is `"weight"` or `"scale"`).
+pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) -> String {
+    format!("layers.{layer}.ffn.experts.{expert}.{}.{part}", mat.name())
+}
+
+/// Prefix of a scope's tensors (`"layers.3."`, `"mtp.0."`, `""`).
+pub fn scope_prefix(scope: Scope) -> String {
+    match scope {
+        Scope::Model => String::new(),
+        Scope::Layer(n) => format!("layers.{n}."),
+        Scope::Mtp(n) => format!("mtp.{n}."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn role(n: &str) -> Role {
+        parse(n).role
+    }
+
+    #[test]
+    fn published_names() {
+        assert_eq!(role("embed.weight"), Role::Embedding);
+        assert_eq!(role("head.weight"), Role::Head);
+        assert_eq!(role("norm.weight"), Role::Norm);
+        assert_eq!(role("layers.3.attn_norm.weight"), Role::Norm);
+        assert_eq!(role("layers.3.attn.q_norm.weight"), Role::Norm);
+        assert_eq!(role("layers.3.hc_attn_fn"), Role::Hc);
+        assert_eq!(role("layers.3.hc_ffn_scale"), Role::Hc);
+        assert_eq!(
+            role("layers.3.attn.wo_a.scale"),
+            Role::AttnProj("wo_a".into())
+        );
+        assert_eq!(role("layers.3.attn.attn_sink"), Role::AttnSink);
+        assert_eq!(
+            role("layers.3.attn.compressor.norm.weight"),
+            Role::Compressor
+        );
+        assert_eq!(role("layers.3.attn.indexer.k_norm.weight"), Role::Indexer);
+        assert_eq!(role("layers.3.attn.indexer.wq_b.scale"), Role::Indexer);
+        assert_eq!(role("layers.3.ffn.gate.weight"), Role::RouterWeight);
+        assert_eq!(role("layers.3.ffn.gate.bias"), Role::RouterBias);
+        assert_eq!(role("layers.3.ffn.gate.bias_vl"), Role::RouterBiasVl);
+        assert_eq!(role("layers.0.ffn.gate.tid2eid"), Role::RouterTid2eid);
+        assert_eq!(
+            role("layers.7.ffn.experts.381.w2.scale"),
+            Role::RoutedExpert {
+                expert: 381,
+                mat: ExpertMat::W2
+            }
+        );
+        assert_eq!(
+            role("layers.7.ffn.shared_experts.w3.weight"),
+            Role::SharedExpert(ExpertMat::W3)
+        );
+        assert_eq!(role("layers.1.engram.table.weight"), Role::Engram);
+        assert_eq!(role("mtp.0.e_proj.scale"), Role::MtpProj);
+        assert_eq!(parse("mtp.0.ffn.experts.2.w1.weight").scope, Scope::Mtp(0));
+        assert_eq!(role("vision.blocks.0.attn.qkv.weight"), Role::Vision);
+        assert_eq!(role("layers.x.attn.wq_a.weight"), Role::Unknown);
+        assert_eq!(role("layers.3.ffn.experts.1.w4.weight"), Role::Unknown);
+    }
+
+    #[test]
+    fn parts_and_partners() {
+        assert_eq!(parse("layers.0.attn.wkv.weight").part, Part::Weight);
+        assert_eq!(parse("layers.0.attn.wkv.scale").part, Part::Scale);
+        assert_eq!(parse("layers.0.attn.attn_sink").part, Part::Other);
+        assert_eq!(
+            weight_of_scale("layers.0.attn.wkv.scale").as_deref(),
+            Some("layers.0.attn.wkv.weight")
+        );
+        assert_eq!(
+            weight_of_scale("model.x.weight_scale_inv").as_deref(),
+            Some("model.x.weight")
+        );
+        assert_eq!(
+            scale_candidates("a.weight"),
+            vec!["a.scale".to_string(), "a.weight_scale_inv".to_string()]
+        );
+        assert_eq!(
+            expert_tensor(2, 5, ExpertMat::W3, "scale"),
+            "layers.2.ffn.experts.5.w3.scale"
+        );
+    }
+}

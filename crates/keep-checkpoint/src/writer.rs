@@ -1,0 +1,432 @@
+//! The atomic checkpoint writer: shards, index, `SHA256SUMS`, temp-dir-then-rename.
+//!
+//! The caller declares every tensor (name, dtype, shape) up front, in the order it will write
+//! them; the writer plans shards (a new shard when the next tensor would pass
+//! [`WriterOptions::max_shard_bytes`]), writes each shard's header, then takes the data in order,
+//! in as many chunks as the caller likes, hashing while it writes. Everything is built in a
+//! hidden sibling directory (`.<out>.keep-tmp-<pid>`) and renamed to the output only by
+//! [`CheckpointWriter::finish`]; dropping an unfinished writer deletes the temporary directory,
+//! and a later writer removes temporaries left by processes that no longer exist, so an
+//! interrupted run never leaves a half-written output.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::index::{Index, INDEX_FILE};
+use crate::sums::{hex, render, SUMS_FILE};
+use crate::{CheckpointError, Dtype, Result};
+
+/// A tensor to be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorMeta {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+}
+
+impl TensorMeta {
+    /// Construct.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> TensorMeta {
+        TensorMeta {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+    /// Bytes of data (sub-byte dtypes rounded up; shapes are checked in [`CheckpointWriter::create`]).
+    pub fn nbytes(&self) -> u64 {
+        let n: u64 = self.shape.iter().product();
+        (n * self.dtype.bits() as u64).div_ceil(8)
+    }
+}
+
+/// Writer settings.
+#[derive(Debug, Clone)]
+pub struct WriterOptions {
+    /// Largest shard, in bytes (a single larger tensor gets a shard of its own).
+    pub max_shard_bytes: u64,
+    /// Replace an existing output.
+    pub force: bool,
+    /// `__metadata__` written into every shard.
+    pub shard_metadata: BTreeMap<String, String>,
+    /// `fsync` every file before the rename (durable; off only for benchmarks that compare
+    /// against a copy that does not sync either).
+    pub sync: bool,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        WriterOptions {
+            max_shard_bytes: 4 << 30,
+            force: false,
+            shard_metadata: BTreeMap::from([("format".to_string(), "pt".to_string())]),
+            sync: true,
+        }
+    }
+}
+
+struct Shard {
+    file: String,
+    tensors: Vec<TensorMeta>,
+}
+
+struct HashingFile {
+    out: BufWriter<File>,
+    hash: Sha256,
+    path: PathBuf,
+}
+
+impl HashingFile {
+    fn create(path: PathBuf) -> Result<HashingFile> {
+        let f = File::create(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        Ok(HashingFile {
+            out: BufWriter::with_capacity(8 << 20, f),
+            hash: Sha256::new(),
+            path,
+        })
+    }
+    fn write(&mut self, data: &[u8]) -> Result<()> {
+        self.hash.update(data);
+        self.out
+            .write_all(data)
+            .map_err(|e| CheckpointError::io(&self.path, e))
+    }
+    fn close(self, sync: bool) -> Result<String> {
+        let path = self.path;
+        let f = self
+            .out
+            .into_inner()
+            .map_err(|e| CheckpointError::io(&path, e.into_error()))?;
+        if sync {
+            f.sync_all().map_err(|e| CheckpointError::io(&path, e))?;
+        }
+        Ok(hex(&self.hash.finalize()))
+    }
+}
+
+/// Builds one output directory; see the module doc.
+pub struct CheckpointWriter {
+    out: PathBuf,
+    tmp: PathBuf,
+    opts: WriterOptions,
+    shards: Vec<Shard>,
+    shard: usize,
+    tensor: usize,
+    written: u64,
+    file: Option<HashingFile>,
+    sums: Vec<(String, String)>,
+    extra: Vec<String>,
+    finished: bool,
+}
+
+fn tmp_prefix(out: &Path) -> Result<(PathBuf, String)> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| CheckpointError::Writer(format!("{} has no file name", out.display())))?
+        .to_string_lossy()
+        .to_string();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((parent, format!(".{name}.keep-tmp-")))
+}
+
+/// Remove temporaries of `out` left by processes that are gone (Linux: no `/proc/<pid>`).
+fn remove_stale(out: &Path) -> Result<()> {
+    let (parent, prefix) = tmp_prefix(out)?;
+    let Ok(rd) = std::fs::read_dir(&parent) else {
+        return Ok(());
+    };
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if let Some(pid) = n.strip_prefix(&prefix) {
+            let alive = pid
+                .parse::<u32>()
+                .map(|p| Path::new(&format!("/proc/{p}")).exists())
+                .unwrap_or(false);
+            if !alive || pid == std::process::id().to_string() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+impl CheckpointWriter {
+    /// Plan shards and create the temporary directory. Refuses an existing `out` unless
+    /// `opts.force`.
+    pub fn create(
+        out: &Path,
+        tensors: Vec<TensorMeta>,
+        opts: WriterOptions,
+    ) -> Result<CheckpointWriter> {
+        if out.exists() && !opts.force {
+            return Err(CheckpointError::OutputExists {
+                path: out.to_path_buf(),
+            });
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in &tensors {
+            if !seen.insert(t.name.as_str()) {
+                return Err(CheckpointError::Writer(format!(
+                    "tensor `{}` declared twice",
+                    t.name
+                )));
+            }
+            let n: u64 = t.shape.iter().product();
+            if t.dtype.bytes_for(n).is_none() {
+                return Err(CheckpointError::Writer(format!(
+                    "tensor `{}`: {n} elements of {} do not fill whole bytes",
+                    t.name, t.dtype
+                )));
+            }
+        }
+        remove_stale(out)?;
+        let (parent, prefix) = tmp_prefix(out)?;
+        let tmp = parent.join(format!("{prefix}{}", std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
+
+        let mut groups: Vec<Vec<TensorMeta>> = vec![];
+        let mut size = 0u64;
+        for t in tensors {
+            let b = t.nbytes();
+            if groups.is_empty() || (size + b > opts.max_shard_bytes && size > 0) {
+                groups.push(vec![]);
+                size = 0;
+            }
+            size += b;
+            groups.last_mut().expect("pushed above").push(t);
+        }
+        let n = groups.len();
+        let shards = groups
+            .into_iter()
+            .enumerate()
+            .map(|(i, tensors)| Shard {
+                file: if n <= 1 {
+                    "model.safetensors".to_string()
+                } else {
+                    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+                },
+                tensors,
+            })
+            .collect();
+        let mut w = CheckpointWriter {
+            out: out.to_path_buf(),
+            tmp,
+            opts,
+            shards,
+            shard: 0,
+            tensor: 0,
+            written: 0,
+            file: None,
+            sums: vec![],
+            extra: vec![],
+            finished: false,
+        };
+        w.open_shard()?;
+        Ok(w)
+    }
+
+    /// The temporary directory being filled (for callers that add files themselves).
+    pub fn tmp_dir(&self) -> &Path {
+        &self.tmp
+    }
+
+    fn open_shard(&mut self) -> Result<()> {
+        let Some(shard) = self.shards.get(self.shard) else {
+            return Ok(());
+        };
+        let mut header = serde_json::Map::new();
+        if !self.opts.shard_metadata.is_empty() {
+            header.insert(
+                "__metadata__".into(),
+                serde_json::to_value(&self.opts.shard_metadata).expect("string map"),
+            );
+        }
+        let mut off = 0u64;
+        for t in &shard.tensors {
+            let end = off + t.nbytes();
+            header.insert(
+                t.name.clone(),
+                serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [off, end]}),
+            );
+            off = end;
+        }
+        let mut json = serde_json::to_vec(&header).expect("JSON of strings and numbers");
+        while json.len() % 8 != 0 {
+            json.push(b' ');
+        }
+        let mut f = HashingFile::create(self.tmp.join(&shard.file))?;
+        f.write(&(json.len() as u64).to_le_bytes())?;
+        f.write(&json)?;
+        self.file = Some(f);
+        self.tensor = 0;
+        self.written = 0;
+        self.skip_empty()
+    }
+
+    /// Close finished shards and move past zero-byte tensors.
+    fn skip_empty(&mut self) -> Result<()> {
+        loop {
+            let Some(shard) = self.shards.get(self.shard) else {
+                return Ok(());
+            };
+            if self.tensor < shard.tensors.len() {
+                if shard.tensors[self.tensor].nbytes() == 0 {
+                    self.tensor += 1;
+                    continue;
+                }
+                return Ok(());
+            }
+            let file = shard.file.clone();
+            let f = self.file.take().expect("open shard");
+            let h = f.close(self.opts.sync)?;
+            self.sums.push((file, h));
+            self.shard += 1;
+            if self.shard < self.shards.len() {
+                return self.open_shard();
+            }
+        }
+    }
+
+    /// The name of the tensor the writer expects next, if any.
+    pub fn next_tensor(&self) -> Option<&TensorMeta> {
+        self.shards.get(self.shard)?.tensors.get(self.tensor)
+    }
+
+    /// Append `data` to tensor `name`, which must be the one expected next; a tensor may be
+    /// written in several chunks, and the writer moves on when its bytes are complete.
+    pub fn write_chunk(&mut self, name: &str, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let Some(t) = self.next_tensor() else {
+            return Err(CheckpointError::Writer(format!(
+                "`{name}` written after every declared tensor"
+            )));
+        };
+        if t.name != name {
+            return Err(CheckpointError::Writer(format!(
+                "expected data of `{}`, got `{name}`",
+                t.name
+            )));
+        }
+        let need = t.nbytes();
+        if self.written + data.len() as u64 > need {
+            return Err(CheckpointError::Writer(format!(
+                "`{name}` takes {need} bytes, got more"
+            )));
+        }
+        self.file.as_mut().expect("open shard").write(data)?;
+        self.written += data.len() as u64;
+        if self.written == need {
+            self.tensor += 1;
+            self.written = 0;
+            self.skip_empty()?;
+        }
+        Ok(())
+    }
+
+    /// Write a whole tensor.
+    pub fn write_tensor(&mut self, name: &str, data: &[u8]) -> Result<()> {
+        let need = self.next_tensor().map(TensorMeta::nbytes);
+        if need.is_some_and(|n| n != data.len() as u64) || self.written != 0 {
+            return Err(CheckpointError::Writer(format!(
+                "`{name}`: whole-tensor write of {} bytes, expected {:?}",
+                data.len(),
+                need
+            )));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.write_chunk(name, data)
+    }
+
+    /// Add a small file (config.json, a report, a tokenizer) to the output.
+    pub fn add_file(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        if name.contains('/') || name == SUMS_FILE || name == INDEX_FILE {
+            return Err(CheckpointError::Writer(format!(
+                "`{name}` cannot be added by hand"
+            )));
+        }
+        let mut f = HashingFile::create(self.tmp.join(name))?;
+        f.write(bytes)?;
+        let h = f.close(self.opts.sync)?;
+        self.sums.retain(|(n, _)| n != name);
+        self.sums.push((name.to_string(), h));
+        self.extra.push(name.to_string());
+        Ok(())
+    }
+
+    /// Copy a file from elsewhere into the output (tokenizer files pass through untouched).
+    pub fn copy_file(&mut self, name: &str, src: &Path) -> Result<()> {
+        let bytes = std::fs::read(src).map_err(|e| CheckpointError::io(src, e))?;
+        self.add_file(name, &bytes)
+    }
+
+    /// Check that everything was written, write the index and `SHA256SUMS`, and rename the
+    /// temporary directory into place. Returns the output path.
+    pub fn finish(mut self) -> Result<PathBuf> {
+        if let Some(t) = self.next_tensor() {
+            return Err(CheckpointError::Writer(format!(
+                "finished before tensor `{}` was written",
+                t.name
+            )));
+        }
+        if self.shards.len() > 1 {
+            let mut index = Index::default();
+            let mut total = 0;
+            for s in &self.shards {
+                for t in &s.tensors {
+                    index.weight_map.insert(t.name.clone(), s.file.clone());
+                    total += t.nbytes();
+                }
+            }
+            index.total_size = Some(total);
+            let bytes = serde_json::to_vec_pretty(&index.to_json()).expect("JSON");
+            let mut f = HashingFile::create(self.tmp.join(INDEX_FILE))?;
+            f.write(&bytes)?;
+            let h = f.close(self.opts.sync)?;
+            self.sums.push((INDEX_FILE.to_string(), h));
+        }
+        let sums = render(&self.sums);
+        let p = self.tmp.join(SUMS_FILE);
+        std::fs::write(&p, sums).map_err(|e| CheckpointError::io(&p, e))?;
+        if self.out.exists() {
+            if !self.opts.force {
+                return Err(CheckpointError::OutputExists {
+                    path: self.out.clone(),
+                });
+            }
+            let old = self.tmp.with_extension("old");
+            std::fs::rename(&self.out, &old).map_err(|e| CheckpointError::io(&self.out, e))?;
+            std::fs::rename(&self.tmp, &self.out).map_err(|e| CheckpointError::io(&self.out, e))?;
+            let _ = if old.is_dir() {
+                std::fs::remove_dir_all(&old)
+            } else {
+                std::fs::remove_file(&old)
+            };
+        } else {
+            std::fs::rename(&self.tmp, &self.out).map_err(|e| CheckpointError::io(&self.out, e))?;
+        }
+        self.finished = true;
+        Ok(self.out.clone())
+    }
+}
+
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+    }
+}

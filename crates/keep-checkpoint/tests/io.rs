@@ -1,0 +1,301 @@
+//! Reading and writing checkpoints: round trips, agreement with the `safetensors` crate, and
+//! every kind of bad input the issue names giving a typed error (never a panic).
+
+use std::path::Path;
+
+use keep_checkpoint::safetensors::read_header;
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+use keep_checkpoint::{Checkpoint, CheckpointError, Dtype};
+
+fn raw_file(path: &Path, header: &str, data: &[u8]) {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(data);
+    std::fs::write(path, v).unwrap();
+}
+
+fn header_err(header: &str, data: &[u8]) -> String {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("x.safetensors");
+    raw_file(&p, header, data);
+    let e = read_header(&p).unwrap_err();
+    let s = e.to_string();
+    assert!(s.contains("x.safetensors"), "error must name the file: {s}");
+    s
+}
+
+#[test]
+fn hostile_headers_are_errors() {
+    let ok = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("ok.safetensors");
+    raw_file(&p, ok, &[0; 8]);
+    assert!(read_header(&p).is_ok());
+
+    let cases: &[(&str, &[u8], &str)] = &[
+        // Truncated data.
+        (ok, &[0; 4], "past the end"),
+        // Shape whose bytes do not match.
+        (
+            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+            &[0; 8],
+            "needs 12 bytes",
+        ),
+        // Unknown dtype.
+        (
+            r#"{"a":{"dtype":"F12","shape":[2],"data_offsets":[0,8]}}"#,
+            &[0; 8],
+            "unknown dtype",
+        ),
+        // Duplicate names.
+        (
+            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+            &[0; 2],
+            "twice",
+        ),
+        // Overlap.
+        (
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
+            &[0; 4],
+            "overlaps",
+        ),
+        // Reversed offsets.
+        (
+            r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
+            &[0; 4],
+            "reversed",
+        ),
+        // Negative shape.
+        (
+            r#"{"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}}"#,
+            &[],
+            "non-negative",
+        ),
+        // Not an object.
+        ("[1,2]", &[], "not a JSON object"),
+        // Metadata not strings.
+        (r#"{"__metadata__":{"a":1}}"#, &[], "not a string"),
+        // Extra field.
+        (
+            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}"#,
+            &[0],
+            "unexpected field",
+        ),
+        // Sub-byte count that does not fill bytes.
+        (
+            r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
+            &[0; 2],
+            "whole bytes",
+        ),
+        // Overflowing shape.
+        (
+            r#"{"a":{"dtype":"U8","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#,
+            &[],
+            "overflows",
+        ),
+    ];
+    for (h, data, want) in cases {
+        let s = header_err(h, data);
+        assert!(s.contains(want), "{h}: expected `{want}` in `{s}`");
+    }
+
+    // Header longer than the file, and longer than 100 MB.
+    let p = d.path().join("long.safetensors");
+    let mut v = 1000u64.to_le_bytes().to_vec();
+    v.extend_from_slice(b"{}");
+    std::fs::write(&p, &v).unwrap();
+    assert!(read_header(&p)
+        .unwrap_err()
+        .to_string()
+        .contains("truncated"));
+    let mut v = (200u64 << 20).to_le_bytes().to_vec();
+    v.extend_from_slice(b"{}");
+    std::fs::write(&p, &v).unwrap();
+    assert!(read_header(&p).unwrap_err().to_string().contains("limit"));
+    std::fs::write(&p, [1u8, 2, 3]).unwrap();
+    assert!(read_header(&p).is_err());
+
+    // Non-UTF-8 names.
+    let p = d.path().join("utf.safetensors");
+    let h = b"{\"\xff\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}";
+    let mut v = (h.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(h);
+    std::fs::write(&p, &v).unwrap();
+    assert!(read_header(&p).unwrap_err().to_string().contains("UTF-8"));
+}
+
+fn write_dir(out: &Path, tensors: &[(&str, Dtype, Vec<u64>, Vec<u8>)], max_shard: u64) {
+    let metas = tensors
+        .iter()
+        .map(|(n, d, s, _)| TensorMeta::new(*n, *d, s))
+        .collect();
+    let opts = WriterOptions {
+        max_shard_bytes: max_shard,
+        ..Default::default()
+    };
+    let mut w = CheckpointWriter::create(out, metas, opts).unwrap();
+    for (n, _, _, b) in tensors {
+        // Write in two chunks to exercise chunking.
+        let (a, c) = b.split_at(b.len() / 2);
+        w.write_chunk(n, a).unwrap();
+        if !c.is_empty() {
+            w.write_chunk(n, c).unwrap();
+        }
+    }
+    w.add_file("config.json", br#"{"hidden_size": 8}"#).unwrap();
+    w.finish().unwrap();
+}
+
+fn sample() -> Vec<(&'static str, Dtype, Vec<u64>, Vec<u8>)> {
+    vec![
+        ("embed.weight", Dtype::BF16, vec![4, 8], (0..64).collect()),
+        (
+            "layers.0.attn.wkv.weight",
+            Dtype::F8_E4M3,
+            vec![32, 32],
+            (0..1024).map(|i| i as u8).collect(),
+        ),
+        (
+            "layers.0.attn.wkv.scale",
+            Dtype::F8_E8M0,
+            vec![1, 1],
+            vec![127],
+        ),
+        (
+            "layers.0.ffn.experts.0.w1.weight",
+            Dtype::I8,
+            vec![8, 16],
+            vec![0x21; 128],
+        ),
+        ("empty", Dtype::F32, vec![0], vec![]),
+        (
+            "layers.0.attn.attn_sink",
+            Dtype::F32,
+            vec![2],
+            vec![0, 0, 128, 63, 0, 0, 0, 64],
+        ),
+    ]
+}
+
+#[test]
+fn writer_round_trip_single_and_sharded() {
+    for max_shard in [1 << 30, 100] {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("ck");
+        write_dir(&out, &sample(), max_shard);
+        let ck = Checkpoint::open(&out).unwrap();
+        assert!(ck.warnings().is_empty(), "{:?}", ck.warnings());
+        assert_eq!(ck.len(), sample().len());
+        for (n, dt, s, b) in sample() {
+            let t = ck.tensor(n).unwrap();
+            assert_eq!(t.dtype, dt);
+            assert_eq!(t.shape, s.as_slice());
+            assert_eq!(t.bytes, b.as_slice(), "{n}");
+        }
+        assert_eq!(ck.config().unwrap().hidden_size, 8);
+        let rep = keep_checkpoint::sums::verify_dir(&out).unwrap();
+        assert!(rep.passed());
+        assert!(rep.unlisted.is_empty(), "{:?}", rep.unlisted);
+        if max_shard == 100 {
+            assert!(ck.shards().len() > 1);
+            assert!(ck.index().is_some());
+        } else {
+            assert_eq!(ck.shards().len(), 1);
+        }
+        // The safetensors crate reads what we wrote, with the same bytes.
+        for sf in ck.shards() {
+            let bytes = std::fs::read(sf.path()).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                assert_eq!(view.data(), ck.tensor(&name).unwrap().bytes);
+            }
+        }
+        // No temporary directories are left beside the output.
+        let left: Vec<_> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "{left:?}");
+    }
+}
+
+#[test]
+fn existing_output_is_refused_unless_forced_and_drop_cleans_up() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("ck");
+    write_dir(&out, &sample(), 1 << 30);
+    let metas = vec![TensorMeta::new("a", Dtype::U8, &[1])];
+    let e = CheckpointWriter::create(&out, metas.clone(), WriterOptions::default());
+    assert!(matches!(e, Err(CheckpointError::OutputExists { .. })));
+    {
+        // An interrupted writer leaves nothing behind.
+        let opts = WriterOptions {
+            force: true,
+            ..Default::default()
+        };
+        let _w = CheckpointWriter::create(&out, metas.clone(), opts).unwrap();
+    }
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    // The old output is untouched.
+    assert!(Checkpoint::open(&out).unwrap().contains("embed.weight"));
+    let opts = WriterOptions {
+        force: true,
+        ..Default::default()
+    };
+    let mut w = CheckpointWriter::create(&out, metas, opts).unwrap();
+    assert!(w.write_chunk("b", &[1]).is_err());
+    assert!(w.write_chunk("a", &[1, 2]).is_err());
+    w.write_chunk("a", &[7]).unwrap();
+    w.finish().unwrap();
+    assert_eq!(
+        Checkpoint::open(&out).unwrap().tensor("a").unwrap().bytes,
+        &[7]
+    );
+}
+
+#[test]
+fn a_missing_shard_or_a_lying_index_is_an_error() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("ck");
+    write_dir(&out, &sample(), 100);
+    let ck = Checkpoint::open(&out).unwrap();
+    let victim = ck.shards()[1].path().to_path_buf();
+    drop(ck);
+    let name = victim.file_name().unwrap().to_string_lossy().to_string();
+    std::fs::remove_file(&victim).unwrap();
+    let e = Checkpoint::open(&out).unwrap_err().to_string();
+    assert!(e.contains(&name) && e.contains("missing"), "{e}");
+
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("ck");
+    write_dir(&out, &sample(), 1 << 30);
+    std::fs::write(
+        out.join("model.safetensors.index.json"),
+        r#"{"weight_map":{"ghost":"model.safetensors"}}"#,
+    )
+    .unwrap();
+    let e = Checkpoint::open(&out).unwrap_err().to_string();
+    assert!(e.contains("ghost"), "{e}");
+}
+
+#[test]
+fn fuzz_corpus_replays_without_panic() {
+    // The committed corpus of `cargo fuzz run header` (fuzz/corpus) replayed as a normal test.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    let mut n = 0;
+    for target in ["header", "index", "config"] {
+        let dir = root.join(target);
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let bytes = std::fs::read(e.path()).unwrap();
+            keep_checkpoint::fuzzing::run(target, &bytes);
+            n += 1;
+        }
+    }
+    assert!(
+        n >= 10,
+        "expected a committed fuzz corpus, found {n} inputs"
+    );
+}
