@@ -1,0 +1,32 @@
+//! keep-kernels: the arithmetic of keep's model, straight from packed weight bytes.
+//!
+//! What it is: a [`WeightView`] over a weight in its shipped format (f32, bf16, FP8 E4M3 with
+//! block scales, MXFP8, MXFP4) and `matmul` (`out[M×rows] = x[M×cols] · Wᵀ`) reading the packed
+//! bytes directly, plus the small vector operations DeepSeek-V4.1 needs (RMSNorm, softmax,
+//! sigmoid/SiLU/softplus, sinkhorn, interleaved RoPE, FP8/FP4 fake quantization). Every fast
+//! path has a plain scalar `_ref` beside it, and the tests hold the two against each other on odd
+//! shapes. The fast paths decode one weight row at a time and dot it against all M input rows,
+//! with a runtime-selected AVX2+FMA dot where the CPU has it, and thread over output rows (rayon)
+//! only when the work is big enough to pay for it. Every (input row, output row) dot product is
+//! computed by the same instruction sequence whatever M is and however rows are split over
+//! threads, so a decode step (M = 1) gives bit-identical results to the same row inside a
+//! prefill (M = T).
+//!
+//! What it is not: no I/O, no tensor naming, no model logic, no printing. The element codecs here
+//! ([`codec`]) are small lookup tables kept local so kernels inline them; they are tested
+//! bit-exact on every code against their definitions.
+//!
+//! Depends on: `rayon`, `thiserror`.
+
+pub mod codec;
+pub mod error;
+pub mod matmul;
+pub mod ops;
+pub mod weight;
+
+pub use error::KernelError;
+pub use matmul::{matmul, matmul_ref, matmul_rows};
+pub use weight::{BlockScales, WeightKind, WeightView};
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, KernelError>;

@@ -1,0 +1,363 @@
+//! `out[M×rows] = x[M×cols] · Wᵀ` for every [`WeightView`] format: [`matmul_ref`] (scalar, f64
+//! accumulation, element by element through `get_ref`) and [`matmul`] (fast).
+//!
+//! The fast path decodes one weight row into a stack-or-scratch buffer once and dots it against
+//! the M input rows four at a time. The dot product ([`dot`]) has one fixed accumulation order
+//! (16 lanes, then a fixed tree), used whether rows are dotted one or four at a time, so results
+//! do not depend on M or on the threading. AVX2+FMA is selected at run time when the CPU has it
+//! (a different but equally fixed order on that machine). Threads split the output rows when
+//! `M·rows·cols` exceeds [`PAR_MIN_MACS`].
+
+use rayon::prelude::*;
+
+use crate::{KernelError, Result, WeightView};
+
+/// Below this many multiply-adds a call stays on the calling thread (rayon's fork/join costs
+/// several microseconds, more than a small GEMV).
+pub const PAR_MIN_MACS: usize = 1 << 18;
+
+const LANES: usize = 16;
+
+#[inline(always)]
+fn dot_generic<const N: usize>(xs: [&[f32]; N], w: &[f32]) -> [f32; N] {
+    let n = w.len();
+    let full = n / LANES * LANES;
+    let mut acc = [[0f32; LANES]; N];
+    let mut k = 0;
+    while k < full {
+        let wc = &w[k..k + LANES];
+        for j in 0..N {
+            let xc = &xs[j][k..k + LANES];
+            for l in 0..LANES {
+                acc[j][l] += xc[l] * wc[l];
+            }
+        }
+        k += LANES;
+    }
+    let mut out = [0f32; N];
+    for j in 0..N {
+        let mut tail = 0f32;
+        for i in full..n {
+            tail += xs[j][i] * w[i];
+        }
+        out[j] = reduce(&acc[j]) + tail;
+    }
+    out
+}
+
+#[inline(always)]
+fn dot_fma<const N: usize>(xs: [&[f32]; N], w: &[f32]) -> [f32; N] {
+    let n = w.len();
+    let full = n / LANES * LANES;
+    let mut acc = [[0f32; LANES]; N];
+    let mut k = 0;
+    while k < full {
+        let wc = &w[k..k + LANES];
+        for j in 0..N {
+            let xc = &xs[j][k..k + LANES];
+            for l in 0..LANES {
+                acc[j][l] = xc[l].mul_add(wc[l], acc[j][l]);
+            }
+        }
+        k += LANES;
+    }
+    let mut out = [0f32; N];
+    for j in 0..N {
+        let mut tail = 0f32;
+        for i in full..n {
+            tail = xs[j][i].mul_add(w[i], tail);
+        }
+        out[j] = reduce(&acc[j]) + tail;
+    }
+    out
+}
+
+#[inline(always)]
+fn reduce(a: &[f32; LANES]) -> f32 {
+    let mut b = [0f32; 8];
+    for i in 0..8 {
+        b[i] = a[i] + a[i + 8];
+    }
+    let c = [b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]];
+    (c[0] + c[2]) + (c[1] + c[3])
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot1_avx2(x: &[f32], w: &[f32]) -> f32 {
+    dot_fma([x], w)[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+    dot_fma(xs, w)
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static F: OnceLock<bool> = OnceLock::new();
+        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Dot product of two equal-length slices in the kernels' fixed accumulation order.
+#[inline]
+pub fn dot(x: &[f32], w: &[f32]) -> f32 {
+    let x = &x[..w.len()];
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports avx2 and fma (checked above).
+        return unsafe { dot1_avx2(x, w) };
+    }
+    dot_generic([x], w)[0]
+}
+
+/// Four dot products against one weight row; each equals `dot(xs[j], w)` bit for bit.
+#[inline]
+pub fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+    let n = w.len();
+    let xs = [&xs[0][..n], &xs[1][..n], &xs[2][..n], &xs[3][..n]];
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports avx2 and fma (checked above).
+        return unsafe { dot4_avx2(xs, w) };
+    }
+    dot_generic(xs, w)
+}
+
+fn check_operands(x: &[f32], m: usize, w: &WeightView, out: &[f32]) -> Result<()> {
+    if x.len() != m * w.cols {
+        return Err(KernelError::Operand {
+            what: "x",
+            expected: m * w.cols,
+            got: x.len(),
+        });
+    }
+    if out.len() != m * w.rows {
+        return Err(KernelError::Operand {
+            what: "out",
+            expected: m * w.rows,
+            got: out.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Scalar reference: f64 accumulation of `get_ref` elements.
+pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
+    check_operands(x, m, w, out)?;
+    for i in 0..m {
+        for r in 0..w.rows {
+            let mut s = 0f64;
+            for c in 0..w.cols {
+                s += x[i * w.cols + c] as f64 * w.get_ref(r, c) as f64;
+            }
+            out[i * w.rows + r] = s as f32;
+        }
+    }
+    Ok(())
+}
+
+struct SyncPtr(*mut f32);
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+/// Rows `r0..r1` of the output, written at `out[i*ld + r]`.
+///
+/// # Safety
+/// `out` must be valid for writes at `i*ld + r` for i < m, r in r0..r1, and no other thread may
+/// write those elements.
+unsafe fn rows_kernel(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    let cols = w.cols;
+    let mut buf = vec![0f32; cols];
+    for r in r0..r1 {
+        w.decode_row(r, &mut buf);
+        let mut i = 0;
+        while i + 4 <= m {
+            let xs = [
+                &x[i * cols..(i + 1) * cols],
+                &x[(i + 1) * cols..(i + 2) * cols],
+                &x[(i + 2) * cols..(i + 3) * cols],
+                &x[(i + 3) * cols..(i + 4) * cols],
+            ];
+            let d = dot4(xs, &buf);
+            for j in 0..4 {
+                *out.add((i + j) * ld + r) = d[j];
+            }
+            i += 4;
+        }
+        while i < m {
+            *out.add(i * ld + r) = dot(&x[i * cols..(i + 1) * cols], &buf);
+            i += 1;
+        }
+    }
+}
+
+/// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (threaded over output rows when big).
+pub fn matmul(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
+    check_operands(x, m, w, out)?;
+    let rows = w.rows;
+    let ptr = SyncPtr(out.as_mut_ptr());
+    let work = m * rows * w.cols;
+    let threads = rayon::current_num_threads();
+    if work < PAR_MIN_MACS || threads < 2 || rows < 2 {
+        // SAFETY: out has m*rows elements (checked); single thread.
+        unsafe { rows_kernel(x, m, w, 0, rows, ptr.0, rows) };
+        return Ok(());
+    }
+    let chunks = (threads * 4).min(rows);
+    let per = rows.div_ceil(chunks);
+    (0..chunks).into_par_iter().for_each(|c| {
+        let p = &ptr;
+        let r0 = c * per;
+        let r1 = ((c + 1) * per).min(rows);
+        if r0 < r1 {
+            // SAFETY: each chunk writes only its own rows r0..r1 of an m×rows buffer.
+            unsafe { rows_kernel(x, m, w, r0, r1, p.0, rows) };
+        }
+    });
+    Ok(())
+}
+
+/// Like [`matmul`] but only for output rows `r0..r1` of `w`, writing `out[M×(r1-r0)]`.
+pub fn matmul_rows(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize, out: &mut [f32]) -> Result<()> {
+    let sub = w.slice_rows(r0, r1)?;
+    matmul(x, m, &sub, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weight::BlockScales;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f(&mut self) -> f32 {
+            (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+        fn scales(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| 120 + (self.next() % 10) as u8).collect()
+        }
+    }
+
+    /// Tolerance between the fast f32 path and the f64 reference: f32 accumulation over `cols`
+    /// terms, relative to the sum of |x·w|.
+    const REL_TOL: f32 = 1e-5;
+
+    fn compare(w: &WeightView, m: usize, rng: &mut Rng) {
+        let x: Vec<f32> = (0..m * w.cols).map(|_| rng.f()).collect();
+        let mut a = vec![0f32; m * w.rows];
+        let mut b = vec![0f32; m * w.rows];
+        matmul_ref(&x, m, w, &mut a).unwrap();
+        matmul(&x, m, w, &mut b).unwrap();
+        for i in 0..m {
+            for r in 0..w.rows {
+                let mag: f32 = (0..w.cols)
+                    .map(|c| (x[i * w.cols + c] * w.get_ref(r, c)).abs())
+                    .sum::<f32>()
+                    + 1e-30;
+                let (p, q) = (a[i * w.rows + r], b[i * w.rows + r]);
+                if p.is_nan() {
+                    assert!(q.is_nan());
+                    continue;
+                }
+                assert!((p - q).abs() <= REL_TOL * mag, "{} m={m} ({i},{r}) {p} vs {q}", w.format_name());
+            }
+        }
+        // Row-independence: each row of a batch equals the same row alone, bit for bit.
+        for i in [0, m / 2, m - 1] {
+            let mut one = vec![0f32; w.rows];
+            matmul(&x[i * w.cols..(i + 1) * w.cols], 1, w, &mut one).unwrap();
+            assert_eq!(one, b[i * w.rows..(i + 1) * w.rows], "row {i} of {m}");
+        }
+    }
+
+    #[test]
+    fn fast_matches_ref_on_odd_shapes() {
+        let mut rng = Rng(0x9E3779B97F4A7C15);
+        for &(rows, cols) in &[(1, 32), (7, 64), (33, 96), (65, 160), (300, 1024)] {
+            for &m in &[1, 3, 4, 9] {
+                let f32b: Vec<u8> = (0..rows * cols).flat_map(|_| rng.f().to_le_bytes()).collect();
+                compare(&WeightView::f32(&f32b, rows, cols).unwrap(), m, &mut rng);
+                let bf: Vec<u8> = (0..rows * cols)
+                    .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
+                    .collect();
+                compare(&WeightView::bf16(&bf, rows, cols).unwrap(), m, &mut rng);
+                let q: Vec<u8> = rng.bytes(rows * cols).into_iter().map(|b| if b & 0x7F == 0x7F { 0 } else { b }).collect();
+                let s = rng.scales(rows * cols / 32);
+                compare(&WeightView::mxfp8(&q, &s, rows, cols).unwrap(), m, &mut rng);
+                let p = rng.bytes(rows * cols / 2);
+                compare(&WeightView::mxfp4(&p, &s, rows, cols).unwrap(), m, &mut rng);
+                for b in [32usize, 128] {
+                    let gs = rng.scales(rows.div_ceil(b) * cols.div_ceil(b));
+                    compare(&WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b).unwrap(), m, &mut rng);
+                    let fs: Vec<u8> = (0..rows.div_ceil(b) * cols.div_ceil(b))
+                        .flat_map(|_| (rng.f() * 0.01).to_le_bytes())
+                        .collect();
+                    compare(&WeightView::fp8_block(&q, BlockScales::F32(&fs), rows, cols, b, b).unwrap(), m, &mut rng);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_block_odd_cols_and_row_slices() {
+        let mut rng = Rng(77);
+        let (rows, cols) = (70, 50);
+        let q: Vec<u8> = rng.bytes(rows * cols).into_iter().map(|b| b & 0x7E).collect();
+        let gs = rng.scales(rows.div_ceil(32) * cols.div_ceil(32));
+        let w = WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, 32, 32).unwrap();
+        compare(&w, 5, &mut rng);
+        let sub = w.slice_rows(40, 70).unwrap();
+        for r in 0..30 {
+            for c in 0..cols {
+                assert_eq!(sub.get_ref(r, c).to_bits(), w.get_ref(40 + r, c).to_bits());
+            }
+        }
+        compare(&sub, 2, &mut rng);
+    }
+
+    #[test]
+    fn decode_row_equals_get_ref_on_every_code() {
+        // All 256 E4M3 codes and all 16 E2M1 codes in one row each.
+        let q: Vec<u8> = (0..=255u8).collect();
+        let s = vec![127u8, 130, 100, 0, 140, 127, 127, 127];
+        let w = WeightView::mxfp8(&q, &s, 1, 256).unwrap();
+        let mut buf = vec![0f32; 256];
+        w.decode_row(0, &mut buf);
+        for c in 0..256 {
+            assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "code {c}");
+        }
+        let p: Vec<u8> = (0..128u32).map(|i| (i % 16 | ((15 - i % 16) << 4)) as u8).collect();
+        let w = WeightView::mxfp4(&p, &s, 1, 256).unwrap();
+        w.decode_row(0, &mut buf);
+        for c in 0..256 {
+            assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "fp4 elem {c}");
+        }
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        assert!(WeightView::mxfp8(&[0; 10], &[0; 1], 1, 32).is_err());
+        assert!(WeightView::mxfp4(&[0; 16], &[0; 1], 1, 33).is_err());
+        let w = WeightView::f32(&[0; 8], 1, 2).unwrap();
+        let mut o = [0f32; 1];
+        assert!(matmul(&[1.0; 3], 1, &w, &mut o).is_err());
+    }
+}

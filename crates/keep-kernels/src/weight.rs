@@ -1,0 +1,323 @@
+//! [`WeightView`]: a borrowed `[rows, cols]` weight in its shipped byte format, with a scalar
+//! element decoder (`get_ref`, the reference) and a fast row decoder (`decode_row`).
+//!
+//! Byte layouts (row-major, little-endian):
+//! - `F32`: 4 bytes per element. `Bf16`: 2 bytes per element.
+//! - `Fp8Block`: E4M3 bytes `[rows, cols]` and scales `[ceil(R/br), ceil(C/bc)]` for blocks of
+//!   `br × bc` (DeepSeek's 32×32 or 128×128), either E8M0 bytes or f32 values (power-of-two
+//!   or V3-style `scale_inv` multipliers): `w[i,j] = e4m3(q[i,j]) · s[i/br, j/bc]`.
+//!   `row0` is the first row of this view inside the scale grid (for row slices).
+//! - `Mxfp8`: E4M3 bytes `[rows, cols]`, E8M0 scales `[rows, cols/32]`:
+//!   `w[i,j] = e4m3(q[i,j]) · 2^(s[i, j/32] − 127)`.
+//! - `Mxfp4`: packed E2M1 `[rows, cols/2]` (element 2k in the low nibble of byte k), E8M0 scales
+//!   `[rows, cols/32]`: `w[i,j] = e2m1(nibble) · 2^(s[i, j/32] − 127)`.
+
+use crate::codec::{bf16_at, e8m0_to_f32, f32_at, E2M1, E4M3};
+use crate::{KernelError, Result};
+
+/// Scales of an FP8 block-scaled weight.
+#[derive(Debug, Clone, Copy)]
+pub enum BlockScales<'a> {
+    /// One E8M0 byte per block.
+    E8m0(&'a [u8]),
+    /// One little-endian f32 per block (multiplied as is).
+    F32(&'a [u8]),
+}
+
+/// The format-specific bytes of a [`WeightView`].
+#[derive(Debug, Clone, Copy)]
+pub enum WeightKind<'a> {
+    F32(&'a [u8]),
+    Bf16(&'a [u8]),
+    Fp8Block {
+        q: &'a [u8],
+        scales: BlockScales<'a>,
+        block_rows: usize,
+        block_cols: usize,
+        /// First row of this view in the full tensor (the scale grid is the full tensor's).
+        row0: usize,
+    },
+    Mxfp8 {
+        q: &'a [u8],
+        scales: &'a [u8],
+    },
+    Mxfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+    },
+}
+
+/// A borrowed weight matrix `[rows, cols]` (out × in) in its packed format.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightView<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub kind: WeightKind<'a>,
+}
+
+fn check(what: &'static str, rows: usize, cols: usize, expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(KernelError::Bytes {
+            what,
+            rows,
+            cols,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+impl<'a> WeightView<'a> {
+    /// f32 weight.
+    pub fn f32(bytes: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        check("f32 weight", rows, cols, rows * cols * 4, bytes.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::F32(bytes),
+        })
+    }
+
+    /// bf16 weight.
+    pub fn bf16(bytes: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        check("bf16 weight", rows, cols, rows * cols * 2, bytes.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::Bf16(bytes),
+        })
+    }
+
+    /// FP8 E4M3 with `block_rows × block_cols` block scales.
+    pub fn fp8_block(
+        q: &'a [u8],
+        scales: BlockScales<'a>,
+        rows: usize,
+        cols: usize,
+        block_rows: usize,
+        block_cols: usize,
+    ) -> Result<Self> {
+        check("fp8 weight", rows, cols, rows * cols, q.len())?;
+        if block_rows == 0 || block_cols == 0 {
+            return Err(KernelError::Shape {
+                what: "fp8 block",
+                msg: "block size 0".into(),
+            });
+        }
+        let n = rows.div_ceil(block_rows) * cols.div_ceil(block_cols);
+        let (what, got) = match scales {
+            BlockScales::E8m0(s) => ("fp8 block scales (E8M0)", s.len()),
+            BlockScales::F32(s) => ("fp8 block scales (f32)", s.len() / 4),
+        };
+        check(what, rows, cols, n, got)?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0: 0,
+            },
+        })
+    }
+
+    /// MXFP8: E4M3 elements with one E8M0 scale per row and 32 columns.
+    pub fn mxfp8(q: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        if cols % 32 != 0 {
+            return Err(KernelError::Shape {
+                what: "mxfp8 weight",
+                msg: format!("{cols} columns is not a multiple of 32"),
+            });
+        }
+        check("mxfp8 weight", rows, cols, rows * cols, q.len())?;
+        check("mxfp8 scales", rows, cols, rows * cols / 32, scales.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::Mxfp8 { q, scales },
+        })
+    }
+
+    /// MXFP4: packed E2M1 pairs with one E8M0 scale per row and 32 columns.
+    pub fn mxfp4(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        if cols % 32 != 0 {
+            return Err(KernelError::Shape {
+                what: "mxfp4 weight",
+                msg: format!("{cols} columns is not a multiple of 32"),
+            });
+        }
+        check("mxfp4 weight", rows, cols, rows * cols / 2, packed.len())?;
+        check("mxfp4 scales", rows, cols, rows * cols / 32, scales.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::Mxfp4 { packed, scales },
+        })
+    }
+
+    /// Rows `r0..r1` as a view of their own.
+    pub fn slice_rows(&self, r0: usize, r1: usize) -> Result<Self> {
+        if r0 > r1 || r1 > self.rows {
+            return Err(KernelError::Shape {
+                what: "row slice",
+                msg: format!("{r0}..{r1} of {} rows", self.rows),
+            });
+        }
+        let c = self.cols;
+        let kind = match self.kind {
+            WeightKind::F32(b) => WeightKind::F32(&b[r0 * c * 4..r1 * c * 4]),
+            WeightKind::Bf16(b) => WeightKind::Bf16(&b[r0 * c * 2..r1 * c * 2]),
+            WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            } => WeightKind::Fp8Block {
+                q: &q[r0 * c..r1 * c],
+                scales,
+                block_rows,
+                block_cols,
+                row0: row0 + r0,
+            },
+            WeightKind::Mxfp8 { q, scales } => WeightKind::Mxfp8 {
+                q: &q[r0 * c..r1 * c],
+                scales: &scales[r0 * c / 32..r1 * c / 32],
+            },
+            WeightKind::Mxfp4 { packed, scales } => WeightKind::Mxfp4 {
+                packed: &packed[r0 * c / 2..r1 * c / 2],
+                scales: &scales[r0 * c / 32..r1 * c / 32],
+            },
+        };
+        Ok(WeightView {
+            rows: r1 - r0,
+            cols: c,
+            kind,
+        })
+    }
+
+    /// Bytes this view reads (elements and scales).
+    pub fn nbytes(&self) -> usize {
+        match self.kind {
+            WeightKind::F32(b) | WeightKind::Bf16(b) => b.len(),
+            WeightKind::Fp8Block { q, .. } => q.len(),
+            WeightKind::Mxfp8 { q, scales } => q.len() + scales.len(),
+            WeightKind::Mxfp4 { packed, scales } => packed.len() + scales.len(),
+        }
+    }
+
+    /// A short name of the format, for reports and errors.
+    pub fn format_name(&self) -> &'static str {
+        match self.kind {
+            WeightKind::F32(_) => "f32",
+            WeightKind::Bf16(_) => "bf16",
+            WeightKind::Fp8Block { .. } => "fp8-block",
+            WeightKind::Mxfp8 { .. } => "mxfp8",
+            WeightKind::Mxfp4 { .. } => "mxfp4",
+        }
+    }
+
+    /// Element `(r, c)`, decoded from the definition (the scalar reference).
+    pub fn get_ref(&self, r: usize, c: usize) -> f32 {
+        let cols = self.cols;
+        match self.kind {
+            WeightKind::F32(b) => f32_at(b, r * cols + c),
+            WeightKind::Bf16(b) => bf16_at(b, r * cols + c),
+            WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            } => {
+                let gc = cols.div_ceil(block_cols);
+                let si = ((row0 + r) / block_rows) * gc + c / block_cols;
+                let s = match scales {
+                    BlockScales::E8m0(s) => e8m0_to_f32(s[si]),
+                    BlockScales::F32(s) => f32_at(s, si),
+                };
+                crate::codec::e4m3_to_f32_ref(q[r * cols + c]) * s
+            }
+            WeightKind::Mxfp8 { q, scales } => {
+                crate::codec::e4m3_to_f32_ref(q[r * cols + c])
+                    * e8m0_to_f32(scales[r * cols / 32 + c / 32])
+            }
+            WeightKind::Mxfp4 { packed, scales } => {
+                let byte = packed[(r * cols + c) / 2];
+                let nib = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                E2M1[nib as usize] * e8m0_to_f32(scales[r * cols / 32 + c / 32])
+            }
+        }
+    }
+
+    /// Decode row `r` into `dst[..cols]` (the fast path; equal to `get_ref` element by element).
+    #[inline]
+    pub fn decode_row(&self, r: usize, dst: &mut [f32]) {
+        let cols = self.cols;
+        let dst = &mut dst[..cols];
+        match self.kind {
+            WeightKind::F32(b) => {
+                let row = &b[r * cols * 4..(r + 1) * cols * 4];
+                for (d, ch) in dst.iter_mut().zip(row.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([ch[0], ch[1], ch[2], ch[3]]);
+                }
+            }
+            WeightKind::Bf16(b) => {
+                let row = &b[r * cols * 2..(r + 1) * cols * 2];
+                for (d, ch) in dst.iter_mut().zip(row.chunks_exact(2)) {
+                    *d = f32::from_bits((u16::from_le_bytes([ch[0], ch[1]]) as u32) << 16);
+                }
+            }
+            WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            } => {
+                let lut = &*E4M3;
+                let gc = cols.div_ceil(block_cols);
+                let base = ((row0 + r) / block_rows) * gc;
+                let row = &q[r * cols..(r + 1) * cols];
+                for (g, (dch, qch)) in dst
+                    .chunks_mut(block_cols)
+                    .zip(row.chunks(block_cols))
+                    .enumerate()
+                {
+                    let s = match scales {
+                        BlockScales::E8m0(s) => e8m0_to_f32(s[base + g]),
+                        BlockScales::F32(s) => f32_at(s, base + g),
+                    };
+                    for (d, &b) in dch.iter_mut().zip(qch) {
+                        *d = lut[b as usize] * s;
+                    }
+                }
+            }
+            WeightKind::Mxfp8 { q, scales } => {
+                let lut = &*E4M3;
+                let row = &q[r * cols..(r + 1) * cols];
+                let sc = &scales[r * cols / 32..(r + 1) * cols / 32];
+                for ((dch, qch), &s) in dst.chunks_exact_mut(32).zip(row.chunks_exact(32)).zip(sc) {
+                    let s = e8m0_to_f32(s);
+                    for (d, &b) in dch.iter_mut().zip(qch) {
+                        *d = lut[b as usize] * s;
+                    }
+                }
+            }
+            WeightKind::Mxfp4 { packed, scales } => {
+                let row = &packed[r * cols / 2..(r + 1) * cols / 2];
+                let sc = &scales[r * cols / 32..(r + 1) * cols / 32];
+                for ((dch, pch), &s) in dst.chunks_exact_mut(32).zip(row.chunks_exact(16)).zip(sc) {
+                    let s = e8m0_to_f32(s);
+                    for (d2, &b) in dch.chunks_exact_mut(2).zip(pch) {
+                        d2[0] = E2M1[(b & 0xF) as usize] * s;
+                        d2[1] = E2M1[(b >> 4) as usize] * s;
+                    }
+                }
+            }
+        }
+    }
+}

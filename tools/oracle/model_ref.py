@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The reference forward pass of a DeepSeek-V4.1 checkpoint, for keep's model conformance.
+
+Loads a checkpoint directory exactly as mlx-lm 0.32.2 does (`mlx_lm.utils.load_model`, which
+runs `deepseek_v41.Model.sanitize` and keeps FP8 32x32 / MXFP8 / FP4 weights packed), casts every
+non-quantized parameter to float32 (quantized layers then dequantize to float32 because their
+input is float32), and writes a safetensors file with
+
+  tokens   int32  [T]               the input token ids
+  logits   f32    [T, vocab]        one prefill of all T tokens from position 0
+  routes   int32  [L, T, top_k]     (--routes) each layer's chosen experts, sorted ascending
+  greedy   int32  [N]               (--greedy N) N tokens decoded greedily with the reference cache
+                                    after the prompt (prefill of the prompt, then one token a step)
+  greedy_logits f32 [N, vocab]      (--greedy N) the logits each greedy step chose from
+
+Metadata: format=keep-model-ref, version=1, command=<this command line>, mlx / mlx-lm versions.
+
+Usage: model_ref.py DIR --tokens 1,2,3 --out FILE.safetensors [--routes] [--greedy N]
+       model_ref.py DIR --tokens-file ids.npy ...   (int array, 1-D)
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from safetensors.numpy import save_file
+
+import mlx_lm
+from mlx_lm.models import deepseek_v41
+from mlx_lm.utils import load_model
+
+
+def load_f32(path: Path):
+    model, config = load_model(Path(path))
+    params = tree_flatten(model.parameters())
+    cast = [
+        (k, v.astype(mx.float32))
+        for k, v in params
+        if v.dtype in (mx.bfloat16, mx.float16)
+    ]
+    model.update(tree_unflatten(cast))
+    mx.eval(model.parameters())
+    return model, config
+
+
+class RouteRecorder:
+    """Wraps Router.__call__ and records the chosen experts per call (one call per layer)."""
+
+    def __init__(self):
+        self.calls = []
+        self._orig = deepseek_v41.Router.__call__
+        rec = self
+
+        def hooked(router, x):
+            chosen, weights = rec._orig(router, x)
+            rec.calls.append(np.sort(np.array(chosen), axis=-1).astype(np.int32))
+            return chosen, weights
+
+        deepseek_v41.Router.__call__ = hooked
+
+    def close(self):
+        deepseek_v41.Router.__call__ = self._orig
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--tokens", type=str, default=None)
+    ap.add_argument("--tokens-file", type=Path, default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--routes", action="store_true")
+    ap.add_argument("--greedy", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.tokens is not None:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    elif args.tokens_file is not None:
+        tokens = [int(t) for t in np.load(args.tokens_file).reshape(-1)]
+    else:
+        ap.error("give --tokens or --tokens-file")
+    model, _ = load_f32(args.model)
+    n_layers = len(model.layers)
+    out = {"tokens": np.array(tokens, dtype=np.int32)}
+
+    rec = RouteRecorder() if args.routes else None
+    logits = model(mx.array([tokens]))[0].astype(mx.float32)
+    mx.eval(logits)
+    out["logits"] = np.array(logits)
+    if rec is not None:
+        rec.close()
+        assert len(rec.calls) == n_layers
+        out["routes"] = np.stack([c.reshape(len(tokens), -1) for c in rec.calls])
+
+    if args.greedy:
+        cache = model.make_cache()
+        step = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
+        chosen, step_logits = [], []
+        for _ in range(args.greedy):
+            mx.eval(step)
+            step_logits.append(np.array(step))
+            nxt = int(mx.argmax(step).item())
+            chosen.append(nxt)
+            step = model(mx.array([[nxt]]), cache=cache)[0, -1].astype(mx.float32)
+        out["greedy"] = np.array(chosen, dtype=np.int32)
+        out["greedy_logits"] = np.stack(step_logits).astype(np.float32)
+
+    meta = {
+        "format": "keep-model-ref",
+        "version": "1",
+        "command": " ".join(["tools/oracle/model_ref.py"] + (argv or sys.argv[1:])),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(args.out), metadata=meta)
+
+
+if __name__ == "__main__":
+    main()
