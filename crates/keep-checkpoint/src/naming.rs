@@ -200,10 +200,11 @@ fn layer_role(rest: &str) -> Role {
     if s.starts_with("engram.") {
         return Role::Engram;
     }
-    if s.ends_with("_norm") || s.ends_with(".q_norm") || s.ends_with(".kv_norm") {
-        if !s.contains("compressor") && !s.contains("indexer") {
-            return Role::Norm;
-        }
+    if (s.ends_with("_norm") || s.ends_with(".q_norm") || s.ends_with(".kv_norm"))
+        && !s.contains("compressor")
+        && !s.contains("indexer")
+    {
+        return Role::Norm;
     }
     if s.starts_with("hc_attn_") || s.starts_with("hc_ffn_") {
         return Role::Hc;

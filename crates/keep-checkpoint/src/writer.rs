@@ -261,7 +261,7 @@ impl CheckpointWriter {
             off = end;
         }
         let mut json = serde_json::to_vec(&header).expect("JSON of strings and numbers");
-        while json.len() % 8 != 0 {
+        while !json.len().is_multiple_of(8) {
             json.push(b' ');
         }
         let mut f = HashingFile::create(self.tmp.join(&shard.file))?;

@@ -1,0 +1,110 @@
+//! `keep inspect`: what a checkpoint is, what it weighs, and what is wrong with it.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use keep_checkpoint::Checkpoint;
+use keep_convert::inspect::inspect;
+
+use crate::util::human;
+
+/// Report what a checkpoint holds: architecture, layers, routed and shared experts, top-k,
+/// hash-routed, engram and MTP layers, bytes and bits per weight by role × format, FP8 block
+/// shapes and scale kinds, per-layer expert counts, and everything unknown or inconsistent.
+///
+/// DIR defaults to the bundled model. Exit status 0 even with problems (they are listed);
+/// 1 when the checkpoint cannot be read at all.
+///
+/// Example: keep inspect /tmp/tiny --json
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+pub struct InspectArgs {
+    /// Checkpoint directory (default: the bundled model).
+    dir: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: InspectArgs) -> anyhow::Result<()> {
+    let dir = match a.dir {
+        Some(d) => d,
+        None => crate::bundled::default_model_dir()?,
+    };
+    let ck = Checkpoint::open(&dir)?;
+    let r = inspect(&ck);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let opt = |v: Option<usize>| v.map_or("?".into(), |x| x.to_string());
+    println!("{}", r.dir);
+    println!(
+        "  architecture {}  layers {}  routed experts {}  shared {}  top-k {}",
+        r.model_type.as_deref().unwrap_or("?"),
+        opt(r.layers),
+        opt(r.routed_experts),
+        opt(r.shared_experts),
+        opt(r.top_k)
+    );
+    println!(
+        "  hash layers {:?}  engram layers {:?}  MTP layers {:?}",
+        r.hash_layers, r.engram_layers, r.mtp_layers
+    );
+    println!(
+        "  {} tensors in {} shard(s), {}",
+        r.tensors,
+        r.shards,
+        human(r.total_bytes)
+    );
+    if let Some(q) = &r.quantization_config {
+        println!("  quantization_config {q}");
+    }
+    println!();
+    println!(
+        "  {:<16} {:<26} {:>8} {:>14} {:>12} {:>8}",
+        "role", "format", "tensors", "weights", "bytes", "bits/w"
+    );
+    for (role, row) in &r.by_role_format {
+        for (fmt, c) in row {
+            println!(
+                "  {:<16} {:<26} {:>8} {:>14} {:>12} {:>8.3}",
+                role,
+                fmt,
+                c.tensors,
+                c.weights,
+                human(c.bytes),
+                c.bits_per_weight
+            );
+        }
+    }
+    if !r.fp8_blocks.is_empty() {
+        println!();
+        for (k, n) in &r.fp8_blocks {
+            println!("  FP8 blocks {k}: {n} weights");
+        }
+    }
+    let counts: std::collections::BTreeSet<usize> = r.experts_per_layer.values().copied().collect();
+    println!(
+        "  routed experts per layer: {}",
+        if counts.len() == 1 {
+            format!(
+                "{} in each of {} layers",
+                counts.iter().next().expect("one"),
+                r.experts_per_layer.len()
+            )
+        } else {
+            format!("{:?}", r.experts_per_layer)
+        }
+    );
+    println!();
+    if r.problems.is_empty() {
+        println!("  no problems found");
+    } else {
+        println!("  {} problem(s):", r.problems.len());
+        for p in &r.problems {
+            println!("  - {p}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,41 @@
+//! `keep`: the command-line glue over keep's libraries.
+//!
+//! What it is: argument parsing (clap), progress bars, tables and JSON printing, exit codes.
+//! What it is not: any logic a library could hold — each verb calls one library entry point.
+//! The only crate with `anyhow` and `clap`.
+
+mod bundled;
+mod cmd;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+/// keep: run and shrink Mixture-of-Experts models far larger than memory.
+#[derive(Parser)]
+#[command(name = "keep", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Synth(cmd::synth::SynthArgs),
+    Inspect(cmd::inspect::InspectArgs),
+    Repack(cmd::repack::RepackArgs),
+    Verify(cmd::verify::VerifyArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Synth(a) => cmd::synth::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Repack(a) => cmd::repack::run(a),
+        Command::Verify(a) => cmd::verify::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,213 @@
+//! `keep inspect`: what a checkpoint is, what it weighs, and everything inconsistent in it.
+//!
+//! The report is data (serialisable to JSON); the CLI renders it as a table. Problems are
+//! collected, not raised: a weight without its scale, an orphan scale, an expert count that
+//! differs from the config, a tensor name keep does not know, index inconsistencies.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use keep_checkpoint::naming::{self, Part, Role, Scope};
+use keep_checkpoint::Checkpoint;
+use serde::Serialize;
+
+use crate::resident::{classify, scale_of, WeightFormat};
+
+/// Bytes and weights of one (role, format) cell.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Cell {
+    pub tensors: u64,
+    pub weights: u64,
+    pub bytes: u64,
+    pub bits_per_weight: f64,
+}
+
+/// The report of `keep inspect`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub format: &'static str,
+    pub version: u32,
+    pub dir: String,
+    pub model_type: Option<String>,
+    pub layers: Option<usize>,
+    pub routed_experts: Option<usize>,
+    pub shared_experts: Option<usize>,
+    pub top_k: Option<usize>,
+    pub quantization_config: Option<serde_json::Value>,
+    pub hash_layers: Vec<usize>,
+    pub engram_layers: Vec<usize>,
+    pub mtp_layers: Vec<usize>,
+    pub shards: usize,
+    pub tensors: usize,
+    pub total_bytes: u64,
+    /// role → format label → cell.
+    pub by_role_format: BTreeMap<String, BTreeMap<String, Cell>>,
+    /// FP8 block shape and scale kind → number of weights stored that way.
+    pub fp8_blocks: BTreeMap<String, u64>,
+    /// Routed experts found per layer (decoder layers, then MTP layers as `mtp.N`).
+    pub experts_per_layer: BTreeMap<String, usize>,
+    /// Everything unknown or inconsistent.
+    pub problems: Vec<String>,
+}
+
+/// Inspect an opened checkpoint.
+pub fn inspect(ck: &Checkpoint) -> Report {
+    let cfg = ck.config();
+    let hint = cfg.and_then(|c| c.weight_block_size());
+    let mut problems: Vec<String> = ck.warnings().to_vec();
+    let mut by: BTreeMap<String, BTreeMap<String, Cell>> = BTreeMap::new();
+    let mut fp8_blocks: BTreeMap<String, u64> = BTreeMap::new();
+    let mut experts: BTreeMap<Scope, BTreeSet<usize>> = BTreeMap::new();
+    let mut hash = BTreeSet::new();
+    let mut engram = BTreeSet::new();
+    let mut mtp = BTreeSet::new();
+    let mut claimed_scales = BTreeSet::new();
+    let mut total = 0u64;
+    for t in ck.tensors() {
+        total += t.bytes.len() as u64;
+        let name = naming::parse(t.name);
+        match name.scope {
+            Scope::Mtp(n) => {
+                mtp.insert(n);
+            }
+            Scope::Layer(l) if name.role == Role::RouterTid2eid => {
+                hash.insert(l);
+            }
+            Scope::Layer(l) if name.role == Role::Engram => {
+                engram.insert(l);
+            }
+            _ => {}
+        }
+        if let Role::RoutedExpert { expert, .. } = name.role {
+            experts.entry(name.scope).or_default().insert(expert);
+        }
+        if name.role == Role::Unknown {
+            problems.push(format!("unknown tensor `{}`", t.name));
+        }
+        if name.part == Part::Scale {
+            continue;
+        }
+        let scale = if name.part == Part::Weight {
+            scale_of(ck, t.name)
+        } else {
+            None
+        };
+        if let Some(s) = scale {
+            claimed_scales.insert(s.name.to_string());
+        }
+        let c = classify(t, scale, hint);
+        if let WeightFormat::Unknown(r) = &c.format {
+            problems.push(format!("`{}`: {r}", t.name));
+        }
+        if let WeightFormat::Fp8Block { block, scale } = &c.format {
+            *fp8_blocks
+                .entry(format!("{}x{} {}", block.0, block.1, scale.label()))
+                .or_default() += c.numel();
+        }
+        let cell = by
+            .entry(name.role.label().to_string())
+            .or_default()
+            .entry(c.format.label())
+            .or_default();
+        cell.tensors += 1;
+        cell.weights += c.numel();
+        cell.bytes += c.bytes();
+    }
+    for t in ck.tensors() {
+        if naming::parse(t.name).part == Part::Scale && !claimed_scales.contains(t.name) {
+            problems.push(format!(
+                "orphan scale `{}`: no weight `{}`",
+                t.name,
+                naming::weight_of_scale(t.name).unwrap_or_default()
+            ));
+        }
+    }
+    for row in by.values_mut() {
+        for cell in row.values_mut() {
+            if cell.weights > 0 {
+                cell.bits_per_weight = cell.bytes as f64 * 8.0 / cell.weights as f64;
+            }
+        }
+    }
+    let mut experts_per_layer = BTreeMap::new();
+    for (scope, set) in &experts {
+        let label = match scope {
+            Scope::Layer(l) => format!("{l}"),
+            Scope::Mtp(n) => format!("mtp.{n}"),
+            Scope::Model => "model".into(),
+        };
+        experts_per_layer.insert(label.clone(), set.len());
+        if let Some(c) = cfg {
+            if set.len() != c.n_routed_experts {
+                problems.push(format!(
+                    "layer {label} has {} routed experts but config.json declares n_routed_experts = {}",
+                    set.len(),
+                    c.n_routed_experts
+                ));
+            }
+            if let Some(&max) = set.iter().next_back() {
+                if max + 1 != set.len() {
+                    problems.push(format!(
+                        "layer {label}: expert ids are not 0..{} (highest is {max})",
+                        set.len()
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(c) = cfg {
+        let layers: BTreeSet<usize> = experts
+            .keys()
+            .filter_map(|s| match s {
+                Scope::Layer(l) => Some(*l),
+                _ => None,
+            })
+            .collect();
+        if let Some(&l) = layers.iter().find(|&&l| l >= c.num_hidden_layers) {
+            problems.push(format!(
+                "layer {l} has experts but config.json declares num_hidden_layers = {}",
+                c.num_hidden_layers
+            ));
+        }
+        for l in 0..c.num_hidden_layers {
+            if !experts.contains_key(&Scope::Layer(l)) && c.n_routed_experts > 0 {
+                problems.push(format!("layer {l} has no routed experts"));
+            }
+        }
+        if let Some(e) = ck.get("embed.weight") {
+            if e.shape.first().copied() != Some(c.vocab_size as u64)
+                || e.shape.get(1).copied() != Some(c.hidden_size as u64)
+            {
+                problems.push(format!(
+                    "embed.weight is {:?} but config.json declares vocab_size {} × hidden_size {}",
+                    e.shape, c.vocab_size, c.hidden_size
+                ));
+            }
+        }
+        for &l in &c.engram_layer_ids {
+            engram.insert(l);
+        }
+    } else {
+        problems.push("no config.json".into());
+    }
+    Report {
+        format: "keep-inspect",
+        version: 1,
+        dir: ck.dir().display().to_string(),
+        model_type: cfg.map(|c| c.model_type.clone()),
+        layers: cfg.map(|c| c.num_hidden_layers),
+        routed_experts: cfg.map(|c| c.n_routed_experts),
+        shared_experts: cfg.map(|c| c.n_shared_experts),
+        top_k: cfg.map(|c| c.num_experts_per_tok),
+        quantization_config: cfg.and_then(|c| c.raw.get("quantization_config").cloned()),
+        hash_layers: hash.into_iter().collect(),
+        engram_layers: engram.into_iter().collect(),
+        mtp_layers: mtp.into_iter().collect(),
+        shards: ck.shards().len(),
+        tensors: ck.len(),
+        total_bytes: total,
+        by_role_format: by,
+        fp8_blocks,
+        experts_per_layer,
+        problems,
+    }
+}

@@ -1,0 +1,26 @@
+//! keep-convert: checkpoint transformations that need to look at weights.
+//!
+//! What it is: `synth` (random-weight checkpoints in DeepSeek's published format, encoded the
+//! way DeepSeek ships them), `inspect` (what a checkpoint holds, bytes and bits per weight by role
+//! and format, and everything inconsistent), and `repack` (FP8-block residents → MXFP8 byte for
+//! byte, or → bf16; everything else copied). It sits between `keep-checkpoint`, which only moves
+//! bytes, and `keep-format`, which only codes numbers.
+//!
+//! What it is not: a model (nothing here runs a forward pass) and not a user interface (nothing
+//! prints; reports are returned as data and errors are typed).
+//!
+//! Depends on: keep-format, keep-checkpoint, rand/rand_distr (synth), rayon.
+
+#![recursion_limit = "512"]
+
+pub mod error;
+pub mod inspect;
+pub mod presets;
+pub mod repack;
+pub mod resident;
+pub mod synth;
+
+pub use error::ConvertError;
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, ConvertError>;

@@ -1,0 +1,131 @@
+//! Named `keep synth` configurations.
+//!
+//! - `tiny`: eight small layers covering every V4.1 attention path mlx-lm implements (compress
+//!   ratios 0, 4, 2 and 1; kv-source, index-source and plain readers; a candidate-source layer
+//!   and an index layer that reads its candidates), 16 experts top-4. For tests.
+//! - `tiny-v4flash`: the same shapes stored V4-Flash style: 128×128 FP8 blocks and two
+//!   hash-routed first layers (`gate.tid2eid`). For checkpoint tools (the model refuses it).
+//! - `flash`: the real V4.1-Flash shapes (hidden 5120, 64 heads of 512, 2304-wide experts,
+//!   vocabulary 129,280) with 4 layers and 16 experts. For benchmarks.
+
+use keep_checkpoint::config::QuantizationConfig;
+use keep_checkpoint::DeepSeekConfig;
+use serde_json::json;
+
+use crate::{ConvertError, Result};
+
+/// How a synthetic checkpoint stores its FP8 residents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Storage {
+    /// FP8 block shape (rows, cols).
+    pub block: (usize, usize),
+    /// Write FP8 block scales as float32 powers of two instead of E8M0 bytes.
+    pub f32_scales: bool,
+    /// The first this-many layers are hash-routed (V4-Flash).
+    pub hash_layers: usize,
+}
+
+impl Storage {
+    /// DeepSeek-V4.1: 32×32 E8M0 blocks, no hash layers.
+    pub const V41: Storage = Storage {
+        block: (32, 32),
+        f32_scales: false,
+        hash_layers: 0,
+    };
+}
+
+/// The preset names.
+pub const PRESETS: [&str; 3] = ["tiny", "tiny-v4flash", "flash"];
+
+fn base(v: serde_json::Value) -> DeepSeekConfig {
+    let mut cfg: DeepSeekConfig = serde_json::from_value(v).expect("preset JSON is valid");
+    cfg.raw = serde_json::to_value(&cfg).expect("serialisable");
+    cfg
+}
+
+fn tiny_json() -> serde_json::Value {
+    json!({
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 8,
+        "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16,
+        "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+        "moe_intermediate_size": 64, "n_routed_experts": 16, "n_shared_experts": 1,
+        "num_experts_per_tok": 4, "scoring_func": "sqrtsoftplus", "norm_topk_prob": true,
+        "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+        "sliding_window": 16,
+        "compress_ratios": [0, 4, 4, 2, 2, 1, 1, 1],
+        "kv_source_layer_ids": [1, 3, 5],
+        "index_source_layer_ids": [1, 3, 5, 6],
+        "candidate_source_layer_id": 5, "candidate_topk_blocks": 2, "candidate_block_size": 4,
+        "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 4096,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                "weight_block_size": [32, 32]}
+    })
+}
+
+/// Look up a preset: its config and storage.
+pub fn preset(name: &str) -> Result<(DeepSeekConfig, Storage)> {
+    match name {
+        "tiny" => Ok((base(tiny_json()), Storage::V41)),
+        "tiny-v4flash" => {
+            let mut v = tiny_json();
+            v["model_type"] = json!("deepseek_v4");
+            v["architectures"] = json!(["DeepseekV4ForCausalLM"]);
+            v["hidden_size"] = json!(256);
+            v["num_hash_layers"] = json!(2);
+            v["quantization_config"]["weight_block_size"] = json!([128, 128]);
+            Ok((
+                base(v),
+                Storage {
+                    block: (128, 128),
+                    f32_scales: false,
+                    hash_layers: 2,
+                },
+            ))
+        }
+        "flash" => {
+            let v = json!({
+                "architectures": ["DeepseekV41ForCausalLM"],
+                "model_type": "deepseek_v41",
+                "vocab_size": 129280, "hidden_size": 5120, "num_hidden_layers": 4,
+                "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+                "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024,
+                "moe_intermediate_size": 2304, "n_routed_experts": 16, "n_shared_experts": 1,
+                "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus", "norm_topk_prob": true,
+                "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+                "sliding_window": 128,
+                "compress_ratios": [0, 2, 1, 4],
+                "kv_source_layer_ids": [1, 2, 3],
+                "index_source_layer_ids": [1, 2, 3],
+                "candidate_source_layer_id": -1,
+                "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+                "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+                "max_position_embeddings": 1048576,
+                "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                        "weight_block_size": [32, 32]}
+            });
+            Ok((base(v), Storage::V41))
+        }
+        other => Err(ConvertError::Invalid(format!(
+            "unknown preset `{other}`; presets: {}",
+            PRESETS.join(", ")
+        ))),
+    }
+}
+
+/// The `quantization_config` a synthetic checkpoint with this storage declares.
+pub fn quantization_config(s: &Storage) -> QuantizationConfig {
+    QuantizationConfig {
+        quant_method: "fp8".into(),
+        fmt: Some("e4m3".into()),
+        scale_fmt: Some("ue8m0".into()),
+        weight_block_size: Some(vec![s.block.0, s.block.1]),
+    }
+}

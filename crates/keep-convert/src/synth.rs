@@ -1,0 +1,521 @@
+//! `keep synth`: a random-weight checkpoint in DeepSeek's published format for any V4.1 config.
+//!
+//! Weights are drawn N(0, 1/fan_in) and stored the way DeepSeek ships them: FP8 E4M3 residents
+//! with block scales (DeepSeek's ceil rule for the exponent), FP4 E2M1 routed experts with an
+//! E8M0 scale per 32 inputs, f32 hyper-connection parameters, sinks and router biases, bf16
+//! elsewhere (norm weights near 1). Every tensor is generated from its own seed (the run's seed
+//! and the tensor's name), in row chunks that are also seeded by position, so the output is
+//! the same whatever the thread count, and tensors of any size stream to disk without being
+//! held whole in memory.
+
+use std::path::{Path, PathBuf};
+
+use keep_checkpoint::naming::{expert_tensor, ExpertMat};
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+use keep_checkpoint::{DeepSeekConfig, Dtype};
+use keep_format::bf16::f32_to_bf16;
+use keep_format::fp8block::{encode_fp8_block, BlockShape};
+use keep_format::mx::quantize_mxfp4_row;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand_distr::StandardNormal;
+use rayon::prelude::*;
+
+use crate::presets::{quantization_config, Storage};
+use crate::{ConvertError, Result};
+
+/// How a tensor's values are drawn and stored.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    /// bf16, N(0, std²).
+    Bf16 { std: f32 },
+    /// bf16, 1 + N(0, std²) (norm weights).
+    Bf16Ones { std: f32 },
+    /// f32, mean + N(0, std²).
+    F32 { mean: f32, std: f32 },
+    /// FP8 E4M3 block-scaled resident `[rows, cols]`, N(0, 1/cols); the scale follows.
+    Fp8 { rows: usize, cols: usize },
+    /// FP4 routed-expert matrix `[rows, cols]`, N(0, 1/cols); the scale follows.
+    Fp4 { rows: usize, cols: usize },
+    /// Hash routing table `[vocab, top_k]` of distinct expert ids per token.
+    Tid2eid {
+        vocab: usize,
+        top_k: usize,
+        experts: usize,
+    },
+}
+
+/// One logical tensor of the plan (a weight and, for FP8/FP4, its scale).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: Kind,
+}
+
+fn p(name: String, shape: &[usize], kind: Kind) -> Planned {
+    Planned {
+        name,
+        shape: shape.to_vec(),
+        kind,
+    }
+}
+
+/// The tensors of a V4/V4.1 text model with this config, in published names and order.
+pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
+    let h = cfg.hidden_size;
+    let hc = cfg.hc_mult;
+    let mix = (2 + hc) * hc;
+    let hd = cfg.head_dim;
+    let heads = cfg.num_attention_heads;
+    if cfg.o_groups == 0 || !(heads * hd).is_multiple_of(cfg.o_groups) {
+        return Err(ConvertError::Invalid(format!(
+            "num_attention_heads*head_dim = {} is not divisible by o_groups = {}",
+            heads * hd,
+            cfg.o_groups
+        )));
+    }
+    for (k, v) in [
+        ("hidden_size", h),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+    ] {
+        if v % 32 != 0 || v == 0 {
+            return Err(ConvertError::Invalid(format!(
+                "{k} = {v} must be a positive multiple of 32 (FP4 experts have one scale per 32 inputs)"
+            )));
+        }
+    }
+    let fp8 = |rows, cols| Kind::Fp8 { rows, cols };
+    let norm = Kind::Bf16Ones { std: 0.05 };
+    let mut out = vec![p(
+        "embed.weight".into(),
+        &[cfg.vocab_size, h],
+        Kind::Bf16 { std: 1.0 },
+    )];
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("layers.{l}.{s}");
+        out.push(p(n("attn_norm.weight"), &[h], norm.clone()));
+        out.push(p(n("ffn_norm.weight"), &[h], norm.clone()));
+        for which in ["attn", "ffn"] {
+            out.push(p(
+                n(&format!("hc_{which}_fn")),
+                &[mix, hc * h],
+                Kind::F32 {
+                    mean: 0.0,
+                    std: (1.0 / (hc * h) as f32).sqrt(),
+                },
+            ));
+            out.push(p(
+                n(&format!("hc_{which}_base")),
+                &[mix],
+                Kind::F32 {
+                    mean: 0.0,
+                    std: 0.5,
+                },
+            ));
+            out.push(p(
+                n(&format!("hc_{which}_scale")),
+                &[3],
+                Kind::F32 {
+                    mean: 1.0,
+                    std: 0.1,
+                },
+            ));
+        }
+        out.push(p(
+            n("attn.wq_a.weight"),
+            &[cfg.q_lora_rank, h],
+            fp8(cfg.q_lora_rank, h),
+        ));
+        out.push(p(n("attn.q_norm.weight"), &[cfg.q_lora_rank], norm.clone()));
+        out.push(p(
+            n("attn.wq_b.weight"),
+            &[heads * hd, cfg.q_lora_rank],
+            fp8(heads * hd, cfg.q_lora_rank),
+        ));
+        out.push(p(n("attn.wkv.weight"), &[hd, h], fp8(hd, h)));
+        out.push(p(n("attn.kv_norm.weight"), &[hd], norm.clone()));
+        let og = cfg.o_groups * cfg.o_lora_rank;
+        out.push(p(
+            n("attn.wo_a.weight"),
+            &[og, heads * hd / cfg.o_groups],
+            fp8(og, heads * hd / cfg.o_groups),
+        ));
+        out.push(p(n("attn.wo_b.weight"), &[h, og], fp8(h, og)));
+        out.push(p(
+            n("attn.attn_sink"),
+            &[heads],
+            Kind::F32 {
+                mean: 0.0,
+                std: 1.0,
+            },
+        ));
+        let ratio = cfg.compress_ratio(l);
+        let kv_src = ratio > 0 && cfg.kv_source_layer_ids.contains(&l);
+        let idx_src = ratio > 0 && cfg.index_source_layer_ids.contains(&l);
+        let lin = |fan_in: usize| Kind::Bf16 {
+            std: (1.0 / fan_in as f32).sqrt(),
+        };
+        if kv_src {
+            out.push(p(n("attn.compressor.wkv.weight"), &[hd, h], lin(h)));
+            if ratio > 1 {
+                out.push(p(n("attn.compressor.wgate.weight"), &[hd, h], lin(h)));
+            }
+            out.push(p(n("attn.compressor.norm.weight"), &[hd], norm.clone()));
+        }
+        if idx_src {
+            let iq = cfg.index_n_heads * cfg.index_head_dim;
+            out.push(p(
+                n("attn.indexer.wq_b.weight"),
+                &[iq, cfg.q_lora_rank],
+                fp8(iq, cfg.q_lora_rank),
+            ));
+            out.push(p(
+                n("attn.indexer.weights_proj.weight"),
+                &[cfg.index_n_heads, h],
+                lin(h),
+            ));
+            if kv_src {
+                out.push(p(
+                    n("attn.indexer.wk.weight"),
+                    &[cfg.index_head_dim, hd],
+                    lin(hd),
+                ));
+                out.push(p(
+                    n("attn.indexer.k_norm.weight"),
+                    &[cfg.index_head_dim],
+                    norm.clone(),
+                ));
+            }
+        }
+        let e = cfg.n_routed_experts;
+        out.push(p(n("ffn.gate.weight"), &[e, h], lin(h)));
+        if l < st.hash_layers {
+            out.push(p(
+                n("ffn.gate.tid2eid"),
+                &[cfg.vocab_size, cfg.num_experts_per_tok],
+                Kind::Tid2eid {
+                    vocab: cfg.vocab_size,
+                    top_k: cfg.num_experts_per_tok,
+                    experts: e,
+                },
+            ));
+        } else {
+            let bias = Kind::F32 {
+                mean: 0.0,
+                std: 0.01,
+            };
+            out.push(p(n("ffn.gate.bias"), &[e], bias.clone()));
+            out.push(p(n("ffn.gate.bias_vl"), &[e], bias));
+        }
+        let m = cfg.moe_intermediate_size;
+        for x in 0..e {
+            for mat in ExpertMat::ALL {
+                let (r, c) = match mat {
+                    ExpertMat::W2 => (h, m),
+                    _ => (m, h),
+                };
+                out.push(p(
+                    expert_tensor(l, x, mat, "weight"),
+                    &[r, c],
+                    Kind::Fp4 { rows: r, cols: c },
+                ));
+            }
+        }
+        let sm = m * cfg.n_shared_experts;
+        if cfg.n_shared_experts > 0 {
+            for mat in ExpertMat::ALL {
+                let (r, c) = match mat {
+                    ExpertMat::W2 => (h, sm),
+                    _ => (sm, h),
+                };
+                out.push(p(
+                    n(&format!("ffn.shared_experts.{}.weight", mat.name())),
+                    &[r, c],
+                    fp8(r, c),
+                ));
+            }
+        }
+    }
+    out.push(p("norm.weight".into(), &[h], norm));
+    out.push(p(
+        "head.weight".into(),
+        &[cfg.vocab_size, h],
+        Kind::Bf16 {
+            std: (1.0 / h as f32).sqrt(),
+        },
+    ));
+    Ok(out)
+}
+
+/// The stored tensors (weights and scales) of a plan.
+pub fn metas(plan: &[Planned], st: &Storage) -> Vec<TensorMeta> {
+    let mut out = vec![];
+    let u = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<_>>();
+    for t in plan {
+        match &t.kind {
+            Kind::Bf16 { .. } | Kind::Bf16Ones { .. } => {
+                out.push(TensorMeta::new(&t.name, Dtype::BF16, &u(&t.shape)))
+            }
+            Kind::F32 { .. } => out.push(TensorMeta::new(&t.name, Dtype::F32, &u(&t.shape))),
+            Kind::Tid2eid { .. } => out.push(TensorMeta::new(&t.name, Dtype::I32, &u(&t.shape))),
+            Kind::Fp8 { rows, cols } => {
+                out.push(TensorMeta::new(&t.name, Dtype::F8_E4M3, &u(&t.shape)));
+                let grid = [rows.div_ceil(st.block.0), cols.div_ceil(st.block.1)];
+                let dt = if st.f32_scales {
+                    Dtype::F32
+                } else {
+                    Dtype::F8_E8M0
+                };
+                out.push(TensorMeta::new(scale_name(&t.name), dt, &u(&grid)));
+            }
+            Kind::Fp4 { rows, cols } => {
+                out.push(TensorMeta::new(&t.name, Dtype::I8, &u(&[*rows, cols / 2])));
+                out.push(TensorMeta::new(
+                    scale_name(&t.name),
+                    Dtype::F8_E8M0,
+                    &u(&[*rows, cols / 32]),
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn scale_name(weight: &str) -> String {
+    format!("{}.scale", weight.strip_suffix(".weight").unwrap_or(weight))
+}
+
+fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
+    // FNV-1a over the name, mixed with the run seed and the chunk index.
+    let mut h: u64 = 0xcbf29ce484222325 ^ seed.wrapping_mul(0x9E3779B97F4A7C15);
+    for b in name.bytes().chain(chunk.to_le_bytes()) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Draw `n` values mean + std·N(0,1) from a chunk's own generator.
+fn normals(seed: u64, name: &str, chunk: u64, n: usize, mean: f32, std: f32) -> Vec<f32> {
+    let mut rng = SmallRng::seed_from_u64(seed_for(seed, name, chunk));
+    (0..n)
+        .map(|_| {
+            let z: f32 = rng.sample(StandardNormal);
+            mean + std * z
+        })
+        .collect()
+}
+
+/// Rows per generated chunk: about 4 M values, a multiple of `align` rows.
+fn chunk_rows(cols: usize, align: usize) -> usize {
+    let r = ((4 << 20) / cols.max(1)).max(1);
+    r.div_ceil(align) * align
+}
+
+/// Options of [`synth`].
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    pub seed: u64,
+    pub storage: Storage,
+    pub force: bool,
+    pub max_shard_bytes: u64,
+}
+
+/// Bytes of one routed expert (three FP4 matrices and their scales) under this config.
+pub fn expert_bytes(cfg: &DeepSeekConfig) -> u64 {
+    let params = 3 * cfg.hidden_size as u64 * cfg.moe_intermediate_size as u64;
+    params / 2 + params / 32
+}
+
+/// Choose `n_routed_experts` so that the routed experts take about `bytes` in all.
+pub fn experts_for_bytes(cfg: &DeepSeekConfig, bytes: u64) -> usize {
+    let per_layer = expert_bytes(cfg) * cfg.num_hidden_layers.max(1) as u64;
+    let n = bytes.div_ceil(per_layer.max(1)) as usize;
+    n.max(cfg.num_experts_per_tok)
+}
+
+/// Write a synthetic checkpoint to `out`. Calls `progress(bytes_done, bytes_total)` as it goes.
+pub fn synth(
+    cfg: &DeepSeekConfig,
+    out: &Path,
+    opts: &SynthOptions,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<PathBuf> {
+    let st = opts.storage;
+    let plan = plan(cfg, &st)?;
+    let metas = metas(&plan, &st);
+    let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
+    let wopts = WriterOptions {
+        max_shard_bytes: opts.max_shard_bytes,
+        force: opts.force,
+        ..Default::default()
+    };
+    let mut w = CheckpointWriter::create(out, metas, wopts)?;
+    let mut done = 0u64;
+    for t in &plan {
+        done += write_planned(&mut w, t, opts.seed, &st)?;
+        progress(done, total);
+    }
+    let mut config = cfg.clone();
+    config.quantization_config = Some(quantization_config(&st));
+    if st.hash_layers > 0 {
+        config.num_hash_layers = st.hash_layers;
+    }
+    let mut json =
+        serde_json::to_value(&config).map_err(|e| ConvertError::Invalid(e.to_string()))?;
+    if let (Some(dst), Some(src)) = (json.as_object_mut(), cfg.raw.as_object()) {
+        for (k, v) in src {
+            dst.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    let text =
+        serde_json::to_string_pretty(&json).map_err(|e| ConvertError::Invalid(e.to_string()))?;
+    w.add_file("config.json", text.as_bytes())?;
+    Ok(w.finish()?)
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+        .collect()
+}
+
+fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage) -> Result<u64> {
+    let numel: usize = t.shape.iter().product();
+    let cols = *t.shape.last().unwrap_or(&1);
+    let rows = numel / cols.max(1);
+    let mut written = 0u64;
+    let fmt_err = |e: keep_format::FormatError| ConvertError::Format {
+        tensor: t.name.clone(),
+        source: e,
+    };
+    match &t.kind {
+        Kind::Bf16 { std } | Kind::Bf16Ones { std } => {
+            let mean = if matches!(t.kind, Kind::Bf16Ones { .. }) {
+                1.0
+            } else {
+                0.0
+            };
+            let cr = chunk_rows(cols, 1);
+            let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+            for group in starts.chunks(8) {
+                let parts: Vec<Vec<u8>> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr) * cols;
+                        bf16_bytes(&normals(seed, &t.name, r0 as u64, n, mean, *std))
+                    })
+                    .collect();
+                for b in parts {
+                    written += b.len() as u64;
+                    w.write_chunk(&t.name, &b)?;
+                }
+            }
+        }
+        Kind::F32 { mean, std } => {
+            let v = normals(seed, &t.name, 0, numel, *mean, *std);
+            let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            written += b.len() as u64;
+            w.write_tensor(&t.name, &b)?;
+        }
+        Kind::Tid2eid {
+            vocab,
+            top_k,
+            experts,
+        } => {
+            let mut rng = SmallRng::seed_from_u64(seed_for(seed, &t.name, 0));
+            let mut b = Vec::with_capacity(vocab * top_k * 4);
+            for _ in 0..*vocab {
+                let mut ids: Vec<i32> = vec![];
+                while ids.len() < *top_k {
+                    let x = rng.random_range(0..*experts as i32);
+                    if !ids.contains(&x) {
+                        ids.push(x);
+                    }
+                }
+                for x in ids {
+                    b.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            written += b.len() as u64;
+            w.write_tensor(&t.name, &b)?;
+        }
+        Kind::Fp8 { rows, cols } => {
+            let (rows, cols) = (*rows, *cols);
+            let std = (1.0 / cols as f32).sqrt();
+            let cr = chunk_rows(cols, st.block.0);
+            let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+            let mut scales: Vec<u8> = vec![];
+            for group in starts.chunks(8) {
+                let parts: Vec<(Vec<u8>, Vec<u8>)> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr);
+                        let v = normals(seed, &t.name, r0 as u64, n * cols, 0.0, std);
+                        encode_fp8_block(
+                            &v,
+                            n,
+                            cols,
+                            BlockShape {
+                                rows: st.block.0,
+                                cols: st.block.1,
+                            },
+                        )
+                    })
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(fmt_err)?;
+                for (q, s) in parts {
+                    written += q.len() as u64;
+                    w.write_chunk(&t.name, &q)?;
+                    scales.extend_from_slice(&s);
+                }
+            }
+            let sb: Vec<u8> = if st.f32_scales {
+                scales
+                    .iter()
+                    .flat_map(|&b| keep_format::e8m0::e8m0_to_f32(b).to_le_bytes())
+                    .collect()
+            } else {
+                scales
+            };
+            written += sb.len() as u64;
+            w.write_tensor(&scale_name(&t.name), &sb)?;
+        }
+        Kind::Fp4 { rows, cols } => {
+            let (rows, cols) = (*rows, *cols);
+            let std = (1.0 / cols as f32).sqrt();
+            let cr = chunk_rows(cols, 1);
+            let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+            let mut scales: Vec<u8> = vec![];
+            for group in starts.chunks(8) {
+                let parts: Vec<Result<(Vec<u8>, Vec<u8>)>> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr);
+                        let v = normals(seed, &t.name, r0 as u64, n * cols, 0.0, std);
+                        let mut packed = vec![0u8; n * cols / 2];
+                        let mut sc = vec![0u8; n * cols / 32];
+                        for r in 0..n {
+                            quantize_mxfp4_row(
+                                &v[r * cols..(r + 1) * cols],
+                                &mut packed[r * cols / 2..(r + 1) * cols / 2],
+                                &mut sc[r * cols / 32..(r + 1) * cols / 32],
+                            )
+                            .map_err(fmt_err)?;
+                        }
+                        Ok((packed, sc))
+                    })
+                    .collect();
+                for part in parts {
+                    let (q, sc) = part?;
+                    written += q.len() as u64;
+                    w.write_chunk(&t.name, &q)?;
+                    scales.extend_from_slice(&sc);
+                }
+            }
+            written += scales.len() as u64;
+            w.write_tensor(&scale_name(&t.name), &scales)?;
+        }
+    }
+    Ok(written)
+}
