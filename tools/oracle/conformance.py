@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""keep's conformance suite: keep against independent references (ml_dtypes, MLX, mlx-lm).
+
+Run from the repository root with the pinned oracle venv (tools/oracle/requirements.txt):
+
+    tools/oracle/.venv/bin/python tools/oracle/conformance.py [--keep target/release/keep] [--only NAME]
+
+Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; exit 1 on failure):
+  codes      every FP8 E4M3FN / E5M2 / E8M0 / FP4 E2M1 code decoded by keep equals ml_dtypes
+  repack     on `keep synth` checkpoints (V4.1 32x32; V4-Flash 128x128 E8M0 and float32
+             power-of-two scales), mx.dequantize(mode="mxfp8", dtype=float32) of every repacked
+             tensor equals the original block decode (done here with ml_dtypes) bit for bit, and
+             mlx_lm.utils.load_model loads the repacked V4.1 directory and runs a forward pass;
+             prints how many values mx.quantize(mode="mxfp8") of the bf16 decode changes
+  model      (when tools/oracle/model_conformance.py exists) keep's forward against mlx-lm
+  fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = []
+
+
+def check(name, ok, detail=""):
+    RESULTS.append(bool(ok))
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def run(cmd, **kw):
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+# ---------------------------------------------------------------- codes
+def section_codes(args):
+    out = subprocess.run(
+        ["cargo", "run", "-q", "--release", "-p", "keep-format", "--example", "dump_codes"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout
+    rows = [json.loads(l) for l in out.splitlines() if l.strip()]
+    dtypes = {
+        "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, np.uint8),
+        "float8_e5m2": (ml_dtypes.float8_e5m2, np.uint8),
+        "float8_e8m0fnu": (ml_dtypes.float8_e8m0fnu, np.uint8),
+        "float4_e2m1fn": (ml_dtypes.float4_e2m1fn, np.uint8),
+    }
+    for fmt, (dt, _) in dtypes.items():
+        mine = [r for r in rows if r["format"] == fmt]
+        n = 16 if fmt == "float4_e2m1fn" else 256
+        codes = np.arange(n, dtype=np.uint8)
+        ref = codes.view(dt) if fmt != "float4_e2m1fn" else codes.astype(np.uint8)
+        if fmt == "float4_e2m1fn":
+            # ml_dtypes stores one float4 per byte in the low nibble.
+            ref = codes.view(ml_dtypes.float4_e2m1fn)
+        ref32 = ref.astype(np.float32)
+        bad = []
+        for r in mine:
+            got = np.array([r["bits"]], dtype=np.uint32).view(np.float32)[0]
+            want = ref32[r["code"]]
+            same = (np.isnan(got) and np.isnan(want)) or (
+                np.array([got]).view(np.uint32)[0] == np.array([want]).view(np.uint32)[0]
+            )
+            if not same:
+                bad.append((r["code"], float(got), float(want)))
+        check(f"codes {fmt}: {len(mine)} of {n} codes equal ml_dtypes", len(mine) == n and not bad,
+              f"first differences {bad[:4]}" if bad else "")
+
+
+# ---------------------------------------------------------------- repack
+def read_dir(d):
+    tensors = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        with safe_open(f, "numpy") as sf:
+            for k in sf.keys():
+                tensors[k] = f
+    return tensors
+
+
+def raw_tensor(path, name):
+    """Read a tensor's raw bytes and dtype/shape from the header (numpy cannot hold F8 types)."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        meta = header[name]
+        a, b = meta["data_offsets"]
+        fh.seek(8 + n + a)
+        data = fh.read(b - a)
+    return meta["dtype"], meta["shape"], np.frombuffer(data, dtype=np.uint8)
+
+
+def block_decode(q, scale_dtype, scale_bytes, shape, scale_shape):
+    """Independent FP8-block decode with ml_dtypes: w[i,j] = e4m3(q) * s[i/br, j/bc]."""
+    rows, cols = shape
+    sr, sc = scale_shape
+    w = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(rows, cols)
+    if scale_dtype == "F8_E8M0":
+        s = scale_bytes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32).reshape(sr, sc)
+    else:
+        s = scale_bytes.view(np.float32).reshape(sr, sc)
+    br = -(-rows // sr)
+    bc = -(-cols // sc)
+    # The block shape is the one that tiles the grid; ceil division recovers it for tails.
+    for b in (32, 64, 128, 256):
+        if -(-rows // b) == sr:
+            br = b
+            break
+    for b in (32, 64, 128, 256):
+        if -(-cols // b) == sc:
+            bc = b
+            break
+    full = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[:rows, :cols]
+    return w * full
+
+
+def section_repack(args):
+    keep = args.keep
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cases = [
+            ("v41-32x32", ["--preset", "tiny"], True),
+            ("v4flash-128x128-e8m0", ["--preset", "tiny-v4flash"], False),
+            ("v4flash-128x128-f32pow2", ["--preset", "tiny-v4flash", "--f32-scales"], False),
+        ]
+        for tag, synth_args, load in cases:
+            src, out = tmp / tag, tmp / f"{tag}-mxfp8"
+            run([keep, "synth", *synth_args, "--out", src, "--seed", "11"])
+            run([keep, "repack", src, out, "--resident-format", "mxfp8", "--verify"])
+            report = json.loads((out / "repack-report.json").read_text())
+            src_files, out_files = read_dir(src), read_dir(out)
+            n_ok, bad = 0, []
+            changed, total = 0, 0
+            for t in report["repacked"]:
+                name, scale = t["name"], t["source_scale"]
+                _, shape, q = raw_tensor(src_files[name], name)
+                sdt, sshape, sb = raw_tensor(src_files[scale], scale)
+                want = block_decode(q, sdt, sb, shape, sshape)
+                _, oshape, oq = raw_tensor(out_files[name], name)
+                odt, osshape, osb = raw_tensor(out_files[t["created_scale"]], t["created_scale"])
+                wq = mx.array(oq.reshape(oshape[0], -1)).view(mx.uint32)
+                sc = mx.array(osb.reshape(osshape))
+                got = np.array(mx.dequantize(wq, sc, group_size=32, bits=8, mode="mxfp8",
+                                             dtype=mx.float32))
+                if got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                    n_ok += 1
+                else:
+                    bad.append(name)
+                # What a round-trip through mx.quantize would change (the reason repack copies).
+                bf = mx.array(want).astype(mx.bfloat16)
+                wq2, s2 = mx.quantize(bf, group_size=32, bits=8, mode="mxfp8")
+                rt = np.array(mx.dequantize(wq2, s2, group_size=32, bits=8, mode="mxfp8",
+                                            dtype=mx.float32))
+                changed += int(np.sum(rt != want))
+                total += want.size
+            check(f"repack {tag}: mx.dequantize(mxfp8) == block decode, bit for bit",
+                  n_ok == len(report["repacked"]) and n_ok > 0,
+                  f"{n_ok}/{len(report['repacked'])} tensors" + (f"; differ: {bad[:3]}" if bad else ""))
+            print(f"INFO repack {tag}: mx.quantize(mode='mxfp8') of the bf16 decode changes "
+                  f"{changed} of {total} values", flush=True)
+            if load:
+                from mlx_lm.utils import load_model
+                for d in (src, out):
+                    model, _ = load_model(d)
+                    logits = model(mx.array([list(range(1, 41))]))
+                    mx.eval(logits)
+                    check(f"repack {tag}: mlx_lm.utils.load_model loads {d.name} and runs a forward",
+                          logits.shape[-1] > 0 and bool(mx.all(mx.isfinite(logits)).item()),
+                          f"logits {tuple(logits.shape)}")
+
+
+def section_model(args):
+    script = ROOT / "tools/oracle/model_conformance.py"
+    if not script.exists():
+        print("SKIP model: tools/oracle/model_conformance.py is not there yet", flush=True)
+        return
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("model: keep's forward agrees with mlx-lm (model_conformance.py)", r.returncode == 0)
+
+
+def section_fixtures(args):
+    script = ROOT / "tools/oracle/make_fixtures.py"
+    fixtures = ROOT / "fixtures/keep-tiny"
+    if not (script.exists() and fixtures.exists()):
+        print("SKIP fixtures: fixtures/keep-tiny or make_fixtures.py is not there yet", flush=True)
+        return
+    r = subprocess.run([sys.executable, str(script), "--model", "models/keep-tiny",
+                        "--out", "fixtures/keep-tiny", "--check"], cwd=ROOT)
+    check("fixtures: regenerated keep-tiny fixtures equal the committed ones", r.returncode == 0)
+
+
+SECTIONS = {"codes": section_codes, "repack": section_repack, "model": section_model,
+            "fixtures": section_fixtures}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", default=str(ROOT / "target/release/keep"))
+    ap.add_argument("--only", choices=sorted(SECTIONS), action="append")
+    args = ap.parse_args()
+    print(f"mlx {mx.__version__}, ml_dtypes {ml_dtypes.__version__}", flush=True)
+    for name, fn in SECTIONS.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            fn(args)
+        except Exception as e:  # a crash in a section is a failure, not a skip
+            check(f"{name}: section ran", False, repr(e))
+    passed = sum(RESULTS)
+    print(f"{passed} passed, {len(RESULTS) - passed} failed")
+    sys.exit(0 if passed == len(RESULTS) and RESULTS else 1)
+
+
+if __name__ == "__main__":
+    main()
