@@ -1,0 +1,247 @@
+//! [`ModelConfig`]: the DeepSeek-V4.1 config keep's model runs, checked and with each layer's
+//! roles worked out (compress ratio, KV source, index source, candidate source).
+//!
+//! Refused, naming the key: `engram_layer_ids` non-empty (engram memory is not implemented, as in
+//! the reference), `num_hash_layers` > 0 (V4-Flash: hash-routed layers and its different
+//! attention are not implemented here; keep's checkpoint tools still read and repack V4-Flash
+//! files), an unknown `scoring_func`, and shapes the attention cannot split.
+
+use keep_checkpoint::DeepSeekConfig;
+
+use crate::{ModelError, Result};
+
+/// How router logits become scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    SqrtSoftplus,
+    Sigmoid,
+    Softmax,
+}
+
+/// YaRN parameters from `rope_scaling` (mlx-lm reads `factor`, `original_max_position_embeddings`,
+/// `beta_fast`, `beta_slow`; V4.1 uses attention factor 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+}
+
+/// What one layer does besides the sliding window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerRoles {
+    /// `compress_ratios[layer]` (0: window only).
+    pub ratio: usize,
+    pub kv_source: bool,
+    pub index_source: bool,
+    pub candidate_source: bool,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub raw: DeepSeekConfig,
+    pub vocab: usize,
+    pub dim: usize,
+    pub n_layers: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub q_lora: usize,
+    pub rope_dim: usize,
+    pub o_groups: usize,
+    pub o_lora: usize,
+    pub inter: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub scoring: Scoring,
+    pub gate_temp: f32,
+    pub norm_topk_prob: bool,
+    pub route_scale: f32,
+    pub swiglu_limit: f32,
+    pub eps: f32,
+    pub window: usize,
+    pub index_heads: usize,
+    pub index_head_dim: usize,
+    pub index_topk: usize,
+    pub candidate_topk_blocks: usize,
+    pub candidate_block_size: usize,
+    pub rope_theta: f64,
+    pub compress_rope_theta: f64,
+    pub yarn: Yarn,
+    pub hc: usize,
+    pub hc_iters: usize,
+    pub hc_eps: f32,
+    pub roles: Vec<LayerRoles>,
+}
+
+fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
+    ModelError::Unsupported {
+        key: key.into(),
+        msg: msg.into(),
+    }
+}
+
+impl ModelConfig {
+    /// Check a checkpoint's config and derive the per-layer roles.
+    pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
+        if !c.engram_layer_ids.is_empty() {
+            return Err(unsupported(
+                "engram_layer_ids",
+                format!(
+                    "layers {:?} use engram memory (n-gram hash tables, hashed embedding lookup, \
+                     engram attention), which keep's model does not implement (nor does mlx-lm); \
+                     run a checkpoint without engram layers",
+                    c.engram_layer_ids
+                ),
+            ));
+        }
+        if c.num_hash_layers > 0 {
+            return Err(unsupported(
+                "num_hash_layers",
+                format!(
+                    "{} hash-routed layers: this is a V4-Flash checkpoint, whose hash routing \
+                     (`ffn.gate.tid2eid`) and different attention keep's model does not implement; \
+                     keep's checkpoint tools (inspect, repack) still handle V4-Flash files",
+                    c.num_hash_layers
+                ),
+            ));
+        }
+        let scoring = match c.scoring_func.as_str() {
+            "sqrtsoftplus" => Scoring::SqrtSoftplus,
+            "sigmoid" => Scoring::Sigmoid,
+            "softmax" => Scoring::Softmax,
+            s => {
+                return Err(unsupported(
+                    "scoring_func",
+                    format!("`{s}` is not one of sqrtsoftplus, sigmoid, softmax"),
+                ))
+            }
+        };
+        let bad = |k: &str, m: String| Err(unsupported(k, m));
+        if c.hidden_size == 0 || c.num_attention_heads == 0 || c.head_dim == 0 || c.vocab_size == 0 {
+            return bad("hidden_size", "hidden_size, num_attention_heads, head_dim and vocab_size must be positive".into());
+        }
+        if c.o_groups == 0 || (c.num_attention_heads * c.head_dim) % c.o_groups != 0 {
+            return bad(
+                "o_groups",
+                format!("{} does not divide num_attention_heads × head_dim", c.o_groups),
+            );
+        }
+        if c.qk_rope_head_dim % 2 != 0
+            || c.qk_rope_head_dim > c.head_dim
+            || c.qk_rope_head_dim > c.index_head_dim
+        {
+            return bad(
+                "qk_rope_head_dim",
+                format!(
+                    "{} must be even and at most head_dim ({}) and index_head_dim ({})",
+                    c.qk_rope_head_dim, c.head_dim, c.index_head_dim
+                ),
+            );
+        }
+        if c.hc_mult == 0 {
+            return bad("hc_mult", "must be at least 1".into());
+        }
+        if c.n_shared_experts != 1 {
+            return bad(
+                "n_shared_experts",
+                format!("{} (the reference model has exactly one shared expert)", c.n_shared_experts),
+            );
+        }
+        if c.candidate_block_size == 0 {
+            return bad("candidate_block_size", "must be positive".into());
+        }
+        let rs = c.rope_scaling.as_ref().and_then(|v| v.as_object());
+        let get = |k: &str, d: f64| rs.and_then(|m| m.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+        let yarn = Yarn {
+            factor: get("factor", 1.0),
+            original_max: get("original_max_position_embeddings", c.max_position_embeddings as f64),
+            beta_fast: get("beta_fast", 32.0).trunc(),
+            beta_slow: get("beta_slow", 1.0).trunc(),
+        };
+        let roles = (0..c.num_hidden_layers)
+            .map(|l| LayerRoles {
+                ratio: c.compress_ratio(l),
+                kv_source: c.kv_source_layer_ids.contains(&l),
+                index_source: c.index_source_layer_ids.contains(&l),
+                candidate_source: c.candidate_source_layer_id == l as i64,
+            })
+            .collect();
+        Ok(ModelConfig {
+            raw: c.clone(),
+            vocab: c.vocab_size,
+            dim: c.hidden_size,
+            n_layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            head_dim: c.head_dim,
+            q_lora: c.q_lora_rank,
+            rope_dim: c.qk_rope_head_dim,
+            o_groups: c.o_groups,
+            o_lora: c.o_lora_rank,
+            inter: c.moe_intermediate_size,
+            n_experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            scoring,
+            gate_temp: c.gate_temp as f32,
+            norm_topk_prob: c.norm_topk_prob,
+            route_scale: c.routed_scaling_factor as f32,
+            swiglu_limit: c.swiglu_limit as f32,
+            eps: c.rms_norm_eps as f32,
+            window: c.sliding_window,
+            index_heads: c.index_n_heads,
+            index_head_dim: c.index_head_dim,
+            index_topk: c.index_topk,
+            candidate_topk_blocks: c.candidate_topk_blocks,
+            candidate_block_size: c.candidate_block_size,
+            rope_theta: c.rope_theta,
+            compress_rope_theta: c.compress_rope_theta,
+            yarn,
+            hc: c.hc_mult,
+            hc_iters: c.hc_sinkhorn_iters,
+            hc_eps: c.hc_eps as f32,
+            roles,
+        })
+    }
+
+    /// The RoPE of a layer's attention: YaRN over `compress_rope_theta` for a compressing layer,
+    /// plain over `rope_theta` otherwise (as `Attention.__init__`).
+    pub fn rope(&self, layer: usize) -> keep_kernels::ops::Rope {
+        if self.roles[layer].ratio > 0 {
+            keep_kernels::ops::Rope::yarn(
+                self.rope_dim,
+                self.compress_rope_theta,
+                self.yarn.factor,
+                self.yarn.original_max,
+                self.yarn.beta_fast,
+                self.yarn.beta_slow,
+                0.0,
+                0.0,
+            )
+        } else {
+            keep_kernels::ops::Rope::plain(self.rope_dim, self.rope_theta)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn cfg(json: &str) -> Result<ModelConfig> {
+        let c = DeepSeekConfig::from_json(Path::new("config.json"), json).unwrap();
+        ModelConfig::from_deepseek(&c)
+    }
+
+    #[test]
+    fn refusals_name_their_keys() {
+        let e = cfg(r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#).unwrap_err();
+        assert!(e.to_string().contains("engram_layer_ids"), "{e}");
+        let e = cfg(r#"{"num_hash_layers":3}"#).unwrap_err();
+        assert!(e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"), "{e}");
+        let e = cfg(r#"{"scoring_func":"relu"}"#).unwrap_err();
+        assert!(e.to_string().contains("scoring_func"), "{e}");
+        assert!(cfg("{}").is_ok());
+    }
+}

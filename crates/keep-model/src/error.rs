@@ -1,0 +1,47 @@
+//! Typed errors of the model layer. Each names the config key or tensor involved and, where
+//! there is one, both shapes; nothing here prints or panics on a bad checkpoint.
+
+use keep_checkpoint::CheckpointError;
+use keep_kernels::KernelError;
+
+/// Everything that can go wrong loading or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The config asks for something keep's model does not implement.
+    #[error("config key `{key}`: {msg}")]
+    Unsupported { key: String, msg: String },
+    /// The config is inconsistent.
+    #[error("config: {0}")]
+    Config(String),
+    /// A tensor the model needs is missing.
+    #[error("tensor `{0}` is missing from the checkpoint (the model needs it)")]
+    Missing(String),
+    /// A tensor has the wrong shape.
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<u64>,
+        got: Vec<u64>,
+    },
+    /// A tensor's dtype/scale combination is not a format keep can compute with.
+    #[error("tensor `{name}`: {msg}")]
+    Format { name: String, msg: String },
+    /// A kernel refused its operands (a bug or a corrupt view).
+    #[error("kernel: {0}")]
+    Kernel(#[from] KernelError),
+    /// A token id outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    Token { id: u32, vocab: usize },
+    /// An expert source could not provide an expert.
+    #[error("expert {expert} of layer {layer}: {msg}")]
+    Expert {
+        layer: usize,
+        expert: usize,
+        msg: String,
+    },
+    /// A cache used with the wrong model or after an error.
+    #[error("cache: {0}")]
+    Cache(String),
+}

@@ -1,0 +1,813 @@
+//! One decoder layer of DeepSeek-V4.1: its weights ([`LayerWeights`], views into the checkpoint)
+//! and its forward ([`LayerWeights::forward`]), following `DecoderLayer.__call__` of mlx-lm's
+//! `deepseek_v41.py`: hyper-connection mixes (RMS-normalised, sigmoid pre/post, softmax then
+//! sinkhorn comb), collapse, attention (low-rank q, shared KV, interleaved RoPE on the trailing
+//! dims, sliding window with sinks, compressor, indexer with candidate blocks, sparse attention
+//! over window + selected compressed rows, inverse RoPE, grouped `wo_a`, `wo_b`), expand, then
+//! the MoE (router with bias-corrected top-k, clamped SwiGLU experts, shared expert).
+//!
+//! The whole-model forward and the layer-streamed forward both call this one function, which is
+//! what makes them bit-identical.
+
+use keep_checkpoint::Checkpoint;
+use keep_kernels::ops::{self, Rope};
+use keep_kernels::{matmul, WeightView};
+
+use crate::cache::LayerCache;
+use crate::config::{LayerRoles, ModelConfig, Scoring};
+use crate::experts::ExpertSource;
+use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use crate::weights::{vec_f32, weight};
+use crate::{ModelError, Result};
+
+/// Hyper-connection parameters (`hc_{attn,ffn}_{fn,base,scale}`).
+pub struct Hc<'a> {
+    pub fn_: WeightView<'a>,
+    pub base: Vec<f32>,
+    pub scale: Vec<f32>,
+}
+
+/// The compressor of a KV-source layer.
+pub struct Compressor<'a> {
+    pub wkv: WeightView<'a>,
+    pub wgate: Option<WeightView<'a>>,
+    pub norm: Vec<f32>,
+}
+
+/// The indexer of an index-source layer.
+pub struct Indexer<'a> {
+    pub wq_b: WeightView<'a>,
+    pub weights_proj: WeightView<'a>,
+    /// Index-key projection and norm (KV-source layers only).
+    pub wk: Option<(WeightView<'a>, Vec<f32>)>,
+}
+
+/// Per-layer router mask: experts that can never be chosen (issue 6's pruning-equivalent hook).
+pub type RouterMask = Option<Vec<bool>>;
+
+/// The weights of one layer (routed experts excluded: they come from an [`ExpertSource`]).
+pub struct LayerWeights<'a> {
+    pub layer: usize,
+    pub roles: LayerRoles,
+    pub rope: Rope,
+    pub attn_norm: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub hc_attn: Hc<'a>,
+    pub hc_ffn: Hc<'a>,
+    pub wq_a: WeightView<'a>,
+    pub q_norm: Vec<f32>,
+    pub wq_b: WeightView<'a>,
+    pub wkv: WeightView<'a>,
+    pub kv_norm: Vec<f32>,
+    pub wo_a: WeightView<'a>,
+    pub wo_b: WeightView<'a>,
+    pub sinks: Vec<f32>,
+    pub compressor: Option<Compressor<'a>>,
+    pub indexer: Option<Indexer<'a>>,
+    pub gate: WeightView<'a>,
+    pub gate_bias: Vec<f32>,
+    pub shared: [WeightView<'a>; 3],
+}
+
+/// What one forward call shares between layers (the reference's `shared` dict).
+#[derive(Default)]
+pub struct Shared {
+    /// Layer whose cache holds the compressed KV the next layers read.
+    pub compress_kv: Option<usize>,
+    /// Layer whose cache holds the index keys.
+    pub index_k: Option<usize>,
+    /// Top-k compressed rows per query `[T × k]` (-1: none), with k.
+    pub topk: Option<(Vec<i32>, usize)>,
+    /// Candidate mask `[T × n]` over index keys, with n.
+    pub candidates: Option<(Vec<bool>, usize)>,
+}
+
+/// The hidden state between layers: `hc` residual streams per token and the pre-mix the next
+/// layer collapses them with.
+#[derive(Debug, Clone)]
+pub struct Streams {
+    pub t: usize,
+    /// `[T × hc × dim]`.
+    pub x: Vec<f32>,
+    /// `[T × hc]`.
+    pub pre_mix: Vec<f32>,
+}
+
+/// Position information of one forward call.
+#[derive(Debug, Clone, Copy)]
+pub struct Step {
+    /// Position of the first new token.
+    pub start_pos: usize,
+    /// Window rows held before this call (`min(start_pos, window)`).
+    pub previous: usize,
+}
+
+fn hc_load<'a>(ck: &'a Checkpoint, p: &str, k: &str, cfg: &ModelConfig) -> Result<Hc<'a>> {
+    let mix = (2 + cfg.hc) * cfg.hc;
+    let name = format!("{p}hc_{k}_fn");
+    let t = crate::weights::tensor(ck, &name)?;
+    let fn_ = crate::weights::view(t, None, mix, cfg.hc * cfg.dim, None)?;
+    Ok(Hc {
+        fn_,
+        base: vec_f32(ck, &format!("{p}hc_{k}_base"), mix)?,
+        scale: vec_f32(ck, &format!("{p}hc_{k}_scale"), 3)?,
+    })
+}
+
+impl<'a> LayerWeights<'a> {
+    /// Resolve and check the weights of `layer`.
+    pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let p = format!("layers.{layer}.");
+        let hint = cfg.raw.weight_block_size();
+        let roles = cfg.roles[layer];
+        let (d, h, hd) = (cfg.dim, cfg.heads, cfg.head_dim);
+        if ck.contains(&format!("{p}ffn.gate.tid2eid")) {
+            return Err(ModelError::Unsupported {
+                key: "num_hash_layers".into(),
+                msg: format!(
+                    "layer {layer} has `ffn.gate.tid2eid` (V4-Flash hash routing), which keep's model does not implement"
+                ),
+            });
+        }
+        let w = |n: &str, r: usize, c: usize| weight(ck, &format!("{p}{n}"), r, c, hint);
+        let v = |n: &str, len: usize| vec_f32(ck, &format!("{p}{n}"), len);
+        let compressor = if roles.kv_source && roles.ratio > 0 {
+            Some(Compressor {
+                wkv: w("attn.compressor.wkv", hd, d)?,
+                wgate: if roles.ratio > 1 {
+                    Some(w("attn.compressor.wgate", hd, d)?)
+                } else {
+                    None
+                },
+                norm: v("attn.compressor.norm.weight", hd)?,
+            })
+        } else {
+            None
+        };
+        let indexer = if roles.index_source && roles.ratio > 0 {
+            let (ih, ihd) = (cfg.index_heads, cfg.index_head_dim);
+            Some(Indexer {
+                wq_b: w("attn.indexer.wq_b", ih * ihd, cfg.q_lora)?,
+                weights_proj: w("attn.indexer.weights_proj", ih, d)?,
+                wk: if roles.kv_source {
+                    Some((w("attn.indexer.wk", ihd, hd)?, v("attn.indexer.k_norm.weight", ihd)?))
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
+        };
+        let ig = h * hd / cfg.o_groups;
+        Ok(LayerWeights {
+            layer,
+            roles,
+            rope: cfg.rope(layer),
+            attn_norm: v("attn_norm.weight", d)?,
+            ffn_norm: v("ffn_norm.weight", d)?,
+            hc_attn: hc_load(ck, &p, "attn", cfg)?,
+            hc_ffn: hc_load(ck, &p, "ffn", cfg)?,
+            wq_a: w("attn.wq_a", cfg.q_lora, d)?,
+            q_norm: v("attn.q_norm.weight", cfg.q_lora)?,
+            wq_b: w("attn.wq_b", h * hd, cfg.q_lora)?,
+            wkv: w("attn.wkv", hd, d)?,
+            kv_norm: v("attn.kv_norm.weight", hd)?,
+            wo_a: w("attn.wo_a", cfg.o_groups * cfg.o_lora, ig)?,
+            wo_b: w("attn.wo_b", d, cfg.o_groups * cfg.o_lora)?,
+            sinks: v("attn.attn_sink", h)?,
+            compressor,
+            indexer,
+            gate: w("ffn.gate", cfg.n_experts, d)?,
+            gate_bias: v("ffn.gate.bias", cfg.n_experts)?,
+            shared: [
+                w("ffn.shared_experts.w1", cfg.inter, d)?,
+                w("ffn.shared_experts.w2", d, cfg.inter)?,
+                w("ffn.shared_experts.w3", cfg.inter, d)?,
+            ],
+        })
+    }
+}
+
+/// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
+fn lin(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+) -> Result<Vec<f32>> {
+    if let Some(o) = obs.as_deref_mut() {
+        if o.wants_linear_inputs() {
+            o.on_linear_input(&LinearInputEvent {
+                layer,
+                name,
+                expert,
+                rows: m,
+                cols: w.cols,
+                x,
+            });
+        }
+    }
+    let mut y = vec![0f32; m * w.rows];
+    matmul(x, m, w, &mut y)?;
+    Ok(y)
+}
+
+/// `HyperConnection.__call__`: (pre `[T×hc]`, post `[T×hc]`, comb `[T×hc×hc]`).
+fn hc_mix(hcw: &Hc, s: &Streams, cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (t, hc, d) = (s.t, cfg.hc, cfg.dim);
+    let mut flat = s.x.clone();
+    ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
+    let nm = (2 + hc) * hc;
+    let mut mix = vec![0f32; t * nm];
+    matmul(&flat, t, &hcw.fn_, &mut mix)?;
+    let mut pre = vec![0f32; t * hc];
+    let mut post = vec![0f32; t * hc];
+    let mut comb = vec![0f32; t * hc * hc];
+    for i in 0..t {
+        let m = &mut mix[i * nm..(i + 1) * nm];
+        for (j, v) in m.iter_mut().enumerate() {
+            let sid = if j < hc { 0 } else if j < 2 * hc { 1 } else { 2 };
+            *v = *v * hcw.scale[sid] + hcw.base[j];
+        }
+        for j in 0..hc {
+            pre[i * hc + j] = ops::sigmoid(m[j]) + cfg.hc_eps;
+            post[i * hc + j] = 2.0 * ops::sigmoid(m[hc + j]);
+        }
+        let c = &mut comb[i * hc * hc..(i + 1) * hc * hc];
+        c.copy_from_slice(&m[2 * hc..]);
+        for row in c.chunks_exact_mut(hc) {
+            ops::softmax(row);
+            for v in row.iter_mut() {
+                *v += cfg.hc_eps;
+            }
+        }
+        ops::sinkhorn(c, hc, cfg.hc_iters, cfg.hc_eps);
+    }
+    Ok((pre, post, comb))
+}
+
+/// `_collapse`: `Σ_k mix[k] · streams[k]` per token.
+fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0f32; s.t * d];
+    for i in 0..s.t {
+        let o = &mut out[i * d..(i + 1) * d];
+        for k in 0..hc {
+            let m = mix[i * hc + k];
+            let src = &s.x[(i * hc + k) * d..(i * hc + k + 1) * d];
+            for (a, b) in o.iter_mut().zip(src) {
+                *a += m * b;
+            }
+        }
+    }
+    out
+}
+
+/// `_expand`: `streams'[j] = post[j] · x + Σ_i comb[i, j] · streams[i]` per token.
+fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: usize) {
+    let mut mixed = vec![0f32; hc * d];
+    for i in 0..s.t {
+        mixed.iter_mut().for_each(|v| *v = 0.0);
+        let res = &s.x[i * hc * d..(i + 1) * hc * d];
+        for j in 0..hc {
+            let mj = &mut mixed[j * d..(j + 1) * d];
+            for a in 0..hc {
+                let c = comb[(i * hc + a) * hc + j];
+                for (m, r) in mj.iter_mut().zip(&res[a * d..(a + 1) * d]) {
+                    *m += c * r;
+                }
+            }
+        }
+        let xi = &x[i * d..(i + 1) * d];
+        let out = &mut s.x[i * hc * d..(i + 1) * hc * d];
+        for j in 0..hc {
+            let p = post[i * hc + j];
+            for ((o, m), xv) in out[j * d..(j + 1) * d].iter_mut().zip(&mixed[j * d..(j + 1) * d]).zip(xi) {
+                *o = p * xv + m;
+            }
+        }
+    }
+}
+
+impl LayerWeights<'_> {
+    /// Run this layer on `s` (in place), updating `caches[self.layer]` and `shared`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        s: &mut Streams,
+        step: Step,
+        caches: &mut [LayerCache],
+        shared: &mut Shared,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let (hc, d) = (cfg.hc, cfg.dim);
+        let (attn_pre, attn_post, attn_comb) = hc_mix(&self.hc_attn, s, cfg)?;
+        let mut h = collapse(s, &s.pre_mix, hc, d);
+        ops::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
+        let a = self.attention(cfg, &h, s.t, step, caches, shared, &mut obs)?;
+        expand(&a, s, &attn_post, &attn_comb, hc, d);
+
+        let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&self.hc_ffn, s, cfg)?;
+        let mut h = collapse(s, &attn_pre, hc, d);
+        ops::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
+        let m = self.moe(cfg, experts, mask, &h, s.t, step, &mut obs)?;
+        expand(&m, s, &ffn_post, &ffn_comb, hc, d);
+        s.pre_mix = ffn_pre;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [LayerCache],
+        shared: &mut Shared,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
+        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
+        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        for i in 0..t {
+            let pos = (step.start_pos + i) as f32;
+            for hh in 0..h {
+                let o = (i * h + hh) * hd;
+                self.rope.apply(&mut q[o..o + hd], pos, false);
+            }
+        }
+        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        for i in 0..t {
+            let row = &mut kv[i * hd..(i + 1) * hd];
+            self.rope.apply(row, (step.start_pos + i) as f32, false);
+            ops::fake_quant_fp8(row, 32);
+        }
+        // The window with the new rows appended (truncated after attending).
+        {
+            let c = &mut caches[l];
+            if c.window_rows != step.previous {
+                return Err(ModelError::Cache(format!(
+                    "layer {l} holds {} window rows, the model expects {}",
+                    c.window_rows, step.previous
+                )));
+            }
+            c.window.extend_from_slice(&kv);
+            c.window_rows += t;
+        }
+
+        let mut topk_here = false;
+        if self.roles.ratio > 0 {
+            if self.compressor.is_some() {
+                self.compress(cfg, x, t, step, caches, shared, obs)?;
+            }
+            if let Some(ix) = &self.indexer {
+                let (topk, k) = self.index(cfg, ix, x, &qr, t, step, caches, shared, obs)?;
+                shared.topk = Some((topk, k));
+                topk_here = true;
+            }
+        }
+        let _ = topk_here;
+
+        // Sparse attention over the window rows and the selected compressed rows.
+        let scale = (hd as f32).powf(-0.5);
+        let window = &caches[l].window;
+        let comp: Option<(&[f32], &[i32], usize)> = if self.roles.ratio > 0 {
+            match (shared.compress_kv, &shared.topk) {
+                (Some(src), Some((idx, k))) if *k > 0 && caches[src].n_compressed > 0 => {
+                    Some((&caches[src].compress_kv[..], &idx[..], *k))
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let mut out = vec![0f32; t * h * hd];
+        let mut keys: Vec<usize> = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
+        let mut qs = vec![0f32; hd];
+        for i in 0..t {
+            let end = step.previous + i;
+            let start = (end + 1).saturating_sub(cfg.window);
+            keys.clear();
+            // Window rows are ids 0.., compressed rows are ids offset by 1<<40.
+            keys.extend(start..=end);
+            if let Some((_, idx, k)) = comp {
+                for &j in &idx[i * k..(i + 1) * k] {
+                    if j >= 0 {
+                        keys.push((1usize << 40) + j as usize);
+                    }
+                }
+            }
+            let row_of = |key: usize| -> &[f32] {
+                if key >= 1 << 40 {
+                    let j = key - (1 << 40);
+                    &comp.unwrap().0[j * hd..(j + 1) * hd]
+                } else {
+                    &window[key * hd..(key + 1) * hd]
+                }
+            };
+            for hh in 0..h {
+                let qo = (i * h + hh) * hd;
+                for (a, b) in qs.iter_mut().zip(&q[qo..qo + hd]) {
+                    *a = b * scale;
+                }
+                scores.clear();
+                for &key in &keys {
+                    scores.push(keep_kernels::matmul::dot(&qs, row_of(key)));
+                }
+                // Softmax with the sink as one more logit in the denominator.
+                let sink = self.sinks[hh];
+                let m = scores.iter().copied().fold(sink, f32::max);
+                let mut sum = (sink - m).exp();
+                for v in scores.iter_mut() {
+                    *v = (*v - m).exp();
+                    sum += *v;
+                }
+                let o = &mut out[qo..qo + hd];
+                for (&key, &p) in keys.iter().zip(scores.iter()) {
+                    let w = p / sum;
+                    for (a, b) in o.iter_mut().zip(row_of(key)) {
+                        *a += w * b;
+                    }
+                }
+                self.rope.apply(o, (step.start_pos + i) as f32, true);
+            }
+        }
+        {
+            let c = &mut caches[l];
+            if c.window_rows > cfg.window {
+                let drop = c.window_rows - cfg.window;
+                c.window.drain(..drop * hd);
+                c.window_rows = cfg.window;
+            }
+        }
+
+        // Grouped wo_a: group g reads its own heads' slice.
+        let (g, ol) = (cfg.o_groups, cfg.o_lora);
+        let ig = h * hd / g;
+        let mut oa = vec![0f32; t * g * ol];
+        let mut xin = vec![0f32; t * ig];
+        let mut yg = vec![0f32; t * ol];
+        for gi in 0..g {
+            for i in 0..t {
+                xin[i * ig..(i + 1) * ig].copy_from_slice(&out[i * h * hd + gi * ig..i * h * hd + (gi + 1) * ig]);
+            }
+            if let Some(o) = obs.as_deref_mut() {
+                if o.wants_linear_inputs() {
+                    o.on_linear_input(&LinearInputEvent { layer: l, name: "attn.wo_a", expert: Some(gi), rows: t, cols: ig, x: &xin });
+                }
+            }
+            keep_kernels::matmul_rows(&xin, t, &self.wo_a, gi * ol, (gi + 1) * ol, &mut yg)?;
+            for i in 0..t {
+                oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol].copy_from_slice(&yg[i * ol..(i + 1) * ol]);
+            }
+        }
+        lin(&oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
+    }
+
+    /// `Attention._compress` with `Compressor.__call__`.
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [LayerCache],
+        shared: &mut Shared,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let l = self.layer;
+        let cp = self.compressor.as_ref().expect("checked by caller");
+        let hd = cfg.head_dim;
+        let ratio = self.roles.ratio;
+        let c = &mut caches[l];
+        let (latent, n, first) = if ratio == 1 {
+            let mut lat = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
+            ops::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
+            (lat, t, step.start_pos)
+        } else {
+            let kvp = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
+            let gw = cp.wgate.as_ref().expect("loaded for ratio > 1");
+            let gp = lin(x, t, gw, obs, l, "attn.compressor.wgate", None)?;
+            let pending = c.n_pending;
+            c.pending_kv.extend_from_slice(&kvp);
+            c.pending_gate.extend_from_slice(&gp);
+            let total = pending + t;
+            let full = total - total % ratio;
+            let first = (step.start_pos - pending) / ratio;
+            let n = full / ratio;
+            let mut lat = vec![0f32; n * hd];
+            let mut gcol = vec![0f32; ratio];
+            for gi in 0..n {
+                for dd in 0..hd {
+                    for r in 0..ratio {
+                        gcol[r] = c.pending_gate[(gi * ratio + r) * hd + dd];
+                    }
+                    ops::softmax(&mut gcol);
+                    let mut acc = 0f32;
+                    for r in 0..ratio {
+                        acc += c.pending_kv[(gi * ratio + r) * hd + dd] * gcol[r];
+                    }
+                    lat[gi * hd + dd] = acc;
+                }
+            }
+            c.pending_kv.drain(..full * hd);
+            c.pending_gate.drain(..full * hd);
+            c.n_pending = total - full;
+            ops::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
+            (lat, n, first)
+        };
+        if n > 0 {
+            let mut kv = latent.clone();
+            for i in 0..n {
+                let row = &mut kv[i * hd..(i + 1) * hd];
+                self.rope.apply(row, ((first + i) * ratio) as f32, false);
+                ops::fake_quant_fp4(row, 16, true);
+            }
+            c.compress_kv.extend_from_slice(&kv);
+            c.n_compressed += n;
+            if self.roles.index_source {
+                if let Some((wk, kn)) = self.indexer.as_ref().and_then(|ix| ix.wk.as_ref()) {
+                    let ihd = cfg.index_head_dim;
+                    let mut k = lin(&latent, n, wk, obs, l, "attn.indexer.wk", None)?;
+                    ops::rms_norm(&mut k, ihd, Some(kn), cfg.eps);
+                    for i in 0..n {
+                        let row = &mut k[i * ihd..(i + 1) * ihd];
+                        self.rope.apply(row, ((first + i) * ratio) as f32, false);
+                        ops::fake_quant_fp4(row, 32, false);
+                    }
+                    c.index_k.extend_from_slice(&k);
+                    c.n_index += n;
+                }
+            }
+        }
+        shared.compress_kv = if c.n_compressed > 0 { Some(l) } else { None };
+        if self.roles.index_source {
+            shared.index_k = if c.n_index > 0 { Some(l) } else { None };
+        }
+        Ok(())
+    }
+
+    /// `Indexer.__call__`: top-k compressed rows per query (`-1`: none) and the candidate mask.
+    #[allow(clippy::too_many_arguments)]
+    fn index(
+        &self,
+        cfg: &ModelConfig,
+        ix: &Indexer,
+        x: &[f32],
+        qr: &[f32],
+        t: usize,
+        step: Step,
+        caches: &[LayerCache],
+        shared: &mut Shared,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<(Vec<i32>, usize)> {
+        let l = self.layer;
+        let keys = match shared.index_k {
+            Some(src) if caches[src].n_index > 0 => &caches[src],
+            _ => return Ok((vec![], 0)),
+        };
+        let n = keys.n_index;
+        let keys = &keys.index_k[..n * cfg.index_head_dim];
+        let (nh, ihd) = (cfg.index_heads, cfg.index_head_dim);
+        let mut q = lin(qr, t, &ix.wq_b, obs, l, "attn.indexer.wq_b", None)?;
+        for i in 0..t {
+            for hh in 0..nh {
+                let row = &mut q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
+                self.rope.apply(row, (step.start_pos + i) as f32, false);
+                ops::fake_quant_fp4(row, 32, false);
+            }
+        }
+        let mut w = lin(x, t, &ix.weights_proj, obs, l, "attn.indexer.weights_proj", None)?;
+        let wscale = (nh as f32).powf(-0.5);
+        w.iter_mut().for_each(|v| *v *= wscale);
+        let sscale = (ihd as f32).powf(-0.5);
+        let ratio = self.roles.ratio;
+        let mut scores = vec![0f32; t * n];
+        for i in 0..t {
+            let lens = (step.start_pos + 1 + i) / ratio;
+            for j in 0..n {
+                if j >= lens {
+                    scores[i * n + j] = f32::NEG_INFINITY;
+                    continue;
+                }
+                let kr = &keys[j * ihd..(j + 1) * ihd];
+                let mut acc = 0f32;
+                for hh in 0..nh {
+                    let qq = &q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
+                    let sc = keep_kernels::matmul::dot(qq, kr).max(0.0) * sscale;
+                    acc += sc * w[i * nh + hh];
+                }
+                scores[i * n + j] = acc;
+            }
+        }
+        if self.roles.candidate_source && cfg.candidate_topk_blocks > 0 {
+            let b = cfg.candidate_block_size;
+            let nb = n.div_ceil(b);
+            let kb = cfg.candidate_topk_blocks.min(nb);
+            let mut cand = vec![false; t * n];
+            let mut bs: Vec<(f32, usize)> = Vec::with_capacity(nb);
+            for i in 0..t {
+                let lens = (step.start_pos + 1 + i) / ratio;
+                bs.clear();
+                for bi in 0..nb {
+                    let m = scores[i * n + bi * b..(i * n + ((bi + 1) * b).min(n))]
+                        .iter()
+                        .copied()
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    bs.push((m, bi));
+                }
+                if lens > 0 {
+                    bs[(lens - 1) / b].0 = f32::INFINITY;
+                }
+                top_k_by(&mut bs, kb);
+                for &(sc, bi) in &bs[..kb] {
+                    if sc > f32::NEG_INFINITY {
+                        for j in bi * b..((bi + 1) * b).min(n) {
+                            cand[i * n + j] = true;
+                        }
+                    }
+                }
+            }
+            shared.candidates = Some((cand, n));
+        } else if let Some((cand, cn)) = &shared.candidates {
+            if *cn != n {
+                return Err(ModelError::Config(format!(
+                    "layer {l}: the candidate mask covers {cn} index keys but the indexer scores {n}; \
+                     candidate_source_layer_id must read the same index keys"
+                )));
+            }
+            for (s, &c) in scores.iter_mut().zip(cand.iter()) {
+                if !c {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let k = cfg.index_topk.min(n);
+        let mut out = vec![-1i32; t * k];
+        let mut row: Vec<(f32, usize)> = Vec::with_capacity(n);
+        for i in 0..t {
+            let lens = (step.start_pos + 1 + i) / ratio;
+            row.clear();
+            row.extend((0..n).map(|j| (scores[i * n + j], j)));
+            top_k_by(&mut row, k);
+            for (slot, &(_, j)) in row[..k].iter().enumerate() {
+                out[i * k + slot] = if j < lens { j as i32 } else { -1 };
+            }
+        }
+        Ok((out, k))
+    }
+
+    /// `MoE.__call__`: router, routed experts (grouped by expert), shared expert.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+        let mut logits = lin(x, t, &self.gate, obs, l, "ffn.gate", None)?;
+        let mut chosen = vec![0u32; t * k];
+        let mut weights = vec![0f32; t * k];
+        let mut scores = vec![0f32; t * e];
+        let mut cand: Vec<(f32, usize)> = Vec::with_capacity(e);
+        for i in 0..t {
+            let lg = &mut logits[i * e..(i + 1) * e];
+            let sc = &mut scores[i * e..(i + 1) * e];
+            for v in lg.iter_mut() {
+                *v /= cfg.gate_temp;
+            }
+            match cfg.scoring {
+                Scoring::Sigmoid => sc.iter_mut().zip(lg.iter()).for_each(|(s, &v)| *s = ops::sigmoid(v)),
+                Scoring::SqrtSoftplus => sc.iter_mut().zip(lg.iter()).for_each(|(s, &v)| *s = ops::softplus(v).sqrt()),
+                Scoring::Softmax => {
+                    sc.copy_from_slice(lg);
+                    if let Some(m) = mask {
+                        for (s, &dead) in sc.iter_mut().zip(m) {
+                            if dead {
+                                *s = f32::NEG_INFINITY;
+                            }
+                        }
+                    }
+                    ops::softmax(sc);
+                }
+            }
+            cand.clear();
+            for j in 0..e {
+                let dead = mask.is_some_and(|m| m[j]);
+                let b = if dead { f32::NEG_INFINITY } else { sc[j] + self.gate_bias[j] };
+                cand.push((b, j));
+            }
+            top_k_by(&mut cand, k);
+            let mut sum = 0f32;
+            for s in 0..k {
+                let j = cand[s].1;
+                chosen[i * k + s] = j as u32;
+                weights[i * k + s] = sc[j];
+                sum += sc[j];
+            }
+            for s in 0..k {
+                if cfg.norm_topk_prob && k > 1 {
+                    weights[i * k + s] /= sum + 1e-20;
+                }
+                weights[i * k + s] *= cfg.route_scale;
+            }
+        }
+        if let Some(o) = obs.as_deref_mut() {
+            o.on_route(&RouteEvent {
+                layer: l,
+                start_pos: step.start_pos,
+                tokens: t,
+                top_k: k,
+                experts: &chosen,
+                weights: &weights,
+                scores: &scores,
+            });
+        }
+
+        // Routed experts, grouped by expert: per expert, the (token, slot) routes to it.
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
+        for i in 0..t {
+            for s in 0..k {
+                by_expert[chosen[i * k + s] as usize].push((i, s));
+            }
+        }
+        let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
+        experts.prefetch(l, &used);
+        let mut ys = vec![0f32; t * k * d];
+        let limit = cfg.swiglu_limit;
+        for &j in &used {
+            let routes = &by_expert[j];
+            let m = routes.len();
+            let ew = experts.expert(l, j)?;
+            let mut xin = vec![0f32; m * d];
+            for (r, &(i, _)) in routes.iter().enumerate() {
+                xin[r * d..(r + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
+            }
+            let g = lin(&xin, m, &ew.w1, obs, l, "ffn.experts.w1", Some(j))?;
+            let u = lin(&xin, m, &ew.w3, obs, l, "ffn.experts.w3", Some(j))?;
+            let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::swiglu_clamped(g, u, limit)).collect();
+            let y = lin(&act, m, &ew.w2, obs, l, "ffn.experts.w2", Some(j))?;
+            if let Some(o) = obs.as_deref_mut() {
+                if o.wants_expert_outputs() {
+                    let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
+                    let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
+                    let ws: Vec<f32> = routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
+                    o.on_expert_output(&ExpertOutputEvent { layer: l, expert: j, token_rows: &rows, slots: &slots, weights: &ws, outputs: &y });
+                }
+            }
+            for (r, &(i, s)) in routes.iter().enumerate() {
+                ys[(i * k + s) * d..(i * k + s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
+            }
+        }
+        let [sw1, sw2, sw3] = &self.shared;
+        let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
+        let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
+        let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::swiglu_clamped(g, u, limit)).collect();
+        let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
+        let mut out = vec![0f32; t * d];
+        for i in 0..t {
+            let o = &mut out[i * d..(i + 1) * d];
+            for s in 0..k {
+                let w = weights[i * k + s];
+                for (a, b) in o.iter_mut().zip(&ys[(i * k + s) * d..(i * k + s + 1) * d]) {
+                    *a += b * w;
+                }
+            }
+            for (a, b) in o.iter_mut().zip(&sh[i * d..(i + 1) * d]) {
+                *a += b;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Put the `k` largest `(score, id)` first, ordered by score descending then id ascending
+/// (a total order, so ties and -inf picks are deterministic).
+pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
+    let cmp = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if k == 0 {
+        return;
+    }
+    if k < v.len() {
+        v.select_nth_unstable_by(k - 1, cmp);
+    }
+    let kk = k.min(v.len());
+    v[..kk].sort_by(cmp);
+}

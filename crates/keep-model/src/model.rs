@@ -1,0 +1,202 @@
+//! [`Model`]: the whole DeepSeek-V4.1 text model over a checkpoint (`TextModel` + `lm_head` of
+//! the reference): embeddings, the layers, the final collapse, norm and head.
+//!
+//! [`Model::forward`] runs T new tokens from the cache's position (prefill when the cache is
+//! empty, decode when T = 1) and returns logits as asked ([`Logits`]).
+
+use keep_checkpoint::Checkpoint;
+use keep_kernels::{matmul, ops, WeightView};
+
+use crate::cache::Cache;
+use crate::config::ModelConfig;
+use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::layer::{LayerWeights, Shared, Step, Streams};
+use crate::observer::RouteObserver;
+use crate::weights::{vec_f32, weight};
+use crate::{ModelError, Result};
+
+/// Which logits a forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// `[T × vocab]`.
+    All,
+    /// `[vocab]` of the last token.
+    Last,
+    /// None (the cache is what is wanted).
+    None,
+}
+
+/// Embedding, final norm and head: what is not in a layer.
+pub struct Globals<'a> {
+    pub embed: WeightView<'a>,
+    pub head: WeightView<'a>,
+    pub norm: Vec<f32>,
+}
+
+impl<'a> Globals<'a> {
+    /// Resolve `embed.weight`, `head.weight`, `norm.weight`.
+    pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
+        let hint = cfg.raw.weight_block_size();
+        Ok(Globals {
+            embed: weight(ck, "embed", cfg.vocab, cfg.dim, hint)?,
+            head: weight(ck, "head", cfg.vocab, cfg.dim, hint)?,
+            norm: vec_f32(ck, "norm.weight", cfg.dim)?,
+        })
+    }
+
+    /// The initial streams: each token's embedding copied into all `hc` streams, pre-mix
+    /// `[1, 0, …]`.
+    pub fn embed(&self, cfg: &ModelConfig, tokens: &[u32]) -> Result<Streams> {
+        let (hc, d) = (cfg.hc, cfg.dim);
+        let t = tokens.len();
+        let mut x = vec![0f32; t * hc * d];
+        let mut row = vec![0f32; d];
+        for (i, &id) in tokens.iter().enumerate() {
+            if id as usize >= cfg.vocab {
+                return Err(ModelError::Token { id, vocab: cfg.vocab });
+            }
+            self.embed.decode_row(id as usize, &mut row);
+            for k in 0..hc {
+                x[(i * hc + k) * d..(i * hc + k + 1) * d].copy_from_slice(&row);
+            }
+        }
+        let mut pre_mix = vec![0f32; t * hc];
+        for i in 0..t {
+            pre_mix[i * hc] = 1.0;
+        }
+        Ok(Streams { t, x, pre_mix })
+    }
+
+    /// Final collapse, norm and head for the rows `which` asks for.
+    pub fn finish(&self, cfg: &ModelConfig, s: &Streams, which: Logits) -> Result<Vec<f32>> {
+        let (hc, d) = (cfg.hc, cfg.dim);
+        let rows: Vec<usize> = match which {
+            Logits::All => (0..s.t).collect(),
+            Logits::Last => s.t.checked_sub(1).into_iter().collect(),
+            Logits::None => return Ok(vec![]),
+        };
+        let mut h = vec![0f32; rows.len() * d];
+        for (r, &i) in rows.iter().enumerate() {
+            let o = &mut h[r * d..(r + 1) * d];
+            for k in 0..hc {
+                let m = s.pre_mix[i * hc + k];
+                for (a, b) in o.iter_mut().zip(&s.x[(i * hc + k) * d..(i * hc + k + 1) * d]) {
+                    *a += m * b;
+                }
+            }
+        }
+        ops::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
+        let mut out = vec![0f32; rows.len() * cfg.vocab];
+        matmul(&h, rows.len(), &self.head, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The step of a forward of `t` tokens on `cache`.
+pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
+    Step {
+        start_pos: cache.pos,
+        previous: cache.pos.min(cfg.window),
+    }
+}
+
+/// The whole model, borrowing its weights from an open checkpoint.
+pub struct Model<'a> {
+    pub cfg: ModelConfig,
+    pub globals: Globals<'a>,
+    pub layers: Vec<LayerWeights<'a>>,
+    experts: Box<dyn ExpertSource + 'a>,
+    masks: Vec<Option<Vec<bool>>>,
+}
+
+impl<'a> Model<'a> {
+    /// Load the model with routed experts read from the checkpoint itself.
+    pub fn load(ck: &'a Checkpoint) -> Result<Self> {
+        let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let experts = Box::new(CheckpointExperts::new(ck, &cfg)?);
+        Self::load_with(ck, cfg, experts)
+    }
+
+    /// Load the model with routed experts from `experts`.
+    pub fn load_with(
+        ck: &'a Checkpoint,
+        cfg: ModelConfig,
+        experts: Box<dyn ExpertSource + 'a>,
+    ) -> Result<Self> {
+        let globals = Globals::load(ck, &cfg)?;
+        let layers = (0..cfg.n_layers)
+            .map(|l| LayerWeights::load(ck, &cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        let masks = vec![None; cfg.n_layers];
+        Ok(Model {
+            cfg,
+            globals,
+            layers,
+            experts,
+            masks,
+        })
+    }
+
+    /// An empty cache for this model.
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(self.cfg.n_layers)
+    }
+
+    /// Forbid the experts marked `true` in `layer`'s router (they are never chosen; the gate
+    /// weights renormalise over the survivors). `None` clears the mask.
+    pub fn set_router_mask(&mut self, layer: usize, mask: Option<Vec<bool>>) -> Result<()> {
+        if layer >= self.cfg.n_layers {
+            return Err(ModelError::Config(format!("router mask for layer {layer} of {}", self.cfg.n_layers)));
+        }
+        if let Some(m) = &mask {
+            let alive = m.iter().filter(|d| !**d).count();
+            if m.len() != self.cfg.n_experts || alive < self.cfg.top_k {
+                return Err(ModelError::Config(format!(
+                    "router mask of layer {layer}: {} entries with {alive} alive; need {} entries and at least num_experts_per_tok = {} alive",
+                    m.len(),
+                    self.cfg.n_experts,
+                    self.cfg.top_k
+                )));
+            }
+        }
+        self.masks[layer] = mask;
+        Ok(())
+    }
+
+    /// Run `tokens` from the cache's position, updating the cache.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        if cache.layers.len() != self.cfg.n_layers {
+            return Err(ModelError::Cache(format!(
+                "{} layer caches for a {}-layer model",
+                cache.layers.len(),
+                self.cfg.n_layers
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut s = self.globals.embed(&self.cfg, tokens)?;
+        let step = step_of(&self.cfg, cache);
+        let mut shared = Shared::default();
+        for lw in &self.layers {
+            lw.forward(
+                &self.cfg,
+                self.experts.as_ref(),
+                self.masks[lw.layer].as_deref(),
+                &mut s,
+                step,
+                &mut cache.layers,
+                &mut shared,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+        }
+        cache.pos += tokens.len();
+        self.globals.finish(&self.cfg, &s, which)
+    }
+}
