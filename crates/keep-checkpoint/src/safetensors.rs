@@ -327,6 +327,13 @@ impl ShardFile {
     pub fn file_offset(&self, t: &TensorInfo) -> u64 {
         self.header.data_start + t.start
     }
+    /// Tell the kernel the file will be read front to back (larger readahead); advisory, so
+    /// a failure is ignored.
+    pub fn advise_sequential(&self) {
+        if let Some(m) = &self.mmap {
+            let _ = m.advise(memmap2::Advice::Sequential);
+        }
+    }
     /// The whole mapping, for advice calls (`madvise`) by callers that stream layers.
     pub fn mapping(&self) -> Option<&memmap2::Mmap> {
         self.mmap.as_ref()

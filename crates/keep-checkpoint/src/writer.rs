@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -74,37 +74,89 @@ struct Shard {
     tensors: Vec<TensorMeta>,
 }
 
+/// A file written and hashed by a background thread, so that hashing (SHA-256) and the
+/// caller's reading overlap: the caller fills 8 MiB buffers, the thread hashes and writes them.
 struct HashingFile {
-    out: BufWriter<File>,
-    hash: Sha256,
+    tx: Option<std::sync::mpsc::SyncSender<Vec<u8>>>,
+    pool: std::sync::mpsc::Receiver<Vec<u8>>,
+    worker: Option<std::thread::JoinHandle<std::io::Result<(File, String)>>>,
+    buf: Vec<u8>,
     path: PathBuf,
 }
 
+const HASH_BUF: usize = 8 << 20;
+
 impl HashingFile {
     fn create(path: PathBuf) -> Result<HashingFile> {
-        let f = File::create(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        let mut f = File::create(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+        let (back_tx, pool) = std::sync::mpsc::channel::<Vec<u8>>();
+        let worker = std::thread::spawn(move || {
+            let mut hash = Sha256::new();
+            for mut buf in rx {
+                hash.update(&buf);
+                f.write_all(&buf)?;
+                buf.clear();
+                let _ = back_tx.send(buf);
+            }
+            Ok((f, hex(&hash.finalize())))
+        });
         Ok(HashingFile {
-            out: BufWriter::with_capacity(8 << 20, f),
-            hash: Sha256::new(),
+            tx: Some(tx),
+            pool,
+            worker: Some(worker),
+            buf: Vec::with_capacity(HASH_BUF),
             path,
         })
     }
-    fn write(&mut self, data: &[u8]) -> Result<()> {
-        self.hash.update(data);
-        self.out
-            .write_all(data)
-            .map_err(|e| CheckpointError::io(&self.path, e))
-    }
-    fn close(self, sync: bool) -> Result<String> {
-        let path = self.path;
-        let f = self
-            .out
-            .into_inner()
-            .map_err(|e| CheckpointError::io(&path, e.into_error()))?;
-        if sync {
-            f.sync_all().map_err(|e| CheckpointError::io(&path, e))?;
+    fn send(&mut self) -> Result<()> {
+        let next = self
+            .pool
+            .try_recv()
+            .unwrap_or_else(|_| Vec::with_capacity(HASH_BUF));
+        let full = std::mem::replace(&mut self.buf, next);
+        let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok());
+        if sent != Some(true) {
+            // The worker stopped: its error is reported by close().
+            return self.close_inner(false).map(|_| ());
         }
-        Ok(hex(&self.hash.finalize()))
+        Ok(())
+    }
+    fn write(&mut self, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            let room = HASH_BUF - self.buf.len();
+            let n = room.min(data.len());
+            self.buf.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.buf.len() == HASH_BUF {
+                self.send()?;
+            }
+        }
+        Ok(())
+    }
+    fn close_inner(&mut self, sync: bool) -> Result<String> {
+        if !self.buf.is_empty() {
+            let full = std::mem::take(&mut self.buf);
+            if let Some(tx) = &self.tx {
+                let _ = tx.send(full);
+            }
+        }
+        self.tx = None;
+        let worker = self.worker.take().ok_or_else(|| {
+            CheckpointError::Writer(format!("{} was already closed", self.path.display()))
+        })?;
+        let (f, h) = worker
+            .join()
+            .map_err(|_| CheckpointError::Writer("writer thread panicked".into()))?
+            .map_err(|e| CheckpointError::io(&self.path, e))?;
+        if sync {
+            f.sync_all()
+                .map_err(|e| CheckpointError::io(&self.path, e))?;
+        }
+        Ok(h)
+    }
+    fn close(mut self, sync: bool) -> Result<String> {
+        self.close_inner(sync)
     }
 }
 

@@ -24,15 +24,27 @@ enum Command {
     Inspect(cmd::inspect::InspectArgs),
     Repack(cmd::repack::RepackArgs),
     Verify(cmd::verify::VerifyArgs),
+    Logits(cmd::logits::LogitsArgs),
+    Run(cmd::run::RunArgs),
+    Bench(cmd::bench::BenchArgs),
 }
 
 fn main() {
+    // Die quietly on a closed pipe (`keep inspect | head`) like other Unix tools.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of a signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Synth(a) => cmd::synth::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Repack(a) => cmd::repack::run(a),
         Command::Verify(a) => cmd::verify::run(a),
+        Command::Logits(a) => cmd::logits::run(a),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

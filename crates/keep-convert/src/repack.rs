@@ -247,6 +247,9 @@ pub fn repack(
     progress: &dyn Fn(u64, u64),
 ) -> Result<(PathBuf, RepackReport)> {
     let ck = Checkpoint::open(src)?;
+    for s in ck.shards() {
+        s.advise_sequential();
+    }
     let residents = prepare(&ck, opts)?;
     let by_weight: std::collections::HashMap<&str, &Resident> =
         residents.iter().map(|r| (r.weight.name, r)).collect();

@@ -1,6 +1,9 @@
 //! One module per verb; each exposes `XArgs` (clap) and `run(XArgs) -> anyhow::Result<()>`.
 
+pub mod bench;
 pub mod inspect;
+pub mod logits;
 pub mod repack;
+pub mod run;
 pub mod synth;
 pub mod verify;

@@ -1,0 +1,44 @@
+//! keep-bench: benchmarks that measure side by side in one run and write JSON evidence.
+//!
+//! What it is: the harness pieces every benchmark shares (cold-cache control, machine
+//! description, evidence rows, medians of interleaved runs) and the benchmarks themselves.
+//! What it is not: a test suite — nothing here asserts a time; verdicts are recorded with the
+//! rule that produced them. Depends on keep-checkpoint and keep-convert (more layers as
+//! benchmarks for them arrive).
+
+pub mod cache;
+pub mod evidence;
+pub mod repack;
+
+/// Errors of the benchmark harness.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Convert(#[from] keep_convert::ConvertError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, BenchError>;
+
+/// Median of a non-empty slice (mean of the middle two for even lengths).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}

@@ -1,0 +1,126 @@
+//! `keep logits`: run one prefill of the model on token ids (or a prompt) and write the f32
+//! logits `[T, vocab]` (`logits`) and the token ids (`tokens`, int32) to a safetensors file, the
+//! layout `tools/oracle/model_ref.py` writes for the reference, so the two compare directly.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::Args;
+use keep_checkpoint::Checkpoint;
+use keep_model::{Logits, Model};
+use safetensors::tensor::{Dtype, TensorView};
+
+/// Write the model's logits for a token sequence to a safetensors file.
+///
+/// One prefill from position 0 (or, with --decode, one token at a time through the cache) of
+/// the given token ids or of the prompt encoded with the model's tokenizer.json. The file holds
+/// `logits` (f32 [T, vocab]) and `tokens` (int32 [T]), with format/version metadata.
+///
+/// Example: keep logits --prompt "Once upon a time" --out /tmp/logits.safetensors
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+pub struct LogitsArgs {
+    /// Model directory (default: the bundled model).
+    model: Option<PathBuf>,
+    /// Comma-separated token ids.
+    #[arg(long, conflicts_with = "prompt")]
+    tokens: Option<String>,
+    /// Text to encode with the model's tokenizer.json.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Output safetensors file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Feed the tokens one at a time through the cache instead of one prefill.
+    #[arg(long)]
+    decode: bool,
+}
+
+/// The model directory: the argument, or the bundled model.
+pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match arg {
+        Some(p) => Ok(p),
+        None => crate::bundled::default_model_dir(),
+    }
+}
+
+/// The model's tokenizer (`tokenizer.json` in its directory).
+pub fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
+    let p = dir.join("tokenizer.json");
+    tokenizers::Tokenizer::from_file(&p)
+        .map_err(|e| anyhow::anyhow!("{}: cannot load the tokenizer: {e}", p.display()))
+}
+
+/// Token ids of `text`.
+pub fn encode(dir: &Path, text: &str) -> anyhow::Result<Vec<u32>> {
+    let tok = tokenizer(dir)?;
+    let enc = tok
+        .encode(text, false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
+    let dir = model_dir(a.model)?;
+    let tokens: Vec<u32> = match (&a.tokens, &a.prompt) {
+        (Some(t), None) => t
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| {
+                s.trim()
+                    .parse::<u32>()
+                    .with_context(|| format!("`{s}` is not a token id"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        (None, Some(p)) => encode(&dir, p)?,
+        _ => anyhow::bail!("give --tokens 1,2,3 or --prompt TEXT"),
+    };
+    anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
+    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let model =
+        Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
+    let mut cache = model.new_cache();
+    let logits = if a.decode {
+        let mut all = Vec::with_capacity(tokens.len() * model.cfg.vocab);
+        for &t in &tokens {
+            all.extend(model.forward(&[t], &mut cache, Logits::All, None)?);
+        }
+        all
+    } else {
+        model.forward(&tokens, &mut cache, Logits::All, None)?
+    };
+    let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let tb: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&v| (v as i32).to_le_bytes())
+        .collect();
+    let mut m = HashMap::new();
+    m.insert(
+        "logits".to_string(),
+        TensorView::new(Dtype::F32, vec![tokens.len(), model.cfg.vocab], &lb)?,
+    );
+    m.insert(
+        "tokens".to_string(),
+        TensorView::new(Dtype::I32, vec![tokens.len()], &tb)?,
+    );
+    let meta: HashMap<String, String> = [
+        ("format".to_string(), "keep-logits".to_string()),
+        ("version".to_string(), "1".to_string()),
+        ("model".to_string(), dir.display().to_string()),
+        (
+            "mode".to_string(),
+            if a.decode { "decode" } else { "prefill" }.to_string(),
+        ),
+    ]
+    .into();
+    safetensors::serialize_to_file(m, Some(meta), &a.out)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "wrote {} ({} tokens × {} logits)",
+        a.out.display(),
+        tokens.len(),
+        model.cfg.vocab
+    );
+    Ok(())
+}

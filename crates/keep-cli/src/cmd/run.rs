@@ -1,0 +1,129 @@
+//! `keep run`: generate text from a model (the bundled one by default), streaming it to stdout,
+//! and print prefill and decode speeds to stderr at the end.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::{generate, Sampler, SamplerConfig};
+use keep_model::Model;
+
+use super::logits::{model_dir, tokenizer};
+
+/// Generate text with the model, streaming it to stdout.
+///
+/// The prompt is encoded with the model's tokenizer.json (no prompt: generation starts from the
+/// beginning-of-sequence token). Sampling is greedy at --temperature 0, otherwise
+/// temperature + nucleus (--top-p) with a seeded generator (same seed, same text). Prefill and
+/// decode tokens/s go to stderr at the end.
+///
+/// Example: keep run --prompt "Once upon a time" --max-tokens 64 --temperature 0.7 --seed 1
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+pub struct RunArgs {
+    /// Model directory (default: the bundled model).
+    model: Option<PathBuf>,
+    /// Prompt text.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
+    match raw.get(key) {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
+        _ => vec![],
+    }
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
+    let dir = model_dir(a.model)?;
+    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let model =
+        Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
+    let tok = tokenizer(&dir)?;
+    let raw = &model.cfg.raw.raw;
+    let bos = config_id(raw, "bos_token_id");
+    let eos = config_id(raw, "eos_token_id");
+    let mut prompt: Vec<u32> = match &a.prompt {
+        Some(p) if !p.is_empty() => tok
+            .encode(p.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+            .get_ids()
+            .to_vec(),
+        _ => vec![],
+    };
+    if prompt.is_empty() {
+        prompt.push(bos.first().copied().unwrap_or(0));
+    }
+    let mut out = std::io::stdout().lock();
+    if let Some(p) = &a.prompt {
+        write!(out, "{p}")?;
+        out.flush()?;
+    }
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+    });
+    // Decode the whole generated sequence each step and print what is new, so multi-token
+    // characters come out whole.
+    let mut ids: Vec<u32> = vec![];
+    let mut printed = String::new();
+    let mut err: Option<anyhow::Error> = None;
+    let stats = generate(&model, &prompt, a.max_tokens, &mut sampler, &eos, |t| {
+        if eos.contains(&t) || err.is_some() {
+            return;
+        }
+        ids.push(t);
+        match tok.decode(&ids, true) {
+            Ok(text) => {
+                if text.len() > printed.len()
+                    && text.starts_with(printed.as_str())
+                    && !text.ends_with('\u{FFFD}')
+                {
+                    let _ = write!(out, "{}", &text[printed.len()..]);
+                    let _ = out.flush();
+                    printed = text;
+                }
+            }
+            Err(e) => err = Some(anyhow::anyhow!("detokenizing: {e}")),
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    writeln!(out)?;
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s)",
+        stats.prompt_tokens,
+        stats.prefill_secs,
+        rate(stats.prompt_tokens, stats.prefill_secs),
+        stats.generated,
+        stats.decode_secs,
+        rate(stats.generated, stats.decode_secs)
+    );
+    Ok(())
+}
