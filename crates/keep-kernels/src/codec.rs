@@ -58,7 +58,12 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 /// Little-endian f32 at element `i` of a byte slice.
 #[inline]
 pub fn f32_at(bytes: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]])
+    f32::from_le_bytes([
+        bytes[4 * i],
+        bytes[4 * i + 1],
+        bytes[4 * i + 2],
+        bytes[4 * i + 3],
+    ])
 }
 
 /// Little-endian bf16 at element `i` of a byte slice, as f32.

@@ -46,33 +46,6 @@ fn dot_generic<const N: usize>(xs: [&[f32]; N], w: &[f32]) -> [f32; N] {
 }
 
 #[inline(always)]
-fn dot_fma<const N: usize>(xs: [&[f32]; N], w: &[f32]) -> [f32; N] {
-    let n = w.len();
-    let full = n / LANES * LANES;
-    let mut acc = [[0f32; LANES]; N];
-    let mut k = 0;
-    while k < full {
-        let wc = &w[k..k + LANES];
-        for j in 0..N {
-            let xc = &xs[j][k..k + LANES];
-            for l in 0..LANES {
-                acc[j][l] = xc[l].mul_add(wc[l], acc[j][l]);
-            }
-        }
-        k += LANES;
-    }
-    let mut out = [0f32; N];
-    for j in 0..N {
-        let mut tail = 0f32;
-        for i in full..n {
-            tail = xs[j][i].mul_add(w[i], tail);
-        }
-        out[j] = reduce(&acc[j]) + tail;
-    }
-    out
-}
-
-#[inline(always)]
 fn reduce(a: &[f32; LANES]) -> f32 {
     let mut b = [0f32; 8];
     for i in 0..8 {
@@ -83,18 +56,87 @@ fn reduce(a: &[f32; LANES]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot1_avx2(x: &[f32], w: &[f32]) -> f32 {
-    dot_fma([x], w)[0]
+mod avx2 {
+    //! AVX2+FMA dot products: two 8-lane accumulators per input row (16 lanes), the same
+    //! reduction tree as `reduce`, then the scalar tail; `dot4` is four `dot1`s sharing the
+    //! weight loads, bit for bit.
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(a0: __m256, a1: __m256) -> f32 {
+        let b = _mm256_add_ps(a0, a1);
+        let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+        let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+        let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
+        _mm_cvtss_f32(e)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot1(x: &[f32], w: &[f32]) -> f32 {
+        let n = w.len();
+        let full = n / 16 * 16;
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let mut k = 0;
+        while k < full {
+            let w0 = _mm256_loadu_ps(wp.add(k));
+            let w1 = _mm256_loadu_ps(wp.add(k + 8));
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(k)), w0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(k + 8)), w1, a1);
+            k += 16;
+        }
+        let mut tail = 0f32;
+        for i in full..n {
+            tail = x[i].mul_add(w[i], tail);
+        }
+        hsum(a0, a1) + tail
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+        let n = w.len();
+        let full = n / 16 * 16;
+        let wp = w.as_ptr();
+        let p = [
+            xs[0].as_ptr(),
+            xs[1].as_ptr(),
+            xs[2].as_ptr(),
+            xs[3].as_ptr(),
+        ];
+        let z = _mm256_setzero_ps();
+        let (mut a00, mut a01, mut a10, mut a11) = (z, z, z, z);
+        let (mut a20, mut a21, mut a30, mut a31) = (z, z, z, z);
+        let mut k = 0;
+        while k < full {
+            let w0 = _mm256_loadu_ps(wp.add(k));
+            let w1 = _mm256_loadu_ps(wp.add(k + 8));
+            a00 = _mm256_fmadd_ps(_mm256_loadu_ps(p[0].add(k)), w0, a00);
+            a01 = _mm256_fmadd_ps(_mm256_loadu_ps(p[0].add(k + 8)), w1, a01);
+            a10 = _mm256_fmadd_ps(_mm256_loadu_ps(p[1].add(k)), w0, a10);
+            a11 = _mm256_fmadd_ps(_mm256_loadu_ps(p[1].add(k + 8)), w1, a11);
+            a20 = _mm256_fmadd_ps(_mm256_loadu_ps(p[2].add(k)), w0, a20);
+            a21 = _mm256_fmadd_ps(_mm256_loadu_ps(p[2].add(k + 8)), w1, a21);
+            a30 = _mm256_fmadd_ps(_mm256_loadu_ps(p[3].add(k)), w0, a30);
+            a31 = _mm256_fmadd_ps(_mm256_loadu_ps(p[3].add(k + 8)), w1, a31);
+            k += 16;
+        }
+        let mut t = [0f32; 4];
+        for (j, tj) in t.iter_mut().enumerate() {
+            for i in full..n {
+                *tj = xs[j][i].mul_add(w[i], *tj);
+            }
+        }
+        [
+            hsum(a00, a01) + t[0],
+            hsum(a10, a11) + t[1],
+            hsum(a20, a21) + t[2],
+            hsum(a30, a31) + t[3],
+        ]
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot4_avx2(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    dot_fma(xs, w)
-}
-
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -114,7 +156,7 @@ pub fn dot(x: &[f32], w: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked above).
-        return unsafe { dot1_avx2(x, w) };
+        return unsafe { avx2::dot1(x, w) };
     }
     dot_generic([x], w)[0]
 }
@@ -127,7 +169,7 @@ pub fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked above).
-        return unsafe { dot4_avx2(xs, w) };
+        return unsafe { avx2::dot4(xs, w) };
     }
     dot_generic(xs, w)
 }
@@ -176,9 +218,17 @@ unsafe impl Sync for SyncPtr {}
 /// write those elements.
 unsafe fn rows_kernel(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize, out: *mut f32, ld: usize) {
     let cols = w.cols;
-    let mut buf = vec![0f32; cols];
-    for r in r0..r1 {
-        w.decode_row(r, &mut buf);
+    // Decode a tile of weight rows (about 16 KiB) once, then run every quad of input rows over
+    // the whole tile, so both stay in L1. The order of the dot products does not change any
+    // result: each (input row, weight row) pair is one `dot`/`dot4` lane.
+    let tile = if m >= 4 { (4096 / cols.max(1)).clamp(1, 32) } else { 1 };
+    let mut buf = vec![0f32; tile * cols];
+    let mut t0 = r0;
+    while t0 < r1 {
+        let t1 = (t0 + tile).min(r1);
+        for r in t0..t1 {
+            w.decode_row(r, &mut buf[(r - t0) * cols..(r - t0 + 1) * cols]);
+        }
         let mut i = 0;
         while i + 4 <= m {
             let xs = [
@@ -187,16 +237,21 @@ unsafe fn rows_kernel(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize,
                 &x[(i + 2) * cols..(i + 3) * cols],
                 &x[(i + 3) * cols..(i + 4) * cols],
             ];
-            let d = dot4(xs, &buf);
-            for j in 0..4 {
-                *out.add((i + j) * ld + r) = d[j];
+            for r in t0..t1 {
+                let d = dot4(xs, &buf[(r - t0) * cols..(r - t0 + 1) * cols]);
+                for j in 0..4 {
+                    *out.add((i + j) * ld + r) = d[j];
+                }
             }
             i += 4;
         }
         while i < m {
-            *out.add(i * ld + r) = dot(&x[i * cols..(i + 1) * cols], &buf);
+            for r in t0..t1 {
+                *out.add(i * ld + r) = dot(&x[i * cols..(i + 1) * cols], &buf[(r - t0) * cols..(r - t0 + 1) * cols]);
+            }
             i += 1;
         }
+        t0 = t1;
     }
 }
 
@@ -227,7 +282,14 @@ pub fn matmul(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()
 }
 
 /// Like [`matmul`] but only for output rows `r0..r1` of `w`, writing `out[M×(r1-r0)]`.
-pub fn matmul_rows(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize, out: &mut [f32]) -> Result<()> {
+pub fn matmul_rows(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+) -> Result<()> {
     let sub = w.slice_rows(r0, r1)?;
     matmul(x, m, &sub, out)
 }
@@ -277,7 +339,11 @@ mod tests {
                     assert!(q.is_nan());
                     continue;
                 }
-                assert!((p - q).abs() <= REL_TOL * mag, "{} m={m} ({i},{r}) {p} vs {q}", w.format_name());
+                assert!(
+                    (p - q).abs() <= REL_TOL * mag,
+                    "{} m={m} ({i},{r}) {p} vs {q}",
+                    w.format_name()
+                );
             }
         }
         // Row-independence: each row of a batch equals the same row alone, bit for bit.
@@ -293,24 +359,40 @@ mod tests {
         let mut rng = Rng(0x9E3779B97F4A7C15);
         for &(rows, cols) in &[(1, 32), (7, 64), (33, 96), (65, 160), (300, 1024)] {
             for &m in &[1, 3, 4, 9] {
-                let f32b: Vec<u8> = (0..rows * cols).flat_map(|_| rng.f().to_le_bytes()).collect();
+                let f32b: Vec<u8> = (0..rows * cols)
+                    .flat_map(|_| rng.f().to_le_bytes())
+                    .collect();
                 compare(&WeightView::f32(&f32b, rows, cols).unwrap(), m, &mut rng);
                 let bf: Vec<u8> = (0..rows * cols)
                     .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
                     .collect();
                 compare(&WeightView::bf16(&bf, rows, cols).unwrap(), m, &mut rng);
-                let q: Vec<u8> = rng.bytes(rows * cols).into_iter().map(|b| if b & 0x7F == 0x7F { 0 } else { b }).collect();
+                let q: Vec<u8> = rng
+                    .bytes(rows * cols)
+                    .into_iter()
+                    .map(|b| if b & 0x7F == 0x7F { 0 } else { b })
+                    .collect();
                 let s = rng.scales(rows * cols / 32);
                 compare(&WeightView::mxfp8(&q, &s, rows, cols).unwrap(), m, &mut rng);
                 let p = rng.bytes(rows * cols / 2);
                 compare(&WeightView::mxfp4(&p, &s, rows, cols).unwrap(), m, &mut rng);
                 for b in [32usize, 128] {
                     let gs = rng.scales(rows.div_ceil(b) * cols.div_ceil(b));
-                    compare(&WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b).unwrap(), m, &mut rng);
+                    compare(
+                        &WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b)
+                            .unwrap(),
+                        m,
+                        &mut rng,
+                    );
                     let fs: Vec<u8> = (0..rows.div_ceil(b) * cols.div_ceil(b))
                         .flat_map(|_| (rng.f() * 0.01).to_le_bytes())
                         .collect();
-                    compare(&WeightView::fp8_block(&q, BlockScales::F32(&fs), rows, cols, b, b).unwrap(), m, &mut rng);
+                    compare(
+                        &WeightView::fp8_block(&q, BlockScales::F32(&fs), rows, cols, b, b)
+                            .unwrap(),
+                        m,
+                        &mut rng,
+                    );
                 }
             }
         }
@@ -320,7 +402,11 @@ mod tests {
     fn fp8_block_odd_cols_and_row_slices() {
         let mut rng = Rng(77);
         let (rows, cols) = (70, 50);
-        let q: Vec<u8> = rng.bytes(rows * cols).into_iter().map(|b| b & 0x7E).collect();
+        let q: Vec<u8> = rng
+            .bytes(rows * cols)
+            .into_iter()
+            .map(|b| b & 0x7E)
+            .collect();
         let gs = rng.scales(rows.div_ceil(32) * cols.div_ceil(32));
         let w = WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, 32, 32).unwrap();
         compare(&w, 5, &mut rng);
@@ -344,11 +430,24 @@ mod tests {
         for c in 0..256 {
             assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "code {c}");
         }
-        let p: Vec<u8> = (0..128u32).map(|i| (i % 16 | ((15 - i % 16) << 4)) as u8).collect();
+        let p: Vec<u8> = (0..128u32)
+            .map(|i| (i % 16 | ((15 - i % 16) << 4)) as u8)
+            .collect();
         let w = WeightView::mxfp4(&p, &s, 1, 256).unwrap();
         w.decode_row(0, &mut buf);
         for c in 0..256 {
             assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "fp4 elem {c}");
+        }
+    }
+
+    #[test]
+    fn table_free_decoders_equal_tables() {
+        for b in 0..=255u8 {
+            let (a, r) = (crate::weight::e4m3_bits(b), crate::codec::e4m3_to_f32_ref(b));
+            assert!(a.to_bits() == r.to_bits() || (a.is_nan() && r.is_nan()), "e4m3 {b:#x}: {a} vs {r}");
+        }
+        for c in 0..16u8 {
+            assert_eq!(crate::weight::e2m1_bits(c).to_bits(), crate::codec::E2M1[c as usize].to_bits(), "e2m1 {c}");
         }
     }
 

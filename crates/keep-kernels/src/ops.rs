@@ -144,7 +144,13 @@ impl Rope {
         };
         let low = (corr(beta_fast).floor()).max(0.0);
         let high = (corr(beta_slow).ceil()).min(dims as f64 - 1.0);
-        let get_m = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        let get_m = |scale: f64, m: f64| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * scale.ln() + 1.0
+            }
+        };
         let ms = get_m(scaling_factor, mscale) / get_m(scaling_factor, mscale_all_dim);
         let half = dims / 2;
         let (low32, mut high32) = (low as f32, high as f32);
@@ -186,7 +192,11 @@ impl Rope {
         let n = x.len();
         let tail = &mut x[n - self.dims..];
         if self.mscale != 1.0 {
-            let s = if inverse { 1.0 / self.mscale } else { self.mscale };
+            let s = if inverse {
+                1.0 / self.mscale
+            } else {
+                self.mscale
+            };
             for v in tail.iter_mut() {
                 *v *= s;
             }
@@ -247,7 +257,11 @@ pub fn fake_quant_fp4(x: &mut [f32], block: usize, e4m3_scale: bool) {
     if x.len() % block != 0 {
         return;
     }
-    let floor = if e4m3_scale { 6.0 * 2f32.powi(-9) } else { 6.0 * 2f32.powi(-126) };
+    let floor = if e4m3_scale {
+        6.0 * 2f32.powi(-9)
+    } else {
+        6.0 * 2f32.powi(-126)
+    };
     for b in x.chunks_exact_mut(block) {
         let amax = b.iter().fold(0f32, |a, v| a.max(v.abs())).max(floor);
         let scale = if e4m3_scale {
@@ -286,7 +300,9 @@ mod tests {
         let mut s = vec![1.0f32, 2.0, -3.0, 0.5];
         softmax(&mut s);
         assert!((s.iter().sum::<f32>() - 1.0).abs() < TOL);
-        let mut m: Vec<f32> = (0..16).map(|i| 0.1 + (i as f32 * 0.7).sin().abs()).collect();
+        let mut m: Vec<f32> = (0..16)
+            .map(|i| 0.1 + (i as f32 * 0.7).sin().abs())
+            .collect();
         sinkhorn(&mut m, 4, 20, 1e-6);
         for a in 0..4 {
             let r: f32 = (0..4).map(|b| m[a * 4 + b]).sum();
@@ -314,7 +330,20 @@ mod tests {
 
     #[test]
     fn fp4_rounding_rule() {
-        let cases = [(0.25, 0.0), (0.26, 0.5), (0.75, 1.0), (0.74, 0.5), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0), (5.1, 6.0), (-0.75, -1.0), (0.0, 0.0)];
+        let cases = [
+            (0.25, 0.0),
+            (0.26, 0.5),
+            (0.75, 1.0),
+            (0.74, 0.5),
+            (1.25, 1.0),
+            (1.75, 2.0),
+            (2.5, 2.0),
+            (3.5, 4.0),
+            (5.0, 4.0),
+            (5.1, 6.0),
+            (-0.75, -1.0),
+            (0.0, 0.0),
+        ];
         for (x, e) in cases {
             assert_eq!(round_fp4(x), e, "{x}");
         }
@@ -334,7 +363,10 @@ mod tests {
         let scale = 2f32.powf((amax / 6.0).log2().ceil());
         for v in &y[..32] {
             let q = v / scale;
-            assert!([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0].contains(&q.abs()), "{q}");
+            assert!(
+                [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0].contains(&q.abs()),
+                "{q}"
+            );
         }
         let mut z = vec![1.0f32; 33];
         fake_quant_fp8(&mut z, 32);

@@ -12,8 +12,16 @@ use safetensors::tensor::{Dtype, TensorView};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = &args[1];
-    let get = |k: &str| args.iter().position(|a| a == k).map(|i| args[i + 1].clone());
-    let tokens: Vec<u32> = get("--tokens").unwrap().split(',').map(|t| t.trim().parse().unwrap()).collect();
+    let get = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .map(|i| args[i + 1].clone())
+    };
+    let tokens: Vec<u32> = get("--tokens")
+        .unwrap()
+        .split(',')
+        .map(|t| t.trim().parse().unwrap())
+        .collect();
     let out = get("--out").unwrap();
     let decode = args.iter().any(|a| a == "--decode");
     let ck = Checkpoint::open(std::path::Path::new(dir)).unwrap();
@@ -24,13 +32,23 @@ fn main() {
     let logits = if decode {
         let mut all = vec![];
         for &t in &tokens {
-            all.extend(model.forward(&[t], &mut cache, Logits::All, Some(&mut rec)).unwrap());
+            all.extend(
+                model
+                    .forward(&[t], &mut cache, Logits::All, Some(&mut rec))
+                    .unwrap(),
+            );
         }
         all
     } else {
-        model.forward(&tokens, &mut cache, Logits::All, Some(&mut rec)).unwrap()
+        model
+            .forward(&tokens, &mut cache, Logits::All, Some(&mut rec))
+            .unwrap()
     };
-    eprintln!("{} tokens in {:.3}s", tokens.len(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "{} tokens in {:.3}s",
+        tokens.len(),
+        t0.elapsed().as_secs_f64()
+    );
     let (l, t, k) = (model.cfg.n_layers, tokens.len(), model.cfg.top_k);
     let mut routes = vec![0i32; l * t * k];
     for (layer, start, ex) in &rec.calls {
@@ -43,12 +61,24 @@ fn main() {
         }
     }
     let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let tb: Vec<u8> = tokens.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect();
+    let tb: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&v| (v as i32).to_le_bytes())
+        .collect();
     let rb: Vec<u8> = routes.iter().flat_map(|v| v.to_le_bytes()).collect();
     let vocab = logits.len() / t;
     let mut m = HashMap::new();
-    m.insert("logits".to_string(), TensorView::new(Dtype::F32, vec![t, vocab], &lb).unwrap());
-    m.insert("tokens".to_string(), TensorView::new(Dtype::I32, vec![t], &tb).unwrap());
-    m.insert("routes".to_string(), TensorView::new(Dtype::I32, vec![l, t, k], &rb).unwrap());
+    m.insert(
+        "logits".to_string(),
+        TensorView::new(Dtype::F32, vec![t, vocab], &lb).unwrap(),
+    );
+    m.insert(
+        "tokens".to_string(),
+        TensorView::new(Dtype::I32, vec![t], &tb).unwrap(),
+    );
+    m.insert(
+        "routes".to_string(),
+        TensorView::new(Dtype::I32, vec![l, t, k], &rb).unwrap(),
+    );
     safetensors::serialize_to_file(m, None, std::path::Path::new(&out)).unwrap();
 }

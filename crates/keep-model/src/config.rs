@@ -119,13 +119,20 @@ impl ModelConfig {
             }
         };
         let bad = |k: &str, m: String| Err(unsupported(k, m));
-        if c.hidden_size == 0 || c.num_attention_heads == 0 || c.head_dim == 0 || c.vocab_size == 0 {
-            return bad("hidden_size", "hidden_size, num_attention_heads, head_dim and vocab_size must be positive".into());
+        if c.hidden_size == 0 || c.num_attention_heads == 0 || c.head_dim == 0 || c.vocab_size == 0
+        {
+            return bad(
+                "hidden_size",
+                "hidden_size, num_attention_heads, head_dim and vocab_size must be positive".into(),
+            );
         }
         if c.o_groups == 0 || (c.num_attention_heads * c.head_dim) % c.o_groups != 0 {
             return bad(
                 "o_groups",
-                format!("{} does not divide num_attention_heads × head_dim", c.o_groups),
+                format!(
+                    "{} does not divide num_attention_heads × head_dim",
+                    c.o_groups
+                ),
             );
         }
         if c.qk_rope_head_dim % 2 != 0
@@ -146,17 +153,27 @@ impl ModelConfig {
         if c.n_shared_experts != 1 {
             return bad(
                 "n_shared_experts",
-                format!("{} (the reference model has exactly one shared expert)", c.n_shared_experts),
+                format!(
+                    "{} (the reference model has exactly one shared expert)",
+                    c.n_shared_experts
+                ),
             );
         }
         if c.candidate_block_size == 0 {
             return bad("candidate_block_size", "must be positive".into());
         }
         let rs = c.rope_scaling.as_ref().and_then(|v| v.as_object());
-        let get = |k: &str, d: f64| rs.and_then(|m| m.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+        let get = |k: &str, d: f64| {
+            rs.and_then(|m| m.get(k))
+                .and_then(|v| v.as_f64())
+                .unwrap_or(d)
+        };
         let yarn = Yarn {
             factor: get("factor", 1.0),
-            original_max: get("original_max_position_embeddings", c.max_position_embeddings as f64),
+            original_max: get(
+                "original_max_position_embeddings",
+                c.max_position_embeddings as f64,
+            ),
             beta_fast: get("beta_fast", 32.0).trunc(),
             beta_slow: get("beta_slow", 1.0).trunc(),
         };
@@ -239,7 +256,10 @@ mod tests {
         let e = cfg(r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#).unwrap_err();
         assert!(e.to_string().contains("engram_layer_ids"), "{e}");
         let e = cfg(r#"{"num_hash_layers":3}"#).unwrap_err();
-        assert!(e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"), "{e}");
+        assert!(
+            e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"),
+            "{e}"
+        );
         let e = cfg(r#"{"scoring_func":"relu"}"#).unwrap_err();
         assert!(e.to_string().contains("scoring_func"), "{e}");
         assert!(cfg("{}").is_ok());

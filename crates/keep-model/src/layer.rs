@@ -150,7 +150,10 @@ impl<'a> LayerWeights<'a> {
                 wq_b: w("attn.indexer.wq_b", ih * ihd, cfg.q_lora)?,
                 weights_proj: w("attn.indexer.weights_proj", ih, d)?,
                 wk: if roles.kv_source {
-                    Some((w("attn.indexer.wk", ihd, hd)?, v("attn.indexer.k_norm.weight", ihd)?))
+                    Some((
+                        w("attn.indexer.wk", ihd, hd)?,
+                        v("attn.indexer.k_norm.weight", ihd)?,
+                    ))
                 } else {
                     None
                 },
@@ -229,7 +232,13 @@ fn hc_mix(hcw: &Hc, s: &Streams, cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<f32
     for i in 0..t {
         let m = &mut mix[i * nm..(i + 1) * nm];
         for (j, v) in m.iter_mut().enumerate() {
-            let sid = if j < hc { 0 } else if j < 2 * hc { 1 } else { 2 };
+            let sid = if j < hc {
+                0
+            } else if j < 2 * hc {
+                1
+            } else {
+                2
+            };
             *v = *v * hcw.scale[sid] + hcw.base[j];
         }
         for j in 0..hc {
@@ -284,7 +293,11 @@ fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: 
         let out = &mut s.x[i * hc * d..(i + 1) * hc * d];
         for j in 0..hc {
             let p = post[i * hc + j];
-            for ((o, m), xv) in out[j * d..(j + 1) * d].iter_mut().zip(&mixed[j * d..(j + 1) * d]).zip(xi) {
+            for ((o, m), xv) in out[j * d..(j + 1) * d]
+                .iter_mut()
+                .zip(&mixed[j * d..(j + 1) * d])
+                .zip(xi)
+            {
                 *o = p * xv + m;
             }
         }
@@ -459,16 +472,25 @@ impl LayerWeights<'_> {
         let mut yg = vec![0f32; t * ol];
         for gi in 0..g {
             for i in 0..t {
-                xin[i * ig..(i + 1) * ig].copy_from_slice(&out[i * h * hd + gi * ig..i * h * hd + (gi + 1) * ig]);
+                xin[i * ig..(i + 1) * ig]
+                    .copy_from_slice(&out[i * h * hd + gi * ig..i * h * hd + (gi + 1) * ig]);
             }
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_linear_inputs() {
-                    o.on_linear_input(&LinearInputEvent { layer: l, name: "attn.wo_a", expert: Some(gi), rows: t, cols: ig, x: &xin });
+                    o.on_linear_input(&LinearInputEvent {
+                        layer: l,
+                        name: "attn.wo_a",
+                        expert: Some(gi),
+                        rows: t,
+                        cols: ig,
+                        x: &xin,
+                    });
                 }
             }
             keep_kernels::matmul_rows(&xin, t, &self.wo_a, gi * ol, (gi + 1) * ol, &mut yg)?;
             for i in 0..t {
-                oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol].copy_from_slice(&yg[i * ol..(i + 1) * ol]);
+                oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol]
+                    .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
         lin(&oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
@@ -588,7 +610,15 @@ impl LayerWeights<'_> {
                 ops::fake_quant_fp4(row, 32, false);
             }
         }
-        let mut w = lin(x, t, &ix.weights_proj, obs, l, "attn.indexer.weights_proj", None)?;
+        let mut w = lin(
+            x,
+            t,
+            &ix.weights_proj,
+            obs,
+            l,
+            "attn.indexer.weights_proj",
+            None,
+        )?;
         let wscale = (nh as f32).powf(-0.5);
         w.iter_mut().for_each(|v| *v *= wscale);
         let sscale = (ihd as f32).powf(-0.5);
@@ -694,8 +724,14 @@ impl LayerWeights<'_> {
                 *v /= cfg.gate_temp;
             }
             match cfg.scoring {
-                Scoring::Sigmoid => sc.iter_mut().zip(lg.iter()).for_each(|(s, &v)| *s = ops::sigmoid(v)),
-                Scoring::SqrtSoftplus => sc.iter_mut().zip(lg.iter()).for_each(|(s, &v)| *s = ops::softplus(v).sqrt()),
+                Scoring::Sigmoid => sc
+                    .iter_mut()
+                    .zip(lg.iter())
+                    .for_each(|(s, &v)| *s = ops::sigmoid(v)),
+                Scoring::SqrtSoftplus => sc
+                    .iter_mut()
+                    .zip(lg.iter())
+                    .for_each(|(s, &v)| *s = ops::softplus(v).sqrt()),
                 Scoring::Softmax => {
                     sc.copy_from_slice(lg);
                     if let Some(m) = mask {
@@ -711,7 +747,11 @@ impl LayerWeights<'_> {
             cand.clear();
             for j in 0..e {
                 let dead = mask.is_some_and(|m| m[j]);
-                let b = if dead { f32::NEG_INFINITY } else { sc[j] + self.gate_bias[j] };
+                let b = if dead {
+                    f32::NEG_INFINITY
+                } else {
+                    sc[j] + self.gate_bias[j]
+                };
                 cand.push((b, j));
             }
             top_k_by(&mut cand, k);
@@ -762,14 +802,25 @@ impl LayerWeights<'_> {
             }
             let g = lin(&xin, m, &ew.w1, obs, l, "ffn.experts.w1", Some(j))?;
             let u = lin(&xin, m, &ew.w3, obs, l, "ffn.experts.w3", Some(j))?;
-            let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::swiglu_clamped(g, u, limit)).collect();
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+                .collect();
             let y = lin(&act, m, &ew.w2, obs, l, "ffn.experts.w2", Some(j))?;
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_expert_outputs() {
                     let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
                     let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
                     let ws: Vec<f32> = routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
-                    o.on_expert_output(&ExpertOutputEvent { layer: l, expert: j, token_rows: &rows, slots: &slots, weights: &ws, outputs: &y });
+                    o.on_expert_output(&ExpertOutputEvent {
+                        layer: l,
+                        expert: j,
+                        token_rows: &rows,
+                        slots: &slots,
+                        weights: &ws,
+                        outputs: &y,
+                    });
                 }
             }
             for (r, &(i, s)) in routes.iter().enumerate() {
@@ -779,7 +830,11 @@ impl LayerWeights<'_> {
         let [sw1, sw2, sw3] = &self.shared;
         let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
         let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
-        let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::swiglu_clamped(g, u, limit)).collect();
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+            .collect();
         let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
         let mut out = vec![0f32; t * d];
         for i in 0..t {

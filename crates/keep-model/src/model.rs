@@ -53,7 +53,10 @@ impl<'a> Globals<'a> {
         let mut row = vec![0f32; d];
         for (i, &id) in tokens.iter().enumerate() {
             if id as usize >= cfg.vocab {
-                return Err(ModelError::Token { id, vocab: cfg.vocab });
+                return Err(ModelError::Token {
+                    id,
+                    vocab: cfg.vocab,
+                });
             }
             self.embed.decode_row(id as usize, &mut row);
             for k in 0..hc {
@@ -80,7 +83,10 @@ impl<'a> Globals<'a> {
             let o = &mut h[r * d..(r + 1) * d];
             for k in 0..hc {
                 let m = s.pre_mix[i * hc + k];
-                for (a, b) in o.iter_mut().zip(&s.x[(i * hc + k) * d..(i * hc + k + 1) * d]) {
+                for (a, b) in o
+                    .iter_mut()
+                    .zip(&s.x[(i * hc + k) * d..(i * hc + k + 1) * d])
+                {
                     *a += m * b;
                 }
             }
@@ -146,7 +152,10 @@ impl<'a> Model<'a> {
     /// weights renormalise over the survivors). `None` clears the mask.
     pub fn set_router_mask(&mut self, layer: usize, mask: Option<Vec<bool>>) -> Result<()> {
         if layer >= self.cfg.n_layers {
-            return Err(ModelError::Config(format!("router mask for layer {layer} of {}", self.cfg.n_layers)));
+            return Err(ModelError::Config(format!(
+                "router mask for layer {layer} of {}",
+                self.cfg.n_layers
+            )));
         }
         if let Some(m) = &mask {
             let alive = m.iter().filter(|d| !**d).count();

@@ -73,6 +73,7 @@ pub struct RouteRecorder {
 
 impl RouteObserver for RouteRecorder {
     fn on_route(&mut self, ev: &RouteEvent) {
-        self.calls.push((ev.layer, ev.start_pos, ev.experts.to_vec()));
+        self.calls
+            .push((ev.layer, ev.start_pos, ev.experts.to_vec()));
     }
 }

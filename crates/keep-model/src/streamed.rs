@@ -40,7 +40,12 @@ pub fn forward_streamed(
     for r in records {
         let cache = Cache::new(cfg.n_layers);
         let s = globals.embed(&cfg, r)?;
-        states.push((s, cache, Shared::default(), step_of(&cfg, &Cache::new(cfg.n_layers))));
+        states.push((
+            s,
+            cache,
+            Shared::default(),
+            step_of(&cfg, &Cache::new(cfg.n_layers)),
+        ));
     }
     for l in 0..cfg.n_layers {
         let lw = LayerWeights::load(ck, &cfg, l)?;
@@ -69,6 +74,12 @@ pub fn forward_streamed(
     }
     states
         .iter()
-        .map(|(s, ..)| if s.t == 0 { Ok(vec![]) } else { globals.finish(&cfg, s, opts.logits) })
+        .map(|(s, ..)| {
+            if s.t == 0 {
+                Ok(vec![])
+            } else {
+                globals.finish(&cfg, s, opts.logits)
+            }
+        })
         .collect()
 }

@@ -146,8 +146,12 @@ pub fn vec_f32(ck: &Checkpoint, name: &str, len: usize) -> Result<Vec<f32>> {
         return Err(shape_err(name, &[len], t.shape));
     }
     match t.dtype {
-        Dtype::F32 => Ok((0..len).map(|i| keep_kernels::codec::f32_at(t.bytes, i)).collect()),
-        Dtype::BF16 => Ok((0..len).map(|i| keep_kernels::codec::bf16_at(t.bytes, i)).collect()),
+        Dtype::F32 => Ok((0..len)
+            .map(|i| keep_kernels::codec::f32_at(t.bytes, i))
+            .collect()),
+        Dtype::BF16 => Ok((0..len)
+            .map(|i| keep_kernels::codec::bf16_at(t.bytes, i))
+            .collect()),
         d => Err(fmt_err(name, format!("dtype {d}, expected F32 or BF16"))),
     }
 }

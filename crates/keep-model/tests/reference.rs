@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use keep_checkpoint::Checkpoint;
-use keep_model::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RouteRecorder};
+use keep_model::observer::{
+    ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RouteRecorder,
+};
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::{Logits, Model};
 use safetensors::SafeTensors;
@@ -36,22 +38,40 @@ pub struct Ref {
 }
 
 fn i32s(b: &[u8]) -> Vec<i32> {
-    b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 pub fn load_ref(path: &Path) -> Ref {
     let bytes = std::fs::read(path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let tokens = i32s(st.tensor("tokens").unwrap().data()).into_iter().map(|v| v as u32).collect();
+    let tokens = i32s(st.tensor("tokens").unwrap().data())
+        .into_iter()
+        .map(|v| v as u32)
+        .collect();
     let l = st.tensor("logits").unwrap();
     let vocab = l.shape()[1];
-    let logits = l.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let logits = l
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     let routes = st.tensor("routes").ok().map(|r| {
         let s = r.shape();
         (i32s(r.data()), [s[0], s[1], s[2]])
     });
-    let greedy = st.tensor("greedy").ok().map(|g| i32s(g.data()).into_iter().map(|v| v as u32).collect());
-    Ref { tokens, logits, vocab, routes, greedy }
+    let greedy = st
+        .tensor("greedy")
+        .ok()
+        .map(|g| i32s(g.data()).into_iter().map(|v| v as u32).collect());
+    Ref {
+        tokens,
+        logits,
+        vocab,
+        routes,
+        greedy,
+    }
 }
 
 /// (top-1 agreement, mean KL(ref‖keep), max |diff|) over rows of `vocab`.
@@ -100,14 +120,18 @@ fn small_checkpoint_matches_mlx_lm() {
     let r = load_ref(&data().join("small-ref.safetensors"));
     let mut cache = model.new_cache();
     let mut rec = RouteRecorder::default();
-    let logits = model.forward(&r.tokens, &mut cache, Logits::All, Some(&mut rec)).unwrap();
+    let logits = model
+        .forward(&r.tokens, &mut cache, Logits::All, Some(&mut rec))
+        .unwrap();
     let (top1, kl, maxd) = agreement(&r.logits, &logits, r.vocab);
     eprintln!("top1 {top1} mean KL {kl:e} max|diff| {maxd:e}");
     assert!(top1 >= MIN_TOP1, "top-1 agreement {top1}");
     assert!(kl <= MAX_MEAN_KL, "mean KL {kl}");
     let (ref_routes, [l, t, k]) = r.routes.clone().unwrap();
     let mine = sorted_routes(&rec, l, t, k);
-    let same = (0..l * t).filter(|&p| ref_routes[p * k..(p + 1) * k] == mine[p * k..(p + 1) * k]).count();
+    let same = (0..l * t)
+        .filter(|&p| ref_routes[p * k..(p + 1) * k] == mine[p * k..(p + 1) * k])
+        .count();
     let frac = same as f64 / (l * t) as f64;
     eprintln!("routes {frac}");
     assert!(frac >= MIN_ROUTES, "route agreement {frac}");
@@ -115,12 +139,16 @@ fn small_checkpoint_matches_mlx_lm() {
     // Greedy decoding through the cache gives the reference's tokens.
     let greedy = r.greedy.unwrap();
     let mut cache = model.new_cache();
-    let mut last = model.forward(&r.tokens, &mut cache, Logits::Last, None).unwrap();
+    let mut last = model
+        .forward(&r.tokens, &mut cache, Logits::Last, None)
+        .unwrap();
     let mut mine = vec![];
     for _ in 0..greedy.len() {
         let tok = keep_model::generate::argmax(&last);
         mine.push(tok);
-        last = model.forward(&[tok], &mut cache, Logits::Last, None).unwrap();
+        last = model
+            .forward(&[tok], &mut cache, Logits::Last, None)
+            .unwrap();
     }
     assert_eq!(mine, greedy);
 }
@@ -131,7 +159,9 @@ fn decode_equals_prefill() {
     let model = Model::load(&ck).unwrap();
     let r = load_ref(&data().join("small-ref.safetensors"));
     let mut c1 = model.new_cache();
-    let all = model.forward(&r.tokens, &mut c1, Logits::All, None).unwrap();
+    let all = model
+        .forward(&r.tokens, &mut c1, Logits::All, None)
+        .unwrap();
     // One at a time, and in uneven chunks (3, 1, 7, ...).
     let mut c2 = model.new_cache();
     let mut one = vec![];
@@ -146,12 +176,23 @@ fn decode_equals_prefill() {
             break;
         }
         let e = (i + n).min(r.tokens.len());
-        chunked.extend(model.forward(&r.tokens[i..e], &mut c3, Logits::All, None).unwrap());
+        chunked.extend(
+            model
+                .forward(&r.tokens[i..e], &mut c3, Logits::All, None)
+                .unwrap(),
+        );
         i = e;
     }
     for other in [&one, &chunked] {
-        let maxd = all.iter().zip(other.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(maxd <= DECODE_VS_PREFILL_MAX_ABS, "decode vs prefill max |diff| {maxd}");
+        let maxd = all
+            .iter()
+            .zip(other.iter())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            maxd <= DECODE_VS_PREFILL_MAX_ABS,
+            "decode vs prefill max |diff| {maxd}"
+        );
     }
 }
 
@@ -160,12 +201,21 @@ fn streamed_equals_whole_model() {
     let ck = Checkpoint::open(&data().join("small")).unwrap();
     let model = Model::load(&ck).unwrap();
     let r = load_ref(&data().join("small-ref.safetensors"));
-    let records = vec![r.tokens.clone(), r.tokens[5..40].to_vec(), vec![], r.tokens[..1].to_vec()];
+    let records = vec![
+        r.tokens.clone(),
+        r.tokens[5..40].to_vec(),
+        vec![],
+        r.tokens[..1].to_vec(),
+    ];
     let mut rec_s = RouteRecorder::default();
     let streamed = forward_streamed(
         &ck,
         &records,
-        StreamOptions { logits: Logits::All, masks: vec![], on_layer: None },
+        StreamOptions {
+            logits: Logits::All,
+            masks: vec![],
+            on_layer: None,
+        },
         Some(&mut rec_s),
     )
     .unwrap();
@@ -173,7 +223,12 @@ fn streamed_equals_whole_model() {
         let mut cache = model.new_cache();
         let want = model.forward(rec, &mut cache, Logits::All, None).unwrap();
         assert_eq!(want.len(), got.len());
-        assert!(want.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "streamed differs");
+        assert!(
+            want.iter()
+                .zip(got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "streamed differs"
+        );
     }
     assert_eq!(rec_s.calls.len(), model.cfg.n_layers * 3);
 }
@@ -211,9 +266,18 @@ fn observers_and_empty_masks_change_nothing() {
     let ck = Checkpoint::open(&data().join("small")).unwrap();
     let mut model = Model::load(&ck).unwrap();
     let r = load_ref(&data().join("small-ref.safetensors"));
-    let plain = model.forward(&r.tokens, &mut model.new_cache(), Logits::All, None).unwrap();
+    let plain = model
+        .forward(&r.tokens, &mut model.new_cache(), Logits::All, None)
+        .unwrap();
     let mut obs = Everything::default();
-    let seen = model.forward(&r.tokens, &mut model.new_cache(), Logits::All, Some(&mut obs)).unwrap();
+    let seen = model
+        .forward(
+            &r.tokens,
+            &mut model.new_cache(),
+            Logits::All,
+            Some(&mut obs),
+        )
+        .unwrap();
     assert_eq!(plain, seen);
     let cfg = &model.cfg;
     assert_eq!(obs.routes, cfg.n_layers);
@@ -223,7 +287,9 @@ fn observers_and_empty_masks_change_nothing() {
     for l in 0..cfg.n_layers {
         model.set_router_mask(l, Some(vec![false; n])).unwrap();
     }
-    let masked = model.forward(&r.tokens, &mut model.new_cache(), Logits::All, None).unwrap();
+    let masked = model
+        .forward(&r.tokens, &mut model.new_cache(), Logits::All, None)
+        .unwrap();
     assert_eq!(plain, masked);
 }
 
@@ -236,7 +302,14 @@ fn router_mask_excludes_experts() {
     let dead: Vec<bool> = (0..n).map(|e| e % 3 == 0).collect();
     model.set_router_mask(2, Some(dead.clone())).unwrap();
     let mut rec = RouteRecorder::default();
-    model.forward(&r.tokens, &mut model.new_cache(), Logits::Last, Some(&mut rec)).unwrap();
+    model
+        .forward(
+            &r.tokens,
+            &mut model.new_cache(),
+            Logits::Last,
+            Some(&mut rec),
+        )
+        .unwrap();
     let (_, _, ex) = rec.calls.iter().find(|c| c.0 == 2).unwrap();
     assert!(ex.iter().all(|&e| !dead[e as usize]));
     // Too few survivors is refused.
@@ -247,6 +320,8 @@ fn router_mask_excludes_experts() {
 fn bad_inputs_are_errors() {
     let ck = Checkpoint::open(&data().join("small")).unwrap();
     let model = Model::load(&ck).unwrap();
-    let e = model.forward(&[100_000], &mut model.new_cache(), Logits::Last, None).unwrap_err();
+    let e = model
+        .forward(&[100_000], &mut model.new_cache(), Logits::Last, None)
+        .unwrap_err();
     assert!(e.to_string().contains("100000"), "{e}");
 }
