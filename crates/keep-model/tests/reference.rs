@@ -325,3 +325,43 @@ fn bad_inputs_are_errors() {
         .unwrap_err();
     assert!(e.to_string().contains("100000"), "{e}");
 }
+
+/// Fast matmul vs the scalar reference on every weight of the small checkpoint as the model
+/// resolved it (FP8 32×32 blocks, FP4 experts, bf16, f32), including each wo_a group slice.
+#[test]
+fn every_checkpoint_weight_fast_equals_ref() {
+    /// f32 accumulation (fast) vs f64 (reference), relative to Σ|x·w| of the row.
+    const REL_TOL: f32 = 1e-5;
+    let ck = Checkpoint::open(&data().join("small")).unwrap();
+    let model = Model::load(&ck).unwrap();
+    let experts = keep_model::CheckpointExperts::new(&ck, &model.cfg).unwrap();
+    let mut views = vec![model.globals.head];
+    for lw in &model.layers {
+        views.extend([lw.wq_a, lw.wq_b, lw.wkv, lw.wo_a, lw.wo_b, lw.gate, lw.hc_attn.fn_]);
+        views.extend(lw.shared);
+        let g = model.cfg.o_groups;
+        let ol = model.cfg.o_lora;
+        for gi in 0..g {
+            views.push(lw.wo_a.slice_rows(gi * ol, (gi + 1) * ol).unwrap());
+        }
+        use keep_model::ExpertSource;
+        let e = experts.expert(lw.layer, model.cfg.n_experts - 1).unwrap();
+        views.extend([e.w1, e.w2, e.w3]);
+    }
+    for (vi, w) in views.iter().enumerate() {
+        for m in [1usize, 5] {
+            let x: Vec<f32> = (0..m * w.cols).map(|i| ((i * 7919 + vi) % 1000) as f32 / 500.0 - 1.0).collect();
+            let mut a = vec![0f32; m * w.rows];
+            let mut b = vec![0f32; m * w.rows];
+            keep_kernels::matmul_ref(&x, m, w, &mut a).unwrap();
+            keep_kernels::matmul(&x, m, w, &mut b).unwrap();
+            for i in 0..m {
+                for r in 0..w.rows {
+                    let mag: f32 = (0..w.cols).map(|c| (x[i * w.cols + c] * w.get_ref(r, c)).abs()).sum::<f32>() + 1e-30;
+                    let (p, q) = (a[i * w.rows + r], b[i * w.rows + r]);
+                    assert!((p - q).abs() <= REL_TOL * mag, "view {vi} ({}) {p} vs {q}", w.format_name());
+                }
+            }
+        }
+    }
+}
