@@ -216,12 +216,24 @@ unsafe impl Sync for SyncPtr {}
 /// # Safety
 /// `out` must be valid for writes at `i*ld + r` for i < m, r in r0..r1, and no other thread may
 /// write those elements.
-unsafe fn rows_kernel(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+unsafe fn rows_kernel(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
     let cols = w.cols;
     // Decode a tile of weight rows (about 16 KiB) once, then run every quad of input rows over
     // the whole tile, so both stay in L1. The order of the dot products does not change any
     // result: each (input row, weight row) pair is one `dot`/`dot4` lane.
-    let tile = if m >= 4 { (4096 / cols.max(1)).clamp(1, 32) } else { 1 };
+    let tile = if m >= 4 {
+        (4096 / cols.max(1)).clamp(1, 32)
+    } else {
+        1
+    };
     let mut buf = vec![0f32; tile * cols];
     let mut t0 = r0;
     while t0 < r1 {
@@ -247,7 +259,10 @@ unsafe fn rows_kernel(x: &[f32], m: usize, w: &WeightView, r0: usize, r1: usize,
         }
         while i < m {
             for r in t0..t1 {
-                *out.add(i * ld + r) = dot(&x[i * cols..(i + 1) * cols], &buf[(r - t0) * cols..(r - t0 + 1) * cols]);
+                *out.add(i * ld + r) = dot(
+                    &x[i * cols..(i + 1) * cols],
+                    &buf[(r - t0) * cols..(r - t0 + 1) * cols],
+                );
             }
             i += 1;
         }
@@ -443,11 +458,21 @@ mod tests {
     #[test]
     fn table_free_decoders_equal_tables() {
         for b in 0..=255u8 {
-            let (a, r) = (crate::weight::e4m3_bits(b), crate::codec::e4m3_to_f32_ref(b));
-            assert!(a.to_bits() == r.to_bits() || (a.is_nan() && r.is_nan()), "e4m3 {b:#x}: {a} vs {r}");
+            let (a, r) = (
+                crate::weight::e4m3_bits(b),
+                crate::codec::e4m3_to_f32_ref(b),
+            );
+            assert!(
+                a.to_bits() == r.to_bits() || (a.is_nan() && r.is_nan()),
+                "e4m3 {b:#x}: {a} vs {r}"
+            );
         }
         for c in 0..16u8 {
-            assert_eq!(crate::weight::e2m1_bits(c).to_bits(), crate::codec::E2M1[c as usize].to_bits(), "e2m1 {c}");
+            assert_eq!(
+                crate::weight::e2m1_bits(c).to_bits(),
+                crate::codec::E2M1[c as usize].to_bits(),
+                "e2m1 {c}"
+            );
         }
     }
 

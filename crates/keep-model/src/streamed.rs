@@ -5,7 +5,10 @@
 //! resolved weights plus the records' activations and caches (weights are views of the
 //! checkpoint mapping: file-backed pages the kernel can drop once the layer is released).
 //!
-//! Routed experts come from an [`ExpertSource`]; by default one resolved per layer.
+//! Routed experts come from an [`ExpertSource`]; by default one resolved per layer. With
+//! `release_pages`, the pages of a finished layer's tensors are dropped from this process
+//! (`madvise(MADV_DONTNEED)` on the read-only file mapping: the data is unchanged and would
+//! fault back in from the page cache), so the resident set stays near one layer.
 
 use keep_checkpoint::Checkpoint;
 
@@ -24,6 +27,36 @@ pub struct StreamOptions<'o> {
     pub masks: Vec<Option<Vec<bool>>>,
     /// Called after each layer with the layer index (progress).
     pub on_layer: Option<&'o mut dyn FnMut(usize)>,
+    /// Drop a finished layer's pages from the process (see the module doc).
+    pub release_pages: bool,
+}
+
+impl Default for StreamOptions<'_> {
+    fn default() -> Self {
+        StreamOptions {
+            logits: Logits::All,
+            masks: vec![],
+            on_layer: None,
+            release_pages: true,
+        }
+    }
+}
+
+/// Drop the mapped pages of `layers.{layer}.*` from this process (advisory; errors ignored).
+pub fn release_layer_pages(ck: &Checkpoint, layer: usize) {
+    let prefix = format!("layers.{layer}.");
+    for t in ck.tensors().filter(|t| t.name.starts_with(&prefix)) {
+        if let Some(m) = ck.shards().get(t.shard).and_then(|s| s.mapping()) {
+            let (off, len) = (t.file_offset as usize, t.bytes.len());
+            if len > 0 && off + len <= m.len() {
+                // SAFETY: a read-only file mapping that nobody writes: after DONTNEED the same
+                // bytes fault back in from the file, so no reference observes a change.
+                let _ = unsafe {
+                    m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len)
+                };
+            }
+        }
+    }
 }
 
 /// Run `records` (each a token sequence from position 0) through the model one layer at a time.
@@ -68,6 +101,9 @@ pub fn forward_streamed(
         }
         drop(experts);
         drop(lw);
+        if opts.release_pages {
+            release_layer_pages(ck, l);
+        }
         if let Some(f) = opts.on_layer.as_deref_mut() {
             f(l);
         }

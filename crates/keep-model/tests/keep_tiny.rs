@@ -39,10 +39,18 @@ impl Tensors {
         )
     }
     fn i32s(&self, k: &str) -> Vec<i32> {
-        self.0[k].1.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        self.0[k]
+            .1
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
     fn f32s(&self, k: &str) -> Vec<f32> {
-        self.0[k].1.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        self.0[k]
+            .1
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
     fn shape(&self, k: &str) -> &[usize] {
         &self.0[k].0
@@ -52,8 +60,12 @@ impl Tensors {
 fn setup() -> Option<(Checkpoint, PathBuf)> {
     // KEEP_TINY_MODEL / KEEP_TINY_FIXTURES point the same checks at another model and its
     // make_fixtures.py output.
-    let model = std::env::var_os("KEEP_TINY_MODEL").map(PathBuf::from).unwrap_or(root().join("models/keep-tiny"));
-    let fx = std::env::var_os("KEEP_TINY_FIXTURES").map(PathBuf::from).unwrap_or(root().join("fixtures/keep-tiny"));
+    let model = std::env::var_os("KEEP_TINY_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or(root().join("models/keep-tiny"));
+    let fx = std::env::var_os("KEEP_TINY_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or(root().join("fixtures/keep-tiny"));
     if !model.join("config.json").is_file() || !fx.join("logits.safetensors").is_file() {
         eprintln!("SKIPPED: models/keep-tiny or fixtures/keep-tiny is not in the tree yet");
         return None;
@@ -87,14 +99,23 @@ fn keep_tiny_logits_match_fixtures() {
     let (mut n, mut agree, mut kl_sum) = (0usize, 0usize, 0f64);
     let mut i = 0;
     while t.0.contains_key(&format!("seq{i}.tokens")) {
-        let tokens: Vec<u32> = t.i32s(&format!("seq{i}.tokens")).into_iter().map(|v| v as u32).collect();
+        let tokens: Vec<u32> = t
+            .i32s(&format!("seq{i}.tokens"))
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
         let pos = t.i32s(&format!("seq{i}.positions"));
         let want = t.f32s(&format!("seq{i}.logits"));
         assert_eq!(t.shape(&format!("seq{i}.logits")), &[pos.len(), vocab]);
-        let got = model.forward(&tokens, &mut model.new_cache(), Logits::All, None).unwrap();
+        let got = model
+            .forward(&tokens, &mut model.new_cache(), Logits::All, None)
+            .unwrap();
         for (r, &p) in pos.iter().enumerate() {
             let p = p as usize;
-            let (kl, same) = kl_top1(&want[r * vocab..(r + 1) * vocab], &got[p * vocab..(p + 1) * vocab]);
+            let (kl, same) = kl_top1(
+                &want[r * vocab..(r + 1) * vocab],
+                &got[p * vocab..(p + 1) * vocab],
+            );
             kl_sum += kl;
             agree += same as usize;
             n += 1;
@@ -115,7 +136,14 @@ fn keep_tiny_routes_match_fixtures() {
     let t = Tensors::load(&fx.join("routes.safetensors"));
     let tokens: Vec<u32> = t.i32s("tokens").into_iter().map(|v| v as u32).collect();
     let mut rec = RouteRecorder::default();
-    model.forward(&tokens, &mut model.new_cache(), Logits::None, Some(&mut rec)).unwrap();
+    model
+        .forward(
+            &tokens,
+            &mut model.new_cache(),
+            Logits::None,
+            Some(&mut rec),
+        )
+        .unwrap();
     let k = model.cfg.top_k;
     let (mut same, mut total) = (0usize, 0usize);
     for (layer, _, ex) in &rec.calls {
@@ -140,15 +168,27 @@ fn keep_tiny_greedy_matches_fixtures() {
     let t = Tensors::load(&fx.join("greedy.safetensors"));
     let mut j = 0;
     while t.0.contains_key(&format!("prompt{j}")) {
-        let prompt: Vec<u32> = t.i32s(&format!("prompt{j}")).into_iter().map(|v| v as u32).collect();
-        let want: Vec<u32> = t.i32s(&format!("greedy{j}")).into_iter().map(|v| v as u32).collect();
+        let prompt: Vec<u32> = t
+            .i32s(&format!("prompt{j}"))
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
+        let want: Vec<u32> = t
+            .i32s(&format!("greedy{j}"))
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
         let mut cache = model.new_cache();
-        let mut last = model.forward(&prompt, &mut cache, Logits::Last, None).unwrap();
+        let mut last = model
+            .forward(&prompt, &mut cache, Logits::Last, None)
+            .unwrap();
         let mut got = vec![];
         for _ in 0..want.len() {
             let tok = argmax(&last);
             got.push(tok);
-            last = model.forward(&[tok], &mut cache, Logits::Last, None).unwrap();
+            last = model
+                .forward(&[tok], &mut cache, Logits::Last, None)
+                .unwrap();
         }
         assert_eq!(got, want, "greedy tokens of prompt {j}");
         j += 1;

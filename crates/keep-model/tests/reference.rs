@@ -213,8 +213,7 @@ fn streamed_equals_whole_model() {
         &records,
         StreamOptions {
             logits: Logits::All,
-            masks: vec![],
-            on_layer: None,
+            ..Default::default()
         },
         Some(&mut rec_s),
     )
@@ -337,7 +336,15 @@ fn every_checkpoint_weight_fast_equals_ref() {
     let experts = keep_model::CheckpointExperts::new(&ck, &model.cfg).unwrap();
     let mut views = vec![model.globals.head];
     for lw in &model.layers {
-        views.extend([lw.wq_a, lw.wq_b, lw.wkv, lw.wo_a, lw.wo_b, lw.gate, lw.hc_attn.fn_]);
+        views.extend([
+            lw.wq_a,
+            lw.wq_b,
+            lw.wkv,
+            lw.wo_a,
+            lw.wo_b,
+            lw.gate,
+            lw.hc_attn.fn_,
+        ]);
         views.extend(lw.shared);
         let g = model.cfg.o_groups;
         let ol = model.cfg.o_lora;
@@ -350,16 +357,25 @@ fn every_checkpoint_weight_fast_equals_ref() {
     }
     for (vi, w) in views.iter().enumerate() {
         for m in [1usize, 5] {
-            let x: Vec<f32> = (0..m * w.cols).map(|i| ((i * 7919 + vi) % 1000) as f32 / 500.0 - 1.0).collect();
+            let x: Vec<f32> = (0..m * w.cols)
+                .map(|i| ((i * 7919 + vi) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
             let mut a = vec![0f32; m * w.rows];
             let mut b = vec![0f32; m * w.rows];
             keep_kernels::matmul_ref(&x, m, w, &mut a).unwrap();
             keep_kernels::matmul(&x, m, w, &mut b).unwrap();
             for i in 0..m {
                 for r in 0..w.rows {
-                    let mag: f32 = (0..w.cols).map(|c| (x[i * w.cols + c] * w.get_ref(r, c)).abs()).sum::<f32>() + 1e-30;
+                    let mag: f32 = (0..w.cols)
+                        .map(|c| (x[i * w.cols + c] * w.get_ref(r, c)).abs())
+                        .sum::<f32>()
+                        + 1e-30;
                     let (p, q) = (a[i * w.rows + r], b[i * w.rows + r]);
-                    assert!((p - q).abs() <= REL_TOL * mag, "view {vi} ({}) {p} vs {q}", w.format_name());
+                    assert!(
+                        (p - q).abs() <= REL_TOL * mag,
+                        "view {vi} ({}) {p} vs {q}",
+                        w.format_name()
+                    );
                 }
             }
         }
