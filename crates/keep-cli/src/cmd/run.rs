@@ -99,11 +99,17 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         ids.push(t);
         match tok.decode(&ids, true) {
             Ok(text) => {
-                if text.len() > printed.len()
-                    && text.starts_with(printed.as_str())
-                    && !text.ends_with('\u{FFFD}')
-                {
-                    let _ = write!(out, "{}", &text[printed.len()..]);
+                // Wait while the text ends in an incomplete character; print what follows the
+                // part already printed (if decoding rewrote earlier text, from where it differs).
+                if !text.ends_with('\u{FFFD}') && text != printed {
+                    let common = printed
+                        .char_indices()
+                        .zip(text.chars())
+                        .take_while(|((_, a), b)| a == b)
+                        .last()
+                        .map(|((i, c), _)| i + c.len_utf8())
+                        .unwrap_or(0);
+                    let _ = write!(out, "{}", &text[common..]);
                     let _ = out.flush();
                     printed = text;
                 }
