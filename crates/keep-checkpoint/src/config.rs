@@ -148,6 +148,10 @@ pub struct DeepSeekConfig {
     pub hc_eps: f64,
     #[serde(default)]
     pub engram_layer_ids: Vec<usize>,
+    /// Written by `keep prune` when hash-routed layers stay whole while others are pruned:
+    /// the routed experts of each decoder layer (overrides `n_routed_experts` per layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_routed_experts_per_layer: Option<Vec<usize>>,
     /// V4-Flash: the first this-many layers are hash-routed (`gate.tid2eid`).
     #[serde(default)]
     pub num_hash_layers: usize,
@@ -230,6 +234,14 @@ impl DeepSeekConfig {
             }
         }
         Ok(())
+    }
+
+    /// Routed experts in decoder layer `layer`.
+    pub fn experts_in_layer(&self, layer: usize) -> usize {
+        self.n_routed_experts_per_layer
+            .as_ref()
+            .and_then(|v| v.get(layer).copied())
+            .unwrap_or(self.n_routed_experts)
     }
 
     /// The compress ratio of a layer (0 when not listed).

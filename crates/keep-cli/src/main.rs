@@ -27,6 +27,7 @@ enum Command {
     Logits(cmd::logits::LogitsArgs),
     Run(cmd::run::RunArgs),
     Bench(cmd::bench::BenchArgs),
+    Prune(cmd::prune::PruneArgs),
 }
 
 fn main() {
@@ -45,9 +46,20 @@ fn main() {
         Command::Logits(a) => cmd::logits::run(a),
         Command::Run(a) => cmd::run::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Prune(a) => cmd::prune::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap's own consistency checks over every verb (argument order, conflicts, help).
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
     }
 }

@@ -137,11 +137,14 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         };
         experts_per_layer.insert(label.clone(), set.len());
         if let Some(c) = cfg {
-            if set.len() != c.n_routed_experts {
+            let want = match scope {
+                Scope::Layer(l) => c.experts_in_layer(*l),
+                _ => c.n_routed_experts,
+            };
+            if set.len() != want {
                 problems.push(format!(
-                    "layer {label} has {} routed experts but config.json declares n_routed_experts = {}",
+                    "layer {label} has {} routed experts but config.json declares {want}",
                     set.len(),
-                    c.n_routed_experts
                 ));
             }
             if let Some(&max) = set.iter().next_back() {

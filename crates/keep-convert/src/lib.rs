@@ -15,7 +15,9 @@
 
 pub mod error;
 pub mod inspect;
+pub mod plan;
 pub mod presets;
+pub mod prune;
 pub mod repack;
 pub mod resident;
 pub mod synth;

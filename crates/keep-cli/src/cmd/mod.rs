@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod inspect;
 pub mod logits;
+pub mod prune;
 pub mod repack;
 pub mod run;
 pub mod synth;

@@ -1,0 +1,126 @@
+//! The pruning plan: which routed experts survive in each layer (written by `keep select`,
+//! read by `keep prune` and by router-masked students).
+//!
+//! JSON, `format` = `keep-prune-plan`, `version` = 1:
+//! ```json
+//! {"format": "keep-prune-plan", "version": 1, "n_experts": 32, "keep": 16,
+//!  "saliency": "reap", "layers": [{"layer": 0, "survivors": [0, 3, ...]},
+//!  {"layer": 1, "survivors": null, "hash_routed": true}], "mtp_layers": []}
+//! ```
+//! `survivors` are original expert ids in ascending order; an expert's new id is its index in
+//! that list. `null` (or a missing layer) leaves the layer whole.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ConvertError, Result};
+
+/// One layer of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerPlan {
+    pub layer: usize,
+    /// Surviving original ids, ascending; `None` keeps the layer whole.
+    pub survivors: Option<Vec<usize>>,
+    /// Marked by `keep select` for hash-routed layers it left whole.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hash_routed: bool,
+}
+
+/// A pruning plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrunePlan {
+    pub format: String,
+    pub version: u32,
+    /// Experts per layer in the model the plan was made for.
+    pub n_experts: usize,
+    /// Survivors per pruned layer.
+    pub keep: usize,
+    /// How the survivors were chosen (informational).
+    #[serde(default)]
+    pub saliency: String,
+    pub layers: Vec<LayerPlan>,
+    /// MTP layers the plan prunes too (others stay whole).
+    #[serde(default)]
+    pub mtp_layers: Vec<LayerPlan>,
+    /// Anything else `keep select` records (fingerprints, Jaccard...).
+    #[serde(default, flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl PrunePlan {
+    /// The format tag.
+    pub const FORMAT: &'static str = "keep-prune-plan";
+
+    /// Read and validate a plan file.
+    pub fn read(path: &Path) -> Result<PrunePlan> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConvertError::Invalid(format!("{}: {e}", path.display())))?;
+        let plan: PrunePlan = serde_json::from_str(&text).map_err(|e| {
+            ConvertError::Invalid(format!("{}: not a prune plan: {e}", path.display()))
+        })?;
+        plan.validate()
+            .map_err(|e| ConvertError::Invalid(format!("{}: {e}", path.display())))?;
+        Ok(plan)
+    }
+
+    /// Check the format tag, ranges, order and uniqueness.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.format != Self::FORMAT || self.version != 1 {
+            return Err(format!(
+                "format `{}` version {} is not {} version 1",
+                self.format,
+                self.version,
+                Self::FORMAT
+            ));
+        }
+        for l in self.layers.iter().chain(&self.mtp_layers) {
+            if let Some(s) = &l.survivors {
+                if s.is_empty() {
+                    return Err(format!("layer {} keeps no experts", l.layer));
+                }
+                if s.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(format!(
+                        "layer {}: survivors must be strictly ascending",
+                        l.layer
+                    ));
+                }
+                if let Some(&bad) = s.iter().find(|&&e| e >= self.n_experts) {
+                    return Err(format!(
+                        "layer {}: expert {bad} is out of range (n_experts = {})",
+                        l.layer, self.n_experts
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Survivors of decoder layer `layer` (`None` = whole).
+    pub fn survivors(&self, layer: usize) -> Option<&[usize]> {
+        self.layers
+            .iter()
+            .find(|l| l.layer == layer)
+            .and_then(|l| l.survivors.as_deref())
+    }
+
+    /// Survivors of MTP layer `n` (`None` = whole).
+    pub fn mtp_survivors(&self, n: usize) -> Option<&[usize]> {
+        self.mtp_layers
+            .iter()
+            .find(|l| l.layer == n)
+            .and_then(|l| l.survivors.as_deref())
+    }
+
+    /// A boolean keep-mask per layer for router-masked students (`None` = no mask).
+    pub fn mask(&self, layer: usize) -> Option<Vec<bool>> {
+        self.survivors(layer).map(|s| {
+            let mut m = vec![false; self.n_experts];
+            for &e in s {
+                m[e] = true;
+            }
+            m
+        })
+    }
+}

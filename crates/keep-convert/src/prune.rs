@@ -1,0 +1,288 @@
+//! `keep prune`: write a smaller checkpoint by byte copy, following a [`PrunePlan`].
+//!
+//! Pruned experts are dropped and survivors renumbered `0..E'-1` in their original order; the
+//! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries are sliced to the
+//! survivors; `n_routed_experts` in config.json becomes `E'`. FP8, FP4 and E8M0 bytes are never
+//! decoded: every tensor is either copied whole or sliced along its first dimension. Tensors
+//! keep does not understand are copied untouched and listed in the report. Hash-routed layers
+//! (`gate.tid2eid`) are refused unless the plan leaves them whole, since their expert ids come
+//! from the token and would need a remapping policy. The id map is written as `prune-map.json`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use keep_checkpoint::naming::{self, Role, Scope};
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+use keep_checkpoint::{Checkpoint, TensorRef};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::plan::PrunePlan;
+use crate::{ConvertError, Result};
+
+/// Options of [`prune`].
+#[derive(Debug, Clone, Default)]
+pub struct PruneOptions {
+    pub force: bool,
+    /// fsync outputs (benchmarks compare against a copy that does not sync).
+    pub sync: bool,
+}
+
+/// What `keep prune` did (`prune-map.json` holds it too).
+#[derive(Debug, Clone, Serialize)]
+pub struct PruneReport {
+    pub format: &'static str,
+    pub version: u32,
+    pub source: String,
+    pub output: String,
+    pub n_experts_before: usize,
+    pub n_experts_after: usize,
+    /// Per pruned scope ("3", "mtp.0"): old id → new id for survivors.
+    pub id_map: BTreeMap<String, BTreeMap<usize, usize>>,
+    pub tensors_copied: usize,
+    pub tensors_sliced: usize,
+    pub tensors_dropped: usize,
+    /// Tensors copied untouched because keep does not know their role.
+    pub unknown_copied: Vec<String>,
+    pub bytes_before: u64,
+    pub bytes_after: u64,
+}
+
+enum Action<'a> {
+    Copy(TensorRef<'a>, String),
+    /// Keep rows `rows` of a tensor whose first dimension is the expert axis.
+    Slice(TensorRef<'a>, &'a [usize]),
+}
+
+fn survivors_for<'p>(plan: &'p PrunePlan, scope: Scope) -> Option<&'p [usize]> {
+    match scope {
+        Scope::Layer(l) => plan.survivors(l),
+        Scope::Mtp(n) => plan.mtp_survivors(n),
+        Scope::Model => None,
+    }
+}
+
+fn scope_label(scope: Scope) -> String {
+    match scope {
+        Scope::Layer(l) => l.to_string(),
+        Scope::Mtp(n) => format!("mtp.{n}"),
+        Scope::Model => "model".into(),
+    }
+}
+
+/// Prune `src` into `out`. `progress(bytes_done, bytes_total)` is called as it copies.
+pub fn prune(
+    src: &Path,
+    plan: &PrunePlan,
+    out: &Path,
+    opts: &PruneOptions,
+    progress: &dyn Fn(u64, u64),
+) -> Result<(PathBuf, PruneReport)> {
+    let ck = Checkpoint::open(src)?;
+    let cfg = ck.require_config()?;
+    if plan.n_experts != cfg.n_routed_experts {
+        return Err(ConvertError::Invalid(format!(
+            "the plan is for {} experts per layer but {} has n_routed_experts = {}",
+            plan.n_experts,
+            src.display(),
+            cfg.n_routed_experts
+        )));
+    }
+    // Hash-routed layers (gate.tid2eid) and whether the plan prunes them.
+    let mut hash_layers = std::collections::BTreeSet::new();
+    let mut hash_pruned = vec![];
+    for t in ck.tensors() {
+        let n = naming::parse(t.name);
+        if n.role == Role::RouterTid2eid {
+            if let Scope::Layer(l) = n.scope {
+                hash_layers.insert(l);
+            }
+            if survivors_for(plan, n.scope).is_some() {
+                hash_pruned.push(scope_label(n.scope));
+            }
+        }
+    }
+    // Routed decoder layers must end up with one expert count (config.json has one
+    // n_routed_experts); hash-routed layers left whole are the one exception.
+    let mut counts = std::collections::BTreeSet::new();
+    let mut per_layer = vec![];
+    for l in 0..cfg.num_hidden_layers {
+        let n = plan
+            .survivors(l)
+            .map_or(cfg.n_routed_experts, <[usize]>::len);
+        per_layer.push(n);
+        if !hash_layers.contains(&l) {
+            counts.insert(n);
+        }
+    }
+    if counts.len() > 1 {
+        return Err(ConvertError::Invalid(format!(
+            "the plan leaves layers with different expert counts {counts:?}; config.json has one \
+             n_routed_experts, so every routed layer must keep the same number"
+        )));
+    }
+    let e_after = *counts.iter().next().unwrap_or(&cfg.n_routed_experts);
+    if cfg.num_experts_per_tok > e_after {
+        return Err(ConvertError::Invalid(format!(
+            "the plan keeps {e_after} experts per layer, fewer than num_experts_per_tok = {}",
+            cfg.num_experts_per_tok
+        )));
+    }
+    if !hash_pruned.is_empty() {
+        return Err(ConvertError::Refused {
+            tensor: format!("gate.tid2eid of layers {}", hash_pruned.join(", ")),
+            reason: "these layers are hash-routed: their expert ids come from the token id, so \
+                     pruning them needs a remapping policy keep does not have. Leave them whole \
+                     in the plan (\"survivors\": null; `keep select` does this) and prune the \
+                     other layers"
+                .into(),
+        });
+    }
+
+    let mut actions = vec![];
+    let mut unknown_copied = vec![];
+    let mut dropped = 0usize;
+    let mut id_map: BTreeMap<String, BTreeMap<usize, usize>> = BTreeMap::new();
+    for t in ck.tensors() {
+        let n = naming::parse(t.name);
+        let surv = survivors_for(plan, n.scope);
+        match (&n.role, surv) {
+            (Role::RoutedExpert { expert, .. }, Some(s)) => match s.binary_search(expert) {
+                Ok(new) => {
+                    let prefix = format!("{}ffn.experts.{expert}.", naming::scope_prefix(n.scope));
+                    let rest = t.name.strip_prefix(&prefix).ok_or_else(|| {
+                        ConvertError::Invalid(format!("unexpected expert tensor name `{}`", t.name))
+                    })?;
+                    let name = format!("{}ffn.experts.{new}.{rest}", naming::scope_prefix(n.scope));
+                    id_map
+                        .entry(scope_label(n.scope))
+                        .or_default()
+                        .insert(*expert, new);
+                    actions.push(Action::Copy(t, name));
+                }
+                Err(_) => dropped += 1,
+            },
+            (Role::RouterWeight | Role::RouterBias | Role::RouterBiasVl, Some(s)) => {
+                if t.shape.first().copied() != Some(plan.n_experts as u64) {
+                    return Err(ConvertError::Refused {
+                        tensor: t.name.to_string(),
+                        reason: format!(
+                            "shape {:?} does not lead with the {} experts of the plan",
+                            t.shape, plan.n_experts
+                        ),
+                    });
+                }
+                actions.push(Action::Slice(t, s));
+            }
+            (role, _) => {
+                if *role == Role::Unknown {
+                    unknown_copied.push(t.name.to_string());
+                }
+                actions.push(Action::Copy(t, t.name.to_string()));
+            }
+        }
+    }
+    // Every survivor must exist (an expert missing from the source is an error, not a hole).
+    for l in plan.layers.iter().chain(&plan.mtp_layers) {
+        if let Some(s) = &l.survivors {
+            let is_mtp = plan.mtp_layers.iter().any(|m| std::ptr::eq(m, l));
+            let label = if is_mtp {
+                format!("mtp.{}", l.layer)
+            } else {
+                l.layer.to_string()
+            };
+            let found = id_map.get(&label).map_or(0, BTreeMap::len);
+            if found != s.len() {
+                return Err(ConvertError::Invalid(format!(
+                    "layer {label}: the plan keeps {} experts but the checkpoint has {found} of them",
+                    s.len()
+                )));
+            }
+        }
+    }
+
+    let metas: Vec<TensorMeta> = actions
+        .iter()
+        .map(|a| match a {
+            Action::Copy(t, name) => TensorMeta::new(name.clone(), t.dtype, t.shape),
+            Action::Slice(t, s) => {
+                let mut shape = t.shape.to_vec();
+                shape[0] = s.len() as u64;
+                TensorMeta::new(t.name, t.dtype, &shape)
+            }
+        })
+        .collect();
+    let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
+    let max_shard = ck.shards().iter().map(|s| s.len()).max().unwrap_or(0);
+    let wopts = WriterOptions {
+        max_shard_bytes: max_shard.max(1 << 20),
+        force: opts.force,
+        sync: opts.sync,
+        ..Default::default()
+    };
+    for s in ck.shards() {
+        s.advise_sequential();
+    }
+    let mut w = CheckpointWriter::create(out, metas, wopts)?;
+    let mut done = 0u64;
+    let (mut copied, mut sliced) = (0usize, 0usize);
+    const CHUNK: usize = 16 << 20;
+    for a in &actions {
+        match a {
+            Action::Copy(t, name) => {
+                for c in t.bytes.chunks(CHUNK) {
+                    w.write_chunk(name, c)?;
+                }
+                done += t.bytes.len() as u64;
+                copied += 1;
+            }
+            Action::Slice(t, s) => {
+                let row = t.bytes.len() / plan.n_experts;
+                for &e in *s {
+                    w.write_chunk(t.name, &t.bytes[e * row..(e + 1) * row])?;
+                }
+                done += (row * s.len()) as u64;
+                sliced += 1;
+            }
+        }
+        progress(done, total);
+    }
+    let mut edits = vec![("n_routed_experts", json!(e_after))];
+    if per_layer.iter().any(|&n| n != e_after) {
+        edits.push(("n_routed_experts_per_layer", json!(per_layer)));
+    }
+    let raw = cfg.raw_with(&edits);
+    w.add_file(
+        "config.json",
+        serde_json::to_string_pretty(&raw).expect("JSON").as_bytes(),
+    )?;
+    for f in ck.aux_files()? {
+        let name = f.file_name().expect("a file").to_string_lossy().to_string();
+        if name == "prune-map.json" || name == "repack-report.json" {
+            continue;
+        }
+        w.copy_file(&name, &f)?;
+    }
+    let report = PruneReport {
+        format: "keep-prune-map",
+        version: 1,
+        source: src.display().to_string(),
+        output: out.display().to_string(),
+        n_experts_before: cfg.n_routed_experts,
+        n_experts_after: e_after,
+        id_map,
+        tensors_copied: copied,
+        tensors_sliced: sliced,
+        tensors_dropped: dropped,
+        unknown_copied,
+        bytes_before: ck.tensors().map(|t| t.bytes.len() as u64).sum(),
+        bytes_after: total,
+    };
+    w.add_file(
+        "prune-map.json",
+        serde_json::to_string_pretty(&report)
+            .expect("JSON")
+            .as_bytes(),
+    )?;
+    Ok((w.finish()?, report))
+}

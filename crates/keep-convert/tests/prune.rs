@@ -1,0 +1,200 @@
+//! `keep prune` by byte copy: survivors renumbered with identical bytes, router rows sliced,
+//! config updated, hash-routed layers refused unless left whole.
+
+use std::path::Path;
+
+use keep_checkpoint::naming::{expert_tensor, ExpertMat};
+use keep_checkpoint::Checkpoint;
+use keep_convert::inspect::inspect;
+use keep_convert::plan::{LayerPlan, PrunePlan};
+use keep_convert::presets::preset;
+use keep_convert::prune::{prune, PruneOptions};
+use keep_convert::synth::{synth, SynthOptions};
+
+fn make(dir: &Path, name: &str) -> std::path::PathBuf {
+    let (cfg, st) = preset(name).unwrap();
+    let out = dir.join(name);
+    let o = SynthOptions {
+        seed: 5,
+        storage: st,
+        force: false,
+        max_shard_bytes: 1 << 20,
+    };
+    synth(&cfg, &out, &o, &|_, _| {}).unwrap()
+}
+
+fn plan(n: usize, layers: &[(usize, Option<Vec<usize>>)]) -> PrunePlan {
+    PrunePlan {
+        format: PrunePlan::FORMAT.into(),
+        version: 1,
+        n_experts: n,
+        keep: layers
+            .iter()
+            .find_map(|(_, s)| s.as_ref().map(Vec::len))
+            .unwrap_or(n),
+        saliency: "test".into(),
+        layers: layers
+            .iter()
+            .map(|(l, s)| LayerPlan {
+                layer: *l,
+                survivors: s.clone(),
+                hash_routed: false,
+            })
+            .collect(),
+        mtp_layers: vec![],
+        extra: Default::default(),
+    }
+}
+
+#[test]
+fn prune_copies_survivor_bytes_and_slices_the_router() {
+    let d = tempfile::tempdir().unwrap();
+    let src = make(d.path(), "tiny");
+    // Different survivors per layer, 6 of 16 each.
+    let layers: Vec<_> = (0..8)
+        .map(|l| {
+            (
+                l,
+                Some(
+                    (0..16)
+                        .filter(|e| (e + l) % 3 != 0)
+                        .take(6)
+                        .collect::<Vec<_>>(),
+                ),
+            )
+        })
+        .collect();
+    let p = plan(16, &layers);
+    let out = d.path().join("pruned");
+    let opts = PruneOptions::default();
+    let (_, rep) = prune(&src, &p, &out, &opts, &|_, _| {}).unwrap();
+    assert_eq!(rep.n_experts_after, 6);
+    let s = Checkpoint::open(&src).unwrap();
+    let o = Checkpoint::open(&out).unwrap();
+    assert_eq!(o.config().unwrap().n_routed_experts, 6);
+    for (l, surv) in &layers {
+        let surv = surv.as_ref().unwrap();
+        for (new, &old) in surv.iter().enumerate() {
+            for mat in ExpertMat::ALL {
+                for part in ["weight", "scale"] {
+                    assert_eq!(
+                        o.tensor(&expert_tensor(*l, new, mat, part)).unwrap().bytes,
+                        s.tensor(&expert_tensor(*l, old, mat, part)).unwrap().bytes
+                    );
+                }
+            }
+        }
+        assert!(!o.contains(&expert_tensor(*l, 6, ExpertMat::W1, "weight")));
+        for (name, width) in [
+            ("gate.weight", 128 * 2),
+            ("gate.bias", 4),
+            ("gate.bias_vl", 4),
+        ] {
+            let sv = s.tensor(&format!("layers.{l}.ffn.{name}")).unwrap();
+            let ov = o.tensor(&format!("layers.{l}.ffn.{name}")).unwrap();
+            assert_eq!(ov.shape[0], 6);
+            for (new, &old) in surv.iter().enumerate() {
+                assert_eq!(
+                    &ov.bytes[new * width..(new + 1) * width],
+                    &sv.bytes[old * width..(old + 1) * width]
+                );
+            }
+        }
+    }
+    assert_eq!(rep.id_map["3"][&surv_of(&layers, 3)[2]], 2);
+    let r = inspect(&o);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert!(keep_checkpoint::sums::verify_dir(&out).unwrap().passed());
+    // A rerun is refused without --force.
+    assert!(prune(&src, &p, &out, &opts, &|_, _| {}).is_err());
+}
+
+fn surv_of(layers: &[(usize, Option<Vec<usize>>)], l: usize) -> Vec<usize> {
+    layers[l].1.clone().unwrap()
+}
+
+#[test]
+fn hash_layers_are_refused_unless_left_whole() {
+    let d = tempfile::tempdir().unwrap();
+    let src = make(d.path(), "tiny-v4flash");
+    let keep: Vec<usize> = (0..8).collect();
+    let all: Vec<_> = (0..8).map(|l| (l, Some(keep.clone()))).collect();
+    let e = prune(
+        &src,
+        &plan(16, &all),
+        &d.path().join("x"),
+        &PruneOptions::default(),
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("layers 0, 1") && e.contains("hash-routed"),
+        "{e}"
+    );
+    assert!(!d.path().join("x").exists());
+    // Leaving layers 0 and 1 whole works, with per-layer counts in config.json.
+    let some: Vec<_> = (0..8)
+        .map(|l| (l, if l < 2 { None } else { Some(keep.clone()) }))
+        .collect();
+    let out = d.path().join("y");
+    prune(
+        &src,
+        &plan(16, &some),
+        &out,
+        &PruneOptions::default(),
+        &|_, _| {},
+    )
+    .unwrap();
+    let o = Checkpoint::open(&out).unwrap();
+    let c = o.config().unwrap();
+    assert_eq!(c.experts_in_layer(0), 16);
+    assert_eq!(c.experts_in_layer(5), 8);
+    assert!(
+        inspect(&o).problems.is_empty(),
+        "{:?}",
+        inspect(&o).problems
+    );
+}
+
+#[test]
+fn bad_plans_are_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let src = make(d.path(), "tiny");
+    let o = PruneOptions::default();
+    // Wrong expert count for the model.
+    assert!(prune(
+        &src,
+        &plan(32, &[(0, Some(vec![1, 2, 3, 4]))]),
+        &d.path().join("a"),
+        &o,
+        &|_, _| {}
+    )
+    .is_err());
+    // Uneven counts across routed layers.
+    let e = prune(
+        &src,
+        &plan(16, &[(0, Some(vec![1, 2, 3, 4]))]),
+        &d.path().join("b"),
+        &o,
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("same number"), "{e}");
+    // Fewer survivors than top-k.
+    let layers: Vec<_> = (0..8).map(|l| (l, Some(vec![0, 1]))).collect();
+    assert!(prune(
+        &src,
+        &plan(16, &layers),
+        &d.path().join("c"),
+        &o,
+        &|_, _| {}
+    )
+    .is_err());
+    // Validation.
+    let mut p = plan(16, &[(0, Some(vec![3, 1]))]);
+    assert!(p.validate().is_err());
+    p.layers[0].survivors = Some(vec![1, 99]);
+    assert!(p.validate().is_err());
+}
