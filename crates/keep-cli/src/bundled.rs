@@ -1,13 +1,76 @@
-//! The bundled default model: found next to the sources in a checkout, or unpacked from the
-//! binary into a cache directory on first use (see the README, "The bundled model").
+//! The bundled default model (`keep-tiny`, issue 3): embedded in the binary at build time and
+//! unpacked on first use into a cache directory, verified against its SHA256SUMS.
+//!
+//! Where it goes: `$KEEP_CACHE_DIR`, else `$XDG_CACHE_HOME/keep`, else `~/.cache/keep`, in a
+//! folder named after the hash of the embedded SHA256SUMS (`keep-tiny-<12 hex>`), so a newer
+//! binary with another model unpacks beside an older one. Unpacking writes a temporary sibling
+//! and renames it, so an interrupted first run never leaves a half model behind; a cached copy
+//! that fails verification is refused with a message saying how to clear it.
 
 use std::path::PathBuf;
 
-/// Directory of the bundled model, or an error that says how to get one.
-pub fn default_model_dir() -> anyhow::Result<PathBuf> {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
-    if here.join("config.json").is_file() {
-        return Ok(here);
+use anyhow::{bail, Context};
+use sha2::{Digest, Sha256};
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/bundled_files.rs"));
+}
+
+/// The cache root.
+fn cache_root() -> anyhow::Result<PathBuf> {
+    if let Some(d) = std::env::var_os("KEEP_CACHE_DIR") {
+        return Ok(PathBuf::from(d));
     }
-    anyhow::bail!("no bundled model found; pass a model directory")
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(d).join("keep"));
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => Ok(PathBuf::from(h).join(".cache/keep")),
+        None => bail!("no cache directory: set KEEP_CACHE_DIR (or HOME)"),
+    }
+}
+
+/// Directory of the bundled model, unpacking it on first use.
+pub fn default_model_dir() -> anyhow::Result<PathBuf> {
+    let files = embedded::FILES;
+    let Some((_, sums)) = files.iter().find(|(n, _)| *n == "SHA256SUMS") else {
+        bail!("this keep binary was built without its bundled model (models/keep-tiny was missing at build time); pass a model directory");
+    };
+    let tag: String = Sha256::digest(sums)
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dir = cache_root()?
+        .join("models")
+        .join(format!("keep-tiny-{tag}"));
+    if !dir.join("SHA256SUMS").is_file() {
+        let parent = dir.parent().expect("has a parent");
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+        let tmp = parent.join(format!(".keep-tiny-{tag}.unpack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        for (name, bytes) in files {
+            std::fs::write(tmp.join(name), bytes)
+                .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, &dir) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            // Another process may have unpacked it meanwhile.
+            if !dir.join("SHA256SUMS").is_file() {
+                return Err(e).with_context(|| format!("moving the model into {}", dir.display()));
+            }
+        }
+    }
+    let r = keep_checkpoint::sums::verify_dir(&dir)?;
+    if !r.passed() {
+        bail!(
+            "the cached bundled model at {} does not match its SHA256SUMS ({} mismatched, {} missing); delete that directory and run again",
+            dir.display(),
+            r.mismatched.len(),
+            r.missing.len()
+        );
+    }
+    Ok(dir)
 }
