@@ -8,7 +8,9 @@
 
 pub mod cache;
 pub mod evidence;
+pub mod prune;
 pub mod repack;
+pub mod side;
 
 /// Errors of the benchmark harness.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,8 @@ pub struct BenchArgs {
 
 #[derive(Subcommand)]
 enum Which {
-    Repack(RepackBenchArgs),
+    Repack(SideArgs),
+    Prune(SideArgs),
 }
 
 /// Repack throughput against a plain copy of the same files, cold reads for both.
@@ -26,11 +27,14 @@ enum Which {
 /// copy-time / repack-time ≥ 0.8. Make a ≥ 2 GiB source with
 /// `keep synth --preset flash --out DIR`.
 ///
+/// `keep bench prune` does the same for pruning half of every layer's experts, against a
+/// plain read/write copy of exactly the bytes the pruned checkpoint keeps.
+///
 /// Example: keep bench repack /tmp/flash --scratch /tmp --rounds 3 --out repack-bench.json
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
-struct RepackBenchArgs {
-    /// The checkpoint to repack.
+struct SideArgs {
+    /// The source checkpoint.
     dir: PathBuf,
     /// Where the copies and repacks are written (and deleted).
     #[arg(long, default_value = "/tmp")]
@@ -44,26 +48,35 @@ struct RepackBenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
-    match a.which {
+    let (r, row) = match a.which {
         Which::Repack(r) => {
             let row = keep_bench::repack::run(&r.dir, &r.scratch, r.rounds)
                 .with_context(|| format!("benchmarking repack of {}", r.dir.display()))?;
-            let json = serde_json::to_string_pretty(&row)?;
-            if let Some(p) = &r.out {
-                std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
-            }
-            println!(
-                "repack vs copy on {} ({}): copy {:.2} GB/s, repack {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",
-                r.dir.display(),
-                human(row.source_bytes),
-                row.copy_gbps_median,
-                row.repack_gbps_median,
-                row.median_ratio,
-                row.rounds,
-                row.verdict,
-                row.rule
-            );
-            Ok(())
+            (r, row)
         }
+        Which::Prune(r) => {
+            let row = keep_bench::prune::run(&r.dir, &r.scratch, r.rounds)
+                .with_context(|| format!("benchmarking prune of {}", r.dir.display()))?;
+            (r, row)
+        }
+    };
+    let json = serde_json::to_string_pretty(&row)?;
+    if let Some(p) = &r.out {
+        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
     }
+    println!(
+        "{} on {} ({}): {} {:.2} GB/s, {} {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",
+        row.bench,
+        r.dir.display(),
+        human(row.subject_bytes),
+        row.baseline,
+        row.baseline_gbps_median,
+        row.subject,
+        row.subject_gbps_median,
+        row.median_ratio,
+        row.rounds,
+        row.verdict,
+        row.rule
+    );
+    Ok(())
 }
