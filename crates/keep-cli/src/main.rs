@@ -28,6 +28,7 @@ enum Command {
     Run(cmd::run::RunArgs),
     Bench(cmd::bench::BenchArgs),
     Prune(cmd::prune::PruneArgs),
+    Residency(cmd::residency::ResidencyArgs),
 }
 
 fn main() {
@@ -47,6 +48,7 @@ fn main() {
         Command::Run(a) => cmd::run::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Prune(a) => cmd::prune::run(a),
+        Command::Residency(a) => cmd::residency::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -525,6 +525,72 @@ mod tests {
         assert!(simulate(&t, &o).is_err(), "reap without scores");
     }
 
+    fn write_reap(dir: &Path, layers: &[(usize, Vec<f64>)]) {
+        let stage = dir.join("stage");
+        let metas = layers
+            .iter()
+            .map(|(l, v)| {
+                keep_checkpoint::TensorMeta::new(
+                    format!("reap.{l}.score"),
+                    Dtype::F64,
+                    &[v.len() as u64],
+                )
+            })
+            .collect();
+        let mut w = keep_checkpoint::CheckpointWriter::create(
+            &stage,
+            metas,
+            keep_checkpoint::WriterOptions::default(),
+        )
+        .unwrap();
+        for (l, v) in layers {
+            let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.write_tensor(&format!("reap.{l}.score"), &b).unwrap();
+        }
+        let d = w.finish().unwrap();
+        std::fs::rename(d.join("model.safetensors"), dir.join(REAP_FILE)).unwrap();
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn reap_warm_start_orders_the_static_set() {
+        use crate::trace::{LayerRoutes, Session};
+        // One layer, 4 experts, top-1: expert 3 is used most, expert 1 has the top REAP score.
+        let experts = vec![3, 3, 3, 1, 0, 3];
+        let t = RouteTrace {
+            sessions: vec![Session {
+                id: "s".into(),
+                layers: vec![LayerRoutes {
+                    layer: 5,
+                    top_k: 1,
+                    n_experts: 4,
+                    hash: false,
+                    weights: vec![1.0; experts.len()],
+                    experts,
+                }],
+                ..Session::default()
+            }],
+            ..RouteTrace::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        write_reap(dir.path(), &[(5, vec![0.1, 0.9, 0.2, 0.3])]);
+        let scores = read_reap(dir.path(), &t).unwrap();
+        assert_eq!(scores, vec![vec![0.1, 0.9, 0.2, 0.3]]);
+        let mut o = opts(HotSizes::Experts(vec![1]));
+        o.cost = None;
+        o.fetch_threshold = None;
+        o.policies = vec![PolicyKind::Static];
+        o.warm_start = WarmStart::Reap;
+        o.reap_scores = Some(scores);
+        // Static {1}, prefilled: hits only the one use of expert 1.
+        let r = simulate(&t, &o).unwrap();
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 1);
+        // With frequency, static {3}: four hits.
+        o.warm_start = WarmStart::Frequency;
+        let r = simulate(&t, &o).unwrap();
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 4);
+    }
+
     #[test]
     fn reap_file_missing_or_bad() {
         let dir = tempfile::tempdir().unwrap();
@@ -543,18 +609,9 @@ mod tests {
             "{e}"
         );
         // Right file, wrong shape.
-        let stage = dir.path().join("stage");
         let layer = t.sessions[0].layers[0].layer;
         let name = format!("reap.{layer}.score");
-        let mut w = keep_checkpoint::CheckpointWriter::create(
-            &stage,
-            vec![keep_checkpoint::TensorMeta::new(&name, Dtype::F64, &[3])],
-            keep_checkpoint::WriterOptions::default(),
-        )
-        .unwrap();
-        w.write_tensor(&name, &[0u8; 24]).unwrap();
-        let d = w.finish().unwrap();
-        std::fs::rename(d.join("model.safetensors"), dir.path().join(REAP_FILE)).unwrap();
+        write_reap(dir.path(), &[(layer, vec![0.0; 3])]);
         let e = read_reap(dir.path(), &t).unwrap_err().to_string();
         assert!(e.contains(&name) && e.contains("F64 [4]"), "{e}");
     }

@@ -5,6 +5,7 @@ pub mod inspect;
 pub mod logits;
 pub mod prune;
 pub mod repack;
+pub mod residency;
 pub mod run;
 pub mod synth;
 pub mod verify;

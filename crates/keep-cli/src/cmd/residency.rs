@@ -1,0 +1,326 @@
+//! `keep residency`: replay recorded routes through expert hot-set policies and say, per
+//! hot-set size, whether a hot set plus SSD reads can be fast enough.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use keep_residency::cost::{model_bytes, CostModel};
+use keep_residency::report::{read_reap, Options, PolicyRow, Report, REAP_FILE};
+use keep_residency::synth::{synthetic, SynthSpec};
+use keep_residency::{HotSizes, PolicyKind, WarmStart};
+
+use crate::util::{human, parse_bytes};
+
+/// Replay the routes recorded in RUN (by `keep calibrate` or `keep run --record-routes`)
+/// through a hot set of experts per layer — static (top experts by REAP saliency or
+/// frequency), LRU, decayed use counts, and Belady's optimum as the ceiling — and report, per
+/// hot-set size, each policy's miss rate, bytes read per token and a tokens/s bound, with the
+/// verdict: KILL if the best realizable policy that fetches every miss still misses more than
+/// 5% of routed slots, else PASS. Residency resets at each session (file); counts pool over
+/// sessions. `--fetch-threshold W` adds hybrid rows that drop misses with gate weight < W
+/// and reports the gate mass dropped. RUN is a directory of session files or one file.
+///
+/// Cost model (per token): misses × expert bytes at --ssd-gbps, plus hits × expert bytes
+/// and, with --model, the model's resident bytes (all but routed experts, embedding, MTP and
+/// vision tensors) at --mem-gbps; tok/s = 1 / seconds. No compute time, no overlap: a bound.
+///
+/// Example: keep residency runs/calib --hot 16,32,64 --model DIR --plot residency.svg
+/// Example: keep residency /tmp/synth --make-synthetic layers=8,experts=256,top_k=6 --expert-bytes 13.4MB
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+pub struct ResidencyArgs {
+    /// Run directory (every *.safetensors with `routes.*` tensors is a session) or one trace file.
+    run: PathBuf,
+    /// Hot experts per layer, comma list (default: powers of two up to the layer's experts).
+    #[arg(long, value_delimiter = ',', conflicts_with = "hot_frac")]
+    hot: Vec<usize>,
+    /// Hot-set sizes as fractions of each layer's experts, comma list.
+    #[arg(long, value_delimiter = ',')]
+    hot_frac: Vec<f64>,
+    /// Policies to replay: static, lru, decay, belady (comma list).
+    #[arg(long, value_delimiter = ',', default_value = "static,lru,decay,belady")]
+    policy: Vec<String>,
+    /// Half-life of the decayed use counts, in tokens.
+    #[arg(long, default_value_t = 64.0)]
+    half_life: f64,
+    /// Warm start: reap (RUN/reap-stats.safetensors), frequency (counts of the trace), none
+    /// (empty hot sets), or auto (reap when the file exists, else frequency).
+    #[arg(long, default_value = "auto")]
+    warm_start: String,
+    /// Also replay a hybrid that drops misses whose gate weight is below W.
+    #[arg(long, value_name = "W")]
+    fetch_threshold: Option<f32>,
+    /// SSD read bandwidth, GB/s.
+    #[arg(long, default_value_t = 7.0)]
+    ssd_gbps: f64,
+    /// Memory read bandwidth, GB/s.
+    #[arg(long, default_value_t = 100.0)]
+    mem_gbps: f64,
+    /// Model checkpoint to take expert and resident byte sizes from.
+    #[arg(long, conflicts_with = "expert_bytes")]
+    model: Option<PathBuf>,
+    /// Bytes of one routed expert (e.g. 13.4MB, 8MiB), instead of --model.
+    #[arg(long, value_name = "B")]
+    expert_bytes: Option<String>,
+    /// Print the report as JSON (format keep-residency-report, version 1).
+    #[arg(long)]
+    json: bool,
+    /// Draw miss rate against hot-set size per policy (.png or .svg).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+    /// First write a synthetic run with temporal locality into RUN (a new directory), then
+    /// replay it. SPEC: key=value list over layers, experts, top_k, tokens, sessions, seed,
+    /// working_set, locality, drift, zipf ("" for the defaults).
+    #[arg(long, value_name = "SPEC", num_args = 0..=1, default_missing_value = "")]
+    make_synthetic: Option<String>,
+}
+
+fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
+    let spec = SynthSpec::parse(spec).map_err(|e| anyhow::anyhow!("--make-synthetic: {e}"))?;
+    if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
+        bail!(
+            "{} exists and is not empty; --make-synthetic writes a new run directory",
+            dir.display()
+        );
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let t = synthetic(&spec);
+    let meta = std::collections::BTreeMap::from([("synthetic".to_string(), format!("{spec:?}"))]);
+    for s in &t.sessions {
+        let p = dir.join(format!("{}.safetensors", s.id));
+        keep_residency::write_session(&p, s, &meta, false)?;
+    }
+    eprintln!(
+        "wrote {} synthetic sessions ({} layers, {} experts, top-{}, {} tokens each) to {}",
+        spec.sessions,
+        spec.layers,
+        spec.n_experts,
+        spec.top_k,
+        spec.tokens,
+        dir.display()
+    );
+    Ok(())
+}
+
+pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
+    if let Some(spec) = &a.make_synthetic {
+        write_synthetic(&a.run, spec)?;
+    }
+    let trace = keep_residency::read_run(&a.run)?;
+    let first = &trace.sessions[0];
+    let n_max = first.layers.iter().map(|l| l.n_experts).max().unwrap_or(1);
+    let layers = trace.layers();
+
+    let mut policies = vec![];
+    for p in &a.policy {
+        policies.push(PolicyKind::parse(p).with_context(|| {
+            format!("unknown policy `{p}`; choose from static, lru, decay, belady")
+        })?);
+    }
+    let hot = if !a.hot_frac.is_empty() {
+        HotSizes::Fractions(a.hot_frac.clone())
+    } else if !a.hot.is_empty() {
+        HotSizes::Experts(a.hot.clone())
+    } else {
+        let mut v = vec![];
+        let mut h = 1;
+        while h < n_max {
+            v.push(h);
+            h *= 2;
+        }
+        v.push(n_max);
+        HotSizes::Experts(v)
+    };
+    let reap_path = if a.run.is_dir() {
+        a.run.join(REAP_FILE)
+    } else {
+        a.run
+            .parent()
+            .map(|p| p.join(REAP_FILE))
+            .unwrap_or_else(|| PathBuf::from(REAP_FILE))
+    };
+    let warm = match a.warm_start.as_str() {
+        "auto" => {
+            if reap_path.is_file() {
+                WarmStart::Reap
+            } else {
+                WarmStart::Frequency
+            }
+        }
+        w => WarmStart::parse(w).with_context(|| {
+            format!("unknown warm start `{w}`; choose reap, frequency, none or auto")
+        })?,
+    };
+    let reap_scores = match warm {
+        WarmStart::Reap => Some(read_reap(&a.run, &trace)?),
+        _ => None,
+    };
+    let (cost, bytes_from) = if let Some(dir) = &a.model {
+        let mb = model_bytes(dir, &layers, n_max)?;
+        (
+            Some(CostModel {
+                expert_bytes: mb.expert_bytes,
+                resident_bytes: mb.resident_bytes,
+                ssd_gbps: a.ssd_gbps,
+                mem_gbps: a.mem_gbps,
+            }),
+            format!("from {}", dir.display()),
+        )
+    } else if let Some(b) = &a.expert_bytes {
+        let b = parse_bytes(b).map_err(|e| anyhow::anyhow!("--expert-bytes: {e}"))?;
+        (
+            Some(CostModel {
+                expert_bytes: vec![b; layers.len()],
+                resident_bytes: 0,
+                ssd_gbps: a.ssd_gbps,
+                mem_gbps: a.mem_gbps,
+            }),
+            "given".to_string(),
+        )
+    } else {
+        (None, String::new())
+    };
+    let opts = Options {
+        hot,
+        policies,
+        half_life: a.half_life,
+        warm_start: warm,
+        fetch_threshold: a.fetch_threshold,
+        cost,
+        reap_scores,
+    };
+    let mut report = keep_residency::simulate(&trace, &opts)?;
+    report.command = std::env::args().collect::<Vec<_>>().join(" ");
+    if let Some(p) = &a.plot {
+        keep_residency::plot::plot(&report, p)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report, &bytes_from);
+        if let Some(p) = &a.plot {
+            println!("plot: {}", p.display());
+        }
+    }
+    Ok(())
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.2}%", x * 100.0)
+}
+
+fn rate(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.1} M", x / 1e6)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+fn print_row(hot: &str, r: &PolicyRow, hybrid: bool) {
+    let (ssd, mem, tps) = match &r.cost {
+        Some(c) => (
+            human(c.ssd_bytes_per_token.round() as u64),
+            human(c.mem_bytes_per_token.round() as u64),
+            format!("{:.2}", c.tokens_per_sec),
+        ),
+        None => ("-".into(), "-".into(), "-".into()),
+    };
+    let name = if hybrid {
+        format!("{}+thr", r.policy.name())
+    } else {
+        r.policy.name().to_string()
+    };
+    let extra = if hybrid {
+        format!(
+            "  dropped {} of slots, {} of gate mass",
+            pct(r.dropped_rate),
+            pct(r.dropped_gate_mass_frac)
+        )
+    } else {
+        String::new()
+    };
+    println!(
+        "  {:>6} {:<11} {:>8} {:>8} {:>12} {:>12} {:>9}{extra}",
+        hot,
+        name,
+        pct(r.miss_rate),
+        pct(r.hit_rate),
+        ssd,
+        mem,
+        tps
+    );
+}
+
+fn print_table(r: &Report, bytes_from: &str) {
+    let i = &r.inputs;
+    println!("{}", i.run.display());
+    println!(
+        "  {} session(s), {} layer(s), {} experts, top-{}, {} tokens, {} routed slots",
+        i.sessions.len(),
+        i.layers.len(),
+        i.n_experts,
+        i.top_k,
+        i.tokens,
+        i.routed_slots
+    );
+    let cost = match &i.cost {
+        Some(c) => format!(
+            "expert {} ({bytes_from}), resident {}, SSD {} GB/s, memory {} GB/s",
+            human(c.expert_bytes.first().copied().unwrap_or(0)),
+            human(c.resident_bytes),
+            c.ssd_gbps,
+            c.mem_gbps
+        ),
+        None => "no expert sizes (pass --model or --expert-bytes for bytes and tok/s)".into(),
+    };
+    println!(
+        "  warm start {}, decay half-life {} tokens, {cost}",
+        i.warm_start.name(),
+        i.half_life_tokens
+    );
+    if let Some(t) = i.fetch_threshold {
+        println!("  hybrid rows (+thr): misses with gate weight < {t} dropped, not read");
+    }
+    println!();
+    println!(
+        "  {:>6} {:<11} {:>8} {:>8} {:>12} {:>12} {:>9}",
+        "hot", "policy", "miss", "hit", "SSD/token", "mem/token", "tok/s"
+    );
+    for s in &r.sizes {
+        let hot = s.hot.to_string();
+        for row in &s.policies {
+            print_row(&hot, row, false);
+        }
+        for row in &s.hybrid {
+            print_row(&hot, row, true);
+        }
+        let mem = s
+            .hot_set_bytes
+            .map(|b| format!(", hot sets take {}", human(b)))
+            .unwrap_or_default();
+        match (s.best_policy, s.best_miss_rate) {
+            (Some(p), Some(m)) => println!(
+                "  {:>6} verdict {} (best {} misses {} {} 5%{mem})",
+                hot,
+                s.verdict,
+                p.name(),
+                pct(m),
+                if m > 0.05 { ">" } else { "≤" }
+            ),
+            _ => println!("  {:>6} verdict {}", hot, s.verdict),
+        }
+        println!();
+    }
+    println!("  rule: {}", r.verdict_rule);
+    println!(
+        "  replay: {} slots/s on one core ({} slots in {:.3} s)",
+        rate(r.replay.replay_slots_per_sec),
+        r.replay.slots_replayed,
+        r.replay.seconds
+    );
+    for n in &r.notes {
+        println!("  note: {n}");
+    }
+}
