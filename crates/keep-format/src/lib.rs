@@ -12,6 +12,7 @@
 pub mod affine;
 pub mod bf16;
 pub mod e8m0;
+pub mod e8p;
 pub mod error;
 pub mod f16;
 pub mod fp4;
