@@ -1,0 +1,543 @@
+//! The slot cache: per MoE layer a fixed number of slots, each an aligned buffer that holds one
+//! routed expert (its three matrices as stored), an expert→slot map, and a replacement
+//! [`Policy`]. Missing experts are read by the [`IoPool`] straight into free or evicted slots;
+//! the model sees only [`ExpertWeights`] views of a slot and never where the bytes came from.
+//!
+//! How a layer's pass goes (the model calls [`SlotCache::prefetch`] once per layer per forward
+//! with every expert the batch routes to, then [`SlotCache::expert`] for each of them in turn):
+//!
+//! - `prefetch`: every routed expert counts once as a hit (resident) or a miss; hits are pinned
+//!   for the pass; misses are queued and read *in parallel* into free slots, then into slots the
+//!   policy gives up (never a pinned one). In decode (≤ top-k experts, and at least top-k slots)
+//!   every miss is in flight before the first matrix is multiplied.
+//! - `expert`: waits for that expert's read if it is still in flight and hands out views of its
+//!   slot. In prefill a chunk can route to more experts than there are slots: the queue is then
+//!   drained as slots of experts already served in this pass free up, so each missing expert is
+//!   read at most once per layer per chunk (the model serves experts in ascending order, which is
+//!   the queue's order: routes sorted by expert).
+//!
+//! **Validity of views.** A view of layer `L` stays valid until the next call into the cache for
+//! layer `L` (the slot handed out last is never reused before that). keep-model's MoE loop holds
+//! each expert's views only within its loop iteration, which satisfies this; the cache is only
+//! reachable through [`crate::BudgetedModel`], whose `forward` takes `&mut self`, so passes never
+//! interleave.
+
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use keep_model::{ExpertSource, ExpertWeights, ModelError};
+
+use crate::aligned::AlignedBuf;
+use crate::io::IoPool;
+use crate::policy::{Policy, PolicyState};
+use crate::store::ExpertStore;
+use crate::{Result, RuntimeError};
+
+/// One slot's buffer. Written only by the I/O job that holds the slot in `Loading`; read only
+/// through views handed out while it is `Ready`.
+struct SlotBuf(UnsafeCell<AlignedBuf>);
+
+// SAFETY: access is synchronised by the layer's state machine (see the module doc and the
+// comments at each access): a `Loading` slot has exactly one writer and no readers; a `Ready`
+// slot has no writer.
+unsafe impl Sync for SlotBuf {}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Status {
+    Empty,
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+struct LayerState {
+    slot_expert: Vec<Option<usize>>,
+    status: Vec<Status>,
+    /// expert → slot.
+    map: Vec<Option<usize>>,
+    /// Slots of this pass's experts not served yet.
+    pinned: Vec<bool>,
+    /// The slot whose views were handed out last (not reused before the next call).
+    current: Option<usize>,
+    /// Missing experts of this pass without a slot yet, in the order they will be asked for.
+    pending: VecDeque<usize>,
+    policy: PolicyState,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+    wait_secs: f64,
+}
+
+struct Layer {
+    bufs: Vec<SlotBuf>,
+    st: Mutex<LayerState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct IoClock {
+    in_flight: usize,
+    since: Option<Instant>,
+    busy_secs: f64,
+}
+
+struct Inner {
+    store: ExpertStore,
+    slots: usize,
+    layers: Vec<Layer>,
+    clock: Mutex<IoClock>,
+    bytes_read: AtomicU64,
+    experts_read: AtomicU64,
+    warm_bytes: AtomicU64,
+}
+
+/// Hits and misses of one layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// What the cache did so far.
+#[derive(Debug, Clone, Default)]
+pub struct CacheStats {
+    /// Routed experts per layer per forward that were resident.
+    pub hits: u64,
+    /// Routed experts per layer per forward that had to be read.
+    pub misses: u64,
+    /// Bytes read from the checkpoint (aligned reads; warm start excluded).
+    pub bytes_read: u64,
+    /// Expert reads (a miss is read once; more only if a prefill chunk overflows the slots).
+    pub experts_read: u64,
+    /// Wall seconds with at least one read in flight.
+    pub io_busy_secs: f64,
+    /// Seconds the forward waited for reads.
+    pub wait_secs: f64,
+    /// Bytes read to fill slots before the run (warm start).
+    pub warm_bytes: u64,
+    pub per_layer: Vec<LayerStats>,
+    pub slots_per_layer: usize,
+    pub slot_bytes: u64,
+    pub direct_io: bool,
+    pub io_threads: usize,
+}
+
+impl CacheStats {
+    /// `hits / (hits + misses)` (1 when nothing was routed).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            1.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+
+    /// Read bandwidth while reads were in flight, GB/s (10⁹ bytes).
+    pub fn read_gbps(&self) -> f64 {
+        if self.io_busy_secs > 0.0 {
+            self.bytes_read as f64 / self.io_busy_secs / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Per-layer slots over an [`ExpertStore`].
+pub struct SlotCache {
+    inner: Arc<Inner>,
+    pool: IoPool,
+}
+
+fn poisoned<T>(_: T) -> ModelError {
+    ModelError::Cache("the slot cache's lock was poisoned by a panic".into())
+}
+
+impl Inner {
+    fn io_start(&self) {
+        if let Ok(mut c) = self.clock.lock() {
+            if c.in_flight == 0 {
+                c.since = Some(Instant::now());
+            }
+            c.in_flight += 1;
+        }
+    }
+
+    fn io_end(&self, bytes: u64) {
+        self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+        self.experts_read.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut c) = self.clock.lock() {
+            c.in_flight = c.in_flight.saturating_sub(1);
+            if c.in_flight == 0 {
+                if let Some(t) = c.since.take() {
+                    c.busy_secs += t.elapsed().as_secs_f64();
+                }
+            }
+        }
+    }
+
+    /// A slot for a new read: an empty one, else the policy's victim among ready slots that are
+    /// not the current one (and not pinned unless `steal`).
+    fn find_slot(st: &LayerState, steal: bool) -> Option<usize> {
+        let free =
+            (0..st.status.len()).find(|&s| st.status[s] == Status::Empty && st.current != Some(s));
+        if free.is_some() {
+            return free;
+        }
+        let cands = (0..st.status.len()).filter_map(|s| {
+            let ok =
+                st.status[s] == Status::Ready && st.current != Some(s) && (steal || !st.pinned[s]);
+            match (ok, st.slot_expert[s]) {
+                (true, Some(e)) => Some((s, e)),
+                _ => None,
+            }
+        });
+        st.policy.victim(cands, st.tick)
+    }
+
+    /// Put expert `e` into slot `s` and queue its read.
+    fn assign(self: &Arc<Self>, pool: &IoPool, l: usize, st: &mut LayerState, s: usize, e: usize) {
+        if let Some(old) = st.slot_expert[s] {
+            st.map[old] = None;
+        }
+        st.slot_expert[s] = Some(e);
+        st.map[e] = Some(s);
+        st.status[s] = Status::Loading;
+        st.pinned[s] = true;
+        self.io_start();
+        let inner = self.clone();
+        let job = move || {
+            let layer = &inner.layers[l];
+            // SAFETY: slot `s` of layer `l` is `Loading`, so this job is its only user: views
+            // are made only of `Ready` slots, and a slot becomes `Loading` only when it is
+            // neither the current slot nor `Loading` (so no view of it is alive — see the
+            // module doc); nothing else touches it until the status below is published.
+            let dst = unsafe { (*layer.bufs[s].0.get()).as_mut_slice() };
+            let r = inner.store.read_into(l, e, dst);
+            inner.io_end(*r.as_ref().unwrap_or(&0));
+            if let Ok(mut st) = layer.st.lock() {
+                st.status[s] = match r {
+                    Ok(_) => Status::Ready,
+                    Err(err) => Status::Failed(err.to_string()),
+                };
+            }
+            layer.cv.notify_all();
+        };
+        if pool.submit(job).is_err() {
+            self.io_end(0);
+            st.status[s] = Status::Failed("the I/O pool has shut down".into());
+        }
+    }
+
+    /// Give queued experts slots while there are slots to give.
+    fn issue(self: &Arc<Self>, pool: &IoPool, l: usize, st: &mut LayerState) {
+        while let Some(&e) = st.pending.front() {
+            let Some(s) = Self::find_slot(st, false) else {
+                break;
+            };
+            st.pending.pop_front();
+            self.assign(pool, l, st, s, e);
+        }
+    }
+}
+
+impl SlotCache {
+    /// `slots` slots per layer over `store`, each [`ExpertStore::slot_bytes`] long, with
+    /// `io_threads` reader threads.
+    pub fn new(
+        store: ExpertStore,
+        slots: usize,
+        policy: Policy,
+        io_threads: usize,
+    ) -> Result<SlotCache> {
+        let (n_layers, n_experts) = (store.n_layers(), store.n_experts());
+        let slots = slots.min(n_experts).max(1);
+        let sb = store.slot_bytes() as usize;
+        let mut layers = Vec::with_capacity(n_layers);
+        for _ in 0..n_layers {
+            let bufs = (0..slots)
+                .map(|_| {
+                    AlignedBuf::new(sb)
+                        .map(|b| SlotBuf(UnsafeCell::new(b)))
+                        .ok_or_else(|| {
+                            RuntimeError::Invalid(format!("cannot allocate a slot of {sb} bytes"))
+                        })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            layers.push(Layer {
+                bufs,
+                st: Mutex::new(LayerState {
+                    slot_expert: vec![None; slots],
+                    status: vec![Status::Empty; slots],
+                    map: vec![None; n_experts],
+                    pinned: vec![false; slots],
+                    current: None,
+                    pending: VecDeque::new(),
+                    policy: PolicyState::new(policy, n_experts),
+                    tick: 0,
+                    hits: 0,
+                    misses: 0,
+                    wait_secs: 0.0,
+                }),
+                cv: Condvar::new(),
+            });
+        }
+        let pool = IoPool::new(io_threads)
+            .map_err(|e| RuntimeError::Invalid(format!("starting the I/O threads: {e}")))?;
+        Ok(SlotCache {
+            inner: Arc::new(Inner {
+                store,
+                slots,
+                layers,
+                clock: Mutex::new(IoClock::default()),
+                bytes_read: AtomicU64::new(0),
+                experts_read: AtomicU64::new(0),
+                warm_bytes: AtomicU64::new(0),
+            }),
+            pool,
+        })
+    }
+
+    /// The store the slots are filled from.
+    pub fn store(&self) -> &ExpertStore {
+        &self.inner.store
+    }
+
+    /// Slots per layer.
+    pub fn slots_per_layer(&self) -> usize {
+        self.inner.slots
+    }
+
+    /// Seed each layer's policy with warm-start scores (`scores[layer][expert]`; layers past
+    /// the end get none) and fill its slots with the best-scored experts, waiting for the reads.
+    pub fn warm(&self, scores: &[Vec<f64>]) -> Result<()> {
+        for (l, layer) in self.inner.layers.iter().enumerate() {
+            let Some(sc) = scores.get(l) else { continue };
+            let mut st = layer.st.lock().map_err(poisoned)?;
+            st.policy.warm(sc);
+            let order = st.policy.warm_order();
+            for e in order.into_iter().take(self.inner.slots) {
+                if st.map[e].is_none() {
+                    if let Some(s) = Inner::find_slot(&st, true) {
+                        self.inner.assign(&self.pool, l, &mut st, s, e);
+                    }
+                }
+            }
+            st.pinned.iter_mut().for_each(|p| *p = false);
+        }
+        for layer in &self.inner.layers {
+            let mut st = layer.st.lock().map_err(poisoned)?;
+            while st.status.contains(&Status::Loading) {
+                st = layer.cv.wait(st).map_err(poisoned)?;
+            }
+            for s in 0..st.status.len() {
+                if let Status::Failed(msg) = st.status[s].clone() {
+                    return Err(RuntimeError::Invalid(format!("warm start: {msg}")));
+                }
+            }
+        }
+        let b = self.inner.bytes_read.swap(0, Ordering::Relaxed);
+        self.inner.warm_bytes.fetch_add(b, Ordering::Relaxed);
+        self.inner.experts_read.store(0, Ordering::Relaxed);
+        if let Ok(mut c) = self.inner.clock.lock() {
+            c.busy_secs = 0.0;
+        }
+        Ok(())
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> CacheStats {
+        let mut s = CacheStats {
+            bytes_read: self.inner.bytes_read.load(Ordering::Relaxed),
+            experts_read: self.inner.experts_read.load(Ordering::Relaxed),
+            warm_bytes: self.inner.warm_bytes.load(Ordering::Relaxed),
+            slots_per_layer: self.inner.slots,
+            slot_bytes: self.inner.store.slot_bytes(),
+            direct_io: self.inner.store.direct_io(),
+            io_threads: self.pool.threads(),
+            ..Default::default()
+        };
+        if let Ok(c) = self.inner.clock.lock() {
+            s.io_busy_secs = c.busy_secs
+                + match (c.in_flight, c.since) {
+                    (n, Some(t)) if n > 0 => t.elapsed().as_secs_f64(),
+                    _ => 0.0,
+                };
+        }
+        for layer in &self.inner.layers {
+            if let Ok(st) = layer.st.lock() {
+                s.hits += st.hits;
+                s.misses += st.misses;
+                s.wait_secs += st.wait_secs;
+                s.per_layer.push(LayerStats {
+                    hits: st.hits,
+                    misses: st.misses,
+                });
+            }
+        }
+        s
+    }
+
+    /// Zero the counters (the slots keep their experts), e.g. between prefill and decode.
+    pub fn reset_stats(&self) {
+        self.inner.bytes_read.store(0, Ordering::Relaxed);
+        self.inner.experts_read.store(0, Ordering::Relaxed);
+        if let Ok(mut c) = self.inner.clock.lock() {
+            c.busy_secs = 0.0;
+            if c.in_flight > 0 {
+                c.since = Some(Instant::now());
+            }
+        }
+        for layer in &self.inner.layers {
+            if let Ok(mut st) = layer.st.lock() {
+                st.hits = 0;
+                st.misses = 0;
+                st.wait_secs = 0.0;
+            }
+        }
+    }
+
+    /// Which expert each slot of `layer` holds (ready or loading).
+    pub fn resident(&self, layer: usize) -> Vec<Option<usize>> {
+        self.inner
+            .layers
+            .get(layer)
+            .and_then(|l| l.st.lock().ok().map(|st| st.slot_expert.clone()))
+            .unwrap_or_default()
+    }
+
+    fn layer(&self, layer: usize) -> std::result::Result<&Layer, ModelError> {
+        self.inner
+            .layers
+            .get(layer)
+            .ok_or_else(|| ModelError::Expert {
+                layer,
+                expert: 0,
+                msg: format!("no such layer ({} layers)", self.inner.layers.len()),
+            })
+    }
+
+    /// Start a pass of `layer` over `experts` (see the module doc).
+    pub(crate) fn prefetch_layer(&self, l: usize, experts: &[usize]) {
+        let Ok(layer) = self.layer(l) else { return };
+        let Ok(mut st) = layer.st.lock() else { return };
+        st.tick += 1;
+        st.current = None;
+        st.pinned.iter_mut().for_each(|p| *p = false);
+        st.pending.clear();
+        let tick = st.tick;
+        let n = st.map.len();
+        for &e in experts {
+            if e >= n || st.pending.contains(&e) {
+                continue;
+            }
+            st.policy.touch(e, tick);
+            match st.map[e] {
+                Some(s) => {
+                    if !st.pinned[s] {
+                        st.hits += 1;
+                    }
+                    st.pinned[s] = true;
+                }
+                None => {
+                    st.misses += 1;
+                    st.pending.push_back(e);
+                }
+            }
+        }
+        self.inner.issue(&self.pool, l, &mut st);
+    }
+
+    /// Views of expert `e` of layer `l`, reading it first if needed (see the module doc).
+    pub(crate) fn expert_views(
+        &self,
+        l: usize,
+        e: usize,
+    ) -> std::result::Result<ExpertWeights<'_>, ModelError> {
+        let layer = self.layer(l)?;
+        let err = |msg: String| ModelError::Expert {
+            layer: l,
+            expert: e,
+            msg,
+        };
+        let mut st = layer.st.lock().map_err(poisoned)?;
+        st.current = None;
+        if e >= st.map.len() {
+            return Err(err(format!("no such expert ({} experts)", st.map.len())));
+        }
+        let s = match st.map[e] {
+            Some(s) => s,
+            None => {
+                if let Some(i) = st.pending.iter().position(|&x| x == e) {
+                    st.pending.remove(i);
+                } else {
+                    // Asked for without a prefetch: a miss of its own.
+                    st.misses += 1;
+                    let tick = st.tick;
+                    st.policy.touch(e, tick);
+                }
+                loop {
+                    let found =
+                        Inner::find_slot(&st, false).or_else(|| Inner::find_slot(&st, true));
+                    if let Some(s) = found {
+                        self.inner.assign(&self.pool, l, &mut st, s, e);
+                        break s;
+                    }
+                    // Every slot is being read: wait for one.
+                    st = layer.cv.wait(st).map_err(poisoned)?;
+                }
+            }
+        };
+        let t0 = Instant::now();
+        let mut waited = false;
+        loop {
+            match st.status[s].clone() {
+                Status::Ready => break,
+                Status::Loading => {
+                    waited = true;
+                    st = layer.cv.wait(st).map_err(poisoned)?;
+                }
+                Status::Failed(msg) => {
+                    st.status[s] = Status::Empty;
+                    st.slot_expert[s] = None;
+                    st.map[e] = None;
+                    return Err(err(format!("reading from the checkpoint: {msg}")));
+                }
+                Status::Empty => return Err(err("slot emptied while waiting".into())),
+            }
+        }
+        if waited {
+            st.wait_secs += t0.elapsed().as_secs_f64();
+        }
+        st.pinned[s] = false;
+        st.current = Some(s);
+        // Keep the disk busy: read queued experts into slots already served in this pass.
+        self.inner.issue(&self.pool, l, &mut st);
+        drop(st);
+        // SAFETY: slot `s` is `Ready` (no writer) and is `current`: `find_slot` never hands it
+        // to a new read before the next call for this layer, by which time the caller has
+        // dropped these views (module doc, "Validity of views").
+        let bytes = unsafe { (*layer.bufs[s].0.get()).as_slice() };
+        self.inner
+            .store
+            .views(l, e, bytes)
+            .map_err(|x| err(x.to_string()))
+    }
+}
+
+/// The [`ExpertSource`] the model is given: only [`crate::BudgetedModel`] makes one, so the
+/// cache is driven by the model's forward alone.
+pub(crate) struct CacheSource(pub(crate) Arc<SlotCache>);
+
+impl ExpertSource for CacheSource {
+    fn expert(&self, layer: usize, expert: usize) -> keep_model::Result<ExpertWeights<'_>> {
+        self.0.expert_views(layer, expert)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.0.prefetch_layer(layer, experts)
+    }
+}

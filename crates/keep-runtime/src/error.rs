@@ -1,0 +1,67 @@
+//! [`RuntimeError`]: what can go wrong when running a model inside a memory budget — a budget too
+//! small for the residents plus top-k slots per layer (naming the bytes needed), an expert the
+//! checkpoint does not lay out as expected, a failed read, a bad warm-start or route file.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Errors of keep-runtime.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Checkpoint(#[from] keep_checkpoint::CheckpointError),
+
+    #[error(transparent)]
+    Model(#[from] keep_model::ModelError),
+
+    /// The budget cannot hold the resident weights plus top-k slots in every layer.
+    #[error(
+        "--memory-budget {budget} bytes is too small: the resident weights take {residents} bytes and \
+         {layers} MoE layers × top-k {top_k} slots × {slot_bytes} bytes per slot take {slots} more, \
+         so at least {needed} bytes ({needed_gib:.2} GiB) are needed; give a budget ≥ {needed}"
+    )]
+    BudgetTooSmall {
+        budget: u64,
+        residents: u64,
+        layers: usize,
+        top_k: usize,
+        slot_bytes: u64,
+        slots: u64,
+        needed: u64,
+        needed_gib: f64,
+    },
+
+    /// A routed expert's tensors are missing or not where the model expects them.
+    #[error("layer {layer}, expert {expert}: {msg}")]
+    Layout {
+        layer: usize,
+        expert: usize,
+        msg: String,
+    },
+
+    /// An I/O error on a file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A warm-start or route file that cannot be used.
+    #[error("{path}: {msg}")]
+    File { path: PathBuf, msg: String },
+
+    /// A bad option.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl RuntimeError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        RuntimeError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

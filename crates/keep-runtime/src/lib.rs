@@ -1,0 +1,40 @@
+//! keep-runtime: run a DeepSeek-V4.1 Mixture-of-Experts checkpoint whose routed experts do not
+//! fit in memory, inside a memory budget the user sets.
+//!
+//! What it is: the [`ExpertStore`] (each routed expert addressed as (layer, expert) → extents
+//! in the checkpoint's own safetensors shards, read with positional `O_DIRECT` reads into
+//! aligned buffers by a small [`IoPool`]), the [`SlotCache`] (per layer a fixed number of slots
+//! with an expert→slot map and a [`Policy`]: LRU, decay, static; optional warm start), the
+//! budget split ([`BudgetPlan`]), the route recorder ([`RouteLog`], `keep-routes` v1), and
+//! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and runs the
+//! generation loop. The model never learns where an expert's bytes came from.
+//!
+//! What it is not: no printing, no argument parsing (keep-cli), no kernels (keep-kernels), no
+//! model arithmetic (keep-model), no trace replay (keep-residency).
+//!
+//! Depends on: keep-checkpoint (tensor extents, shards), keep-model (the forward and its
+//! `ExpertSource`), keep-kernels (weight views), libc (`pread`, `O_DIRECT`, `posix_fadvise`).
+
+pub mod aligned;
+pub mod budget;
+pub mod cache;
+pub mod error;
+pub mod io;
+pub mod policy;
+pub mod routes;
+pub mod runtime;
+pub mod store;
+
+pub use budget::{resident_bytes, BudgetPlan, FIXED_OVERHEAD};
+pub use cache::{CacheStats, LayerStats, SlotCache};
+pub use error::RuntimeError;
+pub use io::{IoPool, DEFAULT_IO_THREADS};
+pub use policy::Policy;
+pub use routes::{warm_scores, RouteLog};
+pub use runtime::{
+    peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, GenReport, RuntimeOptions,
+};
+pub use store::ExpertStore;
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, RuntimeError>;

@@ -1,0 +1,224 @@
+//! [`BudgetedModel`]: the DeepSeek-V4.1 model with its routed experts in a [`SlotCache`] sized
+//! from a memory budget, and the generation loop over it ([`BudgetedModel::generate`]).
+//! Everything except the routed experts is the model's own (views of the mapped checkpoint);
+//! the logits are bit-identical to [`Model::load`]'s because the same views of the same bytes
+//! meet the same kernels — only where the bytes sit differs.
+//!
+//! Forwards take `&mut self`: one forward at a time drives the cache (see `cache.rs`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::Sampler;
+use keep_model::{Cache, Logits, Model, ModelConfig, RouteObserver};
+
+use crate::budget::{resident_bytes, BudgetPlan};
+use crate::cache::{CacheSource, CacheStats, SlotCache};
+use crate::io::DEFAULT_IO_THREADS;
+use crate::policy::Policy;
+use crate::routes::warm_scores;
+use crate::store::ExpertStore;
+use crate::Result;
+
+/// How to run inside a budget.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Bytes for the resident weights plus the expert slots.
+    pub budget: u64,
+    pub policy: Policy,
+    pub io_threads: usize,
+    /// Bypass the page cache (`O_DIRECT`/`F_NOCACHE`) when the filesystem allows it.
+    pub direct_io: bool,
+    /// Fill the slots before the run from `reap-stats.safetensors` or a route file.
+    pub warm_start: Option<PathBuf>,
+}
+
+impl RuntimeOptions {
+    /// Defaults (LRU, [`DEFAULT_IO_THREADS`], direct I/O, no warm start) for `budget`.
+    pub fn new(budget: u64) -> RuntimeOptions {
+        RuntimeOptions {
+            budget,
+            policy: Policy::Lru,
+            io_threads: DEFAULT_IO_THREADS,
+            direct_io: true,
+            warm_start: None,
+        }
+    }
+}
+
+/// Timings of a generation.
+#[derive(Debug, Clone, Default)]
+pub struct GenReport {
+    pub prompt_tokens: usize,
+    pub prefill_secs: f64,
+    /// Decode forwards (tokens fed back).
+    pub generated: usize,
+    pub decode_secs: f64,
+    /// Cache counters of the prefill and of the decode.
+    pub prefill_cache: CacheStats,
+    pub decode_cache: CacheStats,
+}
+
+impl GenReport {
+    pub fn prefill_tps(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill_secs)
+    }
+    pub fn decode_tps(&self) -> f64 {
+        rate(self.generated, self.decode_secs)
+    }
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// The model with its routed experts in budgeted slots.
+pub struct BudgetedModel<'a> {
+    model: Model<'a>,
+    cache: Arc<SlotCache>,
+    plan: BudgetPlan,
+}
+
+impl<'a> BudgetedModel<'a> {
+    /// Plan the budget, allocate the slots, optionally warm them, and load the model.
+    pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
+        let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
+        let plan = BudgetPlan::new(
+            opts.budget,
+            resident_bytes(ck),
+            store.slot_bytes(),
+            cfg.n_layers,
+            cfg.top_k,
+            cfg.n_experts,
+        )?;
+        let cache = Arc::new(SlotCache::new(
+            store,
+            plan.slots_per_layer,
+            opts.policy,
+            opts.io_threads,
+        )?);
+        if let Some(p) = &opts.warm_start {
+            let scores = warm_scores(p, cfg.n_layers, cfg.n_experts)?;
+            cache.warm(&scores)?;
+        }
+        let model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
+        Ok(BudgetedModel { model, cache, plan })
+    }
+
+    /// The model's config.
+    pub fn cfg(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    /// How the budget was split.
+    pub fn plan(&self) -> &BudgetPlan {
+        &self.plan
+    }
+
+    /// The slot cache (counters, residency).
+    pub fn cache(&self) -> &SlotCache {
+        &self.cache
+    }
+
+    /// An empty KV cache.
+    pub fn new_cache(&self) -> Cache {
+        self.model.new_cache()
+    }
+
+    /// [`Model::forward`] with the experts from the slots.
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        Ok(self.model.forward(tokens, cache, which, obs)?)
+    }
+
+    /// Prefill `prompt` (in one forward), then sample up to `max_tokens`, calling `on_token`
+    /// with each; stops at a token in `stop` (passed to `on_token`, not fed back). The same loop
+    /// as `keep_model::generate::generate`, with an observer and cache counters per phase.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampler: &mut Sampler,
+        stop: &[u32],
+        mut obs: Option<&mut dyn RouteObserver>,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<GenReport> {
+        let mut cache = self.new_cache();
+        self.cache.reset_stats();
+        let t0 = Instant::now();
+        let mut logits = self.forward(
+            prompt,
+            &mut cache,
+            Logits::Last,
+            obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+        )?;
+        let prefill_secs = t0.elapsed().as_secs_f64();
+        let prefill_cache = self.cache.stats();
+        self.cache.reset_stats();
+        let t1 = Instant::now();
+        let (mut generated, mut steps) = (0, 0);
+        while generated < max_tokens {
+            let tok = sampler.sample(&logits);
+            generated += 1;
+            on_token(tok);
+            if stop.contains(&tok) || generated == max_tokens {
+                break;
+            }
+            logits = self.forward(
+                &[tok],
+                &mut cache,
+                Logits::Last,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+            steps += 1;
+        }
+        Ok(GenReport {
+            prompt_tokens: prompt.len(),
+            prefill_secs,
+            generated: steps,
+            decode_secs: t1.elapsed().as_secs_f64(),
+            prefill_cache,
+            decode_cache: self.cache.stats(),
+        })
+    }
+}
+
+/// Peak resident set size of this process (`VmHWM` of `/proc/self/status`), in bytes; `None`
+/// where there is no procfs.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_kib("VmHWM:").map(|k| k * 1024)
+}
+
+/// Current resident set size (`VmRSS`), in bytes.
+pub fn rss_bytes() -> Option<u64> {
+    proc_status_kib("VmRSS:").map(|k| k * 1024)
+}
+
+fn proc_status_kib(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Reset the peak RSS to the current RSS (writes `5` to `/proc/self/clear_refs`, Linux ≥ 4.0).
+/// Returns whether it worked.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}

@@ -1,0 +1,490 @@
+//! The expert store: every routed expert of every layer addressed as (layer, expert) → the
+//! extents of its tensors in the checkpoint's own safetensors shards (no conversion step), and
+//! the reads that bring one expert into a slot buffer.
+//!
+//! An expert is its three matrices `w1`, `w2`, `w3`, each a `.weight` and an optional `.scale`
+//! (or `.weight_scale_inv`): up to six tensors, each contiguous in its shard but not necessarily
+//! adjacent. Extents of one shard closer than [`COALESCE_GAP`] are merged into one read (a
+//! `keep synth` expert, whose six tensors are consecutive, is one read). Each read covers the
+//! [`ALIGN`]ed superset of its extents, so it can be issued with `O_DIRECT` into an aligned
+//! buffer; a tensor is then the sub-range of the slot at its recorded offset.
+//!
+//! Reads are positional (`pread`) and bypass the page cache: `O_DIRECT` on Linux, `F_NOCACHE`
+//! on macOS. When the filesystem refuses direct I/O (tmpfs), the shard falls back to buffered
+//! `pread` followed by `posix_fadvise(DONTNEED)` on the range, and [`ExpertStore::direct_io`]
+//! says so.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
+use keep_model::{ExpertWeights, ModelConfig};
+
+use crate::aligned::{align_down, align_up, ALIGN};
+use crate::{Result, RuntimeError};
+
+/// Extents of one shard with a gap of at most this many bytes are read as one.
+pub const COALESCE_GAP: u64 = 64 * 1024;
+
+/// One tensor of an expert: where it is in the file and where it lands in the slot.
+#[derive(Debug, Clone)]
+pub struct TensorPart {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub shard: usize,
+    pub file_offset: u64,
+    pub len: u64,
+    /// Offset of the tensor's first byte in the slot buffer.
+    pub slot_offset: u64,
+}
+
+/// One positional read: `len` bytes (aligned) of shard `shard` from `file_start` (aligned) into
+/// the slot at `slot_offset` (aligned). `need` bytes from the start must be present (the rest is
+/// alignment padding past the last extent, which may lie beyond the end of the file).
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRun {
+    pub shard: usize,
+    pub file_start: u64,
+    pub len: u64,
+    pub need: u64,
+    pub slot_offset: u64,
+}
+
+/// Where one expert's bytes are and how they land in a slot.
+#[derive(Debug, Clone)]
+pub struct ExpertLayout {
+    /// `w1.weight`, `w1.scale?`, `w2.weight`, `w2.scale?`, `w3.weight`, `w3.scale?`.
+    pub tensors: Vec<TensorPart>,
+    /// Index into `tensors` of each matrix's weight and optional scale (`w1`, `w2`, `w3`).
+    pub mats: [(usize, Option<usize>); 3],
+    pub runs: Vec<ReadRun>,
+    /// Bytes of the tensors themselves.
+    pub bytes: u64,
+    /// Bytes of the slot this layout needs (sum of the aligned runs).
+    pub slot_bytes: u64,
+}
+
+/// A shard opened for positional reads: a direct descriptor when the filesystem allows one,
+/// and a buffered one for the fallback.
+#[derive(Debug)]
+struct ShardReader {
+    path: PathBuf,
+    direct: Option<File>,
+    direct_ok: AtomicBool,
+    buffered: File,
+}
+
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+#[cfg(target_os = "macos")]
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::io::AsRawFd;
+    let f = File::open(path).ok()?;
+    // SAFETY: fcntl on a descriptor we own; F_NOCACHE takes an int argument.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) };
+    (r != -1).then_some(f)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+fn open_direct(_path: &Path) -> Option<File> {
+    None
+}
+
+/// `pread` until `need` bytes of `dst` are filled (or `dst` is full); stops early at the end of
+/// the file only once `need` bytes are in.
+fn pread_at_least(f: &File, dst: &mut [u8], offset: u64, need: usize) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0usize;
+    while done < dst.len() {
+        match f.read_at(&mut dst[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if done < need {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("read {done} of {need} bytes at offset {offset}: the file is shorter than its header says"),
+        ));
+    }
+    Ok(())
+}
+
+impl ShardReader {
+    fn open(path: &Path, want_direct: bool) -> Result<ShardReader> {
+        let buffered = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
+        let direct = if want_direct { open_direct(path) } else { None };
+        Ok(ShardReader {
+            path: path.to_path_buf(),
+            direct_ok: AtomicBool::new(direct.is_some()),
+            direct,
+            buffered,
+        })
+    }
+
+    /// Read `dst.len()` bytes (aligned) from `offset` (aligned), of which `need` must exist.
+    fn read(&self, dst: &mut [u8], offset: u64, need: usize) -> Result<()> {
+        if let (Some(f), true) = (&self.direct, self.direct_ok.load(Ordering::Relaxed)) {
+            match pread_at_least(f, dst, offset, need) {
+                Ok(()) => return Ok(()),
+                // The filesystem refused direct I/O on this read: fall back for good.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(RuntimeError::io(&self.path, e)),
+            }
+        }
+        pread_at_least(&self.buffered, dst, offset, need)
+            .map_err(|e| RuntimeError::io(&self.path, e))?;
+        drop_cached(&self.buffered, offset, dst.len() as u64);
+        Ok(())
+    }
+}
+
+/// Ask the kernel to drop the page-cache pages of a range we just read (advisory).
+#[cfg(target_os = "linux")]
+fn drop_cached(f: &File, offset: u64, len: u64) {
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: an advisory call on a descriptor we own; no memory is passed.
+    unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn drop_cached(_f: &File, _offset: u64, _len: u64) {}
+
+/// The routed experts of a checkpoint, addressed by (layer, expert).
+#[derive(Debug)]
+pub struct ExpertStore {
+    shards: Vec<ShardReader>,
+    layouts: Vec<ExpertLayout>,
+    n_layers: usize,
+    n_experts: usize,
+    dim: usize,
+    inter: usize,
+    block_hint: Option<(usize, usize)>,
+    slot_bytes: u64,
+    expert_bytes: u64,
+    total_bytes: u64,
+}
+
+fn part_of(t: TensorRef<'_>) -> TensorPart {
+    TensorPart {
+        name: t.name.to_string(),
+        dtype: t.dtype,
+        shape: t.shape.to_vec(),
+        shard: t.shard,
+        file_offset: t.file_offset,
+        len: t.bytes.len() as u64,
+        slot_offset: 0,
+    }
+}
+
+/// Merge the extents of `tensors` into aligned reads and assign each tensor its slot offset.
+fn plan_runs(tensors: &mut [TensorPart]) -> (Vec<ReadRun>, u64) {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| (tensors[i].shard, tensors[i].file_offset));
+    // Groups of tensor indices read together, with their [start, end) in the file.
+    let mut groups: Vec<(usize, u64, u64, Vec<usize>)> = vec![];
+    for i in order {
+        let t = &tensors[i];
+        let end = t.file_offset + t.len;
+        match groups.last_mut() {
+            Some((sh, _, gend, members))
+                if *sh == t.shard && t.file_offset <= gend.saturating_add(COALESCE_GAP) =>
+            {
+                *gend = (*gend).max(end);
+                members.push(i);
+            }
+            _ => groups.push((t.shard, t.file_offset, end, vec![i])),
+        }
+    }
+    let mut runs = Vec::with_capacity(groups.len());
+    let mut slot = 0u64;
+    for (shard, start, end, members) in groups {
+        let a = align_down(start);
+        let b = align_up(end);
+        for i in members {
+            tensors[i].slot_offset = slot + (tensors[i].file_offset - a);
+        }
+        runs.push(ReadRun {
+            shard,
+            file_start: a,
+            len: b - a,
+            need: end - a,
+            slot_offset: slot,
+        });
+        slot += b - a;
+    }
+    (runs, slot)
+}
+
+impl ExpertStore {
+    /// Lay out every routed expert of `ck` (checked against `cfg`'s shapes; no weight byte is
+    /// read) and open the shards for reading, with direct I/O when `direct` and the filesystem
+    /// allow it.
+    pub fn open(ck: &Checkpoint, cfg: &ModelConfig, direct: bool) -> Result<ExpertStore> {
+        let shards = ck
+            .shards()
+            .iter()
+            .map(|s| ShardReader::open(s.path(), direct))
+            .collect::<Result<Vec<_>>>()?;
+        let hint = cfg.raw.weight_block_size();
+        let (d, i) = (cfg.dim, cfg.inter);
+        let mut layouts = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
+        let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
+        for l in 0..cfg.n_layers {
+            for x in 0..cfg.n_experts {
+                let mut tensors = vec![];
+                let mut mats = [(0usize, None); 3];
+                for (m, (w, rows, cols)) in [("w1", i, d), ("w2", d, i), ("w3", i, d)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let base = format!("layers.{l}.ffn.experts.{x}.{w}");
+                    let wname = format!("{base}.weight");
+                    let wt = ck.get(&wname).ok_or_else(|| RuntimeError::Layout {
+                        layer: l,
+                        expert: x,
+                        msg: format!("no tensor `{wname}` in the checkpoint"),
+                    })?;
+                    let st = ck
+                        .get(&format!("{base}.scale"))
+                        .or_else(|| ck.get(&format!("{wname}_scale_inv")));
+                    // The same format and shape checks the model makes (views only).
+                    keep_model::weights::view(wt, st, rows, cols, hint)?;
+                    let wi = tensors.len();
+                    tensors.push(part_of(wt));
+                    let si = st.map(|s| {
+                        tensors.push(part_of(s));
+                        tensors.len() - 1
+                    });
+                    mats[m] = (wi, si);
+                }
+                let (runs, sb) = plan_runs(&mut tensors);
+                let bytes: u64 = tensors.iter().map(|t| t.len).sum();
+                slot_bytes = slot_bytes.max(sb);
+                expert_bytes = expert_bytes.max(bytes);
+                total += bytes;
+                layouts.push(ExpertLayout {
+                    tensors,
+                    mats,
+                    runs,
+                    bytes,
+                    slot_bytes: sb,
+                });
+            }
+        }
+        Ok(ExpertStore {
+            shards,
+            layouts,
+            n_layers: cfg.n_layers,
+            n_experts: cfg.n_experts,
+            dim: d,
+            inter: i,
+            block_hint: hint,
+            slot_bytes: slot_bytes.max(ALIGN as u64),
+            expert_bytes,
+            total_bytes: total,
+        })
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+    /// Bytes of one slot: the largest aligned read plan of any expert.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+    /// Bytes of the largest expert's tensors.
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes
+    }
+    /// Bytes of all routed experts of all layers.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+    /// Whether every shard reads with direct I/O (false once any shard fell back to buffered
+    /// reads + `posix_fadvise(DONTNEED)`, e.g. on tmpfs).
+    pub fn direct_io(&self) -> bool {
+        self.shards
+            .iter()
+            .all(|s| s.direct.is_some() && s.direct_ok.load(Ordering::Relaxed))
+    }
+
+    /// The layout of one expert.
+    pub fn layout(&self, layer: usize, expert: usize) -> Option<&ExpertLayout> {
+        if layer >= self.n_layers || expert >= self.n_experts {
+            return None;
+        }
+        self.layouts.get(layer * self.n_experts + expert)
+    }
+
+    fn layout_or_err(&self, layer: usize, expert: usize) -> Result<&ExpertLayout> {
+        self.layout(layer, expert)
+            .ok_or_else(|| RuntimeError::Layout {
+                layer,
+                expert,
+                msg: format!(
+                    "no such expert ({} layers × {} experts)",
+                    self.n_layers, self.n_experts
+                ),
+            })
+    }
+
+    /// Read expert `expert` of `layer` into `slot` (at least [`Self::slot_bytes`] long and
+    /// [`ALIGN`]-aligned). Returns the bytes read from the file.
+    pub fn read_into(&self, layer: usize, expert: usize, slot: &mut [u8]) -> Result<u64> {
+        let lay = self.layout_or_err(layer, expert)?;
+        if slot.len() < lay.slot_bytes as usize || slot.as_ptr() as usize % ALIGN != 0 {
+            return Err(RuntimeError::Invalid(format!(
+                "slot of {} bytes at alignment {} cannot take {} bytes",
+                slot.len(),
+                slot.as_ptr() as usize % ALIGN,
+                lay.slot_bytes
+            )));
+        }
+        let mut n = 0;
+        for r in &lay.runs {
+            let sh = self
+                .shards
+                .get(r.shard)
+                .ok_or_else(|| RuntimeError::Layout {
+                    layer,
+                    expert,
+                    msg: format!("shard {} does not exist", r.shard),
+                })?;
+            let dst = &mut slot[r.slot_offset as usize..(r.slot_offset + r.len) as usize];
+            sh.read(dst, r.file_start, r.need as usize)?;
+            n += r.len;
+        }
+        Ok(n)
+    }
+
+    /// The three matrices of an expert whose bytes are in `slot` (as [`Self::read_into`] put
+    /// them), in their stored format.
+    pub fn views<'a>(
+        &'a self,
+        layer: usize,
+        expert: usize,
+        slot: &'a [u8],
+    ) -> Result<ExpertWeights<'a>> {
+        let lay = self.layout_or_err(layer, expert)?;
+        let tref = |i: usize| -> Result<TensorRef<'a>> {
+            let t = &lay.tensors[i];
+            let a = t.slot_offset as usize;
+            let bytes = slot
+                .get(a..a + t.len as usize)
+                .ok_or_else(|| RuntimeError::Invalid(format!("`{}` lies past the slot", t.name)))?;
+            Ok(TensorRef {
+                name: &t.name,
+                dtype: t.dtype,
+                shape: &t.shape,
+                bytes,
+                shard: t.shard,
+                file_offset: t.file_offset,
+            })
+        };
+        let (d, i) = (self.dim, self.inter);
+        let mut out = vec![];
+        for (m, (rows, cols)) in [(i, d), (d, i), (i, d)].into_iter().enumerate() {
+            let (wi, si) = lay.mats[m];
+            let w = tref(wi)?;
+            let s = si.map(tref).transpose()?;
+            out.push(keep_model::weights::view(
+                w,
+                s,
+                rows,
+                cols,
+                self.block_hint,
+            )?);
+        }
+        Ok(ExpertWeights {
+            w1: out[0],
+            w2: out[1],
+            w3: out[2],
+        })
+    }
+}
+
+/// Read `len` bytes at `offset` of `path` the way the store does (aligned superset with direct
+/// I/O when `direct`, buffered fallback otherwise): for tests and `keep bench`.
+pub fn read_range(path: &Path, offset: u64, len: u64, direct: bool) -> Result<(Vec<u8>, bool)> {
+    let r = ShardReader::open(path, direct)?;
+    let a = align_down(offset);
+    let b = align_up(offset + len);
+    let mut buf = crate::aligned::AlignedBuf::new((b - a) as usize)
+        .ok_or_else(|| RuntimeError::Invalid(format!("cannot allocate {} bytes", b - a)))?;
+    r.read(
+        &mut buf.as_mut_slice()[..(b - a) as usize],
+        a,
+        (offset + len - a) as usize,
+    )?;
+    let s = (offset - a) as usize;
+    let used_direct = r.direct.is_some() && r.direct_ok.load(Ordering::Relaxed);
+    Ok((buf.as_slice()[s..s + len as usize].to_vec(), used_direct))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(shard: usize, off: u64, len: u64) -> TensorPart {
+        TensorPart {
+            name: format!("t{off}"),
+            dtype: Dtype::U8,
+            shape: vec![len],
+            shard,
+            file_offset: off,
+            len,
+            slot_offset: 0,
+        }
+    }
+
+    #[test]
+    fn runs_coalesce_and_align() {
+        // Consecutive (synth-style) extents: one read.
+        let mut t = vec![part(0, 100, 50), part(0, 150, 10), part(0, 160, 5000)];
+        let (runs, bytes) = plan_runs(&mut t);
+        assert_eq!(runs.len(), 1);
+        assert_eq!(
+            (runs[0].file_start, runs[0].len, runs[0].need),
+            (0, 8192, 5160)
+        );
+        assert_eq!(bytes, 8192);
+        assert_eq!(
+            t.iter().map(|x| x.slot_offset).collect::<Vec<_>>(),
+            vec![100, 150, 160]
+        );
+        // Far apart, or in another shard: separate reads, each aligned in the slot.
+        let mut t = vec![part(1, 10, 10), part(0, 1 << 30, 4096), part(0, 5, 1)];
+        let (runs, bytes) = plan_runs(&mut t);
+        assert_eq!(runs.len(), 3);
+        assert_eq!(bytes, 4096 * 3);
+        assert_eq!(t[2].slot_offset, 5);
+        assert_eq!(t[1].slot_offset, 4096);
+        assert_eq!(t[0].slot_offset, 2 * 4096 + 10);
+        assert!(runs.iter().all(|r| r.slot_offset % 4096 == 0));
+    }
+}
