@@ -854,9 +854,18 @@ impl LayerWeights<'_> {
 }
 
 /// Put the `k` largest `(score, id)` first, ordered by score descending then id ascending
-/// (a total order, so ties and -inf picks are deterministic).
+/// (so ties and -inf picks are deterministic and match the reference).
 pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
-    let cmp = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    // Equal values (including -0 and +0, which mlx's comparison also treats as equal) go by
+    // ascending index: mlx's `argpartition` picks the lowest indices among ties (checked on
+    // random tie-heavy inputs). NaN, never expected, sorts last.
+    let cmp = |a: &(f32, usize), b: &(f32, usize)| {
+        let by_value = match b.0.partial_cmp(&a.0) {
+            Some(o) => o,
+            None => a.0.is_nan().cmp(&b.0.is_nan()),
+        };
+        by_value.then(a.1.cmp(&b.1))
+    };
     if k == 0 {
         return;
     }
@@ -865,4 +874,42 @@ pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
     }
     let kk = k.min(v.len());
     v[..kk].sort_by(cmp);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `top_k_by` against a plain full sort with the same rule, on tie-heavy inputs with signed
+    /// zeros and infinities.
+    #[test]
+    fn top_k_matches_full_sort() {
+        let mut seed = 1u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let vals = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.5,
+        ];
+        for _ in 0..500 {
+            let n = 1 + (next() % 60) as usize;
+            let k = 1 + (next() % n as u64) as usize;
+            let v: Vec<(f32, usize)> = (0..n).map(|i| (vals[(next() % 7) as usize], i)).collect();
+            let mut fast = v.clone();
+            top_k_by(&mut fast, k);
+            let mut slow = v.clone();
+            // Plain: stable sort by value descending (signed zeros equal) keeps index order.
+            slow.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
+            assert_eq!(&fast[..k], &slow[..k]);
+        }
+    }
 }

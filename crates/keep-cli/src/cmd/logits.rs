@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
+use keep_model::observer::RouteRecorder;
 use keep_model::{Logits, Model};
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -35,6 +36,10 @@ pub struct LogitsArgs {
     /// Feed the tokens one at a time through the cache instead of one prefill.
     #[arg(long)]
     decode: bool,
+    /// Also write `routes` (int32 [layers, T, top_k]): each layer's chosen experts per token,
+    /// sorted ascending.
+    #[arg(long)]
+    routes: bool,
 }
 
 /// The model directory: the argument, or the bundled model.
@@ -81,15 +86,28 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     let model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
     let mut cache = model.new_cache();
+    let mut rec = RouteRecorder::default();
     let logits = if a.decode {
         let mut all = Vec::with_capacity(tokens.len() * model.cfg.vocab);
         for &t in &tokens {
-            all.extend(model.forward(&[t], &mut cache, Logits::All, None)?);
+            all.extend(model.forward(&[t], &mut cache, Logits::All, Some(&mut rec))?);
         }
         all
     } else {
-        model.forward(&tokens, &mut cache, Logits::All, None)?
+        model.forward(&tokens, &mut cache, Logits::All, Some(&mut rec))?
     };
+    // Routes as [layers, T, top_k], each row sorted.
+    let (nl, t, k) = (model.cfg.n_layers, tokens.len(), model.cfg.top_k);
+    let mut routes = vec![-1i32; nl * t * k];
+    for (layer, start, ex) in &rec.calls {
+        for (i, row) in ex.chunks_exact(k).enumerate() {
+            let mut r: Vec<i32> = row.iter().map(|&v| v as i32).collect();
+            r.sort_unstable();
+            let o = (layer * t + start + i) * k;
+            routes[o..o + k].copy_from_slice(&r);
+        }
+    }
+    let rb: Vec<u8> = routes.iter().flat_map(|v| v.to_le_bytes()).collect();
     let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     let tb: Vec<u8> = tokens
         .iter()
@@ -104,6 +122,12 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
         "tokens".to_string(),
         TensorView::new(Dtype::I32, vec![tokens.len()], &tb)?,
     );
+    if a.routes {
+        m.insert(
+            "routes".to_string(),
+            TensorView::new(Dtype::I32, vec![nl, t, k], &rb)?,
+        );
+    }
     let meta: HashMap<String, String> = [
         ("format".to_string(), "keep-logits".to_string()),
         ("version".to_string(), "1".to_string()),

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""keep's forward pass against mlx-lm 0.32.2 on random published-format V4.1 checkpoints.
+
+Run from the repository root with the pinned oracle venv:
+
+    tools/oracle/.venv/bin/python tools/oracle/model_conformance.py [--keep target/release/keep]
+
+Checkpoints (in a temporary directory):
+  - `keep synth --preset tiny` (compress ratios 0, 4, 2, 1; KV/index sources; a candidate-source
+    layer and an index layer reading its candidates; YaRN), FP8 32x32 E8M0, and the same after
+    `keep repack --resident-format mxfp8`;
+  - tools/oracle/model_synth.py (independent of keep: numpy + ml_dtypes), FP8 32x32 and MXFP8,
+    ratios 0, 4, 1, 1, 2, 2, 2, 0 with 4 heads, and with scoring_func sigmoid and softmax.
+For each: a 150-token pseudo-random sequence through `keep logits --routes` (one prefill) and
+tools/oracle/model_ref.py; top-1 agreement >= 99.5%, mean KL(ref||keep) <= 1e-4 nats per
+position, routed experts equal on >= 99.9% of (token, layer) pairs; the reference's 16 greedy
+tokens (decoded with its cache) equal keep's argmax when keep decodes the prompt and those tokens
+one at a time (`keep logits --decode`), and keep's decode logits equal its prefill logits.
+
+Random (untrained) checkpoints are chaotic: the reference fake-quantizes every window KV row to
+FP8, and a KV element that sits within ~1e-5 (relative) of an FP8 rounding boundary can round the
+other way under a different (equally valid) f32 summation order; one such flip then grows through
+the later layers and positions. So when the thresholds fail, the case still passes as
+"flip-explained" only if (a) every position before the first diverging one (max |diff| > 1e-3)
+meets the thresholds with 100% top-1, and (b) at that position the reference's own FP8 KV input
+(some layer) lies within 1e-4 relative of a rounding boundary. Anything else is a FAIL.
+Prints PASS/FAIL lines; exit 1 on any failure.
+"""
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from model_compare import compare  # noqa: E402
+
+MIN_TOP1, MAX_KL, MIN_ROUTES = 0.995, 1e-4, 0.999
+PY = sys.executable
+FAILS = []
+
+
+def check(name, ok, detail=""):
+    if not ok:
+        FAILS.append(name)
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def run(cmd):
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
+
+
+FLIP_REL = 1e-4
+DIVERGE_ABS = 1e-3
+
+
+def fp8_boundary_distance(d, toks, pos):
+    """Smallest relative distance of the reference's FP8 KV inputs at token `pos` (over layers)
+    to an E4M3 rounding boundary (midpoint between neighbouring codes)."""
+    import ml_dtypes
+    import mlx.core as mx
+    from mlx_lm.models import deepseek_v41 as m
+    from model_ref import load_f32
+
+    model, _ = load_f32(d)
+    caps = []
+    orig = m._fake_quant_fp8
+
+    def fq(x, block_size=32):
+        caps.append(np.array(x.astype(mx.float32)))
+        return orig(x, block_size)
+
+    m._fake_quant_fp8 = fq
+    try:
+        mx.eval(model(mx.array([toks[: pos + 1]])))
+    finally:
+        m._fake_quant_fp8 = orig
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    vals = np.unique(np.abs(codes[np.isfinite(codes)]))
+    mids = (vals[1:] + vals[:-1]) / 2
+    best = np.inf
+    for x in caps:
+        blocks = x[0, pos].reshape(-1, 32)
+        amax = np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-4)
+        q = np.abs(blocks / 2.0 ** np.ceil(np.log2(amax / 448.0))).ravel()
+        q = q[q > 0]
+        best = min(best, float((np.abs(q[:, None] - mids[None, :]) / q[:, None]).min()))
+    return best
+
+
+def case(keep, d, tag, seed, tmp):
+    cfg_vocab = __import__("json").loads((d / "config.json").read_text())["vocab_size"]
+    toks = np.random.default_rng(seed).integers(0, cfg_vocab, 150)
+    t = ",".join(map(str, toks))
+    ref, mine = tmp / f"{tag}-ref.safetensors", tmp / f"{tag}-keep.safetensors"
+    run([PY, ROOT / "tools/oracle/model_ref.py", d, "--tokens", t, "--out", ref, "--routes", "--greedy", "16"])
+    run([keep, "logits", d, "--tokens", t, "--out", mine, "--routes"])
+    r, k = load_file(str(ref)), load_file(str(mine))
+    c = compare(r, k)
+    detail = (f"top1 {c['top1_agreement']:.4f} mean KL {c['mean_kl']:.2e} max|diff| "
+              f"{c['max_abs_diff']:.2e} routes {c['route_agreement']:.4f}")
+    ok = (c["top1_agreement"] >= MIN_TOP1 and c["mean_kl"] <= MAX_KL
+          and c["route_agreement"] >= MIN_ROUTES)
+    if not ok:
+        diff = np.abs(r["logits"] - k["logits"]).max(-1)
+        p = int(np.argmax(diff > DIVERGE_ABS)) if (diff > DIVERGE_ABS).any() else len(diff)
+        pre = compare({"logits": r["logits"][:p]}, {"logits": k["logits"][:p]}) if p else None
+        prefix_ok = p > 0 and pre["top1_agreement"] == 1.0 and pre["mean_kl"] <= MAX_KL
+        dist = fp8_boundary_distance(d, [int(t) for t in toks], p) if p < len(diff) else np.inf
+        ok = prefix_ok and dist <= FLIP_REL
+        detail += (f"; first diverging position {p} (positions before it: "
+                   f"{'agree' if prefix_ok else 'DISAGREE'}), reference FP8 KV input there is "
+                   f"{dist:.1e} (relative) from a rounding boundary"
+                   f"{' -> flip-explained' if ok else ''}")
+    check(f"model {tag}: logits and routes agree with mlx-lm", ok, detail)
+    greedy = r["greedy"]
+    seq = ",".join(map(str, list(toks) + list(greedy[:-1])))
+    dec = tmp / f"{tag}-decode.safetensors"
+    run([keep, "logits", d, "--tokens", seq, "--out", dec, "--decode"])
+    dl = load_file(str(dec))["logits"]
+    mine_greedy = dl[len(toks) - 1:].argmax(-1)
+    check(f"model {tag}: 16 greedy tokens (cache decode) equal mlx-lm's",
+          np.array_equal(mine_greedy, greedy), f"{mine_greedy.tolist()} vs {greedy.tolist()}")
+    same = np.array_equal(dl[: len(toks)], k["logits"])
+    check(f"model {tag}: keep's decode logits equal its prefill logits", same,
+          f"max|diff| {float(np.abs(dl[:len(toks)] - k['logits']).max()):.2e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", default=str(ROOT / "target/release/keep"))
+    a = ap.parse_args()
+    keep = Path(a.keep).resolve()
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        dirs = []
+        d = tmp / "synth-tiny"
+        run([keep, "synth", "--preset", "tiny", "--out", d, "--seed", "1"])
+        dirs.append((d, "keep-synth-tiny-fp8"))
+        run([keep, "repack", d, tmp / "synth-tiny-mx", "--resident-format", "mxfp8"])
+        dirs.append((tmp / "synth-tiny-mx", "keep-synth-tiny-mxfp8"))
+        for seed, fmt, over, tag in [
+            (2, "fp8", "{}", "model-synth-fp8"),
+            (2, "mxfp8", "{}", "model-synth-mxfp8"),
+            (3, "fp8", '{"scoring_func":"sigmoid"}', "model-synth-sigmoid"),
+            (4, "fp8", '{"scoring_func":"softmax","routed_scaling_factor":2.5}', "model-synth-softmax"),
+        ]:
+            d = tmp / tag
+            run([PY, ROOT / "tools/oracle/model_synth.py", d, str(seed), fmt, over])
+            dirs.append((d, tag))
+        for i, (d, tag) in enumerate(dirs):
+            case(keep, d, tag, 100 + i, tmp)
+    print(f"model conformance: {len(FAILS)} failed")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()
