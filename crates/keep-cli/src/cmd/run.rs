@@ -12,6 +12,9 @@ use keep_model::Model;
 
 use super::logits::{model_dir, tokenizer};
 
+// Memory-budget flags and their run path (keep-runtime): a child module so it can read RunArgs.
+mod budget;
+
 /// Generate text with the model, streaming it to stdout.
 ///
 /// The prompt is encoded with the model's tokenizer.json (no prompt: generation starts from the
@@ -40,6 +43,8 @@ pub struct RunArgs {
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    budget: budget::BudgetArgs,
 }
 
 fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
@@ -57,6 +62,9 @@ fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    if a.budget.active() {
+        return budget::run(a);
+    }
     anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
     let dir = model_dir(a.model)?;
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;

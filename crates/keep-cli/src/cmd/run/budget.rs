@@ -1,0 +1,330 @@
+//! `keep run --memory-budget BYTES`: the run verb with routed experts in per-layer slots inside
+//! a memory budget (keep-runtime), misses read from the checkpoint's own shards. Also serves
+//! `--record-routes` and `--stats-json` without a budget (plain mapped model), so that a
+//! budgeted run and an mmap run can be compared with the same flags. At the end it prints hit
+//! rate, bytes read and read bandwidth, prefill and decode tokens/s and peak resident memory.
+//!
+//! A child module of `run` so that it reads `RunArgs` without widening that struct's API.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::{Sampler, SamplerConfig};
+use keep_model::{Cache, Logits, Model, RouteObserver};
+use keep_runtime::{
+    peak_rss_bytes, BudgetedModel, CacheStats, Policy, RouteLog, RuntimeOptions,
+    DEFAULT_IO_THREADS, FIXED_OVERHEAD,
+};
+
+use super::{config_id, RunArgs};
+use crate::cmd::logits::{model_dir, tokenizer};
+use crate::util::{human, parse_bytes};
+
+/// The memory-budget flags of `keep run`.
+#[derive(Args, Debug, Clone)]
+pub struct BudgetArgs {
+    /// Run inside this many bytes (e.g. 2GiB): resident weights plus per-layer expert slots;
+    /// missing experts are read from the checkpoint's shards with direct I/O.
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub memory_budget: Option<u64>,
+    /// Slot replacement policy: lru, decay (with --half-life) or static.
+    #[arg(long, default_value = "lru", requires = "memory_budget")]
+    pub policy: String,
+    /// Half-life of --policy decay, in forward passes (decoded tokens).
+    #[arg(long, default_value_t = keep_runtime::policy::DEFAULT_HALF_LIFE)]
+    pub half_life: f64,
+    /// Fill the slots before the run from reap-stats.safetensors or a --record-routes file.
+    #[arg(long, value_name = "FILE", requires = "memory_budget")]
+    pub warm_start: Option<PathBuf>,
+    /// Threads reading experts.
+    #[arg(long, default_value_t = DEFAULT_IO_THREADS)]
+    pub io_threads: usize,
+    /// Read experts through the page cache instead of O_DIRECT (for comparison).
+    #[arg(long)]
+    pub buffered_io: bool,
+    /// Write the routes (keep-routes v1, what `keep residency` reads) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub record_routes: Option<PathBuf>,
+    /// Write the run's numbers as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub stats_json: Option<PathBuf>,
+    /// Without a tokenizer (keep synth models): use N deterministic prompt token ids.
+    #[arg(long, value_name = "N")]
+    pub prompt_tokens: Option<usize>,
+}
+
+impl BudgetArgs {
+    /// Whether these flags ask for this path rather than the plain run.
+    pub fn active(&self) -> bool {
+        self.memory_budget.is_some()
+            || self.record_routes.is_some()
+            || self.stats_json.is_some()
+            || self.prompt_tokens.is_some()
+    }
+}
+
+fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab.max(1) as u64) as u32
+        })
+        .collect()
+}
+
+fn obs(l: &mut Option<RouteLog>) -> Option<&mut dyn RouteObserver> {
+    l.as_mut().map(|l| l as &mut dyn RouteObserver)
+}
+
+fn cache_json(s: &CacheStats) -> serde_json::Value {
+    serde_json::json!({
+        "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate(),
+        "bytes_read": s.bytes_read, "experts_read": s.experts_read,
+        "io_busy_secs": s.io_busy_secs, "read_gbps": s.read_gbps(), "wait_secs": s.wait_secs,
+        "warm_bytes": s.warm_bytes,
+    })
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
+    let b = a.budget.clone();
+    let dir = model_dir(a.model.clone())?;
+    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let policy: Policy = match b.policy.as_str() {
+        "decay" => Policy::Decay {
+            half_life: b.half_life,
+        },
+        p => p
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--policy: {e}"))?,
+    };
+    let t_load = std::time::Instant::now();
+    // One of the two models; both run through `forward` below.
+    let (mut budgeted, plain) = match b.memory_budget {
+        Some(bytes) => {
+            let opts = RuntimeOptions {
+                budget: bytes,
+                policy,
+                io_threads: b.io_threads,
+                direct_io: !b.buffered_io,
+                warm_start: b.warm_start.clone(),
+            };
+            let m = BudgetedModel::load(&ck, &opts)
+                .with_context(|| format!("loading the model from {}", dir.display()))?;
+            (Some(m), None)
+        }
+        None => (None, Some(Model::load(&ck)?)),
+    };
+    let load_secs = t_load.elapsed().as_secs_f64();
+    let cfg = match (&budgeted, &plain) {
+        (Some(m), _) => m.cfg().clone(),
+        (_, Some(m)) => m.cfg.clone(),
+        _ => unreachable!("one model is loaded"),
+    };
+    if let Some(m) = &budgeted {
+        let p = m.plan();
+        let st = m.cache().store();
+        eprintln!(
+            "budget {}: residents {} + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
+            human(p.budget),
+            human(p.residents),
+            p.slots_per_layer,
+            p.n_layers,
+            human(p.slot_bytes),
+            human(p.planned()),
+            human(st.total_bytes()),
+            p.slots_per_layer,
+            p.n_experts,
+            policy,
+            b.io_threads,
+            if st.direct_io() { "O_DIRECT" } else { "buffered reads + fadvise(DONTNEED): direct I/O unavailable or off" }
+        );
+    }
+    let raw = &cfg.raw.raw;
+    let bos = config_id(raw, "bos_token_id");
+    let eos = config_id(raw, "eos_token_id");
+    let tok = if b.prompt_tokens.is_some() {
+        None
+    } else {
+        Some(tokenizer(&dir)?)
+    };
+    let mut prompt: Vec<u32> = match (&tok, b.prompt_tokens, &a.prompt) {
+        (_, Some(n), _) => synthetic_prompt(n, cfg.vocab),
+        (Some(t), None, Some(p)) if !p.is_empty() => t
+            .encode(p.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+            .get_ids()
+            .to_vec(),
+        _ => vec![],
+    };
+    if prompt.is_empty() {
+        prompt.push(bos.first().copied().unwrap_or(0));
+    }
+    let mut out = std::io::stdout().lock();
+    if let (Some(p), Some(_)) = (&a.prompt, &tok) {
+        write!(out, "{p}")?;
+        out.flush()?;
+    }
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+    });
+    let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
+    let mut forward = |tokens: &[u32],
+                       cache: &mut Cache,
+                       obs: Option<&mut dyn RouteObserver>|
+     -> anyhow::Result<Vec<f32>> {
+        Ok(match (&mut budgeted, &plain) {
+            (Some(m), _) => m.forward(tokens, cache, Logits::Last, obs)?,
+            (_, Some(m)) => m.forward(tokens, cache, Logits::Last, obs)?,
+            _ => unreachable!("one model is loaded"),
+        })
+    };
+    let mut cache = Cache::new(cfg.n_layers);
+    let t0 = std::time::Instant::now();
+    let mut logits = forward(&prompt, &mut cache, obs(&mut log))?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    drop(forward);
+    let prefill_cache = budgeted.as_ref().map(|m| {
+        let s = m.cache().stats();
+        m.cache().reset_stats();
+        s
+    });
+    let mut forward = |tokens: &[u32],
+                       cache: &mut Cache,
+                       obs: Option<&mut dyn RouteObserver>|
+     -> anyhow::Result<Vec<f32>> {
+        Ok(match (&mut budgeted, &plain) {
+            (Some(m), _) => m.forward(tokens, cache, Logits::Last, obs)?,
+            (_, Some(m)) => m.forward(tokens, cache, Logits::Last, obs)?,
+            _ => unreachable!("one model is loaded"),
+        })
+    };
+    let t1 = std::time::Instant::now();
+    let (mut ids, mut printed, mut generated, mut steps) = (vec![], String::new(), 0, 0);
+    while generated < a.max_tokens {
+        let t = sampler.sample(&logits);
+        generated += 1;
+        if eos.contains(&t) {
+            break;
+        }
+        ids.push(t);
+        match &tok {
+            Some(tk) => {
+                let text = tk
+                    .decode(&ids, true)
+                    .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
+                if !text.ends_with('\u{FFFD}') && text != printed {
+                    let common = printed
+                        .char_indices()
+                        .zip(text.chars())
+                        .take_while(|((_, x), y)| x == y)
+                        .last()
+                        .map(|((i, c), _)| i + c.len_utf8())
+                        .unwrap_or(0);
+                    write!(out, "{}", &text[common..])?;
+                    out.flush()?;
+                    printed = text;
+                }
+            }
+            None => {
+                write!(out, "{t} ")?;
+                out.flush()?;
+            }
+        }
+        if generated == a.max_tokens {
+            break;
+        }
+        logits = forward(&[t], &mut cache, obs(&mut log))?;
+        steps += 1;
+    }
+    let decode_secs = t1.elapsed().as_secs_f64();
+    drop(forward);
+    writeln!(out)?;
+    let decode_cache = budgeted.as_ref().map(|m| m.cache().stats());
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.2} tokens/s); decode: {} tokens in {:.3} s ({:.2} tokens/s)",
+        prompt.len(),
+        prefill_secs,
+        rate(prompt.len(), prefill_secs),
+        steps,
+        decode_secs,
+        rate(steps, decode_secs)
+    );
+    for (phase, s) in [("prefill", &prefill_cache), ("decode", &decode_cache)] {
+        if let Some(s) = s {
+            eprintln!(
+                "{phase} experts: hit rate {:.1}% ({} hits, {} misses); read {} in {} reads at {:.2} GB/s; waited {:.3} s",
+                100.0 * s.hit_rate(),
+                s.hits,
+                s.misses,
+                human(s.bytes_read),
+                s.experts_read,
+                s.read_gbps(),
+                s.wait_secs
+            );
+        }
+    }
+    let peak = peak_rss_bytes();
+    match (peak, b.memory_budget) {
+        (Some(p), Some(budget)) => eprintln!(
+            "peak resident memory: {} (budget {} + documented overhead {})",
+            human(p),
+            human(budget),
+            human(FIXED_OVERHEAD)
+        ),
+        (Some(p), None) => eprintln!("peak resident memory: {}", human(p)),
+        _ => {}
+    }
+    if let (Some(path), Some(l)) = (&b.record_routes, &log) {
+        let session = format!("keep-run-{}", std::process::id());
+        l.write(path, &session, cfg.n_experts, true)
+            .with_context(|| format!("writing routes to {}", path.display()))?;
+        eprintln!(
+            "routes of {} tokens written to {}",
+            l.tokens(),
+            path.display()
+        );
+    }
+    if let Some(path) = &b.stats_json {
+        let plan = budgeted.as_ref().map(|m| {
+            let p = m.plan();
+            serde_json::json!({
+                "budget": p.budget, "residents": p.residents, "slot_bytes": p.slot_bytes,
+                "slots_per_layer": p.slots_per_layer, "n_layers": p.n_layers,
+                "n_experts": p.n_experts, "top_k": p.top_k,
+                "routed_expert_bytes": m.cache().store().total_bytes(),
+                "expert_bytes": m.cache().store().expert_bytes(),
+                "direct_io": m.cache().store().direct_io(),
+            })
+        });
+        let j = serde_json::json!({
+            "format": "keep-run-stats", "version": 1,
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "model": dir.display().to_string(),
+            "policy": b.memory_budget.map(|_| policy.to_string()),
+            "io_threads": b.io_threads,
+            "plan": plan,
+            "load_secs": load_secs,
+            "prompt_tokens": prompt.len(), "prefill_secs": prefill_secs,
+            "prefill_tps": rate(prompt.len(), prefill_secs),
+            "decode_tokens": steps, "decode_secs": decode_secs,
+            "decode_tps": rate(steps, decode_secs),
+            "prefill_cache": prefill_cache.as_ref().map(cache_json),
+            "decode_cache": decode_cache.as_ref().map(cache_json),
+            "peak_rss_bytes": peak,
+            "fixed_overhead_bytes": FIXED_OVERHEAD,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&j)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
