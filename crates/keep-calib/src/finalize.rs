@@ -1,0 +1,300 @@
+//! `finalize`: sum a run's session files into `imatrix.safetensors` and
+//! `reap-stats.safetensors`.
+//!
+//! Refuses (naming the sessions) when sessions of the run are missing or cut off, come from
+//! another model or pack, lack REAP arrays for a layer, or have REAP route counts that differ
+//! from their imatrix counts (`ffn.experts.{e}.w1` rows) — a silent under-score is never
+//! written. Sums are taken in session-name order (f64), so the result does not depend on the
+//! order the directory lists them.
+//!
+//! Outputs (both with `format`/`version` metadata, written atomically; existing ones are
+//! replaced, since they are a pure function of the sessions):
+//! - `imatrix.safetensors` (`format` = `keep-imatrix`): `imatrix.{L}.{key}` F32 `[cols]` (or
+//!   `[groups, cols]` for `attn.wo_a`) and `imatrix.{L}.{key}.count` I64; every routed expert of
+//!   every layer is present (zeros and count 0 for never-routed experts);
+//! - `reap-stats.safetensors` (`format` = `keep-reap-stats`): `reap.{L}.score` F64 `[E]` =
+//!   Σ g·‖f‖ / count (0 when never routed), `reap.{L}.count` I64, `reap.{L}.sum_g`,
+//!   `reap.{L}.sum_norm`, `reap.{L}.sum_g_norm` F64 `[E]`, `reap.{L}.max_f`, `reap.{L}.min_f`
+//!   F32 `[E, hidden]`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::calibrate::RunManifest;
+use crate::session::{imatrix_tensors_of, read_sums, reap_tensors, session_path, SESSION_FORMAT};
+use crate::st::{write_atomic, StFile};
+use crate::stats::{ImEntry, LayerReap};
+use crate::{CalibError, Result};
+
+/// The imatrix output file name.
+pub const IMATRIX_FILE: &str = "imatrix.safetensors";
+/// The REAP output file name.
+pub const REAP_FILE: &str = "reap-stats.safetensors";
+
+/// What [`finalize`] wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct FinalizeReport {
+    pub run: PathBuf,
+    pub sessions: usize,
+    pub tokens: u64,
+    pub imatrix: PathBuf,
+    pub reap: PathBuf,
+    pub linears: usize,
+}
+
+fn comma(v: &[usize]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Sum the sessions of `run` (see the module doc).
+pub fn finalize(run: &Path) -> Result<FinalizeReport> {
+    let m = RunManifest::read(run)?;
+    let (ne, hidden, nl) = (m.n_experts, m.hidden, m.n_layers);
+    let mut missing = vec![];
+    let mut broken = vec![];
+    let mut files = vec![];
+    for s in &m.sessions {
+        let p = session_path(run, s);
+        if !p.exists() {
+            missing.push(s.clone());
+            continue;
+        }
+        match StFile::open(&p) {
+            Ok(f) => {
+                let md = f.metadata();
+                let ok = md.get("format").map(String::as_str) == Some(SESSION_FORMAT)
+                    && md.get("complete").map(String::as_str) == Some("true");
+                if !ok {
+                    broken.push(format!("{s} (not a complete session)"));
+                } else if md.get("model_fingerprint") != Some(&m.model_fingerprint)
+                    || md.get("pack_fingerprint") != Some(&m.pack_fingerprint)
+                {
+                    broken.push(format!("{s} (another model or pack)"));
+                } else {
+                    files.push(f);
+                }
+            }
+            Err(e) => broken.push(format!("{s} ({e})")),
+        }
+    }
+    if !missing.is_empty() || !broken.is_empty() {
+        let mut msg = format!("{}: cannot finalize", run.display());
+        if !missing.is_empty() {
+            msg += &format!(
+                "; {} sessions are missing: {} (run `keep calibrate` again with the same --out)",
+                missing.len(),
+                missing.join(", ")
+            );
+        }
+        if !broken.is_empty() {
+            msg += &format!(
+                "; unusable sessions: {} (delete them and run `keep calibrate` again)",
+                broken.join(", ")
+            );
+        }
+        return Err(CalibError::Sessions(msg));
+    }
+    let mut no_reap = vec![];
+    let mut count_diff = vec![];
+    let mut imatrix: BTreeMap<(usize, String), ImEntry> = BTreeMap::new();
+    let mut reap: Vec<LayerReap> = (0..nl).map(|_| LayerReap::new(ne, hidden)).collect();
+    let mut tokens = 0;
+    for f in &files {
+        let s = read_sums(f, nl, ne, hidden)?;
+        let name = s.session.clone();
+        let layers_without: Vec<usize> = (0..nl).filter(|&l| s.reap[l].is_none()).collect();
+        if !layers_without.is_empty() {
+            no_reap.push(format!("{name} (layers {})", comma(&layers_without)));
+            continue;
+        }
+        let mut diffs = vec![];
+        for l in 0..nl {
+            let r = s.reap[l].as_ref().expect("checked above");
+            for e in 0..ne {
+                let ic = s
+                    .imatrix
+                    .get(&(l, format!("ffn.experts.{e}.w1")))
+                    .map(|x| x.counts.iter().sum::<u64>())
+                    .unwrap_or(0);
+                if ic != r.count[e] {
+                    diffs.push(format!(
+                        "layer {l} expert {e}: REAP {} vs imatrix {ic}",
+                        r.count[e]
+                    ));
+                }
+            }
+        }
+        if !diffs.is_empty() {
+            let n = diffs.len();
+            diffs.truncate(3);
+            count_diff.push(format!("{name} ({n} experts, e.g. {})", diffs.join("; ")));
+            continue;
+        }
+        for (k, e) in &s.imatrix {
+            match imatrix.get_mut(k) {
+                Some(d) => {
+                    if d.cols != e.cols {
+                        return Err(CalibError::Sessions(format!(
+                            "session {name}: imatrix.{}.{} has {} columns, other sessions {}",
+                            k.0, k.1, e.cols, d.cols
+                        )));
+                    }
+                    d.add(e);
+                }
+                None => {
+                    imatrix.insert(k.clone(), e.clone());
+                }
+            }
+        }
+        for (l, r) in s.reap.iter().enumerate() {
+            if let Some(r) = r {
+                reap[l].add(r);
+            }
+        }
+        tokens += s.tokens;
+    }
+    if !no_reap.is_empty() || !count_diff.is_empty() {
+        let mut msg = format!(
+            "{}: refusing to finalize (scores would be wrong)",
+            run.display()
+        );
+        if !no_reap.is_empty() {
+            msg += &format!("; sessions without REAP arrays: {}", no_reap.join(", "));
+        }
+        if !count_diff.is_empty() {
+            msg += &format!(
+                "; sessions whose REAP route counts differ from their imatrix counts: {}",
+                count_diff.join(", ")
+            );
+        }
+        msg += "; delete those session files and run `keep calibrate` again";
+        return Err(CalibError::Sessions(msg));
+    }
+    // Every routed expert present, zeros where never routed.
+    for l in 0..nl {
+        for w in ["w1", "w2", "w3"] {
+            let cols = (0..ne).find_map(|e| {
+                imatrix
+                    .get(&(l, format!("ffn.experts.{e}.{w}")))
+                    .map(|x| x.cols)
+            });
+            if let Some(cols) = cols {
+                for e in 0..ne {
+                    imatrix
+                        .entry((l, format!("ffn.experts.{e}.{w}")))
+                        .or_insert_with(|| ImEntry {
+                            cols,
+                            sums: vec![vec![0.0; cols]],
+                            counts: vec![0],
+                        });
+                }
+            }
+        }
+    }
+    let mut meta = BTreeMap::new();
+    meta.insert("version".to_string(), "1".to_string());
+    meta.insert("n_layers".into(), nl.to_string());
+    meta.insert("n_experts".into(), ne.to_string());
+    meta.insert("top_k".into(), m.top_k.to_string());
+    meta.insert("hidden".into(), hidden.to_string());
+    meta.insert("hash_layers".into(), comma(&m.hash_layers));
+    meta.insert("model_fingerprint".into(), m.model_fingerprint.clone());
+    meta.insert("pack_fingerprint".into(), m.pack_fingerprint.clone());
+    meta.insert("split".into(), m.split.name().into());
+    meta.insert("sessions".into(), files.len().to_string());
+    meta.insert("tokens".into(), tokens.to_string());
+    let mut im_meta = meta.clone();
+    im_meta.insert("format".into(), "keep-imatrix".into());
+    let ip = run.join(IMATRIX_FILE);
+    write_atomic(&ip, &imatrix_tensors_of(&imatrix), &im_meta)?;
+    let mut rp_meta = meta;
+    rp_meta.insert("format".into(), "keep-reap-stats".into());
+    let rp = run.join(REAP_FILE);
+    write_atomic(&rp, &reap_tensors(&reap, true), &rp_meta)?;
+    Ok(FinalizeReport {
+        run: run.to_path_buf(),
+        sessions: files.len(),
+        tokens,
+        imatrix: ip,
+        reap: rp,
+        linears: imatrix.len(),
+    })
+}
+
+/// REAP statistics read back from `reap-stats.safetensors`.
+#[derive(Debug, Clone)]
+pub struct ReapStats {
+    pub n_layers: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub hidden: usize,
+    pub hash_layers: Vec<usize>,
+    pub model_fingerprint: String,
+    pub pack_fingerprint: String,
+    pub tokens: u64,
+    pub layers: Vec<LayerReap>,
+    pub scores: Vec<Vec<f64>>,
+}
+
+/// Read `reap-stats.safetensors` (a run directory or the file itself).
+pub fn read_reap_stats(path: &Path) -> Result<ReapStats> {
+    let p = if path.is_dir() {
+        path.join(REAP_FILE)
+    } else {
+        path.to_path_buf()
+    };
+    if !p.exists() {
+        return Err(CalibError::invalid(
+            &p,
+            "no REAP statistics here: run `keep finalize RUN` first",
+        ));
+    }
+    let f = StFile::open(&p)?;
+    if f.meta("format")? != "keep-reap-stats" || f.meta("version")? != "1" {
+        return Err(CalibError::invalid(&p, "not keep-reap-stats version 1"));
+    }
+    let nl = f.meta_usize("n_layers")?;
+    let ne = f.meta_usize("n_experts")?;
+    let hidden = f.meta_usize("hidden")?;
+    let top_k = f.meta_usize("top_k")?;
+    let hash_layers = f
+        .meta("hash_layers")?
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| CalibError::invalid(&p, "metadata hash_layers is not a comma list"))?;
+    let s = read_sums(&f, nl, ne, hidden)?;
+    let mut layers = vec![];
+    let mut scores = vec![];
+    for (l, r) in s.reap.into_iter().enumerate() {
+        let r =
+            r.ok_or_else(|| CalibError::invalid(&p, format!("layer {l} has no reap arrays")))?;
+        let sc = f.f64s(&format!("reap.{l}.score"))?;
+        if sc.len() != ne {
+            return Err(CalibError::invalid(
+                &p,
+                format!("reap.{l}.score has {} entries", sc.len()),
+            ));
+        }
+        layers.push(r);
+        scores.push(sc);
+    }
+    Ok(ReapStats {
+        n_layers: nl,
+        n_experts: ne,
+        top_k,
+        hidden,
+        hash_layers,
+        model_fingerprint: f.meta("model_fingerprint")?.to_string(),
+        pack_fingerprint: f.meta("pack_fingerprint")?.to_string(),
+        tokens: f.meta("tokens")?.parse().unwrap_or(0),
+        layers,
+        scores,
+    })
+}
