@@ -406,7 +406,7 @@ impl LayerWeights<'_> {
         let mut out = vec![0f32; t * h * hd];
         let mut keys: Vec<usize> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
-        let mut qs = vec![0f32; hd];
+        let mut rows: Vec<&[f32]> = Vec::new();
         for i in 0..t {
             let end = step.previous + i;
             let start = (end + 1).saturating_sub(cfg.window);
@@ -420,38 +420,26 @@ impl LayerWeights<'_> {
                     }
                 }
             }
-            let row_of = |key: usize| -> &[f32] {
-                if key >= 1 << 40 {
+            rows.clear();
+            for &key in &keys {
+                rows.push(if key >= 1 << 40 {
                     let j = key - (1 << 40);
                     &comp.unwrap().0[j * hd..(j + 1) * hd]
                 } else {
                     &window[key * hd..(key + 1) * hd]
-                }
-            };
+                });
+            }
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
-                for (a, b) in qs.iter_mut().zip(&q[qo..qo + hd]) {
-                    *a = b * scale;
-                }
-                scores.clear();
-                for &key in &keys {
-                    scores.push(keep_kernels::matmul::dot(&qs, row_of(key)));
-                }
-                // Softmax with the sink as one more logit in the denominator.
-                let sink = self.sinks[hh];
-                let m = scores.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - m).exp();
-                for v in scores.iter_mut() {
-                    *v = (*v - m).exp();
-                    sum += *v;
-                }
                 let o = &mut out[qo..qo + hd];
-                for (&key, &p) in keys.iter().zip(scores.iter()) {
-                    let w = p / sum;
-                    for (a, b) in o.iter_mut().zip(row_of(key)) {
-                        *a += w * b;
-                    }
-                }
+                attend(
+                    &q[qo..qo + hd],
+                    scale,
+                    &rows,
+                    self.sinks[hh],
+                    o,
+                    &mut scores,
+                );
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
         }
@@ -528,21 +516,7 @@ impl LayerWeights<'_> {
             let full = total - total % ratio;
             let first = (step.start_pos - pending) / ratio;
             let n = full / ratio;
-            let mut lat = vec![0f32; n * hd];
-            let mut gcol = vec![0f32; ratio];
-            for gi in 0..n {
-                for dd in 0..hd {
-                    for r in 0..ratio {
-                        gcol[r] = c.pending_gate[(gi * ratio + r) * hd + dd];
-                    }
-                    ops::softmax(&mut gcol);
-                    let mut acc = 0f32;
-                    for r in 0..ratio {
-                        acc += c.pending_kv[(gi * ratio + r) * hd + dd] * gcol[r];
-                    }
-                    lat[gi * hd + dd] = acc;
-                }
-            }
+            let mut lat = pool_groups(&c.pending_kv, &c.pending_gate, n, ratio, hd);
             c.pending_kv.drain(..full * hd);
             c.pending_gate.drain(..full * hd);
             c.n_pending = total - full;
@@ -716,58 +690,16 @@ impl LayerWeights<'_> {
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];
         let mut scores = vec![0f32; t * e];
-        let mut cand: Vec<(f32, usize)> = Vec::with_capacity(e);
         for i in 0..t {
-            let lg = &mut logits[i * e..(i + 1) * e];
-            let sc = &mut scores[i * e..(i + 1) * e];
-            for v in lg.iter_mut() {
-                *v /= cfg.gate_temp;
-            }
-            match cfg.scoring {
-                Scoring::Sigmoid => sc
-                    .iter_mut()
-                    .zip(lg.iter())
-                    .for_each(|(s, &v)| *s = ops::sigmoid(v)),
-                Scoring::SqrtSoftplus => sc
-                    .iter_mut()
-                    .zip(lg.iter())
-                    .for_each(|(s, &v)| *s = ops::softplus(v).sqrt()),
-                Scoring::Softmax => {
-                    sc.copy_from_slice(lg);
-                    if let Some(m) = mask {
-                        for (s, &dead) in sc.iter_mut().zip(m) {
-                            if dead {
-                                *s = f32::NEG_INFINITY;
-                            }
-                        }
-                    }
-                    ops::softmax(sc);
-                }
-            }
-            cand.clear();
-            for j in 0..e {
-                let dead = mask.is_some_and(|m| m[j]);
-                let b = if dead {
-                    f32::NEG_INFINITY
-                } else {
-                    sc[j] + self.gate_bias[j]
-                };
-                cand.push((b, j));
-            }
-            top_k_by(&mut cand, k);
-            let mut sum = 0f32;
-            for s in 0..k {
-                let j = cand[s].1;
-                chosen[i * k + s] = j as u32;
-                weights[i * k + s] = sc[j];
-                sum += sc[j];
-            }
-            for s in 0..k {
-                if cfg.norm_topk_prob && k > 1 {
-                    weights[i * k + s] /= sum + 1e-20;
-                }
-                weights[i * k + s] *= cfg.route_scale;
-            }
+            route(
+                cfg,
+                &mut logits[i * e..(i + 1) * e],
+                &self.gate_bias,
+                mask,
+                &mut chosen[i * k..(i + 1) * k],
+                &mut weights[i * k..(i + 1) * k],
+                &mut scores[i * e..(i + 1) * e],
+            );
         }
         if let Some(o) = obs.as_deref_mut() {
             o.on_route(&RouteEvent {
@@ -853,6 +785,129 @@ impl LayerWeights<'_> {
     }
 }
 
+/// One query head of `_sparse_attention`: softmax over `q·k·scale` of the given rows with the
+/// sink as one more logit in the denominator (MLX SDPA's `sinks`), values = keys (the shared KV);
+/// adds the result into `out`. `scores` is scratch.
+pub fn attend(
+    q: &[f32],
+    scale: f32,
+    rows: &[&[f32]],
+    sink: f32,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let mut qs = [0f32; 1024];
+    let qs: &mut [f32] = if q.len() <= qs.len() {
+        &mut qs[..q.len()]
+    } else {
+        &mut vec![0f32; q.len()][..]
+    };
+    for (a, b) in qs.iter_mut().zip(q) {
+        *a = b * scale;
+    }
+    scores.clear();
+    for r in rows {
+        scores.push(keep_kernels::matmul::dot(qs, r));
+    }
+    let m = scores.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - m).exp();
+    for v in scores.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    for (r, &p) in rows.iter().zip(scores.iter()) {
+        let w = p / sum;
+        for (a, b) in out.iter_mut().zip(r.iter()) {
+            *a += w * b;
+        }
+    }
+}
+
+/// `Compressor.__call__`'s pooling: each of `n` groups of `ratio` rows becomes
+/// `Σ_r kv[r] · softmax_r(gate[r])` per feature (rows `[n·ratio × hd]` in, `[n × hd]` out).
+pub fn pool_groups(kv: &[f32], gate: &[f32], n: usize, ratio: usize, hd: usize) -> Vec<f32> {
+    let mut lat = vec![0f32; n * hd];
+    let mut gcol = vec![0f32; ratio];
+    for gi in 0..n {
+        for dd in 0..hd {
+            for r in 0..ratio {
+                gcol[r] = gate[(gi * ratio + r) * hd + dd];
+            }
+            ops::softmax(&mut gcol);
+            let mut acc = 0f32;
+            for r in 0..ratio {
+                acc += kv[(gi * ratio + r) * hd + dd] * gcol[r];
+            }
+            lat[gi * hd + dd] = acc;
+        }
+    }
+    lat
+}
+
+/// `Router.__call__` for one token: scores from the logits (divided by `gate_temp` in place),
+/// top-k on the bias-corrected scores (experts in `mask` never chosen), gate weights from the
+/// unbiased scores, renormalised (when `norm_topk_prob` and k > 1) and scaled.
+pub fn route(
+    cfg: &ModelConfig,
+    logits: &mut [f32],
+    bias: &[f32],
+    mask: Option<&[bool]>,
+    chosen: &mut [u32],
+    weights: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (e, k) = (logits.len(), chosen.len());
+    for v in logits.iter_mut() {
+        *v /= cfg.gate_temp;
+    }
+    match cfg.scoring {
+        Scoring::Sigmoid => scores
+            .iter_mut()
+            .zip(logits.iter())
+            .for_each(|(s, &v)| *s = ops::sigmoid(v)),
+        Scoring::SqrtSoftplus => scores
+            .iter_mut()
+            .zip(logits.iter())
+            .for_each(|(s, &v)| *s = ops::softplus(v).sqrt()),
+        Scoring::Softmax => {
+            scores.copy_from_slice(logits);
+            if let Some(m) = mask {
+                for (s, &dead) in scores.iter_mut().zip(m) {
+                    if dead {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            ops::softmax(scores);
+        }
+    }
+    let mut cand: Vec<(f32, usize)> = (0..e)
+        .map(|j| {
+            let dead = mask.is_some_and(|m| m[j]);
+            let b = if dead {
+                f32::NEG_INFINITY
+            } else {
+                scores[j] + bias[j]
+            };
+            (b, j)
+        })
+        .collect();
+    top_k_by(&mut cand, k);
+    let mut sum = 0f32;
+    for s in 0..k {
+        let j = cand[s].1;
+        chosen[s] = j as u32;
+        weights[s] = scores[j];
+        sum += scores[j];
+    }
+    for w in weights.iter_mut() {
+        if cfg.norm_topk_prob && k > 1 {
+            *w /= sum + 1e-20;
+        }
+        *w *= cfg.route_scale;
+    }
+}
+
 /// Put the `k` largest `(score, id)` first, ordered by score descending then id ascending
 /// (so ties and -inf picks are deterministic and match the reference).
 pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
@@ -879,6 +934,229 @@ pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ModelConfig;
+
+    /// f32 component vs a plain f64 version: a few ulps of accumulation over short sums.
+    const TOL: f64 = 1e-5;
+
+    struct Rng(u64);
+    impl Rng {
+        fn f(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        }
+    }
+
+    fn cfg(json: &str) -> ModelConfig {
+        let c = keep_checkpoint::DeepSeekConfig::from_json(std::path::Path::new("c.json"), json)
+            .unwrap();
+        ModelConfig::from_deepseek(&c).unwrap()
+    }
+
+    #[test]
+    fn hyper_connections_match_plain_f64() {
+        let c = cfg(
+            r#"{"hidden_size":8,"hc_mult":3,"num_hidden_layers":1,"rms_norm_eps":1e-6,"hc_sinkhorn_iters":20,"hc_eps":1e-6}"#,
+        );
+        let (hc, d, t) = (3usize, 8usize, 2usize);
+        let mut rng = Rng(5);
+        let nm = (2 + hc) * hc;
+        let fnw: Vec<f32> = (0..nm * hc * d).map(|_| rng.f() * 0.3).collect();
+        let fnb: Vec<u8> = fnw.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let hcw = Hc {
+            fn_: WeightView::f32(&fnb, nm, hc * d).unwrap(),
+            base: (0..nm).map(|_| rng.f()).collect(),
+            scale: vec![0.7, 1.3, 0.9],
+        };
+        let s = Streams {
+            t,
+            x: (0..t * hc * d).map(|_| rng.f() * 3.0).collect(),
+            pre_mix: vec![0.0; t * hc],
+        };
+        let (pre, post, comb) = hc_mix(&hcw, &s, &c).unwrap();
+        for i in 0..t {
+            let x: Vec<f64> = s.x[i * hc * d..(i + 1) * hc * d]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            let r = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + 1e-6).sqrt();
+            let mix: Vec<f64> = (0..nm)
+                .map(|j| {
+                    let dot: f64 = (0..hc * d)
+                        .map(|q| x[q] * r * fnw[j * hc * d + q] as f64)
+                        .sum();
+                    let sid = if j < hc {
+                        0
+                    } else if j < 2 * hc {
+                        1
+                    } else {
+                        2
+                    };
+                    dot * hcw.scale[sid] as f64 + hcw.base[j] as f64
+                })
+                .collect();
+            let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
+            let mut m = vec![0f64; hc * hc];
+            for a in 0..hc {
+                let row = &mix[2 * hc + a * hc..2 * hc + (a + 1) * hc];
+                let mx = row.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = row.iter().map(|v| (v - mx).exp()).sum();
+                for b in 0..hc {
+                    m[a * hc + b] = (row[b] - mx).exp() / z + 1e-6;
+                }
+            }
+            for it in 0..20 {
+                if it > 0 {
+                    for a in 0..hc {
+                        let sum: f64 = (0..hc).map(|b| m[a * hc + b]).sum::<f64>() + 1e-6;
+                        (0..hc).for_each(|b| m[a * hc + b] /= sum);
+                    }
+                }
+                for b in 0..hc {
+                    let sum: f64 = (0..hc).map(|a| m[a * hc + b]).sum::<f64>() + 1e-6;
+                    (0..hc).for_each(|a| m[a * hc + b] /= sum);
+                }
+            }
+            for j in 0..hc {
+                assert!((pre[i * hc + j] as f64 - (sig(mix[j]) + 1e-6)).abs() < TOL);
+                assert!((post[i * hc + j] as f64 - 2.0 * sig(mix[hc + j])).abs() < TOL);
+            }
+            for q in 0..hc * hc {
+                assert!(
+                    (comb[i * hc * hc + q] as f64 - m[q]).abs() < TOL,
+                    "comb {q}"
+                );
+            }
+        }
+        // collapse and expand against their formulas.
+        let col = collapse(&s, &pre, hc, d);
+        let xin: Vec<f32> = (0..t * d).map(|_| rng.f()).collect();
+        let mut s2 = s.clone();
+        expand(&xin, &mut s2, &post, &comb, hc, d);
+        for i in 0..t {
+            for q in 0..d {
+                let want: f64 = (0..hc)
+                    .map(|k| pre[i * hc + k] as f64 * s.x[(i * hc + k) * d + q] as f64)
+                    .sum();
+                assert!((col[i * d + q] as f64 - want).abs() < TOL);
+                for j in 0..hc {
+                    let mixed: f64 = (0..hc)
+                        .map(|a| {
+                            comb[(i * hc + a) * hc + j] as f64 * s.x[(i * hc + a) * d + q] as f64
+                        })
+                        .sum();
+                    let want = post[i * hc + j] as f64 * xin[i * d + q] as f64 + mixed;
+                    assert!((s2.x[(i * hc + j) * d + q] as f64 - want).abs() < TOL);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn router_matches_plain_f64() {
+        let mut rng = Rng(9);
+        for (func, temp) in [("sqrtsoftplus", 1.0), ("sigmoid", 0.7), ("softmax", 1.3)] {
+            let c = cfg(&format!(
+                r#"{{"n_routed_experts":12,"num_experts_per_tok":3,"scoring_func":"{func}","gate_temp":{temp},"routed_scaling_factor":2.5,"num_hidden_layers":1}}"#
+            ));
+            for masked in [false, true] {
+                let mask: Vec<bool> = (0..12).map(|j| masked && j % 4 == 1).collect();
+                let raw: Vec<f32> = (0..12).map(|_| rng.f() * 4.0).collect();
+                let bias: Vec<f32> = (0..12).map(|_| rng.f() * 0.1).collect();
+                let (mut ch, mut w, mut sc) = (vec![0u32; 3], vec![0f32; 3], vec![0f32; 12]);
+                route(
+                    &c,
+                    &mut raw.clone(),
+                    &bias,
+                    masked.then_some(&mask[..]),
+                    &mut ch,
+                    &mut w,
+                    &mut sc,
+                );
+                let l: Vec<f64> = raw.iter().map(|&v| (v / temp as f32) as f64).collect();
+                let score: Vec<f64> = match func {
+                    "sigmoid" => l.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                    "sqrtsoftplus" => l.iter().map(|v| (1.0 + v.exp()).ln().sqrt()).collect(),
+                    _ => {
+                        let alive: Vec<usize> = (0..12).filter(|&j| !mask[j]).collect();
+                        let z: f64 = alive.iter().map(|&j| l[j].exp()).sum();
+                        (0..12)
+                            .map(|j| if mask[j] { 0.0 } else { l[j].exp() / z })
+                            .collect()
+                    }
+                };
+                let mut order: Vec<usize> = (0..12).filter(|&j| !mask[j]).collect();
+                order.sort_by(|&a, &b| {
+                    (score[b] + bias[b] as f64)
+                        .partial_cmp(&(score[a] + bias[a] as f64))
+                        .unwrap()
+                });
+                let top = &order[..3];
+                assert_eq!(
+                    ch.iter().map(|&v| v as usize).collect::<Vec<_>>(),
+                    top,
+                    "{func}"
+                );
+                let sum: f64 = top.iter().map(|&j| score[j]).sum();
+                for s in 0..3 {
+                    assert!(
+                        (w[s] as f64 - score[top[s]] / sum * 2.5).abs() < TOL,
+                        "{func} weight"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_with_sink_matches_plain_f64() {
+        let mut rng = Rng(11);
+        let hd = 40;
+        let q: Vec<f32> = (0..hd).map(|_| rng.f()).collect();
+        let keys: Vec<Vec<f32>> = (0..7)
+            .map(|_| (0..hd).map(|_| rng.f() * 2.0).collect())
+            .collect();
+        let rows: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+        let (scale, sink) = (0.3f32, 0.8f32);
+        let mut out = vec![0f32; hd];
+        attend(&q, scale, &rows, sink, &mut out, &mut Vec::new());
+        let logits: Vec<f64> = keys
+            .iter()
+            .map(|k| (0..hd).map(|i| q[i] as f64 * k[i] as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let z: f64 = logits.iter().map(|v| v.exp()).sum::<f64>() + (sink as f64).exp();
+        for i in 0..hd {
+            let want: f64 = keys
+                .iter()
+                .zip(&logits)
+                .map(|(k, l)| l.exp() / z * k[i] as f64)
+                .sum();
+            assert!((out[i] as f64 - want).abs() < TOL, "{i}");
+        }
+    }
+
+    #[test]
+    fn pooling_matches_plain_f64() {
+        let mut rng = Rng(3);
+        let (n, ratio, hd) = (3usize, 4usize, 5usize);
+        let kv: Vec<f32> = (0..n * ratio * hd).map(|_| rng.f() * 2.0).collect();
+        let gate: Vec<f32> = (0..n * ratio * hd).map(|_| rng.f() * 5.0).collect();
+        let lat = pool_groups(&kv, &gate, n, ratio, hd);
+        for g in 0..n {
+            for q in 0..hd {
+                let gs: Vec<f64> = (0..ratio)
+                    .map(|r| gate[(g * ratio + r) * hd + q] as f64)
+                    .collect();
+                let z: f64 = gs.iter().map(|v| v.exp()).sum();
+                let want: f64 = (0..ratio)
+                    .map(|r| kv[(g * ratio + r) * hd + q] as f64 * gs[r].exp() / z)
+                    .sum();
+                assert!((lat[g * hd + q] as f64 - want).abs() < TOL);
+            }
+        }
+    }
 
     /// `top_k_by` against a plain full sort with the same rule, on tie-heavy inputs with signed
     /// zeros and infinities.
