@@ -253,15 +253,30 @@ impl Policy for Lru {
     }
 }
 
-/// A binary heap of expert ids with a position index, ordered by `above(a, b)` (a nearer the
-/// root). Keys live with the caller and are passed to every operation.
-#[derive(Debug, Default, Clone)]
-struct IndexedHeap {
-    heap: Vec<u32>,
+/// The order of a [`KeyHeap`]: `above(a, b)` when key `a` belongs nearer the root.
+trait HeapOrder {
+    type K: Copy + std::fmt::Debug + Default;
+    fn above(a: &Self::K, b: &Self::K) -> bool;
+}
+
+/// A binary heap of `(key, expert)` with the keys stored inline (children compare within one
+/// array) and a position index per expert.
+#[derive(Debug, Clone)]
+struct KeyHeap<O: HeapOrder> {
+    heap: Vec<(O::K, u32)>,
     pos: Vec<u32>,
 }
 
-impl IndexedHeap {
+impl<O: HeapOrder> Default for KeyHeap<O> {
+    fn default() -> Self {
+        KeyHeap {
+            heap: vec![],
+            pos: vec![],
+        }
+    }
+}
+
+impl<O: HeapOrder> KeyHeap<O> {
     fn reset(&mut self, n: usize) {
         self.heap.clear();
         self.pos.clear();
@@ -276,90 +291,104 @@ impl IndexedHeap {
         self.heap.len()
     }
     #[inline]
-    fn top(&self) -> u32 {
-        self.heap[0]
+    fn top_key(&self) -> O::K {
+        self.heap[0].0
     }
     #[inline]
-    fn swap(&mut self, a: usize, b: usize) {
-        self.heap.swap(a, b);
-        self.pos[self.heap[a] as usize] = a as u32;
-        self.pos[self.heap[b] as usize] = b as u32;
-    }
-    #[inline]
-    fn up(&mut self, mut i: usize, above: &impl Fn(u32, u32) -> bool) {
+    fn up(&mut self, mut i: usize) {
+        let item = self.heap[i];
         while i > 0 {
             let p = (i - 1) / 2;
-            if above(self.heap[i], self.heap[p]) {
-                self.swap(i, p);
+            if O::above(&item.0, &self.heap[p].0) {
+                self.heap[i] = self.heap[p];
+                self.pos[self.heap[i].1 as usize] = i as u32;
                 i = p;
             } else {
                 break;
             }
         }
+        self.heap[i] = item;
+        self.pos[item.1 as usize] = i as u32;
     }
     #[inline]
-    fn down(&mut self, mut i: usize, above: &impl Fn(u32, u32) -> bool) {
+    fn down(&mut self, mut i: usize) {
         let n = self.heap.len();
+        let item = self.heap[i];
         loop {
             let l = 2 * i + 1;
             if l >= n {
                 break;
             }
             let r = l + 1;
-            let c = if r < n && above(self.heap[r], self.heap[l]) {
+            let c = if r < n && O::above(&self.heap[r].0, &self.heap[l].0) {
                 r
             } else {
                 l
             };
-            if above(self.heap[c], self.heap[i]) {
-                self.swap(c, i);
+            if O::above(&self.heap[c].0, &item.0) {
+                self.heap[i] = self.heap[c];
+                self.pos[self.heap[i].1 as usize] = i as u32;
                 i = c;
             } else {
                 break;
             }
         }
+        self.heap[i] = item;
+        self.pos[item.1 as usize] = i as u32;
     }
     #[inline]
-    fn push(&mut self, e: u32, above: &impl Fn(u32, u32) -> bool) {
-        self.heap.push(e);
+    fn push(&mut self, e: u32, k: O::K) {
+        self.heap.push((k, e));
         let i = self.heap.len() - 1;
-        self.pos[e as usize] = i as u32;
-        self.up(i, above);
+        self.up(i);
     }
-    /// Replace the root with `e` and restore the order.
+    /// Replace the root with `e` (key `k`) and restore the order; returns the old root.
     #[inline]
-    fn replace_top(&mut self, e: u32, above: &impl Fn(u32, u32) -> bool) -> u32 {
-        let old = self.heap[0];
+    fn replace_top(&mut self, e: u32, k: O::K) -> u32 {
+        let old = self.heap[0].1;
         self.pos[old as usize] = NIL;
-        self.heap[0] = e;
-        self.pos[e as usize] = 0;
-        self.down(0, above);
+        self.heap[0] = (k, e);
+        self.down(0);
         old
     }
-    /// Restore the order after `e`'s key changed.
+    /// Set the key of resident `e`; `grows_away` says it can only move away from the root.
     #[inline]
-    fn fix(&mut self, e: u32, above: &impl Fn(u32, u32) -> bool) {
+    fn rekey(&mut self, e: u32, k: O::K, grows_away: bool) {
         let i = self.pos[e as usize] as usize;
-        self.up(i, above);
-        let i = self.pos[e as usize] as usize;
-        self.down(i, above);
+        self.heap[i].0 = k;
+        if grows_away {
+            self.down(i)
+        } else {
+            self.up(i)
+        }
     }
 }
 
 /// Scores past this exponent are rescaled (f64 holds up to 2^1023).
 const DECAY_RESCALE_EXP: f64 = 512.0;
 
+/// Min-heap on (score, last-use tick).
+#[derive(Debug, Clone)]
+struct LowestScore;
+impl HeapOrder for LowestScore {
+    type K = (f64, u64);
+    #[inline]
+    fn above(a: &(f64, u64), b: &(f64, u64)) -> bool {
+        a.0 < b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+}
+
 /// Decayed use counts with a half-life in tokens.
 #[derive(Debug, Clone)]
 pub struct Decay {
     half_life: f64,
+    /// Scaled decayed count of every expert (resident or not).
     score: Vec<f64>,
-    last: Vec<u64>,
-    heap: IndexedHeap,
+    heap: KeyHeap<LowestScore>,
     cap: usize,
     top_k: usize,
-    /// Token whose increment is cached, and the increment.
-    tok: usize,
+    /// First access index of the next token, and the current token's increment.
+    tok_end: usize,
     inc: f64,
     /// Exponent subtracted from every score so far (rescaling).
     base: f64,
@@ -368,22 +397,16 @@ pub struct Decay {
 }
 
 impl Decay {
-    /// A decay policy with `half_life` tokens (non-positive or NaN means 1).
+    /// A decay policy with `half_life` tokens (infinite: plain use counts; non-positive or
+    /// NaN: 1).
     pub fn new(half_life: f64) -> Decay {
         Decay {
-            half_life: if half_life.is_finite() && half_life > 0.0 {
-                half_life
-            } else if half_life == f64::INFINITY {
-                f64::INFINITY
-            } else {
-                1.0
-            },
+            half_life: if half_life > 0.0 { half_life } else { 1.0 },
             score: vec![],
-            last: vec![],
-            heap: IndexedHeap::default(),
+            heap: KeyHeap::default(),
             cap: 0,
             top_k: 1,
-            tok: usize::MAX,
+            tok_end: 0,
             inc: 1.0,
             base: 0.0,
             tick0: 0,
@@ -391,15 +414,18 @@ impl Decay {
     }
     #[inline]
     fn increment(&mut self, i: usize) -> f64 {
-        let t = i / self.top_k;
-        if t != self.tok {
-            self.tok = t;
+        if i >= self.tok_end {
+            let t = i / self.top_k;
+            self.tok_end = (t + 1) * self.top_k;
             let mut x = t as f64 / self.half_life - self.base;
             if x > DECAY_RESCALE_EXP {
                 // Scale every score alike: the order is unchanged.
                 let f = (-x).exp2();
                 for s in &mut self.score {
                     *s *= f;
+                }
+                for h in &mut self.heap.heap {
+                    h.0 .0 *= f;
                 }
                 self.base += x;
                 x = 0.0;
@@ -418,25 +444,15 @@ impl Policy for Decay {
         let n = s.n_experts;
         self.score.clear();
         self.score.resize(n, 0.0);
-        self.last.clear();
-        self.last.resize(n, 0);
         self.heap.reset(n);
         self.cap = st.capacity;
         self.top_k = s.top_k.max(1);
-        self.tok = usize::MAX;
+        self.tok_end = 0;
         self.base = 0.0;
         self.tick0 = n as u64 + 1;
         let init = st.initial();
         for (r, &e) in init.iter().enumerate() {
-            self.last[e as usize] = (init.len() - r) as u64;
-        }
-        let (score, last) = (&self.score, &self.last);
-        let above = |a: u32, b: u32| {
-            let (a, b) = (a as usize, b as usize);
-            (score[a], last[a]) < (score[b], last[b])
-        };
-        for &e in init {
-            self.heap.push(e as u32, &above);
+            self.heap.push(e as u32, (0.0, (init.len() - r) as u64));
         }
     }
     #[inline]
@@ -444,24 +460,19 @@ impl Policy for Decay {
         let inc = self.increment(i);
         let eu = e as usize;
         self.score[eu] += inc;
-        self.last[eu] = self.tick0 + i as u64;
-        let hit = self.heap.contains(e as u32);
-        let (score, last) = (&self.score, &self.last);
-        let above = |a: u32, b: u32| {
-            let (a, b) = (a as usize, b as usize);
-            (score[a], last[a]) < (score[b], last[b])
-        };
-        if hit {
-            self.heap.fix(e as u32, &above);
+        let key = (self.score[eu], self.tick0 + i as u64);
+        if self.heap.contains(e as u32) {
+            // Its score and tick only grew.
+            self.heap.rekey(e as u32, key, true);
             return true;
         }
         if !admit || self.cap == 0 {
             return false;
         }
         if self.heap.len() < self.cap {
-            self.heap.push(e as u32, &above);
+            self.heap.push(e as u32, key);
         } else {
-            self.heap.replace_top(e as u32, &above);
+            self.heap.replace_top(e as u32, key);
         }
         false
     }
@@ -470,14 +481,25 @@ impl Policy for Decay {
 /// "Never used again".
 const NEVER: u32 = u32::MAX;
 
+/// Max-heap on next use.
+#[derive(Debug, Clone)]
+struct FurthestNextUse;
+impl HeapOrder for FurthestNextUse {
+    type K = u32;
+    #[inline]
+    fn above(a: &u32, b: &u32) -> bool {
+        a > b
+    }
+}
+
 /// Belady's optimum with bypass (see the module doc).
 #[derive(Debug, Default, Clone)]
 pub struct Belady {
     /// Next access index of the same expert after access `i` (or [`NEVER`]).
     next: Vec<u32>,
-    /// Per expert: its next access (the heap key).
-    key: Vec<u32>,
-    heap: IndexedHeap,
+    /// First access of each expert (scratch of the precompute).
+    first: Vec<u32>,
+    heap: KeyHeap<FurthestNextUse>,
     cap: usize,
 }
 
@@ -500,36 +522,29 @@ impl Policy for Belady {
         PolicyKind::Belady
     }
     fn reset(&mut self, s: &Stream, st: &Start) {
-        let mut first = std::mem::take(&mut self.key);
-        next_uses(s.experts, s.n_experts, &mut self.next, &mut first);
-        self.key = first;
+        next_uses(s.experts, s.n_experts, &mut self.next, &mut self.first);
         self.heap.reset(s.n_experts);
         self.cap = st.capacity;
-        let key = &self.key;
-        let above = |a: u32, b: u32| key[a as usize] > key[b as usize];
         for &e in st.initial() {
-            self.heap.push(e as u32, &above);
+            self.heap.push(e as u32, self.first[e as usize]);
         }
     }
     #[inline]
     fn access(&mut self, i: usize, e: u16, admit: bool) -> bool {
         let nu = self.next[i];
         let eu = e as u32;
-        self.key[e as usize] = nu;
-        let key = &self.key;
-        let above = |a: u32, b: u32| key[a as usize] > key[b as usize];
         if self.heap.contains(eu) {
-            // Its key grew from `i` to `nu`: move it toward the root.
-            self.heap.fix(eu, &above);
+            // Its key grew from `i` to `nu`: it can only move toward the root.
+            self.heap.rekey(eu, nu, false);
             return true;
         }
         if !admit || self.cap == 0 {
             return false;
         }
         if self.heap.len() < self.cap {
-            self.heap.push(eu, &above);
-        } else if key[self.heap.top() as usize] > nu {
-            self.heap.replace_top(eu, &above);
+            self.heap.push(eu, nu);
+        } else if self.heap.top_key() > nu {
+            self.heap.replace_top(eu, nu);
         }
         false
     }

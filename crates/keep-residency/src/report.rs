@@ -122,8 +122,15 @@ pub struct ReplaySpeed {
     pub seconds: f64,
     pub replay_slots_per_sec: f64,
     /// Per policy (all sizes and modes).
-    pub by_policy: Vec<(PolicyKind, f64)>,
+    pub by_policy: Vec<PolicySpeed>,
     pub note: String,
+}
+
+/// Replay speed of one policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicySpeed {
+    pub policy: PolicyKind,
+    pub slots_per_sec: f64,
 }
 
 /// The whole report (`format` = `keep-residency-report`, version 1).
@@ -434,10 +441,14 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
             replay_slots_per_sec: ratio(total_slots as f64, total_secs),
             by_policy: per_policy
                 .iter()
-                .map(|&(p, s, t)| (p, ratio(s as f64, t)))
+                .map(|&(policy, s, t)| PolicySpeed {
+                    policy,
+                    slots_per_sec: ratio(s as f64, t),
+                })
                 .collect(),
-            note: "measured in this run: every replay single-threaded on one core, policy loop \
-                   and per-stream resets (Belady's next-use precompute included), trace already in memory"
+            note: "measured in this run: wall time of every replay, single-threaded on one core, \
+                   policy loop and per-stream resets (Belady's next-use precompute included), trace \
+                   already in memory; other load on the machine lowers it"
                 .into(),
         },
         notes,

@@ -314,11 +314,18 @@ fn print_table(r: &Report, bytes_from: &str) {
         println!();
     }
     println!("  rule: {}", r.verdict_rule);
+    let per: Vec<String> = r
+        .replay
+        .by_policy
+        .iter()
+        .map(|p| format!("{} {}", p.policy.name(), rate(p.slots_per_sec)))
+        .collect();
     println!(
-        "  replay: {} slots/s on one core ({} slots in {:.3} s)",
+        "  replay: {} slots/s on one core ({} slots in {:.3} s; {})",
         rate(r.replay.replay_slots_per_sec),
         r.replay.slots_replayed,
-        r.replay.seconds
+        r.replay.seconds,
+        per.join(", ")
     );
     for n in &r.notes {
         println!("  note: {n}");
