@@ -251,8 +251,8 @@ unsafe fn rows_kernel(
             ];
             for r in t0..t1 {
                 let d = dot4(xs, &buf[(r - t0) * cols..(r - t0 + 1) * cols]);
-                for j in 0..4 {
-                    *out.add((i + j) * ld + r) = d[j];
+                for (j, &v) in d.iter().enumerate() {
+                    *out.add((i + j) * ld + r) = v;
                 }
             }
             i += 4;
@@ -442,16 +442,16 @@ mod tests {
         let w = WeightView::mxfp8(&q, &s, 1, 256).unwrap();
         let mut buf = vec![0f32; 256];
         w.decode_row(0, &mut buf);
-        for c in 0..256 {
-            assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "code {c}");
+        for (c, v) in buf.iter().enumerate() {
+            assert_eq!(v.to_bits(), w.get_ref(0, c).to_bits(), "code {c}");
         }
         let p: Vec<u8> = (0..128u32)
-            .map(|i| (i % 16 | ((15 - i % 16) << 4)) as u8)
+            .map(|i| ((i % 16) | ((15 - i % 16) << 4)) as u8)
             .collect();
         let w = WeightView::mxfp4(&p, &s, 1, 256).unwrap();
         w.decode_row(0, &mut buf);
-        for c in 0..256 {
-            assert_eq!(buf[c].to_bits(), w.get_ref(0, c).to_bits(), "fp4 elem {c}");
+        for (c, v) in buf.iter().enumerate() {
+            assert_eq!(v.to_bits(), w.get_ref(0, c).to_bits(), "fp4 elem {c}");
         }
     }
 
