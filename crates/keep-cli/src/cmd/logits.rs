@@ -57,11 +57,11 @@ pub fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
         .map_err(|e| anyhow::anyhow!("{}: cannot load the tokenizer: {e}", p.display()))
 }
 
-/// Token ids of `text`.
+/// Token ids of `text` (with the tokenizer's special tokens, as the reference tools encode).
 pub fn encode(dir: &Path, text: &str) -> anyhow::Result<Vec<u32>> {
     let tok = tokenizer(dir)?;
     let enc = tok
-        .encode(text, false)
+        .encode(text, true)
         .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
     Ok(enc.get_ids().to_vec())
 }

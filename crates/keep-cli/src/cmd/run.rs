@@ -76,7 +76,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let eos = config_id(raw, "eos_token_id");
     let mut prompt: Vec<u32> = match &a.prompt {
         Some(p) if !p.is_empty() => tok
-            .encode(p.as_str(), false)
+            .encode(p.as_str(), true)
             .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
             .get_ids()
             .to_vec(),
