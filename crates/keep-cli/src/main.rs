@@ -29,6 +29,10 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     Prune(cmd::prune::PruneArgs),
     Residency(cmd::residency::ResidencyArgs),
+    Pack(cmd::pack::PackArgs),
+    Calibrate(cmd::calibrate::CalibrateArgs),
+    Finalize(cmd::finalize::FinalizeArgs),
+    Select(cmd::select::SelectArgs),
 }
 
 fn main() {
@@ -49,6 +53,10 @@ fn main() {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Prune(a) => cmd::prune::run(a),
         Command::Residency(a) => cmd::residency::run(a),
+        Command::Pack(a) => cmd::pack::run(a),
+        Command::Calibrate(a) => cmd::calibrate::run(a),
+        Command::Finalize(a) => cmd::finalize::run(a),
+        Command::Select(a) => cmd::select::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
