@@ -11,11 +11,13 @@ use crate::codec::round_e4m3;
 /// `x * rsqrt(mean(x²) + eps) [* w]` per row of `n`, in place (MLX `fast.rms_norm`).
 pub fn rms_norm(x: &mut [f32], n: usize, w: Option<&[f32]>, eps: f32) {
     for row in x.chunks_exact_mut(n) {
-        let mut ss = 0f32;
-        for v in row.iter() {
-            ss += v * v;
+        // The mean of squares in f64: a long f32 running sum (n = hc·hidden for the
+        // hyper-connection norm) would add avoidable noise against the reference.
+        let mut ss = 0f64;
+        for &v in row.iter() {
+            ss += (v as f64) * (v as f64);
         }
-        let r = 1.0 / (ss / n as f32 + eps).sqrt();
+        let r = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
         match w {
             Some(w) => {
                 for (v, wi) in row.iter_mut().zip(w) {
