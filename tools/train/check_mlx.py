@@ -40,10 +40,33 @@ def heldout_sequences(lengths, seed=11):
 
 
 def jax_logits(cfg, params, state, seqs):
-    fn = jax.jit(lambda p, s, t: forward(cfg, p, s, t, qat=False, capacity_factor=0.0)[0])
-    p = jax.tree_util.tree_map(jnp.asarray, params)
-    st = jax.tree_util.tree_map(jnp.asarray, state)
-    return [np.asarray(fn(p, st, jnp.asarray(t)[None]))[0] for t in seqs]
+    """Logits, indexer selections (bool [T, N] per index call) and routes."""
+    import model as M
+    sels = []
+    orig = M.indexer
+
+    def wrapped(*a, **k):
+        r = orig(*a, **k)
+        sels.append(r[0])
+        return r
+
+    def fwd(p, s, t):
+        sels.clear()
+        logits, aux = forward(cfg, p, s, t, qat=False, capacity_factor=0.0)
+        return logits, list(sels), [idx for idx, _ in aux["routes"]]
+
+    M.indexer = wrapped
+    try:
+        fn = jax.jit(fwd)
+        p = jax.tree_util.tree_map(jnp.asarray, params)
+        st = jax.tree_util.tree_map(jnp.asarray, state)
+        outs = []
+        for t in seqs:
+            lg, sl, rt = fn(p, st, jnp.asarray(t)[None])
+            outs.append((np.asarray(lg)[0], [np.asarray(x)[0] for x in sl], [np.asarray(x) for x in rt]))
+        return outs
+    finally:
+        M.indexer = orig
 
 
 def mlx_logits(model_dir, seqs):
@@ -52,7 +75,27 @@ def mlx_logits(model_dir, seqs):
         subprocess.run([str(ORACLE), str(HERE / "mlx_ref.py"), "--model", str(model_dir),
                         "--tokens", f"{d}/in.npz", "--out", f"{d}/out.npz"], check=True)
         z = np.load(f"{d}/out.npz")
-        return [z[f"logits{i}"] for i in range(len(seqs))]
+        return [(z[f"logits{i}"],
+                 [z[k] for k in sorted((k for k in z.files if k.startswith(f"idx{i}_")), key=lambda k: int(k.split("_")[1]))],
+                 [z[k] for k in sorted((k for k in z.files if k.startswith(f"route{i}_")), key=lambda k: int(k.split("_")[1]))])
+                for i in range(len(seqs))]
+
+
+def selection_diffs(jsel, msel):
+    """Per indexer call: how many query positions select a different set."""
+    out = []
+    for s, t in zip(jsel, msel):
+        m = np.zeros_like(s)
+        for q in range(t.shape[0]):
+            for j in t[q]:
+                if j >= 0:
+                    m[q, j] = True
+        out.append(int((m != s).any(-1).sum()))
+    return out
+
+
+def route_diffs(jr, mr):
+    return [int((np.sort(a, -1) != np.sort(b, -1)).any(-1).sum()) for a, b in zip(jr, mr)]
 
 
 def compare(a, b):
@@ -90,7 +133,11 @@ def main():
     seqs = heldout_sequences([int(x) for x in args.lengths.split(",")])
     a = jax_logits(cfg, params, state, seqs)
     b = mlx_logits(args.model, seqs)
-    report["sequences"] = [dict(length=len(s), **compare(x, y)) for s, x, y in zip(seqs, a, b)]
+    report["sequences"] = [
+        dict(length=len(s), **compare(x[0], y[0]),
+             indexer_positions_selecting_differently=selection_diffs(x[1], y[1]),
+             tokens_routed_differently_per_layer=route_diffs(x[2], y[2]))
+        for s, x, y in zip(seqs, a, b)]
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -1,0 +1,171 @@
+"""Measure the exported keep-tiny model with mlx-lm (the oracle venv):
+
+    ../oracle/.venv/bin/python report.py --model ../../models/keep-tiny --json logs/report.json
+
+- held-out loss (nats/token) of the exported, quantized model run by mlx-lm in
+  float32 (bf16 parameters cast to f32 after loading; FP8/FP4 stay packed), on
+  --windows non-overlapping 256-token windows spread evenly over the held-out
+  token stream (each window scored from position 0: 255 predictions);
+- the unigram baseline (token frequencies of the training split, add-one
+  smoothed) on exactly the same predicted tokens, and on the whole held-out split;
+- per-layer expert-load entropy over those windows against log(E), and the mean
+  per-window entropy (locality: what one 256-token window uses);
+- bytes by format from the safetensors header;
+- two greedy samples through mlx_lm.load + mlx_lm.generate (native dtypes).
+"""
+import argparse
+import hashlib
+import json
+import math
+import struct
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+from mlx_lm.models import deepseek_v41
+from mlx_lm.utils import load_model
+from tokenizers import Tokenizer
+
+HERE = Path(__file__).resolve().parent
+STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
+EOS = "<|endoftext|>"
+PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Stack:\n    def push(self, item):\n"]
+
+
+def split_ids(tok, split):
+    eos = tok.token_to_id(EOS)
+    ids = []
+    for line in (HERE / "corpus_manifest.tsv").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        s, digest, _, rel = line.split("\t")
+        if s != split:
+            continue
+        data = (STDLIB / rel).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise SystemExit(f"{rel}: hash mismatch; refusing")
+        ids.extend(tok.encode(data.decode("utf-8")).ids)
+        ids.append(eos)
+    return np.asarray(ids, np.int64)
+
+
+def bytes_by_format(path):
+    raw = open(path, "rb").read(8)
+    n = struct.unpack("<Q", raw)[0]
+    with open(path, "rb") as f:
+        f.seek(8)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    out = Counter()
+    for name, h in header.items():
+        a, b = h["data_offsets"]
+        dt = h["dtype"]
+        if dt == "I8":
+            key = "FP4 E2M1 routed experts (I8, 2 per byte)"
+        elif dt == "F8_E4M3":
+            key = "FP8 E4M3 residents"
+        elif dt == "F8_E8M0":
+            key = ("E8M0 scales of FP4 experts" if ".experts." in name else "E8M0 scales of FP8 residents")
+        else:
+            key = dt
+        out[key] += b - a
+    out["safetensors header"] = 8 + n
+    return dict(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(HERE.parent.parent / "models" / "keep-tiny"))
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model_dir = Path(args.model)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    V = tok.get_vocab_size()
+    rep = {"model": str(model_dir)}
+
+    train = split_ids(tok, "train")
+    held = split_ids(tok, "heldout")
+    counts = np.bincount(train, minlength=V).astype(np.float64) + 1.0
+    logp_uni = np.log(counts / counts.sum())
+    rep["train_tokens"] = int(len(train))
+    rep["heldout_tokens"] = int(len(held))
+    rep["unigram_heldout_full_nats"] = float(-logp_uni[held[1:]].mean())
+
+    model, config = load_model(model_dir)
+    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    E = config["n_routed_experts"]
+    L = config["num_hidden_layers"]
+
+    captured = []
+    original = deepseek_v41.Router.__call__
+
+    def hooked(self, x):
+        chosen, weights = original(self, x)
+        captured.append(np.array(chosen))
+        return chosen, weights
+
+    n_win = min(args.windows, len(held) // args.seq)
+    starts = np.linspace(0, len(held) - args.seq, n_win).astype(np.int64)
+    starts = (starts // args.seq) * args.seq  # non-overlapping, evenly spread
+    nll, nll_uni, ntok = 0.0, 0.0, 0
+    load_total = np.zeros((L, E))
+    win_entropy = np.zeros(L)
+    t0 = time.time()
+    deepseek_v41.Router.__call__ = hooked
+    try:
+        for s in starts:
+            ids = held[s:s + args.seq]
+            captured.clear()
+            logits = model(mx.array(ids[None].astype(np.int32)))[0].astype(mx.float32)
+            lse = mx.logsumexp(logits, axis=-1)
+            tgt = mx.array(ids[1:].astype(np.int32))
+            lp = mx.take_along_axis(logits[:-1], tgt[:, None], axis=-1)[:, 0] - lse[:-1]
+            nll -= float(mx.sum(lp).item())
+            nll_uni -= float(logp_uni[ids[1:]].sum())
+            ntok += len(ids) - 1
+            for layer, chosen in enumerate(captured):
+                c = np.bincount(chosen.reshape(-1), minlength=E)
+                load_total[layer] += c
+                p = c / c.sum()
+                win_entropy[layer] += -(p[p > 0] * np.log(p[p > 0])).sum()
+    finally:
+        deepseek_v41.Router.__call__ = original
+    rep["eval_seconds"] = time.time() - t0
+    rep["eval_windows"] = int(n_win)
+    rep["eval_predicted_tokens"] = int(ntok)
+    rep["heldout_nats_mlx_f32"] = nll / ntok
+    rep["unigram_nats_same_tokens"] = nll_uni / ntok
+    layers = []
+    for layer in range(L):
+        p = load_total[layer] / load_total[layer].sum()
+        ent = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+        layers.append({"layer": layer, "load_entropy": ent, "max": math.log(E),
+                       "ratio": ent / math.log(E),
+                       "mean_window_entropy": float(win_entropy[layer] / n_win),
+                       "max_load_share": float(p.max()), "min_load_share": float(p.min()),
+                       "unused_experts": int((p == 0).sum())})
+    rep["expert_load"] = layers
+    rep["bytes_by_format"] = bytes_by_format(model_dir / "model.safetensors")
+    rep["files"] = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir()) if p.is_file()}
+    rep["total_bytes"] = sum(rep["files"].values())
+
+    from mlx_lm import generate, load
+    m2, tk = load(str(model_dir))
+    rep["greedy_samples"] = []
+    for prompt in PROMPTS:
+        text = generate(m2, tk, prompt, max_tokens=48, verbose=False)
+        rep["greedy_samples"].append({"prompt": prompt, "completion": text})
+    print(json.dumps(rep, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
