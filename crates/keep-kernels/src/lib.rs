@@ -16,12 +16,16 @@
 //! ([`codec`]) are small lookup tables kept local so kernels inline them; they are tested
 //! bit-exact on every code against their definitions.
 //!
-//! Depends on: `rayon`, `thiserror`.
+//! Depends on: `keep-format` (E8P decode), `rayon`, `thiserror`.
 
+pub mod affine;
 pub mod codec;
+pub mod e8p;
 pub mod error;
 pub mod matmul;
 pub mod ops;
+pub mod simd;
+pub mod sinkhorn_fused;
 pub mod weight;
 
 pub use error::KernelError;

@@ -1,0 +1,327 @@
+//! E8P12 lattice-coded weights (`keep_format::e8p`: one 16-bit code per 8 weights, one f32
+//! scale per weight row) as a kernel operand: [`E8pView`], the `_ref` product (the format's
+//! own f64 reference) and the fast product [`e8p_matmul`], threaded over output rows and
+//! compiled for AVX2/AVX-512 at run time; [`e8p_matmul_many`] runs a token's top-k experts in
+//! one parallel pass.
+//!
+//! The fast path computes exactly what `keep_format::e8p::e8p_matmul` computes (each code
+//! decoded once with `decode_e8p`, multiply-added into 8 lanes per activation row with a
+//! separate multiply and add, lanes summed pairwise, times the row scale), so it is
+//! bit-identical to that single-threaded portable kernel (tested), whatever the threading.
+
+use rayon::prelude::*;
+
+use keep_format::e8p::{decode_e8p, E8P_DIM};
+
+use crate::{KernelError, Result};
+
+/// A borrowed E8P weight `[rows, cols]` (out × in): `rows × cols/8` codes, `rows` scales.
+#[derive(Debug, Clone, Copy)]
+pub struct E8pView<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: &'a [u16],
+    pub scales: &'a [f32],
+}
+
+impl<'a> E8pView<'a> {
+    /// Check lengths (`cols % 8 == 0`).
+    pub fn new(codes: &'a [u16], scales: &'a [f32], rows: usize, cols: usize) -> Result<Self> {
+        if cols % E8P_DIM != 0 {
+            return Err(KernelError::Shape {
+                what: "e8p weight",
+                msg: format!("{cols} columns is not a multiple of 8"),
+            });
+        }
+        if codes.len() != rows * cols / E8P_DIM || scales.len() != rows {
+            return Err(KernelError::Bytes {
+                what: "e8p codes/scales",
+                rows,
+                cols,
+                expected: rows * cols / E8P_DIM * 2 + rows * 4,
+                got: codes.len() * 2 + scales.len() * 4,
+            });
+        }
+        Ok(E8pView {
+            rows,
+            cols,
+            codes,
+            scales,
+        })
+    }
+
+    /// Bytes one pass reads (codes and scales).
+    pub fn nbytes(&self) -> usize {
+        self.codes.len() * 2 + self.scales.len() * 4
+    }
+}
+
+fn check(x: &[f32], m: usize, w: &E8pView, out: &[f32]) -> Result<()> {
+    if x.len() != m * w.cols {
+        return Err(KernelError::Operand {
+            what: "x",
+            expected: m * w.cols,
+            got: x.len(),
+        });
+    }
+    if out.len() != m * w.rows {
+        return Err(KernelError::Operand {
+            what: "out",
+            expected: m * w.rows,
+            got: out.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Scalar reference (`keep_format::e8p::e8p_matmul_ref`: f64 accumulation).
+pub fn e8p_matmul_ref(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
+    check(x, m, w, out)?;
+    keep_format::e8p::e8p_matmul_ref(x, m, w.codes, w.scales, w.rows, w.cols, out).map_err(|e| {
+        KernelError::Shape {
+            what: "e8p matmul",
+            msg: e.to_string(),
+        }
+    })
+}
+
+#[inline(always)]
+fn lane_sum(a: &[f32; 8]) -> f32 {
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (b[0] + b[2]) + (b[1] + b[3])
+}
+
+#[inline(always)]
+fn dot_rows<const MR: usize>(x: &[f32], k: usize, i: usize, row: &[u16]) -> [f32; MR] {
+    let mut acc = [[0.0f32; 8]; MR];
+    for (c, &code) in row.iter().enumerate() {
+        let w = decode_e8p(code);
+        for (j, a) in acc.iter_mut().enumerate() {
+            let xc = &x[(i + j) * k + c * 8..(i + j) * k + c * 8 + 8];
+            for l in 0..8 {
+                a[l] += xc[l] * w[l];
+            }
+        }
+    }
+    let mut s = [0f32; MR];
+    for (o, a) in s.iter_mut().zip(&acc) {
+        *o = lane_sum(a);
+    }
+    s
+}
+
+/// Rows `r0..r1`, activation rows in blocks of 4, then 3, 2, 1 (as the format's kernel).
+///
+/// # Safety
+/// `out` is valid for writes at `i*ld + r` (i < m, r in r0..r1) that nobody else makes.
+#[inline(always)]
+unsafe fn rows_impl(
+    w: &E8pView,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (k, kc) = (w.cols, w.cols / E8P_DIM);
+    let mut i = 0;
+    while i < m {
+        let mr = (m - i).min(4);
+        for r in r0..r1 {
+            let row = &w.codes[r * kc..(r + 1) * kc];
+            let sc = w.scales[r];
+            macro_rules! go {
+                ($n:literal) => {{
+                    let d = dot_rows::<$n>(x, k, i, row);
+                    for (j, v) in d.iter().enumerate() {
+                        *out.add((i + j) * ld + r) = sc * v;
+                    }
+                }};
+            }
+            match mr {
+                4 => go!(4),
+                3 => go!(3),
+                2 => go!(2),
+                _ => go!(1),
+            }
+        }
+        i += mr;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn rows_avx512(
+    w: &E8pView,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    rows_impl(w, x, m, r0, r1, out, ld)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(
+    w: &E8pView,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    rows_impl(w, x, m, r0, r1, out, ld)
+}
+
+unsafe fn rows(w: &E8pView, x: &[f32], m: usize, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    #[allow(unused_imports)]
+    use crate::simd::Level;
+    match crate::simd::level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => rows_avx512(w, x, m, r0, r1, out, ld),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => rows_avx2(w, x, m, r0, r1, out, ld),
+        _ => rows_impl(w, x, m, r0, r1, out, ld),
+    }
+}
+
+struct SyncPtr(*mut f32);
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+/// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big; bit-identical to
+/// `keep_format::e8p::e8p_matmul`.
+pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
+    check(x, m, w, out)?;
+    let rows_n = w.rows;
+    let ptr = SyncPtr(out.as_mut_ptr());
+    let threads = rayon::current_num_threads();
+    if m * rows_n * w.cols < crate::matmul::PAR_MIN_MACS || threads < 2 || rows_n < 2 {
+        // SAFETY: lengths checked; single thread.
+        unsafe { rows(w, x, m, 0, rows_n, ptr.0, rows_n) };
+        return Ok(());
+    }
+    let chunks = (threads * 4).min(rows_n);
+    let per = rows_n.div_ceil(chunks);
+    (0..chunks).into_par_iter().for_each(|c| {
+        let p = &ptr;
+        let (r0, r1) = (c * per, ((c + 1) * per).min(rows_n));
+        if r0 < r1 {
+            // SAFETY: disjoint rows of the m×rows output per chunk.
+            unsafe { rows(w, x, m, r0, r1, p.0, rows_n) };
+        }
+    });
+    Ok(())
+}
+
+/// One product of an [`e8p_matmul_many`] batch.
+pub struct E8pJob<'a, 'b> {
+    pub w: E8pView<'a>,
+    pub x: &'b [f32],
+    pub m: usize,
+    pub out: &'b mut [f32],
+}
+
+/// Independent E8P products in one parallel pass (a token's top-k experts); each output
+/// equals [`e8p_matmul`] of its job.
+pub fn e8p_matmul_many(jobs: &mut [E8pJob]) -> Result<()> {
+    for j in jobs.iter() {
+        check(j.x, j.m, &j.w, j.out)?;
+    }
+    let threads = rayon::current_num_threads();
+    let total: usize = jobs.iter().map(|j| j.m * j.w.rows * j.w.cols).sum();
+    let target = (total / (threads.max(1) * 4)).max(1);
+    let mut tasks = vec![];
+    for (ji, j) in jobs.iter().enumerate() {
+        let rows_per = (target / (j.m * j.w.cols).max(1)).clamp(1, j.w.rows.max(1));
+        let mut r0 = 0;
+        while r0 < j.w.rows {
+            let r1 = (r0 + rows_per).min(j.w.rows);
+            tasks.push((ji, r0, r1));
+            r0 = r1;
+        }
+    }
+    let ptrs: Vec<SyncPtr> = jobs
+        .iter_mut()
+        .map(|j| SyncPtr(j.out.as_mut_ptr()))
+        .collect();
+    let jobs_ro: &[E8pJob] = jobs;
+    tasks.par_iter().for_each(|&(ji, r0, r1)| {
+        let j = &jobs_ro[ji];
+        // SAFETY: tasks of one job cover disjoint row ranges of its output.
+        unsafe { rows(&j.w, j.x, j.m, r0, r1, ptrs[ji].0, j.w.rows) };
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 accumulation over `cols` terms against the f64 reference, relative to Σ|x·w|.
+    const REL_TOL: f32 = 1e-5;
+
+    #[test]
+    fn fast_matches_ref_and_format_kernel_on_odd_shapes() {
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for &(rows, cols) in &[(1, 8), (5, 24), (33, 136), (300, 512)] {
+            let codes: Vec<u16> = (0..rows * cols / 8).map(|_| next() as u16).collect();
+            let scales: Vec<f32> = (0..rows)
+                .map(|_| (next() % 1000) as f32 / 5000.0 + 0.01)
+                .collect();
+            let w = E8pView::new(&codes, &scales, rows, cols).unwrap();
+            for &m in &[1usize, 2, 3, 4, 5, 9, 32] {
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let (mut a, mut b, mut c) = (
+                    vec![0f32; m * rows],
+                    vec![0f32; m * rows],
+                    vec![0f32; m * rows],
+                );
+                e8p_matmul_ref(&x, m, &w, &mut a).unwrap();
+                e8p_matmul(&x, m, &w, &mut b).unwrap();
+                keep_format::e8p::e8p_matmul(&x, m, &codes, &scales, rows, cols, &mut c).unwrap();
+                assert_eq!(
+                    b, c,
+                    "bitwise vs keep_format::e8p::e8p_matmul ({rows}x{cols}, m={m})"
+                );
+                for i in 0..m {
+                    for r in 0..rows {
+                        let mag: f32 = (0..cols)
+                            .map(|j| {
+                                (x[i * cols + j]
+                                    * scales[r]
+                                    * decode_e8p(codes[r * cols / 8 + j / 8])[j % 8])
+                                    .abs()
+                            })
+                            .sum::<f32>()
+                            + 1e-30;
+                        assert!((a[i * rows + r] - b[i * rows + r]).abs() <= REL_TOL * mag);
+                    }
+                }
+                // The batched call gives the same bits.
+                let mut d = vec![0f32; m * rows];
+                e8p_matmul_many(&mut [E8pJob {
+                    w,
+                    x: &x,
+                    m,
+                    out: &mut d,
+                }])
+                .unwrap();
+                assert_eq!(b, d);
+            }
+        }
+    }
+}

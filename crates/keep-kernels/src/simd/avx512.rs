@@ -1,0 +1,297 @@
+//! AVX-512 decode-and-dot: each format's 16-column chunk is decoded into one 16-lane register
+//! (exact f32 weight values) and multiply-added into one accumulator per input row, up to four
+//! input rows per decoded chunk. Lane `l` holds what the AVX2 path's accumulator pair holds in
+//! lane `l` (columns `≡ l mod 16`), and the final reduction adds the two 256-bit halves first,
+//! exactly as the AVX2 `hsum` adds its two accumulators: results are bit-identical to the AVX2
+//! path and to `matmul`.
+
+use std::arch::x86_64::*;
+
+use super::{affine_groups, affine_param, block_scale, Src};
+use crate::codec::e8m0_to_f32;
+use crate::weight::BlockScales;
+
+/// Decodes 16 consecutive weights of row `r` starting at column `k` (`k % 16 == 0`).
+trait Dec {
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512;
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn hsum(a: __m512) -> f32 {
+    let b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
+    _mm_cvtss_f32(e)
+}
+
+/// E4M3FN in the low byte of each 32-bit lane → f32 (as `weight::e4m3_bits`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn e4m3(v: __m512i) -> __m512 {
+    let sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    let e = _mm512_and_si512(_mm512_srli_epi32(v, 3), _mm512_set1_epi32(0xF));
+    let m = _mm512_and_si512(v, _mm512_set1_epi32(7));
+    let normal = _mm512_or_si512(
+        _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+        _mm512_slli_epi32(m, 20),
+    );
+    let sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0 / 512.0));
+    let is0 = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    let mag = _mm512_mask_blend_ps(is0, _mm512_castsi512_ps(normal), sub);
+    let val = _mm512_or_ps(mag, _mm512_castsi512_ps(sign));
+    let nan = _mm512_cmpeq_epi32_mask(
+        _mm512_and_si512(v, _mm512_set1_epi32(0x7F)),
+        _mm512_set1_epi32(0x7F),
+    );
+    _mm512_mask_blend_ps(nan, val, _mm512_set1_ps(f32::NAN))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn bytes16(p: *const u8) -> __m512i {
+    _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
+}
+
+struct F32D(*const f32, usize);
+impl Dec for F32D {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        _mm512_loadu_ps(self.0.add(r * self.1 + k))
+    }
+}
+
+struct Bf16D(*const u8, usize);
+impl Dec for Bf16D {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let p = self.0.add((r * self.1 + k) * 2) as *const __m256i;
+        _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(p)),
+            16,
+        ))
+    }
+}
+
+struct Mxfp8D(*const u8, *const u8, usize);
+impl Dec for Mxfp8D {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let i = r * self.2 + k;
+        let s = _mm512_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
+        _mm512_mul_ps(e4m3(bytes16(self.0.add(i))), s)
+    }
+}
+
+struct Mxfp4D(*const u8, *const u8, usize);
+impl Dec for Mxfp4D {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let i = r * self.2 + k;
+        let s = _mm512_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
+        // Byte j/2 to lane j, then the low nibble for even lanes, the high one for odd.
+        let b = _mm_loadl_epi64(self.0.add(i / 2) as *const __m128i);
+        let spread = _mm_shuffle_epi8(
+            b,
+            _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+        );
+        let v = _mm512_cvtepu8_epi32(spread);
+        let sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        let idx = _mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32(0xF));
+        let table = _mm512_setr_ps(
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+        );
+        _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s)
+    }
+}
+
+struct Fp8BlockD<'a> {
+    q: *const u8,
+    scales: BlockScales<'a>,
+    br: usize,
+    bc: usize,
+    row0: usize,
+    cols: usize,
+}
+impl Dec for Fp8BlockD<'_> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let gc = self.cols.div_ceil(self.bc);
+        let s = _mm512_set1_ps(block_scale(
+            self.scales,
+            ((self.row0 + r) / self.br) * gc + k / self.bc,
+        ));
+        _mm512_mul_ps(e4m3(bytes16(self.q.add(r * self.cols + k))), s)
+    }
+}
+
+struct Affine8D<'a>(*const u8, &'a [u8], &'a [u8], usize);
+impl Dec for Affine8D<'_> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let g = r * affine_groups(self.3) + k / 64;
+        let s = _mm512_set1_ps(affine_param(self.1, g));
+        let b = _mm512_set1_ps(affine_param(self.2, g));
+        let v = bytes16(self.0.add(r * self.3 + k));
+        // A multiply then an add (two roundings), as the definition says.
+        _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), b)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block<D: Dec, const MR: usize>(
+    d: &D,
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    i: usize,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let full = cols / 16 * 16;
+    let xp = x.as_ptr().add(i * cols);
+    let mut a = [_mm512_setzero_ps(); MR];
+    let mut k = 0;
+    while k < full {
+        let w = d.dec(r, k);
+        for j in 0..MR {
+            a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(j * cols + k)), w, a[j]);
+        }
+        k += 16;
+    }
+    for j in 0..MR {
+        let mut tail = 0f32;
+        for c in full..cols {
+            tail = x[(i + j) * cols + c].mul_add(src.get(r, c, cols), tail);
+        }
+        *out.add((i + j) * ld + r) = hsum(a[j]) + tail;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_g<D: Dec>(
+    d: &D,
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    for r in r0..r1 {
+        let mut i = 0;
+        while i < m {
+            match m - i {
+                1 => block::<D, 1>(d, src, cols, x, i, r, out, ld),
+                2 => block::<D, 2>(d, src, cols, x, i, r, out, ld),
+                3 => block::<D, 3>(d, src, cols, x, i, r, out, ld),
+                _ => block::<D, 4>(d, src, cols, x, i, r, out, ld),
+            }
+            i += (m - i).min(4);
+        }
+    }
+}
+
+/// Rows `r0..r1` of `out[i*ld + r] = x[i] · W[r]`.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ, AVX2 and FMA; `src` holds at least `r1` rows of `cols` (its lengths checked by
+/// the view that made it); `x` has `m*cols` elements; `out` is valid for those writes and
+/// nobody else writes them. FP8-block sources need `block_cols % 16 == 0` or
+/// `block_cols >= cols`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows(
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    match *src {
+        Src::F32(b) => rows_g(
+            &F32D(b.as_ptr() as *const f32, cols),
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+        Src::Bf16(b) => rows_g(&Bf16D(b.as_ptr(), cols), src, cols, x, m, r0, r1, out, ld),
+        Src::Mxfp8 { q, scales } => rows_g(
+            &Mxfp8D(q.as_ptr(), scales.as_ptr(), cols),
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+        Src::Mxfp4 { packed, scales } => rows_g(
+            &Mxfp4D(packed.as_ptr(), scales.as_ptr(), cols),
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+        Src::Fp8Block {
+            q,
+            scales,
+            block_rows,
+            block_cols,
+            row0,
+        } => rows_g(
+            &Fp8BlockD {
+                q: q.as_ptr(),
+                scales,
+                br: block_rows,
+                bc: block_cols,
+                row0,
+                cols,
+            },
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+        Src::Affine8 { q, scales, biases } => rows_g(
+            &Affine8D(q.as_ptr(), scales, biases, cols),
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+    }
+}

@@ -1,0 +1,647 @@
+//! Small-batch (M = 1..32 activation rows) decode-and-dot kernels that read packed weight bytes
+//! once, at close to the memory-bandwidth limit: bf16, f32, MXFP8, MXFP4, FP8-block (block
+//! columns a multiple of 16) and MLX affine-8, with an AVX-512 path, an AVX2+FMA path (chosen
+//! at run time), a NEON path on aarch64, and a scalar path (decode a row, then
+//! [`crate::matmul::dot`]) that is also the fallback for every shape the SIMD paths do not take.
+//!
+//! Contract: every output `(i, r)` is the dot product of input row `i` with decoded weight
+//! row `r` in the kernels' fixed order — 16 lanes (lane `l` sums columns `≡ l mod 16` with
+//! FMAs), the lanes reduced by the same tree as [`crate::matmul::dot`], then the scalar tail —
+//! so on an x86 CPU with AVX2+FMA, [`matmul_fast`] equals [`crate::matmul::matmul`] bit for
+//! bit, whatever M is, however rows are split over threads, and whichever of the AVX2/AVX-512
+//! paths ran (tested). The weights are decoded in registers, 16 columns at a time, and each
+//! decoded chunk is used by up to four input rows before the next is decoded.
+//!
+//! Threads split the output rows (rayon) when the call has at least
+//! [`crate::matmul::PAR_MIN_MACS`] multiply-adds. [`matmul_many`] runs several independent
+//! products (one token against all its top-k experts' projections) in one parallel pass.
+//!
+//! `KEEP_SIMD=scalar|avx2|avx512` caps the level (for tests and A/B runs); the default is the
+//! best the CPU has.
+
+use rayon::prelude::*;
+
+use crate::affine::{Affine8View, AFFINE8_GROUP};
+use crate::weight::{BlockScales, WeightKind};
+use crate::{KernelError, Result, WeightView};
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
+
+/// A SIMD level a kernel can run at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Decode a row, then [`crate::matmul::dot`].
+    Scalar,
+    /// NEON (aarch64).
+    Neon,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512 F/BW/VL/DQ + FMA.
+    Avx512,
+}
+
+impl Level {
+    /// Name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Scalar => "scalar",
+            Level::Neon => "neon",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The best level this CPU supports (ignoring `KEEP_SIMD`).
+pub fn detected() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("avx2")
+        {
+            return Level::Avx512;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Level::Avx2;
+        }
+        Level::Scalar
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Level::Neon;
+        }
+        Level::Scalar
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        Level::Scalar
+    }
+}
+
+/// The level kernels run at: [`detected`], capped by `KEEP_SIMD` (read once).
+pub fn level() -> Level {
+    use std::sync::OnceLock;
+    static L: OnceLock<Level> = OnceLock::new();
+    *L.get_or_init(|| {
+        let d = detected();
+        let cap = match std::env::var("KEEP_SIMD").ok().as_deref() {
+            Some("scalar") => Level::Scalar,
+            Some("avx2") => Level::Avx2,
+            Some("neon") => Level::Neon,
+            _ => d,
+        };
+        d.min(cap)
+    })
+}
+
+/// The packed bytes of one weight, resolved for the kernels.
+#[derive(Debug, Clone, Copy)]
+pub enum Src<'a> {
+    F32(&'a [u8]),
+    Bf16(&'a [u8]),
+    Mxfp8 {
+        q: &'a [u8],
+        scales: &'a [u8],
+    },
+    Mxfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+    },
+    Fp8Block {
+        q: &'a [u8],
+        scales: BlockScales<'a>,
+        block_rows: usize,
+        block_cols: usize,
+        row0: usize,
+    },
+    Affine8 {
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+    },
+}
+
+impl<'a> Src<'a> {
+    /// From a [`WeightView`].
+    pub fn view(w: &WeightView<'a>) -> Self {
+        match w.kind {
+            WeightKind::F32(b) => Src::F32(b),
+            WeightKind::Bf16(b) => Src::Bf16(b),
+            WeightKind::Mxfp8 { q, scales } => Src::Mxfp8 { q, scales },
+            WeightKind::Mxfp4 { packed, scales } => Src::Mxfp4 { packed, scales },
+            WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            } => Src::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            },
+        }
+    }
+
+    /// From an [`Affine8View`].
+    pub fn affine8(w: &Affine8View<'a>) -> Self {
+        Src::Affine8 {
+            q: w.q,
+            scales: w.scales,
+            biases: w.biases,
+        }
+    }
+
+    /// Whether the SIMD paths take this source (otherwise the scalar path runs).
+    fn simd_ok(&self, cols: usize) -> bool {
+        match *self {
+            Src::Fp8Block { block_cols, .. } => block_cols % 16 == 0 || block_cols >= cols,
+            _ => true,
+        }
+    }
+
+    /// Decode row `r` (`cols` wide) into `dst` from the definitions (the values every path
+    /// multiplies; the scalar path and the SIMD tails use this).
+    pub fn decode_row(&self, r: usize, cols: usize, dst: &mut [f32]) {
+        match *self {
+            Src::Affine8 { q, scales, biases } => Affine8View {
+                rows: r + 1,
+                cols,
+                q,
+                scales,
+                biases,
+            }
+            .decode_row(r, dst),
+            _ => self.as_view(r + 1, cols).decode_row(r, dst),
+        }
+    }
+
+    /// Element `(r, c)` (used for tails of columns not a multiple of 16).
+    #[inline]
+    pub fn get(&self, r: usize, c: usize, cols: usize) -> f32 {
+        match *self {
+            Src::Affine8 { q, scales, biases } => Affine8View {
+                rows: r + 1,
+                cols,
+                q,
+                scales,
+                biases,
+            }
+            .get_ref(r, c),
+            _ => {
+                // The fast decoders are equal to the reference element decode (tested in
+                // `weight`), so the reference is used for the few tail columns.
+                self.as_view(r + 1, cols).get_ref(r, c)
+            }
+        }
+    }
+
+    fn as_view(&self, rows: usize, cols: usize) -> WeightView<'a> {
+        let kind = match *self {
+            Src::F32(b) => WeightKind::F32(b),
+            Src::Bf16(b) => WeightKind::Bf16(b),
+            Src::Mxfp8 { q, scales } => WeightKind::Mxfp8 { q, scales },
+            Src::Mxfp4 { packed, scales } => WeightKind::Mxfp4 { packed, scales },
+            Src::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            } => WeightKind::Fp8Block {
+                q,
+                scales,
+                block_rows,
+                block_cols,
+                row0,
+            },
+            Src::Affine8 { .. } => unreachable!("affine8 has its own view"),
+        };
+        WeightView { rows, cols, kind }
+    }
+}
+
+/// Scale of an FP8 block (helper for the SIMD paths).
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn block_scale(scales: BlockScales, i: usize) -> f32 {
+    match scales {
+        BlockScales::E8m0(s) => crate::codec::e8m0_to_f32(s[i]),
+        BlockScales::F32(s) => crate::codec::f32_at(s, i),
+    }
+}
+
+/// bf16 scale/bias `i` of an affine-8 weight (helper for the SIMD paths).
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn affine_param(b: &[u8], i: usize) -> f32 {
+    crate::codec::bf16_at(b, i)
+}
+
+/// Groups per affine-8 row.
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn affine_groups(cols: usize) -> usize {
+    cols / AFFINE8_GROUP
+}
+
+/// Scalar path: decode a row, then `dot` per input row.
+///
+/// # Safety
+/// `out` valid for writes at `i*ld + r` (i < m, r in r0..r1), not written by anyone else.
+unsafe fn rows_scalar(
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let mut buf = vec![0f32; cols];
+    for r in r0..r1 {
+        src.decode_row(r, cols, &mut buf);
+        for i in 0..m {
+            *out.add(i * ld + r) = crate::matmul::dot(&x[i * cols..(i + 1) * cols], &buf);
+        }
+    }
+}
+
+/// Rows `r0..r1` of the product at `level` (falls back to scalar where the level does not
+/// take the source).
+///
+/// # Safety
+/// As [`rows_scalar`]; `x` has `m * cols` elements, `src` holds at least `r1` rows of `cols`.
+pub unsafe fn rows_at(
+    level: Level,
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    if !src.simd_ok(cols) {
+        return rows_scalar(src, cols, x, m, r0, r1, out, ld);
+    }
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => avx512::rows(src, cols, x, m, r0, r1, out, ld),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2::rows(src, cols, x, m, r0, r1, out, ld),
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => neon::rows(src, cols, x, m, r0, r1, out, ld),
+        _ => rows_scalar(src, cols, x, m, r0, r1, out, ld),
+    }
+}
+
+struct SyncPtr(*mut f32);
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+/// The whole product at a given level, threaded over output rows when big. Operand lengths
+/// must already be checked (`x`: `m*cols`, `out`: `m*rows`).
+pub(crate) fn run_at(
+    level: Level,
+    src: Src,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    assert!(x.len() >= m * cols && out.len() >= m * rows);
+    let ptr = SyncPtr(out.as_mut_ptr());
+    let threads = rayon::current_num_threads();
+    if m * rows * cols < crate::matmul::PAR_MIN_MACS || threads < 2 || rows < 2 {
+        // SAFETY: out has m*rows elements; single thread.
+        unsafe { rows_at(level, &src, cols, x, m, 0, rows, ptr.0, rows) };
+        return;
+    }
+    let chunks = (threads * 4).min(rows);
+    let per = rows.div_ceil(chunks);
+    (0..chunks).into_par_iter().for_each(|c| {
+        let p = &ptr;
+        let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
+        if r0 < r1 {
+            // SAFETY: each chunk writes only its own rows of the m×rows output.
+            unsafe { rows_at(level, &src, cols, x, m, r0, r1, p.0, rows) };
+        }
+    });
+}
+
+pub(crate) fn run(src: Src, rows: usize, cols: usize, x: &[f32], m: usize, out: &mut [f32]) {
+    run_at(level(), src, rows, cols, x, m, out)
+}
+
+fn check(x: &[f32], m: usize, w: &WeightView, out: &[f32]) -> Result<()> {
+    if x.len() != m * w.cols {
+        return Err(KernelError::Operand {
+            what: "x",
+            expected: m * w.cols,
+            got: x.len(),
+        });
+    }
+    if out.len() != m * w.rows {
+        return Err(KernelError::Operand {
+            what: "out",
+            expected: m * w.rows,
+            got: out.len(),
+        });
+    }
+    Ok(())
+}
+
+/// `out[M×rows] = x[M×cols] · Wᵀ` with the weight decoded in registers (see the module doc);
+/// on AVX2+FMA CPUs bit-identical to [`crate::matmul::matmul`]. Meant for M = 1..32 (any M
+/// works).
+pub fn matmul_fast(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
+    check(x, m, w, out)?;
+    run(Src::view(w), w.rows, w.cols, x, m, out);
+    Ok(())
+}
+
+/// [`matmul_fast`] at an explicit level (tests and A/B benchmarks). A level the CPU lacks is
+/// lowered to the best one it has.
+pub fn matmul_at(level: Level, x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
+    check(x, m, w, out)?;
+    run_at(
+        level.min(detected()),
+        Src::view(w),
+        w.rows,
+        w.cols,
+        x,
+        m,
+        out,
+    );
+    Ok(())
+}
+
+/// One product of a [`matmul_many`] batch: `out[m×w.rows] = x[m×w.cols] · wᵀ`.
+pub struct Job<'a, 'b> {
+    pub w: Src<'a>,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: &'b [f32],
+    pub m: usize,
+    pub out: &'b mut [f32],
+}
+
+impl<'a, 'b> Job<'a, 'b> {
+    /// A job over a [`WeightView`] (lengths checked).
+    pub fn view(w: &WeightView<'a>, x: &'b [f32], m: usize, out: &'b mut [f32]) -> Result<Self> {
+        check(x, m, w, out)?;
+        Ok(Job {
+            w: Src::view(w),
+            rows: w.rows,
+            cols: w.cols,
+            x,
+            m,
+            out,
+        })
+    }
+}
+
+/// Run independent products in one parallel pass (e.g. a token's top-k experts' gate and up
+/// projections): the output rows of all jobs are cut into chunks of similar size and spread
+/// over the threads together. Each output equals what [`matmul_fast`] gives for its job.
+pub fn matmul_many(jobs: &mut [Job]) {
+    let level = level();
+    let threads = rayon::current_num_threads();
+    let total: usize = jobs.iter().map(|j| j.m * j.rows * j.cols).sum();
+    if threads < 2 || total < crate::matmul::PAR_MIN_MACS {
+        for j in jobs.iter_mut() {
+            run_at(level, j.w, j.rows, j.cols, j.x, j.m, j.out);
+        }
+        return;
+    }
+    // Chunks of about total / (threads * 4) multiply-adds each.
+    let target = (total / (threads * 4)).max(1);
+    let mut tasks = vec![];
+    for (ji, j) in jobs.iter_mut().enumerate() {
+        let per_row = (j.m * j.cols).max(1);
+        let rows_per = (target / per_row).clamp(1, j.rows.max(1));
+        let mut r0 = 0;
+        while r0 < j.rows {
+            let r1 = (r0 + rows_per).min(j.rows);
+            tasks.push((ji, r0, r1));
+            r0 = r1;
+        }
+    }
+    let ptrs: Vec<SyncPtr> = jobs
+        .iter_mut()
+        .map(|j| SyncPtr(j.out.as_mut_ptr()))
+        .collect();
+    let jobs_ro: &[Job] = jobs;
+    tasks.par_iter().for_each(|&(ji, r0, r1)| {
+        let j = &jobs_ro[ji];
+        // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
+        unsafe { rows_at(level, &j.w, j.cols, j.x, j.m, r0, r1, ptrs[ji].0, j.rows) };
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::{matmul, matmul_ref};
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f(&mut self) -> f32 {
+            (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+        fn scales(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| 120 + (self.next() % 10) as u8).collect()
+        }
+    }
+
+    /// f32 accumulation over `cols` terms against the f64 reference, relative to Σ|x·w|.
+    const REL_TOL: f32 = 1e-5;
+
+    fn levels() -> Vec<Level> {
+        let d = detected();
+        [Level::Scalar, Level::Neon, Level::Avx2, Level::Avx512]
+            .into_iter()
+            .filter(|l| *l <= d && (*l != Level::Neon || d == Level::Neon))
+            .collect()
+    }
+
+    fn compare(w: &WeightView, rng: &mut Rng) {
+        for &m in &[1usize, 2, 3, 4, 5, 7, 8, 13, 32] {
+            let x: Vec<f32> = (0..m * w.cols).map(|_| rng.f()).collect();
+            let mut r = vec![0f32; m * w.rows];
+            let mut base = vec![0f32; m * w.rows];
+            matmul_ref(&x, m, w, &mut r).unwrap();
+            matmul(&x, m, w, &mut base).unwrap();
+            for lv in levels() {
+                let mut f = vec![0f32; m * w.rows];
+                matmul_at(lv, &x, m, w, &mut f).unwrap();
+                for i in 0..m {
+                    for o in 0..w.rows {
+                        let mag: f32 = (0..w.cols)
+                            .map(|c| (x[i * w.cols + c] * w.get_ref(o, c)).abs())
+                            .sum::<f32>()
+                            + 1e-30;
+                        let (p, q) = (r[i * w.rows + o], f[i * w.rows + o]);
+                        if p.is_nan() {
+                            assert!(q.is_nan());
+                            continue;
+                        }
+                        assert!(
+                            (p - q).abs() <= REL_TOL * mag,
+                            "{} {:?} m={m} ({i},{o}) {p} vs {q}",
+                            w.format_name(),
+                            lv
+                        );
+                    }
+                }
+                // Same order as `matmul` on x86 (AVX2 dot) and for the scalar path anywhere.
+                if cfg!(target_arch = "x86_64") || lv == Level::Scalar {
+                    let same = f
+                        .iter()
+                        .zip(&base)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+                    assert!(
+                        same,
+                        "{} {:?} m={m}: not bit-identical to matmul",
+                        w.format_name(),
+                        lv
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_level_matches_ref_on_odd_shapes() {
+        let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+        for &(rows, cols) in &[(1, 32), (3, 64), (17, 96), (33, 160), (70, 1056)] {
+            let f32b: Vec<u8> = (0..rows * cols)
+                .flat_map(|_| rng.f().to_le_bytes())
+                .collect();
+            compare(&WeightView::f32(&f32b, rows, cols).unwrap(), &mut rng);
+            let bf: Vec<u8> = (0..rows * cols)
+                .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            compare(&WeightView::bf16(&bf, rows, cols).unwrap(), &mut rng);
+            let q: Vec<u8> = rng
+                .bytes(rows * cols)
+                .into_iter()
+                .map(|b| if b & 0x7F == 0x7F { 0 } else { b })
+                .collect();
+            let s = rng.scales(rows * cols / 32);
+            compare(&WeightView::mxfp8(&q, &s, rows, cols).unwrap(), &mut rng);
+            let p = rng.bytes(rows * cols / 2);
+            compare(&WeightView::mxfp4(&p, &s, rows, cols).unwrap(), &mut rng);
+            for b in [32usize, 128] {
+                let gs = rng.scales(rows.div_ceil(b) * cols.div_ceil(b));
+                compare(
+                    &WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b).unwrap(),
+                    &mut rng,
+                );
+            }
+        }
+        // Odd column counts (tails) for the formats that allow them.
+        for &(rows, cols) in &[(5, 7), (9, 50), (31, 133)] {
+            let bf: Vec<u8> = (0..rows * cols)
+                .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            compare(&WeightView::bf16(&bf, rows, cols).unwrap(), &mut rng);
+            let q: Vec<u8> = rng
+                .bytes(rows * cols)
+                .into_iter()
+                .map(|b| b & 0x7E)
+                .collect();
+            for b in [16usize, 32, 5] {
+                let gs = rng.scales(rows.div_ceil(b) * cols.div_ceil(b));
+                compare(
+                    &WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b).unwrap(),
+                    &mut rng,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_code_and_special_scale_decodes_like_the_reference() {
+        // Each E4M3 code (NaNs included) and each E2M1 code alone in a zero row, under a
+        // different scale per group (extremes included), picked out by a one-hot input.
+        let s = vec![127u8, 130, 100, 0, 140, 1, 254, 127];
+        for lv in levels() {
+            for c in 0..256usize {
+                let mut xo = vec![0f32; 256];
+                xo[c] = 1.0;
+                let mut q = vec![0u8; 256];
+                q[c] = c as u8;
+                let w = WeightView::mxfp8(&q, &s, 1, 256).unwrap();
+                let mut o = [0f32; 1];
+                matmul_at(lv, &xo, 1, &w, &mut o).unwrap();
+                let r = w.get_ref(0, c);
+                let ok = o[0].to_bits() == r.to_bits()
+                    || (r.is_nan() && o[0].is_nan())
+                    || (o[0] == 0.0 && r == 0.0);
+                assert!(ok, "{lv:?} e4m3 {c}: {} vs {r}", o[0]);
+                let mut p = vec![0u8; 128];
+                let code = (c % 16) as u8;
+                p[c / 2] = if c % 2 == 0 { code } else { code << 4 };
+                let w = WeightView::mxfp4(&p, &s, 1, 256).unwrap();
+                matmul_at(lv, &xo, 1, &w, &mut o).unwrap();
+                let r = w.get_ref(0, c);
+                let ok = o[0].to_bits() == r.to_bits() || (o[0] == 0.0 && r == 0.0);
+                assert!(ok, "{lv:?} e2m1 elem {c}: {} vs {r}", o[0]);
+            }
+        }
+    }
+
+    #[test]
+    fn many_equals_one_by_one() {
+        let mut rng = Rng(42);
+        let (rows, cols) = (96, 512);
+        let ws: Vec<(Vec<u8>, Vec<u8>)> = (0..6)
+            .map(|_| (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32)))
+            .collect();
+        let views: Vec<WeightView> = ws
+            .iter()
+            .map(|(p, s)| WeightView::mxfp4(p, s, rows, cols).unwrap())
+            .collect();
+        let x: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+        let mut outs = vec![vec![0f32; rows]; 6];
+        {
+            let mut jobs: Vec<Job> = views
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(w, o)| Job::view(w, &x, 1, o).unwrap())
+                .collect();
+            matmul_many(&mut jobs);
+        }
+        for (w, o) in views.iter().zip(&outs) {
+            let mut one = vec![0f32; rows];
+            matmul_fast(&x, 1, w, &mut one).unwrap();
+            assert_eq!(&one, o);
+        }
+    }
+}

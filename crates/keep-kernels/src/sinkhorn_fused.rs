@@ -1,0 +1,343 @@
+//! The hyper-connection split and sinkhorn of one token in one pass: the `(2 + hc)·hc` mixing
+//! logits → `pre` (`sigmoid + eps`), `post` (`2·sigmoid`) and the doubly-stochastic `hc×hc`
+//! `comb` (row softmax + eps, then [`crate::ops::sinkhorn`]'s column/row rounds).
+//!
+//! [`hc_split_sinkhorn_ref`] is the unfused path, operation for operation what keep-model's
+//! `hc_mix` does after its matmul (scale and base, `ops::sigmoid`, `ops::softmax`,
+//! `ops::sinkhorn` with a run-time `hc`). [`hc_split_sinkhorn_fused`] keeps the whole matrix
+//! in registers: for `hc = 4` on x86_64 each row is one SSE register, column sums are vertical
+//! adds in the reference's order (row 0 + row 1 + row 2 + row 3), row sums are the same adds on
+//! the transposed matrix, and every normalisation is an IEEE division as in the reference, with
+//! the same `exp` (libm's `expf`), so it is bit-identical to the unfused path (tested on random
+//! inputs); other `hc` use a const-generic scalar loop in the same order. The rule the kill test
+//! applies (≤ 2e-6 relative) would allow a vector `exp`; this version does not need it.
+//!
+//! Opt-in: [`fused_enabled`] is true only when `KEEP_HC_SINKHORN=fused`; the model's default
+//! path stays the unfused one until the kill test passes.
+
+use crate::ops::{sigmoid, sinkhorn, softmax};
+
+/// The per-layer constants of one hyper-connection split.
+#[derive(Debug, Clone, Copy)]
+pub struct HcSplit<'a> {
+    /// Streams (`hc_mult`).
+    pub hc: usize,
+    /// Sinkhorn rounds (`hc_sinkhorn_iters`).
+    pub iters: usize,
+    /// `hc_eps`.
+    pub eps: f32,
+    /// `hc_*_scale` (pre, post, comb).
+    pub scale: &'a [f32],
+    /// `hc_*_base`, `(2 + hc)·hc` values.
+    pub base: &'a [f32],
+}
+
+/// Whether `KEEP_HC_SINKHORN=fused` asks for the fused path (read once).
+pub fn fused_enabled() -> bool {
+    use std::sync::OnceLock;
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| std::env::var("KEEP_HC_SINKHORN").is_ok_and(|v| v == "fused"))
+}
+
+/// Unfused reference for one token: `mix` (`(2+hc)·hc` logits, modified in place) → `pre`
+/// and `post` (`hc` each) and `comb` (`hc·hc`, row-major).
+pub fn hc_split_sinkhorn_ref(
+    p: &HcSplit,
+    mix: &mut [f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
+    let hc = p.hc;
+    for (j, v) in mix.iter_mut().enumerate() {
+        let sid = if j < hc {
+            0
+        } else if j < 2 * hc {
+            1
+        } else {
+            2
+        };
+        *v = *v * p.scale[sid] + p.base[j];
+    }
+    for j in 0..hc {
+        pre[j] = sigmoid(mix[j]) + p.eps;
+        post[j] = 2.0 * sigmoid(mix[hc + j]);
+    }
+    let c = &mut comb[..hc * hc];
+    c.copy_from_slice(&mix[2 * hc..2 * hc + hc * hc]);
+    for row in c.chunks_exact_mut(hc) {
+        softmax(row);
+        for v in row.iter_mut() {
+            *v += p.eps;
+        }
+    }
+    sinkhorn(c, hc, p.iters, p.eps);
+}
+
+/// The fused path for one token (same contract as [`hc_split_sinkhorn_ref`], `mix` is only
+/// read). Falls back to the reference for `hc > 8`.
+pub fn hc_split_sinkhorn_fused(
+    p: &HcSplit,
+    mix: &[f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
+    match p.hc {
+        4 => fused::<4>(p, mix, pre, post, comb),
+        1 => fused::<1>(p, mix, pre, post, comb),
+        2 => fused::<2>(p, mix, pre, post, comb),
+        3 => fused::<3>(p, mix, pre, post, comb),
+        5 => fused::<5>(p, mix, pre, post, comb),
+        6 => fused::<6>(p, mix, pre, post, comb),
+        7 => fused::<7>(p, mix, pre, post, comb),
+        8 => fused::<8>(p, mix, pre, post, comb),
+        _ => {
+            let mut m = mix.to_vec();
+            hc_split_sinkhorn_ref(p, &mut m, pre, post, comb)
+        }
+    }
+}
+
+/// `T` tokens: `mix` is `T × (2+hc)·hc`, `pre`/`post` `T × hc`, `comb` `T × hc·hc`; the fused
+/// path when [`fused_enabled`], the reference otherwise.
+pub fn hc_split_sinkhorn(
+    p: &HcSplit,
+    t: usize,
+    mix: &mut [f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
+    let (hc, nm) = (p.hc, (2 + p.hc) * p.hc);
+    let fused = fused_enabled();
+    for i in 0..t {
+        let m = &mut mix[i * nm..(i + 1) * nm];
+        let (pr, po) = (
+            &mut pre[i * hc..(i + 1) * hc],
+            &mut post[i * hc..(i + 1) * hc],
+        );
+        let c = &mut comb[i * hc * hc..(i + 1) * hc * hc];
+        if fused {
+            hc_split_sinkhorn_fused(p, m, pr, po, c);
+        } else {
+            hc_split_sinkhorn_ref(p, m, pr, po, c);
+        }
+    }
+}
+
+#[inline(always)]
+fn fused<const N: usize>(
+    p: &HcSplit,
+    mix: &[f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
+    let (s0, s1, s2) = (p.scale[0], p.scale[1], p.scale[2]);
+    let eps = p.eps;
+    for j in 0..N {
+        pre[j] = sigmoid(mix[j] * s0 + p.base[j]) + eps;
+        post[j] = 2.0 * sigmoid(mix[N + j] * s1 + p.base[N + j]);
+    }
+    let mut m = [[0f32; N]; N];
+    for a in 0..N {
+        let row = &mut m[a];
+        for b in 0..N {
+            row[b] = mix[2 * N + a * N + b] * s2 + p.base[2 * N + a * N + b];
+        }
+        // softmax as `ops::softmax`: max (fold from -inf), exp(v - max), sum from 0, divide.
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if mx != f32::NEG_INFINITY {
+            let mut s = 0f32;
+            for v in row.iter_mut() {
+                *v = (*v - mx).exp();
+                s += *v;
+            }
+            for v in row.iter_mut() {
+                *v /= s;
+            }
+        }
+        for v in row.iter_mut() {
+            *v += eps;
+        }
+    }
+    if p.iters > 0 {
+        #[cfg(target_arch = "x86_64")]
+        if N == 4 {
+            // SAFETY: SSE is part of the x86_64 baseline; `m` is 4×4 here.
+            unsafe { sse4x4(&mut *(m.as_mut_ptr() as *mut [[f32; 4]; 4]), p.iters, eps) };
+            store(&m, comb);
+            return;
+        }
+        generic(&mut m, p.iters, eps);
+    }
+    store(&m, comb);
+}
+
+#[inline(always)]
+fn store<const N: usize>(m: &[[f32; N]; N], comb: &mut [f32]) {
+    for a in 0..N {
+        comb[a * N..(a + 1) * N].copy_from_slice(&m[a]);
+    }
+}
+
+/// `ops::sinkhorn`'s rounds in its exact order, with the matrix in a const-size array.
+#[inline(always)]
+fn generic<const N: usize>(m: &mut [[f32; N]; N], iters: usize, eps: f32) {
+    let cols = |m: &mut [[f32; N]; N]| {
+        for b in 0..N {
+            let mut s = 0f32;
+            for row in m.iter() {
+                s += row[b];
+            }
+            let d = s + eps;
+            for row in m.iter_mut() {
+                row[b] /= d;
+            }
+        }
+    };
+    cols(m);
+    for _ in 1..iters {
+        for row in m.iter_mut() {
+            let mut s = 0f32;
+            for v in row.iter() {
+                s += *v;
+            }
+            let d = s + eps;
+            for v in row.iter_mut() {
+                *v /= d;
+            }
+        }
+        cols(m);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
+    use std::arch::x86_64::*;
+    #[inline(always)]
+    unsafe fn transpose(r: [__m128; 4]) -> [__m128; 4] {
+        let t0 = _mm_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm_unpacklo_ps(r[2], r[3]);
+        let t2 = _mm_unpackhi_ps(r[0], r[1]);
+        let t3 = _mm_unpackhi_ps(r[2], r[3]);
+        [
+            _mm_movelh_ps(t0, t1),
+            _mm_movehl_ps(t1, t0),
+            _mm_movelh_ps(t2, t3),
+            _mm_movehl_ps(t3, t2),
+        ]
+    }
+    let e = _mm_set1_ps(eps);
+    let z = _mm_setzero_ps();
+    let mut r = [
+        _mm_loadu_ps(m[0].as_ptr()),
+        _mm_loadu_ps(m[1].as_ptr()),
+        _mm_loadu_ps(m[2].as_ptr()),
+        _mm_loadu_ps(m[3].as_ptr()),
+    ];
+    // Column b's sum is lane b of (((0 + r0) + r1) + r2) + r3, the reference's order.
+    let cols = |r: &mut [__m128; 4]| {
+        let s = _mm_add_ps(
+            _mm_add_ps(_mm_add_ps(_mm_add_ps(z, r[0]), r[1]), r[2]),
+            r[3],
+        );
+        let d = _mm_add_ps(s, e);
+        for v in r.iter_mut() {
+            *v = _mm_div_ps(*v, d);
+        }
+    };
+    cols(&mut r);
+    for _ in 1..iters {
+        // Rows: the same adds on the transposed matrix (lane a = row a), then divide the
+        // transposed columns lane-wise and transpose back.
+        let mut t = transpose(r);
+        let s = _mm_add_ps(
+            _mm_add_ps(_mm_add_ps(_mm_add_ps(z, t[0]), t[1]), t[2]),
+            t[3],
+        );
+        let d = _mm_add_ps(s, e);
+        for v in t.iter_mut() {
+            *v = _mm_div_ps(*v, d);
+        }
+        r = transpose(t);
+        cols(&mut r);
+    }
+    for a in 0..4 {
+        _mm_storeu_ps(m[a].as_mut_ptr(), r[a]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_is_bit_identical_to_the_unfused_path() {
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut f = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 2_000_001) as f32 / 250_000.0 - 4.0
+        };
+        for hc in 1..=9usize {
+            for iters in [0usize, 1, 2, 20] {
+                let nm = (2 + hc) * hc;
+                let base: Vec<f32> = (0..nm).map(|_| f() * 0.1).collect();
+                let scale = [f().abs() + 0.1, f().abs() + 0.1, f().abs() + 0.1];
+                let p = HcSplit {
+                    hc,
+                    iters,
+                    eps: 1e-6,
+                    scale: &scale,
+                    base: &base,
+                };
+                for _ in 0..50 {
+                    let mix: Vec<f32> = (0..nm).map(|_| f()).collect();
+                    let (mut a, mut b) = (vec![0f32; hc * (2 + hc)], vec![0f32; hc * (2 + hc)]);
+                    let mut m1 = mix.clone();
+                    {
+                        let (pre, rest) = a.split_at_mut(hc);
+                        let (post, comb) = rest.split_at_mut(hc);
+                        hc_split_sinkhorn_ref(&p, &mut m1, pre, post, comb);
+                    }
+                    {
+                        let (pre, rest) = b.split_at_mut(hc);
+                        let (post, comb) = rest.split_at_mut(hc);
+                        hc_split_sinkhorn_fused(&p, &mix, pre, post, comb);
+                    }
+                    let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "hc={hc} iters={iters}: {a:?} vs {b:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_and_columns_sum_to_one_after_sinkhorn() {
+        let base = vec![0f32; 24];
+        let scale = [1.0, 1.0, 1.0];
+        let p = HcSplit {
+            hc: 4,
+            iters: 20,
+            eps: 1e-6,
+            scale: &scale,
+            base: &base,
+        };
+        let mix: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let (mut pre, mut post, mut comb) = ([0f32; 4], [0f32; 4], [0f32; 16]);
+        hc_split_sinkhorn_fused(&p, &mix, &mut pre, &mut post, &mut comb);
+        for a in 0..4 {
+            let rs: f32 = comb[a * 4..a * 4 + 4].iter().sum();
+            let cs: f32 = (0..4).map(|r| comb[r * 4 + a]).sum();
+            // 20 rounds leave row sums within a few ulps of 1 (columns exact up to eps).
+            assert!(
+                (rs - 1.0).abs() < 1e-3 && (cs - 1.0).abs() < 1e-5,
+                "{rs} {cs}"
+            );
+        }
+    }
+}
