@@ -104,6 +104,15 @@ fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
 }
 
 pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
+    if let Some(p) = &a.plot {
+        let ext = p
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
+        if ext != "png" && ext != "svg" {
+            bail!("--plot {}: name the file *.png or *.svg", p.display());
+        }
+    }
     if let Some(spec) = &a.make_synthetic {
         write_synthetic(&a.run, spec)?;
     }
