@@ -56,6 +56,8 @@
 
 pub mod calibrate;
 pub mod error;
+pub mod eval;
+pub mod eval_metrics;
 pub mod finalize;
 pub mod fingerprint;
 pub mod pack;

@@ -66,7 +66,7 @@ fn parse_shard(s: &str) -> Result<(usize, usize), String> {
 }
 
 /// The pack to use when none is given.
-fn default_pack() -> anyhow::Result<PathBuf> {
+pub(crate) fn default_pack() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("KEEP_PACK") {
         return Ok(PathBuf::from(p));
     }

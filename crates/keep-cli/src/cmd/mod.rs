@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod calibrate;
+pub mod eval;
 pub mod finalize;
 pub mod inspect;
 pub mod logits;

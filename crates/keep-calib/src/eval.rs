@@ -1,0 +1,343 @@
+//! `keep eval`: score a model — and router-masked students of it — against a teacher run.
+//!
+//! The teacher is an eval-split calibration run (`keep calibrate --split eval`): per record its
+//! top-64 log-probs and the log-prob of the true next token (see [`crate::session`]). The
+//! records' tokens come from the pack the run was made from (checked by fingerprint). Each
+//! student is the model with an optional [`PrunePlan`] applied as a router mask (pruned experts
+//! can never be chosen; the survivors' weights are renormalised by the model's own router) —
+//! no checkpoint is written. A pruned checkpoint can be scored too, by passing it as the model.
+//! Metrics are in [`crate::eval_metrics`]; a plot draws KL against experts kept.
+
+use std::path::{Path, PathBuf};
+
+use keep_checkpoint::Checkpoint;
+use keep_convert::plan::PrunePlan;
+use keep_model::streamed::{forward_streamed, StreamOptions};
+use keep_model::{Logits, ModelConfig};
+use serde::Serialize;
+
+use crate::calibrate::RunManifest;
+use crate::eval_metrics::{score, EvalSums};
+use crate::pack::{Pack, Split};
+use crate::st::StFile;
+use crate::{CalibError, Result};
+
+/// One student's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct StudentScore {
+    /// `"model"` or the plan's file name.
+    pub label: String,
+    pub plan: Option<PathBuf>,
+    /// Experts a token may still be routed to per layer (the model's own count without a plan).
+    pub experts_kept: usize,
+    pub experts_total: usize,
+    pub saliency: String,
+    pub positions: u64,
+    pub mean_kl: f64,
+    pub mean_nll: f64,
+    pub mean_dnll: f64,
+    pub top1: f64,
+    #[serde(skip)]
+    pub sums: EvalSums,
+}
+
+/// `keep eval --json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalReport {
+    pub format: &'static str,
+    pub version: u32,
+    pub model: String,
+    pub teacher: String,
+    pub pack: String,
+    pub records: usize,
+    pub teacher_nll: f64,
+    pub students: Vec<StudentScore>,
+    pub kl_rule: &'static str,
+}
+
+/// One teacher record: tokens and the stored teacher arrays.
+struct TeacherRecord {
+    tokens: Vec<u32>,
+    ids: Vec<i32>,
+    lps: Vec<f32>,
+    next: Vec<f32>,
+    k: usize,
+}
+
+fn load_teacher(run: &Path, pack: &Pack) -> Result<Vec<TeacherRecord>> {
+    let m = RunManifest::read(run)?;
+    if m.split != Split::Eval {
+        return Err(CalibError::Mismatch(format!(
+            "{} is a `{}` run; the teacher is an eval run: keep calibrate --split eval --out RUN",
+            run.display(),
+            m.split.name()
+        )));
+    }
+    if m.pack_fingerprint != pack.fingerprint {
+        return Err(CalibError::Mismatch(format!(
+            "{} was made from another pack (fingerprint {}) than {} ({}); pass the pack it was made from with --pack",
+            run.display(),
+            crate::fingerprint::short(&m.pack_fingerprint),
+            pack.dir.display(),
+            crate::fingerprint::short(&pack.fingerprint)
+        )));
+    }
+    let mut out = vec![];
+    for s in &m.sessions {
+        let path = crate::session::session_path(run, s);
+        let f = StFile::open(&path)?;
+        if f.metadata().get("complete").map(String::as_str) != Some("true") {
+            return Err(CalibError::invalid(
+                &path,
+                "session is not complete; rerun keep calibrate on this run",
+            ));
+        }
+        let ids: Vec<&str> = f
+            .meta("records")?
+            .split(',')
+            .filter(|x| !x.is_empty())
+            .collect();
+        for (i, rid) in ids.iter().enumerate() {
+            let rec = pack.records.iter().find(|r| r.id == *rid).ok_or_else(|| {
+                CalibError::invalid(&path, format!("record {rid} is not in the pack"))
+            })?;
+            let shape = f.shape(&format!("teacher.{i}.topk_ids"))?;
+            let k = shape.get(1).copied().unwrap_or(0);
+            let topk_ids = read_i32(&f, &format!("teacher.{i}.topk_ids"))?;
+            let lps = f.f32s(&format!("teacher.{i}.topk_logprobs"))?;
+            let next = f.f32s(&format!("teacher.{i}.next_logprob"))?;
+            if topk_ids.len() != rec.tokens.len() * k || next.len() + 1 != rec.tokens.len() {
+                return Err(CalibError::invalid(
+                    &path,
+                    format!(
+                        "teacher arrays of record {rid} do not match its {} tokens",
+                        rec.tokens.len()
+                    ),
+                ));
+            }
+            out.push(TeacherRecord {
+                tokens: rec.tokens.clone(),
+                ids: topk_ids,
+                lps,
+                next,
+                k,
+            });
+        }
+    }
+    if out.is_empty() {
+        return Err(CalibError::Mismatch(format!(
+            "{} holds no teacher records",
+            run.display()
+        )));
+    }
+    Ok(out)
+}
+
+fn read_i32(f: &StFile, name: &str) -> Result<Vec<i32>> {
+    let info = f
+        .info(name)
+        .ok_or_else(|| CalibError::invalid(f.path(), format!("no tensor `{name}`")))?;
+    if info.dtype != keep_checkpoint::Dtype::I32 {
+        return Err(CalibError::invalid(
+            f.path(),
+            format!("tensor `{name}` is {}, expected I32", info.dtype),
+        ));
+    }
+    let bytes = f.file.data(info);
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Score `model` and each plan (as a router mask) against the teacher `run` made from `pack`.
+/// `chunk_tokens` bounds the tokens run through the model at once.
+pub fn eval(
+    model: &Path,
+    run: &Path,
+    pack: &Pack,
+    plans: &[PathBuf],
+    chunk_tokens: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<EvalReport> {
+    let ck = Checkpoint::open(model)?;
+    let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let teacher = load_teacher(run, pack)?;
+    let mut students: Vec<(String, Option<PathBuf>, Option<PrunePlan>)> =
+        vec![("model".into(), None, None)];
+    for p in plans {
+        let plan = PrunePlan::read(p)?;
+        if plan.n_experts != cfg.n_experts {
+            return Err(CalibError::Mismatch(format!(
+                "{} is a plan for {} experts per layer; {} has {}",
+                p.display(),
+                plan.n_experts,
+                model.display(),
+                cfg.n_experts
+            )));
+        }
+        let label = p
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        students.push((label, Some(p.clone()), Some(plan)));
+    }
+    let teacher_nll: f64 = {
+        let (s, n) = teacher.iter().fold((0.0, 0usize), |(s, n), t| {
+            (
+                s - t.next.iter().map(|&x| x as f64).sum::<f64>(),
+                n + t.next.len(),
+            )
+        });
+        s / n.max(1) as f64
+    };
+    let total = students.len() * teacher.len();
+    let mut done = 0;
+    let mut out = vec![];
+    for (label, path, plan) in students {
+        let masks: Vec<Option<Vec<bool>>> = (0..cfg.n_layers)
+            .map(|l| plan.as_ref().and_then(|p| p.mask(l)))
+            .collect();
+        let mut sums = EvalSums::default();
+        let mut i = 0;
+        while i < teacher.len() {
+            let mut j = i;
+            let mut size = 0;
+            while j < teacher.len() && (j == i || size + teacher[j].tokens.len() <= chunk_tokens) {
+                size += teacher[j].tokens.len();
+                j += 1;
+            }
+            let toks: Vec<Vec<u32>> = teacher[i..j].iter().map(|t| t.tokens.clone()).collect();
+            let so = StreamOptions {
+                logits: Logits::All,
+                masks: masks.clone(),
+                on_layer: None,
+                release_pages: false,
+            };
+            let logits = forward_streamed(&ck, &toks, so, None)?;
+            for (lg, t) in logits.iter().zip(&teacher[i..j]) {
+                let s = score(lg, cfg.vocab, &t.tokens, &t.ids, &t.lps, &t.next, t.k);
+                sums.add(&s);
+                done += 1;
+                progress(done, total);
+            }
+            i = j;
+        }
+        let kept = plan.as_ref().map_or(cfg.n_experts, |p| p.keep);
+        out.push(StudentScore {
+            label,
+            plan: path,
+            experts_kept: kept,
+            experts_total: cfg.n_experts,
+            saliency: plan.as_ref().map_or(String::new(), |p| p.saliency.clone()),
+            positions: sums.positions,
+            mean_kl: sums.mean_kl(),
+            mean_nll: sums.mean_nll(),
+            mean_dnll: sums.mean_dnll(),
+            top1: sums.top1_rate(),
+            sums,
+        });
+    }
+    Ok(EvalReport {
+        format: "keep-eval-report",
+        version: 1,
+        model: model.display().to_string(),
+        teacher: run.display().to_string(),
+        pack: pack.dir.display().to_string(),
+        records: teacher.len(),
+        teacher_nll,
+        students: out,
+        kl_rule: "KL(teacher||student) per position over the teacher's top-64 plus one tail bucket (its mass outside the top-64 against the student's); a lower bound of the full KL, exact when the tail is empty",
+    })
+}
+
+/// Plot mean KL against experts kept, one line per saliency (PNG or SVG by extension).
+pub fn plot_kl(report: &EvalReport, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    let mut series: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
+    for s in &report.students {
+        if s.plan.is_some() {
+            series
+                .entry(if s.saliency.is_empty() {
+                    s.label.clone()
+                } else {
+                    s.saliency.clone()
+                })
+                .or_default()
+                .push((
+                    s.experts_kept as f64 / s.experts_total as f64 * 100.0,
+                    s.mean_kl,
+                ));
+        }
+    }
+    let ymax = report
+        .students
+        .iter()
+        .map(|s| s.mean_kl)
+        .fold(1e-6, f64::max)
+        * 1.1;
+    fn draw<DB: DrawingBackend>(
+        area: &DrawingArea<DB, plotters::coord::Shift>,
+        series: &std::collections::BTreeMap<String, Vec<(f64, f64)>>,
+        ymax: f64,
+    ) -> std::result::Result<(), String> {
+        area.fill(&WHITE).map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(area)
+            .caption("KL(teacher ‖ student) vs experts kept", ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..100f64, 0f64..ymax)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("experts kept per layer (%)")
+            .y_desc("mean KL (nats/position)")
+            .draw()
+            .map_err(|e| e.to_string())?;
+        for (i, (name, pts)) in series.iter().enumerate() {
+            let mut pts = pts.clone();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                .map_err(|e| e.to_string())?
+                .label(name.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                .map_err(|e| e.to_string())?;
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        area.present().map_err(|e| e.to_string())
+    }
+    let size = (800, 560);
+    let r = match ext.as_str() {
+        "svg" => draw(
+            &SVGBackend::new(path, size).into_drawing_area(),
+            &series,
+            ymax,
+        ),
+        "png" => draw(
+            &BitMapBackend::new(path, size).into_drawing_area(),
+            &series,
+            ymax,
+        ),
+        _ => Err(format!(
+            "unknown image type `.{ext}`; name the file *.png or *.svg"
+        )),
+    };
+    r.map_err(|msg| CalibError::Plot {
+        path: path.to_path_buf(),
+        msg,
+    })
+}
