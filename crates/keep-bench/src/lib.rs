@@ -3,14 +3,17 @@
 //! What it is: the harness pieces every benchmark shares (cold-cache control, machine
 //! description, evidence rows, medians of interleaved runs) and the benchmarks themselves.
 //! What it is not: a test suite — nothing here asserts a time; verdicts are recorded with the
-//! rule that produced them. Depends on keep-checkpoint and keep-convert (more layers as
-//! benchmarks for them arrive).
+//! rule that produced them. Depends on keep-checkpoint and keep-convert, and on keep-format and
+//! keep-kernels for the decode-kernel kill tests ([`killtests`], [`pressure`], [`summary`]).
 
 pub mod cache;
 pub mod evidence;
+pub mod killtests;
+pub mod pressure;
 pub mod prune;
 pub mod repack;
 pub mod side;
+pub mod summary;
 
 /// Errors of the benchmark harness.
 #[derive(Debug, thiserror::Error)]

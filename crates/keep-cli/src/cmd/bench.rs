@@ -18,6 +18,94 @@ pub struct BenchArgs {
 enum Which {
     Repack(SideArgs),
     Prune(SideArgs),
+    KillTests(KillArgs),
+    Summary(SummaryArgs),
+}
+
+/// The decode-kernel kill tests: each decides one optimisation on evidence measured in this run.
+///
+/// Runs, in order: the memory read bandwidth (>= 1 GiB, the reference for every ratio);
+/// mxfp8 residents (bit-exact against bf16 at the eight V4.1-Flash resident shapes, then M=1
+/// time with 43 dependent calls per chain against bf16 and affine-8); the fused HC sinkhorn
+/// against the unfused path; a routed FFN with E8P codes; a routed FFN in MXFP4 (top-6 at the
+/// V4.1-Flash expert shape, chained x43). Each test prints one verdict line and, with --out,
+/// writes <test>.json (schema_version 2: raw timings, medians of interleaved reps, the
+/// verdict and its rule, and the memory-pressure quiet gate). Nothing is downloaded; all
+/// weights are synthesised. Full run: a few minutes; --quick: smaller working sets, fewer reps.
+///
+/// Example: keep bench kill-tests --out bench/kill-tests --quick
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+struct KillArgs {
+    /// Write one JSON evidence row per test into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Smaller working sets (256 MiB copies and expert pools) and fewer reps.
+    #[arg(long)]
+    quick: bool,
+    /// Re-run the untimed warm-up after the quiet pause, so the timed window starts warm.
+    #[arg(long)]
+    rewarm_after_quiet: bool,
+    /// The quiet pause before each timed window, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    quiet_ms: u64,
+    /// Run only these tests (the bandwidth reference always runs): mxfp8-residents,
+    /// fused-sinkhorn, e8p-m1, routed-ffn.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+/// Tabulate a directory of kill-test rows: verdicts, ratios, GB/s per kernel.
+///
+/// Refuses directories whose rows mix resident formats, row schema versions or quiet-gate
+/// versions, and rows that declare a laxer inbound gate than the harness's; each row's quiet
+/// flag is recomputed from its counters under its own gate version. --plot writes an SVG of
+/// GB/s per kernel against the measured bandwidth line.
+///
+/// Example: keep bench summary bench/kill-tests --plot bench/kill-tests.svg
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+struct SummaryArgs {
+    /// A directory written by `keep bench kill-tests --out`.
+    dir: PathBuf,
+    /// Write the plot here (SVG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Print the rows as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn kill_tests(a: KillArgs) -> anyhow::Result<()> {
+    let opts = keep_bench::killtests::Options {
+        quick: a.quick,
+        out: a.out.clone(),
+        rewarm_after_quiet: a.rewarm_after_quiet,
+        quiet: std::time::Duration::from_millis(a.quiet_ms),
+        only: a.only,
+    };
+    let rows = keep_bench::killtests::run(&opts, &mut |row| println!("{}", row.line()))
+        .context("running the kill tests")?;
+    if let Some(d) = &a.out {
+        eprintln!("{} rows written to {}", rows.len(), d.display());
+    }
+    Ok(())
+}
+
+fn summary(a: SummaryArgs) -> anyhow::Result<()> {
+    let s = keep_bench::summary::load(&a.dir)
+        .with_context(|| format!("summarising {}", a.dir.display()))?;
+    if a.json {
+        let rows: Vec<_> = s.rows.iter().map(|(_, r, _)| r).collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", s.table());
+    }
+    if let Some(p) = &a.plot {
+        std::fs::write(p, s.svg()).with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("plot written to {}", p.display());
+    }
+    Ok(())
 }
 
 /// Repack throughput against a plain copy of the same files, cold reads for both.
@@ -49,6 +137,8 @@ struct SideArgs {
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let (r, row) = match a.which {
+        Which::KillTests(k) => return kill_tests(k),
+        Which::Summary(k) => return summary(k),
         Which::Repack(r) => {
             let row = keep_bench::repack::run(&r.dir, &r.scratch, r.rounds)
                 .with_context(|| format!("benchmarking repack of {}", r.dir.display()))?;
