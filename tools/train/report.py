@@ -8,8 +8,10 @@
   token stream (each window scored from position 0: 255 predictions);
 - the unigram baseline (token frequencies of the training split, add-one
   smoothed) on exactly the same predicted tokens, and on the whole held-out split;
-- per-layer expert-load entropy over those windows against log(E), and the mean
-  per-window entropy (locality: what one 256-token window uses);
+- per-layer expert-load entropy over those windows against log(E), the mean
+  per-window entropy (locality: what one 256-token window uses), and how much
+  the choice depends on the token: H(expert | token id) and I(expert; token id)
+  over the token ids seen at least 20 times;
 - bytes by format from the safetensors header;
 - two greedy samples through mlx_lm.load + mlx_lm.generate (native dtypes).
 """
@@ -101,6 +103,7 @@ def main():
                           model.parameters()))
     mx.eval(model.parameters())
     E = config["n_routed_experts"]
+    cfg_k = config["num_experts_per_tok"]
     L = config["num_hidden_layers"]
 
     captured = []
@@ -116,6 +119,8 @@ def main():
     starts = (starts // args.seq) * args.seq  # non-overlapping, evenly spread
     nll, nll_uni, ntok = 0.0, 0.0, 0
     load_total = np.zeros((L, E))
+    # (layer, token id) -> expert counts, for the mutual information I(expert; token)
+    by_token = [dict() for _ in range(L)]
     win_entropy = np.zeros(L)
     t0 = time.time()
     deepseek_v41.Router.__call__ = hooked
@@ -131,6 +136,9 @@ def main():
             nll_uni -= float(logp_uni[ids[1:]].sum())
             ntok += len(ids) - 1
             for layer, chosen in enumerate(captured):
+                for t, row in zip(ids, chosen.reshape(len(ids), -1)):
+                    acc = by_token[layer].setdefault(int(t), np.zeros(E))
+                    acc[row] += 1
                 c = np.bincount(chosen.reshape(-1), minlength=E)
                 load_total[layer] += c
                 p = c / c.sum()
@@ -146,11 +154,24 @@ def main():
     for layer in range(L):
         p = load_total[layer] / load_total[layer].sum()
         ent = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+        # H(expert | token id) over token ids seen >= 20 times (less biased),
+        # and I(expert; token) = H(expert) - H(expert | token) on the same tokens.
+        freq = {t: c for t, c in by_token[layer].items() if c.sum() >= 20 * cfg_k}
+        tot = sum(c.sum() for c in freq.values())
+        pm = sum(freq.values()) / tot
+        h_m = float(-(pm[pm > 0] * np.log(pm[pm > 0])).sum())
+        h_c = 0.0
+        for c in freq.values():
+            q = c / c.sum()
+            h_c += c.sum() / tot * float(-(q[q > 0] * np.log(q[q > 0])).sum())
         layers.append({"layer": layer, "load_entropy": ent, "max": math.log(E),
                        "ratio": ent / math.log(E),
                        "mean_window_entropy": float(win_entropy[layer] / n_win),
                        "max_load_share": float(p.max()), "min_load_share": float(p.min()),
-                       "unused_experts": int((p == 0).sum())})
+                       "unused_experts": int((p == 0).sum()),
+                       "frequent_tokens": len(freq),
+                       "entropy_given_token": h_c,
+                       "mutual_information_expert_token": h_m - h_c})
     rep["expert_load"] = layers
     rep["bytes_by_format"] = bytes_by_format(model_dir / "model.safetensors")
     rep["files"] = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir()) if p.is_file()}
