@@ -558,6 +558,7 @@ pub(crate) mod reference {
     use super::*;
 
     /// Replay `experts` with `admit[i]`; the hit/miss of every access.
+    #[allow(clippy::too_many_arguments)]
     pub fn replay(
         kind: PolicyKind,
         experts: &[u16],

@@ -236,6 +236,46 @@ fn row(policy: PolicyKind, layers: Vec<Counts>, cost: Option<&CostModel>) -> Pol
     }
 }
 
+/// Check an in-memory trace before replaying it (traces from [`crate::read_run`] always pass):
+/// every session records the same layers, ids are below `n_experts`, shapes are whole tokens.
+pub fn validate(trace: &RouteTrace) -> Result<()> {
+    crate::trace::check_consistent(trace)?;
+    for s in &trace.sessions {
+        for l in &s.layers {
+            let bad = |msg: String| {
+                Err(ResidencyError::Config(format!(
+                    "session `{}`, layer {}: {msg}",
+                    s.id, l.layer
+                )))
+            };
+            if l.top_k == 0 || l.experts.len() % l.top_k != 0 {
+                return bad(format!(
+                    "{} slots are not whole tokens of top-{}",
+                    l.experts.len(),
+                    l.top_k
+                ));
+            }
+            if l.weights.len() != l.experts.len() {
+                return bad(format!(
+                    "{} weights for {} slots",
+                    l.weights.len(),
+                    l.experts.len()
+                ));
+            }
+            if l.n_experts == 0 || l.n_experts > crate::trace::MAX_EXPERTS {
+                return bad(format!("n_experts = {} is out of range", l.n_experts));
+            }
+            if let Some(e) = l.experts.iter().find(|&&e| e as usize >= l.n_experts) {
+                return bad(format!("expert id {e} ≥ n_experts = {}", l.n_experts));
+            }
+            if l.experts.len() >= u32::MAX as usize {
+                return bad("more than 2^32 slots in one session".into());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Replay `trace` through every policy at every size (and, with a threshold, again as a
 /// hybrid), and judge each size.
 pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
@@ -244,6 +284,13 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
     };
     if first.layers.is_empty() {
         return Err(ResidencyError::Config("the trace records no layers".into()));
+    }
+    validate(trace)?;
+    if opts.half_life.is_nan() || opts.half_life <= 0.0 {
+        return Err(ResidencyError::Config(format!(
+            "decay half-life {} is not a positive number of tokens",
+            opts.half_life
+        )));
     }
     let n_sizes = match &opts.hot {
         HotSizes::Experts(v) => v.len(),
@@ -534,6 +581,18 @@ mod tests {
         let mut o = opts(HotSizes::Experts(vec![4]));
         o.warm_start = WarmStart::Reap;
         assert!(simulate(&t, &o).is_err(), "reap without scores");
+        let mut o = opts(HotSizes::Experts(vec![4]));
+        o.half_life = -1.0;
+        assert!(simulate(&t, &o).is_err(), "negative half-life");
+        let mut bad = t.clone();
+        bad.sessions[0].layers[0].experts[0] = 16;
+        let e = simulate(&bad, &opts(HotSizes::Experts(vec![4])))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expert id 16"), "{e}");
+        let mut bad = t.clone();
+        bad.sessions[0].layers[1].weights.pop();
+        assert!(simulate(&bad, &opts(HotSizes::Experts(vec![4]))).is_err());
     }
 
     fn write_reap(dir: &Path, layers: &[(usize, Vec<f64>)]) {
