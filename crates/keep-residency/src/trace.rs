@@ -928,7 +928,12 @@ mod tests {
         let p = dir.path().join("g0.safetensors");
         raw(
             &p,
-            &[("format", CALIB_FORMAT)],
+            &[
+                ("format", CALIB_FORMAT),
+                ("hash_layers", ""),
+                ("layers", "0,1,2"),
+                ("split", "calib"),
+            ],
             vec![
                 (
                     TensorMeta::new("imatrix.0.attn", Dtype::F32, &[1]),
