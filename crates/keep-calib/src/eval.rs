@@ -196,7 +196,7 @@ pub fn eval(
     let mut out = vec![];
     for (label, path, plan) in students {
         let masks: Vec<Option<Vec<bool>>> = (0..cfg.n_layers)
-            .map(|l| plan.as_ref().and_then(|p| p.mask(l)))
+            .map(|l| plan.as_ref().and_then(|p| p.pruned_mask(l)))
             .collect();
         let mut sums = EvalSums::default();
         let mut i = 0;

@@ -113,12 +113,14 @@ impl PrunePlan {
             .and_then(|l| l.survivors.as_deref())
     }
 
-    /// A boolean keep-mask per layer for router-masked students (`None` = no mask).
-    pub fn mask(&self, layer: usize) -> Option<Vec<bool>> {
+    /// The router mask of decoder layer `layer` for a router-masked student, in keep-model's
+    /// convention: `true` marks a pruned expert (never chosen; the gate weights renormalise
+    /// over the survivors). `None` when the plan leaves the layer whole.
+    pub fn pruned_mask(&self, layer: usize) -> Option<Vec<bool>> {
         self.survivors(layer).map(|s| {
-            let mut m = vec![false; self.n_experts];
+            let mut m = vec![true; self.n_experts];
             for &e in s {
-                m[e] = true;
+                m[e] = false;
             }
             m
         })
