@@ -226,7 +226,7 @@ impl Inner {
             }
             layer.cv.notify_all();
         };
-        if pool.submit(job).is_err() {
+        if !pool.submit(job) {
             self.io_end(0);
             st.status[s] = Status::Failed("the I/O pool has shut down".into());
         }

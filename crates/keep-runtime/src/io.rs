@@ -53,11 +53,11 @@ impl IoPool {
         self.threads.len()
     }
 
-    /// Queue a job. Returns it back if the pool is shutting down.
-    pub fn submit(&self, f: impl FnOnce() + Send + 'static) -> Result<(), ()> {
+    /// Queue a job; false if the pool has shut down (the job is dropped unrun).
+    pub fn submit(&self, f: impl FnOnce() + Send + 'static) -> bool {
         match &self.tx {
-            Some(tx) => tx.send(Box::new(f)).map_err(|_| ()),
-            None => Err(()),
+            Some(tx) => tx.send(Box::new(f)).is_ok(),
+            None => false,
         }
     }
 }

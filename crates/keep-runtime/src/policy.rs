@@ -16,8 +16,9 @@ use std::fmt;
 use std::str::FromStr;
 
 /// A replacement policy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum Policy {
+    #[default]
     Lru,
     Decay { half_life: f64 },
     Static,
@@ -25,12 +26,6 @@ pub enum Policy {
 
 /// Default half-life of [`Policy::Decay`], in forward passes.
 pub const DEFAULT_HALF_LIFE: f64 = 32.0;
-
-impl Default for Policy {
-    fn default() -> Self {
-        Policy::Lru
-    }
-}
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

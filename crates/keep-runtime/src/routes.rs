@@ -209,4 +209,23 @@ mod tests {
         assert_eq!(w[0], vec![1.0, 2.0, 1.0, 0.0]);
         assert_eq!(w[1], vec![0.0, 0.0, 0.0, 2.0]);
     }
+
+    #[test]
+    fn reap_scores_as_warm_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("reap-stats.safetensors");
+        let s0: Vec<u8> = [0.5f64, 2.0, 1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let v =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![3], &s0).unwrap();
+        safetensors::tensor::serialize_to_file(vec![("reap.1.score", v)], None, &p).unwrap();
+        let w = warm_scores(&p, 2, 3).unwrap();
+        assert_eq!(w[0], vec![0.0; 3]);
+        assert_eq!(w[1], vec![0.5, 2.0, 1.0]);
+        // The wrong expert count is refused, naming the tensor.
+        let e = warm_scores(&p, 2, 4).unwrap_err().to_string();
+        assert!(e.contains("reap.1.score"), "{e}");
+    }
 }
