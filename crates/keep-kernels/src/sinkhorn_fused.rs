@@ -231,19 +231,17 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
         ]
     }
     let e = _mm_set1_ps(eps);
-    let z = _mm_setzero_ps();
     let mut r = [
         _mm_loadu_ps(m[0].as_ptr()),
         _mm_loadu_ps(m[1].as_ptr()),
         _mm_loadu_ps(m[2].as_ptr()),
         _mm_loadu_ps(m[3].as_ptr()),
     ];
-    // Column b's sum is lane b of (((0 + r0) + r1) + r2) + r3, the reference's order.
+    // Column b's sum is lane b of ((r0 + r1) + r2) + r3: the reference's `0 + r0 + ...` with
+    // the leading `0 +` dropped, which changes nothing here (every entry is > 0 after the
+    // softmax + eps, and `0 + x == x` for every x but -0).
     let cols = |r: &mut [__m128; 4]| {
-        let s = _mm_add_ps(
-            _mm_add_ps(_mm_add_ps(_mm_add_ps(z, r[0]), r[1]), r[2]),
-            r[3],
-        );
+        let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(r[0], r[1]), r[2]), r[3]);
         let d = _mm_add_ps(s, e);
         for v in r.iter_mut() {
             *v = _mm_div_ps(*v, d);
@@ -251,18 +249,15 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
     };
     cols(&mut r);
     for _ in 1..iters {
-        // Rows: the same adds on the transposed matrix (lane a = row a), then divide the
-        // transposed columns lane-wise and transpose back.
-        let mut t = transpose(r);
-        let s = _mm_add_ps(
-            _mm_add_ps(_mm_add_ps(_mm_add_ps(z, t[0]), t[1]), t[2]),
-            t[3],
-        );
+        // Row sums: the same adds on the transposed matrix (lane a = row a); each row is then
+        // divided by its own sum, broadcast.
+        let t = transpose(r);
+        let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(t[0], t[1]), t[2]), t[3]);
         let d = _mm_add_ps(s, e);
-        for v in t.iter_mut() {
-            *v = _mm_div_ps(*v, d);
-        }
-        r = transpose(t);
+        r[0] = _mm_div_ps(r[0], _mm_shuffle_ps(d, d, 0x00));
+        r[1] = _mm_div_ps(r[1], _mm_shuffle_ps(d, d, 0x55));
+        r[2] = _mm_div_ps(r[2], _mm_shuffle_ps(d, d, 0xAA));
+        r[3] = _mm_div_ps(r[3], _mm_shuffle_ps(d, d, 0xFF));
         cols(&mut r);
     }
     for a in 0..4 {
@@ -337,6 +332,64 @@ mod tests {
             assert!(
                 (rs - 1.0).abs() < 1e-3 && (cs - 1.0).abs() < 1e-5,
                 "{rs} {cs}"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    //! Manual timing (`cargo test --release -p keep-kernels timing -- --ignored --nocapture`);
+    //! asserts nothing.
+    use super::*;
+    use std::hint::black_box;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore]
+    fn print_fused_vs_unfused() {
+        let base: Vec<f32> = (0..24).map(|i| (i as f32 * 0.1).cos() * 0.1).collect();
+        let scale = [0.5f32, 0.7, 1.3];
+        let mix: Vec<f32> = (0..24 * 64)
+            .map(|i| (i as f32 * 0.37).sin() * 2.0)
+            .collect();
+        for iters in [0usize, 1, 20] {
+            let p = HcSplit {
+                hc: 4,
+                iters,
+                eps: 1e-6,
+                scale: &scale,
+                base: &base,
+            };
+            let n = 200_000;
+            let mut out = [0f32; 24];
+            let mut s = [0f32; 24];
+            let t = Instant::now();
+            for c in 0..n {
+                s.copy_from_slice(black_box(&mix[(c % 64) * 24..(c % 64 + 1) * 24]));
+                let (pre, rest) = out.split_at_mut(4);
+                let (post, comb) = rest.split_at_mut(4);
+                hc_split_sinkhorn_ref(&p, &mut s, pre, post, comb);
+                black_box(&out);
+            }
+            let tu = t.elapsed().as_secs_f64() / n as f64 * 1e9;
+            let t = Instant::now();
+            for c in 0..n {
+                let (pre, rest) = out.split_at_mut(4);
+                let (post, comb) = rest.split_at_mut(4);
+                hc_split_sinkhorn_fused(
+                    &p,
+                    black_box(&mix[(c % 64) * 24..(c % 64 + 1) * 24]),
+                    pre,
+                    post,
+                    comb,
+                );
+                black_box(&out);
+            }
+            let tf = t.elapsed().as_secs_f64() / n as f64 * 1e9;
+            println!(
+                "iters {iters}: unfused {tu:.0} ns, fused {tf:.0} ns, {:.2}x",
+                tu / tf
             );
         }
     }

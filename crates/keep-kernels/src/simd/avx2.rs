@@ -1,11 +1,11 @@
-//! AVX2+FMA decode-and-dot: each format's 16-column chunk is decoded into two 8-lane registers
+//! AVX2+FMA(+F16C) decode-and-dot: each format's 16-column chunk is decoded into two 8-lane registers
 //! (exact f32 weight values, the same as `WeightView::decode_row`), and multiply-added into two
 //! accumulators per input row, up to four input rows per decoded chunk. The reduction and the
 //! tail are those of `matmul`'s AVX2 `dot1`, so results are bit-identical to it.
 
 use std::arch::x86_64::*;
 
-use super::{affine_groups, affine_param, block_scale, Src};
+use super::{affine_groups, affine_param, block_scale, e8m0_x256, scale_x256, Src};
 use crate::codec::e8m0_to_f32;
 use crate::weight::BlockScales;
 
@@ -23,30 +23,58 @@ unsafe fn hsum(a0: __m256, a1: __m256) -> f32 {
     _mm_cvtss_f32(e)
 }
 
-/// E4M3FN in the low byte of each 32-bit lane → f32 (as `weight::e4m3_bits`).
+/// 16 E4M3FN bytes → two registers of f32 values times 2^-8, exactly, through fp16 (see
+/// the AVX-512 path's `e4m3_x2m8`: same bits, F16C conversion, NaN codes patched in).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn e4m3(v: __m256i) -> __m256 {
-    let sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    let e = _mm256_and_si256(_mm256_srli_epi32(v, 3), _mm256_set1_epi32(0xF));
-    let m = _mm256_and_si256(v, _mm256_set1_epi32(7));
-    let normal = _mm256_or_si256(
-        _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
-        _mm256_slli_epi32(m, 20),
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn e4m3_x2m8(p: *const u8) -> (__m256, __m256) {
+    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+    let mag = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
+    let h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
+        _mm256_slli_epi16(mag, 7),
     );
-    let sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(1.0 / 512.0));
-    let is0 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
-    let mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is0);
-    let val = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
-    let nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-        _mm256_and_si256(v, _mm256_set1_epi32(0x7F)),
-        _mm256_set1_epi32(0x7F),
-    ));
-    _mm256_blendv_ps(val, _mm256_set1_ps(f32::NAN), nan)
+    let lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    let hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    let nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F));
+    if _mm256_testz_si256(nan, nan) == 1 {
+        return (lo, hi);
+    }
+    let n = _mm256_set1_ps(f32::NAN);
+    let ml = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(nan)));
+    let mh = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(nan, 1)));
+    (_mm256_blendv_ps(lo, n, ml), _mm256_blendv_ps(hi, n, mh))
+}
+
+/// `v · s` for a pair from [`e4m3_x2m8`] (one multiply by `s·2^8` when exact and finite).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn times(v: (__m256, __m256), t: f32) -> (__m256, __m256) {
+    let t = _mm256_set1_ps(t);
+    (_mm256_mul_ps(v.0, t), _mm256_mul_ps(v.1, t))
+}
+
+/// `v · s` for a pair from [`e4m3_x2m8`]: see `scale_x256`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn times_scale(v: (__m256, __m256), s: f32) -> (__m256, __m256) {
+    match scale_x256(s) {
+        Some(t) => {
+            let t = _mm256_set1_ps(t);
+            (_mm256_mul_ps(v.0, t), _mm256_mul_ps(v.1, t))
+        }
+        None => {
+            let (a, b) = (_mm256_set1_ps(256.0), _mm256_set1_ps(s));
+            (
+                _mm256_mul_ps(_mm256_mul_ps(v.0, a), b),
+                _mm256_mul_ps(_mm256_mul_ps(v.1, a), b),
+            )
+        }
+    }
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn bytes8(p: *const u8) -> __m256i {
     _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
 }
@@ -54,7 +82,7 @@ unsafe fn bytes8(p: *const u8) -> __m256i {
 struct F32D(*const f32, usize);
 impl Dec for F32D {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let p = self.0.add(r * self.1 + k);
         (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
@@ -64,7 +92,7 @@ impl Dec for F32D {
 struct Bf16D(*const u8, usize);
 impl Dec for Bf16D {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let p = self.0.add((r * self.1 + k) * 2) as *const __m128i;
         let a = _mm256_cvtepu16_epi32(_mm_loadu_si128(p));
@@ -79,22 +107,22 @@ impl Dec for Bf16D {
 struct Mxfp8D(*const u8, *const u8, usize);
 impl Dec for Mxfp8D {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let i = r * self.2 + k;
-        let s = _mm256_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
-        let p = self.0.add(i);
-        (
-            _mm256_mul_ps(e4m3(bytes8(p)), s),
-            _mm256_mul_ps(e4m3(bytes8(p.add(8))), s),
-        )
+        let b = *self.1.add(i / 32);
+        let v = e4m3_x2m8(self.0.add(i));
+        match e8m0_x256(b) {
+            Some(t) => times(v, t),
+            None => times_scale(v, e8m0_to_f32(b)),
+        }
     }
 }
 
 struct Mxfp4D(*const u8, *const u8, usize);
 impl Dec for Mxfp4D {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let i = r * self.2 + k;
         let s = _mm256_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
@@ -126,25 +154,18 @@ struct Fp8BlockD<'a> {
 }
 impl Dec for Fp8BlockD<'_> {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let gc = self.cols.div_ceil(self.bc);
-        let s = _mm256_set1_ps(block_scale(
-            self.scales,
-            ((self.row0 + r) / self.br) * gc + k / self.bc,
-        ));
-        let p = self.q.add(r * self.cols + k);
-        (
-            _mm256_mul_ps(e4m3(bytes8(p)), s),
-            _mm256_mul_ps(e4m3(bytes8(p.add(8))), s),
-        )
+        let s = block_scale(self.scales, ((self.row0 + r) / self.br) * gc + k / self.bc);
+        times_scale(e4m3_x2m8(self.q.add(r * self.cols + k)), s)
     }
 }
 
 struct Affine8D<'a>(*const u8, &'a [u8], &'a [u8], usize);
 impl Dec for Affine8D<'_> {
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
         let g = r * affine_groups(self.3) + k / 64;
         let s = _mm256_set1_ps(affine_param(self.1, g));
@@ -157,7 +178,7 @@ impl Dec for Affine8D<'_> {
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<D: Dec, const MR: usize>(
     d: &D,
@@ -192,7 +213,7 @@ unsafe fn block<D: Dec, const MR: usize>(
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_g<D: Dec>(
     d: &D,
@@ -222,7 +243,7 @@ unsafe fn rows_g<D: Dec>(
 /// Rows `r0..r1` of `out[i*ld + r] = x[i] · W[r]`.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `src` holds at least `r1` rows of `cols` (its lengths checked by
+/// The CPU has AVX2, FMA and F16C; `src` holds at least `r1` rows of `cols` (its lengths checked by
 /// the view that made it); `x` has `m*cols` elements; `out` is valid for those writes and
 /// nobody else writes them. FP8-block sources need `block_cols % 16 == 0` or
 /// `block_cols >= cols`.

@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{affine_groups, affine_param, block_scale, Src};
+use super::{affine_groups, affine_param, block_scale, e8m0_x256, scale_x256, Src};
 use crate::codec::e8m0_to_f32;
 use crate::weight::BlockScales;
 
@@ -17,7 +17,7 @@ trait Dec {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn hsum(a: __m512) -> f32 {
     let b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
@@ -26,30 +26,50 @@ unsafe fn hsum(a: __m512) -> f32 {
     _mm_cvtss_f32(e)
 }
 
-/// E4M3FN in the low byte of each 32-bit lane → f32 (as `weight::e4m3_bits`).
+/// 16 E4M3FN bytes → f32 values times 2^-8, exactly: each byte becomes the fp16 with the
+/// same sign, exponent field and mantissa (`(b & 0x80) << 8 | (b & 0x7F) << 7`, an fp16 of
+/// value e4m3(b)·2^-8, subnormals included), widened by the hardware conversion (exact, and
+/// no microcode assist for subnormal inputs). NaN codes (`0x7F`, `0xFF`) are patched in.
+/// Callers multiply by `scale·2^8` ([`scale_x256`]), which rounds the exact product once,
+/// exactly as `e4m3(b) · scale` does.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-unsafe fn e4m3(v: __m512i) -> __m512 {
-    let sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    let e = _mm512_and_si512(_mm512_srli_epi32(v, 3), _mm512_set1_epi32(0xF));
-    let m = _mm512_and_si512(v, _mm512_set1_epi32(7));
-    let normal = _mm512_or_si512(
-        _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
-        _mm512_slli_epi32(m, 20),
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn e4m3_x2m8(p: *const u8) -> __m512 {
+    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+    let mag = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
+    let h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
+        _mm256_slli_epi16(mag, 7),
     );
-    let sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0 / 512.0));
-    let is0 = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-    let mag = _mm512_mask_blend_ps(is0, _mm512_castsi512_ps(normal), sub);
-    let val = _mm512_or_ps(mag, _mm512_castsi512_ps(sign));
-    let nan = _mm512_cmpeq_epi32_mask(
-        _mm512_and_si512(v, _mm512_set1_epi32(0x7F)),
-        _mm512_set1_epi32(0x7F),
-    );
-    _mm512_mask_blend_ps(nan, val, _mm512_set1_ps(f32::NAN))
+    let f = _mm512_cvtph_ps(h);
+    let nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+    if nan == 0 {
+        f
+    } else {
+        _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(f32::NAN))
+    }
+}
+
+/// `v · s` where `v` came from [`e4m3_x2m8`]: one multiply by `s·2^8` when that is exact and
+/// finite, else `(v·2^8)·s` (both exact up to the single final rounding).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn times(v: __m512, t: f32) -> __m512 {
+    _mm512_mul_ps(v, _mm512_set1_ps(t))
+}
+
+/// `v · s` where `v` came from [`e4m3_x2m8`]: see `scale_x256`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn times_scale(v: __m512, s: f32) -> __m512 {
+    match scale_x256(s) {
+        Some(t) => _mm512_mul_ps(v, _mm512_set1_ps(t)),
+        None => _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(256.0)), _mm512_set1_ps(s)),
+    }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn bytes16(p: *const u8) -> __m512i {
     _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
 }
@@ -57,7 +77,7 @@ unsafe fn bytes16(p: *const u8) -> __m512i {
 struct F32D(*const f32, usize);
 impl Dec for F32D {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         _mm512_loadu_ps(self.0.add(r * self.1 + k))
     }
@@ -66,7 +86,7 @@ impl Dec for F32D {
 struct Bf16D(*const u8, usize);
 impl Dec for Bf16D {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let p = self.0.add((r * self.1 + k) * 2) as *const __m256i;
         _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -79,18 +99,22 @@ impl Dec for Bf16D {
 struct Mxfp8D(*const u8, *const u8, usize);
 impl Dec for Mxfp8D {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let i = r * self.2 + k;
-        let s = _mm512_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
-        _mm512_mul_ps(e4m3(bytes16(self.0.add(i))), s)
+        let b = *self.1.add(i / 32);
+        let v = e4m3_x2m8(self.0.add(i));
+        match e8m0_x256(b) {
+            Some(t) => times(v, t),
+            None => times_scale(v, e8m0_to_f32(b)),
+        }
     }
 }
 
 struct Mxfp4D(*const u8, *const u8, usize);
 impl Dec for Mxfp4D {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let i = r * self.2 + k;
         let s = _mm512_set1_ps(e8m0_to_f32(*self.1.add(i / 32)));
@@ -120,21 +144,18 @@ struct Fp8BlockD<'a> {
 }
 impl Dec for Fp8BlockD<'_> {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let gc = self.cols.div_ceil(self.bc);
-        let s = _mm512_set1_ps(block_scale(
-            self.scales,
-            ((self.row0 + r) / self.br) * gc + k / self.bc,
-        ));
-        _mm512_mul_ps(e4m3(bytes16(self.q.add(r * self.cols + k))), s)
+        let s = block_scale(self.scales, ((self.row0 + r) / self.br) * gc + k / self.bc);
+        times_scale(e4m3_x2m8(self.q.add(r * self.cols + k)), s)
     }
 }
 
 struct Affine8D<'a>(*const u8, &'a [u8], &'a [u8], usize);
 impl Dec for Affine8D<'_> {
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let g = r * affine_groups(self.3) + k / 64;
         let s = _mm512_set1_ps(affine_param(self.1, g));
@@ -146,7 +167,7 @@ impl Dec for Affine8D<'_> {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<D: Dec, const MR: usize>(
     d: &D,
@@ -178,7 +199,7 @@ unsafe fn block<D: Dec, const MR: usize>(
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_g<D: Dec>(
     d: &D,
@@ -208,7 +229,7 @@ unsafe fn rows_g<D: Dec>(
 /// Rows `r0..r1` of `out[i*ld + r] = x[i] · W[r]`.
 ///
 /// # Safety
-/// The CPU has AVX-512 F/BW/VL/DQ, AVX2 and FMA; `src` holds at least `r1` rows of `cols` (its lengths checked by
+/// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C; `src` holds at least `r1` rows of `cols` (its lengths checked by
 /// the view that made it); `x` has `m*cols` elements; `out` is valid for those writes and
 /// nobody else writes them. FP8-block sources need `block_cols % 16 == 0` or
 /// `block_cols >= cols`.

@@ -39,9 +39,9 @@ pub enum Level {
     Scalar,
     /// NEON (aarch64).
     Neon,
-    /// AVX2 + FMA.
+    /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX-512 F/BW/VL/DQ + FMA.
+    /// AVX-512 F/BW/VL/DQ + FMA + F16C.
     Avx512,
 }
 
@@ -67,10 +67,14 @@ pub fn detected() -> Level {
             && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("f16c")
         {
             return Level::Avx512;
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return Level::Avx2;
         }
         Level::Scalar
@@ -240,6 +244,33 @@ pub(crate) fn block_scale(scales: BlockScales, i: usize) -> f32 {
     match scales {
         BlockScales::E8m0(s) => crate::codec::e8m0_to_f32(s[i]),
         BlockScales::F32(s) => crate::codec::f32_at(s, i),
+    }
+}
+
+/// `s · 2^8` when that product is exact and finite (it always is for E8M0 scales up to
+/// byte 246 and for f32 scales below 2^119), for the E4M3-through-fp16 decode.
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn scale_x256(s: f32) -> Option<f32> {
+    let t = s * 256.0;
+    // Multiplying back by 2^-8 is exact unless it underflows, so this tests exactness with
+    // two multiplies and no division.
+    if t.is_finite() && t * (1.0 / 256.0) == s {
+        Some(t)
+    } else {
+        None
+    }
+}
+
+/// E8M0 scale byte `b` → `Some(2^(b−127) · 2^8)` (bytes 0..=246; byte 0 is 2^-127 as in
+/// `e8m0_to_f32`, so 2^-119), `None` for bytes 247..=255 (the product would overflow, or NaN).
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn e8m0_x256(b: u8) -> Option<f32> {
+    if b <= 246 {
+        Some(f32::from_bits((b as u32 + 8) << 23))
+    } else {
+        None
     }
 }
 
@@ -642,6 +673,78 @@ mod tests {
             let mut one = vec![0f32; rows];
             matmul_fast(&x, 1, w, &mut one).unwrap();
             assert_eq!(&one, o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    //! Manual single-thread timing (`cargo test --release -p keep-kernels timing -- --ignored
+    //! --nocapture`); asserts nothing.
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore]
+    fn print_m1_single_thread_gbps() {
+        let (rows, cols) = (2304usize, 5120usize);
+        let mut s = 0x1234_5678u64;
+        let mut bytes = |n: usize| -> Vec<u8> {
+            (0..n)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    s as u8
+                })
+                .collect()
+        };
+        let bf: Vec<u8> = bytes(rows * cols * 2)
+            .chunks(2)
+            .flat_map(|c| [c[0], 0x3C | (c[1] & 0x81)])
+            .collect();
+        let q: Vec<u8> = bytes(rows * cols).into_iter().map(|b| b & 0x77).collect();
+        let sc: Vec<u8> = vec![120; rows * cols / 32];
+        let p = bytes(rows * cols / 2);
+        let aq = bytes(rows * cols);
+        let ap: Vec<u8> = (0..rows * cols / 64).flat_map(|_| [0x80u8, 0x3C]).collect();
+        let views = [
+            (
+                "bf16",
+                Src::view(&WeightView::bf16(&bf, rows, cols).unwrap()),
+                rows * cols * 2,
+            ),
+            (
+                "mxfp8",
+                Src::view(&WeightView::mxfp8(&q, &sc, rows, cols).unwrap()),
+                rows * cols * 33 / 32,
+            ),
+            (
+                "mxfp4",
+                Src::view(&WeightView::mxfp4(&p, &sc, rows, cols).unwrap()),
+                rows * cols * 17 / 32,
+            ),
+            (
+                "affine8",
+                Src::affine8(&Affine8View::new(&aq, &ap, &ap, rows, cols).unwrap()),
+                rows * cols * 17 / 16,
+            ),
+        ];
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
+        let mut out = vec![0f32; rows];
+        for (name, src, nb) in views {
+            let n = 20;
+            let mut best = f64::INFINITY;
+            for _ in 0..n {
+                let t = Instant::now();
+                unsafe { rows_at(level(), &src, cols, &x, 1, 0, rows, out.as_mut_ptr(), rows) };
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "{name}: {:.2} GB/s (best of {n}, one thread, {:?})",
+                nb as f64 / 1e9 / best,
+                level()
+            );
         }
     }
 }
