@@ -7,7 +7,7 @@
 //! values (2 bytes each). Decode, as `keep_format::affine` defines it:
 //! `w[i,j] = scale[i, j/64] · q[i,j] + bias[i, j/64]` in f32, a multiply then an add (two
 //! roundings, never an FMA). The fast path computes exactly these values and dots them with
-//! the kernels' fixed accumulation order, so it agrees with [`crate::matmul::dot`] on a
+//! the kernels' fixed accumulation order, so it agrees with [`crate::simd::dot`] on a
 //! decoded row bit for bit. This is the comparison point of the mxfp8-residents kill test.
 
 use crate::codec::bf16_at;
@@ -153,7 +153,7 @@ pub fn affine8_matmul_ref(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32])
 }
 
 /// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (SIMD where the CPU has it, threaded over output
-/// rows when big); each output equals [`crate::matmul::dot`] of the input row with the
+/// rows when big); each output equals [`crate::simd::dot`] of the input row with the
 /// decoded weight row, bit for bit.
 pub fn affine8_matmul(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32]) -> Result<()> {
     check_operands(x, m, w, out)?;
@@ -245,7 +245,7 @@ mod tests {
                             + 1e-30;
                         let (p, g) = (a[i * rows + r], f[i * rows + r]);
                         assert!((p - g).abs() <= REL_TOL * mag, "({i},{r}) {p} vs {g}");
-                        let d = crate::matmul::dot(&x[i * cols..(i + 1) * cols], &row);
+                        let d = crate::simd::dot(&x[i * cols..(i + 1) * cols], &row);
                         assert_eq!(d.to_bits(), g.to_bits(), "bitwise vs dot ({i},{r})");
                     }
                 }

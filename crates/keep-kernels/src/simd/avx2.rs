@@ -1,7 +1,7 @@
-//! AVX2+FMA(+F16C) decode-and-dot: each format's 16-column chunk is decoded into two 8-lane registers
-//! (exact f32 weight values, the same as `WeightView::decode_row`), and multiply-added into two
-//! accumulators per input row, up to four input rows per decoded chunk. The reduction and the
-//! tail are those of `matmul`'s AVX2 `dot1`, so results are bit-identical to it.
+//! AVX2+FMA(+F16C) decode-and-dot: each format's 16-column chunk is decoded into two 8-lane
+//! registers (exact f32 weight values, the same as `WeightView::decode_row`) and multiply-added
+//! into accumulator pair `chunk mod 4` of the input row (the order of `simd::dot`, so results
+//! are bit-identical to the other levels).
 
 use std::arch::x86_64::*;
 
@@ -191,17 +191,33 @@ unsafe fn block<D: Dec, const MR: usize>(
     ld: usize,
 ) {
     let full = cols / 16 * 16;
+    let full64 = cols / 64 * 64;
     let xp = x.as_ptr().add(i * cols);
-    let mut a0 = [_mm256_setzero_ps(); MR];
-    let mut a1 = [_mm256_setzero_ps(); MR];
+    // Four accumulator pairs (16 lanes each) per input row; chunk c goes to pair c mod 4.
+    let z = _mm256_setzero_ps();
+    let mut lo = [[z; 4]; MR];
+    let mut hi = [[z; 4]; MR];
     let mut k = 0;
+    while k < full64 {
+        for q in 0..4 {
+            let (w0, w1) = d.dec(r, k + 16 * q);
+            for j in 0..MR {
+                let p = xp.add(j * cols + k + 16 * q);
+                lo[j][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p), w0, lo[j][q]);
+                hi[j][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), w1, hi[j][q]);
+            }
+        }
+        k += 64;
+    }
+    let mut q = 0;
     while k < full {
         let (w0, w1) = d.dec(r, k);
         for j in 0..MR {
             let p = xp.add(j * cols + k);
-            a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p), w0, a0[j]);
-            a1[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), w1, a1[j]);
+            lo[j][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p), w0, lo[j][q]);
+            hi[j][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), w1, hi[j][q]);
         }
+        q += 1;
         k += 16;
     }
     for j in 0..MR {
@@ -209,7 +225,15 @@ unsafe fn block<D: Dec, const MR: usize>(
         for c in full..cols {
             tail = x[(i + j) * cols + c].mul_add(src.get(r, c, cols), tail);
         }
-        *out.add((i + j) * ld + r) = hsum(a0[j], a1[j]) + tail;
+        let l = _mm256_add_ps(
+            _mm256_add_ps(lo[j][0], lo[j][1]),
+            _mm256_add_ps(lo[j][2], lo[j][3]),
+        );
+        let h = _mm256_add_ps(
+            _mm256_add_ps(hi[j][0], hi[j][1]),
+            _mm256_add_ps(hi[j][2], hi[j][3]),
+        );
+        *out.add((i + j) * ld + r) = hsum(l, h) + tail;
     }
 }
 
@@ -229,13 +253,10 @@ unsafe fn rows_g<D: Dec>(
     for r in r0..r1 {
         let mut i = 0;
         while i < m {
-            match m - i {
-                1 => block::<D, 1>(d, src, cols, x, i, r, out, ld),
-                2 => block::<D, 2>(d, src, cols, x, i, r, out, ld),
-                3 => block::<D, 3>(d, src, cols, x, i, r, out, ld),
-                _ => block::<D, 4>(d, src, cols, x, i, r, out, ld),
-            }
-            i += (m - i).min(4);
+            // Eight accumulator registers per input row fill half the 16 ymm registers, so
+            // one input row per decoded chunk (larger M re-decodes the row from L1).
+            block::<D, 1>(d, src, cols, x, i, r, out, ld);
+            i += 1;
         }
     }
 }

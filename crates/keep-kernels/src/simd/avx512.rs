@@ -1,6 +1,6 @@
 //! AVX-512 decode-and-dot: each format's 16-column chunk is decoded into one 16-lane register
-//! (exact f32 weight values) and multiply-added into one accumulator per input row, up to four
-//! input rows per decoded chunk. Lane `l` holds what the AVX2 path's accumulator pair holds in
+//! (exact f32 weight values) and multiply-added into accumulator `chunk mod 4` of each input
+//! row, up to four input rows per decoded chunk (the order of `simd::dot`). Lane `l` holds what the AVX2 path's accumulator pair holds in
 //! lane `l` (columns `≡ l mod 16`), and the final reduction adds the two 256-bit halves first,
 //! exactly as the AVX2 `hsum` adds its two accumulators: results are bit-identical to the AVX2
 //! path and to `matmul`.
@@ -180,14 +180,34 @@ unsafe fn block<D: Dec, const MR: usize>(
     ld: usize,
 ) {
     let full = cols / 16 * 16;
+    let full64 = cols / 64 * 64;
     let xp = x.as_ptr().add(i * cols);
-    let mut a = [_mm512_setzero_ps(); MR];
+    // Four accumulators per input row; chunk c (16 columns) goes to accumulator c mod 4.
+    let z = _mm512_setzero_ps();
+    let mut a = [[z; 4]; MR];
     let mut k = 0;
+    while k < full64 {
+        let w = [
+            d.dec(r, k),
+            d.dec(r, k + 16),
+            d.dec(r, k + 32),
+            d.dec(r, k + 48),
+        ];
+        for j in 0..MR {
+            let p = xp.add(j * cols + k);
+            for q in 0..4 {
+                a[j][q] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16 * q)), w[q], a[j][q]);
+            }
+        }
+        k += 64;
+    }
+    let mut q = 0;
     while k < full {
         let w = d.dec(r, k);
         for j in 0..MR {
-            a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(j * cols + k)), w, a[j]);
+            a[j][q] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(j * cols + k)), w, a[j][q]);
         }
+        q += 1;
         k += 16;
     }
     for j in 0..MR {
@@ -195,7 +215,11 @@ unsafe fn block<D: Dec, const MR: usize>(
         for c in full..cols {
             tail = x[(i + j) * cols + c].mul_add(src.get(r, c, cols), tail);
         }
-        *out.add((i + j) * ld + r) = hsum(a[j]) + tail;
+        let t = _mm512_add_ps(
+            _mm512_add_ps(a[j][0], a[j][1]),
+            _mm512_add_ps(a[j][2], a[j][3]),
+        );
+        *out.add((i + j) * ld + r) = hsum(t) + tail;
     }
 }
 

@@ -1,16 +1,19 @@
 //! Small-batch (M = 1..32 activation rows) decode-and-dot kernels that read packed weight bytes
 //! once, at close to the memory-bandwidth limit: bf16, f32, MXFP8, MXFP4, FP8-block (block
 //! columns a multiple of 16) and MLX affine-8, with an AVX-512 path, an AVX2+FMA path (chosen
-//! at run time), a NEON path on aarch64, and a scalar path (decode a row, then
-//! [`crate::matmul::dot`]) that is also the fallback for every shape the SIMD paths do not take.
+//! at run time), a NEON path on aarch64, and a scalar path (decode a row, then [`dot`]) that is
+//! also the fallback for every shape the SIMD paths do not take.
 //!
-//! Contract: every output `(i, r)` is the dot product of input row `i` with decoded weight
-//! row `r` in the kernels' fixed order — 16 lanes (lane `l` sums columns `≡ l mod 16` with
-//! FMAs), the lanes reduced by the same tree as [`crate::matmul::dot`], then the scalar tail —
-//! so on an x86 CPU with AVX2+FMA, [`matmul_fast`] equals [`crate::matmul::matmul`] bit for
-//! bit, whatever M is, however rows are split over threads, and whichever of the AVX2/AVX-512
-//! paths ran (tested). The weights are decoded in registers, 16 columns at a time, and each
-//! decoded chunk is used by up to four input rows before the next is decoded.
+//! Contract: every output `(i, r)` is [`dot`] of input row `i` with decoded weight row `r`:
+//! four accumulators of 16 lanes, 16-column chunk `c` going to accumulator `c mod 4` (lane `l`
+//! of a chunk with fused multiply-adds), the accumulators combined as `(A0 + A1) + (A2 + A3)`,
+//! the 16 lanes reduced by the same tree as [`crate::matmul::dot`], then the columns past the
+//! last whole chunk with a scalar FMA chain. Four independent FMA chains keep the kernel off the
+//! FMA latency bound (one chain caps M=1 at 16 weights per 4 cycles). Every level computes
+//! exactly this, so results are bit-identical whatever M is, however rows are split over
+//! threads, and whichever of scalar/AVX2/AVX-512/NEON ran (tested); they differ from the older
+//! [`crate::matmul::matmul`] (one chain) in the last bits. The weights are decoded in registers,
+//! 16 columns at a time; on AVX-512 each decoded chunk serves up to four input rows.
 //!
 //! Threads split the output rows (rayon) when the call has at least
 //! [`crate::matmul::PAR_MIN_MACS`] multiply-adds. [`matmul_many`] runs several independent
@@ -35,7 +38,7 @@ pub mod neon;
 /// A SIMD level a kernel can run at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
-    /// Decode a row, then [`crate::matmul::dot`].
+    /// Decode a row, then [`dot`].
     Scalar,
     /// NEON (aarch64).
     Neon,
@@ -288,7 +291,33 @@ pub(crate) fn affine_groups(cols: usize) -> usize {
     cols / AFFINE8_GROUP
 }
 
-/// Scalar path: decode a row, then `dot` per input row.
+/// The kernels' dot product (see the module doc), written plainly: the scalar reference of the
+/// accumulation order every level follows.
+pub fn dot(x: &[f32], w: &[f32]) -> f32 {
+    let n = w.len();
+    let x = &x[..n];
+    let full = n / 16 * 16;
+    let mut acc = [[0f32; 16]; 4];
+    for c in 0..full / 16 {
+        let a = &mut acc[c % 4];
+        for l in 0..16 {
+            a[l] = x[16 * c + l].mul_add(w[16 * c + l], a[l]);
+        }
+    }
+    let mut t = [0f32; 16];
+    for l in 0..16 {
+        t[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+    }
+    let b: [f32; 8] = std::array::from_fn(|i| t[i] + t[i + 8]);
+    let c = [b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]];
+    let mut tail = 0f32;
+    for i in full..n {
+        tail = x[i].mul_add(w[i], tail);
+    }
+    ((c[0] + c[2]) + (c[1] + c[3])) + tail
+}
+
+/// Scalar path: decode a row, then [`dot`] per input row.
 ///
 /// # Safety
 /// `out` valid for writes at `i*ld + r` (i < m, r in r0..r1), not written by anyone else.
@@ -306,7 +335,7 @@ unsafe fn rows_scalar(
     for r in r0..r1 {
         src.decode_row(r, cols, &mut buf);
         for i in 0..m {
-            *out.add(i * ld + r) = crate::matmul::dot(&x[i * cols..(i + 1) * cols], &buf);
+            *out.add(i * ld + r) = dot(&x[i * cols..(i + 1) * cols], &buf);
         }
     }
 }
@@ -489,7 +518,7 @@ pub fn matmul_many(jobs: &mut [Job]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matmul::{matmul, matmul_ref};
+    use crate::matmul::matmul_ref;
 
     struct Rng(u64);
     impl Rng {
@@ -527,7 +556,7 @@ mod tests {
             let mut r = vec![0f32; m * w.rows];
             let mut base = vec![0f32; m * w.rows];
             matmul_ref(&x, m, w, &mut r).unwrap();
-            matmul(&x, m, w, &mut base).unwrap();
+            matmul_at(Level::Scalar, &x, m, w, &mut base).unwrap();
             for lv in levels() {
                 let mut f = vec![0f32; m * w.rows];
                 matmul_at(lv, &x, m, w, &mut f).unwrap();
@@ -550,17 +579,29 @@ mod tests {
                         );
                     }
                 }
-                // Same order as `matmul` on x86 (AVX2 dot) and for the scalar path anywhere.
-                if cfg!(target_arch = "x86_64") || lv == Level::Scalar {
-                    let same = f
+                // Every level computes the same order: bit-identical to the scalar level.
+                let same = f
+                    .iter()
+                    .zip(&base)
+                    .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+                assert!(
+                    same,
+                    "{} {:?} m={m}: not bit-identical to the scalar level",
+                    w.format_name(),
+                    lv
+                );
+                // Row independence: a row of the batch equals the same row alone.
+                for i in [0, m / 2, m - 1] {
+                    let mut one = vec![0f32; w.rows];
+                    matmul_at(lv, &x[i * w.cols..(i + 1) * w.cols], 1, w, &mut one).unwrap();
+                    let same = one
                         .iter()
-                        .zip(&base)
+                        .zip(&f[i * w.rows..(i + 1) * w.rows])
                         .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
                     assert!(
                         same,
-                        "{} {:?} m={m}: not bit-identical to matmul",
-                        w.format_name(),
-                        lv
+                        "{} {lv:?}: row {i} of {m} differs alone",
+                        w.format_name()
                     );
                 }
             }

@@ -1,10 +1,8 @@
-//! NEON (aarch64) decode-and-dot: 16 columns at a time, four 4-lane FMA accumulators per input
-//! row, up to four input rows per decoded chunk. bf16 and f32 are widened in registers; the
-//! other formats decode their 16 values with the scalar element decoder into a stack array
-//! first (exact values, the same as `WeightView::decode_row`). Accumulation order: lane `l`
-//! sums columns `≡ l mod 16` with fused multiply-adds, then the lanes are reduced as
-//! `matmul`'s tree, then the tail; this differs from the portable `matmul` (which does not
-//! fuse), so it is held against the reference with a tolerance, not bit for bit.
+//! NEON (aarch64) decode-and-dot: 16 columns at a time into accumulator `chunk mod 4` (four
+//! q-registers each), one input row at a time, in the order of `simd::dot` (fused
+//! multiply-adds, the same combine and tree), so results equal the scalar level bit for bit.
+//! bf16 and f32 are widened in registers; the other formats decode their 16 values with the
+//! scalar element decoder into a stack array first (exact values, as `WeightView::decode_row`).
 //! Compile-checked with `cargo check --target aarch64-unknown-linux-gnu`; not run here.
 
 use std::arch::aarch64::*;
@@ -65,40 +63,34 @@ unsafe fn hsum(a: [float32x4_t; 4]) -> f32 {
         + (vgetq_lane_f32::<1>(c) + vgetq_lane_f32::<3>(c))
 }
 
+/// One input row against weight row `r`: four accumulators of 16 lanes (four q-registers
+/// each), chunk `c` into accumulator `c mod 4` (the order of `simd::dot`).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn block<const MR: usize>(
-    src: &Src,
-    cols: usize,
-    x: &[f32],
-    i: usize,
-    r: usize,
-    out: *mut f32,
-    ld: usize,
-) {
+unsafe fn one(src: &Src, cols: usize, x: &[f32], i: usize, r: usize) -> f32 {
     let full = cols / 16 * 16;
     let xp = x.as_ptr().add(i * cols);
     let z = vdupq_n_f32(0.0);
-    let mut a = [[z; 4]; MR];
+    let mut a = [[z; 4]; 4];
     let mut tmp = [0f32; 16];
     let mut k = 0;
+    let mut q = 0;
     while k < full {
         let w = dec16(src, r, k, cols, &mut tmp);
-        for j in 0..MR {
-            let p = xp.add(j * cols + k);
-            for q in 0..4 {
-                a[j][q] = vfmaq_f32(a[j][q], vld1q_f32(p.add(4 * q)), w[q]);
-            }
+        let p = xp.add(k);
+        for v in 0..4 {
+            a[q][v] = vfmaq_f32(a[q][v], vld1q_f32(p.add(4 * v)), w[v]);
         }
+        q = (q + 1) % 4;
         k += 16;
     }
-    for j in 0..MR {
-        let mut tail = 0f32;
-        for c in full..cols {
-            tail = x[(i + j) * cols + c].mul_add(src.get(r, c, cols), tail);
-        }
-        *out.add((i + j) * ld + r) = hsum(a[j]) + tail;
+    let t: [float32x4_t; 4] = core::array::from_fn(|v| {
+        vaddq_f32(vaddq_f32(a[0][v], a[1][v]), vaddq_f32(a[2][v], a[3][v]))
+    });
+    let mut tail = 0f32;
+    for c in full..cols {
+        tail = x[i * cols + c].mul_add(src.get(r, c, cols), tail);
     }
+    hsum(t) + tail
 }
 
 /// Rows `r0..r1` of `out[i*ld + r] = x[i] · W[r]`.
@@ -118,15 +110,8 @@ pub unsafe fn rows(
     ld: usize,
 ) {
     for r in r0..r1 {
-        let mut i = 0;
-        while i < m {
-            match m - i {
-                1 => block::<1>(src, cols, x, i, r, out, ld),
-                2 => block::<2>(src, cols, x, i, r, out, ld),
-                3 => block::<3>(src, cols, x, i, r, out, ld),
-                _ => block::<4>(src, cols, x, i, r, out, ld),
-            }
-            i += (m - i).min(4);
+        for i in 0..m {
+            *out.add(i * ld + r) = one(src, cols, x, i, r);
         }
     }
 }
