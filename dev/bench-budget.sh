@@ -14,6 +14,7 @@
 # 4. bench.json: the command, machine, both runs' numbers and the verdict
 #    (rule: decode tokens/s >= 0.8 x the residency bound). Also a compute-inclusive bound:
 #    1 / (compute seconds per token measured in the run + SSD bytes per token / SSD GB/s).
+# EXTRA="--prefetch-next --policy decay" adds flags to the budgeted runs.
 # With MMAP=1 the same prompt also runs through the plain mmap model (no budget), after
 #    dropping the model's pages from the page cache, for a side-by-side (mmap-R.json); the two
 #    alternate for ROUNDS rounds (keep, mmap, keep, mmap, ...) and medians are compared.
@@ -34,7 +35,7 @@ for r in $(seq 1 "$ROUNDS"); do
   rec=()
   [ "$r" = 1 ] && rec=(--record-routes "$OUT/routes.safetensors")
   run_cmd=("$KEEP" run "$MODEL" --memory-budget "$BUDGET" --prompt-tokens "$P" --max-tokens "$((D + 1))"
-    --temperature 0 "${rec[@]}" --stats-json "$OUT/run-$r.json")
+    --temperature 0 "${rec[@]}" ${EXTRA:-} --stats-json "$OUT/run-$r.json")
   echo "+ ${run_cmd[*]}" >&2
   "${run_cmd[@]}" >/dev/null 2>"$OUT/run-$r.log"
   cat "$OUT/run-$r.log" >&2

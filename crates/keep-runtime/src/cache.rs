@@ -69,6 +69,28 @@ struct LayerState {
     hits: u64,
     misses: u64,
     wait_secs: f64,
+    /// Slots filled by a next-layer guess and not used since.
+    speculative: Vec<bool>,
+    /// The guess made for this layer's coming pass (to score it).
+    guess: Vec<usize>,
+    guess_stats: GuessStats,
+}
+
+/// How the next-layer guesses did (see [`SlotCache::set_next_guess`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuessStats {
+    /// Passes that had a guess.
+    pub passes: u64,
+    /// Experts guessed.
+    pub guessed: u64,
+    /// Experts routed in passes that had a guess.
+    pub routed: u64,
+    /// Routed experts that were guessed.
+    pub right: u64,
+    /// Reads issued for guesses.
+    pub reads: u64,
+    /// Guessed reads that the pass then used (misses turned into hits, read ahead of time).
+    pub saved: u64,
 }
 
 struct Layer {
@@ -92,6 +114,8 @@ struct Inner {
     bytes_read: AtomicU64,
     experts_read: AtomicU64,
     warm_bytes: AtomicU64,
+    /// A guess of the next layer's experts, issued after the current layer's own reads.
+    next_guess: Mutex<Option<(usize, Vec<usize>)>>,
 }
 
 /// Hits and misses of one layer.
@@ -123,6 +147,8 @@ pub struct CacheStats {
     pub slot_bytes: u64,
     pub direct_io: bool,
     pub io_threads: usize,
+    /// Next-layer guesses (zero unless prefetch is on).
+    pub guess: GuessStats,
 }
 
 impl CacheStats {
@@ -207,6 +233,7 @@ impl Inner {
         st.map[e] = Some(s);
         st.status[s] = Status::Loading;
         st.pinned[s] = true;
+        st.speculative[s] = false;
         self.io_start();
         let inner = self.clone();
         let job = move || {
@@ -281,6 +308,9 @@ impl SlotCache {
                     hits: 0,
                     misses: 0,
                     wait_secs: 0.0,
+                    speculative: vec![false; slots],
+                    guess: vec![],
+                    guess_stats: GuessStats::default(),
                 }),
                 cv: Condvar::new(),
             });
@@ -296,6 +326,7 @@ impl SlotCache {
                 bytes_read: AtomicU64::new(0),
                 experts_read: AtomicU64::new(0),
                 warm_bytes: AtomicU64::new(0),
+                next_guess: Mutex::new(None),
             }),
             pool,
         })
@@ -372,6 +403,13 @@ impl SlotCache {
                 s.hits += st.hits;
                 s.misses += st.misses;
                 s.wait_secs += st.wait_secs;
+                let g = st.guess_stats;
+                s.guess.passes += g.passes;
+                s.guess.guessed += g.guessed;
+                s.guess.routed += g.routed;
+                s.guess.right += g.right;
+                s.guess.reads += g.reads;
+                s.guess.saved += g.saved;
                 s.per_layer.push(LayerStats {
                     hits: st.hits,
                     misses: st.misses,
@@ -396,6 +434,7 @@ impl SlotCache {
                 st.hits = 0;
                 st.misses = 0;
                 st.wait_secs = 0.0;
+                st.guess_stats = GuessStats::default();
             }
         }
     }
@@ -430,6 +469,13 @@ impl SlotCache {
         st.pending.clear();
         let tick = st.tick;
         let n = st.map.len();
+        if !st.guess.is_empty() {
+            let g = std::mem::take(&mut st.guess);
+            st.guess_stats.passes += 1;
+            st.guess_stats.guessed += g.len() as u64;
+            st.guess_stats.routed += experts.len() as u64;
+            st.guess_stats.right += experts.iter().filter(|e| g.contains(e)).count() as u64;
+        }
         for &e in experts {
             if e >= n || st.pending.contains(&e) {
                 continue;
@@ -439,6 +485,9 @@ impl SlotCache {
                 Some(s) => {
                     if !st.pinned[s] {
                         st.hits += 1;
+                        if st.speculative[s] {
+                            st.guess_stats.saved += 1;
+                        }
                     }
                     st.pinned[s] = true;
                 }
@@ -448,7 +497,55 @@ impl SlotCache {
                 }
             }
         }
+        st.speculative.iter_mut().for_each(|x| *x = false);
         self.inner.issue(&self.pool, l, &mut st);
+        drop(st);
+        // This layer's reads are queued: now the guess for the next one, if any.
+        let next = self.inner.next_guess.lock().ok().and_then(|mut g| g.take());
+        if let Some((nl, guess)) = next {
+            if nl == l + 1 {
+                self.read_guess(nl, &guess);
+            }
+        }
+    }
+
+    /// Guess that the next pass of `layer` routes to `experts` (prefetch by the next layer's
+    /// router applied to the current hidden state): read once the current layer's own reads are
+    /// queued, into free slots or slots the policy gives up — never a slot holding a guessed
+    /// expert. Scored at that layer's next pass ([`CacheStats::guess`]).
+    pub(crate) fn set_next_guess(&self, layer: usize, experts: Vec<usize>) {
+        if let Ok(mut g) = self.inner.next_guess.lock() {
+            *g = Some((layer, experts));
+        }
+    }
+
+    fn read_guess(&self, l: usize, guess: &[usize]) {
+        let Ok(layer) = self.layer(l) else { return };
+        let Ok(mut st) = layer.st.lock() else { return };
+        // The layer's previous pass is over: its pins and current slot no longer hold.
+        st.current = None;
+        st.pinned.iter_mut().for_each(|p| *p = false);
+        st.pending.clear();
+        let n = st.map.len();
+        let guess: Vec<usize> = guess.iter().copied().filter(|&e| e < n).collect();
+        for &e in &guess {
+            if let Some(s) = st.map[e] {
+                st.pinned[s] = true;
+            }
+        }
+        for &e in &guess {
+            if st.map[e].is_some() {
+                continue;
+            }
+            let Some(s) = Inner::find_slot(&st, false) else {
+                break;
+            };
+            self.inner.assign(&self.pool, l, &mut st, s, e);
+            st.speculative[s] = true;
+            st.guess_stats.reads += 1;
+        }
+        st.pinned.iter_mut().for_each(|p| *p = false);
+        st.guess = guess;
     }
 
     /// Views of expert `e` of layer `l`, reading it first if needed (see the module doc).

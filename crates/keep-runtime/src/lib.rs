@@ -26,7 +26,7 @@ pub mod runtime;
 pub mod store;
 
 pub use budget::{resident_bytes, BudgetPlan, FIXED_OVERHEAD};
-pub use cache::{CacheStats, LayerStats, SlotCache};
+pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache};
 pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
 pub use policy::Policy;

@@ -20,7 +20,9 @@ use std::str::FromStr;
 pub enum Policy {
     #[default]
     Lru,
-    Decay { half_life: f64 },
+    Decay {
+        half_life: f64,
+    },
     Static,
 }
 

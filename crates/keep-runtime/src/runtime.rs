@@ -11,8 +11,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::{ops, WeightView};
+use keep_model::config::Scoring;
 use keep_model::generate::Sampler;
-use keep_model::{Cache, Logits, Model, ModelConfig, RouteObserver};
+use keep_model::layer::top_k_by;
+use keep_model::weights::{vec_f32, weight};
+use keep_model::{
+    Cache, ExpertOutputEvent, LinearInputEvent, Logits, Model, ModelConfig, RouteEvent,
+    RouteObserver,
+};
 
 use crate::budget::{resident_bytes, BudgetPlan};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
@@ -33,6 +40,9 @@ pub struct RuntimeOptions {
     pub direct_io: bool,
     /// Fill the slots before the run from `reap-stats.safetensors` or a route file.
     pub warm_start: Option<PathBuf>,
+    /// Guess layer L+1's experts with its router applied to layer L's MoE input and read them
+    /// while layer L computes (opt-in; scored in [`CacheStats::guess`]).
+    pub prefetch_next: bool,
 }
 
 impl RuntimeOptions {
@@ -44,6 +54,7 @@ impl RuntimeOptions {
             io_threads: DEFAULT_IO_THREADS,
             direct_io: true,
             warm_start: None,
+            prefetch_next: false,
         }
     }
 }
@@ -83,6 +94,84 @@ pub struct BudgetedModel<'a> {
     model: Model<'a>,
     cache: Arc<SlotCache>,
     plan: BudgetPlan,
+    /// Router weight and bias per layer, for next-layer guesses (empty when off).
+    gates: Vec<(WeightView<'a>, Vec<f32>)>,
+}
+
+/// The observer that turns layer L's router input into a guess of layer L+1's experts, passing
+/// every event on to the caller's observer.
+struct Guesser<'g, 'a, 'o> {
+    inner: Option<&'o mut dyn RouteObserver>,
+    gates: &'g [(WeightView<'a>, Vec<f32>)],
+    cfg: &'g ModelConfig,
+    cache: &'g SlotCache,
+}
+
+impl Guesser<'_, '_, '_> {
+    fn guess(&self, layer: usize, x: &[f32], rows: usize) -> Option<Vec<usize>> {
+        let (gate, bias) = self.gates.get(layer)?;
+        let (e, k) = (self.cfg.n_experts, self.cfg.top_k);
+        let mut logits = vec![0f32; rows * e];
+        keep_kernels::matmul(x, rows, gate, &mut logits).ok()?;
+        let mut out: Vec<usize> = vec![];
+        let mut cand: Vec<(f32, usize)> = Vec::with_capacity(e);
+        for row in logits.chunks_exact_mut(e) {
+            row.iter_mut().for_each(|v| *v /= self.cfg.gate_temp);
+            match self.cfg.scoring {
+                Scoring::Sigmoid => row.iter_mut().for_each(|v| *v = ops::sigmoid(*v)),
+                Scoring::SqrtSoftplus => row.iter_mut().for_each(|v| *v = ops::softplus(*v).sqrt()),
+                Scoring::Softmax => ops::softmax(row),
+            }
+            cand.clear();
+            cand.extend(
+                row.iter()
+                    .zip(bias)
+                    .enumerate()
+                    .map(|(j, (s, b))| (s + b, j)),
+            );
+            top_k_by(&mut cand, k);
+            for &(_, j) in &cand[..k.min(cand.len())] {
+                if !out.contains(&j) {
+                    out.push(j);
+                }
+            }
+        }
+        out.truncate(self.cache.slots_per_layer());
+        Some(out)
+    }
+}
+
+impl RouteObserver for Guesser<'_, '_, '_> {
+    fn wants_expert_outputs(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_some_and(|o| o.wants_expert_outputs())
+    }
+    fn wants_linear_inputs(&self) -> bool {
+        true
+    }
+    fn on_route(&mut self, ev: &RouteEvent) {
+        if let Some(o) = self.inner.as_deref_mut() {
+            o.on_route(ev);
+        }
+    }
+    fn on_expert_output(&mut self, ev: &ExpertOutputEvent) {
+        if let Some(o) = self.inner.as_deref_mut() {
+            o.on_expert_output(ev);
+        }
+    }
+    fn on_linear_input(&mut self, ev: &LinearInputEvent) {
+        if ev.name == "ffn.gate" && ev.layer + 1 < self.cfg.n_layers {
+            if let Some(g) = self.guess(ev.layer + 1, ev.x, ev.rows) {
+                self.cache.set_next_guess(ev.layer + 1, g);
+            }
+        }
+        if let Some(o) = self.inner.as_deref_mut() {
+            if o.wants_linear_inputs() {
+                o.on_linear_input(ev);
+            }
+        }
+    }
 }
 
 impl<'a> BudgetedModel<'a> {
@@ -108,8 +197,24 @@ impl<'a> BudgetedModel<'a> {
             let scores = warm_scores(p, cfg.n_layers, cfg.n_experts)?;
             cache.warm(&scores)?;
         }
+        let mut gates = vec![];
+        if opts.prefetch_next {
+            let hint = cfg.raw.weight_block_size();
+            for l in 0..cfg.n_layers {
+                let p = format!("layers.{l}.ffn.gate");
+                gates.push((
+                    weight(ck, &p, cfg.n_experts, cfg.dim, hint)?,
+                    vec_f32(ck, &format!("{p}.bias"), cfg.n_experts)?,
+                ));
+            }
+        }
         let model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
-        Ok(BudgetedModel { model, cache, plan })
+        Ok(BudgetedModel {
+            model,
+            cache,
+            plan,
+            gates,
+        })
     }
 
     /// The model's config.
@@ -140,7 +245,16 @@ impl<'a> BudgetedModel<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
-        Ok(self.model.forward(tokens, cache, which, obs)?)
+        if self.gates.is_empty() {
+            return Ok(self.model.forward(tokens, cache, which, obs)?);
+        }
+        let mut g = Guesser {
+            inner: obs,
+            gates: &self.gates,
+            cfg: &self.model.cfg,
+            cache: &self.cache,
+        };
+        Ok(self.model.forward(tokens, cache, which, Some(&mut g))?)
     }
 
     /// Prefill `prompt` (in one forward), then sample up to `max_tokens`, calling `on_token`

@@ -109,6 +109,18 @@ fn logits_identical_with_a_small_budget() {
         }
     }
 
+    // Next-layer guesses read ahead: same logits, and the guesses are scored.
+    for budget in [min, min + 4 * slot * cfg.n_layers as u64] {
+        let mut opts = RuntimeOptions::new(budget);
+        opts.prefetch_next = true;
+        let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+        let got = run_budget(&mut m, &prompt, 12);
+        assert!(bits(&got) == bits(&want), "logits differ with next-layer prefetch");
+        let g = m.cache().stats().guess;
+        assert!(g.passes > 0 && g.routed > 0 && g.right <= g.routed, "{g:?}");
+        assert!(g.saved <= g.reads, "{g:?}");
+    }
+
     // Record routes, then warm-start from them: same logits, slots filled before the run.
     let mut log = RouteLog::new();
     {

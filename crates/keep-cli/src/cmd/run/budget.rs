@@ -39,6 +39,10 @@ pub struct BudgetArgs {
     /// Fill the slots before the run from reap-stats.safetensors or a --record-routes file.
     #[arg(long, value_name = "FILE", requires = "memory_budget")]
     pub warm_start: Option<PathBuf>,
+    /// Guess layer L+1's experts with its router on layer L's hidden state and read them while
+    /// layer L computes; reports how often the guess was right and the reads it saved.
+    #[arg(long, requires = "memory_budget")]
+    pub prefetch_next: bool,
     /// Threads reading experts.
     #[arg(long, default_value_t = DEFAULT_IO_THREADS)]
     pub io_threads: usize,
@@ -88,6 +92,10 @@ fn cache_json(s: &CacheStats) -> serde_json::Value {
         "bytes_read": s.bytes_read, "experts_read": s.experts_read,
         "io_busy_secs": s.io_busy_secs, "read_gbps": s.read_gbps(), "wait_secs": s.wait_secs,
         "warm_bytes": s.warm_bytes,
+        "guess": {
+            "passes": s.guess.passes, "guessed": s.guess.guessed, "routed": s.guess.routed,
+            "right": s.guess.right, "reads": s.guess.reads, "saved": s.guess.saved,
+        },
     })
 }
 
@@ -114,6 +122,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 io_threads: b.io_threads,
                 direct_io: !b.buffered_io,
                 warm_start: b.warm_start.clone(),
+                prefetch_next: b.prefetch_next,
             };
             let m = BudgetedModel::load(&ck, &opts)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
@@ -271,6 +280,18 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 s.read_gbps(),
                 s.wait_secs
             );
+            if s.guess.passes > 0 {
+                let g = s.guess;
+                eprintln!(
+                    "{phase} next-layer guesses: {:.1}% of routed experts guessed ({} of {}); {} guessed reads, {} used ({} read ahead of their layer)",
+                    100.0 * g.right as f64 / g.routed.max(1) as f64,
+                    g.right,
+                    g.routed,
+                    g.reads,
+                    g.saved,
+                    human(g.saved * s.slot_bytes)
+                );
+            }
         }
     }
     let peak = peak_rss_bytes();
