@@ -100,12 +100,14 @@ fn open_direct(_path: &Path) -> Option<File> {
     None
 }
 
-/// `pread` until `need` bytes of `dst` are filled (or `dst` is full); stops early at the end of
-/// the file only once `need` bytes are in.
+/// `pread` into `dst` until its first `need` bytes are filled. The first request asks for all of
+/// `dst` (aligned, for direct I/O); a short read happens only at the end of the file, where the
+/// alignment padding past the last extent may not exist — so the loop stops once `need` bytes
+/// are in rather than asking again from an unaligned offset (which `O_DIRECT` would refuse).
 fn pread_at_least(f: &File, dst: &mut [u8], offset: u64, need: usize) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     let mut done = 0usize;
-    while done < dst.len() {
+    while done < need.min(dst.len()) {
         match f.read_at(&mut dst[done..], offset + done as u64) {
             Ok(0) => break,
             Ok(n) => done += n,

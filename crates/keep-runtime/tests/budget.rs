@@ -115,7 +115,10 @@ fn logits_identical_with_a_small_budget() {
         opts.prefetch_next = true;
         let mut m = BudgetedModel::load(&ck, &opts).unwrap();
         let got = run_budget(&mut m, &prompt, 12);
-        assert!(bits(&got) == bits(&want), "logits differ with next-layer prefetch");
+        assert!(
+            bits(&got) == bits(&want),
+            "logits differ with next-layer prefetch"
+        );
         let g = m.cache().stats().guess;
         assert!(g.passes > 0 && g.routed > 0 && g.right <= g.routed, "{g:?}");
         assert!(g.saved <= g.reads, "{g:?}");
@@ -164,7 +167,7 @@ fn budget_refusal_names_the_bytes_needed() {
     assert!(BudgetedModel::load(&ck, &RuntimeOptions::new(need)).is_ok());
 }
 
-fn check_reads(dir: &std::path::Path) {
+fn check_reads(dir: &std::path::Path) -> bool {
     let path = dir.join("data.bin");
     let data: Vec<u8> = (0..300_000u32)
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
@@ -181,27 +184,38 @@ fn check_reads(dir: &std::path::Path) {
         (0, 300_000),
     ];
     for direct in [true, false] {
+        let mut used = vec![];
         for (off, len) in cases {
-            let (got, _) = read_range(&path, off, len, direct).unwrap();
+            let (got, d) = read_range(&path, off, len, direct).unwrap();
             assert_eq!(
                 got,
                 &data[off as usize..(off + len) as usize],
                 "offset {off} len {len}"
             );
+            used.push(d);
+        }
+        // Direct I/O is used for every read or (filesystem refuses it) for none: never a
+        // fallback in the middle, e.g. at the end of the file.
+        assert!(used.iter().all(|&d| d == used[0]), "{used:?}");
+        if !direct {
+            assert!(!used[0]);
         }
         // Past the end of the file: an error, not short data.
         assert!(read_range(&path, 299_990, 20, direct).is_err());
     }
+    read_range(&path, 1, 1, true).unwrap().1
 }
 
 #[test]
 fn aligned_reads_at_odd_offsets() {
     let dir = tempfile::tempdir().unwrap();
-    check_reads(dir.path());
-    // tmpfs refuses O_DIRECT: the buffered fallback must give the same bytes.
+    let direct = check_reads(dir.path());
+    eprintln!("direct I/O in {}: {direct}", dir.path().display());
+    // tmpfs (before Linux 6.6) refuses O_DIRECT: the buffered fallback must give the same bytes.
     if std::path::Path::new("/dev/shm").is_dir() {
         if let Ok(d) = tempfile::tempdir_in("/dev/shm") {
-            check_reads(d.path());
+            let direct = check_reads(d.path());
+            eprintln!("direct I/O in {}: {direct}", d.path().display());
         }
     }
 }
