@@ -334,6 +334,16 @@ impl ShardFile {
             let _ = m.advise(memmap2::Advice::Sequential);
         }
     }
+    /// Ask the kernel to start reading `len` bytes at file offset `offset` now (asynchronous
+    /// readahead), so that a later copy of them does not wait on the disk; advisory.
+    pub fn advise_willneed(&self, offset: u64, len: usize) {
+        if let Some(m) = &self.mmap {
+            let off = offset as usize;
+            if len > 0 && off < m.len() {
+                let _ = m.advise_range(memmap2::Advice::WillNeed, off, len.min(m.len() - off));
+            }
+        }
+    }
     /// The whole mapping, for advice calls (`madvise`) by callers that stream layers.
     pub fn mapping(&self) -> Option<&memmap2::Mmap> {
         self.mmap.as_ref()

@@ -13,6 +13,7 @@
 
 #![recursion_limit = "512"]
 
+pub mod copy;
 pub mod error;
 pub mod inspect;
 pub mod plan;

@@ -17,6 +17,7 @@ use keep_checkpoint::{Checkpoint, TensorRef};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::copy::{copy_range, copy_tensor};
 use crate::plan::PrunePlan;
 use crate::{ConvertError, Result};
 
@@ -226,20 +227,17 @@ pub fn prune(
     let mut w = CheckpointWriter::create(out, metas, wopts)?;
     let mut done = 0u64;
     let (mut copied, mut sliced) = (0usize, 0usize);
-    const CHUNK: usize = 16 << 20;
     for a in &actions {
         match a {
             Action::Copy(t, name) => {
-                for c in t.bytes.chunks(CHUNK) {
-                    w.write_chunk(name, c)?;
-                }
+                copy_tensor(&ck, &mut w, name, t)?;
                 done += t.bytes.len() as u64;
                 copied += 1;
             }
             Action::Slice(t, s) => {
                 let row = t.bytes.len() / plan.n_experts;
                 for &e in *s {
-                    w.write_chunk(t.name, &t.bytes[e * row..(e + 1) * row])?;
+                    copy_range(&ck, &mut w, t.name, t, e * row, row)?;
                 }
                 done += (row * s.len()) as u64;
                 sliced += 1;

@@ -21,6 +21,7 @@ use keep_format::FormatError;
 use serde::Serialize;
 use serde_json::json;
 
+use crate::copy::copy_tensor;
 use crate::resident::{classify, scale_of, ScaleKind, WeightFormat};
 use crate::{ConvertError, Result};
 
@@ -290,7 +291,6 @@ pub fn repack(
     let mut done = 0u64;
     let mut report_rows = vec![];
     let mut copied = 0usize;
-    const CHUNK: usize = 16 << 20;
     for t in ck.tensors() {
         if old_scales.contains(t.name) {
             continue;
@@ -300,9 +300,7 @@ pub fn repack(
                 let before = (r.weight.bytes.len() + r.scale.bytes.len()) as u64;
                 let after = match opts.resident {
                     ResidentFormat::Mxfp8 => {
-                        for c in t.bytes.chunks(CHUNK) {
-                            w.write_chunk(t.name, c)?;
-                        }
+                        copy_tensor(&ck, &mut w, t.name, &t)?;
                         w.write_tensor(r.scale.name, &r.new_bytes)?;
                         (t.bytes.len() + r.new_bytes.len()) as u64
                     }
@@ -324,9 +322,7 @@ pub fn repack(
                 });
             }
             None => {
-                for c in t.bytes.chunks(CHUNK) {
-                    w.write_chunk(t.name, c)?;
-                }
+                copy_tensor(&ck, &mut w, t.name, &t)?;
                 copied += 1;
             }
         }
