@@ -212,7 +212,7 @@ pub struct TeacherRecord {
 /// Top-`k` log-probs per position and the log-prob of each true next token, from logits
 /// `[T × vocab]` (log-softmax in f64).
 pub fn teacher_of(logits: &[f32], vocab: usize, tokens: &[u32], k: usize) -> TeacherRecord {
-    let t = if vocab == 0 { 0 } else { logits.len() / vocab };
+    let t = logits.len().checked_div(vocab).unwrap_or(0);
     let k = k.min(vocab);
     let mut ids = Vec::with_capacity(t * k);
     let mut lps = Vec::with_capacity(t * k);
