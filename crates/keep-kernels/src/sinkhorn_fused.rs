@@ -6,11 +6,14 @@
 //! `hc_mix` does after its matmul (scale and base, `ops::sigmoid`, `ops::softmax`,
 //! `ops::sinkhorn` with a run-time `hc`). [`hc_split_sinkhorn_fused`] keeps the whole matrix
 //! in registers: for `hc = 4` on x86_64 each row is one SSE register, column sums are vertical
-//! adds in the reference's order (row 0 + row 1 + row 2 + row 3), row sums are the same adds on
-//! the transposed matrix, and every normalisation is an IEEE division as in the reference, with
-//! the same `exp` (libm's `expf`), so it is bit-identical to the unfused path (tested on random
-//! inputs); other `hc` use a const-generic scalar loop in the same order. The rule the kill test
-//! applies (≤ 2e-6 relative) would allow a vector `exp`; this version does not need it.
+//! adds as a tree ((row 0 + row 1) + (row 2 + row 3)), row sums the same tree on the transposed
+//! matrix, and every normalisation is an IEEE division as in the reference (multiplying by
+//! reciprocals was tried: no faster here, and outside 2e-6); the sigmoids and the softmax run
+//! four lanes at a time with a vector `exp` (Cephes `expf`). The sum order (one add shorter on
+//! the dependent chain of each round) and the `exp` are what differ from the reference, and
+//! hc = 4 agrees with the unfused path within the kill test's 2e-6 relative (tested on random
+//! inputs). Other `hc` use a const-generic scalar loop with libm's `exp` in the reference's
+//! exact order: bit-identical.
 //!
 //! Opt-in: [`fused_enabled`] is true only when `KEEP_HC_SINKHORN=fused`; the model's default
 //! path stays the unfused one until the kill test passes.
@@ -134,6 +137,12 @@ fn fused<const N: usize>(
     post: &mut [f32],
     comb: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if N == 4 && p.iters > 0 {
+        // SAFETY: SSE2 is part of the x86_64 baseline; lengths are those of hc = 4.
+        unsafe { split4(p, mix, pre, post, comb) };
+        return;
+    }
     let (s0, s1, s2) = (p.scale[0], p.scale[1], p.scale[2]);
     let eps = p.eps;
     for j in 0..N {
@@ -213,6 +222,113 @@ fn generic<const N: usize>(m: &mut [[f32; N]; N], iters: usize, eps: f32) {
     }
 }
 
+/// `exp` of four lanes (Cephes `expf`: range reduction by ln 2 in two parts, degree-6
+/// polynomial, exponent built in the bits; within 2 ulp of libm's `expf` on the inputs the
+/// split sees, which are ≤ 0 for the softmax and bounded logits for the sigmoids).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn vexp(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let x = _mm_min_ps(
+        _mm_max_ps(x, _mm_set1_ps(-87.336_55)),
+        _mm_set1_ps(88.376_26),
+    );
+    let fx = _mm_add_ps(
+        _mm_mul_ps(x, _mm_set1_ps(std::f32::consts::LOG2_E)),
+        _mm_set1_ps(0.5),
+    );
+    // floor without SSE4.1: truncate, then step down where that rounded up.
+    let t = _mm_cvtepi32_ps(_mm_cvttps_epi32(fx));
+    let fx = _mm_sub_ps(t, _mm_and_ps(_mm_cmpgt_ps(t, fx), _mm_set1_ps(1.0)));
+    let x = _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(0.693_359_4)));
+    let x = _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(-2.121_944_4e-4)));
+    let z = _mm_mul_ps(x, x);
+    let mut y = _mm_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3f32,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm_add_ps(_mm_mul_ps(y, x), _mm_set1_ps(c));
+    }
+    let y = _mm_add_ps(_mm_add_ps(_mm_mul_ps(y, z), x), _mm_set1_ps(1.0));
+    let n = _mm_add_epi32(_mm_cvttps_epi32(fx), _mm_set1_epi32(127));
+    _mm_mul_ps(y, _mm_castsi128_ps(_mm_slli_epi32(n, 23)))
+}
+
+/// hc = 4, all in SSE registers: pre/post sigmoids on one vector each, the comb softmax on the
+/// transposed matrix (lane a = row a: max, exp, sum and divide lane-wise), then the sinkhorn.
+/// The only operation that differs from the reference is the vector `exp`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn split4(p: &HcSplit, mix: &[f32], pre: &mut [f32], post: &mut [f32], comb: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(
+        mix.len() >= 24
+            && p.base.len() >= 24
+            && pre.len() >= 4
+            && post.len() >= 4
+            && comb.len() >= 16
+    );
+    let (mp, bp) = (mix.as_ptr(), p.base.as_ptr());
+    let lin = |o: usize, s: f32| {
+        _mm_add_ps(
+            _mm_mul_ps(_mm_loadu_ps(mp.add(o)), _mm_set1_ps(s)),
+            _mm_loadu_ps(bp.add(o)),
+        )
+    };
+    let one = _mm_set1_ps(1.0);
+    let e = _mm_set1_ps(p.eps);
+    let sig = |v: __m128| _mm_div_ps(one, _mm_add_ps(one, vexp(_mm_sub_ps(_mm_setzero_ps(), v))));
+    _mm_storeu_ps(pre.as_mut_ptr(), _mm_add_ps(sig(lin(0, p.scale[0])), e));
+    _mm_storeu_ps(
+        post.as_mut_ptr(),
+        _mm_mul_ps(_mm_set1_ps(2.0), sig(lin(4, p.scale[1]))),
+    );
+    let r = [
+        lin(8, p.scale[2]),
+        lin(12, p.scale[2]),
+        lin(16, p.scale[2]),
+        lin(20, p.scale[2]),
+    ];
+    let mut t = transpose4(r);
+    let mx = _mm_max_ps(_mm_max_ps(_mm_max_ps(t[0], t[1]), t[2]), t[3]);
+    for v in t.iter_mut() {
+        *v = vexp(_mm_sub_ps(*v, mx));
+    }
+    let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(t[0], t[1]), t[2]), t[3]);
+    for v in t.iter_mut() {
+        *v = _mm_add_ps(_mm_div_ps(*v, s), e);
+    }
+    let mut m = [[0f32; 4]; 4];
+    let r = transpose4(t);
+    for a in 0..4 {
+        _mm_storeu_ps(m[a].as_mut_ptr(), r[a]);
+    }
+    sse4x4(&mut m, p.iters, p.eps);
+    for a in 0..4 {
+        comb[a * 4..a * 4 + 4].copy_from_slice(&m[a]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose4(r: [std::arch::x86_64::__m128; 4]) -> [std::arch::x86_64::__m128; 4] {
+    use std::arch::x86_64::*;
+    let t0 = _mm_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm_unpacklo_ps(r[2], r[3]);
+    let t2 = _mm_unpackhi_ps(r[0], r[1]);
+    let t3 = _mm_unpackhi_ps(r[2], r[3]);
+    [
+        _mm_movelh_ps(t0, t1),
+        _mm_movehl_ps(t1, t0),
+        _mm_movelh_ps(t2, t3),
+        _mm_movehl_ps(t3, t2),
+    ]
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
@@ -237,11 +353,10 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
         _mm_loadu_ps(m[2].as_ptr()),
         _mm_loadu_ps(m[3].as_ptr()),
     ];
-    // Column b's sum is lane b of ((r0 + r1) + r2) + r3: the reference's `0 + r0 + ...` with
-    // the leading `0 +` dropped, which changes nothing here (every entry is > 0 after the
-    // softmax + eps, and `0 + x == x` for every x but -0).
+    // Column b's sum is lane b of (r0 + r1) + (r2 + r3): a tree instead of the reference's
+    // left-to-right sum (one add shorter on the critical path; rounding within the rule).
     let cols = |r: &mut [__m128; 4]| {
-        let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(r[0], r[1]), r[2]), r[3]);
+        let s = _mm_add_ps(_mm_add_ps(r[0], r[1]), _mm_add_ps(r[2], r[3]));
         let d = _mm_add_ps(s, e);
         for v in r.iter_mut() {
             *v = _mm_div_ps(*v, d);
@@ -249,10 +364,10 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
     };
     cols(&mut r);
     for _ in 1..iters {
-        // Row sums: the same adds on the transposed matrix (lane a = row a); each row is then
+        // Row sums: the same tree on the transposed matrix (lane a = row a); each row is then
         // divided by its own sum, broadcast.
         let t = transpose(r);
-        let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(t[0], t[1]), t[2]), t[3]);
+        let s = _mm_add_ps(_mm_add_ps(t[0], t[1]), _mm_add_ps(t[2], t[3]));
         let d = _mm_add_ps(s, e);
         r[0] = _mm_div_ps(r[0], _mm_shuffle_ps(d, d, 0x00));
         r[1] = _mm_div_ps(r[1], _mm_shuffle_ps(d, d, 0x55));
@@ -269,8 +384,12 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
 mod tests {
     use super::*;
 
+    /// The kill test's rule: the fused path may differ from the unfused one by 2e-6 relative
+    /// (its vector `exp` is within 2 ulp of libm's); absolute floor for values near 0.
+    const REL_TOL: f32 = 2e-6;
+
     #[test]
-    fn fused_is_bit_identical_to_the_unfused_path() {
+    fn fused_matches_the_unfused_path() {
         let mut s = 0x2545_F491_4F6C_DD1Du64;
         let mut f = move || {
             s ^= s << 13;
@@ -304,8 +423,19 @@ mod tests {
                         let (post, comb) = rest.split_at_mut(hc);
                         hc_split_sinkhorn_fused(&p, &mix, pre, post, comb);
                     }
-                    let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "hc={hc} iters={iters}: {a:?} vs {b:?}");
+                    // hc = 4 with rounds takes the SIMD split (vector exp): within tolerance;
+                    // every other case is the reference's operations: bit for bit.
+                    let simd = hc == 4 && iters > 0 && cfg!(target_arch = "x86_64");
+                    for (x, y) in a.iter().zip(&b) {
+                        if simd {
+                            assert!(
+                                (x - y).abs() <= REL_TOL * x.abs().max(1e-6),
+                                "hc={hc} iters={iters}: {x} vs {y}"
+                            );
+                        } else {
+                            assert_eq!(x.to_bits(), y.to_bits(), "hc={hc} iters={iters}");
+                        }
+                    }
                 }
             }
         }
