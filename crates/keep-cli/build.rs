@@ -1,12 +1,22 @@
-//! Build script: embed the bundled model (`models/keep-tiny/`, every regular file) in the
-//! binary, so that `keep` finds its default model from any directory after `cargo install`.
-//! Generates `$OUT_DIR/bundled_files.rs`: a `&[(&str, &[u8])]` of file names and bytes.
+//! Build script: embed the bundled model (`models/keep-tiny/`) and its calibration pack
+//! (`models/keep-tiny-pack/`), every regular file, in the binary, so that `keep` finds its
+//! defaults from any directory after `cargo install`. Generates `$OUT_DIR/bundled_files.rs`:
+//! `FILES` and `PACK_FILES`, each a `&[(&str, &[u8])]` of file names and bytes.
 
 use std::path::PathBuf;
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"));
-    let dir = manifest.join("../../models/keep-tiny");
+    let mut code = String::new();
+    for (name, dir) in [("FILES", "keep-tiny"), ("PACK_FILES", "keep-tiny-pack")] {
+        code.push_str(&embed(name, &manifest.join("../../models").join(dir)));
+    }
+    let out =
+        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets it")).join("bundled_files.rs");
+    std::fs::write(out, code).expect("write generated file");
+}
+
+fn embed(static_name: &str, dir: &std::path::Path) -> String {
     println!("cargo:rerun-if-changed={}", dir.display());
     let mut entries = vec![];
     if let Ok(rd) = std::fs::read_dir(&dir) {
@@ -19,7 +29,7 @@ fn main() {
         }
     }
     entries.sort();
-    let mut code = String::from("/// The bundled model's files, embedded at build time.\npub static FILES: &[(&str, &[u8])] = &[\n");
+    let mut code = format!("/// Files of `{}`, embedded at build time.\npub static {static_name}: &[(&str, &[u8])] = &[\n", dir.display());
     for (name, path) in &entries {
         code.push_str(&format!(
             "    ({name:?}, include_bytes!({:?})),\n",
@@ -27,7 +37,5 @@ fn main() {
         ));
     }
     code.push_str("];\n");
-    let out =
-        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets it")).join("bundled_files.rs");
-    std::fs::write(out, code).expect("write generated file");
+    code
 }

@@ -27,7 +27,7 @@ pub struct CalibrateArgs {
     /// The model directory (default: the bundled model).
     #[arg(value_name = "MODEL")]
     model: Option<PathBuf>,
-    /// The pack (from `keep pack`).
+    /// The pack (from `keep pack`; default: $KEEP_PACK, else the bundled pack).
     #[arg(long)]
     pack: Option<PathBuf>,
     /// The run directory (created; resumed when it holds sessions of this model and pack).
@@ -70,7 +70,7 @@ pub(crate) fn default_pack() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("KEEP_PACK") {
         return Ok(PathBuf::from(p));
     }
-    anyhow::bail!("give --pack PACK (made by `keep pack`), or set KEEP_PACK")
+    crate::bundled::default_pack_dir()
 }
 
 /// Peak resident set of this process (VmHWM), in bytes, where /proc has it.
