@@ -12,6 +12,7 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
              tensor equals the original block decode (done here with ml_dtypes) bit for bit, and
              mlx_lm.utils.load_model loads the repacked V4.1 directory and runs a forward pass;
              prints how many values mx.quantize(mode="mxfp8") of the bf16 decode changes
+  prune      keep prune's output (keep synth tiny, bundled keep-tiny) loads and runs in mlx-lm
   model      (when tools/oracle/model_conformance.py exists) keep's forward against mlx-lm
   fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
 """
@@ -178,6 +179,39 @@ def section_repack(args):
                           f"logits {tuple(logits.shape)}")
 
 
+def section_prune(args):
+    """keep prune's output loads and runs in mlx-lm (a keep synth model and the bundled one)."""
+    from mlx_lm.utils import load_model
+    keep = args.keep
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        src = tmp / "tiny"
+        run([keep, "synth", "--preset", "tiny", "--out", src, "--seed", "3"])
+        sources = [("synth tiny", src, 16), ("bundled keep-tiny", ROOT / "models/keep-tiny", 32)]
+        for tag, model, n in sources:
+            if not (model / "config.json").exists():
+                print(f"SKIP prune {tag}: {model} is not there", flush=True)
+                continue
+            keep_n = n // 2
+            plan = {"format": "keep-prune-plan", "version": 1, "n_experts": n, "keep": keep_n,
+                    "saliency": "conformance",
+                    "layers": [{"layer": l} for l in
+                               range(json.loads((model / "config.json").read_text())["num_hidden_layers"])]}
+            # Survivors: a scattered half of the experts in every layer.
+            for l in plan["layers"]:
+                l["survivors"] = sorted(((e * 5 + l["layer"] * 3) % n) for e in range(keep_n))
+            pp = tmp / f"plan-{n}.json"
+            pp.write_text(json.dumps(plan))
+            out = tmp / f"pruned-{n}"
+            run([keep, "prune", model, out, "--plan", pp])
+            m, cfg = load_model(out)
+            logits = m(mx.array([list(range(1, 41))]))
+            mx.eval(logits)
+            check(f"prune {tag}: mlx_lm.utils.load_model loads the pruned model ({cfg['n_routed_experts']} experts) and runs a forward",
+                  cfg["n_routed_experts"] == keep_n and bool(mx.all(mx.isfinite(logits)).item()),
+                  f"logits {tuple(logits.shape)}")
+
+
 def section_model(args):
     script = ROOT / "tools/oracle/model_conformance.py"
     if not script.exists():
@@ -198,7 +232,8 @@ def section_fixtures(args):
     check("fixtures: regenerated keep-tiny fixtures equal the committed ones", r.returncode == 0)
 
 
-SECTIONS = {"codes": section_codes, "repack": section_repack, "model": section_model,
+SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
+            "model": section_model,
             "fixtures": section_fixtures}
 
 
