@@ -104,6 +104,13 @@ pub fn load(dir: &Path) -> Result<Summary> {
             )));
         }
     }
+    // Run order (the bandwidth reference first), unknown tests last.
+    rows.sort_by_key(|(_, r, _)| {
+        crate::killtests::TESTS
+            .iter()
+            .position(|t| *t == r.test)
+            .unwrap_or(usize::MAX)
+    });
     let bandwidth_gbps = rows
         .iter()
         .find(|(_, r, _)| r.test == "memory-bandwidth")
