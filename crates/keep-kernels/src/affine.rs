@@ -220,6 +220,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn fast_matches_ref_and_decoded_dot() {
         let mut seed = 0x1234_5678_9abc_def1u64;
         for &(rows, cols) in &[(1, 64), (7, 128), (33, 192), (130, 640)] {

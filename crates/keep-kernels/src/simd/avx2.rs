@@ -179,7 +179,7 @@ impl Dec for Affine8D<'_> {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 unsafe fn block<D: Dec, const MR: usize>(
     d: &D,
     src: &Src,

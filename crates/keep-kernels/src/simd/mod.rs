@@ -321,6 +321,7 @@ pub fn dot(x: &[f32], w: &[f32]) -> f32 {
 ///
 /// # Safety
 /// `out` valid for writes at `i*ld + r` (i < m, r in r0..r1), not written by anyone else.
+#[allow(clippy::too_many_arguments)]
 unsafe fn rows_scalar(
     src: &Src,
     cols: usize,
@@ -345,6 +346,7 @@ unsafe fn rows_scalar(
 ///
 /// # Safety
 /// As [`rows_scalar`]; `x` has `m * cols` elements, `src` holds at least `r1` rows of `cols`.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn rows_at(
     level: Level,
     src: &Src,
