@@ -75,7 +75,10 @@ pub fn run(src: &Path, scratch: &Path, rounds: usize) -> Result<SideBySide> {
         let mut cur: Option<(std::path::PathBuf, std::fs::File)> = None;
         for (path, off, len) in &extents {
             if cur.as_ref().is_none_or(|(p, _)| p != path) {
-                cur = Some((path.clone(), std::fs::File::open(path).map_err(|e| io(path, e))?));
+                cur = Some((
+                    path.clone(),
+                    std::fs::File::open(path).map_err(|e| io(path, e))?,
+                ));
             }
             let f = &mut cur.as_mut().expect("opened").1;
             f.seek(SeekFrom::Start(*off)).map_err(|e| io(path, e))?;

@@ -62,7 +62,11 @@ pub fn run(src: &Path, scratch: &Path, rounds: usize) -> Result<SideBySide> {
             subject_bytes: bytes,
             goal: 0.8,
             run_baseline: &|| plain_copy(src, &copy_out),
-            run_subject: &|| repack(src, &repack_out, &opts, &|_, _| {}).map(|_| ()).map_err(Into::into),
+            run_subject: &|| {
+                repack(src, &repack_out, &opts, &|_, _| {})
+                    .map(|_| ())
+                    .map_err(Into::into)
+            },
             cleanup: &|| {
                 let _ = std::fs::remove_dir_all(&copy_out);
                 let _ = std::fs::remove_dir_all(&repack_out);

@@ -53,30 +53,44 @@ fn check(full: &Path, tokens: &[u32], keep: usize, scratch: &Path) {
         masked.set_router_mask(l, plan.pruned_mask(l)).unwrap();
     }
     let mut cache = masked.new_cache();
-    let want = masked.forward(tokens, &mut cache, Logits::All, None).unwrap();
+    let want = masked
+        .forward(tokens, &mut cache, Logits::All, None)
+        .unwrap();
 
     let pck = Checkpoint::open(&out).unwrap();
     let pruned = Model::load(&pck).unwrap();
     let mut cache = pruned.new_cache();
-    let got = pruned.forward(tokens, &mut cache, Logits::All, None).unwrap();
+    let got = pruned
+        .forward(tokens, &mut cache, Logits::All, None)
+        .unwrap();
     assert_eq!(want.len(), got.len());
-    let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+    let same = want
+        .iter()
+        .zip(&got)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "pruned checkpoint and router-masked model differ");
 
     // The streamed student keep eval runs is the same function.
     let so = StreamOptions {
         logits: Logits::All,
-        masks: (0..cfg.num_hidden_layers).map(|l| plan.pruned_mask(l)).collect(),
+        masks: (0..cfg.num_hidden_layers)
+            .map(|l| plan.pruned_mask(l))
+            .collect(),
         on_layer: None,
         release_pages: false,
     };
     let streamed = forward_streamed(&ck, &[tokens.to_vec()], so, None).unwrap();
-    assert!(streamed[0].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(streamed[0]
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
 
     // And masking really changes the output (the test can fail).
     let full_model = Model::load(&ck).unwrap();
     let mut cache = full_model.new_cache();
-    let unmasked = full_model.forward(tokens, &mut cache, Logits::All, None).unwrap();
+    let unmasked = full_model
+        .forward(tokens, &mut cache, Logits::All, None)
+        .unwrap();
     assert!(unmasked.iter().zip(&want).any(|(a, b)| a != b));
 }
 

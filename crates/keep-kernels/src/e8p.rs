@@ -56,27 +56,9 @@ impl<'a> E8pView<'a> {
     }
 }
 
-fn check(x: &[f32], m: usize, w: &E8pView, out: &[f32]) -> Result<()> {
-    if x.len() != m * w.cols {
-        return Err(KernelError::Operand {
-            what: "x",
-            expected: m * w.cols,
-            got: x.len(),
-        });
-    }
-    if out.len() != m * w.rows {
-        return Err(KernelError::Operand {
-            what: "out",
-            expected: m * w.rows,
-            got: out.len(),
-        });
-    }
-    Ok(())
-}
-
 /// Scalar reference (`keep_format::e8p::e8p_matmul_ref`: f64 accumulation).
 pub fn e8p_matmul_ref(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
-    check(x, m, w, out)?;
+    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
     keep_format::e8p::e8p_matmul_ref(x, m, w.codes, w.scales, w.rows, w.cols, out).map_err(|e| {
         KernelError::Shape {
             what: "e8p matmul",
@@ -197,7 +179,7 @@ unsafe impl Sync for SyncPtr {}
 /// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big; bit-identical to
 /// `keep_format::e8p::e8p_matmul`.
 pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
-    check(x, m, w, out)?;
+    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
     let rows_n = w.rows;
     let ptr = SyncPtr(out.as_mut_ptr());
     let threads = rayon::current_num_threads();
@@ -231,7 +213,7 @@ pub struct E8pJob<'a, 'b> {
 /// equals [`e8p_matmul`] of its job.
 pub fn e8p_matmul_many(jobs: &mut [E8pJob]) -> Result<()> {
     for j in jobs.iter() {
-        check(j.x, j.m, &j.w, j.out)?;
+        crate::matmul::check_operands(j.x, j.m, j.w.rows, j.w.cols, j.out)?;
     }
     let threads = rayon::current_num_threads();
     let total: usize = jobs.iter().map(|j| j.m * j.w.rows * j.w.cols).sum();

@@ -174,18 +174,25 @@ pub fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
     dot_generic(xs, w)
 }
 
-fn check_operands(x: &[f32], m: usize, w: &WeightView, out: &[f32]) -> Result<()> {
-    if x.len() != m * w.cols {
+/// Check the operands of `out[M×rows] = x[M×cols] · Wᵀ` (shared by every kernel).
+pub(crate) fn check_operands(
+    x: &[f32],
+    m: usize,
+    rows: usize,
+    cols: usize,
+    out: &[f32],
+) -> Result<()> {
+    if x.len() != m * cols {
         return Err(KernelError::Operand {
             what: "x",
-            expected: m * w.cols,
+            expected: m * cols,
             got: x.len(),
         });
     }
-    if out.len() != m * w.rows {
+    if out.len() != m * rows {
         return Err(KernelError::Operand {
             what: "out",
-            expected: m * w.rows,
+            expected: m * rows,
             got: out.len(),
         });
     }
@@ -194,7 +201,7 @@ fn check_operands(x: &[f32], m: usize, w: &WeightView, out: &[f32]) -> Result<()
 
 /// Scalar reference: f64 accumulation of `get_ref` elements.
 pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    check_operands(x, m, w, out)?;
+    check_operands(x, m, w.rows, w.cols, out)?;
     for i in 0..m {
         for r in 0..w.rows {
             let mut s = 0f64;
@@ -272,7 +279,7 @@ unsafe fn rows_kernel(
 
 /// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (threaded over output rows when big).
 pub fn matmul(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    check_operands(x, m, w, out)?;
+    check_operands(x, m, w.rows, w.cols, out)?;
     let rows = w.rows;
     let ptr = SyncPtr(out.as_mut_ptr());
     let work = m * rows * w.cols;

@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 use crate::affine::{Affine8View, AFFINE8_GROUP};
 use crate::weight::{BlockScales, WeightKind};
-use crate::{KernelError, Result, WeightView};
+use crate::{Result, WeightView};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -411,29 +411,11 @@ pub(crate) fn run(src: Src, rows: usize, cols: usize, x: &[f32], m: usize, out: 
     run_at(level(), src, rows, cols, x, m, out)
 }
 
-fn check(x: &[f32], m: usize, w: &WeightView, out: &[f32]) -> Result<()> {
-    if x.len() != m * w.cols {
-        return Err(KernelError::Operand {
-            what: "x",
-            expected: m * w.cols,
-            got: x.len(),
-        });
-    }
-    if out.len() != m * w.rows {
-        return Err(KernelError::Operand {
-            what: "out",
-            expected: m * w.rows,
-            got: out.len(),
-        });
-    }
-    Ok(())
-}
-
 /// `out[M×rows] = x[M×cols] · Wᵀ` with the weight decoded in registers (see the module doc);
 /// on AVX2+FMA CPUs bit-identical to [`crate::matmul::matmul`]. Meant for M = 1..32 (any M
 /// works).
 pub fn matmul_fast(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    check(x, m, w, out)?;
+    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
     run(Src::view(w), w.rows, w.cols, x, m, out);
     Ok(())
 }
@@ -441,7 +423,7 @@ pub fn matmul_fast(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resu
 /// [`matmul_fast`] at an explicit level (tests and A/B benchmarks). A level the CPU lacks is
 /// lowered to the best one it has.
 pub fn matmul_at(level: Level, x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    check(x, m, w, out)?;
+    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
     run_at(
         level.min(detected()),
         Src::view(w),
@@ -467,7 +449,7 @@ pub struct Job<'a, 'b> {
 impl<'a, 'b> Job<'a, 'b> {
     /// A job over a [`WeightView`] (lengths checked).
     pub fn view(w: &WeightView<'a>, x: &'b [f32], m: usize, out: &'b mut [f32]) -> Result<Self> {
-        check(x, m, w, out)?;
+        crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
         Ok(Job {
             w: Src::view(w),
             rows: w.rows,
