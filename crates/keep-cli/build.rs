@@ -19,7 +19,7 @@ fn main() {
 fn embed(static_name: &str, dir: &std::path::Path) -> String {
     println!("cargo:rerun-if-changed={}", dir.display());
     let mut entries = vec![];
-    if let Ok(rd) = std::fs::read_dir(&dir) {
+    if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
             let p = e.path();
             if p.is_file() {

@@ -55,7 +55,7 @@ enum Action<'a> {
     Slice(TensorRef<'a>, &'a [usize]),
 }
 
-fn survivors_for<'p>(plan: &'p PrunePlan, scope: Scope) -> Option<&'p [usize]> {
+fn survivors_for(plan: &PrunePlan, scope: Scope) -> Option<&[usize]> {
     match scope {
         Scope::Layer(l) => plan.survivors(l),
         Scope::Mtp(n) => plan.mtp_survivors(n),

@@ -283,7 +283,7 @@ const fn build_shift() -> [f32; 256] {
     let mut t = [0.0f32; 256];
     let mut s = 0u32;
     while s < 256 {
-        t[s as usize] = if s.count_ones() % 2 == 0 {
+        t[s as usize] = if s.count_ones().is_multiple_of(2) {
             E8P_SHIFT
         } else {
             -E8P_SHIFT

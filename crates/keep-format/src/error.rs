@@ -89,7 +89,7 @@ pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Resu
 /// `Err(Unaligned)` unless `cols % multiple == 0`.
 #[inline]
 pub(crate) fn check_aligned(what: &'static str, cols: usize, multiple: usize) -> Result<()> {
-    if cols % multiple == 0 {
+    if cols.is_multiple_of(multiple) {
         Ok(())
     } else {
         Err(FormatError::Unaligned {

@@ -241,7 +241,7 @@ pub fn decode_fp8_block_row(
         return Ok(());
     }
     let n = scales.len();
-    if n % sc != 0 {
+    if !n.is_multiple_of(sc) {
         return Err(FormatError::LengthMismatch {
             what: "fp8 block scales (a multiple of the scale columns)",
             expected: n.div_ceil(sc) * sc,

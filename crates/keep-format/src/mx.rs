@@ -253,7 +253,7 @@ mod tests {
             let src: Vec<f32> = (0..cols)
                 .map(|_| {
                     let r = lcg(&mut seed);
-                    if r % 17 == 0 {
+                    if r.is_multiple_of(17) {
                         0.0
                     } else {
                         let m = (r >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0;

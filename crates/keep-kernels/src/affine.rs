@@ -38,7 +38,7 @@ impl<'a> Affine8View<'a> {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        if cols % AFFINE8_GROUP != 0 {
+        if !cols.is_multiple_of(AFFINE8_GROUP) {
             return Err(KernelError::Shape {
                 what: "affine8 weight",
                 msg: format!("{cols} columns is not a multiple of {AFFINE8_GROUP}"),

@@ -27,7 +27,7 @@ pub struct E8pView<'a> {
 impl<'a> E8pView<'a> {
     /// Check lengths (`cols % 8 == 0`).
     pub fn new(codes: &'a [u16], scales: &'a [f32], rows: usize, cols: usize) -> Result<Self> {
-        if cols % E8P_DIM != 0 {
+        if !cols.is_multiple_of(E8P_DIM) {
             return Err(KernelError::Shape {
                 what: "e8p weight",
                 msg: format!("{cols} columns is not a multiple of 8"),

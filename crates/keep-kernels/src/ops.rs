@@ -219,7 +219,7 @@ impl Rope {
 /// `ceil(log2(max(amax, 1e-4) / 448))`, clip to ±448, round to E4M3 (RNE). Rows whose length is
 /// not a multiple of `block` are left alone, as in the reference.
 pub fn fake_quant_fp8(x: &mut [f32], block: usize) {
-    if x.len() % block != 0 {
+    if !x.len().is_multiple_of(block) {
         return;
     }
     for b in x.chunks_exact_mut(block) {
@@ -256,7 +256,7 @@ pub fn round_fp4(x: f32) -> f32 {
 
 /// `_fake_quant_fp4(x, block_size, e4m3_scale)` on one row in place.
 pub fn fake_quant_fp4(x: &mut [f32], block: usize, e4m3_scale: bool) {
-    if x.len() % block != 0 {
+    if !x.len().is_multiple_of(block) {
         return;
     }
     let floor = if e4m3_scale {

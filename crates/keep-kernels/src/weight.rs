@@ -162,7 +162,7 @@ impl<'a> WeightView<'a> {
 
     /// MXFP8: E4M3 elements with one E8M0 scale per row and 32 columns.
     pub fn mxfp8(q: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(KernelError::Shape {
                 what: "mxfp8 weight",
                 msg: format!("{cols} columns is not a multiple of 32"),
@@ -179,7 +179,7 @@ impl<'a> WeightView<'a> {
 
     /// MXFP4: packed E2M1 pairs with one E8M0 scale per row and 32 columns.
     pub fn mxfp4(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(KernelError::Shape {
                 what: "mxfp4 weight",
                 msg: format!("{cols} columns is not a multiple of 32"),
@@ -283,7 +283,11 @@ impl<'a> WeightView<'a> {
             }
             WeightKind::Mxfp4 { packed, scales } => {
                 let byte = packed[(r * cols + c) / 2];
-                let nib = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                let nib = if c.is_multiple_of(2) {
+                    byte & 0xF
+                } else {
+                    byte >> 4
+                };
                 E2M1[nib as usize] * e8m0_to_f32(scales[r * cols / 32 + c / 32])
             }
         }

@@ -126,7 +126,7 @@ impl ModelConfig {
                 "hidden_size, num_attention_heads, head_dim and vocab_size must be positive".into(),
             );
         }
-        if c.o_groups == 0 || (c.num_attention_heads * c.head_dim) % c.o_groups != 0 {
+        if c.o_groups == 0 || !(c.num_attention_heads * c.head_dim).is_multiple_of(c.o_groups) {
             return bad(
                 "o_groups",
                 format!(
@@ -135,7 +135,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if c.qk_rope_head_dim % 2 != 0
+        if !c.qk_rope_head_dim.is_multiple_of(2)
             || c.qk_rope_head_dim > c.head_dim
             || c.qk_rope_head_dim > c.index_head_dim
         {

@@ -80,7 +80,7 @@ pub fn view<'a>(
             }
             let sshape: Vec<usize> = s.shape.iter().map(|&v| v as usize).collect();
             let e8 = matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8);
-            if cols % 32 == 0 && sshape == [rows, cols / 32] && e8 {
+            if cols.is_multiple_of(32) && sshape == [rows, cols / 32] && e8 {
                 return WeightView::mxfp8(w.bytes, s.bytes, rows, cols).map_err(kerr);
             }
             if sshape.len() != 2 {
@@ -112,7 +112,7 @@ pub fn view<'a>(
             WeightView::fp8_block(w.bytes, scales, rows, cols, block.0, block.1).map_err(kerr)
         }
         (Dtype::I8 | Dtype::U8, Some(s)) => {
-            if cols % 32 != 0 || wshape != [rows, cols / 2] {
+            if !cols.is_multiple_of(32) || wshape != [rows, cols / 2] {
                 return Err(shape_err(name, &[rows, cols / 2], w.shape));
             }
             let sshape: Vec<usize> = s.shape.iter().map(|&v| v as usize).collect();

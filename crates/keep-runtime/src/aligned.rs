@@ -94,7 +94,7 @@ mod tests {
         for n in [0usize, 1, 4095, 4096, 4097, 100_000] {
             let b = AlignedBuf::new(n).unwrap();
             assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
-            assert!(b.len() >= n && b.len() % ALIGN == 0);
+            assert!(b.len() >= n && b.len().is_multiple_of(ALIGN));
             assert!(b.as_slice().iter().all(|&x| x == 0));
         }
         assert_eq!(align_down(4097), 4096);

@@ -359,7 +359,7 @@ impl ExpertStore {
     /// [`ALIGN`]-aligned). Returns the bytes read from the file.
     pub fn read_into(&self, layer: usize, expert: usize, slot: &mut [u8]) -> Result<u64> {
         let lay = self.layout_or_err(layer, expert)?;
-        if slot.len() < lay.slot_bytes as usize || slot.as_ptr() as usize % ALIGN != 0 {
+        if slot.len() < lay.slot_bytes as usize || !(slot.as_ptr() as usize).is_multiple_of(ALIGN) {
             return Err(RuntimeError::Invalid(format!(
                 "slot of {} bytes at alignment {} cannot take {} bytes",
                 slot.len(),
