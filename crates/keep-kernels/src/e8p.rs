@@ -172,9 +172,7 @@ unsafe fn rows(w: &E8pView, x: &[f32], m: usize, r0: usize, r1: usize, out: *mut
     }
 }
 
-struct SyncPtr(*mut f32);
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
+use crate::simd::{row_tasks, SyncPtr};
 
 /// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big; bit-identical to
 /// `keep_format::e8p::e8p_matmul`.
@@ -215,19 +213,10 @@ pub fn e8p_matmul_many(jobs: &mut [E8pJob]) -> Result<()> {
     for j in jobs.iter() {
         crate::matmul::check_operands(j.x, j.m, j.w.rows, j.w.cols, j.out)?;
     }
-    let threads = rayon::current_num_threads();
-    let total: usize = jobs.iter().map(|j| j.m * j.w.rows * j.w.cols).sum();
-    let target = (total / (threads.max(1) * 4)).max(1);
-    let mut tasks = vec![];
-    for (ji, j) in jobs.iter().enumerate() {
-        let rows_per = (target / (j.m * j.w.cols).max(1)).clamp(1, j.w.rows.max(1));
-        let mut r0 = 0;
-        while r0 < j.w.rows {
-            let r1 = (r0 + rows_per).min(j.w.rows);
-            tasks.push((ji, r0, r1));
-            r0 = r1;
-        }
-    }
+    let tasks = row_tasks(
+        jobs.iter().map(|j| (j.m, j.w.rows, j.w.cols)),
+        rayon::current_num_threads(),
+    );
     let ptrs: Vec<SyncPtr> = jobs
         .iter_mut()
         .map(|j| SyncPtr(j.out.as_mut_ptr()))

@@ -372,9 +372,31 @@ pub unsafe fn rows_at(
     }
 }
 
-struct SyncPtr(*mut f32);
+/// An output pointer shared by threads that write disjoint rows.
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
+
+/// Cut the output rows of several products (each `(m, rows, cols)`) into `(job, r0, r1)`
+/// tasks of about `total MACs / (threads * 4)` multiply-adds each, for one parallel pass.
+pub(crate) fn row_tasks(
+    shapes: impl Iterator<Item = (usize, usize, usize)> + Clone,
+    threads: usize,
+) -> Vec<(usize, usize, usize)> {
+    let total: usize = shapes.clone().map(|(m, rows, cols)| m * rows * cols).sum();
+    let target = (total / (threads.max(1) * 4)).max(1);
+    let mut tasks = vec![];
+    for (ji, (m, rows, cols)) in shapes.enumerate() {
+        let rows_per = (target / (m * cols).max(1)).clamp(1, rows.max(1));
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + rows_per).min(rows);
+            tasks.push((ji, r0, r1));
+            r0 = r1;
+        }
+    }
+    tasks
+}
 
 /// The whole product at a given level, threaded over output rows when big. Operand lengths
 /// must already be checked (`x`: `m*cols`, `out`: `m*rows`).
@@ -474,19 +496,7 @@ pub fn matmul_many(jobs: &mut [Job]) {
         }
         return;
     }
-    // Chunks of about total / (threads * 4) multiply-adds each.
-    let target = (total / (threads * 4)).max(1);
-    let mut tasks = vec![];
-    for (ji, j) in jobs.iter_mut().enumerate() {
-        let per_row = (j.m * j.cols).max(1);
-        let rows_per = (target / per_row).clamp(1, j.rows.max(1));
-        let mut r0 = 0;
-        while r0 < j.rows {
-            let r1 = (r0 + rows_per).min(j.rows);
-            tasks.push((ji, r0, r1));
-            r0 = r1;
-        }
-    }
+    let tasks = row_tasks(jobs.iter().map(|j| (j.m, j.rows, j.cols)), threads);
     let ptrs: Vec<SyncPtr> = jobs
         .iter_mut()
         .map(|j| SyncPtr(j.out.as_mut_ptr()))
