@@ -28,6 +28,21 @@ pub trait ExpertSource: Send + Sync {
     /// A hint that these experts of `layer` are about to be asked for (one call per layer per
     /// forward, with every expert the batch routes to). Default: nothing.
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// Experts `experts` of `layer` at once, so that one kernel call can multiply a token by
+    /// all of them: every returned view stays valid until the next call into `self` for
+    /// `layer`. At most [`ExpertSource::max_batch`] experts are asked for per call. The default
+    /// asks [`ExpertSource::expert`] for each, which is right for sources whose views live as
+    /// long as the source (a source that recycles buffers must override both methods).
+    fn experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertWeights<'_>>> {
+        experts.iter().map(|&e| self.expert(layer, e)).collect()
+    }
+
+    /// The most experts of one layer that [`ExpertSource::experts`] can hand out together
+    /// (at least 1). Default: no limit.
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// Experts read from the checkpoint mapping (the format decided per tensor).

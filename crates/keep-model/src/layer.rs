@@ -11,6 +11,7 @@
 
 use keep_checkpoint::Checkpoint;
 use keep_kernels::ops::{self, Rope};
+use keep_kernels::simd::{matmul_many, Job};
 use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
@@ -201,21 +202,34 @@ fn lin(
     name: &'static str,
     expert: Option<usize>,
 ) -> Result<Vec<f32>> {
+    note_input(obs, layer, name, expert, x, m, w.cols);
+    let mut y = vec![0f32; m * w.rows];
+    matmul(x, m, w, &mut y)?;
+    Ok(y)
+}
+
+/// Tell the observer (if it wants them) the input of a linear layer.
+fn note_input(
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) {
     if let Some(o) = obs.as_deref_mut() {
         if o.wants_linear_inputs() {
             o.on_linear_input(&LinearInputEvent {
                 layer,
                 name,
                 expert,
-                rows: m,
-                cols: w.cols,
+                rows,
+                cols,
                 x,
             });
         }
     }
-    let mut y = vec![0f32; m * w.rows];
-    matmul(x, m, w, &mut y)?;
-    Ok(y)
 }
 
 /// `HyperConnection.__call__`: (pre `[T×hc]`, post `[T×hc]`, comb `[T×hc×hc]`).
@@ -724,39 +738,102 @@ impl LayerWeights<'_> {
         experts.prefetch(l, &used);
         let mut ys = vec![0f32; t * k * d];
         let limit = cfg.swiglu_limit;
-        for &j in &used {
-            let routes = &by_expert[j];
-            let m = routes.len();
-            let ew = experts.expert(l, j)?;
-            let mut xin = vec![0f32; m * d];
-            for (r, &(i, _)) in routes.iter().enumerate() {
-                xin[r * d..(r + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
+        let inter = cfg.inter;
+        // The experts of a chunk are multiplied together: one parallel kernel pass for all
+        // their gate and up projections, one for all their down projections (a decode token's
+        // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
+        for chunk in used.chunks(experts.max_batch().max(1)) {
+            let views = experts.experts(l, chunk)?;
+            if views.len() != chunk.len() {
+                return Err(ModelError::Expert {
+                    layer: l,
+                    expert: chunk[0],
+                    msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
+                });
             }
-            let g = lin(&xin, m, &ew.w1, obs, l, "ffn.experts.w1", Some(j))?;
-            let u = lin(&xin, m, &ew.w3, obs, l, "ffn.experts.w3", Some(j))?;
-            let act: Vec<f32> = g
+            let xins: Vec<Vec<f32>> = chunk
                 .iter()
-                .zip(&u)
-                .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+                .map(|&j| {
+                    let mut xin = Vec::with_capacity(by_expert[j].len() * d);
+                    for &(i, _) in &by_expert[j] {
+                        xin.extend_from_slice(&x[i * d..(i + 1) * d]);
+                    }
+                    xin
+                })
                 .collect();
-            let y = lin(&act, m, &ew.w2, obs, l, "ffn.experts.w2", Some(j))?;
-            if let Some(o) = obs.as_deref_mut() {
-                if o.wants_expert_outputs() {
-                    let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
-                    let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
-                    let ws: Vec<f32> = routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
-                    o.on_expert_output(&ExpertOutputEvent {
-                        layer: l,
-                        expert: j,
-                        token_rows: &rows,
-                        slots: &slots,
-                        weights: &ws,
-                        outputs: &y,
-                    });
-                }
+            for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
+                let m = by_expert[j].len();
+                note_input(obs, l, "ffn.experts.w1", Some(j), xin, m, ew.w1.cols);
+                note_input(obs, l, "ffn.experts.w3", Some(j), xin, m, ew.w3.cols);
             }
-            for (r, &(i, s)) in routes.iter().enumerate() {
-                ys[(i * k + s) * d..(i * k + s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
+            let mut gs: Vec<Vec<f32>> = chunk
+                .iter()
+                .map(|&j| vec![0f32; by_expert[j].len() * inter])
+                .collect();
+            let mut us = gs.clone();
+            {
+                let mut jobs = Vec::with_capacity(2 * chunk.len());
+                for ((((&j, ew), xin), g), u) in chunk
+                    .iter()
+                    .zip(&views)
+                    .zip(&xins)
+                    .zip(gs.iter_mut())
+                    .zip(us.iter_mut())
+                {
+                    let m = by_expert[j].len();
+                    jobs.push(Job::view(&ew.w1, xin, m, g)?);
+                    jobs.push(Job::view(&ew.w3, xin, m, u)?);
+                }
+                matmul_many(&mut jobs);
+            }
+            let acts: Vec<Vec<f32>> = gs
+                .iter()
+                .zip(&us)
+                .map(|(g, u)| {
+                    g.iter()
+                        .zip(u)
+                        .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+                        .collect()
+                })
+                .collect();
+            for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
+                let m = by_expert[j].len();
+                note_input(obs, l, "ffn.experts.w2", Some(j), act, m, ew.w2.cols);
+            }
+            let mut outs: Vec<Vec<f32>> = chunk
+                .iter()
+                .map(|&j| vec![0f32; by_expert[j].len() * d])
+                .collect();
+            {
+                let mut jobs = Vec::with_capacity(chunk.len());
+                for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut())
+                {
+                    jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
+                }
+                matmul_many(&mut jobs);
+            }
+            for (&j, y) in chunk.iter().zip(&outs) {
+                let routes = &by_expert[j];
+                if let Some(o) = obs.as_deref_mut() {
+                    if o.wants_expert_outputs() {
+                        let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
+                        let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
+                        let ws: Vec<f32> =
+                            routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
+                        o.on_expert_output(&ExpertOutputEvent {
+                            layer: l,
+                            expert: j,
+                            token_rows: &rows,
+                            slots: &slots,
+                            weights: &ws,
+                            outputs: y,
+                        });
+                    }
+                }
+                for (r, &(i, s)) in routes.iter().enumerate() {
+                    ys[(i * k + s) * d..(i * k + s + 1) * d]
+                        .copy_from_slice(&y[r * d..(r + 1) * d]);
+                }
             }
         }
         let [sw1, sw2, sw3] = &self.shared;

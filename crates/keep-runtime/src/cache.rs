@@ -4,21 +4,23 @@
 //! the model sees only [`ExpertWeights`] views of a slot and never where the bytes came from.
 //!
 //! How a layer's pass goes (the model calls [`SlotCache::prefetch`] once per layer per forward
-//! with every expert the batch routes to, then [`SlotCache::expert`] for each of them in turn):
+//! with every expert the batch routes to, then asks for them in chunks, in ascending order):
 //!
 //! - `prefetch`: every routed expert counts once as a hit (resident) or a miss; hits are pinned
 //!   for the pass; misses are queued and read *in parallel* into free slots, then into slots the
 //!   policy gives up (never a pinned one). In decode (≤ top-k experts, and at least top-k slots)
 //!   every miss is in flight before the first matrix is multiplied.
-//! - `expert`: waits for that expert's read if it is still in flight and hands out views of its
-//!   slot. In prefill a chunk can route to more experts than there are slots: the queue is then
+//! - `expert_views_many`: waits for those experts' reads if they are still in flight and hands
+//!   out views of their slots, all valid together (the model multiplies a token by all its
+//!   top-k experts in one kernel call; it asks for at most as many experts as a layer has
+//!   slots). In prefill a chunk can route to more experts than there are slots: the queue is then
 //!   drained as slots of experts already served in this pass free up, so each missing expert is
 //!   read at most once per layer per chunk (the model serves experts in ascending order, which is
 //!   the queue's order: routes sorted by expert).
 //!
 //! **Validity of views.** A view of layer `L` stays valid until the next call into the cache for
-//! layer `L` (the slot handed out last is never reused before that). keep-model's MoE loop holds
-//! each expert's views only within its loop iteration, which satisfies this; the cache is only
+//! layer `L` (the slots handed out last are `held` and never reused before that). keep-model's
+//! MoE loop holds a chunk's views only within its loop iteration, which satisfies this; the cache is only
 //! reachable through [`crate::BudgetedModel`], whose `forward` takes `&mut self`, so passes never
 //! interleave.
 
@@ -60,8 +62,8 @@ struct LayerState {
     map: Vec<Option<usize>>,
     /// Slots of this pass's experts not served yet.
     pinned: Vec<bool>,
-    /// The slot whose views were handed out last (not reused before the next call).
-    current: Option<usize>,
+    /// Slots whose views were handed out by the last call (not reused before the next call).
+    held: Vec<bool>,
     /// Missing experts of this pass without a slot yet, in the order they will be asked for.
     pending: VecDeque<usize>,
     policy: PolicyState,
@@ -206,16 +208,14 @@ impl Inner {
     }
 
     /// A slot for a new read: an empty one, else the policy's victim among ready slots that are
-    /// not the current one (and not pinned unless `steal`).
+    /// not held by the last call (and not pinned unless `steal`).
     fn find_slot(st: &LayerState, steal: bool) -> Option<usize> {
-        let free =
-            (0..st.status.len()).find(|&s| st.status[s] == Status::Empty && st.current != Some(s));
+        let free = (0..st.status.len()).find(|&s| st.status[s] == Status::Empty && !st.held[s]);
         if free.is_some() {
             return free;
         }
         let cands = (0..st.status.len()).filter_map(|s| {
-            let ok =
-                st.status[s] == Status::Ready && st.current != Some(s) && (steal || !st.pinned[s]);
+            let ok = st.status[s] == Status::Ready && !st.held[s] && (steal || !st.pinned[s]);
             match (ok, st.slot_expert[s]) {
                 (true, Some(e)) => Some((s, e)),
                 _ => None,
@@ -240,7 +240,7 @@ impl Inner {
             let layer = &inner.layers[l];
             // SAFETY: slot `s` of layer `l` is `Loading`, so this job is its only user: views
             // are made only of `Ready` slots, and a slot becomes `Loading` only when it is
-            // neither the current slot nor `Loading` (so no view of it is alive — see the
+            // neither held nor `Loading` (so no view of it is alive — see the
             // module doc); nothing else touches it until the status below is published.
             let dst = unsafe { (*layer.bufs[s].0.get()).as_mut_slice() };
             let r = inner.store.read_into(l, e, dst);
@@ -301,7 +301,7 @@ impl SlotCache {
                     status: vec![Status::Empty; slots],
                     map: vec![None; n_experts],
                     pinned: vec![false; slots],
-                    current: None,
+                    held: vec![false; slots],
                     pending: VecDeque::new(),
                     policy: PolicyState::new(policy, n_experts),
                     tick: 0,
@@ -464,7 +464,7 @@ impl SlotCache {
         let Ok(layer) = self.layer(l) else { return };
         let Ok(mut st) = layer.st.lock() else { return };
         st.tick += 1;
-        st.current = None;
+        st.held.iter_mut().for_each(|h| *h = false);
         st.pinned.iter_mut().for_each(|p| *p = false);
         st.pending.clear();
         let tick = st.tick;
@@ -523,7 +523,7 @@ impl SlotCache {
         let Ok(layer) = self.layer(l) else { return };
         let Ok(mut st) = layer.st.lock() else { return };
         // The layer's previous pass is over: its pins and current slot no longer hold.
-        st.current = None;
+        st.held.iter_mut().for_each(|h| *h = false);
         st.pinned.iter_mut().for_each(|p| *p = false);
         st.pending.clear();
         let n = st.map.len();
@@ -548,20 +548,71 @@ impl SlotCache {
         st.guess = guess;
     }
 
-    /// Views of expert `e` of layer `l`, reading it first if needed (see the module doc).
-    pub(crate) fn expert_views(
+    /// Views of experts `es` of layer `l`, all valid together until the next call for `l`,
+    /// reading each first if needed (see the module doc). At most one per slot.
+    pub(crate) fn expert_views_many(
         &self,
         l: usize,
-        e: usize,
-    ) -> std::result::Result<ExpertWeights<'_>, ModelError> {
+        es: &[usize],
+    ) -> std::result::Result<Vec<ExpertWeights<'_>>, ModelError> {
         let layer = self.layer(l)?;
+        let mut st = layer.st.lock().map_err(poisoned)?;
+        st.held.iter_mut().for_each(|h| *h = false);
+        if es.len() > st.held.len() {
+            return Err(ModelError::Expert {
+                layer: l,
+                expert: es[0],
+                msg: format!(
+                    "{} experts asked for at once, but a layer has {} slots",
+                    es.len(),
+                    st.held.len()
+                ),
+            });
+        }
+        let mut slots = Vec::with_capacity(es.len());
+        for &e in es {
+            let (g, s) = self.acquire(layer, l, st, e)?;
+            st = g;
+            st.held[s] = true;
+            slots.push(s);
+        }
+        // Keep the disk busy: read queued experts into slots already served in this pass.
+        self.inner.issue(&self.pool, l, &mut st);
+        drop(st);
+        slots
+            .iter()
+            .zip(es)
+            .map(|(&s, &e)| {
+                // SAFETY: slot `s` is `Ready` (no writer) and `held`: `find_slot` never hands it
+                // to a new read before the next call for this layer, by which time the caller
+                // has dropped these views (module doc, "Validity of views").
+                let bytes = unsafe { (*layer.bufs[s].0.get()).as_slice() };
+                self.inner
+                    .store
+                    .views(l, e, bytes)
+                    .map_err(|x| ModelError::Expert {
+                        layer: l,
+                        expert: e,
+                        msg: x.to_string(),
+                    })
+            })
+            .collect()
+    }
+
+    /// The slot of expert `e` of layer `l` once it is `Ready`: assigned and read if it is
+    /// missing, waited for if it is in flight. Slots already `held` are never taken for it.
+    fn acquire<'g>(
+        &self,
+        layer: &'g Layer,
+        l: usize,
+        mut st: std::sync::MutexGuard<'g, LayerState>,
+        e: usize,
+    ) -> std::result::Result<(std::sync::MutexGuard<'g, LayerState>, usize), ModelError> {
         let err = |msg: String| ModelError::Expert {
             layer: l,
             expert: e,
             msg,
         };
-        let mut st = layer.st.lock().map_err(poisoned)?;
-        st.current = None;
         if e >= st.map.len() {
             return Err(err(format!("no such expert ({} experts)", st.map.len())));
         }
@@ -583,7 +634,8 @@ impl SlotCache {
                         self.inner.assign(&self.pool, l, &mut st, s, e);
                         break s;
                     }
-                    // Every slot is being read: wait for one.
+                    // Every slot not held is being read: wait for one (the caller asks for
+                    // fewer experts than there are slots, so one is not held).
                     st = layer.cv.wait(st).map_err(poisoned)?;
                 }
             }
@@ -610,18 +662,7 @@ impl SlotCache {
             st.wait_secs += t0.elapsed().as_secs_f64();
         }
         st.pinned[s] = false;
-        st.current = Some(s);
-        // Keep the disk busy: read queued experts into slots already served in this pass.
-        self.inner.issue(&self.pool, l, &mut st);
-        drop(st);
-        // SAFETY: slot `s` is `Ready` (no writer) and is `current`: `find_slot` never hands it
-        // to a new read before the next call for this layer, by which time the caller has
-        // dropped these views (module doc, "Validity of views").
-        let bytes = unsafe { (*layer.bufs[s].0.get()).as_slice() };
-        self.inner
-            .store
-            .views(l, e, bytes)
-            .map_err(|x| err(x.to_string()))
+        Ok((st, s))
     }
 }
 
@@ -631,7 +672,24 @@ pub(crate) struct CacheSource(pub(crate) Arc<SlotCache>);
 
 impl ExpertSource for CacheSource {
     fn expert(&self, layer: usize, expert: usize) -> keep_model::Result<ExpertWeights<'_>> {
-        self.0.expert_views(layer, expert)
+        let mut v = self.0.expert_views_many(layer, &[expert])?;
+        v.pop().ok_or(ModelError::Expert {
+            layer,
+            expert,
+            msg: "no view returned".into(),
+        })
+    }
+
+    fn experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+    ) -> keep_model::Result<Vec<ExpertWeights<'_>>> {
+        self.0.expert_views_many(layer, experts)
+    }
+
+    fn max_batch(&self) -> usize {
+        self.0.slots_per_layer()
     }
 
     fn prefetch(&self, layer: usize, experts: &[usize]) {
