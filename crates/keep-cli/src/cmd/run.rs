@@ -9,6 +9,7 @@ use clap::Args;
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, Sampler, SamplerConfig};
 use keep_model::Model;
+use tokenizers::Tokenizer;
 
 use super::logits::{model_dir, tokenizer};
 
@@ -61,6 +62,61 @@ fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
     }
 }
 
+/// The prompt's token ids, encoded as mlx-lm's `generate` encodes (the tokenizer's special
+/// tokens added); no tokenizer, or an empty or missing prompt, starts from the
+/// beginning-of-sequence token.
+fn prompt_ids(
+    tok: Option<&Tokenizer>,
+    prompt: Option<&str>,
+    bos: &[u32],
+) -> anyhow::Result<Vec<u32>> {
+    let mut ids = match (tok, prompt) {
+        (Some(t), Some(p)) if !p.is_empty() => t
+            .encode(p, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+            .get_ids()
+            .to_vec(),
+        _ => vec![],
+    };
+    if ids.is_empty() {
+        ids.push(bos.first().copied().unwrap_or(0));
+    }
+    Ok(ids)
+}
+
+/// Generated text printed as it grows: the whole sequence is decoded at each token and what is
+/// new is printed, so multi-token characters come out whole.
+#[derive(Default)]
+struct TextOut {
+    ids: Vec<u32>,
+    printed: String,
+}
+
+impl TextOut {
+    fn push(&mut self, tok: &Tokenizer, t: u32, out: &mut impl Write) -> anyhow::Result<()> {
+        self.ids.push(t);
+        let text = tok
+            .decode(&self.ids, true)
+            .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
+        // Wait while the text ends in an incomplete character; print what follows the part
+        // already printed (if decoding rewrote earlier text, from where it differs).
+        if !text.ends_with('\u{FFFD}') && text != self.printed {
+            let common = self
+                .printed
+                .char_indices()
+                .zip(text.chars())
+                .take_while(|((_, a), b)| a == b)
+                .last()
+                .map(|((i, c), _)| i + c.len_utf8())
+                .unwrap_or(0);
+            write!(out, "{}", &text[common..])?;
+            out.flush()?;
+            self.printed = text;
+        }
+        Ok(())
+    }
+}
+
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if a.budget.active() {
         return budget::run(a);
@@ -74,17 +130,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let raw = &model.cfg.raw.raw;
     let bos = config_id(raw, "bos_token_id");
     let eos = config_id(raw, "eos_token_id");
-    let mut prompt: Vec<u32> = match &a.prompt {
-        Some(p) if !p.is_empty() => tok
-            .encode(p.as_str(), true)
-            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-            .get_ids()
-            .to_vec(),
-        _ => vec![],
-    };
-    if prompt.is_empty() {
-        prompt.push(bos.first().copied().unwrap_or(0));
-    }
+    let prompt = prompt_ids(Some(&tok), a.prompt.as_deref(), &bos)?;
     let mut out = std::io::stdout().lock();
     if let Some(p) = &a.prompt {
         write!(out, "{p}")?;
@@ -95,34 +141,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         top_p: a.top_p,
         seed: a.seed,
     });
-    // Decode the whole generated sequence each step and print what is new, so multi-token
-    // characters come out whole.
-    let mut ids: Vec<u32> = vec![];
-    let mut printed = String::new();
+    let mut text = TextOut::default();
     let mut err: Option<anyhow::Error> = None;
     let stats = generate(&model, &prompt, a.max_tokens, &mut sampler, &eos, |t| {
         if eos.contains(&t) || err.is_some() {
             return;
         }
-        ids.push(t);
-        match tok.decode(&ids, true) {
-            Ok(text) => {
-                // Wait while the text ends in an incomplete character; print what follows the
-                // part already printed (if decoding rewrote earlier text, from where it differs).
-                if !text.ends_with('\u{FFFD}') && text != printed {
-                    let common = printed
-                        .char_indices()
-                        .zip(text.chars())
-                        .take_while(|((_, a), b)| a == b)
-                        .last()
-                        .map(|((i, c), _)| i + c.len_utf8())
-                        .unwrap_or(0);
-                    let _ = write!(out, "{}", &text[common..]);
-                    let _ = out.flush();
-                    printed = text;
-                }
-            }
-            Err(e) => err = Some(anyhow::anyhow!("detokenizing: {e}")),
+        if let Err(e) = text.push(&tok, t, &mut out) {
+            err = Some(e);
         }
     })?;
     if let Some(e) = err {

@@ -19,7 +19,7 @@ use keep_runtime::{
     DEFAULT_IO_THREADS, FIXED_OVERHEAD,
 };
 
-use super::{config_id, RunArgs};
+use super::{config_id, prompt_ids, RunArgs, TextOut};
 use crate::cmd::logits::{model_dir, tokenizer};
 use crate::util::{human, parse_bytes};
 
@@ -82,6 +82,33 @@ fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The model this path drives: under a memory budget (keep-runtime) or plainly mapped.
+enum Loaded<'a> {
+    Budgeted(BudgetedModel<'a>),
+    Plain(Model<'a>),
+}
+
+impl<'a> Loaded<'a> {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> anyhow::Result<Vec<f32>> {
+        Ok(match self {
+            Loaded::Budgeted(m) => m.forward(tokens, cache, Logits::Last, obs)?,
+            Loaded::Plain(m) => m.forward(tokens, cache, Logits::Last, obs)?,
+        })
+    }
+
+    fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
+        match self {
+            Loaded::Budgeted(m) => Some(m),
+            Loaded::Plain(_) => None,
+        }
+    }
+}
+
 fn obs(l: &mut Option<RouteLog>) -> Option<&mut dyn RouteObserver> {
     l.as_mut().map(|l| l as &mut dyn RouteObserver)
 }
@@ -114,7 +141,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     };
     let t_load = std::time::Instant::now();
     // One of the two models; both run through `forward` below.
-    let (mut budgeted, plain) = match b.memory_budget {
+    let mut model = match b.memory_budget {
         Some(bytes) => {
             let opts = RuntimeOptions {
                 budget: bytes,
@@ -126,17 +153,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             };
             let m = BudgetedModel::load(&ck, &opts)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
-            (Some(m), None)
+            Loaded::Budgeted(m)
         }
-        None => (None, Some(Model::load(&ck)?)),
+        None => Loaded::Plain(Model::load(&ck)?),
     };
     let load_secs = t_load.elapsed().as_secs_f64();
-    let cfg = match (&budgeted, &plain) {
-        (Some(m), _) => m.cfg().clone(),
-        (_, Some(m)) => m.cfg.clone(),
-        _ => unreachable!("one model is loaded"),
+    let cfg = match &model {
+        Loaded::Budgeted(m) => m.cfg().clone(),
+        Loaded::Plain(m) => m.cfg.clone(),
     };
-    if let Some(m) = &budgeted {
+    if let Some(m) = model.budgeted() {
         let p = m.plan();
         let st = m.cache().store();
         eprintln!(
@@ -163,18 +189,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else {
         Some(tokenizer(&dir)?)
     };
-    let mut prompt: Vec<u32> = match (&tok, b.prompt_tokens, &a.prompt) {
-        (_, Some(n), _) => synthetic_prompt(n, cfg.vocab),
-        (Some(t), None, Some(p)) if !p.is_empty() => t
-            .encode(p.as_str(), false)
-            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-            .get_ids()
-            .to_vec(),
-        _ => vec![],
+    let prompt = match b.prompt_tokens {
+        Some(n) => synthetic_prompt(n, cfg.vocab),
+        None => prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?,
     };
-    if prompt.is_empty() {
-        prompt.push(bos.first().copied().unwrap_or(0));
-    }
     let mut out = std::io::stdout().lock();
     if let (Some(p), Some(_)) = (&a.prompt, &tok) {
         write!(out, "{p}")?;
@@ -186,63 +204,25 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         seed: a.seed,
     });
     let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
-    let mut forward = |tokens: &[u32],
-                       cache: &mut Cache,
-                       obs: Option<&mut dyn RouteObserver>|
-     -> anyhow::Result<Vec<f32>> {
-        Ok(match (&mut budgeted, &plain) {
-            (Some(m), _) => m.forward(tokens, cache, Logits::Last, obs)?,
-            (_, Some(m)) => m.forward(tokens, cache, Logits::Last, obs)?,
-            _ => unreachable!("one model is loaded"),
-        })
-    };
     let mut cache = Cache::new(cfg.n_layers);
     let t0 = std::time::Instant::now();
-    let mut logits = forward(&prompt, &mut cache, obs(&mut log))?;
+    let mut logits = model.forward(&prompt, &mut cache, obs(&mut log))?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-    drop(forward);
-    let prefill_cache = budgeted.as_ref().map(|m| {
+    let prefill_cache = model.budgeted().map(|m| {
         let s = m.cache().stats();
         m.cache().reset_stats();
         s
     });
-    let mut forward = |tokens: &[u32],
-                       cache: &mut Cache,
-                       obs: Option<&mut dyn RouteObserver>|
-     -> anyhow::Result<Vec<f32>> {
-        Ok(match (&mut budgeted, &plain) {
-            (Some(m), _) => m.forward(tokens, cache, Logits::Last, obs)?,
-            (_, Some(m)) => m.forward(tokens, cache, Logits::Last, obs)?,
-            _ => unreachable!("one model is loaded"),
-        })
-    };
     let t1 = std::time::Instant::now();
-    let (mut ids, mut printed, mut generated, mut steps) = (vec![], String::new(), 0, 0);
+    let (mut text, mut generated, mut steps) = (TextOut::default(), 0, 0);
     while generated < a.max_tokens {
         let t = sampler.sample(&logits);
         generated += 1;
         if eos.contains(&t) {
             break;
         }
-        ids.push(t);
         match &tok {
-            Some(tk) => {
-                let text = tk
-                    .decode(&ids, true)
-                    .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
-                if !text.ends_with('\u{FFFD}') && text != printed {
-                    let common = printed
-                        .char_indices()
-                        .zip(text.chars())
-                        .take_while(|((_, x), y)| x == y)
-                        .last()
-                        .map(|((i, c), _)| i + c.len_utf8())
-                        .unwrap_or(0);
-                    write!(out, "{}", &text[common..])?;
-                    out.flush()?;
-                    printed = text;
-                }
-            }
+            Some(tk) => text.push(tk, t, &mut out)?,
             None => {
                 write!(out, "{t} ")?;
                 out.flush()?;
@@ -251,13 +231,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         if generated == a.max_tokens {
             break;
         }
-        logits = forward(&[t], &mut cache, obs(&mut log))?;
+        logits = model.forward(&[t], &mut cache, obs(&mut log))?;
         steps += 1;
     }
     let decode_secs = t1.elapsed().as_secs_f64();
-    drop(forward);
     writeln!(out)?;
-    let decode_cache = budgeted.as_ref().map(|m| m.cache().stats());
+    let decode_cache = model.budgeted().map(|m| m.cache().stats());
     let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     eprintln!(
         "prefill: {} tokens in {:.3} s ({:.2} tokens/s); decode: {} tokens in {:.3} s ({:.2} tokens/s)",
@@ -316,7 +295,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(path) = &b.stats_json {
-        let plan = budgeted.as_ref().map(|m| {
+        let plan = model.budgeted().map(|m| {
             let p = m.plan();
             serde_json::json!({
                 "budget": p.budget, "residents": p.residents, "slot_bytes": p.slot_bytes,
