@@ -18,6 +18,20 @@ use crate::weight::BlockScales;
 /// Decodes 16 consecutive weights of row `r` starting at column `k` (`k % 16 == 0`).
 trait Dec {
     unsafe fn dec(&self, r: usize, k: usize) -> __m512;
+
+    /// The 64 weights of row `r` from column `k` (`k % 64 == 0`, `k + 64 <= cols`) as four
+    /// chunks: the same values as four [`Dec::dec`] calls (decoders override it when 64 at a
+    /// time is cheaper). No `target_feature` here, so it is inlined (and the `dec` calls with
+    /// it) into the kernel loop.
+    #[inline(always)]
+    unsafe fn dec64(&self, r: usize, k: usize) -> [__m512; 4] {
+        [
+            self.dec(r, k),
+            self.dec(r, k + 16),
+            self.dec(r, k + 32),
+            self.dec(r, k + 48),
+        ]
+    }
 }
 
 #[inline]
@@ -53,6 +67,106 @@ unsafe fn e4m3_x2m8(p: *const u8) -> __m512 {
         _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(f32::NAN))
     }
 }
+
+/// 32 E4M3FN bytes → two registers of f32 values times 2^-8 (as [`e4m3_x2m8`]) with 512-bit
+/// integer ops: sign-extending each byte to 16 bits and shifting left by 7 puts the sign at bit
+/// 15 and the magnitude at bits 7..14 with a copy of the sign at bit 14, which the mask clears:
+/// the fp16 `(b & 0x80) << 8 | (b & 0x7F) << 7` in three ops per 32 bytes. NaN codes are NOT
+/// patched: callers check [`any_e4m3_nan64`] first.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn e4m3_x2m8_32(p: *const u8) -> (__m512, __m512) {
+    let v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p as *const __m256i));
+    let h = _mm512_and_si512(_mm512_slli_epi16(v, 7), _mm512_set1_epi16(0xBF80u16 as i16));
+    (
+        _mm512_cvtph_ps(_mm512_castsi512_si256(h)),
+        _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
+    )
+}
+
+/// 16 E4M3FN bytes → f32 values times 2^-120, exactly, without a float conversion: each byte
+/// sign-extended to 32 bits and shifted left by 20 puts the sign at bit 31 (copies at 27..30,
+/// masked off) and the seven magnitude bits at 20..26, i.e. the f32 with the byte's exponent
+/// field in the low four exponent bits and its mantissa on top of the f32 mantissa. Normal
+/// codes become `2^(E−127)·(1+m/8)`, subnormal codes the f32 subnormal `(m/8)·2^−126`, zero
+/// zero: `e4m3(b)·2^−120` in every case. NaN codes are NOT patched (callers check
+/// [`any_e4m3_nan64`]). Callers multiply by `scale·2^120` when that is exact and finite, which
+/// rounds the exact product once, as `e4m3(b) · scale` does.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn e4m3_x2m120(p: *const u8) -> __m512 {
+    // The sign extension reads memory itself (written in asm: otherwise LLVM reuses the
+    // 64-byte load of the code check and splits it with three extra lane extracts).
+    let v: __m512i;
+    std::arch::asm!(
+        "vpmovsxbd {v}, xmmword ptr [{p}]",
+        v = out(zmm_reg) v,
+        p = in(reg) p,
+        options(pure, readonly, nostack, preserves_flags)
+    );
+    _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_slli_epi32(v, 20),
+        _mm512_set1_epi32(0x87F0_0000u32 as i32),
+    ))
+}
+
+/// `s · 2^120` when that product is exact and finite (`|s| < 2^8`), for [`e4m3_x2m120`].
+#[inline(always)]
+fn scale_x2p120(s: f32) -> Option<f32> {
+    let t = s * f32::from_bits((127 + 120) << 23);
+    if t.is_finite() && t * f32::from_bits((127 - 120) << 23) == s {
+        Some(t)
+    } else {
+        None
+    }
+}
+
+/// Whether any of the 64 E4M3FN bytes at `p` is a code the fast decode [`e4m3_x2m120`] must
+/// not meet: a NaN code (0x7F, 0xFF), a subnormal code (it would make an f32 subnormal, and a
+/// multiply with a subnormal input takes a microcode assist, ~100 cycles a register) or a zero
+/// (rare in real weights; sent the same way because it makes the test one compare). With
+/// `u = 2·b + 2 (mod 256)` the sign drops out and NaN → 0, zero → 2, subnormals → 4..16,
+/// normal codes → 18..254, so the test is `u < 17`: three ops per 64 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn e4m3_not_normal64(p: *const u8) -> bool {
+    let v = _mm512_loadu_si512(p as *const __m512i);
+    let u = _mm512_add_epi8(_mm512_add_epi8(v, v), _mm512_set1_epi8(2));
+    _mm512_cmplt_epu8_mask(u, _mm512_set1_epi8(17)) != 0
+}
+
+/// Whether any of the 64 bytes at `p` is an E4M3FN NaN code (`0x7F`, `0xFF`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn any_e4m3_nan64(p: *const u8) -> bool {
+    let v = _mm512_loadu_si512(p as *const __m512i);
+    let m = _mm512_set1_epi8(0x7F);
+    _mm512_cmpeq_epi8_mask(_mm512_and_si512(v, m), m) != 0
+}
+
+/// `2^(b−127) · 2^8` for E8M0 bytes `b <= 246` ([`e8m0_x256`]), a table so the broadcast is a
+/// load; bytes 247..=255 hold NaN and are never read (callers check `b <= 246`).
+static E8M0_X256: [f32; 256] = {
+    let mut t = [f32::NAN; 256];
+    let mut b = 0;
+    while b <= 246 {
+        t[b] = f32::from_bits(((b as u32) + 8) << 23);
+        b += 1;
+    }
+    t
+};
+
+/// `2^(b−127) · 2^120` for E8M0 bytes `b <= 134`, for [`e4m3_x2m120`]; larger bytes hold NaN
+/// and are never read (callers check `b <= 134`).
+static E8M0_X2P120: [f32; 256] = {
+    let mut t = [f32::NAN; 256];
+    let mut b = 0;
+    while b <= 134 {
+        t[b] = f32::from_bits(((b as u32) + 120) << 23);
+        b += 1;
+    }
+    t
+};
 
 /// `v · s` where `v` came from [`e4m3_x2m8`]: one multiply by `s·2^8` when that is exact and
 /// finite, else `(v·2^8)·s` (both exact up to the single final rounding).
@@ -113,6 +227,49 @@ impl Dec for Mxfp8D {
             None => times_scale(v, e8m0_to_f32(b)),
         }
     }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn dec64(&self, r: usize, k: usize) -> [__m512; 4] {
+        let i = r * self.2 + k;
+        let p = self.0.add(i);
+        let (b0, b1) = (*self.1.add(i / 32), *self.1.add(i / 32 + 1));
+        if (b0 <= 134) & (b1 <= 134) && !e4m3_not_normal64(p) {
+            let t0 = _mm512_set1_ps(*E8M0_X2P120.get_unchecked(b0 as usize));
+            let t1 = _mm512_set1_ps(*E8M0_X2P120.get_unchecked(b1 as usize));
+            [
+                _mm512_mul_ps(e4m3_x2m120(p), t0),
+                _mm512_mul_ps(e4m3_x2m120(p.add(16)), t0),
+                _mm512_mul_ps(e4m3_x2m120(p.add(32)), t1),
+                _mm512_mul_ps(e4m3_x2m120(p.add(48)), t1),
+            ]
+        } else if (b0 <= 246) & (b1 <= 246) && !any_e4m3_nan64(p) {
+            mxfp8_fp16_64(p, b0, b1)
+        } else {
+            [
+                self.dec(r, k),
+                self.dec(r, k + 16),
+                self.dec(r, k + 32),
+                self.dec(r, k + 48),
+            ]
+        }
+    }
+}
+
+/// 64 MXFP8 weights (no NaN codes, scale bytes `<= 246`) through the fp16 decode.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn mxfp8_fp16_64(p: *const u8, b0: u8, b1: u8) -> [__m512; 4] {
+    let t0 = _mm512_set1_ps(*E8M0_X256.get_unchecked(b0 as usize));
+    let t1 = _mm512_set1_ps(*E8M0_X256.get_unchecked(b1 as usize));
+    let (v0, v1) = e4m3_x2m8_32(p);
+    let (v2, v3) = e4m3_x2m8_32(p.add(32));
+    [
+        _mm512_mul_ps(v0, t0),
+        _mm512_mul_ps(v1, t0),
+        _mm512_mul_ps(v2, t1),
+        _mm512_mul_ps(v3, t1),
+    ]
 }
 
 struct Mxfp4D(*const u8, *const u8, usize);
@@ -145,14 +302,69 @@ struct Fp8BlockD<'a> {
     bc: usize,
     row0: usize,
     cols: usize,
+    /// `log2(bc)` when `bc` is a power of two (column block by a shift, not a division).
+    shift: Option<u32>,
+}
+impl Fp8BlockD<'_> {
+    /// Column block of column `k`.
+    #[inline(always)]
+    fn cb(&self, k: usize) -> usize {
+        match self.shift {
+            Some(s) => k >> s,
+            None => k / self.bc,
+        }
+    }
 }
 impl Dec for Fp8BlockD<'_> {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
         let gc = self.cols.div_ceil(self.bc);
-        let s = block_scale(self.scales, ((self.row0 + r) / self.br) * gc + k / self.bc);
+        let s = block_scale(self.scales, ((self.row0 + r) / self.br) * gc + self.cb(k));
         times_scale(e4m3_x2m8(self.q.add(r * self.cols + k)), s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn dec64(&self, r: usize, k: usize) -> [__m512; 4] {
+        // One scale per 32 columns needs blocks a multiple of 32 wide (or one block per row).
+        if self.bc.is_multiple_of(32) || self.bc >= self.cols {
+            let gc = self.cols.div_ceil(self.bc);
+            let sr = ((self.row0 + r) / self.br) * gc;
+            let s0 = block_scale(self.scales, sr + self.cb(k));
+            let s1 = block_scale(self.scales, sr + self.cb(k + 32));
+            let p = self.q.add(r * self.cols + k);
+            if let (Some(t0), Some(t1)) = (scale_x2p120(s0), scale_x2p120(s1)) {
+                if !e4m3_not_normal64(p) {
+                    let (t0, t1) = (_mm512_set1_ps(t0), _mm512_set1_ps(t1));
+                    return [
+                        _mm512_mul_ps(e4m3_x2m120(p), t0),
+                        _mm512_mul_ps(e4m3_x2m120(p.add(16)), t0),
+                        _mm512_mul_ps(e4m3_x2m120(p.add(32)), t1),
+                        _mm512_mul_ps(e4m3_x2m120(p.add(48)), t1),
+                    ];
+                }
+            }
+            if let (Some(t0), Some(t1)) = (scale_x256(s0), scale_x256(s1)) {
+                if !any_e4m3_nan64(p) {
+                    let (t0, t1) = (_mm512_set1_ps(t0), _mm512_set1_ps(t1));
+                    let (v0, v1) = e4m3_x2m8_32(p);
+                    let (v2, v3) = e4m3_x2m8_32(p.add(32));
+                    return [
+                        _mm512_mul_ps(v0, t0),
+                        _mm512_mul_ps(v1, t0),
+                        _mm512_mul_ps(v2, t1),
+                        _mm512_mul_ps(v3, t1),
+                    ];
+                }
+            }
+        }
+        [
+            self.dec(r, k),
+            self.dec(r, k + 16),
+            self.dec(r, k + 32),
+            self.dec(r, k + 48),
+        ]
     }
 }
 
@@ -191,12 +403,7 @@ unsafe fn block<D: Dec, const MR: usize>(
     let mut a = [[z; 4]; MR];
     let mut k = 0;
     while k < full64 {
-        let w = [
-            d.dec(r, k),
-            d.dec(r, k + 16),
-            d.dec(r, k + 32),
-            d.dec(r, k + 48),
-        ];
+        let w = d.dec64(r, k);
         for j in 0..MR {
             let p = xp.add(j * cols + k);
             for q in 0..4 {
@@ -321,6 +528,9 @@ pub unsafe fn rows(
                 bc: block_cols,
                 row0,
                 cols,
+                shift: block_cols
+                    .is_power_of_two()
+                    .then(|| block_cols.trailing_zeros()),
             },
             src,
             cols,

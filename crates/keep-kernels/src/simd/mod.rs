@@ -629,6 +629,17 @@ mod tests {
                     &WeightView::fp8_block(&q, BlockScales::E8m0(&gs), rows, cols, b, b).unwrap(),
                     &mut rng,
                 );
+                // f32 scales, small (the 2^120 decode) and large (|s| >= 2^8: the fp16 one).
+                for mul in [0.01f32, 1000.0] {
+                    let fs: Vec<u8> = (0..rows.div_ceil(b) * cols.div_ceil(b))
+                        .flat_map(|_| (rng.f() * mul).to_le_bytes())
+                        .collect();
+                    compare(
+                        &WeightView::fp8_block(&q, BlockScales::F32(&fs), rows, cols, b, b)
+                            .unwrap(),
+                        &mut rng,
+                    );
+                }
             }
         }
         // Odd column counts (tails) for the formats that allow them.
@@ -739,6 +750,8 @@ mod timing {
             .flat_map(|c| [c[0], 0x3C | (c[1] & 0x81)])
             .collect();
         let q: Vec<u8> = bytes(rows * cols).into_iter().map(|b| b & 0x77).collect();
+        // No subnormal codes (exponent field >= 1), as in real MX weights where they are rare.
+        let qn: Vec<u8> = q.iter().map(|b| (b & 0xE7) | 0x08).collect();
         let sc: Vec<u8> = vec![120; rows * cols / 32];
         let p = bytes(rows * cols / 2);
         let aq = bytes(rows * cols);
@@ -752,6 +765,11 @@ mod timing {
             (
                 "mxfp8",
                 Src::view(&WeightView::mxfp8(&q, &sc, rows, cols).unwrap()),
+                rows * cols * 33 / 32,
+            ),
+            (
+                "mxfp8-normal",
+                Src::view(&WeightView::mxfp8(&qn, &sc, rows, cols).unwrap()),
                 rows * cols * 33 / 32,
             ),
             (
