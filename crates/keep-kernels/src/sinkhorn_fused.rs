@@ -9,7 +9,10 @@
 //! adds as a tree ((row 0 + row 1) + (row 2 + row 3)), row sums the same tree on the transposed
 //! matrix, and every normalisation is an IEEE division as in the reference (multiplying by
 //! reciprocals was tried: no faster here, and outside 2e-6); the sigmoids and the softmax run
-//! four lanes at a time with a vector `exp` (Cephes `expf`). The sum order (one add shorter on
+//! four lanes at a time with a vector `exp` (Cephes `expf`). On CPUs with AVX, FMA and
+//! SSE4.1 (checked at run time) the `exp` uses fused multiply-adds and `roundps`, and the
+//! rounds hold two rows per 256-bit register (same sums in the same trees, half the divisions,
+//! no transposes; bit for bit the SSE rounds). The sum order (one add shorter on
 //! the dependent chain of each round) and the `exp` are what differ from the reference, and
 //! hc = 4 agrees with the unfused path within the kill test's 2e-6 relative (tested on random
 //! inputs). Other `hc` use a const-generic scalar loop with libm's `exp` in the reference's
@@ -139,8 +142,13 @@ fn fused<const N: usize>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if N == 4 && p.iters > 0 {
-        // SAFETY: SSE2 is part of the x86_64 baseline; lengths are those of hc = 4.
-        unsafe { split4(p, mix, pre, post, comb) };
+        if fma_ok() {
+            // SAFETY: FMA and SSE4.1 checked at run time; lengths are those of hc = 4.
+            unsafe { split4_fma(p, mix, pre, post, comb) };
+        } else {
+            // SAFETY: SSE2 is part of the x86_64 baseline; lengths are those of hc = 4.
+            unsafe { split4::<false>(p, mix, pre, post, comb) };
+        }
         return;
     }
     let (s0, s1, s2) = (p.scale[0], p.scale[1], p.scale[2]);
@@ -225,23 +233,41 @@ fn generic<const N: usize>(m: &mut [[f32; N]; N], iters: usize, eps: f32) {
 /// `exp` of four lanes (Cephes `expf`: range reduction by ln 2 in two parts, degree-6
 /// polynomial, exponent built in the bits; within 2 ulp of libm's `expf` on the inputs the
 /// split sees, which are ≤ 0 for the softmax and bounded logits for the sigmoids).
+///
+/// `FMA`: the same steps with fused multiply-adds and `roundps` for the floor (shorter
+/// dependent chain; only for callers compiled with FMA and SSE4.1, see [`split4_fma`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn vexp(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
+unsafe fn vexp<const FMA: bool>(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
     use std::arch::x86_64::*;
     let x = _mm_min_ps(
         _mm_max_ps(x, _mm_set1_ps(-87.336_55)),
         _mm_set1_ps(88.376_26),
     );
-    let fx = _mm_add_ps(
-        _mm_mul_ps(x, _mm_set1_ps(std::f32::consts::LOG2_E)),
-        _mm_set1_ps(0.5),
-    );
-    // floor without SSE4.1: truncate, then step down where that rounded up.
-    let t = _mm_cvtepi32_ps(_mm_cvttps_epi32(fx));
-    let fx = _mm_sub_ps(t, _mm_and_ps(_mm_cmpgt_ps(t, fx), _mm_set1_ps(1.0)));
-    let x = _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(0.693_359_4)));
-    let x = _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(-2.121_944_4e-4)));
+    #[inline(always)]
+    unsafe fn mad<const FMA: bool>(a: __m128, b: __m128, c: __m128) -> __m128 {
+        if FMA {
+            _mm_fmadd_ps(a, b, c)
+        } else {
+            _mm_add_ps(_mm_mul_ps(a, b), c)
+        }
+    }
+    let mad = |a: __m128, b: __m128, c: __m128| mad::<FMA>(a, b, c);
+    let fx = mad(x, _mm_set1_ps(std::f32::consts::LOG2_E), _mm_set1_ps(0.5));
+    let fx = if FMA {
+        _mm_floor_ps(fx)
+    } else {
+        // floor without SSE4.1: truncate, then step down where that rounded up.
+        let t = _mm_cvtepi32_ps(_mm_cvttps_epi32(fx));
+        _mm_sub_ps(t, _mm_and_ps(_mm_cmpgt_ps(t, fx), _mm_set1_ps(1.0)))
+    };
+    let x = if FMA {
+        let x = _mm_fnmadd_ps(fx, _mm_set1_ps(0.693_359_4), x);
+        _mm_fnmadd_ps(fx, _mm_set1_ps(-2.121_944_4e-4), x)
+    } else {
+        let x = _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(0.693_359_4)));
+        _mm_sub_ps(x, _mm_mul_ps(fx, _mm_set1_ps(-2.121_944_4e-4)))
+    };
     let z = _mm_mul_ps(x, x);
     let mut y = _mm_set1_ps(1.987_569_1e-4);
     for c in [
@@ -251,11 +277,39 @@ unsafe fn vexp(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
         0.166_666_65,
         0.5,
     ] {
-        y = _mm_add_ps(_mm_mul_ps(y, x), _mm_set1_ps(c));
+        y = mad(y, x, _mm_set1_ps(c));
     }
-    let y = _mm_add_ps(_mm_add_ps(_mm_mul_ps(y, z), x), _mm_set1_ps(1.0));
+    let y = _mm_add_ps(mad(y, z, x), _mm_set1_ps(1.0));
     let n = _mm_add_epi32(_mm_cvttps_epi32(fx), _mm_set1_epi32(127));
     _mm_mul_ps(y, _mm_castsi128_ps(_mm_slli_epi32(n, 23)))
+}
+
+/// Whether the CPU has FMA and SSE4.1 (read once).
+#[cfg(target_arch = "x86_64")]
+fn fma_ok() -> bool {
+    use std::sync::OnceLock;
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| {
+        is_x86_feature_detected!("avx")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("sse4.1")
+    })
+}
+
+/// [`split4`] with the FMA `exp`.
+///
+/// # Safety
+/// The CPU has FMA and SSE4.1; lengths as [`split4`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma,sse4.1")]
+unsafe fn split4_fma(
+    p: &HcSplit,
+    mix: &[f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
+    split4::<true>(p, mix, pre, post, comb)
 }
 
 /// hc = 4, all in SSE registers: pre/post sigmoids on one vector each, the comb softmax on the
@@ -263,7 +317,13 @@ unsafe fn vexp(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
 /// The only operation that differs from the reference is the vector `exp`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn split4(p: &HcSplit, mix: &[f32], pre: &mut [f32], post: &mut [f32], comb: &mut [f32]) {
+unsafe fn split4<const FMA: bool>(
+    p: &HcSplit,
+    mix: &[f32],
+    pre: &mut [f32],
+    post: &mut [f32],
+    comb: &mut [f32],
+) {
     use std::arch::x86_64::*;
     assert!(
         mix.len() >= 24
@@ -279,9 +339,16 @@ unsafe fn split4(p: &HcSplit, mix: &[f32], pre: &mut [f32], post: &mut [f32], co
             _mm_loadu_ps(bp.add(o)),
         )
     };
-    let one = _mm_set1_ps(1.0);
     let e = _mm_set1_ps(p.eps);
-    let sig = |v: __m128| _mm_div_ps(one, _mm_add_ps(one, vexp(_mm_sub_ps(_mm_setzero_ps(), v))));
+    #[inline(always)]
+    unsafe fn sig<const FMA: bool>(v: __m128) -> __m128 {
+        let one = _mm_set1_ps(1.0);
+        _mm_div_ps(
+            one,
+            _mm_add_ps(one, vexp::<FMA>(_mm_sub_ps(_mm_setzero_ps(), v))),
+        )
+    }
+    let sig = |v: __m128| sig::<FMA>(v);
     _mm_storeu_ps(pre.as_mut_ptr(), _mm_add_ps(sig(lin(0, p.scale[0])), e));
     _mm_storeu_ps(
         post.as_mut_ptr(),
@@ -296,7 +363,7 @@ unsafe fn split4(p: &HcSplit, mix: &[f32], pre: &mut [f32], post: &mut [f32], co
     let mut t = transpose4(r);
     let mx = _mm_max_ps(_mm_max_ps(_mm_max_ps(t[0], t[1]), t[2]), t[3]);
     for v in t.iter_mut() {
-        *v = vexp(_mm_sub_ps(*v, mx));
+        *v = vexp::<FMA>(_mm_sub_ps(*v, mx));
     }
     let s = _mm_add_ps(_mm_add_ps(_mm_add_ps(t[0], t[1]), t[2]), t[3]);
     for v in t.iter_mut() {
@@ -307,7 +374,11 @@ unsafe fn split4(p: &HcSplit, mix: &[f32], pre: &mut [f32], post: &mut [f32], co
     for a in 0..4 {
         _mm_storeu_ps(m[a].as_mut_ptr(), r[a]);
     }
-    sse4x4(&mut m, p.iters, p.eps);
+    if FMA {
+        avx4x4(&mut m, p.iters, p.eps);
+    } else {
+        sse4x4(&mut m, p.iters, p.eps);
+    }
     for a in 0..4 {
         comb[a * 4..a * 4 + 4].copy_from_slice(&m[a]);
     }
@@ -327,6 +398,44 @@ unsafe fn transpose4(r: [std::arch::x86_64::__m128; 4]) -> [std::arch::x86_64::_
         _mm_movelh_ps(t2, t3),
         _mm_movehl_ps(t3, t2),
     ]
+}
+
+/// [`sse4x4`] with two rows per 256-bit register (AVX; only inlined into [`split4_fma`]): the
+/// same sums in the same trees, so bit for bit the same results, with half the divisions and
+/// no transposes. Column sums: each register plus its halves swapped is `r0 + r1` (`r2 + r3`)
+/// in both halves, their sum plus `eps` the divisor for both. Row sums: within each half,
+/// `v + v[1,0,3,2]` then that plus itself `[2,3,0,1]` is `(v0 + v1) + (v2 + v3)` in every lane
+/// (additions commute exactly), already broadcast.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn avx4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
+    use std::arch::x86_64::*;
+    let e = _mm256_set1_ps(eps);
+    let base = m.as_mut_ptr() as *mut f32;
+    let mut a = _mm256_loadu_ps(base);
+    let mut b = _mm256_loadu_ps(base.add(8));
+    #[inline(always)]
+    unsafe fn cols(a: &mut __m256, b: &mut __m256, e: __m256) {
+        let s01 = _mm256_add_ps(*a, _mm256_permute2f128_ps(*a, *a, 0x01));
+        let s23 = _mm256_add_ps(*b, _mm256_permute2f128_ps(*b, *b, 0x01));
+        let d = _mm256_add_ps(_mm256_add_ps(s01, s23), e);
+        *a = _mm256_div_ps(*a, d);
+        *b = _mm256_div_ps(*b, d);
+    }
+    #[inline(always)]
+    unsafe fn row_div(v: __m256, e: __m256) -> __m256 {
+        let p = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));
+        let s = _mm256_add_ps(p, _mm256_permute_ps(p, 0x4E));
+        _mm256_div_ps(v, _mm256_add_ps(s, e))
+    }
+    cols(&mut a, &mut b, e);
+    for _ in 1..iters {
+        a = row_div(a, e);
+        b = row_div(b, e);
+        cols(&mut a, &mut b, e);
+    }
+    _mm256_storeu_ps(base, a);
+    _mm256_storeu_ps(base.add(8), b);
 }
 
 #[cfg(target_arch = "x86_64")]
