@@ -32,6 +32,81 @@ trait Dec {
             self.dec(r, k + 48),
         ]
     }
+
+    /// Decoders that set this give the 64 weights from column `k` in stride-4 order instead
+    /// ([`Dec::dec64_s4`]) and multiply them with [`Dec::x_s4`], the inputs in the same order.
+    const S4: bool = false;
+
+    /// Register `q` lane `d` = weight `k + 4d + q` (only when [`Dec::S4`]).
+    #[inline(always)]
+    unsafe fn dec64_s4(&self, r: usize, k: usize) -> [__m512; 4] {
+        self.dec64(r, k)
+    }
+
+    /// The inputs (`m × cols`) with each whole 64-column group in [`s4_order`] (only when
+    /// [`Dec::S4`]).
+    #[inline(always)]
+    fn x_s4(&self) -> *const f32 {
+        std::ptr::null()
+    }
+}
+
+/// Copy `x` (`m` rows of `cols`) into `dst` with every whole 64-column group `g` stored as
+/// `dst[g + 16q + d] = x[g + 4d + q]` (the stride-4 order of [`Dec::dec64_s4`]); columns past
+/// the last whole group are copied as they are.
+///
+/// Register `q` of a group: lane `d` is input register `d / 4` lane `4(d mod 4) + q`, so one
+/// index serves both two-source permutes (registers 0/1 for lanes 0..7, 2/3 for 8..15).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn s4_order(x: &[f32], m: usize, cols: usize, dst: &mut Vec<f32>) {
+    assert!(x.len() >= m * cols);
+    dst.clear();
+    dst.resize(m * cols, 0.0);
+    let full64 = cols / 64 * 64;
+    let idx: [[i32; 16]; 4] = std::array::from_fn(|q| {
+        std::array::from_fn(|d| ((d / 4) & 1) as i32 * 16 + 4 * (d % 4) as i32 + q as i32)
+    });
+    for i in 0..m {
+        let (xr, dr) = (
+            &x[i * cols..(i + 1) * cols],
+            &mut dst[i * cols..(i + 1) * cols],
+        );
+        for g in (0..full64).step_by(64) {
+            let v: [__m512; 4] =
+                std::array::from_fn(|c| _mm512_loadu_ps(xr.as_ptr().add(g + 16 * c)));
+            for (q, ix) in idx.iter().enumerate() {
+                let ix = _mm512_loadu_si512(ix.as_ptr() as *const __m512i);
+                let lo = _mm512_permutex2var_ps(v[0], ix, v[1]);
+                let hi = _mm512_permutex2var_ps(v[2], ix, v[3]);
+                _mm512_storeu_ps(
+                    dr.as_mut_ptr().add(g + 16 * q),
+                    _mm512_mask_mov_ps(lo, 0xFF00, hi),
+                );
+            }
+        }
+        dr[full64..].copy_from_slice(&xr[full64..]);
+    }
+}
+
+/// Accumulators kept in stride-4 order (register `q` lane `d` = accumulator `d / 4` lane
+/// `4(d mod 4) + q`) back to the plain order: accumulator `a` lane `l` = register `l mod 4`
+/// lane `4a + l/4`. Pure data movement (two two-source permutes and a blend per register).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn from_s4(p: [__m512; 4]) -> [__m512; 4] {
+    let mut out = [_mm512_setzero_ps(); 4];
+    for (a, o) in out.iter_mut().enumerate() {
+        // Lane l takes lane 4a + l/4 of register l mod 4: index bit 4 picks the odd register
+        // of each pair, the blend (lanes with l mod 4 in {2, 3}) the second pair.
+        let idx: [i32; 16] =
+            std::array::from_fn(|l| ((l % 4) & 1) as i32 * 16 + 4 * a as i32 + (l / 4) as i32);
+        let idx = _mm512_loadu_si512(idx.as_ptr() as *const __m512i);
+        let r01 = _mm512_permutex2var_ps(p[0], idx, p[1]);
+        let r23 = _mm512_permutex2var_ps(p[2], idx, p[3]);
+        *o = _mm512_mask_mov_ps(r01, 0xCCCC, r23);
+    }
+    out
 }
 
 #[inline]
@@ -272,8 +347,71 @@ unsafe fn mxfp8_fp16_64(p: *const u8, b0: u8, b1: u8) -> [__m512; 4] {
     ]
 }
 
-struct Mxfp4D(*const u8, *const u8, usize);
+/// E2M1 values (index = code).
+const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// `e8m0_to_f32(b)` for every byte, so a scale broadcast is a load.
+static E8M0_F32: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut b = 0;
+    while b < 256 {
+        // As `codec::e8m0_to_f32` (the every-code test runs scales 0 and 254 through it).
+        t[b] = match b {
+            0 => f32::from_bits(0x0040_0000),
+            255 => f32::NAN,
+            _ => f32::from_bits((b as u32) << 23),
+        };
+        b += 1;
+    }
+    t
+};
+
+/// Packed codes, scales, columns, and the inputs in stride-4 order ([`s4_order`]).
+struct Mxfp4D(*const u8, *const u8, usize, *const f32);
 impl Dec for Mxfp4D {
+    const S4: bool = true;
+
+    /// 32 bytes → 64 weights in stride-4 order: bytes widened to 16 bits and or-ed with
+    /// themselves shifted by 4, masked to `0x0F0F`, give one code per byte in column order
+    /// (low nibble first); dword `d` then holds codes `4d..4d+3`, and shifting it right by
+    /// `8q` puts code `4d + q` in its low bits. One two-table permute per register looks the
+    /// codes up in `E2M1 · s0` (lanes 0..7, columns `k..k+32`) or `E2M1 · s1` (lanes 8..15,
+    /// index bit 4 set): the products are those of the plain decode (`e2m1 · scale`, one
+    /// rounding), computed once per 32-column block instead of once per weight.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn dec64_s4(&self, r: usize, k: usize) -> [__m512; 4] {
+        let i = r * self.2 + k;
+        let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(self.0.add(i / 2) as *const __m256i));
+        // (w | w << 4) & 0x0F0F.
+        let n =
+            _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8);
+        let hi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1);
+        let n = _mm512_or_si512(n, _mm512_and_si512(hi, _mm512_set1_epi8(0x10)));
+        let e = _mm512_loadu_ps(E2M1.as_ptr());
+        let t0 = _mm512_mul_ps(
+            e,
+            _mm512_set1_ps(*E8M0_F32.get_unchecked(*self.1.add(i / 32) as usize)),
+        );
+        let t1 = _mm512_mul_ps(
+            e,
+            _mm512_set1_ps(*E8M0_F32.get_unchecked(*self.1.add(i / 32 + 1) as usize)),
+        );
+        [
+            _mm512_permutex2var_ps(t0, n, t1),
+            _mm512_permutex2var_ps(t0, _mm512_srli_epi32(n, 8), t1),
+            _mm512_permutex2var_ps(t0, _mm512_srli_epi32(n, 16), t1),
+            _mm512_permutex2var_ps(t0, _mm512_srli_epi32(n, 24), t1),
+        ]
+    }
+
+    #[inline(always)]
+    fn x_s4(&self) -> *const f32 {
+        self.3
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
@@ -402,6 +540,24 @@ unsafe fn block<D: Dec, const MR: usize>(
     let z = _mm512_setzero_ps();
     let mut a = [[z; 4]; MR];
     let mut k = 0;
+    if D::S4 {
+        // Stride-4 order for whole 64-column groups: lane for lane the same products added
+        // in the same order as the plain loop, only held in other registers.
+        let xs = d.x_s4().add(i * cols);
+        while k < full64 {
+            let w = d.dec64_s4(r, k);
+            for j in 0..MR {
+                let p = xs.add(j * cols + k);
+                for q in 0..4 {
+                    a[j][q] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16 * q)), w[q], a[j][q]);
+                }
+            }
+            k += 64;
+        }
+        for j in 0..MR {
+            a[j] = from_s4(a[j]);
+        }
+    }
     while k < full64 {
         let w = d.dec64(r, k);
         for j in 0..MR {
@@ -503,17 +659,26 @@ pub unsafe fn rows(
             out,
             ld,
         ),
-        Src::Mxfp4 { packed, scales } => rows_g(
-            &Mxfp4D(packed.as_ptr(), scales.as_ptr(), cols),
-            src,
-            cols,
-            x,
-            m,
-            r0,
-            r1,
-            out,
-            ld,
-        ),
+        Src::Mxfp4 { packed, scales } => {
+            thread_local! {
+                static XS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+            }
+            XS.with(|b| {
+                let mut xs = b.borrow_mut();
+                s4_order(x, m, cols, &mut xs);
+                rows_g(
+                    &Mxfp4D(packed.as_ptr(), scales.as_ptr(), cols, xs.as_ptr()),
+                    src,
+                    cols,
+                    x,
+                    m,
+                    r0,
+                    r1,
+                    out,
+                    ld,
+                )
+            })
+        }
         Src::Fp8Block {
             q,
             scales,
