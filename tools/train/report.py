@@ -78,6 +78,21 @@ def bytes_by_format(path):
     return dict(out)
 
 
+def routing_table(rep, config):
+    """The model card's routing table (markdown) from a report."""
+    E = config["n_routed_experts"]
+    ratios = config.get("compress_ratios") or [0] * len(rep["expert_load"])
+    rows = ["| layer | ratio | load entropy / log %d | most / least used expert (× uniform) | top %d experts' share | "
+            "mean per-window entropy | H(expert \\| token) | I(expert; token) |" % (E, max(1, E // 4)),
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rep["expert_load"]:
+        rows.append("| %d | %d | %.3f (%.3f) | %.2f / %.2f | %.1f%% | %.3f | %.3f | %.3f |" % (
+            r["layer"], ratios[r["layer"]], r["load_entropy"], r["ratio"],
+            r["max_load_share"] * E, r["min_load_share"] * E, 100 * r["top_quarter_share"],
+            r["mean_window_entropy"], r["entropy_given_token"], r["mutual_information_expert_token"]))
+    return "\n".join(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(HERE.parent.parent / "models" / "keep-tiny"))
@@ -168,6 +183,8 @@ def main():
                        "ratio": ent / math.log(E),
                        "mean_window_entropy": float(win_entropy[layer] / n_win),
                        "max_load_share": float(p.max()), "min_load_share": float(p.min()),
+                       # share of routed slots taken by the most-used quarter of the experts
+                       "top_quarter_share": float(np.sort(p)[::-1][:max(1, E // 4)].sum()),
                        "unused_experts": int((p == 0).sum()),
                        "frequent_tokens": len(freq),
                        "entropy_given_token": h_c,
@@ -184,6 +201,7 @@ def main():
         text = generate(m2, tk, prompt, max_tokens=48, verbose=False)
         rep["greedy_samples"].append({"prompt": prompt, "completion": text})
     print(json.dumps(rep, indent=1))
+    print(routing_table(rep, config))
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
 

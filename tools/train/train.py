@@ -57,6 +57,14 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def load_entropy_ratios(load):
+    """Per-layer entropy of this batch's expert load over its uniform maximum."""
+    f = np.asarray(load, dtype=np.float64)
+    f = f / np.maximum(f.sum(-1, keepdims=True), 1.0)
+    h = -(np.where(f > 0, f * np.log(np.where(f > 0, f, 1.0)), 0.0)).sum(-1)
+    return [round(float(x), 4) for x in h / np.log(f.shape[-1])]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "runs" / "keep-tiny"))
@@ -69,7 +77,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--capacity", type=float, default=2.0)
-    ap.add_argument("--bias-rate", type=float, default=3e-3)
+    ap.add_argument("--bias-rate", type=float, default=1e-4)
     ap.add_argument("--balance", type=float, default=1e-3)
     ap.add_argument("--indexer-kl", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1234)
@@ -172,7 +180,8 @@ def main():
             rec = {"step": step, "loss": float(loss), "ce": float(ce), "indexer_kl": float(kl),
                    "balance": float(bal), "dropped_frac": float(dropped) / (tokens_per_step * cfg["num_experts_per_tok"] * cfg["num_hidden_layers"]),
                    "gnorm": float(gnorm), "lr": lr, "qat": qat, "elapsed_s": now - t_start,
-                   "tok_per_s_recent": (10 if step > step0 else 1) * tokens_per_step / (now - t_last)}
+                   "tok_per_s_recent": (10 if step > step0 else 1) * tokens_per_step / (now - t_last),
+                   "load_entropy_ratio": load_entropy_ratios(load)}
             t_last = now
             if step % args.eval_every == 0 or step == args.steps - 1:
                 if qat not in evals:
