@@ -11,6 +11,9 @@ use crate::weight::BlockScales;
 
 /// Decodes 16 consecutive weights of row `r` starting at column `k` (`k % 16 == 0`).
 trait Dec {
+    /// Decoding is a plain load (f32): rows of M > 1 read the weights directly rather than
+    /// through [`block_buf`]'s buffer.
+    const PLAIN: bool = false;
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256);
 }
 
@@ -81,6 +84,7 @@ unsafe fn bytes8(p: *const u8) -> __m256i {
 
 struct F32D(*const f32, usize);
 impl Dec for F32D {
+    const PLAIN: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256) {
@@ -237,6 +241,82 @@ unsafe fn block<D: Dec, const MR: usize>(
     }
 }
 
+/// Columns per [`block_buf`] step: 1 KiB of decoded weights, with up to four input rows'
+/// 1 KiB slices, stays in L1.
+const CHUNK: usize = 256;
+
+/// [`block`] for `MR` (2..=4) input rows with each 16-column chunk decoded once: the weights
+/// of `CHUNK` columns are decoded into a buffer, then each input row multiply-adds them into
+/// its own eight accumulators (kept in memory between steps; eight per row fill half the
+/// ymm registers, so the rows take turns). Chunk `c` still goes to pair `c mod 4` of each row
+/// in column order (`CHUNK` is a multiple of 64): the same FMAs in the same order as
+/// [`block`], bit for bit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn block_buf<D: Dec, const MR: usize>(
+    d: &D,
+    src: &Src,
+    cols: usize,
+    x: &[f32],
+    i: usize,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let full = cols / 16 * 16;
+    let xp = x.as_ptr().add(i * cols);
+    let z = _mm256_setzero_ps();
+    // acc[j][q] = (lo, hi) of pair q of input row j.
+    let mut acc = [[(z, z); 4]; MR];
+    let mut buf = [z; CHUNK / 8];
+    let mut k0 = 0;
+    while k0 < full {
+        let n = (full - k0).min(CHUNK);
+        let mut k = 0;
+        while k < n {
+            let (w0, w1) = d.dec(r, k0 + k);
+            buf[k / 8] = w0;
+            buf[k / 8 + 1] = w1;
+            k += 16;
+        }
+        let n64 = n / 64 * 64;
+        for j in 0..MR {
+            let mut a = acc[j];
+            let p = xp.add(j * cols + k0);
+            let mut k = 0;
+            while k < n64 {
+                for q in 0..4 {
+                    let kk = k + 16 * q;
+                    a[q].0 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(kk)), buf[kk / 8], a[q].0);
+                    a[q].1 =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(p.add(kk + 8)), buf[kk / 8 + 1], a[q].1);
+                }
+                k += 64;
+            }
+            let mut q = 0;
+            while k < n {
+                a[q].0 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(k)), buf[k / 8], a[q].0);
+                a[q].1 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(k + 8)), buf[k / 8 + 1], a[q].1);
+                q += 1;
+                k += 16;
+            }
+            acc[j] = a;
+        }
+        k0 += CHUNK;
+    }
+    for j in 0..MR {
+        let mut tail = 0f32;
+        for c in full..cols {
+            tail = x[(i + j) * cols + c].mul_add(src.get(r, c, cols), tail);
+        }
+        let a = &acc[j];
+        let l = _mm256_add_ps(_mm256_add_ps(a[0].0, a[1].0), _mm256_add_ps(a[2].0, a[3].0));
+        let h = _mm256_add_ps(_mm256_add_ps(a[0].1, a[1].1), _mm256_add_ps(a[2].1, a[3].1));
+        *out.add((i + j) * ld + r) = hsum(l, h) + tail;
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_g<D: Dec>(
@@ -253,10 +333,16 @@ unsafe fn rows_g<D: Dec>(
     for r in r0..r1 {
         let mut i = 0;
         while i < m {
-            // Eight accumulator registers per input row fill half the 16 ymm registers, so
-            // one input row per decoded chunk (larger M re-decodes the row from L1).
-            block::<D, 1>(d, src, cols, x, i, r, out, ld);
-            i += 1;
+            // Up to four input rows per decoded chunk (through a buffer: eight accumulator
+            // registers per input row fill half the 16 ymm registers).
+            let mr = if D::PLAIN { 1 } else { (m - i).min(4) };
+            match mr {
+                1 => block::<D, 1>(d, src, cols, x, i, r, out, ld),
+                2 => block_buf::<D, 2>(d, src, cols, x, i, r, out, ld),
+                3 => block_buf::<D, 3>(d, src, cols, x, i, r, out, ld),
+                _ => block_buf::<D, 4>(d, src, cols, x, i, r, out, ld),
+            }
+            i += mr;
         }
     }
 }

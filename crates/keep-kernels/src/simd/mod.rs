@@ -733,6 +733,17 @@ mod timing {
     #[test]
     #[ignore]
     fn print_m1_single_thread_gbps() {
+        print_gbps(1);
+    }
+
+    /// Four input rows per call (prefill-like): GB/s of weight bytes per call.
+    #[test]
+    #[ignore]
+    fn print_m4_single_thread_gbps() {
+        print_gbps(4);
+    }
+
+    fn print_gbps(m: usize) {
         let (rows, cols) = (2304usize, 5120usize);
         let mut s = 0x1234_5678u64;
         let mut bytes = |n: usize| -> Vec<u8> {
@@ -783,18 +794,18 @@ mod timing {
                 rows * cols * 17 / 16,
             ),
         ];
-        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
-        let mut out = vec![0f32; rows];
+        let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.01).sin()).collect();
+        let mut out = vec![0f32; m * rows];
         for (name, src, nb) in views {
             let n = 20;
             let mut best = f64::INFINITY;
             for _ in 0..n {
                 let t = Instant::now();
-                unsafe { rows_at(level(), &src, cols, &x, 1, 0, rows, out.as_mut_ptr(), rows) };
+                unsafe { rows_at(level(), &src, cols, &x, m, 0, rows, out.as_mut_ptr(), rows) };
                 best = best.min(t.elapsed().as_secs_f64());
             }
             println!(
-                "{name}: {:.2} GB/s (best of {n}, one thread, {:?})",
+                "{name}: {:.2} GB/s (best of {n}, one thread, M = {m}, {:?})",
                 nb as f64 / 1e9 / best,
                 level()
             );
