@@ -1092,10 +1092,8 @@ fn write_row(dir: &Path, row: &Row) -> Result<()> {
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let p = dir.join(format!("{}.json", row.test));
-    let tmp = dir.join(format!(".{}.json.tmp", row.test));
     let json = serde_json::to_string_pretty(row).map_err(|e| BenchError::Invalid(e.to_string()))?;
-    std::fs::write(&tmp, json).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, &p).map_err(|e| io(&p, e))
+    Ok(keep_checkpoint::atomic::write_file(&p, json.as_bytes())?)
 }
 
 /// Run the kill tests; `on_row` sees each row as it completes (to print its verdict line).

@@ -26,6 +26,8 @@ pub enum BenchError {
     },
     #[error(transparent)]
     Convert(#[from] keep_convert::ConvertError),
+    #[error(transparent)]
+    Checkpoint(#[from] keep_checkpoint::CheckpointError),
     #[error("{0}")]
     Invalid(String),
 }

@@ -3,8 +3,7 @@
 //! opened with keep-checkpoint's hostile-input parser.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use keep_checkpoint::{Dtype, ShardFile, TensorInfo};
 
@@ -166,53 +165,15 @@ pub fn serialize(
     Ok(out)
 }
 
-/// The temporary sibling a writer in this process uses for `path`.
-pub fn tmp_path(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
-}
-
-/// Write bytes to `path` through a synced temporary sibling and a rename.
+/// Write bytes to `path` through a synced temporary sibling and a rename
+/// ([`keep_checkpoint::atomic::write_file`]).
 pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_path(path);
-    let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(CalibError::io(path, e));
-    }
-    Ok(())
+    Ok(keep_checkpoint::atomic::write_file(path, bytes)?)
 }
 
-/// Remove `.<name>.tmp-<pid>` files in `dir` left by processes that no longer run.
+/// Remove temporary siblings in `dir` left by processes that no longer run.
 pub fn remove_stale_tmp(dir: &Path) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let n = e.file_name().to_string_lossy().to_string();
-        if !n.starts_with('.') {
-            continue;
-        }
-        let Some((_, pid)) = n.rsplit_once(".tmp-") else {
-            continue;
-        };
-        let alive = pid
-            .parse::<u32>()
-            .map(|p| Path::new(&format!("/proc/{p}")).exists())
-            .unwrap_or(true);
-        if !alive {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
+    keep_checkpoint::atomic::remove_stale_tmp(dir)
 }
 
 /// A safetensors file opened for typed reads.

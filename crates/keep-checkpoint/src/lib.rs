@@ -4,7 +4,8 @@
 //! header parser, the `model.safetensors.index.json` index, `config.json` as DeepSeek publishes
 //! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), and an
 //! atomic writer that shards, writes the index and a `SHA256SUMS` file, building the output in a
-//! sibling temporary directory and renaming it into place only when complete.
+//! sibling temporary directory and renaming it into place only when complete, and single files
+//! written the same way ([`atomic`]).
 //!
 //! What it is not: it never decodes weights (bytes are copied, never interpreted: that is
 //! `keep-format`'s job), it never prints, and it never panics on input: every problem is a typed
@@ -12,6 +13,7 @@
 //!
 //! Depends on: nothing of keep's (not even `keep-format`); `memmap2`, `serde_json`, `sha2`.
 
+pub mod atomic;
 pub mod checkpoint;
 pub mod config;
 pub mod dtype;

@@ -105,18 +105,9 @@ impl RouteLog {
         .into_iter()
         .map(|(a, b)| (a.to_string(), b))
         .collect();
-        let name = path
-            .file_name()
-            .ok_or_else(|| file_err("has no file name".into()))?
-            .to_string_lossy()
-            .to_string();
-        let tmp = path.with_file_name(format!(".{name}.keep-tmp-{}", std::process::id()));
-        safetensors::tensor::serialize_to_file(views, Some(meta), &tmp)
+        let bytes = safetensors::tensor::serialize(views, Some(meta))
             .map_err(|e| file_err(e.to_string()))?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            RuntimeError::io(path, e)
-        })
+        Ok(keep_checkpoint::atomic::write_file(path, &bytes)?)
     }
 }
 

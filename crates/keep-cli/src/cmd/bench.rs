@@ -102,7 +102,7 @@ fn summary(a: SummaryArgs) -> anyhow::Result<()> {
         print!("{}", s.table());
     }
     if let Some(p) = &a.plot {
-        std::fs::write(p, s.svg()).with_context(|| format!("writing {}", p.display()))?;
+        keep_checkpoint::atomic::write_file(p, s.svg().as_bytes())?;
         eprintln!("plot written to {}", p.display());
     }
     Ok(())
@@ -152,7 +152,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     };
     let json = serde_json::to_string_pretty(&row)?;
     if let Some(p) = &r.out {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+        keep_checkpoint::atomic::write_file(p, json.as_bytes())?;
     }
     println!(
         "{} on {} ({}): {} {:.2} GB/s, {} {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",

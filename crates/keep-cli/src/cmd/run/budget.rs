@@ -323,8 +323,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             "peak_rss_bytes": peak,
             "fixed_overhead_bytes": FIXED_OVERHEAD,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&j)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+        keep_checkpoint::atomic::write_file(
+            path,
+            (serde_json::to_string_pretty(&j)? + "\n").as_bytes(),
+        )?;
     }
     Ok(())
 }
