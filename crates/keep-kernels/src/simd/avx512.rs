@@ -309,6 +309,9 @@ impl Dec for Mxfp8D {
         let i = r * self.2 + k;
         let p = self.0.add(i);
         let (b0, b1) = (*self.1.add(i / 32), *self.1.add(i / 32 + 1));
+        // Software prefetch 1 KiB ahead (measured: the M = 1 residents chain goes from
+        // ~1.37x to ~1.75x bf16's speed; a prefetch never faults past the end).
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1024) as *const i8);
         if (b0 <= 134) & (b1 <= 134) && !e4m3_not_normal64(p) {
             let t0 = _mm512_set1_ps(*E8M0_X2P120.get_unchecked(b0 as usize));
             let t1 = _mm512_set1_ps(*E8M0_X2P120.get_unchecked(b1 as usize));
