@@ -12,9 +12,13 @@
 
 use crate::{KernelError, Result, WeightView};
 
-/// Below this many multiply-adds a call stays on the calling thread (rayon's fork/join costs
-/// several microseconds, more than a small GEMV).
-pub const PAR_MIN_MACS: usize = 1 << 18;
+/// Below this many multiply-adds a call stays on the calling thread: waking rayon's workers
+/// costs more than a small GEMV saves. Measured on keep-tiny decode (2-core VM, 64 tokens,
+/// `model_bench`, two alternated runs): 1 << 18 gave 446–453 tok/s once a token's top-4
+/// experts ran as one `matmul_many` (262,144 MACs, just over the line), 1 << 20 gave 697–719,
+/// 1 << 22 gave 745–749 — as fast as one thread (739–742). Model-size products (a V4.1-Flash
+/// projection is ≥ 8 M MACs) stay threaded.
+pub const PAR_MIN_MACS: usize = 1 << 22;
 
 const LANES: usize = 16;
 

@@ -695,9 +695,51 @@ mod tests {
     }
 
     #[test]
+    fn threaded_equals_one_thread() {
+        // Above PAR_MIN_MACS and in a 4-thread pool, so the threaded path runs on any machine;
+        // against all rows computed on this thread.
+        let mut rng = Rng(7);
+        let (rows, cols) = (1037, 4160);
+        assert!(rows * cols >= crate::matmul::PAR_MIN_MACS);
+        let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
+        let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        for m in [1, 3] {
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+            let mut threaded = vec![0f32; m * rows];
+            pool.install(|| matmul_fast(&x, m, &w, &mut threaded).unwrap());
+            let mut serial = vec![0f32; m * rows];
+            // SAFETY: serial has m*rows elements; one thread.
+            unsafe {
+                rows_at(
+                    level(),
+                    &Src::view(&w),
+                    cols,
+                    &x,
+                    m,
+                    0,
+                    rows,
+                    serial.as_mut_ptr(),
+                    rows,
+                )
+            };
+            assert_eq!(threaded, serial, "m = {m}");
+        }
+    }
+
+    #[test]
     fn many_equals_one_by_one() {
         let mut rng = Rng(42);
-        let (rows, cols) = (96, 512);
+        // Six jobs above PAR_MIN_MACS together (the threaded pass), in a 4-thread pool.
+        let (rows, cols) = (1400, 512);
+        assert!(6 * rows * cols >= crate::matmul::PAR_MIN_MACS);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
         let ws: Vec<(Vec<u8>, Vec<u8>)> = (0..6)
             .map(|_| (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32)))
             .collect();
@@ -713,7 +755,7 @@ mod tests {
                 .zip(outs.iter_mut())
                 .map(|(w, o)| Job::view(w, &x, 1, o).unwrap())
                 .collect();
-            matmul_many(&mut jobs);
+            pool.install(|| matmul_many(&mut jobs));
         }
         for (w, o) in views.iter().zip(&outs) {
             let mut one = vec![0f32; rows];
