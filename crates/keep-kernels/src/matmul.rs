@@ -16,9 +16,10 @@ use crate::{KernelError, Result, WeightView};
 /// costs more than a small GEMV saves. Measured on keep-tiny decode (2-core VM, 64 tokens,
 /// `model_bench`, two alternated runs): 1 << 18 gave 446–453 tok/s once a token's top-4
 /// experts ran as one `matmul_many` (262,144 MACs, just over the line), 1 << 20 gave 697–719,
-/// 1 << 22 gave 745–749 — as fast as one thread (739–742). Model-size products (a V4.1-Flash
-/// projection is ≥ 8 M MACs) stay threaded.
-pub const PAR_MIN_MACS: usize = 1 << 22;
+/// 1 << 22 gave 745–749 — as fast as one thread (739–742) — and 1 << 21 the same (726–737).
+/// 1 << 21 keeps V4.1-Flash's smallest resident GEMV threaded (`wkv`, 512 × 4096 = 2 M MACs:
+/// 13.6 GB/s threaded vs 10.6 GB/s on one thread in the kill test's bf16 chain).
+pub const PAR_MIN_MACS: usize = 1 << 21;
 
 const LANES: usize = 16;
 
