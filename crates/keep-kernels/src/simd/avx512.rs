@@ -562,33 +562,29 @@ unsafe fn block<D: Dec, const MR: usize>(
     let z = _mm512_setzero_ps();
     let mut a = [[z; 4]; MR];
     let mut k = 0;
-    if D::S4 {
-        // Stride-4 order for whole 64-column groups: lane for lane the same products added
-        // in the same order as the plain loop, only held in other registers.
-        let xs = d.x_s4().add(i * cols);
-        while k < full64 {
-            let w = d.dec64_s4(r, k);
-            for j in 0..MR {
-                let p = xs.add(j * cols + k);
-                for q in 0..4 {
-                    a[j][q] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16 * q)), w[q], a[j][q]);
-                }
-            }
-            k += 64;
-        }
-        for j in 0..MR {
-            a[j] = from_s4(a[j]);
-        }
-    }
+    // Whole 64-column groups. Decoders with `S4` give them in stride-4 order, multiplied with
+    // the inputs in the same order: lane for lane the same products added in the same order as
+    // the plain loop, only held in other registers (put back below). `D::S4` is a constant, so
+    // each decoder compiles to one of the two loops.
+    let x64 = if D::S4 { d.x_s4().add(i * cols) } else { xp };
     while k < full64 {
-        let w = d.dec64(r, k);
+        let w = if D::S4 {
+            d.dec64_s4(r, k)
+        } else {
+            d.dec64(r, k)
+        };
         for j in 0..MR {
-            let p = xp.add(j * cols + k);
+            let p = x64.add(j * cols + k);
             for q in 0..4 {
                 a[j][q] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16 * q)), w[q], a[j][q]);
             }
         }
         k += 64;
+    }
+    if D::S4 {
+        for j in 0..MR {
+            a[j] = from_s4(a[j]);
+        }
     }
     let mut q = 0;
     while k < full {
