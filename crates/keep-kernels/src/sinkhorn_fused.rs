@@ -442,19 +442,6 @@ unsafe fn avx4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
 #[inline(always)]
 unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
     use std::arch::x86_64::*;
-    #[inline(always)]
-    unsafe fn transpose(r: [__m128; 4]) -> [__m128; 4] {
-        let t0 = _mm_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm_unpacklo_ps(r[2], r[3]);
-        let t2 = _mm_unpackhi_ps(r[0], r[1]);
-        let t3 = _mm_unpackhi_ps(r[2], r[3]);
-        [
-            _mm_movelh_ps(t0, t1),
-            _mm_movehl_ps(t1, t0),
-            _mm_movelh_ps(t2, t3),
-            _mm_movehl_ps(t3, t2),
-        ]
-    }
     let e = _mm_set1_ps(eps);
     let mut r = [
         _mm_loadu_ps(m[0].as_ptr()),
@@ -475,7 +462,7 @@ unsafe fn sse4x4(m: &mut [[f32; 4]; 4], iters: usize, eps: f32) {
     for _ in 1..iters {
         // Row sums: the same tree on the transposed matrix (lane a = row a); each row is then
         // divided by its own sum, broadcast.
-        let t = transpose(r);
+        let t = transpose4(r);
         let s = _mm_add_ps(_mm_add_ps(t[0], t[1]), _mm_add_ps(t[2], t[3]));
         let d = _mm_add_ps(s, e);
         r[0] = _mm_div_ps(r[0], _mm_shuffle_ps(d, d, 0x00));
