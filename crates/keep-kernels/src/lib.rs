@@ -26,6 +26,8 @@ pub mod matmul;
 pub mod ops;
 pub mod simd;
 pub mod sinkhorn_fused;
+#[cfg(test)]
+mod test_rng;
 pub mod weight;
 
 pub use error::KernelError;

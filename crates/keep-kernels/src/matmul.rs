@@ -248,24 +248,7 @@ mod tests {
     use super::*;
     use crate::weight::BlockScales;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn f(&mut self) -> f32 {
-            (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
-        }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-        fn scales(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| 120 + (self.next() % 10) as u8).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Tolerance between the fast f32 path and the f64 reference: f32 accumulation over `cols`
     /// terms, relative to the sum of |x·w|.
