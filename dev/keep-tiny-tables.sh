@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's tables for issues 5, 6 and 7 on the bundled model and its bundled pack, in one go:
+# The calibration, pruning-cost and residency tables of docs/results.md on the bundled model and its bundled pack, in one go:
 # calibrate (imatrix, REAP, routes), finalize, select (reap | frequency | ean_mean × 75 | 50 | 25%,
 # plus the Jaccard table and plot), the teacher on the eval split, one eval of all nine students
 # (KL table and plot), and the residency table and plot. Writes everything under OUT.
