@@ -20,6 +20,7 @@
 
 pub mod affine;
 pub mod codec;
+pub mod cpu;
 pub mod e8p;
 pub mod error;
 pub mod matmul;
