@@ -23,6 +23,7 @@ pub mod codec;
 pub mod cpu;
 pub mod e8p;
 pub mod error;
+pub mod intdot;
 pub mod matmul;
 pub mod ops;
 pub mod simd;
