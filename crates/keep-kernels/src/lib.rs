@@ -33,7 +33,7 @@ mod test_rng;
 pub mod weight;
 
 pub use error::KernelError;
-pub use matmul::{matmul, matmul_ref, matmul_rows};
+pub use matmul::{matmul, matmul_ref, matmul_rows, matmul_with, Kernels};
 pub use weight::{BlockScales, WeightKind, WeightView};
 
 /// Result type of this crate.

@@ -175,6 +175,54 @@ pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resul
     Ok(())
 }
 
+/// Which kernels a product runs on: the exact f32 decode-and-dot kernels (what `keep logits`,
+/// the fixtures and the conformance suite use), or the fast ones, which quantize activations
+/// to int8 blocks and multiply packed weights as integers where the format has an integer
+/// kernel ([`crate::intdot`]: MXFP4) and run the exact kernel elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// The exact f32 kernels.
+    #[default]
+    Exact,
+    /// Integer dot products where a format has them.
+    Fast,
+}
+
+impl Kernels {
+    /// `"exact"` or `"fast"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Exact => "exact",
+            Kernels::Fast => "fast",
+        }
+    }
+
+    /// Parse `"exact"` / `"fast"`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "exact" => Some(Kernels::Exact),
+            "fast" => Some(Kernels::Fast),
+            _ => None,
+        }
+    }
+}
+
+/// [`matmul`] on the chosen [`Kernels`].
+pub fn matmul_with(
+    kernels: Kernels,
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    out: &mut [f32],
+) -> Result<()> {
+    if kernels == Kernels::Fast {
+        if let Some(src) = crate::intdot::IntSrc::from_view(w) {
+            return crate::intdot::int_matmul(x, m, &src, w.rows, w.cols, out);
+        }
+    }
+    matmul(x, m, w, out)
+}
+
 /// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (see the module doc).
 pub fn matmul(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
     check_operands(x, m, w.rows, w.cols, out)?;

@@ -290,12 +290,13 @@ impl IntLevel {
 /// The best integer level this CPU has, capped by `KEEP_SIMD` (as [`crate::cpu::level`]).
 pub fn int_level() -> IntLevel {
     use crate::cpu::Level;
-    match crate::cpu::level() {
+    static L: std::sync::OnceLock<IntLevel> = std::sync::OnceLock::new();
+    *L.get_or_init(|| match crate::cpu::level() {
         Level::Avx512 if crate::cpu::has_avx512_vnni() => IntLevel::Avx512Vnni,
         Level::Avx512 => IntLevel::Avx512,
         Level::Avx2 => IntLevel::Avx2,
         _ => IntLevel::Scalar,
-    }
+    })
 }
 
 /// The levels this CPU can run (for tests and benchmarks).
@@ -471,7 +472,8 @@ pub fn int_matmul_at(
 }
 
 fn best_available() -> IntLevel {
-    *int_levels_available().last().unwrap_or(&IntLevel::Scalar)
+    static L: std::sync::OnceLock<IntLevel> = std::sync::OnceLock::new();
+    *L.get_or_init(|| *int_levels_available().last().unwrap_or(&IntLevel::Scalar))
 }
 
 /// `out[M×rows] = x[M×cols] · Wᵀ` through the integer kernels at [`int_level`]: the

@@ -295,7 +295,10 @@ fn print_single_thread_gbps() {
     let codes: Vec<u16> = (0..rows * cols / 8).map(|_| rng.next() as u16).collect();
     let escales: Vec<f32> = (0..rows).map(|_| rng.f()).collect();
     let e = E8pView::new(&codes, &escales, rows, cols).unwrap();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
     for m in [1usize, 4, 8, 32] {
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
         let mut out = vec![0f32; m * rows];

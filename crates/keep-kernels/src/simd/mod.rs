@@ -435,6 +435,50 @@ pub fn matmul_many(jobs: &mut [Job]) {
     });
 }
 
+/// [`matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
+/// weight has an integer kernel run through [`crate::intdot::int_matmul_many`] (activations
+/// quantized once per distinct input), the rest as [`matmul_many`].
+pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [Job]) -> Result<()> {
+    if kernels == crate::Kernels::Exact {
+        matmul_many(jobs);
+        return Ok(());
+    }
+    let (mut int_jobs, mut rest): (Vec<crate::intdot::IntJob>, Vec<Job>) = (vec![], vec![]);
+    for j in jobs.iter_mut() {
+        let int = match j.w {
+            Src::Mxfp4 { packed, scales } if j.cols.is_multiple_of(crate::intdot::QBLOCK) => {
+                Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
+            }
+            _ => None,
+        };
+        match int {
+            Some(w) => int_jobs.push(crate::intdot::IntJob {
+                w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            }),
+            None => rest.push(Job {
+                w: j.w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            }),
+        }
+    }
+    if !int_jobs.is_empty() {
+        crate::intdot::int_matmul_many(&mut int_jobs)?;
+    }
+    if !rest.is_empty() {
+        matmul_many(&mut rest);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
