@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use keep_checkpoint::Checkpoint;
 use keep_model::streamed::{forward_streamed, StreamOptions};
+use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig, RouteObserver};
 use serde::{Deserialize, Serialize};
 
@@ -80,6 +81,8 @@ pub struct CalibrateOptions {
     pub teacher_topk: usize,
     /// Drop a finished layer's pages (see keep-model's streamed module).
     pub release_pages: bool,
+    /// Which kernels the forward runs on (the teacher log-probs and imatrix come from them).
+    pub kernels: Kernels,
 }
 
 impl Default for CalibrateOptions {
@@ -91,6 +94,7 @@ impl Default for CalibrateOptions {
             route_tokens: ROUTE_TOKENS,
             teacher_topk: TEACHER_TOPK,
             release_pages: true,
+            kernels: Kernels::Exact,
         }
     }
 }
@@ -365,6 +369,7 @@ pub fn run_session(
             masks: vec![],
             on_layer: Some(&mut on_layer),
             release_pages: opts.release_pages,
+            kernels: opts.kernels,
         };
         let logits = forward_streamed(ck, &toks, so, Some(&mut col as &mut dyn RouteObserver))?;
         if eval {

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use keep_checkpoint::Checkpoint;
 use keep_convert::plan::PrunePlan;
 use keep_model::streamed::{forward_streamed, StreamOptions};
+use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig};
 use serde::Serialize;
 
@@ -25,8 +26,10 @@ use crate::{CalibError, Result};
 /// One student's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct StudentScore {
-    /// `"model"` or the plan's file name.
+    /// `"model"`, `"model --kernels fast"` or the plan's file name.
     pub label: String,
+    /// The kernels the student ran on (`"exact"` or `"fast"`).
+    pub kernels: &'static str,
     pub plan: Option<PathBuf>,
     /// Experts a token may still be routed to per layer (the model's own count without a plan).
     pub experts_kept: usize,
@@ -151,20 +154,27 @@ fn read_i32(f: &StFile, name: &str) -> Result<Vec<i32>> {
 }
 
 /// Score `model` and each plan (as a router mask) against the teacher `run` made from `pack`.
-/// `chunk_tokens` bounds the tokens run through the model at once.
+/// `chunk_tokens` bounds the tokens run through the model at once. With
+/// [`Kernels::Fast`] the model is also scored on the fast kernels (student
+/// `model --kernels fast`), and the plans run on them; the student `model` stays on the exact
+/// kernels.
 pub fn eval(
     model: &Path,
     run: &Path,
     pack: &Pack,
     plans: &[PathBuf],
     chunk_tokens: usize,
+    kernels: Kernels,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<EvalReport> {
     let ck = Checkpoint::open(model)?;
     let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
     let teacher = load_teacher(run, pack)?;
-    let mut students: Vec<(String, Option<PathBuf>, Option<PrunePlan>)> =
-        vec![("model".into(), None, None)];
+    let mut students: Vec<(String, Option<PathBuf>, Option<PrunePlan>, Kernels)> =
+        vec![("model".into(), None, None, Kernels::Exact)];
+    if kernels == Kernels::Fast {
+        students.push(("model --kernels fast".into(), None, None, Kernels::Fast));
+    }
     for p in plans {
         let plan = PrunePlan::read(p)?;
         if plan.n_experts != cfg.n_experts {
@@ -180,7 +190,7 @@ pub fn eval(
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        students.push((label, Some(p.clone()), Some(plan)));
+        students.push((label, Some(p.clone()), Some(plan), kernels));
     }
     let teacher_nll: f64 = {
         let (s, n) = teacher.iter().fold((0.0, 0usize), |(s, n), t| {
@@ -194,7 +204,7 @@ pub fn eval(
     let total = students.len() * teacher.len();
     let mut done = 0;
     let mut out = vec![];
-    for (label, path, plan) in students {
+    for (label, path, plan, student_kernels) in students {
         let masks: Vec<Option<Vec<bool>>> = (0..cfg.n_layers)
             .map(|l| plan.as_ref().and_then(|p| p.pruned_mask(l)))
             .collect();
@@ -213,6 +223,7 @@ pub fn eval(
                 masks: masks.clone(),
                 on_layer: None,
                 release_pages: false,
+                kernels: student_kernels,
             };
             let logits = forward_streamed(&ck, &toks, so, None)?;
             for (lg, t) in logits.iter().zip(&teacher[i..j]) {
@@ -226,6 +237,7 @@ pub fn eval(
         let kept = plan.as_ref().map_or(cfg.n_experts, |p| p.keep);
         out.push(StudentScore {
             label,
+            kernels: student_kernels.name(),
             plan: path,
             experts_kept: kept,
             experts_total: cfg.n_experts,

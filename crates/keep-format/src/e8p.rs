@@ -3,11 +3,10 @@
 //! What it is: the 256-pattern absolute grid (built at compile time from its definition),
 //! the 16-bit code layout, a `_ref` decoder written step by step from the definition and a
 //! fast table-plus-sign-bits decoder tested against it on all 65,536 codes, scaled row
-//! decoders, a decode-and-dot kernel for a few activation rows (`M` = 1..=32, any `M`
-//! works) with its scalar reference, and the exhaustive nearest-codeword search that later
-//! quantizer tests compare against. What it is not: fitting codes to real weights
-//! (incoherence transforms, LDLQ, scale search), residual stages, threading, SIMD
-//! intrinsics or I/O. Depends on [`crate::error`] only.
+//! decoders, and the exhaustive nearest-codeword search that later quantizer tests compare
+//! against. What it is not: arithmetic on activations (the E8P matmul is keep-kernels'
+//! `e8p`), fitting codes to real weights (incoherence transforms, LDLQ, scale search),
+//! residual stages, threading, SIMD intrinsics or I/O. Depends on [`crate::error`] only.
 //!
 //! # The absolute grid: 256 patterns ([`E8P_GRID`])
 //! Stored in half-units: entry `a[i]` means `|x_i| = a[i] / 2`, `a[i] ∈ {1, 3, 5}`.
@@ -71,7 +70,7 @@
 //! Weights are coded as `w / s` with `s = RMS(w) / `[`E8P_OPT_SCALE`] and decoded as
 //! `s · codeword` (the reference notes: 1.03 minimises the MSE for unit Gaussian input).
 
-use crate::error::{check_aligned, check_len, mul, Result};
+use crate::error::{check_len, mul, Result};
 
 /// Weights per code.
 pub const E8P_DIM: usize = 8;
@@ -91,10 +90,6 @@ pub const E8P_MAX_ABS: f32 = 2.75;
 /// Divide a row's RMS by this to get its E8P scale (QuIP#: minimises the MSE for unit
 /// Gaussian input, about 0.0921 per coordinate).
 pub const E8P_OPT_SCALE: f32 = 1.03;
-
-/// Activation rows the fast matmul processes per pass over the codes (`M` is taken in
-/// blocks of this many, the tail as 3, 2 or 1; any `M` is accepted).
-pub const E8P_MATMUL_ROW_BLOCK: usize = 4;
 
 /// The 29 norm-12 patterns (grid indices `227..256`, in this order): the positions of the
 /// three entries ½; the other five entries are 3/2. QuIP#'s `get_norm12()` choice.
@@ -348,138 +343,6 @@ pub fn decode_e8p_row(codes: &[u16], scale: f32, dst: &mut [f32]) -> Result<()> 
     Ok(())
 }
 
-/// Shape checks shared by both matmuls; returns codes per weight row (`k / 8`).
-fn check_matmul(
-    x: usize,
-    m: usize,
-    codes: usize,
-    scales: usize,
-    n: usize,
-    k: usize,
-    out: usize,
-) -> Result<usize> {
-    check_aligned("e8p matmul k", k, E8P_DIM)?;
-    let kc = k / E8P_DIM;
-    check_len("e8p activations", mul("e8p activations", m, k)?, x)?;
-    check_len("e8p codes", mul("e8p codes", n, kc)?, codes)?;
-    check_len("e8p scales", n, scales)?;
-    check_len("e8p output", mul("e8p output", m, n)?, out)?;
-    Ok(kc)
-}
-
-/// Reference decode-and-dot: `out[i*n + r] = Σ_j x[i*k + j] * W[r, j]` with
-/// `W[r, j] = scales[r] * decode_e8p_ref(codes[r*(k/8) + j/8])[j % 8]` (one `f32`
-/// multiply), accumulated in `f64` in ascending `j` and rounded once to `f32`.
-///
-/// Layout: `x` is `m x k` row-major activations, `codes` is `n x k/8` row-major (weight
-/// row `r`, i.e. output column `r`, holds `k/8` codes), `scales` has one scale per weight
-/// row (per output feature), `out` is `m x n` row-major. Needs `k % 8 == 0`; lengths that
-/// do not match come back as [`crate::FormatError`].
-pub fn e8p_matmul_ref(
-    x: &[f32],
-    m: usize,
-    codes: &[u16],
-    scales: &[f32],
-    n: usize,
-    k: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let kc = check_matmul(x.len(), m, codes.len(), scales.len(), n, k, out.len())?;
-    for i in 0..m {
-        for r in 0..n {
-            let mut acc = 0.0f64;
-            for j in 0..k {
-                let w = scales[r] * decode_e8p_ref(codes[r * kc + j / E8P_DIM])[j % E8P_DIM];
-                acc += x[i * k + j] as f64 * w as f64;
-            }
-            out[i * n + r] = acc as f32;
-        }
-    }
-    Ok(())
-}
-
-/// Sum of 8 lanes, pairwise: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
-#[inline(always)]
-fn lane_sum(a: &[f32; 8]) -> f32 {
-    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    (b[0] + b[2]) + (b[1] + b[3])
-}
-
-/// `MR` activation rows (`xs`, `MR * k` floats) against one weight row (`row`, `k/8`
-/// codes): decode each code once, multiply-add it into `MR` accumulators of 8 lanes.
-#[inline(always)]
-fn dot_rows<const MR: usize>(xs: &[f32], k: usize, row: &[u16]) -> [f32; MR] {
-    let mut acc = [[0.0f32; 8]; MR];
-    // One 8-float chunk iterator per activation row, advanced once per code.
-    let mut xr: [core::slice::ChunksExact<'_, f32>; MR] =
-        core::array::from_fn(|i| xs[i * k..(i + 1) * k].chunks_exact(E8P_DIM));
-    for &code in row {
-        let w = decode_e8p(code);
-        for (a, it) in acc.iter_mut().zip(xr.iter_mut()) {
-            if let Some(xc) = it.next() {
-                for l in 0..E8P_DIM {
-                    a[l] += xc[l] * w[l];
-                }
-            }
-        }
-    }
-    let mut s = [0.0f32; MR];
-    for (o, a) in s.iter_mut().zip(&acc) {
-        *o = lane_sum(a);
-    }
-    s
-}
-
-/// One block of `MR` activation rows against all `n` weight rows.
-fn matmul_block<const MR: usize>(
-    xs: &[f32],
-    codes: &[u16],
-    scales: &[f32],
-    n: usize,
-    k: usize,
-    kc: usize,
-    out: &mut [f32],
-) {
-    for (r, &sc) in scales.iter().enumerate().take(n) {
-        let d = dot_rows::<MR>(xs, k, &codes[r * kc..(r + 1) * kc]);
-        for (i, v) in d.iter().enumerate() {
-            out[i * n + r] = sc * v;
-        }
-    }
-}
-
-/// Fast decode-and-dot, same contract as [`e8p_matmul_ref`] up to accumulation order:
-/// activation rows are taken [`E8P_MATMUL_ROW_BLOCK`] at a time (then 3, 2, 1 for the
-/// tail); per weight row, each code is decoded once with [`decode_e8p`] and multiply-added
-/// into 8 `f32` lanes per activation row (lane `l` sums `x[8c + l] * w[l]` over codes `c`
-/// in order), the lanes are summed pairwise and the sum is multiplied by `scales[r]` once.
-/// Portable Rust written for LLVM autovectorisation; single-threaded.
-pub fn e8p_matmul(
-    x: &[f32],
-    m: usize,
-    codes: &[u16],
-    scales: &[f32],
-    n: usize,
-    k: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let kc = check_matmul(x.len(), m, codes.len(), scales.len(), n, k, out.len())?;
-    let mut i = 0;
-    while i < m {
-        let mr = (m - i).min(E8P_MATMUL_ROW_BLOCK);
-        let xs = &x[i * k..(i + mr) * k];
-        let o = &mut out[i * n..(i + mr) * n];
-        match mr {
-            4 => matmul_block::<4>(xs, codes, scales, n, k, kc, o),
-            3 => matmul_block::<3>(xs, codes, scales, n, k, kc, o),
-            2 => matmul_block::<2>(xs, codes, scales, n, k, kc, o),
-            _ => matmul_block::<1>(xs, codes, scales, n, k, kc, o),
-        }
-        i += mr;
-    }
-    Ok(())
-}
-
 /// The nearest codeword to `x` by exhaustive search over all 65,536 codes: the
 /// reference quantiser (slow, about half a million multiply-adds per call; for tests and
 /// for checking faster quantisers, not for coding weights). Distance is the squared
@@ -509,15 +372,6 @@ mod tests {
     use crate::error::FormatError;
     use crate::testutil::same;
     use std::collections::{BTreeMap, BTreeSet, HashSet};
-
-    /// Fast matmul vs reference, relative to `Σ_j |x_ij · W_rj|`. The fast path sums each
-    /// of 8 lanes over `k/8` products in `f32`, then 3 pairwise lane adds and one scale
-    /// multiply; the reference sums in `f64` and rounds once. First-order `f32` error
-    /// bound: `(k/8 + 3 + 2) · 2⁻²⁴ · Σ|x·W|`, which is below `1e-5` for `k ≤ 1024`
-    /// (the tests stay at `k ≤ MATMUL_TOL_MAX_K`).
-    const MATMUL_REL_TOL: f64 = 1e-5;
-    /// Largest `k` the tolerance above is argued for.
-    const MATMUL_TOL_MAX_K: usize = 1024;
 
     /// Deterministic xorshift64* generator for test data.
     struct Rng(u64);
@@ -770,107 +624,6 @@ mod tests {
         ));
         assert!(decode_e8p_row_ref(&codes, 1.0, &mut a[1..]).is_err());
         decode_e8p_row(&[], 1.0, &mut []).unwrap();
-    }
-
-    fn random_case(rng: &mut Rng, m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<u16>, Vec<f32>) {
-        let x = (0..m * k).map(|_| rng.gauss() as f32).collect();
-        let codes = (0..n * k / 8).map(|_| rng.next() as u16).collect();
-        let scales = (0..n)
-            .map(|_| {
-                (0.001 + rng.unit() * 0.1) as f32 * if rng.next() & 1 == 0 { 1.0 } else { -1.0 }
-            })
-            .collect();
-        (x, codes, scales)
-    }
-
-    fn check_matmul_case(rng: &mut Rng, m: usize, n: usize, k: usize) {
-        assert!(k <= MATMUL_TOL_MAX_K);
-        let (x, codes, scales) = random_case(rng, m, n, k);
-        let mut fast = vec![f32::NAN; m * n];
-        let mut refr = vec![f32::NAN; m * n];
-        e8p_matmul(&x, m, &codes, &scales, n, k, &mut fast).unwrap();
-        e8p_matmul_ref(&x, m, &codes, &scales, n, k, &mut refr).unwrap();
-        let kc = k / 8;
-        for i in 0..m {
-            for r in 0..n {
-                let mut mag = 0.0f64;
-                for j in 0..k {
-                    let w = scales[r] * decode_e8p_ref(codes[r * kc + j / 8])[j % 8];
-                    mag += (x[i * k + j] as f64 * w as f64).abs();
-                }
-                let (f, e) = (fast[i * n + r] as f64, refr[i * n + r] as f64);
-                assert!(
-                    (f - e).abs() <= MATMUL_REL_TOL * mag,
-                    "m={m} n={n} k={k} ({i},{r}): fast {f} ref {e} (Σ|xw| {mag})"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn matmul_fast_vs_ref_odd_shapes() {
-        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-        for m in 1..=32 {
-            let n = [1, 3, 5, 7, 13][m % 5];
-            let k = 8 * (1 + (m * 7) % 11);
-            check_matmul_case(&mut rng, m, n, k);
-        }
-        for (m, n, k) in [
-            (1, 1, 8),
-            (32, 33, 512),
-            (5, 17, 1024),
-            (33, 3, 64),
-            (0, 3, 8),
-            (3, 0, 8),
-        ] {
-            check_matmul_case(&mut rng, m, n, k);
-        }
-    }
-
-    #[test]
-    fn matmul_exact_case_and_errors() {
-        // One weight row of code 0 (all 0.75), scale 2: out = 1.5 · Σ x.
-        let x: Vec<f32> = (0..16).map(|v| v as f32).collect();
-        let mut out = [0.0f32; 1];
-        e8p_matmul(&x, 1, &[0, 0], &[2.0], 1, 16, &mut out).unwrap();
-        assert_eq!(out[0], 1.5 * 120.0);
-        e8p_matmul_ref(&x, 1, &[0, 0], &[2.0], 1, 16, &mut out).unwrap();
-        assert_eq!(out[0], 1.5 * 120.0);
-
-        let e = e8p_matmul(&x[..12], 1, &[0], &[1.0], 1, 12, &mut out);
-        assert!(matches!(e, Err(FormatError::Unaligned { .. })), "{e:?}");
-        assert!(matches!(
-            e8p_matmul(&x, 1, &[0], &[1.0], 1, 16, &mut out),
-            Err(FormatError::LengthMismatch {
-                what: "e8p codes",
-                ..
-            })
-        ));
-        assert!(matches!(
-            e8p_matmul(&x, 1, &[0, 0], &[], 1, 16, &mut out),
-            Err(FormatError::LengthMismatch {
-                what: "e8p scales",
-                ..
-            })
-        ));
-        assert!(matches!(
-            e8p_matmul_ref(&x, 2, &[0, 0], &[1.0], 1, 16, &mut out),
-            Err(FormatError::LengthMismatch {
-                what: "e8p activations",
-                ..
-            })
-        ));
-        assert!(matches!(
-            e8p_matmul(&x, 1, &[0, 0], &[1.0], 1, 16, &mut []),
-            Err(FormatError::LengthMismatch {
-                what: "e8p output",
-                ..
-            })
-        ));
-        assert!(matches!(
-            e8p_matmul(&[], usize::MAX, &[], &[], 0, 16, &mut []),
-            Err(FormatError::Overflow { .. })
-        ));
     }
 
     #[test]

@@ -121,7 +121,7 @@ impl<'a> Affine8View<'a> {
 
 /// Scalar reference: f64 accumulation of `get_ref` elements.
 pub fn affine8_matmul_ref(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     for i in 0..m {
         for r in 0..w.rows {
             let mut s = 0f64;
@@ -138,7 +138,7 @@ pub fn affine8_matmul_ref(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32])
 /// rows when big); each output equals [`crate::simd::dot`] of the input row with the
 /// decoded weight row, bit for bit.
 pub fn affine8_matmul(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     crate::simd::run(crate::simd::Src::affine8(w), w.rows, w.cols, x, m, out);
     Ok(())
 }

@@ -1,59 +1,13 @@
-//! Element codecs the kernels inline: FP8 E4M3FN, FP4 E2M1, E8M0 and bf16 to f32, and the
-//! round-to-nearest-even f32 → E4M3FN value used by fake quantization.
-//!
-//! Decode formulas (OCP / DeepSeek / MLX agree):
-//! - E4M3FN `S EEEE MMM`, bias 7: E>0 → (-1)^S (1+M/8) 2^(E-7); E=0 → (-1)^S M 2^-9;
-//!   0x7F/0xFF are NaN; no infinity.
-//! - E2M1 `S EE M`: codes 0..7 → 0, .5, 1, 1.5, 2, 3, 4, 6; 8..15 the negatives.
-//! - E8M0 byte b → 2^(b-127) (b = 0 → 2^-127, a subnormal f32); 0xFF → NaN.
-//! - bf16 → the top 16 bits of an f32.
+//! Byte helpers the kernels inline (little-endian f32 / bf16 at an element index) and the
+//! round-to-nearest-even f32 → E4M3FN value used by fake quantization. The element decode
+//! tables themselves (E4M3FN, E2M1, E8M0, bf16) are keep-format's — one definition, checked
+//! against `ml_dtypes` by the conformance suite — and are re-exported here under the names the
+//! kernels use.
 
-use std::sync::LazyLock;
-
-/// E4M3FN byte → f32, computed from the definition.
-pub fn e4m3_to_f32_ref(b: u8) -> f32 {
-    let s = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let e = ((b >> 3) & 0xF) as i32;
-    let m = (b & 7) as f32;
-    if e == 0xF && (b & 7) == 7 {
-        return f32::NAN;
-    }
-    if e == 0 {
-        s * m * 2f32.powi(-9)
-    } else {
-        s * (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    }
-}
-
-/// The E4M3FN table.
-pub static E4M3: LazyLock<[f32; 256]> = LazyLock::new(|| {
-    let mut t = [0f32; 256];
-    for (i, v) in t.iter_mut().enumerate() {
-        *v = e4m3_to_f32_ref(i as u8);
-    }
-    t
-});
-
-/// E2M1 code (low 4 bits) → f32.
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-
-/// E8M0 byte → f32 scale.
-#[inline]
-pub fn e8m0_to_f32(b: u8) -> f32 {
-    match b {
-        0 => f32::from_bits(0x0040_0000),
-        0xFF => f32::NAN,
-        _ => f32::from_bits((b as u32) << 23),
-    }
-}
-
-/// bf16 bits → f32.
-#[inline]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
+pub use keep_format::bf16::bf16_to_f32;
+pub use keep_format::e8m0::e8m0_to_f32;
+pub use keep_format::fp4::E2M1_LUT as E2M1;
+pub use keep_format::fp8::{e4m3_to_f32_ref, E4M3_LUT as E4M3};
 
 /// Little-endian f32 at element `i` of a byte slice.
 #[inline]
@@ -142,6 +96,7 @@ mod tests {
 
     #[test]
     fn e8m0_values() {
+        assert_eq!(e8m0_to_f32(1), 2f32.powi(-126));
         assert_eq!(e8m0_to_f32(127), 1.0);
         assert_eq!(e8m0_to_f32(130), 8.0);
         assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));

@@ -1,17 +1,21 @@
 //! E8P12 lattice-coded weights (`keep_format::e8p`: one 16-bit code per 8 weights, one f32
-//! scale per weight row) as a kernel operand: [`E8pView`], the `_ref` product (the format's
-//! own f64 reference) and the fast product [`e8p_matmul`], threaded over output rows and
-//! compiled for AVX2/AVX-512 at run time; [`e8p_matmul_many`] runs a token's top-k experts in
-//! one parallel pass.
+//! scale per weight row) as a kernel operand: [`E8pView`], the scalar reference
+//! [`e8p_matmul_ref`] (f64 accumulation of `decode_e8p_ref` elements) and the fast product
+//! [`e8p_matmul`], threaded over output rows and compiled for AVX2/AVX-512 at run time;
+//! [`e8p_matmul_many`] runs a token's top-k experts in one parallel pass.
 //!
-//! The fast path computes exactly what `keep_format::e8p::e8p_matmul` computes (each code
-//! decoded once with `decode_e8p`, multiply-added into 8 lanes per activation row with a
-//! separate multiply and add, lanes summed pairwise, times the row scale), so it is
-//! bit-identical to that single-threaded portable kernel (tested), whatever the threading.
+//! The fast path's order: activation rows in blocks of [`E8P_MATMUL_ROW_BLOCK`] (then 3, 2,
+//! 1), each code decoded once with `decode_e8p` and multiply-added into 8 lanes per activation
+//! row with a separate multiply and add, the lanes summed pairwise, times the row scale. The
+//! result does not depend on the threading (tested).
 
 use rayon::prelude::*;
 
-use keep_format::e8p::{decode_e8p, E8P_DIM};
+use keep_format::e8p::{decode_e8p, decode_e8p_ref, E8P_DIM};
+
+/// Activation rows the fast product takes per pass over the codes (`M` is taken in blocks of
+/// this many, the tail as 3, 2 or 1; any `M` is accepted).
+pub const E8P_MATMUL_ROW_BLOCK: usize = 4;
 
 use crate::{KernelError, Result};
 
@@ -56,15 +60,22 @@ impl<'a> E8pView<'a> {
     }
 }
 
-/// Scalar reference (`keep_format::e8p::e8p_matmul_ref`: f64 accumulation).
+/// Scalar reference: `out[i, r] = Σ_j x[i, j] · (scale[r] · decode_e8p_ref(code)[j % 8])`
+/// (one f32 multiply per weight), accumulated in f64 in ascending `j`, rounded once.
 pub fn e8p_matmul_ref(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
-    keep_format::e8p::e8p_matmul_ref(x, m, w.codes, w.scales, w.rows, w.cols, out).map_err(|e| {
-        KernelError::Shape {
-            what: "e8p matmul",
-            msg: e.to_string(),
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
+    let (k, kc) = (w.cols, w.cols / E8P_DIM);
+    for i in 0..m {
+        for r in 0..w.rows {
+            let mut acc = 0f64;
+            for j in 0..k {
+                let v = w.scales[r] * decode_e8p_ref(w.codes[r * kc + j / E8P_DIM])[j % E8P_DIM];
+                acc += x[i * k + j] as f64 * v as f64;
+            }
+            out[i * w.rows + r] = acc as f32;
         }
-    })
+    }
+    Ok(())
 }
 
 #[inline(always)]
@@ -109,7 +120,7 @@ unsafe fn rows_impl(
     let (k, kc) = (w.cols, w.cols / E8P_DIM);
     let mut i = 0;
     while i < m {
-        let mr = (m - i).min(4);
+        let mr = (m - i).min(E8P_MATMUL_ROW_BLOCK);
         for r in r0..r1 {
             let row = &w.codes[r * kc..(r + 1) * kc];
             let sc = w.scales[r];
@@ -162,8 +173,8 @@ unsafe fn rows_avx2(
 
 unsafe fn rows(w: &E8pView, x: &[f32], m: usize, r0: usize, r1: usize, out: *mut f32, ld: usize) {
     #[allow(unused_imports)]
-    use crate::simd::Level;
-    match crate::simd::level() {
+    use crate::cpu::Level;
+    match crate::cpu::level() {
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => rows_avx512(w, x, m, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]
@@ -174,14 +185,13 @@ unsafe fn rows(w: &E8pView, x: &[f32], m: usize, r0: usize, r1: usize, out: *mut
 
 use crate::simd::{row_tasks, SyncPtr};
 
-/// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big; bit-identical to
-/// `keep_format::e8p::e8p_matmul`.
+/// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big (see the module doc).
 pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     let rows_n = w.rows;
     let ptr = SyncPtr(out.as_mut_ptr());
     let threads = rayon::current_num_threads();
-    if m * rows_n * w.cols < crate::matmul::PAR_MIN_MACS || threads < 2 || rows_n < 2 {
+    if m * rows_n * w.cols < crate::cpu::PAR_MIN_MACS || threads < 2 || rows_n < 2 {
         // SAFETY: lengths checked; single thread.
         unsafe { rows(w, x, m, 0, rows_n, ptr.0, rows_n) };
         return Ok(());
@@ -211,7 +221,7 @@ pub struct E8pJob<'a, 'b> {
 /// equals [`e8p_matmul`] of its job.
 pub fn e8p_matmul_many(jobs: &mut [E8pJob]) -> Result<()> {
     for j in jobs.iter() {
-        crate::matmul::check_operands(j.x, j.m, j.w.rows, j.w.cols, j.out)?;
+        crate::cpu::check_operands(j.x, j.m, j.w.rows, j.w.cols, j.out)?;
     }
     let tasks = row_tasks(
         jobs.iter().map(|j| (j.m, j.w.rows, j.w.cols)),
@@ -238,7 +248,7 @@ mod tests {
     const REL_TOL: f32 = 1e-5;
 
     #[test]
-    fn fast_matches_ref_and_format_kernel_on_odd_shapes() {
+    fn fast_matches_ref_on_odd_shapes() {
         let mut s = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = move || {
             s ^= s << 13;
@@ -263,11 +273,10 @@ mod tests {
                 );
                 e8p_matmul_ref(&x, m, &w, &mut a).unwrap();
                 e8p_matmul(&x, m, &w, &mut b).unwrap();
-                keep_format::e8p::e8p_matmul(&x, m, &codes, &scales, rows, cols, &mut c).unwrap();
-                assert_eq!(
-                    b, c,
-                    "bitwise vs keep_format::e8p::e8p_matmul ({rows}x{cols}, m={m})"
-                );
+                // One thread, at the level the CPU runs: the same bits.
+                // SAFETY: c has m*rows elements; one thread.
+                unsafe { super::rows(&w, &x, m, 0, rows, c.as_mut_ptr(), rows) };
+                assert_eq!(b, c, "threaded vs one thread ({rows}x{cols}, m={m})");
                 for i in 0..m {
                     for r in 0..rows {
                         let mag: f32 = (0..cols)
@@ -294,5 +303,24 @@ mod tests {
                 assert_eq!(b, d);
             }
         }
+    }
+
+    #[test]
+    fn exact_case_and_errors() {
+        // One weight row of code 0 (all 0.75), scale 2: out = 1.5 · Σ x.
+        let x: Vec<f32> = (0..16).map(|v| v as f32).collect();
+        let (codes, scales) = ([0u16, 0], [2.0f32]);
+        let w = E8pView::new(&codes, &scales, 1, 16).unwrap();
+        let mut out = [0.0f32; 1];
+        e8p_matmul(&x, 1, &w, &mut out).unwrap();
+        assert_eq!(out[0], 1.5 * 120.0);
+        e8p_matmul_ref(&x, 1, &w, &mut out).unwrap();
+        assert_eq!(out[0], 1.5 * 120.0);
+        assert!(E8pView::new(&codes[..1], &scales, 1, 12).is_err());
+        assert!(E8pView::new(&codes[..1], &scales, 1, 16).is_err());
+        assert!(E8pView::new(&codes, &[], 1, 16).is_err());
+        assert!(e8p_matmul(&x, 2, &w, &mut out).is_err());
+        assert!(e8p_matmul_ref(&x, 1, &w, &mut []).is_err());
+        assert!(e8p_matmul(&[], usize::MAX, &w, &mut []).is_err());
     }
 }

@@ -20,8 +20,10 @@
 
 pub mod affine;
 pub mod codec;
+pub mod cpu;
 pub mod e8p;
 pub mod error;
+pub mod intdot;
 pub mod matmul;
 pub mod ops;
 pub mod simd;
@@ -31,7 +33,7 @@ mod test_rng;
 pub mod weight;
 
 pub use error::KernelError;
-pub use matmul::{matmul, matmul_ref, matmul_rows};
+pub use matmul::{matmul, matmul_ref, matmul_rows, matmul_with, Kernels};
 pub use weight::{BlockScales, WeightKind, WeightView};
 
 /// Result type of this crate.

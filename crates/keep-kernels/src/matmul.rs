@@ -10,16 +10,10 @@
 //! which decoded a tile of rows once for four input rows at a time. [`dot`] and [`dot4`] remain
 //! for the attention's vector products.
 
-use crate::{KernelError, Result, WeightView};
+use crate::{Result, WeightView};
 
-/// Below this many multiply-adds a call stays on the calling thread: waking rayon's workers
-/// costs more than a small GEMV saves. Measured on keep-tiny decode (2-core VM, 64 tokens,
-/// `model_bench`, two alternated runs): 1 << 18 gave 446–453 tok/s once a token's top-4
-/// experts ran as one `matmul_many` (262,144 MACs, just over the line), 1 << 20 gave 697–719,
-/// 1 << 22 gave 745–749 — as fast as one thread (739–742) — and 1 << 21 the same (726–737).
-/// 1 << 21 keeps V4.1-Flash's smallest resident GEMV threaded (`wkv`, 512 × 4096 = 2 M MACs:
-/// 13.6 GB/s threaded vs 10.6 GB/s on one thread in the kill test's bf16 chain).
-pub const PAR_MIN_MACS: usize = 1 << 21;
+pub use crate::cpu::PAR_MIN_MACS;
+use crate::cpu::{check_operands, has_avx2};
 
 const LANES: usize = 16;
 
@@ -141,20 +135,6 @@ mod avx2 {
     }
 }
 
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static F: OnceLock<bool> = OnceLock::new();
-        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Dot product of two equal-length slices in the kernels' fixed accumulation order.
 #[inline]
 pub fn dot(x: &[f32], w: &[f32]) -> f32 {
@@ -180,31 +160,6 @@ pub fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
     dot_generic(xs, w)
 }
 
-/// Check the operands of `out[M×rows] = x[M×cols] · Wᵀ` (shared by every kernel).
-pub(crate) fn check_operands(
-    x: &[f32],
-    m: usize,
-    rows: usize,
-    cols: usize,
-    out: &[f32],
-) -> Result<()> {
-    if x.len() != m * cols {
-        return Err(KernelError::Operand {
-            what: "x",
-            expected: m * cols,
-            got: x.len(),
-        });
-    }
-    if out.len() != m * rows {
-        return Err(KernelError::Operand {
-            what: "out",
-            expected: m * rows,
-            got: out.len(),
-        });
-    }
-    Ok(())
-}
-
 /// Scalar reference: f64 accumulation of `get_ref` elements.
 pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
     check_operands(x, m, w.rows, w.cols, out)?;
@@ -218,6 +173,54 @@ pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resul
         }
     }
     Ok(())
+}
+
+/// Which kernels a product runs on: the exact f32 decode-and-dot kernels (what `keep logits`,
+/// the fixtures and the conformance suite use), or the fast ones, which quantize activations
+/// to int8 blocks and multiply packed weights as integers where the format has an integer
+/// kernel ([`crate::intdot`]: MXFP4) and run the exact kernel elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// The exact f32 kernels.
+    #[default]
+    Exact,
+    /// Integer dot products where a format has them.
+    Fast,
+}
+
+impl Kernels {
+    /// `"exact"` or `"fast"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Exact => "exact",
+            Kernels::Fast => "fast",
+        }
+    }
+
+    /// Parse `"exact"` / `"fast"`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "exact" => Some(Kernels::Exact),
+            "fast" => Some(Kernels::Fast),
+            _ => None,
+        }
+    }
+}
+
+/// [`matmul`] on the chosen [`Kernels`].
+pub fn matmul_with(
+    kernels: Kernels,
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    out: &mut [f32],
+) -> Result<()> {
+    if kernels == Kernels::Fast {
+        if let Some(src) = crate::intdot::IntSrc::from_view(w) {
+            return crate::intdot::int_matmul(x, m, &src, w.rows, w.cols, out);
+        }
+    }
+    matmul(x, m, w, out)
 }
 
 /// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (see the module doc).
@@ -360,7 +363,12 @@ mod tests {
         let mut buf = vec![0f32; 256];
         w.decode_row(0, &mut buf);
         for (c, v) in buf.iter().enumerate() {
-            assert_eq!(v.to_bits(), w.get_ref(0, c).to_bits(), "code {c}");
+            // NaN codes compare as NaN: the reference keeps the sign of 0xFF (as ml_dtypes).
+            let r = w.get_ref(0, c);
+            assert!(
+                v.to_bits() == r.to_bits() || (v.is_nan() && r.is_nan()),
+                "code {c}"
+            );
         }
         let p: Vec<u8> = (0..128u32)
             .map(|i| ((i % 16) | ((15 - i % 16) << 4)) as u8)

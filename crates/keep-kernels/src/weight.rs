@@ -297,7 +297,7 @@ impl<'a> WeightView<'a> {
     #[inline]
     pub fn decode_row(&self, r: usize, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::matmul::has_avx2() {
+        if crate::cpu::has_avx2() {
             // SAFETY: the CPU supports avx2 and fma (checked).
             unsafe { self.decode_row_avx2(r, dst) };
             return;

@@ -73,6 +73,9 @@ pub struct ModelConfig {
     pub hc_iters: usize,
     pub hc_eps: f32,
     pub roles: Vec<LayerRoles>,
+    /// Which kernels the products run on (not part of the checkpoint: `Exact` unless a caller
+    /// chooses `Fast`; see [`keep_kernels::Kernels`]).
+    pub kernels: keep_kernels::Kernels,
 }
 
 fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
@@ -218,6 +221,7 @@ impl ModelConfig {
             hc_iters: c.hc_sinkhorn_iters,
             hc_eps: c.hc_eps as f32,
             roles,
+            kernels: keep_kernels::Kernels::Exact,
         })
     }
 

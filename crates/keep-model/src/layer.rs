@@ -11,7 +11,7 @@
 
 use keep_checkpoint::Checkpoint;
 use keep_kernels::ops::{self, Rope};
-use keep_kernels::simd::{matmul_many, Job};
+use keep_kernels::simd::{matmul_many_with, Job};
 use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
@@ -784,7 +784,7 @@ impl LayerWeights<'_> {
                     jobs.push(Job::view(&ew.w1, xin, m, g)?);
                     jobs.push(Job::view(&ew.w3, xin, m, u)?);
                 }
-                matmul_many(&mut jobs);
+                matmul_many_with(cfg.kernels, &mut jobs)?;
             }
             let acts: Vec<Vec<f32>> = gs
                 .iter()
@@ -810,7 +810,7 @@ impl LayerWeights<'_> {
                 {
                     jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
                 }
-                matmul_many(&mut jobs);
+                matmul_many_with(cfg.kernels, &mut jobs)?;
             }
             for (&j, y) in chunk.iter().zip(&outs) {
                 let routes = &by_expert[j];

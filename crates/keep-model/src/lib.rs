@@ -32,6 +32,7 @@ pub use config::ModelConfig;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{Sampler, SamplerConfig};
+pub use keep_kernels::Kernels;
 pub use model::{Logits, Model};
 pub use observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
 

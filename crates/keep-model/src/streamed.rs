@@ -29,6 +29,8 @@ pub struct StreamOptions<'o> {
     pub on_layer: Option<&'o mut dyn FnMut(usize)>,
     /// Drop a finished layer's pages from the process (see the module doc).
     pub release_pages: bool,
+    /// Which kernels the products run on.
+    pub kernels: keep_kernels::Kernels,
 }
 
 impl Default for StreamOptions<'_> {
@@ -38,6 +40,7 @@ impl Default for StreamOptions<'_> {
             masks: vec![],
             on_layer: None,
             release_pages: true,
+            kernels: keep_kernels::Kernels::Exact,
         }
     }
 }
@@ -67,7 +70,8 @@ pub fn forward_streamed(
     mut opts: StreamOptions,
     mut obs: Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<Vec<f32>>> {
-    let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    cfg.kernels = opts.kernels;
     let globals = Globals::load(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
     for r in records {

@@ -43,6 +43,8 @@ pub struct RuntimeOptions {
     /// Guess layer L+1's experts with its router applied to layer L's MoE input and read them
     /// while layer L computes (opt-in; scored in [`CacheStats::guess`]).
     pub prefetch_next: bool,
+    /// Which kernels the products run on.
+    pub kernels: keep_kernels::Kernels,
 }
 
 impl RuntimeOptions {
@@ -55,6 +57,7 @@ impl RuntimeOptions {
             direct_io: true,
             warm_start: None,
             prefetch_next: false,
+            kernels: keep_kernels::Kernels::Exact,
         }
     }
 }
@@ -177,7 +180,8 @@ impl RouteObserver for Guesser<'_, '_, '_> {
 impl<'a> BudgetedModel<'a> {
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
-        let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        cfg.kernels = opts.kernels;
         let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
         let plan = BudgetPlan::new(
             opts.budget,

@@ -42,6 +42,10 @@ pub struct CalibrateArgs {
     /// Tokens per streamed batch (each batch streams the layers once; bounds activation memory).
     #[arg(long, default_value_t = 8192)]
     chunk_tokens: usize,
+    /// Kernels the forward runs on (the teacher log-probs, imatrix and REAP sums come from
+    /// them): exact, or fast (integer dot products where the weight format has them).
+    #[arg(long, value_enum, default_value_t = super::KernelsArg::Exact)]
+    kernels: super::KernelsArg,
     /// Keep each finished layer's pages mapped (default: dropped, so RSS stays near one layer).
     #[arg(long)]
     keep_pages: bool,
@@ -97,6 +101,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         shard: a.shard,
         chunk_tokens: a.chunk_tokens,
         release_pages: !a.keep_pages,
+        kernels: a.kernels.into(),
         ..Default::default()
     };
     let bar = ProgressBar::new(0);

@@ -36,6 +36,10 @@ pub struct EvalArgs {
     /// Tokens run through the model at once.
     #[arg(long, default_value_t = 4096)]
     chunk_tokens: usize,
+    /// Kernels: with `fast`, the model is also scored on the fast kernels (student
+    /// `model --kernels fast`, KL / ΔNLL / top-1 against the teacher) and the masks run on them.
+    #[arg(long, value_enum, default_value_t = super::KernelsArg::Exact)]
+    kernels: super::KernelsArg,
     /// Draw KL against experts kept (PNG or SVG by extension).
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -66,6 +70,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         &pack,
         &a.masks,
         a.chunk_tokens,
+        a.kernels.into(),
         &mut |d, t| {
             bar.set_length(t as u64);
             bar.set_position(d as u64);

@@ -14,3 +14,22 @@ pub mod run;
 pub mod select;
 pub mod synth;
 pub mod verify;
+
+/// `--kernels exact|fast` (see `keep_model::Kernels`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelsArg {
+    /// The exact f32 kernels (what `keep logits`, the fixtures and the conformance suite use).
+    #[default]
+    Exact,
+    /// Integer dot products on int8-quantized activations where a format has them (MXFP4).
+    Fast,
+}
+
+impl From<KernelsArg> for keep_model::Kernels {
+    fn from(k: KernelsArg) -> Self {
+        match k {
+            KernelsArg::Exact => keep_model::Kernels::Exact,
+            KernelsArg::Fast => keep_model::Kernels::Fast,
+        }
+    }
+}

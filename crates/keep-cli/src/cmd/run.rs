@@ -44,6 +44,12 @@ pub struct RunArgs {
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Kernels: fast (integer dot products on int8 activations where the weight format has
+    /// them) or exact (f32, bit-identical to `keep logits`). Fast is the default because on the
+    /// bundled model's held-out split it scores KL 1.1e-4 nats and top-1 99.5% against the
+    /// exact model (`keep eval --kernels fast`; the rule is KL ≤ 1e-3 and top-1 ≥ 99%).
+    #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
+    kernels: super::KernelsArg,
     #[command(flatten)]
     budget: budget::BudgetArgs,
 }
@@ -124,8 +130,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
     let dir = model_dir(a.model)?;
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let model =
+    let mut model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
+    model.cfg.kernels = a.kernels.into();
     let tok = tokenizer(&dir)?;
     let raw = &model.cfg.raw.raw;
     let bos = config_id(raw, "bos_token_id");

@@ -16,7 +16,7 @@
 //! 16 columns at a time; on AVX-512 each decoded chunk serves up to four input rows.
 //!
 //! Threads split the output rows (rayon) when the call has at least
-//! [`crate::matmul::PAR_MIN_MACS`] multiply-adds. [`matmul_many`] runs several independent
+//! [`crate::cpu::PAR_MIN_MACS`] multiply-adds. [`matmul_many`] runs several independent
 //! products (one token against all its top-k experts' projections) in one parallel pass.
 //!
 //! `KEEP_SIMD=scalar|avx2|avx512` caps the level (for tests and A/B runs); the default is the
@@ -35,81 +35,7 @@ pub mod avx512;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 
-/// A SIMD level a kernel can run at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
-    /// Decode a row, then [`dot`].
-    Scalar,
-    /// NEON (aarch64).
-    Neon,
-    /// AVX2 + FMA + F16C.
-    Avx2,
-    /// AVX-512 F/BW/VL/DQ + FMA + F16C.
-    Avx512,
-}
-
-impl Level {
-    /// Name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Level::Scalar => "scalar",
-            Level::Neon => "neon",
-            Level::Avx2 => "avx2",
-            Level::Avx512 => "avx512",
-        }
-    }
-}
-
-/// The best level this CPU supports (ignoring `KEEP_SIMD`).
-pub fn detected() -> Level {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512dq")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("f16c")
-        {
-            return Level::Avx512;
-        }
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            return Level::Avx2;
-        }
-        Level::Scalar
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        if std::arch::is_aarch64_feature_detected!("neon") {
-            return Level::Neon;
-        }
-        Level::Scalar
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        Level::Scalar
-    }
-}
-
-/// The level kernels run at: [`detected`], capped by `KEEP_SIMD` (read once).
-pub fn level() -> Level {
-    use std::sync::OnceLock;
-    static L: OnceLock<Level> = OnceLock::new();
-    *L.get_or_init(|| {
-        let d = detected();
-        let cap = match std::env::var("KEEP_SIMD").ok().as_deref() {
-            Some("scalar") => Level::Scalar,
-            Some("avx2") => Level::Avx2,
-            Some("neon") => Level::Neon,
-            _ => d,
-        };
-        d.min(cap)
-    })
-}
+pub use crate::cpu::{detected, level, Level};
 
 /// The packed bytes of one weight, resolved for the kernels.
 #[derive(Debug, Clone, Copy)]
@@ -412,7 +338,7 @@ pub(crate) fn run_at(
     assert!(x.len() >= m * cols && out.len() >= m * rows);
     let ptr = SyncPtr(out.as_mut_ptr());
     let threads = rayon::current_num_threads();
-    if m * rows * cols < crate::matmul::PAR_MIN_MACS || threads < 2 || rows < 2 {
+    if m * rows * cols < crate::cpu::PAR_MIN_MACS || threads < 2 || rows < 2 {
         // SAFETY: out has m*rows elements; single thread.
         unsafe { rows_at(level, &src, cols, x, m, 0, rows, ptr.0, rows) };
         return;
@@ -437,7 +363,7 @@ pub(crate) fn run(src: Src, rows: usize, cols: usize, x: &[f32], m: usize, out: 
 /// on AVX2+FMA CPUs bit-identical to [`crate::matmul::matmul`]. Meant for M = 1..32 (any M
 /// works).
 pub fn matmul_fast(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     run(Src::view(w), w.rows, w.cols, x, m, out);
     Ok(())
 }
@@ -445,7 +371,7 @@ pub fn matmul_fast(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resu
 /// [`matmul_fast`] at an explicit level (tests and A/B benchmarks). A level the CPU lacks is
 /// lowered to the best one it has.
 pub fn matmul_at(level: Level, x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Result<()> {
-    crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     run_at(
         level.min(detected()),
         Src::view(w),
@@ -471,7 +397,7 @@ pub struct Job<'a, 'b> {
 impl<'a, 'b> Job<'a, 'b> {
     /// A job over a [`WeightView`] (lengths checked).
     pub fn view(w: &WeightView<'a>, x: &'b [f32], m: usize, out: &'b mut [f32]) -> Result<Self> {
-        crate::matmul::check_operands(x, m, w.rows, w.cols, out)?;
+        crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
         Ok(Job {
             w: Src::view(w),
             rows: w.rows,
@@ -490,7 +416,7 @@ pub fn matmul_many(jobs: &mut [Job]) {
     let level = level();
     let threads = rayon::current_num_threads();
     let total: usize = jobs.iter().map(|j| j.m * j.rows * j.cols).sum();
-    if threads < 2 || total < crate::matmul::PAR_MIN_MACS {
+    if threads < 2 || total < crate::cpu::PAR_MIN_MACS {
         for j in jobs.iter_mut() {
             run_at(level, j.w, j.rows, j.cols, j.x, j.m, j.out);
         }
@@ -507,6 +433,50 @@ pub fn matmul_many(jobs: &mut [Job]) {
         // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
         unsafe { rows_at(level, &j.w, j.cols, j.x, j.m, r0, r1, ptrs[ji].0, j.rows) };
     });
+}
+
+/// [`matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
+/// weight has an integer kernel run through [`crate::intdot::int_matmul_many`] (activations
+/// quantized once per distinct input), the rest as [`matmul_many`].
+pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [Job]) -> Result<()> {
+    if kernels == crate::Kernels::Exact {
+        matmul_many(jobs);
+        return Ok(());
+    }
+    let (mut int_jobs, mut rest): (Vec<crate::intdot::IntJob>, Vec<Job>) = (vec![], vec![]);
+    for j in jobs.iter_mut() {
+        let int = match j.w {
+            Src::Mxfp4 { packed, scales } if j.cols.is_multiple_of(crate::intdot::QBLOCK) => {
+                Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
+            }
+            _ => None,
+        };
+        match int {
+            Some(w) => int_jobs.push(crate::intdot::IntJob {
+                w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            }),
+            None => rest.push(Job {
+                w: j.w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            }),
+        }
+    }
+    if !int_jobs.is_empty() {
+        crate::intdot::int_matmul_many(&mut int_jobs)?;
+    }
+    if !rest.is_empty() {
+        matmul_many(&mut rest);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -683,7 +653,7 @@ mod tests {
         // against all rows computed on this thread.
         let mut rng = Rng(7);
         let (rows, cols) = (1037, 4160);
-        assert!(rows * cols >= crate::matmul::PAR_MIN_MACS);
+        assert!(rows * cols >= crate::cpu::PAR_MIN_MACS);
         let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
         let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();
         let pool = rayon::ThreadPoolBuilder::new()
@@ -718,7 +688,7 @@ mod tests {
         let mut rng = Rng(42);
         // Six jobs above PAR_MIN_MACS together (the threaded pass), in a 4-thread pool.
         let (rows, cols) = (1400, 512);
-        assert!(6 * rows * cols >= crate::matmul::PAR_MIN_MACS);
+        assert!(6 * rows * cols >= crate::cpu::PAR_MIN_MACS);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(4)
             .build()

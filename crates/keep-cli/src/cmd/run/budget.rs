@@ -150,12 +150,17 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 direct_io: !b.buffered_io,
                 warm_start: b.warm_start.clone(),
                 prefetch_next: b.prefetch_next,
+                kernels: a.kernels.into(),
             };
             let m = BudgetedModel::load(&ck, &opts)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
             Loaded::Budgeted(m)
         }
-        None => Loaded::Plain(Model::load(&ck)?),
+        None => {
+            let mut m = Model::load(&ck)?;
+            m.cfg.kernels = a.kernels.into();
+            Loaded::Plain(m)
+        }
     };
     let load_secs = t_load.elapsed().as_secs_f64();
     let cfg = match &model {

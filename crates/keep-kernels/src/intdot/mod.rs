@@ -1,0 +1,552 @@
+//! Integer dot products ("fast" kernels): each activation row is quantized once per call to
+//! int8 blocks of 32 with one f32 scale per block ([`Q8Acts`]), each packed weight is decoded
+//! to small integers (never to f32), and the two are multiplied as int8 × int8 with exact i32
+//! sums, as llama.cpp's CPU backend does (`maddubs` on AVX2, `vpdpbusd` on AVX-512 VNNI). Only
+//! the per-block sums meet floating point. This is an approximation of the exact product (the
+//! activation rounding, about 2^-8 of a block's largest value); its cost is measured by
+//! `keep eval --kernels fast`, not assumed.
+//!
+//! Formats ([`IntSrc`]) and their integer weights:
+//! - MXFP4 (packed E2M1 + E8M0 per 32): `2·e2m1` is an integer in [−12, 12]; the block's
+//!   weight factor is `2^(e−128)` (exact: `w = 2·e2m1 · 2^(e−128)`).
+//! - E8P (one 16-bit code per 8 weights, one f32 scale per row): `4·codeword` is an integer in
+//!   [−11, 11] (pattern × 4, signs, ±1 for the ¼ shift), looked up in a 65,536-entry table of
+//!   8 int8 each (512 KiB, built once from `keep_format::e8p::decode_e8p`); the block factor
+//!   is 1 and the row's result is multiplied by `scale / 4` at the end.
+//!
+//! # The contract (what every level computes, bit for bit)
+//! For input row `i` and weight row `r`, with integer weights `w`, int8 activations `q` and
+//! block scales `d` (both from [`Q8Acts`]), block factor `f_b` and coefficient
+//! `c_b = f_b · d_b` (one f32 multiply):
+//! 1. `p[b][g] = Σ_{e<4} w[32b+4g+e] · q[32b+4g+e]` for `g` in 0..8 (exact i32);
+//! 2. `acc[b mod 4][g] = fma(c_b, p[b][g] as f32, acc[b mod 4][g])`, blocks in order;
+//! 3. `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])`;
+//! 4. `s = ((u0+u4) + (u2+u6)) + ((u1+u5) + (u3+u7))`, then `s · post` where the format has a
+//!    row factor (E8P: `scale · 0.25`, exact).
+//!
+//! [`dot_blocks_ref`] and [`finish_ref`] are that contract in plain Rust (the scalar level, and
+//! the reference the SIMD levels are tested against on every forced level and odd shapes); a
+//! SIMD level hands any blocks past its last whole group to them. Results therefore do not
+//! depend on M, on the threading or on the level, so decode equals prefill bit for bit in this
+//! mode too.
+
+use rayon::prelude::*;
+use std::sync::LazyLock;
+
+use keep_format::e8p::{decode_e8p, E8P_DIM};
+
+use crate::cpu::{check_operands, PAR_MIN_MACS};
+use crate::e8p::E8pView;
+use crate::simd::{row_tasks, SyncPtr};
+use crate::weight::{WeightKind, WeightView};
+use crate::{KernelError, Result};
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Activation values per quantization block (one f32 scale each).
+pub const QBLOCK: usize = 32;
+
+/// Largest int8 magnitude an activation is quantized to (symmetric, so negating is safe).
+pub const QMAX: f32 = 127.0;
+
+/// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
+/// block scales (`x ≈ q · d`).
+#[derive(Debug, Clone, Default)]
+pub struct Q8Acts {
+    pub m: usize,
+    pub cols: usize,
+    pub q: Vec<i8>,
+    pub d: Vec<f32>,
+}
+
+/// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
+/// ±127. An all-zero block has `d = 0`; a block with a NaN or infinity gets `d = NaN` (so the
+/// products that use it are NaN, as the exact kernels would give) and `q = 0`.
+pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for &v in x {
+        finite &= v.is_finite();
+        amax = amax.max(v.abs());
+    }
+    if !finite {
+        q.iter_mut().for_each(|o| *o = 0);
+        return f32::NAN;
+    }
+    if amax == 0.0 {
+        q.iter_mut().for_each(|o| *o = 0);
+        return 0.0;
+    }
+    let id = QMAX / amax;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * id).round_ties_even().clamp(-QMAX, QMAX) as i8;
+    }
+    amax / QMAX
+}
+
+impl Q8Acts {
+    /// Quantize `m` rows of `cols` (`cols % 32 == 0`).
+    pub fn quantize(x: &[f32], m: usize, cols: usize) -> Result<Self> {
+        let mut a = Q8Acts::default();
+        a.requantize(x, m, cols)?;
+        Ok(a)
+    }
+
+    /// As [`Q8Acts::quantize`], reusing this value's buffers.
+    pub fn requantize(&mut self, x: &[f32], m: usize, cols: usize) -> Result<()> {
+        if !cols.is_multiple_of(QBLOCK) {
+            return Err(KernelError::Shape {
+                what: "int8 activations",
+                msg: format!("{cols} columns is not a multiple of {QBLOCK}"),
+            });
+        }
+        if m.checked_mul(cols) != Some(x.len()) {
+            return Err(KernelError::Operand {
+                what: "x",
+                expected: m.saturating_mul(cols),
+                got: x.len(),
+            });
+        }
+        self.m = m;
+        self.cols = cols;
+        self.q.clear();
+        self.q.resize(m * cols, 0);
+        self.d.clear();
+        self.d.resize(m * cols / QBLOCK, 0.0);
+        for ((xb, qb), d) in x
+            .chunks_exact(QBLOCK)
+            .zip(self.q.chunks_exact_mut(QBLOCK))
+            .zip(self.d.iter_mut())
+        {
+            *d = quantize_block(xb, qb);
+        }
+        Ok(())
+    }
+
+    /// The values the int8 blocks stand for (`q · d`), for tests and error reports.
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.q
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| v as f32 * self.d[j / QBLOCK])
+            .collect()
+    }
+}
+
+/// A weight the integer kernels take.
+#[derive(Debug, Clone, Copy)]
+pub enum IntSrc<'a> {
+    /// Packed E2M1 `[rows, cols/2]` (element 2k in the low nibble), E8M0 `[rows, cols/32]`.
+    Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
+    /// E8P codes `[rows, cols/8]`, one f32 scale per row.
+    E8p { codes: &'a [u16], scales: &'a [f32] },
+}
+
+impl<'a> IntSrc<'a> {
+    /// The integer form of a [`WeightView`], when it has one (MXFP4) and `cols % 32 == 0`.
+    pub fn from_view(w: &WeightView<'a>) -> Option<Self> {
+        match w.kind {
+            WeightKind::Mxfp4 { packed, scales } if w.cols.is_multiple_of(QBLOCK) => {
+                Some(IntSrc::Mxfp4 { packed, scales })
+            }
+            _ => None,
+        }
+    }
+
+    /// The integer form of an [`E8pView`] (`cols % 32 == 0`).
+    pub fn from_e8p(w: &E8pView<'a>) -> Option<Self> {
+        w.cols.is_multiple_of(QBLOCK).then_some(IntSrc::E8p {
+            codes: w.codes,
+            scales: w.scales,
+        })
+    }
+
+    /// Integer weights of row `r` (`cols` wide) into `dst`, from the definitions.
+    pub fn decode_row_ref(&self, r: usize, cols: usize, dst: &mut [i8]) {
+        let dst = &mut dst[..cols];
+        match *self {
+            IntSrc::Mxfp4 { packed, .. } => {
+                let row = &packed[r * cols / 2..(r + 1) * cols / 2];
+                for (d2, &b) in dst.chunks_exact_mut(2).zip(row) {
+                    d2[0] = (2.0 * keep_format::fp4::e2m1_to_f32_ref(b & 0xF)) as i8;
+                    d2[1] = (2.0 * keep_format::fp4::e2m1_to_f32_ref(b >> 4)) as i8;
+                }
+            }
+            IntSrc::E8p { codes, .. } => {
+                let kc = cols / E8P_DIM;
+                for (d8, &c) in dst.chunks_exact_mut(8).zip(&codes[r * kc..(r + 1) * kc]) {
+                    let w = keep_format::e8p::decode_e8p_ref(c);
+                    for (o, v) in d8.iter_mut().zip(w) {
+                        *o = (v * 4.0) as i8;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Block factors `f_b` of row `r` into `dst[..cols/32]`.
+    #[inline]
+    pub fn block_factors(&self, r: usize, cols: usize, dst: &mut [f32]) {
+        let nb = cols / QBLOCK;
+        match *self {
+            IntSrc::Mxfp4 { scales, .. } => {
+                for (o, &e) in dst[..nb].iter_mut().zip(&scales[r * nb..(r + 1) * nb]) {
+                    *o = e8m0_half(e);
+                }
+            }
+            IntSrc::E8p { .. } => dst[..nb].iter_mut().for_each(|o| *o = 1.0),
+        }
+    }
+
+    /// The row factor applied after the reduction (E8P: `scale / 4`).
+    #[inline]
+    pub fn post(&self, r: usize) -> Option<f32> {
+        match *self {
+            IntSrc::Mxfp4 { .. } => None,
+            IntSrc::E8p { scales, .. } => Some(scales[r] * 0.25),
+        }
+    }
+}
+
+/// E8M0 byte → `2^(e−128)` (half the scale, since the MXFP4 integers are `2·e2m1`); byte 0 is
+/// 2^-128 (a subnormal), 0xFF is NaN.
+#[inline(always)]
+pub fn e8m0_half(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(0x0020_0000),
+        1 => f32::from_bits(0x0040_0000),
+        0xFF => f32::NAN,
+        _ => f32::from_bits(((e - 1) as u32) << 23),
+    }
+}
+
+/// `4 · decode_e8p(code)` as 8 int8 for every code (index = code), little-endian in a u64.
+pub static E8P_I8: LazyLock<Vec<u64>> = LazyLock::new(|| {
+    (0..=u16::MAX)
+        .map(|c| {
+            let w = decode_e8p(c);
+            u64::from_le_bytes(w.map(|v| (v * 4.0) as i8 as u8))
+        })
+        .collect()
+});
+
+/// Step 1–2 of the contract for blocks `b0..b1` (see the module doc), on the scalar level.
+#[inline]
+pub fn dot_blocks_ref(
+    w: &[i8],
+    q: &[i8],
+    c: impl Fn(usize) -> f32,
+    acc: &mut [[f32; 8]; 4],
+    b0: usize,
+    b1: usize,
+) {
+    for b in b0..b1 {
+        let cb = c(b);
+        let a = &mut acc[b % 4];
+        for (g, ag) in a.iter_mut().enumerate() {
+            let o = QBLOCK * b + 4 * g;
+            let mut p = 0i32;
+            for e in 0..4 {
+                p += w[o + e] as i32 * q[o + e] as i32;
+            }
+            *ag = cb.mul_add(p as f32, *ag);
+        }
+    }
+}
+
+/// Steps 3–4 of the contract (without the row factor).
+#[inline]
+pub fn finish_ref(acc: &[[f32; 8]; 4]) -> f32 {
+    let u: [f32; 8] = std::array::from_fn(|g| (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g]));
+    ((u[0] + u[4]) + (u[2] + u[6])) + ((u[1] + u[5]) + (u[3] + u[7]))
+}
+
+/// An integer-kernel level (forced in tests; [`int_level`] is what the CPU runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IntLevel {
+    /// [`dot_blocks_ref`] on a decoded row.
+    Scalar,
+    /// AVX2 `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// AVX-512 BW `vpmaddubsw` + `vpmaddwd` on 512-bit registers.
+    Avx512,
+    /// AVX-512 VNNI `vpdpbusd`.
+    Avx512Vnni,
+}
+
+impl IntLevel {
+    /// Name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            IntLevel::Scalar => "scalar",
+            IntLevel::Avx2 => "avx2-maddubs",
+            IntLevel::Avx512 => "avx512-maddubs",
+            IntLevel::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// The best integer level this CPU has, capped by `KEEP_SIMD` (as [`crate::cpu::level`]).
+pub fn int_level() -> IntLevel {
+    use crate::cpu::Level;
+    static L: std::sync::OnceLock<IntLevel> = std::sync::OnceLock::new();
+    *L.get_or_init(|| match crate::cpu::level() {
+        Level::Avx512 if crate::cpu::has_avx512_vnni() => IntLevel::Avx512Vnni,
+        Level::Avx512 => IntLevel::Avx512,
+        Level::Avx2 => IntLevel::Avx2,
+        _ => IntLevel::Scalar,
+    })
+}
+
+/// The levels this CPU can run (for tests and benchmarks).
+pub fn int_levels_available() -> Vec<IntLevel> {
+    use crate::cpu::{detected, has_avx512_vnni, Level};
+    let d = detected();
+    let mut v = vec![IntLevel::Scalar];
+    if d >= Level::Avx2 && d != Level::Neon {
+        v.push(IntLevel::Avx2);
+    }
+    if d >= Level::Avx512 {
+        v.push(IntLevel::Avx512);
+        if has_avx512_vnni() {
+            v.push(IntLevel::Avx512Vnni);
+        }
+    }
+    v
+}
+
+/// Per-thread scratch: a decoded integer row and its block factors.
+#[derive(Default)]
+struct Scratch {
+    w: Vec<i8>,
+    f: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Rows `r0..r1` on the scalar level.
+///
+/// # Safety
+/// `out` valid for writes at `i*ld + r` (i < m, r in r0..r1), written by nobody else.
+unsafe fn rows_scalar(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    {
+        // Taken out of the thread-local for the call (no closure: closures do not inherit
+        // the enclosing function's target features).
+        let mut taken = SCRATCH.with(|c| c.take());
+        let s = &mut taken;
+        s.w.resize(cols, 0);
+        s.f.resize(nb, 0.0);
+        for r in r0..r1 {
+            src.decode_row_fast(r, cols, &mut s.w);
+            src.block_factors(r, cols, &mut s.f);
+            let post = src.post(r);
+            for i in 0..a.m {
+                let q = &a.q[i * cols..(i + 1) * cols];
+                let d = &a.d[i * nb..(i + 1) * nb];
+                let mut acc = [[0f32; 8]; 4];
+                dot_blocks_ref(&s.w, q, |b| s.f[b] * d[b], &mut acc, 0, nb);
+                let v = finish_ref(&acc);
+                *out.add(i * ld + r) = post.map_or(v, |p| v * p);
+            }
+        }
+        SCRATCH.with(|c| c.replace(taken));
+    }
+}
+
+impl IntSrc<'_> {
+    /// Integer weights of row `r` (the same values as [`IntSrc::decode_row_ref`], tested),
+    /// through the E8P table and a nibble table.
+    #[inline]
+    pub fn decode_row_fast(&self, r: usize, cols: usize, dst: &mut [i8]) {
+        let dst = &mut dst[..cols];
+        match *self {
+            IntSrc::Mxfp4 { packed, .. } => {
+                let row = &packed[r * cols / 2..(r + 1) * cols / 2];
+                for (d2, &b) in dst.chunks_exact_mut(2).zip(row) {
+                    d2[0] = MXFP4_I8[(b & 0xF) as usize];
+                    d2[1] = MXFP4_I8[(b >> 4) as usize];
+                }
+            }
+            IntSrc::E8p { codes, .. } => {
+                let kc = cols / E8P_DIM;
+                let t = &*E8P_I8;
+                for (d8, &c) in dst.chunks_exact_mut(8).zip(&codes[r * kc..(r + 1) * kc]) {
+                    let v = t[c as usize].to_le_bytes();
+                    for (o, b) in d8.iter_mut().zip(v) {
+                        *o = b as i8;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `2 · e2m1(code)` for the 16 codes.
+pub const MXFP4_I8: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Rows `r0..r1` of the product at `level` (a level the CPU lacks must not be passed).
+///
+/// # Safety
+/// As [`rows_scalar`]; `src` holds at least `r1` rows of `a.cols`.
+unsafe fn rows_at(
+    level: IntLevel,
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx512Vnni => x86::rows_avx512::<true>(src, a, r0, r1, out, ld),
+        #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx512 => x86::rows_avx512::<false>(src, a, r0, r1, out, ld),
+        #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx2 => x86::rows_avx2(src, a, r0, r1, out, ld),
+        _ => rows_scalar(src, a, r0, r1, out, ld),
+    }
+}
+
+fn check_src(src: &IntSrc, rows: usize, cols: usize) -> Result<()> {
+    let ok = cols.is_multiple_of(QBLOCK)
+        && match *src {
+            IntSrc::Mxfp4 { packed, scales } => {
+                packed.len() == rows * cols / 2 && scales.len() == rows * cols / QBLOCK
+            }
+            IntSrc::E8p { codes, scales } => {
+                codes.len() == rows * cols / E8P_DIM && scales.len() == rows
+            }
+        };
+    if ok {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            what: "integer weight",
+            msg: format!("bytes do not match {rows}x{cols} (columns a multiple of {QBLOCK})"),
+        })
+    }
+}
+
+/// `out[M×rows] = acts · Wᵀ` at an explicit level (lowered to [`int_level`] when higher),
+/// threaded over output rows when big.
+pub fn int_matmul_at(
+    level: IntLevel,
+    src: &IntSrc,
+    rows: usize,
+    a: &Q8Acts,
+    out: &mut [f32],
+) -> Result<()> {
+    check_src(src, rows, a.cols)?;
+    if out.len() != a.m * rows {
+        return Err(KernelError::Operand {
+            what: "out",
+            expected: a.m * rows,
+            got: out.len(),
+        });
+    }
+    let level = level.min(best_available());
+    let ptr = SyncPtr(out.as_mut_ptr());
+    let threads = rayon::current_num_threads();
+    let (m, cols) = (a.m, a.cols);
+    if m * rows * cols < PAR_MIN_MACS || threads < 2 || rows < 2 {
+        // SAFETY: out has m*rows elements (checked); one thread.
+        unsafe { rows_at(level, src, a, 0, rows, ptr.0, rows) };
+        return Ok(());
+    }
+    let chunks = (threads * 4).min(rows);
+    let per = rows.div_ceil(chunks);
+    (0..chunks).into_par_iter().for_each(|c| {
+        let p = &ptr;
+        let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
+        if r0 < r1 {
+            // SAFETY: each chunk writes only its own rows of the m×rows output.
+            unsafe { rows_at(level, src, a, r0, r1, p.0, rows) };
+        }
+    });
+    Ok(())
+}
+
+fn best_available() -> IntLevel {
+    static L: std::sync::OnceLock<IntLevel> = std::sync::OnceLock::new();
+    *L.get_or_init(|| *int_levels_available().last().unwrap_or(&IntLevel::Scalar))
+}
+
+/// `out[M×rows] = x[M×cols] · Wᵀ` through the integer kernels at [`int_level`]: the
+/// activations are quantized once here.
+pub fn int_matmul(
+    x: &[f32],
+    m: usize,
+    src: &IntSrc,
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    check_operands(x, m, rows, cols, out)?;
+    let a = Q8Acts::quantize(x, m, cols)?;
+    int_matmul_at(int_level(), src, rows, &a, out)
+}
+
+/// One product of an [`int_matmul_many`] batch.
+pub struct IntJob<'a, 'b> {
+    pub w: IntSrc<'a>,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: &'b [f32],
+    pub m: usize,
+    pub out: &'b mut [f32],
+}
+
+/// Independent integer products in one parallel pass (a token's top-k experts). Activations
+/// are quantized once per distinct input (jobs whose `x` is the same slice share it). Each
+/// output equals [`int_matmul`] of its job.
+pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
+    for j in jobs.iter() {
+        check_operands(j.x, j.m, j.rows, j.cols, j.out)?;
+        check_src(&j.w, j.rows, j.cols)?;
+    }
+    // One quantization per distinct input slice.
+    let mut acts: Vec<Q8Acts> = vec![];
+    let mut which = Vec::with_capacity(jobs.len());
+    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
+    for j in jobs.iter() {
+        let key = (j.x.as_ptr(), j.x.len(), j.cols);
+        match keys.iter().position(|k| *k == key) {
+            Some(p) => which.push(p),
+            None => {
+                keys.push(key);
+                acts.push(Q8Acts::quantize(j.x, j.m, j.cols)?);
+                which.push(acts.len() - 1);
+            }
+        }
+    }
+    let level = int_level();
+    let threads = rayon::current_num_threads();
+    let total: usize = jobs.iter().map(|j| j.m * j.rows * j.cols).sum();
+    if threads < 2 || total < PAR_MIN_MACS {
+        for (j, &w) in jobs.iter_mut().zip(&which) {
+            // SAFETY: lengths checked; one thread.
+            unsafe { rows_at(level, &j.w, &acts[w], 0, j.rows, j.out.as_mut_ptr(), j.rows) };
+        }
+        return Ok(());
+    }
+    let tasks = row_tasks(jobs.iter().map(|j| (j.m, j.rows, j.cols)), threads);
+    let ptrs: Vec<SyncPtr> = jobs
+        .iter_mut()
+        .map(|j| SyncPtr(j.out.as_mut_ptr()))
+        .collect();
+    let jobs_ro: &[IntJob] = jobs;
+    tasks.par_iter().for_each(|&(ji, r0, r1)| {
+        let j = &jobs_ro[ji];
+        // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
+        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, ptrs[ji].0, j.rows) };
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,335 @@
+//! Tests of the integer kernels: the quantizer's error bound, the integer decoders on every
+//! code, every forced level bit-identical to the scalar contract on odd shapes and M = 1..32,
+//! and the result against the exact f64 reference run on the dequantized activations.
+
+use super::*;
+use crate::matmul::matmul_ref;
+use crate::test_rng::Rng;
+
+/// f32 accumulation over `cols` terms against the f64 reference, relative to Σ|x·w|.
+const REL_TOL: f32 = 1e-5;
+
+#[test]
+fn quantize_block_error_is_half_a_step() {
+    let mut rng = Rng(11);
+    for scale in [1e-6f32, 1.0, 3e4] {
+        let x: Vec<f32> = (0..QBLOCK).map(|_| rng.f() * scale).collect();
+        let mut q = [0i8; QBLOCK];
+        let d = quantize_block(&x, &mut q);
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert_eq!(d, amax / QMAX);
+        assert!(q.iter().any(|v| v.unsigned_abs() == 127));
+        for (v, &qq) in x.iter().zip(&q) {
+            // Half a step, plus the rounding of `x · (127 / amax)` itself.
+            assert!((v - qq as f32 * d).abs() <= d * 0.5001, "{v} {qq} {d}");
+        }
+    }
+    let mut q = [1i8; QBLOCK];
+    assert_eq!(quantize_block(&[0.0; QBLOCK], &mut q), 0.0);
+    assert!(q.iter().all(|v| *v == 0));
+    let mut x = [0.5f32; QBLOCK];
+    x[3] = f32::NAN;
+    assert!(quantize_block(&x, &mut q).is_nan());
+    x[3] = f32::INFINITY;
+    assert!(quantize_block(&x, &mut q).is_nan());
+    assert!(Q8Acts::quantize(&[0.0; 40], 1, 40).is_err());
+    assert!(Q8Acts::quantize(&[0.0; 64], 1, 32).is_err());
+}
+
+#[test]
+fn integer_decoders_equal_definitions_on_every_code() {
+    // MXFP4: every byte (two nibbles).
+    let packed: Vec<u8> = (0..=255u8).collect();
+    let scales = vec![127u8; 16];
+    let src = IntSrc::Mxfp4 {
+        packed: &packed,
+        scales: &scales,
+    };
+    let (mut a, mut b) = (vec![0i8; 512], vec![0i8; 512]);
+    src.decode_row_ref(0, 512, &mut a);
+    src.decode_row_fast(0, 512, &mut b);
+    assert_eq!(a, b);
+    for c in 0..16u8 {
+        let v = keep_format::fp4::e2m1_to_f32_ref(c);
+        assert_eq!(MXFP4_I8[c as usize] as f32, 2.0 * v, "e2m1 {c}");
+    }
+    // E8P: every code, and 4·codeword is an integer in [-11, 11].
+    let codes: Vec<u16> = (0..=u16::MAX).collect();
+    let sc = [1.0f32];
+    let src = IntSrc::E8p {
+        codes: &codes,
+        scales: &sc,
+    };
+    let n = codes.len() * 8;
+    let (mut a, mut b) = (vec![0i8; n], vec![0i8; n]);
+    src.decode_row_ref(0, n, &mut a);
+    src.decode_row_fast(0, n, &mut b);
+    assert_eq!(a, b);
+    for (j, &v) in a.iter().enumerate() {
+        let exact = keep_format::e8p::decode_e8p_ref(codes[j / 8])[j % 8] * 4.0;
+        assert_eq!(v as f32, exact, "code {:#06x}", codes[j / 8]);
+        assert!((-11..=11).contains(&v));
+    }
+    // E8M0 halves.
+    for e in 0..=255u8 {
+        let h = e8m0_half(e);
+        let s = keep_format::e8m0::e8m0_to_f32_ref(e);
+        assert!((h * 2.0 == s) || (h.is_nan() && s.is_nan()), "e8m0 {e}");
+    }
+}
+
+/// Every available level against the scalar level (bits), the scalar level against the f64
+/// reference on the dequantized activations, and row independence.
+fn compare(
+    src: &IntSrc,
+    rows: usize,
+    cols: usize,
+    exact: &dyn Fn(&[f32], usize) -> Vec<f32>,
+    rng: &mut Rng,
+) {
+    for &m in &[1usize, 2, 3, 4, 5, 7, 8, 13, 32] {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let a = Q8Acts::quantize(&x, m, cols).unwrap();
+        let xd = a.dequantize();
+        let want = exact(&xd, m);
+        let mut base = vec![0f32; m * rows];
+        int_matmul_at(IntLevel::Scalar, src, rows, &a, &mut base).unwrap();
+        for i in 0..m {
+            for o in 0..rows {
+                let (p, q) = (want[i * rows + o], base[i * rows + o]);
+                let mag = exact_mag(&xd[i * cols..(i + 1) * cols], src, o, cols) + 1e-30;
+                assert!((p - q).abs() <= REL_TOL * mag, "m={m} ({i},{o}) {p} vs {q}");
+            }
+        }
+        for lv in int_levels_available() {
+            let mut f = vec![0f32; m * rows];
+            int_matmul_at(lv, src, rows, &a, &mut f).unwrap();
+            let same = f.iter().zip(&base).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{lv:?} {rows}x{cols} m={m}: not bit-identical to scalar"
+            );
+            for i in [0, m / 2, m - 1] {
+                let one_a = Q8Acts::quantize(&x[i * cols..(i + 1) * cols], 1, cols).unwrap();
+                let mut one = vec![0f32; rows];
+                int_matmul_at(lv, src, rows, &one_a, &mut one).unwrap();
+                assert_eq!(
+                    one,
+                    f[i * rows..(i + 1) * rows],
+                    "{lv:?}: row {i} of {m} alone"
+                );
+            }
+        }
+    }
+}
+
+/// Σ_j |x_j · w_j| for weight row `o`, from the integer decoder and the factors.
+fn exact_mag(x: &[f32], src: &IntSrc, o: usize, cols: usize) -> f32 {
+    let mut w = vec![0i8; cols];
+    src.decode_row_ref(o, cols, &mut w);
+    let mut f = vec![0f32; cols / QBLOCK];
+    src.block_factors(o, cols, &mut f);
+    let post = src.post(o).unwrap_or(1.0);
+    (0..cols)
+        .map(|j| (x[j] * w[j] as f32 * f[j / QBLOCK] * post).abs())
+        .sum()
+}
+
+#[test]
+fn every_level_matches_the_contract_on_odd_shapes() {
+    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    for &(rows, cols) in &[
+        (1, 32),
+        (3, 64),
+        (17, 96),
+        (5, 128),
+        (33, 160),
+        (9, 256),
+        (70, 1056),
+    ] {
+        let p = rng.bytes(rows * cols / 2);
+        let s = rng.scales(rows * cols / 32);
+        let w = WeightView::mxfp4(&p, &s, rows, cols).unwrap();
+        let src = IntSrc::from_view(&w).unwrap();
+        let exact = |x: &[f32], m: usize| {
+            let mut o = vec![0f32; m * rows];
+            matmul_ref(x, m, &w, &mut o).unwrap();
+            o
+        };
+        compare(&src, rows, cols, &exact, &mut rng);
+        let codes: Vec<u16> = (0..rows * cols / 8).map(|_| rng.next() as u16).collect();
+        let scales: Vec<f32> = (0..rows).map(|_| rng.f() * 0.1 + 0.001).collect();
+        let e = E8pView::new(&codes, &scales, rows, cols).unwrap();
+        let src = IntSrc::from_e8p(&e).unwrap();
+        let exact = |x: &[f32], m: usize| {
+            let mut o = vec![0f32; m * rows];
+            crate::e8p::e8p_matmul_ref(x, m, &e, &mut o).unwrap();
+            o
+        };
+        compare(&src, rows, cols, &exact, &mut rng);
+    }
+}
+
+#[test]
+fn extreme_scales_and_special_inputs() {
+    // Scale bytes 0, 1, 200 in one row and NaN (0xFF) in the other; inputs with zero and NaN blocks.
+    let (rows, cols) = (2, 192);
+    let mut rng = Rng(99);
+    let p = rng.bytes(rows * cols / 2);
+    let s = vec![0u8, 1, 200, 127, 127, 130, 127, 0xFF, 127, 127, 127, 127];
+    let w = WeightView::mxfp4(&p, &s, rows, cols).unwrap();
+    let src = IntSrc::from_view(&w).unwrap();
+    let mut x: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+    x[32..64].iter_mut().for_each(|v| *v = 0.0);
+    let a = Q8Acts::quantize(&x, 1, cols).unwrap();
+    let mut base = vec![0f32; rows];
+    int_matmul_at(IntLevel::Scalar, &src, rows, &a, &mut base).unwrap();
+    assert!(base[0].is_finite() && base[1].is_nan(), "{base:?}");
+    for lv in int_levels_available() {
+        let mut f = vec![0f32; rows];
+        int_matmul_at(lv, &src, rows, &a, &mut f).unwrap();
+        assert_eq!(f[0].to_bits(), base[0].to_bits(), "{lv:?}");
+        assert!(f[1].is_nan());
+    }
+    x[70] = f32::NAN;
+    let mut o = vec![0f32; rows];
+    int_matmul(&x, 1, &src, rows, cols, &mut o).unwrap();
+    assert!(o.iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn threaded_and_many_equal_one_thread() {
+    let mut rng = Rng(7);
+    let (rows, cols) = (1037, 4128);
+    assert!(rows * cols >= PAR_MIN_MACS);
+    let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
+    let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();
+    let src = IntSrc::from_view(&w).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    for m in [1, 3] {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut threaded = vec![0f32; m * rows];
+        pool.install(|| int_matmul(&x, m, &src, rows, cols, &mut threaded).unwrap());
+        let a = Q8Acts::quantize(&x, m, cols).unwrap();
+        let mut serial = vec![0f32; m * rows];
+        // SAFETY: serial has m*rows elements; one thread.
+        unsafe { rows_at(int_level(), &src, &a, 0, rows, serial.as_mut_ptr(), rows) };
+        assert_eq!(threaded, serial, "m = {m}");
+        // The same product twice in one batch (shared quantized input) and an E8P job.
+        let codes: Vec<u16> = (0..rows * cols / 8).map(|_| rng.next() as u16).collect();
+        let scales: Vec<f32> = (0..rows).map(|_| rng.f()).collect();
+        let e = E8pView::new(&codes, &scales, rows, cols).unwrap();
+        let esrc = IntSrc::from_e8p(&e).unwrap();
+        let (mut o1, mut o2, mut o3) = (
+            vec![0f32; m * rows],
+            vec![0f32; m * rows],
+            vec![0f32; m * rows],
+        );
+        {
+            let mut jobs = vec![
+                IntJob {
+                    w: src,
+                    rows,
+                    cols,
+                    x: &x,
+                    m,
+                    out: &mut o1,
+                },
+                IntJob {
+                    w: src,
+                    rows,
+                    cols,
+                    x: &x,
+                    m,
+                    out: &mut o2,
+                },
+                IntJob {
+                    w: esrc,
+                    rows,
+                    cols,
+                    x: &x,
+                    m,
+                    out: &mut o3,
+                },
+            ];
+            pool.install(|| int_matmul_many(&mut jobs).unwrap());
+        }
+        assert_eq!(o1, serial);
+        assert_eq!(o2, serial);
+        let mut e1 = vec![0f32; m * rows];
+        int_matmul(&x, m, &esrc, rows, cols, &mut e1).unwrap();
+        assert_eq!(o3, e1);
+    }
+}
+
+#[test]
+fn bad_operands_are_errors() {
+    let p = vec![0u8; 16];
+    let s = vec![127u8; 1];
+    let src = IntSrc::Mxfp4 {
+        packed: &p,
+        scales: &s,
+    };
+    let mut o = [0f32; 1];
+    assert!(int_matmul(&[0.0; 32], 1, &src, 1, 32, &mut o).is_ok());
+    assert!(int_matmul(&[0.0; 31], 1, &src, 1, 32, &mut o).is_err());
+    assert!(int_matmul(&[0.0; 64], 1, &src, 1, 64, &mut [0f32; 1]).is_err());
+    assert!(int_matmul(&[0.0; 32], 1, &src, 2, 32, &mut [0f32; 2]).is_err());
+}
+
+/// Manual single-thread timing (`cargo test --release -p keep-kernels intdot::tests::print --
+/// --ignored --nocapture`): GB/s of weight bytes, exact kernels beside integer ones at every
+/// level; asserts nothing.
+#[test]
+#[ignore]
+fn print_single_thread_gbps() {
+    use std::time::Instant;
+    let (rows, cols) = (2048usize, 7168usize);
+    let mut rng = Rng(5);
+    let p = rng.bytes(rows * cols / 2);
+    let sc = rng.scales(rows * cols / 32);
+    let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();
+    let codes: Vec<u16> = (0..rows * cols / 8).map(|_| rng.next() as u16).collect();
+    let escales: Vec<f32> = (0..rows).map(|_| rng.f()).collect();
+    let e = E8pView::new(&codes, &escales, rows, cols).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for m in [1usize, 4, 8, 32] {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut out = vec![0f32; m * rows];
+        let time = |f: &mut dyn FnMut()| {
+            let mut best = f64::INFINITY;
+            for _ in 0..10 {
+                let t = Instant::now();
+                f();
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            best
+        };
+        let nb4 = w.nbytes() as f64;
+        let nb2 = e.nbytes() as f64;
+        pool.install(|| {
+            let t = time(&mut || crate::simd::matmul_fast(&x, m, &w, &mut out).unwrap());
+            println!("m={m} mxfp4 exact: {:.2} GB/s", nb4 / t / 1e9);
+            let t = time(&mut || crate::e8p::e8p_matmul(&x, m, &e, &mut out).unwrap());
+            println!("m={m} e8p exact: {:.2} GB/s", nb2 / t / 1e9);
+            for lv in int_levels_available() {
+                for (name, src, nb) in [
+                    ("mxfp4", IntSrc::from_view(&w).unwrap(), nb4),
+                    ("e8p", IntSrc::from_e8p(&e).unwrap(), nb2),
+                ] {
+                    let t = time(&mut || {
+                        let a = Q8Acts::quantize(&x, m, cols).unwrap();
+                        int_matmul_at(lv, &src, rows, &a, &mut out).unwrap()
+                    });
+                    println!("m={m} {name} int {}: {:.2} GB/s", lv.name(), nb / t / 1e9);
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,364 @@
+//! x86-64 integer dot products of [`super`]'s contract: AVX-512 (`vpdpbusd` with VNNI, else
+//! `vpmaddubsw` + `vpmaddwd`) and AVX2 (`vpmaddubsw` + `vpmaddwd`). Signed × signed int8 runs
+//! on these unsigned × signed instructions as `|w| · (q · sign(w))` (exact: |q| ≤ 127, and a
+//! pair of products stays within i16 since |w| ≤ 12). A 512-bit accumulator holds two of the
+//! contract's 8-lane accumulators (blocks `b` and `b+1`), a 256-bit one holds one; blocks past
+//! the last whole group of four run the contract in scalar code on the same accumulators.
+//!
+//! MXFP4 weights are decoded in registers (nibbles widened to 16 bits, then a 16-entry
+//! `vpshufb` table); E8P rows are first looked up into an int8 row buffer (one table load per
+//! code), which then serves every input row.
+#![allow(clippy::incompatible_msrv)]
+
+use std::arch::x86_64::*;
+
+use super::{IntSrc, Q8Acts, Scratch, MXFP4_I8, QBLOCK, SCRATCH};
+
+/// Where a row's integer weights come from.
+#[derive(Clone, Copy)]
+enum Row {
+    /// Packed E2M1 bytes of the row.
+    Mx4(*const u8),
+    /// Decoded int8 weights of the row.
+    Buf(*const i8),
+}
+
+impl Row {
+    /// Weights `k..k+64` (AVX-512).
+    #[inline(always)]
+    unsafe fn w64(self, k: usize) -> __m512i {
+        match self {
+            Row::Mx4(p) => {
+                let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(k / 2) as *const __m256i));
+                let t = _mm512_or_si512(
+                    _mm512_and_si512(v, _mm512_set1_epi16(0x000F)),
+                    _mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x0F00)),
+                );
+                let lut =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_I8.as_ptr() as *const __m128i));
+                _mm512_shuffle_epi8(lut, t)
+            }
+            Row::Buf(p) => _mm512_loadu_si512(p.add(k) as *const __m512i),
+        }
+    }
+
+    /// Weights `k..k+32` (AVX2).
+    #[inline(always)]
+    unsafe fn w32(self, k: usize) -> __m256i {
+        match self {
+            Row::Mx4(p) => {
+                let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(k / 2) as *const __m128i));
+                let t = _mm256_or_si256(
+                    _mm256_and_si256(v, _mm256_set1_epi16(0x000F)),
+                    _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi16(0x0F00)),
+                );
+                let l = _mm_loadu_si128(MXFP4_I8.as_ptr() as *const __m128i);
+                _mm256_shuffle_epi8(_mm256_set_m128i(l, l), t)
+            }
+            Row::Buf(p) => _mm256_loadu_si256(p.add(k) as *const __m256i),
+        }
+    }
+
+    /// Weight `k` (scalar tails).
+    #[inline(always)]
+    unsafe fn w1(self, k: usize) -> i8 {
+        match self {
+            Row::Mx4(p) => {
+                let b = *p.add(k / 2);
+                MXFP4_I8[if k % 2 == 0 { b & 0xF } else { b >> 4 } as usize]
+            }
+            Row::Buf(p) => *p.add(k),
+        }
+    }
+}
+
+/// The contract's steps 1–2 for blocks `b0..b1` in scalar code (the tails).
+#[inline(always)]
+unsafe fn tail_blocks(
+    row: Row,
+    q: *const i8,
+    c: impl Fn(usize) -> f32,
+    acc: &mut [[f32; 8]; 4],
+    b0: usize,
+    b1: usize,
+) {
+    for b in b0..b1 {
+        let cb = c(b);
+        for g in 0..8 {
+            let o = QBLOCK * b + 4 * g;
+            let mut p = 0i32;
+            for e in 0..4 {
+                p += row.w1(o + e) as i32 * *q.add(o + e) as i32;
+            }
+            acc[b % 4][g] = cb.mul_add(p as f32, acc[b % 4][g]);
+        }
+    }
+}
+
+/// Prepare row `r`: the weight source and the block factors in `s.f`.
+#[inline(always)]
+unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row {
+    src.block_factors(r, cols, &mut s.f);
+    match *src {
+        IntSrc::Mxfp4 { packed, .. } => Row::Mx4(packed.as_ptr().add(r * cols / 2)),
+        IntSrc::E8p { .. } => {
+            src.decode_row_fast(r, cols, &mut s.w);
+            Row::Buf(s.w.as_ptr())
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn hsum256(b: __m256) -> f32 {
+    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
+    _mm_cvtss_f32(e)
+}
+
+/// Product of 64 int8 `|w|` with `q · sign(w)`: 16 i32 sums of four.
+#[inline(always)]
+unsafe fn dot64<const VNNI: bool>(aw: __m512i, neg: __mmask64, q: __m512i) -> __m512i {
+    let sq = _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q);
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sq)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sq), _mm512_set1_epi16(1))
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_avx512_impl<const VNNI: bool>(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    {
+        // Taken out of the thread-local for the call (no closure: closures do not inherit
+        // the enclosing function's target features).
+        let mut taken = SCRATCH.with(|c| c.take());
+        let s = &mut taken;
+        s.w.resize(cols, 0);
+        s.f.resize(nb, 0.0);
+        for r in r0..r1 {
+            let row = prep_row(src, r, cols, s);
+            let post = src.post(r);
+            let f = s.f.as_ptr();
+            let mut i = 0;
+            while i < a.m {
+                let mr = (a.m - i).min(4);
+                match mr {
+                    4 => group512::<VNNI, 4>(row, a, f, i, post, r, out, ld),
+                    3 => group512::<VNNI, 3>(row, a, f, i, post, r, out, ld),
+                    2 => group512::<VNNI, 2>(row, a, f, i, post, r, out, ld),
+                    _ => group512::<VNNI, 1>(row, a, f, i, post, r, out, ld),
+                }
+                i += mr;
+            }
+        }
+        SCRATCH.with(|c| c.replace(taken));
+    }
+}
+
+/// Input rows `i..i+MR` against one weight row.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group512<const VNNI: bool, const MR: usize>(
+    row: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    post: Option<f32>,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    let q: [*const i8; MR] = std::array::from_fn(|j| a.q.as_ptr().add((i + j) * cols));
+    let d: [*const f32; MR] = std::array::from_fn(|j| a.d.as_ptr().add((i + j) * nb));
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    let mut b = 0;
+    while b < full {
+        let k = b * QBLOCK;
+        let w0 = row.w64(k);
+        let w1 = row.w64(k + 64);
+        let (a0, a1) = (_mm512_abs_epi8(w0), _mm512_abs_epi8(w1));
+        let (n0, n1) = (_mm512_movepi8_mask(w0), _mm512_movepi8_mask(w1));
+        let f4 = _mm_loadu_ps(f.add(b));
+        for j in 0..MR {
+            let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
+            let p0 = dot64::<VNNI>(a0, n0, _mm512_loadu_si512(q[j].add(k) as *const __m512i));
+            let p1 = dot64::<VNNI>(
+                a1,
+                n1,
+                _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i),
+            );
+            acc[j][0] = _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(idx_a, c4),
+                _mm512_cvtepi32_ps(p0),
+                acc[j][0],
+            );
+            acc[j][1] = _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(idx_b, c4),
+                _mm512_cvtepi32_ps(p1),
+                acc[j][1],
+            );
+        }
+        b += 4;
+    }
+    for j in 0..MR {
+        let mut v = [[0f32; 8]; 4];
+        let (lo0, hi0) = (
+            _mm512_castps512_ps256(acc[j][0]),
+            _mm512_extractf32x8_ps(acc[j][0], 1),
+        );
+        let (lo1, hi1) = (
+            _mm512_castps512_ps256(acc[j][1]),
+            _mm512_extractf32x8_ps(acc[j][1], 1),
+        );
+        let s = if full == nb {
+            // u = (acc0 + acc2) + (acc1 + acc3), then the 8-lane tree.
+            hsum256(_mm256_add_ps(
+                _mm256_add_ps(lo0, lo1),
+                _mm256_add_ps(hi0, hi1),
+            ))
+        } else {
+            _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
+            _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
+            _mm256_storeu_ps(v[2].as_mut_ptr(), lo1);
+            _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
+            let dj = d[j];
+            tail_blocks(row, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
+            super::finish_ref(&v)
+        };
+        *out.add((i + j) * ld + r) = post.map_or(s, |p| s * p);
+    }
+}
+
+/// AVX-512 rows `r0..r1` (`VNNI`: `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ (and VNNI when `VNNI`); `out` as in `super::rows_scalar`.
+pub(super) unsafe fn rows_avx512<const VNNI: bool>(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    if VNNI {
+        vnni(src, a, r0, r1, out, ld)
+    } else {
+        bw(src, a, r0, r1, out, ld)
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")]
+unsafe fn vnni(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    rows_avx512_impl::<true>(src, a, r0, r1, out, ld)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn bw(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    rows_avx512_impl::<false>(src, a, r0, r1, out, ld)
+}
+
+/// AVX2 rows `r0..r1`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `out` as in `super::rows_scalar`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn rows_avx2(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    {
+        // Taken out of the thread-local for the call (no closure: closures do not inherit
+        // the enclosing function's target features).
+        let mut taken = SCRATCH.with(|c| c.take());
+        let s = &mut taken;
+        s.w.resize(cols, 0);
+        s.f.resize(nb, 0.0);
+        for r in r0..r1 {
+            let row = prep_row(src, r, cols, s);
+            let post = src.post(r);
+            let f = s.f.as_ptr();
+            let mut i = 0;
+            while i < a.m {
+                let mr = (a.m - i).min(2);
+                match mr {
+                    2 => group256::<2>(row, a, f, i, post, r, out, ld),
+                    _ => group256::<1>(row, a, f, i, post, r, out, ld),
+                }
+                i += mr;
+            }
+        }
+        SCRATCH.with(|c| c.replace(taken));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group256<const MR: usize>(
+    row: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    post: Option<f32>,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    let q: [*const i8; MR] = std::array::from_fn(|j| a.q.as_ptr().add((i + j) * cols));
+    let d: [*const f32; MR] = std::array::from_fn(|j| a.d.as_ptr().add((i + j) * nb));
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    let ones = _mm256_set1_epi16(1);
+    let mut b = 0;
+    while b < full {
+        for h in 0..4 {
+            let k = (b + h) * QBLOCK;
+            let w = row.w32(k);
+            let aw = _mm256_abs_epi8(w);
+            let fb = *f.add(b + h);
+            for j in 0..MR {
+                let sq = _mm256_sign_epi8(_mm256_loadu_si256(q[j].add(k) as *const __m256i), w);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sq), ones);
+                let c = _mm256_set1_ps(fb * *d[j].add(b + h));
+                acc[j][h] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(p), acc[j][h]);
+            }
+        }
+        b += 4;
+    }
+    for j in 0..MR {
+        let s = if full == nb {
+            hsum256(_mm256_add_ps(
+                _mm256_add_ps(acc[j][0], acc[j][2]),
+                _mm256_add_ps(acc[j][1], acc[j][3]),
+            ))
+        } else {
+            let mut v = [[0f32; 8]; 4];
+            for (h, vh) in v.iter_mut().enumerate() {
+                _mm256_storeu_ps(vh.as_mut_ptr(), acc[j][h]);
+            }
+            let dj = d[j];
+            tail_blocks(row, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
+            super::finish_ref(&v)
+        };
+        *out.add((i + j) * ld + r) = post.map_or(s, |p| s * p);
+    }
+}
