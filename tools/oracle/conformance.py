@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""keep's conformance suite: keep against independent references (ml_dtypes, MLX, mlx-lm).
+"""keep's conformance suite: keep against independent references (ml_dtypes, MLX, mlx-lm,
+transformers).
 
 Run from the repository root with the pinned oracle venv (tools/oracle/requirements.txt):
 
@@ -14,6 +15,8 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
              prints how many values mx.quantize(mode="mxfp8") of the bf16 decode changes
   prune      keep prune's output (keep synth tiny, bundled keep-tiny) loads and runs in mlx-lm
   model      (when tools/oracle/model_conformance.py exists) keep's forward against mlx-lm
+  model-v4   keep's DeepSeek-V4 / V4-Flash forward against transformers' DeepseekV4ForCausalLM
+             (tools/oracle/v4flash_conformance.py)
   fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
 """
 import argparse
@@ -221,6 +224,13 @@ def section_model(args):
     check("model: keep's forward agrees with mlx-lm (model_conformance.py)", r.returncode == 0)
 
 
+def section_model_v4(args):
+    script = ROOT / "tools/oracle/v4flash_conformance.py"
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("model-v4: keep's V4-Flash forward agrees with transformers (v4flash_conformance.py)",
+          r.returncode == 0)
+
+
 def section_fixtures(args):
     script = ROOT / "tools/oracle/make_fixtures.py"
     fixtures = ROOT / "fixtures/keep-tiny"
@@ -233,7 +243,7 @@ def section_fixtures(args):
 
 
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
-            "model": section_model,
+            "model": section_model, "model-v4": section_model_v4,
             "fixtures": section_fixtures}
 
 

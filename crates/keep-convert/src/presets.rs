@@ -3,10 +3,15 @@
 //! - `tiny`: eight small layers covering every V4.1 attention path mlx-lm implements (compress
 //!   ratios 0, 4, 2 and 1; kv-source, index-source and plain readers; a candidate-source layer
 //!   and an index layer that reads its candidates), 16 experts top-4. For tests.
-//! - `tiny-v4flash`: the same shapes stored V4-Flash style: 128×128 FP8 blocks and two
-//!   hash-routed first layers (`gate.tid2eid`). For checkpoint tools (the model refuses it).
+//! - `tiny-v4flash`: a small DeepSeek-V4-Flash (`deepseek_v4`): six layers with compress ratios
+//!   0, 4 (CSA), 8 (HCA), 4, 8, 0, the first two hash-routed (`gate.tid2eid`), 128×128 FP8
+//!   blocks over a 192-wide hidden state (partial blocks at the edges), 16 experts top-4. For
+//!   tests and the transformers conformance check.
 //! - `flash`: the real V4.1-Flash shapes (hidden 5120, 64 heads of 512, 2304-wide experts,
 //!   vocabulary 129,280) with 4 layers and 16 experts. For benchmarks.
+//! - `v4flash`: the real V4-Flash shapes (hidden 4096, 64 heads of 512, 2048-wide experts,
+//!   q rank 1024, 64 indexer heads, vocabulary 129,280) with 4 layers (ratios 0, 0, 4, 128;
+//!   three hash-routed) and 16 experts. For benchmarks.
 
 use keep_checkpoint::config::QuantizationConfig;
 use keep_checkpoint::DeepSeekConfig;
@@ -35,7 +40,7 @@ impl Storage {
 }
 
 /// The preset names.
-pub const PRESETS: [&str; 3] = ["tiny", "tiny-v4flash", "flash"];
+pub const PRESETS: [&str; 4] = ["tiny", "tiny-v4flash", "flash", "v4flash"];
 
 fn base(v: serde_json::Value) -> DeepSeekConfig {
     let mut cfg: DeepSeekConfig = serde_json::from_value(v).expect("preset JSON is valid");
@@ -74,12 +79,27 @@ pub fn preset(name: &str) -> Result<(DeepSeekConfig, Storage)> {
     match name {
         "tiny" => Ok((base(tiny_json()), Storage::V41)),
         "tiny-v4flash" => {
-            let mut v = tiny_json();
-            v["model_type"] = json!("deepseek_v4");
-            v["architectures"] = json!(["DeepseekV4ForCausalLM"]);
-            v["hidden_size"] = json!(256);
-            v["num_hash_layers"] = json!(2);
-            v["quantization_config"]["weight_block_size"] = json!([128, 128]);
+            let v = json!({
+                "architectures": ["DeepseekV4ForCausalLM"],
+                "model_type": "deepseek_v4",
+                "vocab_size": 512, "hidden_size": 192, "num_hidden_layers": 6,
+                "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16,
+                "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 32,
+                "moe_intermediate_size": 64, "n_routed_experts": 16, "n_shared_experts": 1,
+                "num_experts_per_tok": 4, "scoring_func": "sqrtsoftplus", "norm_topk_prob": true,
+                "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+                "sliding_window": 16, "num_hash_layers": 2,
+                "compress_ratios": [0, 4, 8, 4, 8, 0],
+                "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
+                "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "beta_fast": 32, "beta_slow": 1},
+                "max_position_embeddings": 4096,
+                "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+                "num_nextn_predict_layers": 1,
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                        "weight_block_size": [128, 128]}
+            });
             Ok((
                 base(v),
                 Storage {
@@ -112,6 +132,38 @@ pub fn preset(name: &str) -> Result<(DeepSeekConfig, Storage)> {
                                         "weight_block_size": [32, 32]}
             });
             Ok((base(v), Storage::V41))
+        }
+        "v4flash" => {
+            let v = json!({
+                "architectures": ["DeepseekV4ForCausalLM"],
+                "model_type": "deepseek_v4",
+                "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 4,
+                "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+                "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+                "moe_intermediate_size": 2048, "n_routed_experts": 16, "n_shared_experts": 1,
+                "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus", "norm_topk_prob": true,
+                "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+                "sliding_window": 128, "num_hash_layers": 3,
+                "compress_ratios": [0, 0, 4, 128],
+                "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+                "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+                "rope_scaling": {"type": "yarn", "factor": 16.0,
+                                 "original_max_position_embeddings": 65536,
+                                 "beta_fast": 32, "beta_slow": 1},
+                "max_position_embeddings": 1048576,
+                "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+                "num_nextn_predict_layers": 1,
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                        "weight_block_size": [128, 128]}
+            });
+            Ok((
+                base(v),
+                Storage {
+                    block: (128, 128),
+                    f32_scales: false,
+                    hash_layers: 3,
+                },
+            ))
         }
         other => Err(ConvertError::Invalid(format!(
             "unknown preset `{other}`; presets: {}",

@@ -150,11 +150,46 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
             },
         ));
         let ratio = cfg.compress_ratio(l);
-        let kv_src = ratio > 0 && cfg.kv_source_layer_ids.contains(&l);
-        let idx_src = ratio > 0 && cfg.index_source_layer_ids.contains(&l);
+        let v4 = cfg.model_type == "deepseek_v4";
+        let kv_src = !v4 && ratio > 0 && cfg.kv_source_layer_ids.contains(&l);
+        let idx_src = !v4 && ratio > 0 && cfg.index_source_layer_ids.contains(&l);
         let lin = |fan_in: usize| Kind::Bf16 {
             std: (1.0 / fan_in as f32).sqrt(),
         };
+        if v4 && ratio > 0 {
+            // DeepSeek-V4: every compressing layer has its own compressor; ratio 4 (CSA)
+            // projects two overlapping series and has an indexer with its own compressor.
+            let csa = ratio == 4;
+            let pool = |out: &mut Vec<Planned>, pre: &str, dim_out: usize| {
+                let w = if csa { 2 * dim_out } else { dim_out };
+                out.push(p(n(&format!("{pre}wkv.weight")), &[w, h], lin(h)));
+                out.push(p(n(&format!("{pre}wgate.weight")), &[w, h], lin(h)));
+                out.push(p(
+                    n(&format!("{pre}ape")),
+                    &[ratio, w],
+                    Kind::F32 {
+                        mean: 0.0,
+                        std: 0.5,
+                    },
+                ));
+                out.push(p(n(&format!("{pre}norm.weight")), &[dim_out], norm.clone()));
+            };
+            pool(&mut out, "attn.compressor.", hd);
+            if csa {
+                let iq = cfg.index_n_heads * cfg.index_head_dim;
+                out.push(p(
+                    n("attn.indexer.wq_b.weight"),
+                    &[iq, cfg.q_lora_rank],
+                    fp8(iq, cfg.q_lora_rank),
+                ));
+                out.push(p(
+                    n("attn.indexer.weights_proj.weight"),
+                    &[cfg.index_n_heads, h],
+                    lin(h),
+                ));
+                pool(&mut out, "attn.indexer.compressor.", cfg.index_head_dim);
+            }
+        }
         if kv_src {
             out.push(p(n("attn.compressor.wkv.weight"), &[hd, h], lin(h)));
             if ratio > 1 {
@@ -205,7 +240,9 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
                 std: 0.01,
             };
             out.push(p(n("ffn.gate.bias"), &[e], bias.clone()));
-            out.push(p(n("ffn.gate.bias_vl"), &[e], bias));
+            if cfg.model_type != "deepseek_v4" {
+                out.push(p(n("ffn.gate.bias_vl"), &[e], bias));
+            }
         }
         let m = cfg.moe_intermediate_size;
         for x in 0..e {
@@ -235,6 +272,32 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
                 ));
             }
         }
+    }
+    if cfg.model_type == "deepseek_v4" {
+        out.push(p(
+            "hc_head_fn".into(),
+            &[hc, hc * h],
+            Kind::F32 {
+                mean: 0.0,
+                std: (1.0 / (hc * h) as f32).sqrt(),
+            },
+        ));
+        out.push(p(
+            "hc_head_base".into(),
+            &[hc],
+            Kind::F32 {
+                mean: 0.0,
+                std: 0.5,
+            },
+        ));
+        out.push(p(
+            "hc_head_scale".into(),
+            &[1],
+            Kind::F32 {
+                mean: 1.0,
+                std: 0.1,
+            },
+        ));
     }
     out.push(p("norm.weight".into(), &[h], norm));
     out.push(p(

@@ -86,9 +86,15 @@ fn repack_mxfp8_is_bit_exact_and_copies_the_rest() {
         let s = Checkpoint::open(&src).unwrap();
         let o = Checkpoint::open(&out).unwrap();
         // Every resident of every layer is repacked: 5 attention projections, the shared
-        // expert's 3, and the indexer's wq_b in index-source layers.
+        // expert's 3, and the indexer's wq_b in index-source layers (V4: the CSA layers).
         let cfg = s.config().unwrap();
-        let idx = cfg.index_source_layer_ids.len();
+        let idx = if cfg.model_type == "deepseek_v4" {
+            (0..cfg.num_hidden_layers)
+                .filter(|&l| cfg.compress_ratio(l) == 4)
+                .count()
+        } else {
+            cfg.index_source_layer_ids.len()
+        };
         assert_eq!(rep.repacked.len(), 8 * cfg.num_hidden_layers + idx);
         for r in &rep.repacked {
             let w = o.tensor(&r.name).unwrap();

@@ -18,6 +18,8 @@ pub struct LayerCache {
     pub pending_kv: Vec<f32>,
     pub pending_gate: Vec<f32>,
     pub n_pending: usize,
+    /// DeepSeek-V4: the layer's own compressor and indexer state.
+    pub v4: crate::v4::V4Cache,
 }
 
 impl LayerCache {
@@ -28,6 +30,7 @@ impl LayerCache {
             + self.index_k.len()
             + self.pending_kv.len()
             + self.pending_gate.len())
+            + self.v4.nbytes()
     }
 }
 

@@ -1,14 +1,27 @@
-//! [`ModelConfig`]: the DeepSeek-V4.1 config keep's model runs, checked and with each layer's
-//! roles worked out (compress ratio, KV source, index source, candidate source).
+//! [`ModelConfig`]: the DeepSeek config keep's model runs, checked and with each layer's roles
+//! worked out (compress ratio, KV source, index source, candidate source; hash routing).
 //!
-//! Refused, naming the key: `engram_layer_ids` non-empty (engram memory is not implemented, as in
-//! the reference), `num_hash_layers` > 0 (V4-Flash: hash-routed layers and its different
-//! attention are not implemented here; keep's checkpoint tools still read and repack V4-Flash
-//! files), an unknown `scoring_func`, and shapes the attention cannot split.
+//! Two families share it ([`Family`]): DeepSeek-V4.1 (`model_type` `deepseek_v41`, spec mlx-lm's
+//! `deepseek_v41.py`) and DeepSeek-V4 / V4-Flash (`model_type` `deepseek_v4`, spec transformers'
+//! `DeepseekV4ForCausalLM`, see `crate::v4`). Refused, naming the key: `engram_layer_ids`
+//! non-empty (engram memory is not implemented, as in the reference), `num_hash_layers` > 0 on
+//! a V4.1 config (hash routing belongs to V4), a V4 compress ratio other than 0, 4 or > 4, an
+//! unknown `scoring_func`, and shapes the attention cannot split.
 
 use keep_checkpoint::DeepSeekConfig;
 
 use crate::{ModelError, Result};
+
+/// Which forward a checkpoint runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// DeepSeek-V4.1 (mlx-lm `deepseek_v41`): shared compressed KV, delayed hyper-connection
+    /// pre-mix, fake-quantised KV.
+    V41,
+    /// DeepSeek-V4 / V4-Flash (transformers `deepseek_v4`): per-layer CSA (ratio 4, overlapping
+    /// windows + indexer) / HCA (other ratios) compressors, hash-routed first layers.
+    V4,
+}
 
 /// How router logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +55,9 @@ pub struct LayerRoles {
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub raw: DeepSeekConfig,
+    pub family: Family,
+    /// Layers `0..hash_layers` are hash-routed (`ffn.gate.tid2eid`; V4 only).
+    pub hash_layers: usize,
     pub vocab: usize,
     pub dim: usize,
     pub n_layers: usize,
@@ -86,6 +102,11 @@ fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
 }
 
 impl ModelConfig {
+    /// Whether `layer` routes by token id.
+    pub fn is_hash(&self, layer: usize) -> bool {
+        layer < self.hash_layers
+    }
+
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
         if !c.engram_layer_ids.is_empty() {
@@ -99,16 +120,37 @@ impl ModelConfig {
                 ),
             ));
         }
-        if c.num_hash_layers > 0 {
+        let family = if c.model_type == "deepseek_v4" {
+            Family::V4
+        } else {
+            Family::V41
+        };
+        if c.num_hash_layers > 0 && family == Family::V41 {
             return Err(unsupported(
                 "num_hash_layers",
                 format!(
-                    "{} hash-routed layers: this is a V4-Flash checkpoint, whose hash routing \
-                     (`ffn.gate.tid2eid`) and different attention keep's model does not implement; \
-                     keep's checkpoint tools (inspect, repack) still handle V4-Flash files",
-                    c.num_hash_layers
+                    "{} hash-routed layers in a `{}` config: hash routing (`ffn.gate.tid2eid`) is \
+                     V4-Flash's; a V4-Flash checkpoint declares model_type `deepseek_v4`",
+                    c.num_hash_layers, c.model_type
                 ),
             ));
+        }
+        if family == Family::V4 {
+            for l in 0..c.num_hidden_layers {
+                let r = c.compress_ratio(l);
+                if (1..4).contains(&r) {
+                    return Err(unsupported(
+                        "compress_ratios",
+                        format!(
+                            "layer {l} has ratio {r}; DeepSeek-V4 layers compress by 0 (window \
+                             only), 4 (CSA) or more (HCA)"
+                        ),
+                    ));
+                }
+            }
+            if c.index_topk == 0 {
+                return Err(unsupported("index_topk", "must be positive"));
+            }
         }
         let scoring = match c.scoring_func.as_str() {
             "sqrtsoftplus" => Scoring::SqrtSoftplus,
@@ -190,6 +232,12 @@ impl ModelConfig {
             .collect();
         Ok(ModelConfig {
             raw: c.clone(),
+            family,
+            hash_layers: if family == Family::V4 {
+                c.num_hash_layers.min(c.num_hidden_layers)
+            } else {
+                0
+            },
             vocab: c.vocab_size,
             dim: c.hidden_size,
             n_layers: c.num_hidden_layers,
@@ -264,6 +312,13 @@ mod tests {
             e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"),
             "{e}"
         );
+        let v4 = cfg(r#"{"model_type":"deepseek_v4","num_hash_layers":3,"num_hidden_layers":4}"#)
+            .unwrap();
+        assert_eq!((v4.family, v4.hash_layers), (Family::V4, 3));
+        let e =
+            cfg(r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"compress_ratios":[0,2]}"#)
+                .unwrap_err();
+        assert!(e.to_string().contains("compress_ratios"), "{e}");
         let e = cfg(r#"{"scoring_func":"relu"}"#).unwrap_err();
         assert!(e.to_string().contains("scoring_func"), "{e}");
         assert!(cfg("{}").is_ok());

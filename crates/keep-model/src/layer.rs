@@ -6,6 +6,12 @@
 //! over window + selected compressed rows, inverse RoPE, grouped `wo_a`, `wo_b`), expand, then
 //! the MoE (router with bias-corrected top-k, clamped SwiGLU experts, shared expert).
 //!
+//! A DeepSeek-V4 / V4-Flash layer (`Family::V4`) runs the same skeleton with transformers'
+//! differences: the pre-mix of each block comes from its own hyper-connection (not the previous
+//! block's), the queries get an unweighted per-head RMSNorm, KV rows are not fake-quantised,
+//! the compressed rows come from this layer's own CSA/HCA compressor ([`crate::v4`]), and the
+//! first `num_hash_layers` layers route by token id ([`crate::hash`]).
+//!
 //! The whole-model forward and the layer-streamed forward both call this one function, which is
 //! what makes them bit-identical.
 
@@ -15,9 +21,11 @@ use keep_kernels::simd::{matmul_many_with, Job};
 use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
-use crate::config::{LayerRoles, ModelConfig, Scoring};
+use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::ExpertSource;
+use crate::hash::{route_hash, HashTable};
 use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use crate::v4::V4Attn;
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -66,8 +74,13 @@ pub struct LayerWeights<'a> {
     pub compressor: Option<Compressor<'a>>,
     pub indexer: Option<Indexer<'a>>,
     pub gate: WeightView<'a>,
+    /// Empty on a hash-routed layer.
     pub gate_bias: Vec<f32>,
     pub shared: [WeightView<'a>; 3],
+    /// V4: this layer's compressor and indexer (`None`: window only, or a V4.1 layer).
+    pub v4: Option<V4Attn<'a>>,
+    /// V4-Flash: the layer's `tid2eid` table (hash-routed layers only).
+    pub hash: Option<HashTable>,
 }
 
 /// What one forward call shares between layers (the reference's `shared` dict).
@@ -92,6 +105,8 @@ pub struct Streams {
     pub x: Vec<f32>,
     /// `[T × hc]`.
     pub pre_mix: Vec<f32>,
+    /// The token ids (hash-routed layers pick their experts from them).
+    pub tokens: Vec<u32>,
 }
 
 /// Position information of one forward call.
@@ -122,17 +137,20 @@ impl<'a> LayerWeights<'a> {
         let hint = cfg.raw.weight_block_size();
         let roles = cfg.roles[layer];
         let (d, h, hd) = (cfg.dim, cfg.heads, cfg.head_dim);
-        if ck.contains(&format!("{p}ffn.gate.tid2eid")) {
+        let v4 = cfg.family == Family::V4;
+        if !cfg.is_hash(layer) && ck.contains(&format!("{p}ffn.gate.tid2eid")) {
             return Err(ModelError::Unsupported {
                 key: "num_hash_layers".into(),
                 msg: format!(
-                    "layer {layer} has `ffn.gate.tid2eid` (V4-Flash hash routing), which keep's model does not implement"
+                    "layer {layer} has `ffn.gate.tid2eid` but the config makes only layers \
+                     0..{} hash-routed",
+                    cfg.hash_layers
                 ),
             });
         }
         let w = |n: &str, r: usize, c: usize| weight(ck, &format!("{p}{n}"), r, c, hint);
         let v = |n: &str, len: usize| vec_f32(ck, &format!("{p}{n}"), len);
-        let compressor = if roles.kv_source && roles.ratio > 0 {
+        let compressor = if !v4 && roles.kv_source && roles.ratio > 0 {
             Some(Compressor {
                 wkv: w("attn.compressor.wkv", hd, d)?,
                 wgate: if roles.ratio > 1 {
@@ -145,7 +163,7 @@ impl<'a> LayerWeights<'a> {
         } else {
             None
         };
-        let indexer = if roles.index_source && roles.ratio > 0 {
+        let indexer = if !v4 && roles.index_source && roles.ratio > 0 {
             let (ih, ihd) = (cfg.index_heads, cfg.index_head_dim);
             Some(Indexer {
                 wq_b: w("attn.indexer.wq_b", ih * ihd, cfg.q_lora)?,
@@ -182,18 +200,32 @@ impl<'a> LayerWeights<'a> {
             compressor,
             indexer,
             gate: w("ffn.gate", cfg.n_experts, d)?,
-            gate_bias: v("ffn.gate.bias", cfg.n_experts)?,
+            gate_bias: if cfg.is_hash(layer) {
+                vec![]
+            } else {
+                v("ffn.gate.bias", cfg.n_experts)?
+            },
             shared: [
                 w("ffn.shared_experts.w1", cfg.inter, d)?,
                 w("ffn.shared_experts.w2", d, cfg.inter)?,
                 w("ffn.shared_experts.w3", cfg.inter, d)?,
             ],
+            v4: if v4 {
+                V4Attn::load(ck, cfg, layer)?
+            } else {
+                None
+            },
+            hash: if cfg.is_hash(layer) {
+                Some(HashTable::load(ck, cfg, layer)?)
+            } else {
+                None
+            },
         })
     }
 }
 
 /// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
-fn lin(
+pub(crate) fn lin(
     x: &[f32],
     m: usize,
     w: &WeightView,
@@ -333,6 +365,20 @@ impl LayerWeights<'_> {
         mut obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
         let (hc, d) = (cfg.hc, cfg.dim);
+        if cfg.family == Family::V4 {
+            let (pre, post, comb) = hc_mix(&self.hc_attn, s, cfg)?;
+            let mut h = collapse(s, &pre, hc, d);
+            ops::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
+            let a = self.attention_v4(cfg, &h, s.t, step, caches, &mut obs)?;
+            expand(&a, s, &post, &comb, hc, d);
+            let (pre, post, comb) = hc_mix(&self.hc_ffn, s, cfg)?;
+            let mut h = collapse(s, &pre, hc, d);
+            ops::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
+            let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
+            expand(&m, s, &post, &comb, hc, d);
+            let _ = shared;
+            return Ok(());
+        }
         let (attn_pre, attn_post, attn_comb) = hc_mix(&self.hc_attn, s, cfg)?;
         let mut h = collapse(s, &s.pre_mix, hc, d);
         ops::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
@@ -342,7 +388,7 @@ impl LayerWeights<'_> {
         let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&self.hc_ffn, s, cfg)?;
         let mut h = collapse(s, &attn_pre, hc, d);
         ops::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
-        let m = self.moe(cfg, experts, mask, &h, s.t, step, &mut obs)?;
+        let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
         expand(&m, s, &ffn_post, &ffn_comb, hc, d);
         s.pre_mix = ffn_pre;
         Ok(())
@@ -466,7 +512,19 @@ impl LayerWeights<'_> {
             }
         }
 
-        // Grouped wo_a: group g reads its own heads' slice.
+        self.grouped_out(cfg, &out, t, obs)
+    }
+
+    /// Grouped `wo_a` (group g reads its own heads' slice) then `wo_b`.
+    pub(crate) fn grouped_out(
+        &self,
+        cfg: &ModelConfig,
+        out: &[f32],
+        t: usize,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let (h, hd) = (cfg.heads, cfg.head_dim);
         let (g, ol) = (cfg.o_groups, cfg.o_lora);
         let ig = h * hd / g;
         let mut oa = vec![0f32; t * g * ol];
@@ -694,17 +752,42 @@ impl LayerWeights<'_> {
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &[f32],
-        t: usize,
+        tokens: &[u32],
         step: Step,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         let l = self.layer;
+        let t = tokens.len();
         let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
         let mut logits = lin(x, t, &self.gate, obs, l, "ffn.gate", None)?;
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];
         let mut scores = vec![0f32; t * e];
         for i in 0..t {
+            if let Some(table) = &self.hash {
+                let ids = table.experts(tokens[i]).ok_or(ModelError::Token {
+                    id: tokens[i],
+                    vocab: table.vocab,
+                })?;
+                if let Some(m) = mask {
+                    if let Some(&j) = ids.iter().find(|&&j| m[j as usize]) {
+                        return Err(ModelError::Config(format!(
+                            "layer {l} is hash-routed: token {} names expert {j}, which the \
+                             router mask removes; a hash layer needs a remap, not a mask",
+                            tokens[i]
+                        )));
+                    }
+                }
+                route_hash(
+                    cfg,
+                    &mut logits[i * e..(i + 1) * e],
+                    ids,
+                    &mut chosen[i * k..(i + 1) * k],
+                    &mut weights[i * k..(i + 1) * k],
+                    &mut scores[i * e..(i + 1) * e],
+                );
+                continue;
+            }
             route(
                 cfg,
                 &mut logits[i * e..(i + 1) * e],
@@ -1051,6 +1134,7 @@ mod tests {
             t,
             x: (0..t * hc * d).map(|_| rng.f() * 3.0).collect(),
             pre_mix: vec![0.0; t * hc],
+            tokens: vec![0; t],
         };
         let (pre, post, comb) = hc_mix(&hcw, &s, &c).unwrap();
         for i in 0..t {

@@ -1,14 +1,17 @@
-//! keep-model: the DeepSeek-V4.1 text model, computed in f32 straight from a published checkpoint.
+//! keep-model: the DeepSeek-V4.1 and DeepSeek-V4 / V4-Flash text models, computed in f32 straight
+//! from a published checkpoint.
 //!
-//! What it is: [`ModelConfig`] (validated from `config.json`; engram layers and V4-Flash's
-//! hash-routed layers are refused by key), [`Model`] (weights as zero-copy views of the mmap'd
+//! What it is: [`ModelConfig`] (validated from `config.json`; engram layers are refused by key;
+//! V4-Flash's compressors live in [`v4`], its hash routing in [`hash`]), [`Model`] (weights as zero-copy views of the mmap'd
 //! shards in their shipped formats: FP8-block, MXFP8, MXFP4, bf16, f32), [`Cache`] for incremental
 //! decoding, [`Model::forward`] (prefill and decode share one code path), a layer-streamed path
 //! ([`streamed::forward_streamed`]) that loads one layer at a time and runs every record through
 //! it with the same per-layer function (so its logits are bit-identical to the whole-model
 //! forward), [`RouteObserver`] hooks for calibration (no cost when none is attached), a router
 //! mask hook, and sampling/generation helpers. The specification is mlx-lm 0.32.2's
-//! `mlx_lm/models/deepseek_v41.py`; each module names the reference function it follows.
+//! `mlx_lm/models/deepseek_v41.py` for V4.1 and transformers 5.23's `modeling_deepseek_v4.py`
+//! for V4 (`docs/v4flash.md` lists every difference); each module names the reference function
+//! it follows.
 //!
 //! What it is not: no tokenizer, no printing, no CLI, no knowledge of where routed-expert bytes
 //! come from: the MoE layer asks an [`ExpertSource`] (the default reads the checkpoint mapping;
@@ -21,10 +24,12 @@ pub mod config;
 pub mod error;
 pub mod experts;
 pub mod generate;
+pub mod hash;
 pub mod layer;
 pub mod model;
 pub mod observer;
 pub mod streamed;
+pub mod v4;
 pub mod weights;
 
 pub use cache::{Cache, LayerCache};

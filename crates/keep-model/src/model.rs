@@ -8,7 +8,7 @@ use keep_checkpoint::Checkpoint;
 use keep_kernels::{matmul, ops, WeightView};
 
 use crate::cache::Cache;
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::layer::{LayerWeights, Shared, Step, Streams};
 use crate::observer::RouteObserver;
@@ -31,6 +31,9 @@ pub struct Globals<'a> {
     pub embed: WeightView<'a>,
     pub head: WeightView<'a>,
     pub norm: Vec<f32>,
+    /// DeepSeek-V4's final stream collapse (`hc_head_fn` `[hc × hc·dim]`, `hc_head_base`
+    /// `[hc]`, `hc_head_scale` `[1]`); V4.1 collapses with the last layer's pre-mix instead.
+    pub hc_head: Option<(WeightView<'a>, Vec<f32>, f32)>,
 }
 
 impl<'a> Globals<'a> {
@@ -41,6 +44,16 @@ impl<'a> Globals<'a> {
             embed: weight(ck, "embed", cfg.vocab, cfg.dim, hint)?,
             head: weight(ck, "head", cfg.vocab, cfg.dim, hint)?,
             norm: vec_f32(ck, "norm.weight", cfg.dim)?,
+            hc_head: if cfg.family == Family::V4 {
+                let t = crate::weights::tensor(ck, "hc_head_fn")?;
+                Some((
+                    crate::weights::view(t, None, cfg.hc, cfg.hc * cfg.dim, None)?,
+                    vec_f32(ck, "hc_head_base", cfg.hc)?,
+                    vec_f32(ck, "hc_head_scale", 1)?[0],
+                ))
+            } else {
+                None
+            },
         })
     }
 
@@ -67,7 +80,12 @@ impl<'a> Globals<'a> {
         for i in 0..t {
             pre_mix[i * hc] = 1.0;
         }
-        Ok(Streams { t, x, pre_mix })
+        Ok(Streams {
+            t,
+            x,
+            pre_mix,
+            tokens: tokens.to_vec(),
+        })
     }
 
     /// Final collapse, norm and head for the rows `which` asks for.
@@ -78,11 +96,31 @@ impl<'a> Globals<'a> {
             Logits::Last => s.t.checked_sub(1).into_iter().collect(),
             Logits::None => return Ok(vec![]),
         };
+        // V4: `DeepseekV4HyperHead`, pre = sigmoid(rms(streams)·fnᵀ·scale + base) + hc_eps.
+        let head_mix: Option<Vec<f32>> = match &self.hc_head {
+            Some((fn_, base, scale)) => {
+                let mut flat = Vec::with_capacity(rows.len() * hc * d);
+                for &i in &rows {
+                    flat.extend_from_slice(&s.x[i * hc * d..(i + 1) * hc * d]);
+                }
+                ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
+                let mut mix = vec![0f32; rows.len() * hc];
+                matmul(&flat, rows.len(), fn_, &mut mix)?;
+                for (j, v) in mix.iter_mut().enumerate() {
+                    *v = ops::sigmoid(*v * scale + base[j % hc]) + cfg.hc_eps;
+                }
+                Some(mix)
+            }
+            None => None,
+        };
         let mut h = vec![0f32; rows.len() * d];
         for (r, &i) in rows.iter().enumerate() {
             let o = &mut h[r * d..(r + 1) * d];
             for k in 0..hc {
-                let m = s.pre_mix[i * hc + k];
+                let m = match &head_mix {
+                    Some(mix) => mix[r * hc + k],
+                    None => s.pre_mix[i * hc + k],
+                };
                 for (a, b) in o
                     .iter_mut()
                     .zip(&s.x[(i * hc + k) * d..(i * hc + k + 1) * d])

@@ -10,22 +10,23 @@ use keep_convert::synth::{experts_for_bytes, synth, SynthOptions};
 
 use crate::util::{byte_bar, human, parse_bytes};
 
-/// Write a random-weight checkpoint in DeepSeek's published format, for any V4.1 config.
+/// Write a random-weight checkpoint in DeepSeek's published format, for any V4.1 or V4 config.
 ///
 /// Weights are drawn N(0, 1/fan_in) and stored as DeepSeek ships them: FP8 E4M3 residents with
 /// E8M0 block scales, FP4 routed experts with a scale per 32 inputs, f32 hyper-connections,
 /// sinks and router biases, bf16 elsewhere. Presets: `tiny` (every V4.1 attention path, for
-/// tests), `tiny-v4flash` (128×128 blocks, hash-routed first layers), `flash` (real V4.1-Flash
+/// tests), `tiny-v4flash` (a small V4-Flash: CSA and HCA layers, hash-routed first layers,
+/// 128×128 blocks), `flash` (real V4.1-Flash shapes, 4 layers), `v4flash` (real V4-Flash
 /// shapes, 4 layers). The output is the same for the same seed, whatever the thread count.
 ///
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct SynthArgs {
-    /// A config.json (DeepSeek V4.1 schema) to synthesise.
+    /// A config.json (DeepSeek V4.1 or V4 schema) to synthesise.
     #[arg(long, conflicts_with = "preset")]
     config: Option<PathBuf>,
-    /// A named preset: tiny, tiny-v4flash, flash.
+    /// A named preset: tiny, tiny-v4flash, flash, v4flash.
     #[arg(long)]
     preset: Option<String>,
     /// Output directory (refused if it exists, unless --force).
@@ -68,7 +69,9 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
             )
         }
         (None, Some(name)) => presets::preset(name)?,
-        _ => anyhow::bail!("give --config FILE.json or --preset NAME (tiny, tiny-v4flash, flash)"),
+        _ => anyhow::bail!(
+            "give --config FILE.json or --preset NAME (tiny, tiny-v4flash, flash, v4flash)"
+        ),
     };
     if let Some(b) = a.block {
         storage.block = (b, b);
