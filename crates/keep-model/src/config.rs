@@ -1,8 +1,8 @@
 //! [`ModelConfig`]: the DeepSeek-V4.1 config keep's model runs, checked and with each layer's
 //! roles worked out (compress ratio, KV source, index source, candidate source).
 //!
-//! Refused, naming the key: `engram_layer_ids` non-empty (engram memory is not implemented, as in
-//! the reference), `num_hash_layers` > 0 (V4-Flash: hash-routed layers and its different
+//! Engram layers are checked and their hashing laid out here (`engram_hash`). Refused, naming
+//! the key: engram keys that do not fit `engram_layer_ids`, `num_hash_layers` > 0 (V4-Flash: hash-routed layers and its different
 //! attention are not implemented here; keep's checkpoint tools still read and repack V4-Flash
 //! files), an unknown `scoring_func`, and shapes the attention cannot split.
 
@@ -73,6 +73,8 @@ pub struct ModelConfig {
     pub hc_iters: usize,
     pub hc_eps: f32,
     pub roles: Vec<LayerRoles>,
+    /// Engram layers' hashing (`None`: no `engram_layer_ids`); see `engram_hash`.
+    pub engram: Option<crate::engram_hash::EngramLayout>,
 }
 
 fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
@@ -85,17 +87,6 @@ fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
 impl ModelConfig {
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
-        if !c.engram_layer_ids.is_empty() {
-            return Err(unsupported(
-                "engram_layer_ids",
-                format!(
-                    "layers {:?} use engram memory (n-gram hash tables, hashed embedding lookup, \
-                     engram attention), which keep's model does not implement (nor does mlx-lm); \
-                     run a checkpoint without engram layers",
-                    c.engram_layer_ids
-                ),
-            ));
-        }
         if c.num_hash_layers > 0 {
             return Err(unsupported(
                 "num_hash_layers",
@@ -218,6 +209,7 @@ impl ModelConfig {
             hc_iters: c.hc_sinkhorn_iters,
             hc_eps: c.hc_eps as f32,
             roles,
+            engram: crate::engram_hash::EngramLayout::from_config(c)?,
         })
     }
 
@@ -254,7 +246,7 @@ mod tests {
     #[test]
     fn refusals_name_their_keys() {
         let e = cfg(r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#).unwrap_err();
-        assert!(e.to_string().contains("engram_layer_ids"), "{e}");
+        assert!(e.to_string().contains("engram_num_embeddings"), "{e}");
         let e = cfg(r#"{"num_hash_layers":3}"#).unwrap_err();
         assert!(
             e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"),

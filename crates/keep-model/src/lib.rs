@@ -1,7 +1,7 @@
 //! keep-model: the DeepSeek-V4.1 text model, computed in f32 straight from a published checkpoint.
 //!
-//! What it is: [`ModelConfig`] (validated from `config.json`; engram layers and V4-Flash's
-//! hash-routed layers are refused by key), [`Model`] (weights as zero-copy views of the mmap'd
+//! What it is: [`ModelConfig`] (validated from `config.json`; V4-Flash's hash-routed layers are
+//! refused by key), Engram layers ([`engram`], rows from an [`EngramRows`] source), [`Model`] (weights as zero-copy views of the mmap'd
 //! shards in their shipped formats: FP8-block, MXFP8, MXFP4, bf16, f32), [`Cache`] for incremental
 //! decoding, [`Model::forward`] (prefill and decode share one code path), a layer-streamed path
 //! ([`streamed::forward_streamed`]) that loads one layer at a time and runs every record through
@@ -18,6 +18,8 @@
 
 pub mod cache;
 pub mod config;
+pub mod engram;
+pub mod engram_hash;
 pub mod error;
 pub mod experts;
 pub mod generate;
@@ -29,6 +31,8 @@ pub mod weights;
 
 pub use cache::{Cache, LayerCache};
 pub use config::ModelConfig;
+pub use engram::{Engram, EngramRows, TableRows};
+pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{Sampler, SamplerConfig};
