@@ -10,7 +10,11 @@ Checkpoints (in a temporary directory):
     layer and an index layer reading its candidates; YaRN), FP8 32x32 E8M0, and the same after
     `keep repack --resident-format mxfp8`;
   - tools/oracle/model_synth.py (independent of keep: numpy + ml_dtypes), FP8 32x32 and MXFP8,
-    ratios 0, 4, 1, 1, 2, 2, 2, 0 with 4 heads, and with scoring_func sigmoid and softmax.
+    ratios 0, 4, 1, 1, 2, 2, 2, 0 with 4 heads, and with scoring_func sigmoid and softmax;
+  - Engram layers (the reference adds them from engram_ref.py, the published module in torch):
+    `keep synth --preset tiny --engram-bytes 2MiB` (layers 1 and 2, n-grams 2..3 x 2 heads) and
+    its MXFP8 repack, and model_synth.py with Engram at layers 1 and 5 (n-grams 2..4 x 3 heads,
+    64 channels, tables 3 rows larger than their buckets).
 For each: a 150-token pseudo-random sequence through `keep logits --routes` (one prefill) and
 tools/oracle/model_ref.py; top-1 agreement >= 99.5%, mean KL(ref||keep) <= 1e-4 nats per
 position, routed experts equal on >= 99.9% of (token, layer) pairs; the reference's 16 greedy
@@ -144,7 +148,16 @@ def main():
         dirs.append((d, "keep-synth-tiny-fp8"))
         run([keep, "repack", d, tmp / "synth-tiny-mx", "--resident-format", "mxfp8"])
         dirs.append((tmp / "synth-tiny-mx", "keep-synth-tiny-mxfp8"))
+        d = tmp / "synth-tiny-engram"
+        run([keep, "synth", "--preset", "tiny", "--engram-bytes", "2MiB", "--out", d, "--seed", "6"])
+        dirs.append((d, "keep-synth-tiny-engram-fp8"))
+        run([keep, "repack", d, tmp / "synth-tiny-engram-mx", "--resident-format", "mxfp8"])
+        dirs.append((tmp / "synth-tiny-engram-mx", "keep-synth-tiny-engram-mxfp8"))
+        engram = ('{"engram_layer_ids":[1,5],"engram_max_ngram_size":4,"engram_n_heads":3,'
+                  '"engram_vocab_size":97,"engram_head_dim":64,"engram_pad_id":0,'
+                  '"engram_compressed_vocab_size":512}')
         for seed, fmt, over, tag in [
+            (5, "fp8", engram, "model-synth-engram"),
             (2, "fp8", "{}", "model-synth-fp8"),
             (2, "mxfp8", "{}", "model-synth-mxfp8"),
             (3, "fp8", '{"scoring_func":"sigmoid"}', "model-synth-sigmoid"),

@@ -15,6 +15,13 @@ input is float32), and writes a safetensors file with
 
 Metadata: format=keep-model-ref, version=1, command=<this command line>, mlx / mlx-lm versions.
 
+Engram layers (`engram_layer_ids`), which mlx-lm refuses, are added from engram_ref.py (the
+published module transcribed to torch): mlx-lm's refusal is lifted while loading (it only
+guards the missing module; its sanitize drops `.engram.` tensors), every call hashes its tokens
+first (the released inference's stateful hash, so the greedy decode with the reference cache
+hashes as the released code does), and each Engram layer's module is applied to the streams
+right before that decoder layer runs, as the released `Transformer.forward` does.
+
 Usage: model_ref.py DIR --tokens 1,2,3 --out FILE.safetensors [--routes] [--greedy N]
        model_ref.py DIR --tokens-file ids.npy ...   (int array, 1-D)
 """
@@ -33,8 +40,50 @@ from mlx_lm.models import deepseek_v41
 from mlx_lm.utils import load_model
 
 
+ENGRAM = None  # engram_ref.EngramModel of the loaded checkpoint, when it has Engram layers
+
+
+def _install_engram_hooks():
+    if getattr(deepseek_v41, "_keep_engram_hooked", False):
+        return
+    deepseek_v41._keep_engram_hooked = True
+    model_call = deepseek_v41.Model.__call__
+    layer_call = deepseek_v41.DecoderLayer.__call__
+
+    def call(self, inputs, cache=None):
+        if ENGRAM is not None:
+            start = cache[0].offset if cache else 0
+            ENGRAM.step(np.array(inputs), start)
+        return model_call(self, inputs, cache)
+
+    def layer(self, streams, pre_mix, **kw):
+        if ENGRAM is not None and self.layer_idx in ENGRAM.layers:
+            streams = mx.array(ENGRAM.apply(self.layer_idx, np.array(streams.astype(mx.float32))))
+        return layer_call(self, streams, pre_mix, **kw)
+
+    deepseek_v41.Model.__call__ = call
+    deepseek_v41.DecoderLayer.__call__ = layer
+
+
 def load_f32(path: Path):
-    model, config = load_model(Path(path))
+    global ENGRAM
+    import json
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if {**cfg, **cfg.get("text_config", {})}.get("engram_layer_ids"):
+        from engram_ref import EngramModel
+
+        guard = deepseek_v41.ModelArgs.__post_init__
+        deepseek_v41.ModelArgs.__post_init__ = lambda self: None
+        try:
+            model, config = load_model(Path(path))
+        finally:
+            deepseek_v41.ModelArgs.__post_init__ = guard
+        ENGRAM = EngramModel(Path(path))
+        _install_engram_hooks()
+    else:
+        ENGRAM = None
+        model, config = load_model(Path(path))
     params = tree_flatten(model.parameters())
     cast = [
         (k, v.astype(mx.float32))
@@ -81,6 +130,10 @@ def main(argv=None):
     else:
         ap.error("give --tokens or --tokens-file")
     model, _ = load_f32(args.model)
+    if ENGRAM is not None:
+        from engram_ref import check_hashers
+
+        check_hashers(ENGRAM.layout, tokens)
     n_layers = len(model.layers)
     out = {"tokens": np.array(tokens, dtype=np.int32)}
 
@@ -94,6 +147,8 @@ def main(argv=None):
         out["routes"] = np.stack([c.reshape(len(tokens), -1) for c in rec.calls])
 
     if args.greedy:
+        if ENGRAM is not None:
+            ENGRAM.reset()
         cache = model.make_cache()
         step = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
         chosen, step_logits = [], []

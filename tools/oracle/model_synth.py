@@ -5,6 +5,11 @@ per row and 32 columns, as `keep repack --resident-format mxfp8` writes), FP4 ro
 E8M0 scales per 32 inputs, f32 hyper-connections / sinks / router bias / compressor, bf16 elsewhere.
 Independent of keep's own `keep synth` (numpy + ml_dtypes only), so the two can check each other.
 
+Engram layers (when the overrides give `engram_layer_ids` and the engram shape keys): tables as
+FP8 E4M3 rows with one E8M0 scale per 32 channels, `wkv` as the other FP8 residents, bf16
+`q_weight`/`k_weight`; `engram_num_embeddings` (when not given) is the sum of each layer's bucket
+primes plus 3 spare rows (tables may be larger than their buckets).
+
 Usage: model_synth.py OUT_DIR SEED [fp8|mxfp8] [CONFIG_OVERRIDES_JSON]
 The fixture in crates/keep-model/tests/data/ was made with the command in its README.
 """
@@ -102,6 +107,32 @@ for L in range(C["num_hidden_layers"]):
     for e in range(E):
         fp4(p + f"ffn.experts.{e}.w1", n(I, D)); fp4(p + f"ffn.experts.{e}.w3", n(I, D)); fp4(p + f"ffn.experts.{e}.w2", n(D, I))
     fp8(p + "ffn.shared_experts.w1", n(I, D)); fp8(p + "ffn.shared_experts.w3", n(I, D)); fp8(p + "ffn.shared_experts.w2", n(D, I))
+def is_prime(v):
+    return v >= 2 and all(v % d for d in range(2, int(v ** 0.5) + 1))
+if C["engram_layer_ids"]:
+    NG, NH, EH = C["engram_max_ngram_size"], C["engram_n_heads"], C["engram_head_dim"]
+    if "engram_num_embeddings" not in C:
+        seen, rows = set(), []
+        for _ in C["engram_layer_ids"]:
+            tot = 0
+            for _ in range(NG - 1):
+                cur = C["engram_vocab_size"] - 1
+                for _ in range(NH):
+                    cur += 1
+                    while not is_prime(cur) or cur in seen:
+                        cur += 1
+                    seen.add(cur); tot += cur
+            rows.append(tot + 3)
+        C["engram_num_embeddings"] = rows
+    for k, L in enumerate(C["engram_layer_ids"]):
+        p = f"layers.{L}.engram."
+        R = C["engram_num_embeddings"][k]
+        g = n(R, EH, std=1.0).reshape(R, EH // 32, 32)
+        e = np.ceil(np.log2(np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30) / 448.0))
+        T[p + "embed.weight"] = (g / 2.0**e).reshape(R, EH).astype(E4)
+        T[p + "embed.scale"] = (e[..., 0] + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+        fp8(p + "wkv", n((hc + 1) * D, (NG - 1) * NH * EH))
+        T[p + "q_weight"] = norm((hc, D)); T[p + "k_weight"] = norm((hc, D))
 os.makedirs(out, exist_ok=True)
 save_file(T, os.path.join(out, "model.safetensors"))
 json.dump(C, open(os.path.join(out, "config.json"), "w"), indent=1)

@@ -66,6 +66,7 @@ mod d {
         hc_mult: usize = 4;
         hc_sinkhorn_iters: usize = 20;
         hc_eps: f64 = 1e-6;
+        engram_pad_id: usize = 2;
     }
 }
 
@@ -148,6 +149,27 @@ pub struct DeepSeekConfig {
     pub hc_eps: f64,
     #[serde(default)]
     pub engram_layer_ids: Vec<usize>,
+    /// Engram: table rows per engram layer (the sum of the layer's bucket primes, or more).
+    #[serde(default)]
+    pub engram_num_embeddings: Vec<u64>,
+    /// Engram: n-grams of sizes 2..=this are hashed at each position.
+    #[serde(default)]
+    pub engram_max_ngram_size: usize,
+    /// Engram: hash heads per n-gram size.
+    #[serde(default)]
+    pub engram_n_heads: usize,
+    /// Engram: where the search for bucket primes starts (primes are drawn above `this - 1`).
+    #[serde(default)]
+    pub engram_vocab_size: u64,
+    /// Engram: channels of one table row.
+    #[serde(default)]
+    pub engram_head_dim: usize,
+    /// Engram: the raw token id whose compressed id fills look-back before the sequence start.
+    #[serde(default = "d::engram_pad_id")]
+    pub engram_pad_id: usize,
+    /// Engram: the size of the normalised token id space the hash runs over (0: `vocab_size`).
+    #[serde(default)]
+    pub engram_compressed_vocab_size: usize,
     /// Written by `keep prune` when hash-routed layers stay whole while others are pruned:
     /// the routed experts of each decoder layer (overrides `n_routed_experts` per layer).
     #[serde(default, skip_serializing_if = "Option::is_none")]

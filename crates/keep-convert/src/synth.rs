@@ -3,7 +3,8 @@
 //! Weights are drawn N(0, 1/fan_in) and stored the way DeepSeek ships them: FP8 E4M3 residents
 //! with block scales (DeepSeek's ceil rule for the exponent), FP4 E2M1 routed experts with an
 //! E8M0 scale per 32 inputs, f32 hyper-connection parameters, sinks and router biases, bf16
-//! elsewhere (norm weights near 1). Every tensor is generated from its own seed (the run's seed
+//! elsewhere (norm weights near 1); Engram layers (`engram_layer_ids`) get their tables as FP8
+//! rows with one E8M0 scale per 32 channels, `wkv` FP8 block-scaled and bf16 `q/k_weight`. Every tensor is generated from its own seed (the run's seed
 //! and the tensor's name), in row chunks that are also seeded by position, so the output is
 //! the same whatever the thread count, and tensors of any size stream to disk without being
 //! held whole in memory.
@@ -36,6 +37,9 @@ pub enum Kind {
     Fp8 { rows: usize, cols: usize },
     /// FP4 routed-expert matrix `[rows, cols]`, N(0, 1/cols); the scale follows.
     Fp4 { rows: usize, cols: usize },
+    /// FP8 E4M3 rows with one E8M0 scale per 32 channels (Engram tables), N(0, 1); the scale
+    /// (`[rows, cols/32]`) follows.
+    Fp8Rows { rows: usize, cols: usize },
     /// Hash routing table `[vocab, top_k]` of distinct expert ids per token.
     Tid2eid {
         vocab: usize,
@@ -272,6 +276,9 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
                 ));
             }
         }
+        if cfg.engram_layer_ids.contains(&l) {
+            out.extend(engram_plan(cfg, l)?);
+        }
     }
     if cfg.model_type == "deepseek_v4" {
         out.push(p(
@@ -310,6 +317,169 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
     Ok(out)
 }
 
+/// The tensors of decoder layer `layer`'s Engram, as published: `engram.embed.{weight,scale}`
+/// (FP8 rows, 1×32 E8M0 scales), `engram.wkv` (FP8 block-scaled), `engram.{q,k}_weight` (bf16).
+fn engram_plan(cfg: &DeepSeekConfig, layer: usize) -> Result<Vec<Planned>> {
+    let slot = cfg
+        .engram_layer_ids
+        .iter()
+        .position(|&l| l == layer)
+        .unwrap_or(0);
+    let rows = *cfg.engram_num_embeddings.get(slot).ok_or_else(|| {
+        ConvertError::Invalid(format!(
+            "engram_num_embeddings has no entry for engram layer {layer}"
+        ))
+    })? as usize;
+    let hd = cfg.engram_head_dim;
+    if hd == 0 || !hd.is_multiple_of(32) {
+        return Err(ConvertError::Invalid(format!(
+            "engram_head_dim = {hd} must be a positive multiple of 32 (one scale per 32 channels)"
+        )));
+    }
+    let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+    let cols = cfg.engram_max_ngram_size.saturating_sub(1) * cfg.engram_n_heads * hd;
+    let n = |s: &str| format!("layers.{layer}.engram.{s}");
+    let qk = Kind::Bf16Ones { std: 0.1 };
+    Ok(vec![
+        p(
+            n("embed.weight"),
+            &[rows, hd],
+            Kind::Fp8Rows { rows, cols: hd },
+        ),
+        p(
+            n("wkv.weight"),
+            &[(hc + 1) * h, cols],
+            Kind::Fp8 {
+                rows: (hc + 1) * h,
+                cols,
+            },
+        ),
+        p(n("q_weight"), &[hc, h], qk.clone()),
+        p(n("k_weight"), &[hc, h], qk),
+    ])
+}
+
+/// Bytes of one Engram table row (FP8 channels and their E8M0 scales).
+pub fn engram_row_bytes(head_dim: usize) -> u64 {
+    (head_dim + head_dim / 32) as u64
+}
+
+/// Give `cfg` Engram layers whose tables take about `bytes` in all: the published hashing
+/// (every table is exactly the sum of its bucket primes, drawn above `engram_vocab_size`), with
+/// `engram_vocab_size` chosen for the size. Keeps the config's engram layers and shape keys when
+/// it has them; otherwise layers 1 and 14·L/40 (V4.1-Flash's places), n-grams 2..4 over 8 heads
+/// of 256 channels (V4.1-Flash) or, for hidden sizes under 1024, 2..3 over 2 heads of 32. The
+/// token ids are hashed uncompressed (`engram_compressed_vocab_size` = `vocab_size`).
+pub fn with_engram_bytes(cfg: &mut DeepSeekConfig, bytes: u64) -> Result<()> {
+    let l = cfg.num_hidden_layers;
+    if l < 2 {
+        return Err(ConvertError::Invalid(
+            "Engram layers need at least 2 decoder layers".into(),
+        ));
+    }
+    if cfg.engram_layer_ids.is_empty() {
+        let mut ids = vec![1, (14 * l / 40).clamp(1, l - 1)];
+        ids.dedup();
+        cfg.engram_layer_ids = ids;
+    }
+    let big = cfg.hidden_size >= 1024;
+    if cfg.engram_max_ngram_size < 2 {
+        cfg.engram_max_ngram_size = if big { 4 } else { 3 };
+    }
+    if cfg.engram_n_heads == 0 {
+        cfg.engram_n_heads = if big { 8 } else { 2 };
+    }
+    if cfg.engram_head_dim == 0 {
+        cfg.engram_head_dim = if big { 256 } else { 32 };
+    }
+    if cfg.engram_pad_id >= cfg.vocab_size {
+        cfg.engram_pad_id = 0;
+    }
+    cfg.engram_compressed_vocab_size = cfg.vocab_size;
+    let n = cfg.engram_layer_ids.len() as u64;
+    let cols = ((cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads) as u64;
+    let rows = bytes / n / engram_row_bytes(cfg.engram_head_dim);
+    cfg.engram_vocab_size = (rows / cols).max(2);
+    cfg.engram_num_embeddings = engram_table_rows(
+        cfg.engram_layer_ids.len(),
+        cfg.engram_max_ngram_size,
+        cfg.engram_n_heads,
+        cfg.engram_vocab_size,
+    );
+    if let Some(m) = cfg.raw.as_object_mut() {
+        let m = match m.get_mut("text_config") {
+            Some(serde_json::Value::Object(_)) => m
+                .get_mut("text_config")
+                .and_then(|v| v.as_object_mut())
+                .expect("checked"),
+            _ => m,
+        };
+        for (k, v) in [
+            ("engram_layer_ids", serde_json::json!(cfg.engram_layer_ids)),
+            (
+                "engram_num_embeddings",
+                serde_json::json!(cfg.engram_num_embeddings),
+            ),
+            (
+                "engram_max_ngram_size",
+                serde_json::json!(cfg.engram_max_ngram_size),
+            ),
+            ("engram_n_heads", serde_json::json!(cfg.engram_n_heads)),
+            (
+                "engram_vocab_size",
+                serde_json::json!(cfg.engram_vocab_size),
+            ),
+            ("engram_head_dim", serde_json::json!(cfg.engram_head_dim)),
+            ("engram_pad_id", serde_json::json!(cfg.engram_pad_id)),
+            (
+                "engram_compressed_vocab_size",
+                serde_json::json!(cfg.engram_compressed_vocab_size),
+            ),
+        ] {
+            m.insert(k.into(), v);
+        }
+    }
+    Ok(())
+}
+
+/// Rows of each engram table under the published prime rule (the sum of its bucket primes).
+pub fn engram_table_rows(layers: usize, max_ngram: usize, heads: usize, vocab: u64) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::new();
+    let is_prime = |n: u64| {
+        if n < 2 {
+            return false;
+        }
+        if n.is_multiple_of(2) {
+            return n == 2;
+        }
+        let mut d = 3u64;
+        while d * d <= n {
+            if n.is_multiple_of(d) {
+                return false;
+            }
+            d += 2;
+        }
+        true
+    };
+    (0..layers)
+        .map(|_| {
+            let mut sum = 0u64;
+            for _ in 1..max_ngram {
+                let mut cur = vocab - 1;
+                for _ in 0..heads {
+                    cur += 1;
+                    while !is_prime(cur) || seen.contains(&cur) {
+                        cur += 1;
+                    }
+                    seen.insert(cur);
+                    sum += cur;
+                }
+            }
+            sum
+        })
+        .collect()
+}
+
 /// The stored tensors (weights and scales) of a plan.
 pub fn metas(plan: &[Planned], st: &Storage) -> Vec<TensorMeta> {
     let mut out = vec![];
@@ -330,6 +500,14 @@ pub fn metas(plan: &[Planned], st: &Storage) -> Vec<TensorMeta> {
                     Dtype::F8_E8M0
                 };
                 out.push(TensorMeta::new(scale_name(&t.name), dt, &u(&grid)));
+            }
+            Kind::Fp8Rows { rows, cols } => {
+                out.push(TensorMeta::new(&t.name, Dtype::F8_E4M3, &u(&t.shape)));
+                out.push(TensorMeta::new(
+                    scale_name(&t.name),
+                    Dtype::F8_E8M0,
+                    &u(&[*rows, cols / 32]),
+                ));
             }
             Kind::Fp4 { rows, cols } => {
                 out.push(TensorMeta::new(&t.name, Dtype::I8, &u(&[*rows, cols / 2])));
@@ -544,6 +722,30 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
             written += sb.len() as u64;
             w.write_tensor(&scale_name(&t.name), &sb)?;
         }
+        Kind::Fp8Rows { rows, cols } => {
+            let (rows, cols) = (*rows, *cols);
+            let cr = chunk_rows(cols, 1);
+            let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+            let mut scales: Vec<u8> = Vec::with_capacity(rows * cols / 32);
+            for group in starts.chunks(8) {
+                let parts: Vec<(Vec<u8>, Vec<u8>)> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr);
+                        let v = normals(seed, &t.name, r0 as u64, n * cols, 0.0, 1.0);
+                        encode_fp8_block(&v, n, cols, BlockShape { rows: 1, cols: 32 })
+                    })
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(fmt_err)?;
+                for (q, sc) in parts {
+                    written += q.len() as u64;
+                    w.write_chunk(&t.name, &q)?;
+                    scales.extend_from_slice(&sc);
+                }
+            }
+            written += scales.len() as u64;
+            w.write_tensor(&scale_name(&t.name), &scales)?;
+        }
         Kind::Fp4 { rows, cols } => {
             let (rows, cols) = (*rows, *cols);
             let std = (1.0 / cols as f32).sqrt();
@@ -581,4 +783,40 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
         }
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::preset;
+
+    #[test]
+    fn engram_bytes_size_the_tables_by_the_prime_rule() {
+        let (mut cfg, st) = preset("tiny").unwrap();
+        let want = 3u64 << 20;
+        with_engram_bytes(&mut cfg, want).unwrap();
+        assert_eq!(cfg.engram_layer_ids.len(), 2);
+        let plan = plan(&cfg, &st).unwrap();
+        let tables: u64 = metas(&plan, &st)
+            .iter()
+            .filter(|m| m.name.contains(".engram.embed."))
+            .map(TensorMeta::nbytes)
+            .sum();
+        // Primes above engram_vocab_size make each table a little larger than asked for.
+        assert!(
+            tables >= want * 99 / 100 && tables <= want * 101 / 100,
+            "{tables}"
+        );
+        let names: Vec<&str> = plan.iter().map(|p| p.name.as_str()).collect();
+        for l in &cfg.engram_layer_ids {
+            for s in ["embed.weight", "wkv.weight", "q_weight", "k_weight"] {
+                assert!(names.contains(&format!("layers.{l}.engram.{s}").as_str()));
+            }
+        }
+        // The published V4.1-Flash tables follow from the same rule.
+        assert_eq!(
+            engram_table_rows(2, 4, 8, 16_000_000),
+            vec![384_006_168, 384_016_682]
+        );
+    }
 }

@@ -40,6 +40,8 @@ pub struct Cache {
     pub layers: Vec<LayerCache>,
     /// Tokens seen so far (the position of the next token).
     pub pos: usize,
+    /// Engram: the compressed ids of the last `max_ngram − 1` tokens (n-gram look-back).
+    pub engram_history: Vec<u32>,
 }
 
 impl Cache {
@@ -48,6 +50,7 @@ impl Cache {
         Cache {
             layers: vec![LayerCache::default(); n_layers],
             pos: 0,
+            engram_history: Vec::new(),
         }
     }
 

@@ -2,11 +2,12 @@
 //! worked out (compress ratio, KV source, index source, candidate source; hash routing).
 //!
 //! Two families share it ([`Family`]): DeepSeek-V4.1 (`model_type` `deepseek_v41`, spec mlx-lm's
-//! `deepseek_v41.py`) and DeepSeek-V4 / V4-Flash (`model_type` `deepseek_v4`, spec transformers'
-//! `DeepseekV4ForCausalLM`, see `crate::v4`). Refused, naming the key: `engram_layer_ids`
-//! non-empty (engram memory is not implemented, as in the reference), `num_hash_layers` > 0 on
-//! a V4.1 config (hash routing belongs to V4), a V4 compress ratio other than 0, 4 or > 4, an
-//! unknown `scoring_func`, and shapes the attention cannot split.
+//! `deepseek_v41.py`, plus the published Engram layers, laid out in `engram_hash`) and
+//! DeepSeek-V4 / V4-Flash (`model_type` `deepseek_v4`, spec transformers'
+//! `DeepseekV4ForCausalLM`, see `crate::v4`). Refused, naming the key: engram keys that do not
+//! fit `engram_layer_ids`, `num_hash_layers` > 0 on a V4.1 config (hash routing belongs to V4),
+//! a V4 compress ratio other than 0, 4 or > 4, an unknown `scoring_func`, and shapes the
+//! attention cannot split.
 
 use keep_checkpoint::DeepSeekConfig;
 
@@ -92,6 +93,8 @@ pub struct ModelConfig {
     /// Which kernels the products run on (not part of the checkpoint: `Exact` unless a caller
     /// chooses `Fast`; see [`keep_kernels::Kernels`]).
     pub kernels: keep_kernels::Kernels,
+    /// Engram layers' hashing (`None`: no `engram_layer_ids`); see `engram_hash`.
+    pub engram: Option<crate::engram_hash::EngramLayout>,
 }
 
 fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
@@ -109,17 +112,6 @@ impl ModelConfig {
 
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
-        if !c.engram_layer_ids.is_empty() {
-            return Err(unsupported(
-                "engram_layer_ids",
-                format!(
-                    "layers {:?} use engram memory (n-gram hash tables, hashed embedding lookup, \
-                     engram attention), which keep's model does not implement (nor does mlx-lm); \
-                     run a checkpoint without engram layers",
-                    c.engram_layer_ids
-                ),
-            ));
-        }
         let family = if c.model_type == "deepseek_v4" {
             Family::V4
         } else {
@@ -270,6 +262,7 @@ impl ModelConfig {
             hc_eps: c.hc_eps as f32,
             roles,
             kernels: keep_kernels::Kernels::Exact,
+            engram: crate::engram_hash::EngramLayout::from_config(c)?,
         })
     }
 
@@ -306,7 +299,7 @@ mod tests {
     #[test]
     fn refusals_name_their_keys() {
         let e = cfg(r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#).unwrap_err();
-        assert!(e.to_string().contains("engram_layer_ids"), "{e}");
+        assert!(e.to_string().contains("engram_num_embeddings"), "{e}");
         let e = cfg(r#"{"num_hash_layers":3}"#).unwrap_err();
         assert!(
             e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"),

@@ -1,8 +1,9 @@
 //! keep-model: the DeepSeek-V4.1 and DeepSeek-V4 / V4-Flash text models, computed in f32 straight
 //! from a published checkpoint.
 //!
-//! What it is: [`ModelConfig`] (validated from `config.json`; engram layers are refused by key;
-//! V4-Flash's compressors live in [`v4`], its hash routing in [`hash`]), [`Model`] (weights as zero-copy views of the mmap'd
+//! What it is: [`ModelConfig`] (validated from `config.json`; V4-Flash's compressors live in
+//! [`v4`], its hash routing in [`hash`]), Engram layers ([`engram`], rows from an [`EngramRows`]
+//! source), [`Model`] (weights as zero-copy views of the mmap'd
 //! shards in their shipped formats: FP8-block, MXFP8, MXFP4, bf16, f32), [`Cache`] for incremental
 //! decoding, [`Model::forward`] (prefill and decode share one code path), a layer-streamed path
 //! ([`streamed::forward_streamed`]) that loads one layer at a time and runs every record through
@@ -21,6 +22,8 @@
 
 pub mod cache;
 pub mod config;
+pub mod engram;
+pub mod engram_hash;
 pub mod error;
 pub mod experts;
 pub mod generate;
@@ -34,6 +37,8 @@ pub mod weights;
 
 pub use cache::{Cache, LayerCache};
 pub use config::ModelConfig;
+pub use engram::{Engram, EngramRows, TableRows};
+pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{Sampler, SamplerConfig};

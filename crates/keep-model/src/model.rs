@@ -9,6 +9,7 @@ use keep_kernels::{matmul, ops, WeightView};
 
 use crate::cache::Cache;
 use crate::config::{Family, ModelConfig};
+use crate::engram::Engram;
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::layer::{LayerWeights, Shared, Step, Streams};
 use crate::observer::RouteObserver;
@@ -151,6 +152,8 @@ pub struct Model<'a> {
     pub layers: Vec<LayerWeights<'a>>,
     experts: Box<dyn ExpertSource + 'a>,
     masks: Vec<Option<Vec<bool>>>,
+    /// Engram layers (`None` without `engram_layer_ids`).
+    pub engram: Option<Engram<'a>>,
 }
 
 impl<'a> Model<'a> {
@@ -172,12 +175,14 @@ impl<'a> Model<'a> {
             .map(|l| LayerWeights::load(ck, &cfg, l))
             .collect::<Result<Vec<_>>>()?;
         let masks = vec![None; cfg.n_layers];
+        let engram = Engram::load(ck, &cfg)?;
         Ok(Model {
             cfg,
             globals,
             layers,
             experts,
             masks,
+            engram,
         })
     }
 
@@ -231,7 +236,14 @@ impl<'a> Model<'a> {
         let mut s = self.globals.embed(&self.cfg, tokens)?;
         let step = step_of(&self.cfg, cache);
         let mut shared = Shared::default();
+        let engram_ids = match &self.engram {
+            Some(e) => e.hash(&mut cache.engram_history, tokens)?,
+            None => vec![],
+        };
         for lw in &self.layers {
+            if let Some(e) = &self.engram {
+                e.apply(&self.cfg, lw.layer, &mut s, &engram_ids)?;
+            }
             lw.forward(
                 &self.cfg,
                 self.experts.as_ref(),

@@ -14,6 +14,7 @@ use keep_checkpoint::Checkpoint;
 
 use crate::cache::Cache;
 use crate::config::ModelConfig;
+use crate::engram::{table_view, EngramLayer, TableRows};
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::layer::{LayerWeights, Shared};
 use crate::model::{step_of, Globals, Logits};
@@ -74,9 +75,14 @@ pub fn forward_streamed(
     cfg.kernels = opts.kernels;
     let globals = Globals::load(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
+    let mut engram_ids = Vec::with_capacity(records.len());
     for r in records {
-        let cache = Cache::new(cfg.n_layers);
+        let mut cache = Cache::new(cfg.n_layers);
         let s = globals.embed(&cfg, r)?;
+        engram_ids.push(match &cfg.engram {
+            Some(lay) => lay.hash(&mut cache.engram_history, r)?,
+            None => vec![],
+        });
         states.push((
             s,
             cache,
@@ -88,9 +94,28 @@ pub fn forward_streamed(
         let lw = LayerWeights::load(ck, &cfg, l)?;
         let experts = CheckpointExperts::for_layers(ck, &cfg, l..l + 1)?;
         let mask = opts.masks.get(l).and_then(|m| m.as_deref());
-        for (s, cache, shared, step) in states.iter_mut() {
+        let engram = match cfg
+            .engram
+            .as_ref()
+            .and_then(|lay| lay.slot_of(l).map(|k| (lay, k)))
+        {
+            Some((lay, slot)) => Some((
+                lay,
+                EngramLayer::load(ck, &cfg, lay, slot)?,
+                TableRows {
+                    tables: (0..lay.layer_ids.len())
+                        .map(|k| table_view(ck, lay, k, lay.layer_ids[k]))
+                        .collect::<Result<Vec<_>>>()?,
+                },
+            )),
+            None => None,
+        };
+        for ((s, cache, shared, step), ids) in states.iter_mut().zip(&engram_ids) {
             if s.t == 0 {
                 continue;
+            }
+            if let Some((lay, el, rows)) = &engram {
+                el.forward(&cfg, lay, s, ids, rows)?;
             }
             lw.forward(
                 &cfg,

@@ -5,7 +5,9 @@
 //!   norms, hyper-connections, routers, shared experts and the output head — counted at their
 //!   stored size. Two exclusions: routed experts (they live in slots) and the token embedding,
 //!   which is only gathered one row per token (its touched rows are part of the fixed overhead,
-//!   as in `keep residency`'s cost model); MTP tensors are not loaded.
+//!   as in `keep residency`'s cost model); MTP tensors are not loaded. Engram tables
+//!   (`layers.N.engram.embed.*`) are never resident: their rows are read on demand into the
+//!   Engram row cache, whose bytes the runtime adds to the residents' share.
 //! - **Slots**: the rest of the budget, split evenly over the MoE layers, in whole slots of
 //!   [`ExpertStore::slot_bytes`](crate::ExpertStore::slot_bytes) (one expert's aligned reads),
 //!   at most `n_experts` per layer. A budget that cannot hold the residents plus `top_k` slots
@@ -31,7 +33,10 @@ pub fn is_routed_expert(name: &str) -> bool {
 
 /// Whether a tensor counts as resident (see the module doc).
 pub fn is_resident(name: &str) -> bool {
-    !is_routed_expert(name) && !name.starts_with("embed.") && !name.starts_with("mtp.")
+    !is_routed_expert(name)
+        && !name.starts_with("embed.")
+        && !name.starts_with("mtp.")
+        && !crate::engram::is_engram_table(name)
 }
 
 /// Bytes of the resident tensors of `ck`.

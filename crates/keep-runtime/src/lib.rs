@@ -7,7 +7,9 @@
 //! with an expert→slot map and a [`Policy`]: LRU, decay, static; optional warm start), the
 //! budget split ([`BudgetPlan`]), the route recorder ([`RouteLog`], `keep-routes` v1), and
 //! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and runs the
-//! generation loop. The model never learns where an expert's bytes came from.
+//! generation loop. The model never learns where an expert's bytes came from. Engram table rows
+//! come from the [`EngramStore`] (an LRU row cache inside the budget, reads queued as soon as a
+//! forward's token ids are known).
 //!
 //! What it is not: no printing, no argument parsing (keep-cli), no kernels (keep-kernels), no
 //! model arithmetic (keep-model), no trace replay (keep-residency).
@@ -18,6 +20,7 @@
 pub mod aligned;
 pub mod budget;
 pub mod cache;
+pub mod engram;
 pub mod error;
 pub mod io;
 pub mod policy;
@@ -27,12 +30,14 @@ pub mod store;
 
 pub use budget::{resident_bytes, BudgetPlan, FIXED_OVERHEAD};
 pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache};
+pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
 pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};
 pub use runtime::{
     peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, GenReport, RuntimeOptions,
+    DEFAULT_ENGRAM_CACHE,
 };
 pub use store::ExpertStore;
 

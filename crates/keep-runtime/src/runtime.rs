@@ -17,12 +17,13 @@ use keep_model::generate::Sampler;
 use keep_model::layer::top_k_by;
 use keep_model::weights::{vec_f32, weight};
 use keep_model::{
-    Cache, ExpertOutputEvent, LinearInputEvent, Logits, Model, ModelConfig, RouteEvent,
+    Cache, EngramRows, ExpertOutputEvent, LinearInputEvent, Logits, Model, ModelConfig, RouteEvent,
     RouteObserver,
 };
 
 use crate::budget::{resident_bytes, BudgetPlan};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
+use crate::engram::{engram_table_bytes, EngramStore};
 use crate::io::DEFAULT_IO_THREADS;
 use crate::policy::Policy;
 use crate::routes::warm_scores;
@@ -45,7 +46,14 @@ pub struct RuntimeOptions {
     pub prefetch_next: bool,
     /// Which kernels the products run on.
     pub kernels: keep_kernels::Kernels,
+    /// Bytes of the Engram row cache, taken out of the budget (`None`: the smaller of the
+    /// tables and [`DEFAULT_ENGRAM_CACHE`]). Engram tables are never resident.
+    pub engram_cache: Option<u64>,
 }
+
+/// Default Engram row cache: 256 MiB holds V4.1-Flash's rows (2 × 24 × 264 bytes a token) for
+/// about 20,000 distinct tokens.
+pub const DEFAULT_ENGRAM_CACHE: u64 = 256 << 20;
 
 impl RuntimeOptions {
     /// Defaults (LRU, [`DEFAULT_IO_THREADS`], direct I/O, no warm start) for `budget`.
@@ -58,6 +66,7 @@ impl RuntimeOptions {
             warm_start: None,
             prefetch_next: false,
             kernels: keep_kernels::Kernels::Exact,
+            engram_cache: None,
         }
     }
 }
@@ -92,10 +101,23 @@ fn rate(n: usize, s: f64) -> f64 {
     }
 }
 
+/// keep-model's row source over the shared [`EngramStore`].
+struct StoreRows(Arc<EngramStore>);
+
+impl EngramRows for StoreRows {
+    fn rows(&self, slot: usize, ids: &[u64], out: &mut [f32]) -> keep_model::Result<()> {
+        self.0.rows(slot, ids, out)
+    }
+    fn prefetch(&self, slot: usize, ids: &[u64]) {
+        self.0.prefetch(slot, ids)
+    }
+}
+
 /// The model with its routed experts in budgeted slots.
 pub struct BudgetedModel<'a> {
     model: Model<'a>,
     cache: Arc<SlotCache>,
+    engram: Option<Arc<EngramStore>>,
     plan: BudgetPlan,
     /// Router weight and bias per layer, for next-layer guesses (empty when off).
     gates: Vec<(WeightView<'a>, Vec<f32>)>,
@@ -183,9 +205,15 @@ impl<'a> BudgetedModel<'a> {
         let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
         cfg.kernels = opts.kernels;
         let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
+        let engram_cache = match &cfg.engram {
+            Some(_) => opts
+                .engram_cache
+                .unwrap_or_else(|| engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE)),
+            None => 0,
+        };
         let plan = BudgetPlan::new(
             opts.budget,
-            resident_bytes(ck),
+            resident_bytes(ck) + engram_cache,
             store.slot_bytes(),
             cfg.n_layers,
             cfg.top_k,
@@ -212,10 +240,24 @@ impl<'a> BudgetedModel<'a> {
                 ));
             }
         }
-        let model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
+        let engram = match &cfg.engram {
+            Some(lay) => Some(Arc::new(EngramStore::open(
+                ck,
+                lay,
+                engram_cache,
+                opts.direct_io,
+                opts.io_threads,
+            )?)),
+            None => None,
+        };
+        let mut model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
+        if let (Some(e), Some(store)) = (model.engram.as_mut(), &engram) {
+            e.rows = Box::new(StoreRows(store.clone()));
+        }
         Ok(BudgetedModel {
             model,
             cache,
+            engram,
             plan,
             gates,
         })
@@ -234,6 +276,11 @@ impl<'a> BudgetedModel<'a> {
     /// The slot cache (counters, residency).
     pub fn cache(&self) -> &SlotCache {
         &self.cache
+    }
+
+    /// The Engram row store (`None` without Engram layers).
+    pub fn engram(&self) -> Option<&EngramStore> {
+        self.engram.as_deref()
     }
 
     /// An empty KV cache.

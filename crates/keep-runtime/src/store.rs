@@ -69,7 +69,7 @@ pub struct ExpertLayout {
 /// A shard opened for positional reads: a direct descriptor when the filesystem allows one,
 /// and a buffered one for the fallback.
 #[derive(Debug)]
-struct ShardReader {
+pub(crate) struct ShardReader {
     path: PathBuf,
     direct: Option<File>,
     direct_ok: AtomicBool,
@@ -125,7 +125,7 @@ fn pread_at_least(f: &File, dst: &mut [u8], offset: u64, need: usize) -> std::io
 }
 
 impl ShardReader {
-    fn open(path: &Path, want_direct: bool) -> Result<ShardReader> {
+    pub(crate) fn open(path: &Path, want_direct: bool) -> Result<ShardReader> {
         let buffered = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
         let direct = if want_direct { open_direct(path) } else { None };
         Ok(ShardReader {
@@ -137,7 +137,7 @@ impl ShardReader {
     }
 
     /// Read `dst.len()` bytes (aligned) from `offset` (aligned), of which `need` must exist.
-    fn read(&self, dst: &mut [u8], offset: u64, need: usize) -> Result<()> {
+    pub(crate) fn read(&self, dst: &mut [u8], offset: u64, need: usize) -> Result<()> {
         if let (Some(f), true) = (&self.direct, self.direct_ok.load(Ordering::Relaxed)) {
             match pread_at_least(f, dst, offset, need) {
                 Ok(()) => return Ok(()),

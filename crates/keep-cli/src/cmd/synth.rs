@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::DeepSeekConfig;
 use keep_convert::presets::{self, Storage};
-use keep_convert::synth::{experts_for_bytes, synth, SynthOptions};
+use keep_convert::synth::{experts_for_bytes, synth, with_engram_bytes, SynthOptions};
 
 use crate::util::{byte_bar, human, parse_bytes};
 
@@ -20,6 +20,7 @@ use crate::util::{byte_bar, human, parse_bytes};
 /// shapes, 4 layers). The output is the same for the same seed, whatever the thread count.
 ///
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
+///          keep synth --preset tiny --engram-bytes 4MiB --out /tmp/tiny-engram
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct SynthArgs {
@@ -38,6 +39,10 @@ pub struct SynthArgs {
     /// Choose n_routed_experts so that routed experts take about this many bytes (e.g. 8GiB).
     #[arg(long, value_parser = parse_bytes)]
     experts_bytes: Option<u64>,
+    /// Give the model Engram layers whose FP8 tables take about this many bytes in all (e.g.
+    /// 40GiB): the config's engram layers and shapes, or V4.1-Flash's (layers 1 and 14·L/40).
+    #[arg(long, value_parser = parse_bytes)]
+    engram_bytes: Option<u64>,
     /// FP8 block size (square); 32 is V4.1, 128 is V4-Flash.
     #[arg(long)]
     block: Option<usize>,
@@ -85,6 +90,9 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         if let Some(m) = cfg.raw.as_object_mut() {
             m.insert("n_routed_experts".into(), cfg.n_routed_experts.into());
         }
+    }
+    if let Some(bytes) = a.engram_bytes {
+        with_engram_bytes(&mut cfg, bytes)?;
     }
     let opts = SynthOptions {
         seed: a.seed,

@@ -15,7 +15,7 @@ use keep_checkpoint::Checkpoint;
 use keep_model::generate::{Sampler, SamplerConfig};
 use keep_model::{Cache, Logits, Model, RouteObserver};
 use keep_runtime::{
-    peak_rss_bytes, BudgetedModel, CacheStats, Policy, RouteLog, RuntimeOptions,
+    peak_rss_bytes, BudgetedModel, CacheStats, EngramStats, Policy, RouteLog, RuntimeOptions,
     DEFAULT_IO_THREADS, FIXED_OVERHEAD,
 };
 
@@ -43,6 +43,10 @@ pub struct BudgetArgs {
     /// layer L computes; reports how often the guess was right and the reads it saved.
     #[arg(long, requires = "memory_budget")]
     pub prefetch_next: bool,
+    /// Bytes of the Engram row cache inside the budget (default: the smaller of the tables and
+    /// 256MiB); Engram rows are read from the checkpoint's shards, never resident.
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES", requires = "memory_budget")]
+    pub engram_cache: Option<u64>,
     /// Threads reading experts.
     #[arg(long, default_value_t = DEFAULT_IO_THREADS)]
     pub io_threads: usize,
@@ -113,6 +117,15 @@ fn obs(l: &mut Option<RouteLog>) -> Option<&mut dyn RouteObserver> {
     l.as_mut().map(|l| l as &mut dyn RouteObserver)
 }
 
+fn engram_json(s: &EngramStats) -> serde_json::Value {
+    serde_json::json!({
+        "rows_requested": s.rows_requested, "hits": s.hits, "misses": s.misses,
+        "hit_rate": s.hit_rate(), "bytes_read": s.bytes_read, "useful_bytes": s.useful_bytes,
+        "read_amplification": s.read_amplification(), "reads": s.reads,
+        "wait_secs": s.wait_secs, "sync_rows": s.sync_rows,
+    })
+}
+
 fn cache_json(s: &CacheStats) -> serde_json::Value {
     serde_json::json!({
         "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate(),
@@ -151,6 +164,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 warm_start: b.warm_start.clone(),
                 prefetch_next: b.prefetch_next,
                 kernels: a.kernels.into(),
+                engram_cache: b.engram_cache,
             };
             let m = BudgetedModel::load(&ck, &opts)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
@@ -218,6 +232,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         m.cache().reset_stats();
         s
     });
+    let prefill_engram = model.budgeted().and_then(|m| m.engram()).map(|e| {
+        let s = e.stats();
+        e.reset_stats();
+        s
+    });
     let t1 = std::time::Instant::now();
     let (mut text, mut generated, mut steps) = (TextOut::default(), 0, 0);
     while generated < a.max_tokens {
@@ -242,6 +261,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let decode_secs = t1.elapsed().as_secs_f64();
     writeln!(out)?;
     let decode_cache = model.budgeted().map(|m| m.cache().stats());
+    let decode_engram = model.budgeted().and_then(|m| m.engram()).map(|e| e.stats());
     let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     eprintln!(
         "prefill: {} tokens in {:.3} s ({:.2} tokens/s); decode: {} tokens in {:.3} s ({:.2} tokens/s)",
@@ -278,6 +298,21 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             }
         }
     }
+    for (phase, s) in [("prefill", &prefill_engram), ("decode", &decode_engram)] {
+        if let Some(s) = s {
+            eprintln!(
+                "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads); waited {:.3} s",
+                100.0 * s.hit_rate(),
+                s.hits,
+                s.rows_requested,
+                human(s.bytes_read),
+                human(s.useful_bytes),
+                s.read_amplification(),
+                s.reads,
+                s.wait_secs
+            );
+        }
+    }
     let peak = peak_rss_bytes();
     match (peak, b.memory_budget) {
         (Some(p), Some(budget)) => eprintln!(
@@ -309,6 +344,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 "routed_expert_bytes": m.cache().store().total_bytes(),
                 "expert_bytes": m.cache().store().expert_bytes(),
                 "direct_io": m.cache().store().direct_io(),
+                "engram_cache_bytes": m.engram().map(|e| e.cache_bytes()),
             })
         });
         let j = serde_json::json!({
@@ -325,6 +361,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             "decode_tps": rate(steps, decode_secs),
             "prefill_cache": prefill_cache.as_ref().map(cache_json),
             "decode_cache": decode_cache.as_ref().map(cache_json),
+            "prefill_engram": prefill_engram.as_ref().map(engram_json),
+            "decode_engram": decode_engram.as_ref().map(engram_json),
             "peak_rss_bytes": peak,
             "fixed_overhead_bytes": FIXED_OVERHEAD,
         });

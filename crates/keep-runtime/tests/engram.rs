@@ -1,0 +1,89 @@
+//! Engram rows from SSD against the mapped tables: on keep-model's committed Engram fixture, a
+//! budgeted run whose Engram row cache holds a few rows (so rows are evicted, re-read and, when a
+//! forward needs more rows than the cache holds, read directly) gives logits bit-identical to the
+//! plain model, and the counters add up (with a cache that holds them, every requested row is a
+//! hit or a miss; bytes read are whole 4 KiB pages, at least the useful bytes).
+
+use std::path::PathBuf;
+
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::argmax;
+use keep_model::{Logits, Model};
+use keep_runtime::{BudgetedModel, RuntimeOptions};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../keep-model/tests/data/small-engram")
+}
+
+fn greedy(
+    mut fwd: impl FnMut(&[u32], Logits) -> Vec<f32>,
+    prompt: &[u32],
+    steps: usize,
+    v: usize,
+) -> Vec<Vec<f32>> {
+    let mut out = vec![fwd(prompt, Logits::All)];
+    let mut tok = argmax(&out[0][out[0].len() - v..]);
+    for _ in 0..steps {
+        let l = fwd(&[tok], Logits::Last);
+        tok = argmax(&l);
+        out.push(l);
+    }
+    out
+}
+
+#[test]
+fn engram_rows_from_ssd_give_identical_logits() {
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 97 + 13) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        10,
+        v,
+    );
+    // Row bytes are 32 + 1: 40 rows fit the 1,320-byte cache, fewer than one prefill's 148 per
+    // slot, so rows are evicted before use and read again directly.
+    for cache_bytes in [1_320u64, 1 << 20] {
+        let mut opts = RuntimeOptions::new(64 << 20);
+        opts.engram_cache = Some(cache_bytes);
+        opts.io_threads = 3;
+        let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+        let mut c = m.new_cache();
+        let got = greedy(
+            |t, w| m.forward(t, &mut c, w, None).unwrap(),
+            &prompt,
+            10,
+            v,
+        );
+        assert_eq!(want.len(), got.len());
+        for (a, b) in want.iter().zip(&got) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "engram cache {cache_bytes}: logits differ"
+            );
+        }
+        let s = m.engram().unwrap().stats();
+        assert!(
+            s.bytes_read >= s.useful_bytes && s.bytes_read % 4096 == 0,
+            "{s:?}"
+        );
+        assert!(s.rows_requested > 0 && s.misses > 0, "{s:?}");
+        if cache_bytes == 1_320 {
+            assert!(
+                s.sync_rows > 0,
+                "the small cache takes the direct-read path: {s:?}"
+            );
+        }
+        if cache_bytes == 1 << 20 {
+            assert_eq!(s.sync_rows, 0, "{s:?}");
+            assert_eq!(s.hits + s.misses, s.rows_requested, "{s:?}");
+            assert!(
+                s.hits > 0,
+                "decode reuses rows of the prompt's n-grams: {s:?}"
+            );
+        }
+    }
+}
