@@ -20,6 +20,15 @@
 //!   bandwidth: PASS ≥ 0.5, TUNE 0.25–0.5, KILL below.
 //! - `routed-ffn`: the same FFN in MXFP4 (the shipped expert format): PASS ≥ 0.85 of the
 //!   bandwidth, TUNE 0.5–0.85, KILL below.
+//! - `fast-kernels`: the same routed FFN, MXFP4 and E8P, on the exact kernels and on the
+//!   integer ones (`keep_kernels::intdot`, `--kernels fast`) at M = 1, 4, 8 and 32 tokens per
+//!   call (all M tokens through the same 6 experts), interleaved; GB/s of weight bytes against
+//!   the read bandwidth re-measured between them. The verdict reads M = 1 on the fast kernels
+//!   with the rules above (MXFP4 PASS ≥ 0.85, E8P PASS ≥ 0.5); the other cells are reported.
+//!
+//! A row cannot PASS when its quiet gate failed or the machine was busy (1-minute load average
+//! above the core count when the row finished): the verdict says `UNQUIET` or `BUSY` instead
+//! and a note gives the verdict the numbers alone would have had.
 //!
 //! Expert pools: 384 experts × 18.9 MB would not fit beside everything else, so the routed
 //! tests use the real per-expert shape with a smaller pool (≥ 1 GiB of expert bytes, 256 MiB in
@@ -86,12 +95,13 @@ impl Default for Options {
 }
 
 /// Test names, in run order.
-pub const TESTS: [&str; 5] = [
+pub const TESTS: [&str; 6] = [
     "memory-bandwidth",
     "mxfp8-residents",
     "fused-sinkhorn",
     "e8p-m1",
     "routed-ffn",
+    "fast-kernels",
 ];
 
 /// One evidence row.
@@ -155,6 +165,17 @@ impl Row {
                 m("speedup_decode"),
                 m("speedup_1024"),
                 m("max_rel_diff")
+            ),
+            "fast-kernels" => format!(
+                "M=1 fast: mxfp4 {:.2} GB/s = {:.2} of bandwidth ({:.2}x exact), e8p {:.2} GB/s = {:.2} ({:.2}x exact); M=32 fast/exact: mxfp4 {:.2}x, e8p {:.2}x",
+                m("gbps.mxfp4.m1.fast"),
+                m("ratio.mxfp4.m1.fast"),
+                m("speedup.mxfp4.m1"),
+                m("gbps.e8p.m1.fast"),
+                m("ratio.e8p.m1.fast"),
+                m("speedup.e8p.m1"),
+                m("speedup.mxfp4.m32"),
+                m("speedup.e8p.m32")
             ),
             _ => format!(
                 "{:.2} GB/s effective = {:.2} of {:.1} GB/s",
@@ -1084,6 +1105,355 @@ fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// fast kernels
+
+/// The 1-minute load average (Linux `/proc/loadavg`), if readable.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A row that would PASS but whose quiet gate failed, or whose machine was busy (load
+/// average above the core count), does not PASS: the verdict says why, a note keeps the rest.
+fn busy_gate(row: &mut Row) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let load = load_average();
+    if let Some(l) = load {
+        row.metrics.insert("load_average_1m".into(), l);
+    }
+    row.metrics.insert("cores".into(), cores);
+    let (verdict, note) = gate_verdict(&row.verdict, row.quiet.clean, load, cores);
+    row.verdict = verdict;
+    row.notes.extend(note);
+}
+
+/// The verdict after the quiet and load gates, and the note that says what they changed.
+fn gate_verdict(
+    verdict: &str,
+    clean: bool,
+    load: Option<f64>,
+    cores: f64,
+) -> (String, Option<String>) {
+    let busy = load.is_some_and(|l| l > cores);
+    let l = load.unwrap_or(f64::NAN);
+    if verdict != "PASS" {
+        let note = busy.then(|| {
+            format!("measured while the machine was busy (load average {l:.2} on {cores} cores)")
+        });
+        return (verdict.into(), note);
+    }
+    let why = if !clean {
+        "UNQUIET"
+    } else if busy {
+        "BUSY"
+    } else {
+        return (verdict.into(), None);
+    };
+    let what = if why == "BUSY" {
+        "machine was busy"
+    } else {
+        "quiet gate failed"
+    };
+    (
+        why.into(),
+        Some(format!(
+            "the numbers alone say PASS, but the {what} (load average {l:.2} on {cores} cores): rerun on a quiet machine"
+        )),
+    )
+}
+
+/// M tokens through the top-k experts on the chosen kernels (`x`: M × DIM).
+fn ffn_m(
+    fmt: ExpertFmt,
+    kernels: keep_kernels::Kernels,
+    pool: &[Expert],
+    route: &[usize],
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    use keep_kernels::intdot::{int_matmul_many, IntJob, IntSrc};
+    let k = route.len();
+    let (mut g, mut u) = (
+        vec![vec![0f32; m * INTER]; k],
+        vec![vec![0f32; m * INTER]; k],
+    );
+    let mut h = vec![vec![0f32; m * INTER]; k];
+    let mut y = vec![vec![0f32; m * DIM]; k];
+    let fast = kernels == keep_kernels::Kernels::Fast;
+    match fmt {
+        ExpertFmt::Mxfp4 => {
+            let views: Vec<[WeightView; 3]> = route
+                .iter()
+                .map(|&e| {
+                    let ex = &pool[e];
+                    core::array::from_fn(|p| {
+                        WeightView::mxfp4(&ex.p[p], &ex.s[p], PROJ[p].0, PROJ[p].1).expect("sized")
+                    })
+                })
+                .collect();
+            let mut jobs: Vec<Job> = vec![];
+            for ((v, gi), ui) in views.iter().zip(g.iter_mut()).zip(u.iter_mut()) {
+                jobs.push(Job::view(&v[0], x, m, gi).expect("sized"));
+                jobs.push(Job::view(&v[1], x, m, ui).expect("sized"));
+            }
+            simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+            swiglu_all(&mut h, &g, &u);
+            let mut jobs: Vec<Job> = vec![];
+            for ((v, hi), yi) in views.iter().zip(h.iter()).zip(y.iter_mut()) {
+                jobs.push(Job::view(&v[2], hi, m, yi).expect("sized"));
+            }
+            simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+        }
+        ExpertFmt::E8p => {
+            let views: Vec<[E8pView; 3]> = route
+                .iter()
+                .map(|&e| {
+                    let ex = &pool[e];
+                    core::array::from_fn(|p| {
+                        E8pView::new(&ex.codes[p], &ex.cs[p], PROJ[p].0, PROJ[p].1).expect("sized")
+                    })
+                })
+                .collect();
+            if fast {
+                fn src<'a>(v: &E8pView<'a>) -> IntSrc<'a> {
+                    IntSrc::from_e8p(v).expect("cols % 32 == 0")
+                }
+                let mut jobs: Vec<IntJob> = vec![];
+                for ((v, gi), ui) in views.iter().zip(g.iter_mut()).zip(u.iter_mut()) {
+                    jobs.push(IntJob {
+                        w: src(&v[0]),
+                        rows: INTER,
+                        cols: DIM,
+                        x,
+                        m,
+                        out: gi,
+                    });
+                    jobs.push(IntJob {
+                        w: src(&v[1]),
+                        rows: INTER,
+                        cols: DIM,
+                        x,
+                        m,
+                        out: ui,
+                    });
+                }
+                int_matmul_many(&mut jobs).expect("sized");
+                swiglu_all(&mut h, &g, &u);
+                let mut jobs: Vec<IntJob> = vec![];
+                for ((v, hi), yi) in views.iter().zip(h.iter()).zip(y.iter_mut()) {
+                    jobs.push(IntJob {
+                        w: src(&v[2]),
+                        rows: DIM,
+                        cols: INTER,
+                        x: hi,
+                        m,
+                        out: yi,
+                    });
+                }
+                int_matmul_many(&mut jobs).expect("sized");
+            } else {
+                let mut jobs: Vec<E8pJob> = vec![];
+                for ((v, gi), ui) in views.iter().zip(g.iter_mut()).zip(u.iter_mut()) {
+                    jobs.push(E8pJob {
+                        w: v[0],
+                        x,
+                        m,
+                        out: gi,
+                    });
+                    jobs.push(E8pJob {
+                        w: v[1],
+                        x,
+                        m,
+                        out: ui,
+                    });
+                }
+                keep_kernels::e8p::e8p_matmul_many(&mut jobs).expect("sized");
+                swiglu_all(&mut h, &g, &u);
+                let mut jobs: Vec<E8pJob> = vec![];
+                for ((v, hi), yi) in views.iter().zip(h.iter()).zip(y.iter_mut()) {
+                    jobs.push(E8pJob {
+                        w: v[2],
+                        x: hi,
+                        m,
+                        out: yi,
+                    });
+                }
+                keep_kernels::e8p::e8p_matmul_many(&mut jobs).expect("sized");
+            }
+        }
+    }
+    out.iter_mut().for_each(|v| *v = 0.0);
+    for yi in y.iter() {
+        for (o, v) in out.iter_mut().zip(yi) {
+            *o += v / k as f32;
+        }
+    }
+}
+
+fn swiglu_all(h: &mut [Vec<f32>], g: &[Vec<f32>], u: &[Vec<f32>]) {
+    for ((hi, gi), ui) in h.iter_mut().zip(g).zip(u) {
+        for ((o, a), b) in hi.iter_mut().zip(gi).zip(ui) {
+            *o = keep_kernels::ops::swiglu_clamped(*a, *b, 10.0);
+        }
+    }
+}
+
+/// Tokens per call the fast-kernels test measures.
+const FAST_MS: [usize; 4] = [1, 4, 8, 32];
+
+fn fast_kernels(opts: &Options, bw: Option<f64>) -> Result<Row> {
+    use keep_kernels::Kernels;
+    let reps = if opts.quick { 2 } else { 3 };
+    let pool_bytes: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
+    let bw_bytes: usize = 1 << 30;
+    let mut buf = vec![0u64; bw_bytes / 8];
+    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
+        c.iter_mut()
+            .enumerate()
+            .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
+    });
+    let mut raw_all: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut metrics = BTreeMap::new();
+    let mut quiet_all: Option<Quiet> = None;
+    let mut calls_of = BTreeMap::new();
+    for fmt in [ExpertFmt::Mxfp4, ExpertFmt::E8p] {
+        let name = match fmt {
+            ExpertFmt::Mxfp4 => "mxfp4",
+            ExpertFmt::E8p => "e8p",
+        };
+        let eb = expert_bytes(fmt);
+        let n = pool_bytes.div_ceil(eb).max(TOPK);
+        let pool: Vec<Expert> = (0..n).map(|e| synth_expert(fmt, 5000 + e as u64)).collect();
+        let mut g = Rng(91);
+        for &m in &FAST_MS {
+            // Fewer chained calls at larger M (the slow exact E8P kernel), at least 2.
+            let calls = (CHAIN / m).max(2);
+            calls_of.insert(m, calls);
+            let routes: Vec<Vec<usize>> = (0..calls)
+                .map(|_| {
+                    let mut r: Vec<usize> = vec![];
+                    while r.len() < TOPK {
+                        let e = (g.next() % n as u64) as usize;
+                        if !r.contains(&e) {
+                            r.push(e);
+                        }
+                    }
+                    r
+                })
+                .collect();
+            let x0: Vec<f32> = (0..m * DIM).map(|_| g.normal()).collect();
+            let run = |kernels: Kernels| {
+                let mut x = x0.clone();
+                let mut out = vec![0f32; m * DIM];
+                for r in &routes {
+                    ffn_m(fmt, kernels, &pool, r, &x, m, &mut out);
+                    for t in 0..m {
+                        let o = &out[t * DIM..(t + 1) * DIM];
+                        let ms = o.iter().map(|v| v * v).sum::<f32>() / DIM as f32;
+                        let inv = 1.0 / (ms + 1e-6).sqrt();
+                        for ((xv, ov), a) in x[t * DIM..(t + 1) * DIM]
+                            .iter_mut()
+                            .zip(o)
+                            .zip(&x0[t * DIM..(t + 1) * DIM])
+                        {
+                            *xv = 0.5 * a + 0.5 * ov * inv;
+                        }
+                    }
+                }
+                black_box(x[0]);
+            };
+            let (ke, kf, kb) = (
+                format!("{name}.m{m}.exact"),
+                format!("{name}.m{m}.fast"),
+                format!("bandwidth.{name}.m{m}"),
+            );
+            let w = Window { opts };
+            let (raw, quiet) = w.run(
+                reps,
+                &mut [
+                    (ke.as_str(), &mut || run(Kernels::Exact)),
+                    (kf.as_str(), &mut || run(Kernels::Fast)),
+                    (kb.as_str(), &mut || {
+                        black_box(read_pass(black_box(&buf)));
+                    }),
+                ],
+            );
+            quiet_all = Some(match quiet_all {
+                None => quiet,
+                Some(q) => merge_quiet(q, quiet),
+            });
+            let med = medians(&raw);
+            let bytes = (calls * TOPK * eb) as f64;
+            let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
+            for (k, label) in [(&ke, "exact"), (&kf, "fast")] {
+                let gbps = bytes / 1e9 / med[k];
+                metrics.insert(format!("gbps.{name}.m{m}.{label}"), gbps);
+                metrics.insert(format!("ratio.{name}.m{m}.{label}"), gbps / bw_here);
+            }
+            metrics.insert(format!("bandwidth.{name}.m{m}"), bw_here);
+            metrics.insert(format!("speedup.{name}.m{m}"), med[&ke] / med[&kf]);
+            raw_all.extend(raw);
+        }
+    }
+    drop(buf);
+    let r4 = metrics["ratio.mxfp4.m1.fast"];
+    let r2 = metrics["ratio.e8p.m1.fast"];
+    let grade = |r: f64, pass: f64, tune: f64| {
+        if r >= pass {
+            "PASS"
+        } else if r >= tune {
+            "TUNE"
+        } else {
+            "KILL"
+        }
+    };
+    let (v4, v2) = (grade(r4, 0.85, 0.5), grade(r2, 0.5, 0.25));
+    let verdict = [v4, v2]
+        .into_iter()
+        .max_by_key(|v| match *v {
+            "KILL" => 2,
+            "TUNE" => 1,
+            _ => 0,
+        })
+        .unwrap_or("KILL");
+    if let Some(b) = bw {
+        metrics.insert("bandwidth_reference_row_gbps".into(), b);
+    }
+    // The headline numbers of the verdict line: MXFP4 at M = 1 on the fast kernels.
+    metrics.insert("gbps".into(), metrics["gbps.mxfp4.m1.fast"]);
+    metrics.insert("ratio_to_bandwidth".into(), r4);
+    let med = medians(&raw_all);
+    Ok(Row {
+        format: ROW_FORMAT.into(),
+        schema_version: SCHEMA_VERSION,
+        test: "fast-kernels".into(),
+        command: command_line(),
+        machine: serde_json::to_value(machine()).unwrap_or_default(),
+        versions: versions(),
+        formats: vec!["mxfp4".into(), "e8p".into()],
+        resident_format: "mxfp8".into(),
+        params: serde_json::json!({"dim": DIM, "inter": INTER, "top_k": TOPK, "m": FAST_MS,
+            "calls_per_chain": calls_of, "reps": reps, "pool_bytes": pool_bytes,
+            "int_level": keep_kernels::intdot::int_level().name(),
+            "kernels": {"exact": "simd::matmul_many / e8p::e8p_matmul_many", "fast": "simd::matmul_many_with(Kernels::Fast) / intdot::int_matmul_many"},
+            "routing": "6 distinct experts per call drawn uniformly at random from the pool; all M tokens of a call go to the same 6"}),
+        raw_seconds: raw_all,
+        median_seconds: med,
+        metrics,
+        bandwidth_gbps: bw,
+        verdict: verdict.into(),
+        rule: format!("M=1 on the fast kernels: mxfp4 routed FFN PASS if >= 0.85x the interleaved read bandwidth (TUNE 0.5-0.85) [{v4}], e8p PASS if >= 0.5x (TUNE 0.25-0.5) [{v2}]; the worse of the two; M = 4, 8, 32 and the exact kernels reported"),
+        quiet: quiet_all.expect("at least one window"),
+        notes: vec![],
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 
 fn write_row(dir: &Path, row: &Row) -> Result<()> {
     let io = |p: &Path, e| BenchError::Io {
@@ -1108,7 +1478,8 @@ pub fn run(opts: &Options, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     }
     let want = |t: &str| opts.only.is_empty() || opts.only.iter().any(|o| o == t);
     let mut rows = vec![];
-    let mut push = |row: Row, rows: &mut Vec<Row>| -> Result<()> {
+    let mut push = |mut row: Row, rows: &mut Vec<Row>| -> Result<()> {
+        busy_gate(&mut row);
         // Rows are written as they complete, so an interrupted run keeps what it measured.
         if let Some(d) = &opts.out {
             write_row(d, &row)?;
@@ -1133,6 +1504,9 @@ pub fn run(opts: &Options, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     if want("routed-ffn") {
         push(routed(opts, ExpertFmt::Mxfp4, bw)?, &mut rows)?;
     }
+    if want("fast-kernels") {
+        push(fast_kernels(opts, bw)?, &mut rows)?;
+    }
     Ok(rows)
 }
 
@@ -1151,6 +1525,20 @@ mod tests {
         let (r, diff, out) = synth_resident(&s, 3).unwrap();
         assert_eq!((diff, out), (0, 0));
         assert_eq!(r.rows, 192);
+    }
+
+    #[test]
+    fn a_busy_or_unquiet_row_cannot_pass() {
+        assert_eq!(
+            gate_verdict("PASS", true, Some(1.5), 2.0),
+            ("PASS".into(), None)
+        );
+        assert_eq!(gate_verdict("PASS", true, None, 2.0).0, "PASS");
+        assert_eq!(gate_verdict("PASS", true, Some(2.5), 2.0).0, "BUSY");
+        assert_eq!(gate_verdict("PASS", false, Some(0.5), 2.0).0, "UNQUIET");
+        let (v, note) = gate_verdict("KILL", true, Some(9.0), 2.0);
+        assert_eq!(v, "KILL");
+        assert!(note.unwrap().contains("busy"));
     }
 
     #[test]

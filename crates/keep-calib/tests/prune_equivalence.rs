@@ -78,6 +78,7 @@ fn check(full: &Path, tokens: &[u32], keep: usize, scratch: &Path) {
             .collect(),
         on_layer: None,
         release_pages: false,
+        ..Default::default()
     };
     let streamed = forward_streamed(&ck, &[tokens.to_vec()], so, None).unwrap();
     assert!(streamed[0]

@@ -12,11 +12,14 @@
 //! threads, so a decode step (M = 1) gives bit-identical results to the same row inside a
 //! prefill (M = T).
 //!
-//! What it is not: no I/O, no tensor naming, no model logic, no printing. The element codecs here
-//! ([`codec`]) are small lookup tables kept local so kernels inline them; they are tested
-//! bit-exact on every code against their definitions.
+//! Beside these exact kernels, [`intdot`] holds the fast ones (int8 activation blocks times
+//! integer weights, exact i32 sums), chosen per call with [`Kernels`].
 //!
-//! Depends on: `keep-format` (E8P decode), `rayon`, `thiserror`.
+//! What it is not: no I/O, no tensor naming, no model logic, no printing. The element decode
+//! tables are keep-format's ([`codec`] re-exports them); [`cpu`] is the leaf module of CPU
+//! features and operand checks every kernel shares.
+//!
+//! Depends on: `keep-format` (element tables, E8P decode), `rayon`, `thiserror`.
 
 pub mod affine;
 pub mod codec;

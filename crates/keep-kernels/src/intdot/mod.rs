@@ -375,10 +375,9 @@ impl IntSrc<'_> {
                 let kc = cols / E8P_DIM;
                 let t = &*E8P_I8;
                 for (d8, &c) in dst.chunks_exact_mut(8).zip(&codes[r * kc..(r + 1) * kc]) {
-                    let v = t[c as usize].to_le_bytes();
-                    for (o, b) in d8.iter_mut().zip(v) {
-                        *o = b as i8;
-                    }
+                    // One 8-byte copy per code (the table holds the int8 weights' bytes).
+                    let v = t[c as usize].to_le_bytes().map(|b| b as i8);
+                    d8.copy_from_slice(&v);
                 }
             }
         }
