@@ -35,6 +35,8 @@ pub struct Report {
     pub quantization_config: Option<serde_json::Value>,
     pub hash_layers: Vec<usize>,
     pub engram_layers: Vec<usize>,
+    /// Engram tables (`layers.N.engram.embed.*`): rows read on demand, never resident.
+    pub engram_tables: Vec<EngramTable>,
     pub mtp_layers: Vec<usize>,
     pub shards: usize,
     pub tensors: usize,
@@ -47,6 +49,75 @@ pub struct Report {
     pub experts_per_layer: BTreeMap<String, usize>,
     /// Everything unknown or inconsistent.
     pub problems: Vec<String>,
+}
+
+/// One Engram table.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngramTable {
+    pub layer: usize,
+    pub rows: u64,
+    pub head_dim: u64,
+    /// FP8 channels plus E8M0 scales of one row.
+    pub row_bytes: u64,
+    /// Weight and scale tensors together.
+    pub bytes: u64,
+}
+
+fn engram_tables(ck: &Checkpoint, problems: &mut Vec<String>) -> Vec<EngramTable> {
+    let mut out = vec![];
+    for t in ck.tensors() {
+        let Some(l) = t
+            .name
+            .strip_prefix("layers.")
+            .and_then(|r| r.strip_suffix(".engram.embed.weight"))
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let (rows, hd) = match t.shape {
+            [r, c] => (*r, *c),
+            _ => {
+                problems.push(format!(
+                    "{} has shape {:?}, expected [rows, head_dim]",
+                    t.name, t.shape
+                ));
+                continue;
+            }
+        };
+        let scale = ck.get(&format!("layers.{l}.engram.embed.scale"));
+        let sbytes = scale.map_or(0, |s| s.bytes.len() as u64);
+        if scale.is_none_or(|s| s.shape != [rows, hd.div_ceil(32)]) {
+            problems.push(format!(
+                "layers.{l}.engram.embed.scale is missing or not [{rows}, {}] (one E8M0 scale per 32 channels)",
+                hd.div_ceil(32)
+            ));
+        }
+        out.push(EngramTable {
+            layer: l,
+            rows,
+            head_dim: hd,
+            row_bytes: hd + hd.div_ceil(32),
+            bytes: t.bytes.len() as u64 + sbytes,
+        });
+    }
+    out.sort_by_key(|t| t.layer);
+    if let Some(c) = ck.config() {
+        for (slot, &l) in c.engram_layer_ids.iter().enumerate() {
+            let want = c.engram_num_embeddings.get(slot).copied();
+            match out.iter().find(|t| t.layer == l) {
+                None => problems.push(format!(
+                    "engram_layer_ids names layer {l} but layers.{l}.engram.embed.weight is missing"
+                )),
+                Some(t) if want.is_some_and(|w| w != t.rows) => problems.push(format!(
+                    "layers.{l}.engram.embed.weight has {} rows but engram_num_embeddings says {}",
+                    t.rows,
+                    want.unwrap_or(0)
+                )),
+                _ => {}
+            }
+        }
+    }
+    out
 }
 
 /// Inspect an opened checkpoint.
@@ -204,6 +275,7 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         quantization_config: cfg.and_then(|c| c.raw.get("quantization_config").cloned()),
         hash_layers: hash.into_iter().collect(),
         engram_layers: engram.into_iter().collect(),
+        engram_tables: engram_tables(ck, &mut problems),
         mtp_layers: mtp.into_iter().collect(),
         shards: ck.shards().len(),
         tensors: ck.len(),

@@ -367,7 +367,7 @@ pub fn engram_row_bytes(head_dim: usize) -> u64 {
 /// Give `cfg` Engram layers whose tables take about `bytes` in all: the published hashing
 /// (every table is exactly the sum of its bucket primes, drawn above `engram_vocab_size`), with
 /// `engram_vocab_size` chosen for the size. Keeps the config's engram layers and shape keys when
-/// it has them; otherwise layers 1 and 14·L/40 (V4.1-Flash's places), n-grams 2..4 over 8 heads
+/// it has them; otherwise layers 1 and max(2, 14·L/40) (V4.1-Flash's places for L = 40), n-grams 2..4 over 8 heads
 /// of 256 channels (V4.1-Flash) or, for hidden sizes under 1024, 2..3 over 2 heads of 32. The
 /// token ids are hashed uncompressed (`engram_compressed_vocab_size` = `vocab_size`).
 pub fn with_engram_bytes(cfg: &mut DeepSeekConfig, bytes: u64) -> Result<()> {
@@ -378,7 +378,7 @@ pub fn with_engram_bytes(cfg: &mut DeepSeekConfig, bytes: u64) -> Result<()> {
         ));
     }
     if cfg.engram_layer_ids.is_empty() {
-        let mut ids = vec![1, (14 * l / 40).clamp(1, l - 1)];
+        let mut ids = vec![1, (14 * l / 40).clamp(2, l - 1)];
         ids.dedup();
         cfg.engram_layer_ids = ids;
     }

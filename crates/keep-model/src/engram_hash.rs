@@ -17,6 +17,12 @@ use keep_checkpoint::DeepSeekConfig;
 
 use crate::{ModelError, Result};
 
+/// Most hash columns (layers × n-gram sizes × heads) a config may ask for (V4.1-Flash: 48).
+pub const MAX_BUCKETS: usize = 4096;
+/// Largest `engram_vocab_size` accepted (V4.1-Flash: 1.6·10⁷); keeps bucket ids far from u64
+/// overflow.
+pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
+
 /// The seed multiplier of a layer's hash RNG (`default_rng(10007 * layer_id)`).
 pub const LAYER_SEED_PRIME: u64 = 10007;
 
@@ -171,20 +177,46 @@ pub fn numpy_multipliers(
         .collect()
 }
 
-/// Deterministic primality for the bucket sizes (trial division by odd numbers to √n).
+/// Deterministic Miller-Rabin for every u64 (these 12 bases are exact below 3.3·10²⁴).
 pub fn is_prime(n: u64) -> bool {
+    const BASES: [u64; 12] = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37];
     if n < 2 {
         return false;
     }
-    if n.is_multiple_of(2) {
-        return n == 2;
-    }
-    let mut d = 3u64;
-    while d.saturating_mul(d) <= n {
-        if n.is_multiple_of(d) {
-            return false;
+    for p in BASES {
+        if n.is_multiple_of(p) {
+            return n == p;
         }
-        d += 2;
+    }
+    let mul = |a: u64, b: u64| ((a as u128 * b as u128) % n as u128) as u64;
+    let pow = |mut b: u64, mut e: u64| {
+        let mut r = 1u64;
+        while e > 0 {
+            if e & 1 == 1 {
+                r = mul(r, b);
+            }
+            b = mul(b, b);
+            e >>= 1;
+        }
+        r
+    };
+    let (mut d, mut s) = (n - 1, 0);
+    while d.is_multiple_of(2) {
+        d /= 2;
+        s += 1;
+    }
+    'base: for a in BASES {
+        let mut x = pow(a, d);
+        if x == 1 || x == n - 1 {
+            continue;
+        }
+        for _ in 1..s {
+            x = mul(x, x);
+            if x == n - 1 {
+                continue 'base;
+            }
+        }
+        return false;
     }
     true
 }
@@ -280,6 +312,27 @@ impl EngramLayout {
                     ),
                 );
             }
+        }
+        if (c.engram_max_ngram_size - 1)
+            .saturating_mul(c.engram_n_heads)
+            .saturating_mul(n)
+            > MAX_BUCKETS
+        {
+            return bad(
+                "engram_n_heads",
+                format!(
+                    "{} layers × {} n-gram sizes × {} heads is more than {MAX_BUCKETS} hash columns",
+                    n,
+                    c.engram_max_ngram_size - 1,
+                    c.engram_n_heads
+                ),
+            );
+        }
+        if c.engram_vocab_size > MAX_ENGRAM_VOCAB {
+            return bad(
+                "engram_vocab_size",
+                format!("{} is above {MAX_ENGRAM_VOCAB}", c.engram_vocab_size),
+            );
         }
         if c.engram_vocab_size < 2 {
             return bad(
@@ -522,6 +575,20 @@ mod tests {
                 2785364361467880444
             ]
         );
+    }
+
+    #[test]
+    fn miller_rabin_equals_trial_division() {
+        let slow = |n: u64| {
+            n >= 2
+                && (2..)
+                    .take_while(|d| d * d <= n)
+                    .all(|d| !n.is_multiple_of(d))
+        };
+        for n in (0..5000u64).chain(16_000_000..16_002_000) {
+            assert_eq!(is_prime(n), slow(n), "{n}");
+        }
+        assert!(is_prime(18_446_744_073_709_551_557));
     }
 
     #[test]

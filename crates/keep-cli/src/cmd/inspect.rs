@@ -51,6 +51,16 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         "  hash layers {:?}  engram layers {:?}  MTP layers {:?}",
         r.hash_layers, r.engram_layers, r.mtp_layers
     );
+    for t in &r.engram_tables {
+        println!(
+            "  engram table of layer {}: {} rows × {} channels ({} bytes a row), {} (read row by row, never resident)",
+            t.layer,
+            t.rows,
+            t.head_dim,
+            t.row_bytes,
+            human(t.bytes)
+        );
+    }
     println!(
         "  {} tensors in {} shard(s), {}",
         r.tensors,
