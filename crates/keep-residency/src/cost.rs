@@ -6,7 +6,10 @@
 //! read nothing). With a model, its resident bytes (every tensor except routed experts, the
 //! embedding — only gathered —, MTP and vision tensors) are read from memory once per token.
 //! Seconds per token = SSD bytes / SSD bandwidth + memory bytes / memory bandwidth (no overlap
-//! of the two, no compute time): `tok/s = 1 / seconds` is an upper bound for decode.
+//! of the two, no compute time): `tok/s = 1 / seconds` is an upper bound for decode. Reads of
+//! hash-routed layers are prefetched from the token ids: they still take SSD bandwidth (in
+//! `ssd_bytes_per_token`) but are reported apart (`prefetched_ssd_bytes_per_token`) because
+//! the runtime starts them before any layer runs, so they need not stall the forward.
 
 use std::path::Path;
 
@@ -35,6 +38,8 @@ pub struct CostModel {
 pub struct TokenCost {
     /// Expert bytes read from SSD per token.
     pub ssd_bytes_per_token: f64,
+    /// Of those, the bytes of hash-routed layers (read ahead from the token ids).
+    pub prefetched_ssd_bytes_per_token: f64,
     /// Bytes read from memory per token (hit experts plus resident weights).
     pub mem_bytes_per_token: f64,
     /// Seconds per token of SSD reads plus memory reads.
@@ -47,6 +52,7 @@ impl CostModel {
     /// Cost of the per-layer counts of one replay.
     pub fn cost(&self, layers: &[Counts]) -> TokenCost {
         let mut ssd = 0.0;
+        let mut pre = 0.0;
         let mut mem = self.resident_bytes as f64;
         for (c, &b) in layers.iter().zip(&self.expert_bytes) {
             if c.tokens == 0 {
@@ -54,11 +60,13 @@ impl CostModel {
             }
             let t = c.tokens as f64;
             ssd += c.misses as f64 / t * b as f64;
+            pre += c.prefetched as f64 / t * b as f64;
             mem += c.hits as f64 / t * b as f64;
         }
         let s = ssd / (self.ssd_gbps * 1e9) + mem / (self.mem_gbps * 1e9);
         TokenCost {
             ssd_bytes_per_token: ssd,
+            prefetched_ssd_bytes_per_token: pre,
             mem_bytes_per_token: mem,
             seconds_per_token: s,
             tokens_per_sec: if s > 0.0 { 1.0 / s } else { f64::INFINITY },

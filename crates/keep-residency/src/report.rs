@@ -456,7 +456,9 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
         .collect();
     if !hash_layers.is_empty() {
         notes.push(format!(
-            "layers {hash_layers:?} are hash-routed (experts fixed by token id): replayed like the others"
+            "layers {hash_layers:?} are hash-routed (experts fixed by token id): replayed like the \
+             others; their reads are counted as prefetched (`prefetched`, \
+             `prefetched_ssd_bytes_per_token`) since the runtime starts them from the token ids"
         ));
     }
     Ok(Report {

@@ -55,6 +55,9 @@ pub struct Counts {
     pub hits: u64,
     /// Slots whose expert was read from SSD.
     pub misses: u64,
+    /// Of `misses`, the reads of hash-routed layers: their experts follow from the token id, so
+    /// the runtime starts these reads before the layer runs (prefetched, not waited for).
+    pub prefetched: u64,
     /// Missed slots dropped by the fetch threshold (not read).
     pub dropped: u64,
     /// Gate weight of all slots.
@@ -73,6 +76,7 @@ impl Counts {
         self.slots += o.slots;
         self.hits += o.hits;
         self.misses += o.misses;
+        self.prefetched += o.prefetched;
         self.dropped += o.dropped;
         self.gate_mass += o.gate_mass;
         self.dropped_mass += o.dropped_mass;
@@ -165,8 +169,12 @@ fn replay_with<P: Policy>(p: &mut P, trace: &RouteTrace, spec: &ReplaySpec) -> R
             };
             let c = &mut layers[li];
             let t0 = Instant::now();
+            let before = c.misses;
             run_stream(p, &stream, &l.weights, &start, spec.threshold, c);
             seconds += t0.elapsed().as_secs_f64();
+            if l.hash {
+                c.prefetched += c.misses - before;
+            }
             c.tokens += l.tokens() as u64;
             c.slots += l.experts.len() as u64;
             c.gate_mass += l.weights.iter().map(|&w| w as f64).sum::<f64>();
@@ -410,6 +418,27 @@ mod tests {
             assert_eq!(b.cold_starts, 8);
             assert_eq!(b.tokens, 6);
         }
+    }
+
+    #[test]
+    fn hash_layer_reads_count_as_prefetched() {
+        let tok = |e: &[u16]| (e.to_vec(), vec![0.5; e.len()]);
+        let mut t = trace_from(8, 2, vec![vec![tok(&[0, 1]), tok(&[2, 3]), tok(&[0, 1])]]);
+        let cap = [2usize];
+        let order: Vec<Vec<u16>> = vec![(0..8).collect()];
+        let spec = |k| ReplaySpec {
+            policy: k,
+            capacity: &cap,
+            order: &order,
+            prefill: false,
+            half_life: 0.0,
+            threshold: 0.0,
+        };
+        let plain = replay(&t, &spec(PolicyKind::Lru)).layers[0];
+        assert_eq!((plain.misses, plain.prefetched), (6, 0));
+        t.sessions[0].layers[0].hash = true;
+        let hashed = replay(&t, &spec(PolicyKind::Lru)).layers[0];
+        assert_eq!((hashed.misses, hashed.prefetched), (6, 6));
     }
 
     #[test]

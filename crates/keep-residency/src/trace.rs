@@ -47,7 +47,8 @@ pub struct LayerRoutes {
     pub top_k: usize,
     /// Routed experts of the layer (ids are `0..n_experts`).
     pub n_experts: usize,
-    /// Whether the layer is hash-routed (reported; replayed like any other).
+    /// Whether the layer is hash-routed (replayed like any other; its misses are counted as
+    /// prefetched, since the runtime reads them from the token ids ahead of the layer).
     pub hash: bool,
     /// Chosen expert ids, `[T × top_k]` row-major, in the router's order.
     pub experts: Vec<u16>,

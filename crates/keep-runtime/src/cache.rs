@@ -10,6 +10,11 @@
 //!   for the pass; misses are queued and read *in parallel* into free slots, then into slots the
 //!   policy gives up (never a pinned one). In decode (≤ top-k experts, and at least top-k slots)
 //!   every miss is in flight before the first matrix is multiplied.
+//! - `prefetch_exact` (hash-routed layers, whose experts follow from the token ids): the same
+//!   pass, started by the runtime as soon as the tokens are known, before any layer runs; the
+//!   model's own `prefetch` for that layer then finds the pass already started (same experts)
+//!   and does nothing, so nothing is counted twice. Their wait is reported on its own
+//!   ([`CacheStats::hash_wait_secs`]).
 //! - `expert_views_many`: waits for those experts' reads if they are still in flight and hands
 //!   out views of their slots, all valid together (the model multiplies a token by all its
 //!   top-k experts in one kernel call; it asks for at most as many experts as a layer has
@@ -76,6 +81,12 @@ struct LayerState {
     /// The guess made for this layer's coming pass (to score it).
     guess: Vec<usize>,
     guess_stats: GuessStats,
+    /// The experts of a pass already started by `prefetch_exact` (hash-routed layers).
+    exact: Option<Vec<usize>>,
+    /// Passes started by `prefetch_exact`.
+    exact_passes: u64,
+    /// Whether this layer routes by token id (its waits are reported apart).
+    hash: bool,
 }
 
 /// How the next-layer guesses did (see [`SlotCache::set_next_guess`]).
@@ -151,6 +162,14 @@ pub struct CacheStats {
     pub io_threads: usize,
     /// Next-layer guesses (zero unless prefetch is on).
     pub guess: GuessStats,
+    /// Of `wait_secs`, the seconds spent in hash-routed layers (their reads start when the
+    /// tokens are known, so this is what is left after the exact prefetch).
+    pub hash_wait_secs: f64,
+    /// Layer passes whose reads started from the token ids (hash-routed layers).
+    pub exact_passes: u64,
+    /// Hits and misses of the hash-routed layers (part of `hits` / `misses`).
+    pub hash_hits: u64,
+    pub hash_misses: u64,
 }
 
 impl CacheStats {
@@ -311,6 +330,9 @@ impl SlotCache {
                     speculative: vec![false; slots],
                     guess: vec![],
                     guess_stats: GuessStats::default(),
+                    exact: None,
+                    exact_passes: 0,
+                    hash: false,
                 }),
                 cv: Condvar::new(),
             });
@@ -403,6 +425,12 @@ impl SlotCache {
                 s.hits += st.hits;
                 s.misses += st.misses;
                 s.wait_secs += st.wait_secs;
+                s.exact_passes += st.exact_passes;
+                if st.hash {
+                    s.hash_wait_secs += st.wait_secs;
+                    s.hash_hits += st.hits;
+                    s.hash_misses += st.misses;
+                }
                 let g = st.guess_stats;
                 s.guess.passes += g.passes;
                 s.guess.guessed += g.guessed;
@@ -434,6 +462,7 @@ impl SlotCache {
                 st.hits = 0;
                 st.misses = 0;
                 st.wait_secs = 0.0;
+                st.exact_passes = 0;
                 st.guess_stats = GuessStats::default();
             }
         }
@@ -459,10 +488,37 @@ impl SlotCache {
             })
     }
 
+    /// Mark `layers` hash-routed (their waits go to [`CacheStats::hash_wait_secs`]).
+    pub(crate) fn set_hash_layers(&self, layers: &[usize]) {
+        for &l in layers {
+            if let Ok(layer) = self.layer(l) {
+                if let Ok(mut st) = layer.st.lock() {
+                    st.hash = true;
+                }
+            }
+        }
+    }
+
+    /// Start the pass of hash-routed `layer` over `experts` (ascending, as the model will ask)
+    /// now, from the token ids; the model's own `prefetch` for that pass is then a no-op.
+    pub(crate) fn prefetch_exact(&self, l: usize, experts: &[usize]) {
+        self.prefetch_layer(l, experts);
+        let Ok(layer) = self.layer(l) else { return };
+        if let Ok(mut st) = layer.st.lock() {
+            st.exact = Some(experts.to_vec());
+            st.exact_passes += 1;
+        }
+    }
+
     /// Start a pass of `layer` over `experts` (see the module doc).
     pub(crate) fn prefetch_layer(&self, l: usize, experts: &[usize]) {
         let Ok(layer) = self.layer(l) else { return };
         let Ok(mut st) = layer.st.lock() else { return };
+        if let Some(started) = st.exact.take() {
+            if started == experts {
+                return;
+            }
+        }
         st.tick += 1;
         st.held.iter_mut().for_each(|h| *h = false);
         st.pinned.iter_mut().for_each(|p| *p = false);

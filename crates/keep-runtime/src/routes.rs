@@ -2,7 +2,8 @@
 //! version 1 format that `keep residency` reads: per MoE layer `L`, `routes.{L}.experts` I16
 //! `[T, top_k]` (the router's choices in its order) and `routes.{L}.weights` F16 `[T, top_k]`
 //! (final gate weights); metadata `format`, `version`, `n_experts`, `top_k`, `n_layers`,
-//! `layers`, `session`. Written to a temporary sibling and renamed into place.
+//! `layers`, `session`, `hash_layers` (hash-routed layers, which `keep residency` counts as
+//! prefetched). Written to a temporary sibling and renamed into place.
 //!
 //! Also reading warm-start scores: `reap.{L}.score` F64 `[n_experts]` from
 //! `reap-stats.safetensors` (`keep finalize`), or route frequencies counted from a route file.
@@ -26,6 +27,7 @@ pub struct RouteLog {
     /// layer → (experts, weights), `[T × top_k]` each.
     layers: BTreeMap<usize, (Vec<u32>, Vec<f32>)>,
     top_k: usize,
+    hash_layers: Vec<usize>,
 }
 
 impl RouteObserver for RouteLog {
@@ -41,6 +43,11 @@ impl RouteLog {
     /// An empty log.
     pub fn new() -> RouteLog {
         RouteLog::default()
+    }
+
+    /// Mark `layers` hash-routed in the written metadata.
+    pub fn set_hash_layers(&mut self, layers: &[usize]) {
+        self.hash_layers = layers.to_vec();
     }
 
     /// Tokens recorded (of the first layer).
@@ -101,6 +108,14 @@ impl RouteLog {
             ("n_layers", self.layers.len().to_string()),
             ("layers", layers.join(",")),
             ("session", session.to_string()),
+            (
+                "hash_layers",
+                self.hash_layers
+                    .iter()
+                    .map(|l| l.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
         ]
         .into_iter()
         .map(|(a, b)| (a.to_string(), b))

@@ -5,6 +5,12 @@
 //! meet the same kernels — only where the bytes sit differs.
 //!
 //! Forwards take `&mut self`: one forward at a time drives the cache (see `cache.rs`).
+//!
+//! Hash-routed layers (DeepSeek-V4-Flash's first `num_hash_layers`) are prefetched exactly:
+//! their experts are `tid2eid[token]`, so [`BudgetedModel::forward`] starts every such layer's
+//! reads from the token ids before the first layer runs (the prompt's at prefill, the sampled
+//! token's at each decode step); their remaining wait is reported apart
+//! ([`CacheStats::hash_wait_secs`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -135,6 +141,9 @@ struct Guesser<'g, 'a, 'o> {
 impl Guesser<'_, '_, '_> {
     fn guess(&self, layer: usize, x: &[f32], rows: usize) -> Option<Vec<usize>> {
         let (gate, bias) = self.gates.get(layer)?;
+        if self.cfg.is_hash(layer) {
+            return None;
+        }
         let (e, k) = (self.cfg.n_experts, self.cfg.top_k);
         let mut logits = vec![0f32; rows * e];
         keep_kernels::matmul(x, rows, gate, &mut logits).ok()?;
@@ -234,12 +243,17 @@ impl<'a> BudgetedModel<'a> {
             let hint = cfg.raw.weight_block_size();
             for l in 0..cfg.n_layers {
                 let p = format!("layers.{l}.ffn.gate");
-                gates.push((
-                    weight(ck, &p, cfg.n_experts, cfg.dim, hint)?,
-                    vec_f32(ck, &format!("{p}.bias"), cfg.n_experts)?,
-                ));
+                // Hash-routed layers need no guess (their experts are exact); an empty bias
+                // marks them.
+                let bias = if cfg.is_hash(l) {
+                    vec![]
+                } else {
+                    vec_f32(ck, &format!("{p}.bias"), cfg.n_experts)?
+                };
+                gates.push((weight(ck, &p, cfg.n_experts, cfg.dim, hint)?, bias));
             }
         }
+        cache.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
         let engram = match &cfg.engram {
             Some(lay) => Some(Arc::new(EngramStore::open(
                 ck,
@@ -296,6 +310,7 @@ impl<'a> BudgetedModel<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        self.prefetch_hash_layers(tokens);
         if self.gates.is_empty() {
             return Ok(self.model.forward(tokens, cache, which, obs)?);
         }
@@ -306,6 +321,25 @@ impl<'a> BudgetedModel<'a> {
             cache: &self.cache,
         };
         Ok(self.model.forward(tokens, cache, which, Some(&mut g))?)
+    }
+
+    /// Start the reads of every hash-routed layer's experts for `tokens` (their union per
+    /// layer, ascending: exactly what the layer's MoE will ask for).
+    fn prefetch_hash_layers(&self, tokens: &[u32]) {
+        let cfg = &self.model.cfg;
+        for lw in self.model.layers.iter().take(cfg.hash_layers) {
+            let Some(table) = &lw.hash else { continue };
+            let mut used = vec![false; cfg.n_experts];
+            for &t in tokens {
+                match table.experts(t) {
+                    Some(ids) => ids.iter().for_each(|&j| used[j as usize] = true),
+                    // Out of the vocabulary: the forward refuses it; prefetch nothing.
+                    None => return,
+                }
+            }
+            let experts: Vec<usize> = (0..cfg.n_experts).filter(|&j| used[j]).collect();
+            self.cache.prefetch_exact(lw.layer, &experts);
+        }
     }
 
     /// Prefill `prompt` (in one forward), then sample up to `max_tokens`, calling `on_token`

@@ -219,3 +219,50 @@ fn aligned_reads_at_odd_offsets() {
         }
     }
 }
+
+#[test]
+fn v4flash_hash_layers_prefetched_exactly_with_identical_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, storage) = keep_convert::presets::preset("tiny-v4flash").unwrap();
+    let opts = keep_convert::synth::SynthOptions {
+        seed: 5,
+        storage,
+        force: true,
+        max_shard_bytes: 64 << 20,
+    };
+    let path =
+        keep_convert::synth::synth(&cfg, &dir.path().join("v4f"), &opts, &|_, _| {}).unwrap();
+    let ck = Checkpoint::open(&path).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let cfg = plain.cfg.clone();
+    assert_eq!(cfg.hash_layers, 2);
+    let prompt = common::prompt(40, cfg.vocab);
+    let steps = 10;
+    let want = run_plain(&plain, &prompt, steps);
+    let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
+    let (residents, slot) = (probe.plan().residents, probe.plan().slot_bytes);
+    drop(probe);
+    let min = BudgetPlan::minimum(residents, slot, cfg.n_layers, cfg.top_k);
+    for (budget, next) in [(min, false), (min + 2 * slot * cfg.n_layers as u64, true)] {
+        let mut opts = RuntimeOptions::new(budget);
+        opts.prefetch_next = next;
+        let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+        let got = run_budget(&mut m, &prompt, steps);
+        assert!(
+            bits(&got) == bits(&want),
+            "logits differ at budget {budget}"
+        );
+        let s = m.cache().stats();
+        // One exact pass per hash layer per forward (prefill + each decode step).
+        assert_eq!(
+            s.exact_passes,
+            (cfg.hash_layers * (steps + 1)) as u64,
+            "{s:?}"
+        );
+        assert!(
+            s.hash_hits + s.hash_misses > 0 && s.hash_misses <= s.misses,
+            "{s:?}"
+        );
+        assert!(s.hash_wait_secs <= s.wait_secs, "{s:?}");
+    }
+}

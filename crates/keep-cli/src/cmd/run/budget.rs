@@ -132,6 +132,10 @@ fn cache_json(s: &CacheStats) -> serde_json::Value {
         "bytes_read": s.bytes_read, "experts_read": s.experts_read,
         "io_busy_secs": s.io_busy_secs, "read_gbps": s.read_gbps(), "wait_secs": s.wait_secs,
         "warm_bytes": s.warm_bytes,
+        "hash_layers": {
+            "exact_passes": s.exact_passes, "hits": s.hash_hits, "misses": s.hash_misses,
+            "wait_secs": s.hash_wait_secs,
+        },
         "guess": {
             "passes": s.guess.passes, "guessed": s.guess.guessed, "routed": s.guess.routed,
             "right": s.guess.right, "reads": s.guess.reads, "saved": s.guess.saved,
@@ -223,6 +227,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         seed: a.seed,
     });
     let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
+    if let Some(l) = log.as_mut() {
+        l.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
+    }
     let mut cache = Cache::new(cfg.n_layers);
     let t0 = std::time::Instant::now();
     let mut logits = model.forward(&prompt, &mut cache, obs(&mut log))?;
@@ -284,6 +291,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 s.read_gbps(),
                 s.wait_secs
             );
+            if s.exact_passes > 0 {
+                eprintln!(
+                    "{phase} hash-routed layers: {} passes prefetched from the token ids ({} hits, {} misses); waited {:.3} s of the {:.3} s",
+                    s.exact_passes,
+                    s.hash_hits,
+                    s.hash_misses,
+                    s.hash_wait_secs,
+                    s.wait_secs
+                );
+            }
             if s.guess.passes > 0 {
                 let g = s.guess;
                 eprintln!(
