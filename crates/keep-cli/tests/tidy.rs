@@ -1,5 +1,6 @@
 //! Tidy checks over the whole workspace: every Rust source file opens with a `//!` paragraph
-//! that says what it is (GUIDE §8.3).
+//! that says what it is, and the repository speaks of the product only — no tracker numbers,
+//! development history or names of who worked when, in code, docs, scripts or file names.
 
 use std::path::{Path, PathBuf};
 
@@ -38,4 +39,100 @@ fn every_rust_file_opens_with_a_module_doc() {
         missing.is_empty(),
         "files without a leading //! doc: {missing:?}"
     );
+}
+
+/// Text files the product-language check reads (code, docs, scripts, configs).
+const TEXT_EXTENSIONS: &[&str] = &["rs", "md", "py", "sh", "toml", "txt", "json", "yml", "yaml"];
+
+/// Phrases that speak of how keep was made rather than what it is. Matched case-insensitively
+/// on each line; `issue`/`session` only when a number follows, because a calibration session is
+/// a product concept.
+fn history_phrase(line: &str) -> Option<&'static str> {
+    let l = line.to_ascii_lowercase();
+    for (needle, what) in [
+        ("the seed", "the project's origin"),
+        ("seed-pr", "the project's origin"),
+        ("first session", "development history"),
+        ("second session", "development history"),
+        ("this session", "development history"),
+        ("guide §", "a guide that is not in the repository"),
+    ] {
+        if l.contains(needle) {
+            return Some(what);
+        }
+    }
+    for word in ["issue", "issues", "session"] {
+        let mut rest = l.as_str();
+        while let Some(i) = rest.find(word) {
+            let before_ok = i == 0 || !rest.as_bytes()[i - 1].is_ascii_alphanumeric();
+            let after = rest[i + word.len()..].trim_start_matches([' ', '#', '-', '_']);
+            if before_ok && after.starts_with(|c: char| c.is_ascii_digit()) {
+                return Some("a tracker number or development history");
+            }
+            rest = &rest[i + word.len()..];
+        }
+    }
+    None
+}
+
+fn repo_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().to_string();
+        if p.is_dir() {
+            let skip = matches!(name.as_str(), "target" | "logs" | "corpus" | "artifacts")
+                || name.starts_with('.')
+                || name == "__pycache__";
+            if !skip {
+                repo_files(&p, out);
+            }
+        } else {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn the_repository_speaks_of_the_product_only() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut files = vec![];
+    repo_files(&root, &mut files);
+    assert!(files.len() > 50, "found only {} files", files.len());
+    let mut found = vec![];
+    for p in &files {
+        let rel = p.strip_prefix(&root).unwrap_or(p).display().to_string();
+        if rel.ends_with("keep-cli/tests/tidy.rs") {
+            continue; // this file names the phrases it looks for
+        }
+        if let Some(what) = history_phrase(&rel.replace(['/', '.'], " ")) {
+            found.push(format!("{rel}: file name ({what})"));
+        }
+        let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !TEXT_EXTENSIONS.contains(&ext) && !rel.starts_with(".ci") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(p) else {
+            continue;
+        };
+        for (n, line) in text.lines().enumerate() {
+            if let Some(what) = history_phrase(line) {
+                found.push(format!("{rel}:{}: {what}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "history in the product:\n{}", found.join("\n"));
+}
+
+#[test]
+fn history_phrases_are_recognised() {
+    assert!(history_phrase("// fixed for issue 6").is_some());
+    assert!(history_phrase("see Issue #12").is_some());
+    assert!(history_phrase("bench-budget-2g-session2 json").is_some());
+    assert!(history_phrase("as the seed did").is_some());
+    assert!(history_phrase("one calibration session per group").is_none());
+    assert!(history_phrase("sessions 0..4").is_none());
+    assert!(history_phrase("tissue 3").is_none());
 }
