@@ -35,6 +35,21 @@ pub enum CheckpointError {
     /// The output already exists and `--force` was not given.
     #[error("{path} already exists; pass --force to replace it, or choose another output")]
     OutputExists { path: PathBuf },
+    /// A file keep reads whole is larger than it can be.
+    #[error("{path} is larger than {max} bytes; this is not a file keep wrote or reads")]
+    TooLarge { path: PathBuf, max: u64 },
+    /// An output path names something that is not a regular file (or, for a checkpoint, not a
+    /// directory): it is never replaced, even with `--force`.
+    #[error("{path} is {kind}; keep replaces only regular files it could have written, choose another output")]
+    NotRegular { path: PathBuf, kind: &'static str },
+    /// An output would be, contain, or lie inside an input (or keep's own cache).
+    #[error("{path} {how} {role} {input}; choose an output outside it")]
+    OutputOverlapsInput {
+        path: PathBuf,
+        how: &'static str,
+        role: &'static str,
+        input: PathBuf,
+    },
     /// A writer was used out of order (a bug in the caller, reported, not panicked on).
     #[error("writer: {0}")]
     Writer(String),

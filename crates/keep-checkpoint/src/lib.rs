@@ -22,6 +22,7 @@ pub mod fuzzing;
 pub mod index;
 pub mod naming;
 pub mod safetensors;
+pub mod small_file;
 pub mod sums;
 pub mod writer;
 

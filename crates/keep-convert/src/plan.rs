@@ -55,8 +55,10 @@ impl PrunePlan {
 
     /// Read and validate a plan file.
     pub fn read(path: &Path) -> Result<PrunePlan> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConvertError::Invalid(format!("{}: {e}", path.display())))?;
+        let text = keep_checkpoint::small_file::read_text(
+            path,
+            keep_checkpoint::small_file::MAX_SMALL_FILE,
+        )?;
         let plan: PrunePlan = serde_json::from_str(&text).map_err(|e| {
             ConvertError::Invalid(format!("{}: not a prune plan: {e}", path.display()))
         })?;

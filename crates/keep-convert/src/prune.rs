@@ -79,6 +79,7 @@ pub fn prune(
     opts: &PruneOptions,
     progress: &dyn Fn(u64, u64),
 ) -> Result<(PathBuf, PruneReport)> {
+    keep_checkpoint::writer::check_dir_target(out, opts.force, &[src.to_path_buf()])?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?;
     if plan.n_experts != cfg.n_routed_experts {
@@ -219,6 +220,7 @@ pub fn prune(
         max_shard_bytes: max_shard.max(1 << 20),
         force: opts.force,
         sync: opts.sync,
+        protect: vec![src.to_path_buf()],
         ..Default::default()
     };
     for s in ck.shards() {

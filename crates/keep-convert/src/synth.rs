@@ -342,6 +342,21 @@ pub fn synth(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<PathBuf> {
     let st = opts.storage;
+    cfg.validate()
+        .map_err(|e| ConvertError::Invalid(format!("config: {e}")))?;
+    let max = keep_checkpoint::config::MAX_BLOCK;
+    if !(1..=max).contains(&st.block.0) || !(1..=max).contains(&st.block.1) {
+        return Err(ConvertError::Invalid(format!(
+            "FP8 block {}×{} must have sides in 1..={max}",
+            st.block.0, st.block.1
+        )));
+    }
+    if st.hash_layers > cfg.num_hidden_layers {
+        return Err(ConvertError::Invalid(format!(
+            "{} hash-routed layers but the model has {}",
+            st.hash_layers, cfg.num_hidden_layers
+        )));
+    }
     let plan = plan(cfg, &st)?;
     let metas = metas(&plan, &st);
     let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
