@@ -1088,7 +1088,7 @@ fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
 fn write_row(dir: &Path, row: &Row) -> Result<()> {
     let io = |p: &Path, e| BenchError::Io {
         path: p.to_path_buf(),
-        source: e,
+        err: e,
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let p = dir.join(format!("{}.json", row.test));

@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod fingerprint;
 pub mod fuzzing;
 pub mod index;
 pub mod naming;

@@ -220,7 +220,7 @@ pub fn check_dir_target(out: &Path, force: bool, protect: &[PathBuf]) -> Result<
     match std::fs::symlink_metadata(out) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(CheckpointError::io(out, e)),
-        Ok(m) if !m.file_type().is_dir() => Err(CheckpointError::NotRegular {
+        Ok(m) if !m.file_type().is_dir() => Err(CheckpointError::NotADirectory {
             path: out.to_path_buf(),
             kind: crate::atomic::kind_of(&m.file_type()),
         }),

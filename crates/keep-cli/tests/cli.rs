@@ -477,3 +477,156 @@ fn synth_refuses_a_zero_block() {
         .stderr(predicate::str::contains("block"));
     assert!(!w.join("o").exists());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite numbers in the checkpoint stop the run with the place they appeared, not garbage.
+
+/// Overwrite tensor `name` of `shard` with 0xFF bytes (NaN in bf16, f32, FP8 E4M3 and E8M0).
+fn poison(shard: &Path, name: &str) {
+    let mut b = std::fs::read(shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let off = &h[name]["data_offsets"];
+    let (s, e) = (
+        off[0].as_u64().unwrap() as usize,
+        off[1].as_u64().unwrap() as usize,
+    );
+    b[8 + n + s..8 + n + e].fill(0xFF);
+    std::fs::write(shard, b).unwrap();
+}
+
+#[test]
+fn non_finite_weights_stop_run_and_logits_naming_where() {
+    for (name, at) in [
+        ("embed.weight", "the embedding"),
+        ("layers.1.attn.wq_a.scale", "layer 1"),
+    ] {
+        let w = workdir(&format!("nan-{}", name.replace('.', "-")));
+        let m = w.join("m");
+        copy_model(&m);
+        poison(&m.join("model.safetensors"), name);
+        keep()
+            .arg("inspect")
+            .arg(&m)
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("non-finite").and(predicate::str::contains(name)));
+        keep()
+            .arg("run")
+            .arg(&m)
+            .args([
+                "--prompt-tokens",
+                "4",
+                "--max-tokens",
+                "2",
+                "--temperature",
+                "0",
+            ])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("non-finite").and(predicate::str::contains(at)));
+        let out = w.join("l.safetensors");
+        keep()
+            .arg("logits")
+            .arg(&m)
+            .args(["--tokens", "0,1,2", "--out"])
+            .arg(&out)
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("non-finite").and(predicate::str::contains(at)));
+        assert!(!out.exists());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors say what is wrong, once, about the user's path.
+
+#[test]
+fn errors_name_the_path_say_what_it_is_and_print_os_errors_once() {
+    let w = workdir("errors");
+    let missing = w.join("missing");
+    let out = keep().arg("inspect").arg(&missing).assert().code(1);
+    let err = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert!(err.contains(missing.to_str().unwrap()), "{err}");
+    let fifo = w.join("fifo");
+    mkfifo(&fifo);
+    keep()
+        .arg("inspect")
+        .arg(&fifo)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(
+            "is a FIFO, not a checkpoint directory",
+        ));
+    // A shard that is a FIFO is named, not skipped (and not read forever).
+    let m = w.join("m");
+    copy_model(&m);
+    mkfifo(&m.join("extra.safetensors"));
+    keep()
+        .arg("inspect")
+        .arg(&m)
+        .timeout(std::time::Duration::from_secs(120))
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("extra.safetensors").and(predicate::str::contains("a FIFO")),
+        );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans carry the fingerprint of their model and every field is checked.
+
+#[test]
+fn prune_refuses_a_plan_made_for_another_model() {
+    let w = workdir("plan-other");
+    let a = &scratch().model;
+    let b = w.join("b");
+    keep()
+        .args(["synth", "--preset", "tiny", "--seed", "9", "--out"])
+        .arg(&b)
+        .assert()
+        .success();
+    let plan = |fp: &str, layers: serde_json::Value| {
+        serde_json::json!({
+            "format": "keep-prune-plan", "version": 1, "n_experts": 16, "keep": 8,
+            "saliency": "test", "layers": layers, "mtp_layers": [], "model_fingerprint": fp,
+        })
+    };
+    let all: serde_json::Value = (0..8)
+        .map(|l| serde_json::json!({"layer": l, "survivors": (0..8).collect::<Vec<_>>()}))
+        .collect();
+    let fa = keep_checkpoint::fingerprint::model_fingerprint(a).unwrap();
+    let fb = keep_checkpoint::fingerprint::model_fingerprint(&b).unwrap();
+    let mut dup = all.clone();
+    dup.as_array_mut().unwrap().push(all[0].clone());
+    let mut far = all.clone();
+    far[7]["layer"] = 99.into();
+    let cases = [
+        (plan(&fa, all.clone()), "fingerprint"),
+        (plan(&fb, dup), "twice"),
+        (plan(&fb, far), "layer 99"),
+    ];
+    for (i, (p, what)) in cases.iter().enumerate() {
+        let pf = w.join(format!("plan-{i}.json"));
+        std::fs::write(&pf, serde_json::to_vec(p).unwrap()).unwrap();
+        keep()
+            .args(["prune", "--plan"])
+            .arg(&pf)
+            .arg(&b)
+            .arg(w.join("out"))
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(*what));
+        assert!(!w.join("out").exists());
+    }
+    let pf = w.join("plan-ok.json");
+    std::fs::write(&pf, serde_json::to_vec(&plan(&fb, all)).unwrap()).unwrap();
+    keep()
+        .args(["prune", "--plan"])
+        .arg(&pf)
+        .arg(&b)
+        .arg(w.join("out"))
+        .assert()
+        .success();
+}

@@ -82,6 +82,8 @@ pub fn prune(
     keep_checkpoint::writer::check_dir_target(out, opts.force, &[src.to_path_buf()])?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?;
+    plan.validate().map_err(ConvertError::Invalid)?;
+    plan.check_model(src, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)?;
     if plan.n_experts != cfg.n_routed_experts {
         return Err(ConvertError::Invalid(format!(
             "the plan is for {} experts per layer but {} has n_routed_experts = {}",

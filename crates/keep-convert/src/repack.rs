@@ -382,7 +382,7 @@ fn verify_tensors(residents: &[Resident], tmp: &Path, resident: ResidentFormat) 
         decode_fp8_block(r.weight.bytes, r.rows, r.cols, r.block, scales, &mut want).map_err(
             |e| ConvertError::Format {
                 tensor: name.to_string(),
-                source: e,
+                err: e,
             },
         )?;
         let w = outck.tensor(name)?;
@@ -399,7 +399,7 @@ fn verify_tensors(residents: &[Resident], tmp: &Path, resident: ResidentFormat) 
                     )
                     .map_err(|e| ConvertError::Format {
                         tensor: name.to_string(),
-                        source: e,
+                        err: e,
                     })?;
                 }
                 ResidentFormat::Bf16 => {

@@ -402,7 +402,7 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
     let mut written = 0u64;
     let fmt_err = |e: keep_format::FormatError| ConvertError::Format {
         tensor: t.name.clone(),
-        source: e,
+        err: e,
     };
     match &t.kind {
         Kind::Bf16 { std } | Kind::Bf16Ones { std } => {
