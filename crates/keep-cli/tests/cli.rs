@@ -630,3 +630,28 @@ fn prune_refuses_a_plan_made_for_another_model() {
         .assert()
         .success();
 }
+
+#[test]
+fn plots_refuse_existing_files_without_force() {
+    let w = workdir("plots");
+    let p = w.join("p.svg");
+    std::fs::write(&p, b"keep").unwrap();
+    keep()
+        .arg("residency")
+        .arg(w.join("run"))
+        .args(["--make-synthetic", "tokens=50", "--plot"])
+        .arg(&p)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("already exists"));
+    assert_eq!(std::fs::read(&p).unwrap(), b"keep");
+    assert!(!w.join("run").exists());
+    keep()
+        .arg("residency")
+        .arg(w.join("run"))
+        .args(["--make-synthetic", "tokens=50", "--force", "--plot"])
+        .arg(&p)
+        .assert()
+        .success();
+    assert!(std::fs::read(&p).unwrap().starts_with(b"<svg"));
+}

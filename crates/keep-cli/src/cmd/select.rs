@@ -68,6 +68,11 @@ fn sibling(out: &Path, ext: &str) -> PathBuf {
 
 pub fn run(a: SelectArgs) -> anyhow::Result<()> {
     crate::util::check_out_file(&a.out, a.force, &[&a.run])?;
+    if !a.no_plot {
+        for ext in ["png", "svg"] {
+            crate::util::check_out_file(&sibling(&a.out, ext), a.force, &[&a.run])?;
+        }
+    }
     let stats = read_reap_stats(&a.run)?;
     let opts = SelectOptions {
         keep: a.keep,
