@@ -14,7 +14,7 @@ pub const EVICTS: bool = cfg!(target_os = "linux");
 pub fn evict(path: &Path) -> Result<()> {
     let io = |e| BenchError::Io {
         path: path.to_path_buf(),
-        source: e,
+        err: e,
     };
     let f = std::fs::File::open(path).map_err(io)?;
     f.sync_all().map_err(io)?;
@@ -34,7 +34,7 @@ pub fn evict(path: &Path) -> Result<()> {
 pub fn evict_dir(dir: &Path) -> Result<()> {
     let rd = std::fs::read_dir(dir).map_err(|e| BenchError::Io {
         path: dir.to_path_buf(),
-        source: e,
+        err: e,
     })?;
     for e in rd.flatten() {
         if e.path().is_file() {

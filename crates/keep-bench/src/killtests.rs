@@ -1458,12 +1458,17 @@ fn fast_kernels(opts: &Options, bw: Option<f64>) -> Result<Row> {
 fn write_row(dir: &Path, row: &Row) -> Result<()> {
     let io = |p: &Path, e| BenchError::Io {
         path: p.to_path_buf(),
-        source: e,
+        err: e,
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let p = dir.join(format!("{}.json", row.test));
     let json = serde_json::to_string_pretty(row).map_err(|e| BenchError::Invalid(e.to_string()))?;
-    Ok(keep_checkpoint::atomic::write_file(&p, json.as_bytes())?)
+    // Rows are replaced on a rerun: the directory is the kill tests' own evidence.
+    Ok(keep_checkpoint::atomic::write_file(
+        &p,
+        json.as_bytes(),
+        true,
+    )?)
 }
 
 /// Run the kill tests; `on_row` sees each row as it completes (to print its verdict line).

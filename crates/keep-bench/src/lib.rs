@@ -18,11 +18,11 @@ pub mod summary;
 /// Errors of the benchmark harness.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: std::path::PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: std::io::Error,
     },
     #[error(transparent)]
     Convert(#[from] keep_convert::ConvertError),

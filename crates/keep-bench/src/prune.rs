@@ -23,7 +23,7 @@ pub fn half_plan(ck: &Checkpoint) -> Result<PrunePlan> {
         .require_config()
         .map_err(|e| BenchError::Invalid(e.to_string()))?;
     let keep = (cfg.n_routed_experts / 2).max(cfg.num_experts_per_tok);
-    Ok(PrunePlan {
+    let mut plan = PrunePlan {
         format: PrunePlan::FORMAT.into(),
         version: 1,
         n_experts: cfg.n_routed_experts,
@@ -38,7 +38,10 @@ pub fn half_plan(ck: &Checkpoint) -> Result<PrunePlan> {
             .collect(),
         mtp_layers: vec![],
         extra: Default::default(),
-    })
+    };
+    plan.bind_to(ck.dir())
+        .map_err(|e| BenchError::Invalid(e.to_string()))?;
+    Ok(plan)
 }
 
 /// Run `rounds` interleaved rounds on checkpoint `src`, using `scratch` for outputs.
@@ -68,7 +71,7 @@ pub fn run(src: &Path, scratch: &Path, rounds: usize) -> Result<SideBySide> {
     let copy = || -> Result<()> {
         let io = |p: &Path, e| BenchError::Io {
             path: p.to_path_buf(),
-            source: e,
+            err: e,
         };
         let mut out = std::fs::File::create(&copy_out).map_err(|e| io(&copy_out, e))?;
         let mut buf = vec![0u8; 16 << 20];

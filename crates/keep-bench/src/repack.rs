@@ -16,7 +16,7 @@ use crate::{BenchError, Result};
 pub fn dir_bytes(d: &Path) -> Result<u64> {
     let rd = std::fs::read_dir(d).map_err(|e| BenchError::Io {
         path: d.to_path_buf(),
-        source: e,
+        err: e,
     })?;
     Ok(rd
         .flatten()
@@ -29,7 +29,7 @@ pub fn dir_bytes(d: &Path) -> Result<u64> {
 fn plain_copy(src: &Path, dst: &Path) -> Result<()> {
     let io = |p: &Path, e| BenchError::Io {
         path: p.to_path_buf(),
-        source: e,
+        err: e,
     };
     std::fs::create_dir_all(dst).map_err(|e| io(dst, e))?;
     for e in std::fs::read_dir(src).map_err(|e| io(src, e))?.flatten() {

@@ -29,7 +29,7 @@ pub struct Summary {
 pub fn load(dir: &Path) -> Result<Summary> {
     let io = |p: &Path, e| BenchError::Io {
         path: p.to_path_buf(),
-        source: e,
+        err: e,
     };
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| io(dir, e))?

@@ -227,7 +227,7 @@ fn ensure_run(out: &Path, want: &RunManifest) -> Result<()> {
     }
     let text =
         serde_json::to_string_pretty(want).map_err(|e| CalibError::Options(e.to_string()))?;
-    crate::st::write_bytes_atomic(&p, text.as_bytes())
+    crate::st::write_bytes_atomic(&p, text.as_bytes(), false)
 }
 
 /// Run calibration (see the module doc).

@@ -13,11 +13,11 @@ pub enum CalibError {
     #[error(transparent)]
     Convert(#[from] keep_convert::ConvertError),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: std::io::Error,
     },
     /// A file is not what it should be (format, version, shape, JSON).
     #[error("{path}: {msg}")]
@@ -44,7 +44,7 @@ impl CalibError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CalibError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
     /// A malformed file.

@@ -211,11 +211,12 @@ pub fn finalize(run: &Path) -> Result<FinalizeReport> {
     let mut im_meta = meta.clone();
     im_meta.insert("format".into(), "keep-imatrix".into());
     let ip = run.join(IMATRIX_FILE);
-    write_atomic(&ip, &imatrix_tensors_of(&imatrix), &im_meta)?;
+    // The run directory's own statistics: a rerun of finalize replaces them.
+    write_atomic(&ip, &imatrix_tensors_of(&imatrix), &im_meta, true)?;
     let mut rp_meta = meta;
     rp_meta.insert("format".into(), "keep-reap-stats".into());
     let rp = run.join(REAP_FILE);
-    write_atomic(&rp, &reap_tensors(&reap, true), &rp_meta)?;
+    write_atomic(&rp, &reap_tensors(&reap, true), &rp_meta, true)?;
     Ok(FinalizeReport {
         run: run.to_path_buf(),
         sessions: files.len(),

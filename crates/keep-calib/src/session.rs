@@ -165,7 +165,8 @@ pub fn write_session(path: &Path, id: &SessionIdentity, s: &SessionStats) -> Res
         );
     }
     m.insert("complete".into(), "true".into());
-    write_atomic(path, &tensors, &m)
+    // A session file in the run directory is replaced only when calibration redoes it.
+    write_atomic(path, &tensors, &m, true)
 }
 
 /// What is at a session's path.

@@ -70,14 +70,16 @@ impl Tensor {
 }
 
 /// Serialize `tensors` with `metadata` and write them to `path` atomically: the bytes go to
-/// `.<name>.tmp-<pid>` beside it, are synced, and the file is renamed over `path`.
+/// `.<name>.tmp-<pid>` beside it, are synced, and the file is renamed over `path` (an existing
+/// `path` only if `force`; a `path` that is not a regular file never).
 pub fn write_atomic(
     path: &Path,
     tensors: &[Tensor],
     metadata: &BTreeMap<String, String>,
+    force: bool,
 ) -> Result<()> {
     let bytes = serialize(path, tensors, metadata)?;
-    write_bytes_atomic(path, &bytes)
+    write_bytes_atomic(path, &bytes, force)
 }
 
 fn dtype_name(d: safetensors::Dtype) -> Option<(&'static str, usize)> {
@@ -166,9 +168,9 @@ pub fn serialize(
 }
 
 /// Write bytes to `path` through a synced temporary sibling and a rename
-/// ([`keep_checkpoint::atomic::write_file`]).
-pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    Ok(keep_checkpoint::atomic::write_file(path, bytes)?)
+/// ([`keep_checkpoint::atomic::write_file`]); an existing `path` is refused unless `force`.
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
+    Ok(keep_checkpoint::atomic::write_file(path, bytes, force)?)
 }
 
 /// Remove temporary siblings in `dir` left by processes that no longer run.

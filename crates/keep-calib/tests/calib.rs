@@ -477,7 +477,7 @@ fn finalize_refuses_sessions_without_reap_or_with_unequal_counts() {
         edit(&mut ts);
         let meta = s.metadata().clone();
         drop(s);
-        write_atomic(&p, &ts, &meta).unwrap();
+        write_atomic(&p, &ts, &meta, true).unwrap();
     };
     let a = r.sessions_run[0].clone();
     rewrite(&a, &|ts| ts.retain(|t| !t.name.starts_with("reap.3.")));

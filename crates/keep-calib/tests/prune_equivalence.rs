@@ -46,6 +46,8 @@ fn check(full: &Path, tokens: &[u32], keep: usize, scratch: &Path) {
         assert_eq!(l.survivors.as_ref().unwrap().len(), keep);
     }
     let out = scratch.join("pruned");
+    let mut plan = plan;
+    plan.bind_to(full).unwrap();
     prune(full, &plan, &out, &PruneOptions::default(), &|_, _| {}).unwrap();
 
     let mut masked = Model::load(&ck).unwrap();

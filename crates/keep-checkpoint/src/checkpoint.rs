@@ -54,11 +54,15 @@ impl Checkpoint {
     /// Open a directory. `config.json` is optional here (callers that need it use
     /// [`Checkpoint::require_config`]); a malformed one is an error.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        if !dir.is_dir() {
-            return Err(CheckpointError::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
-            ));
+        match std::fs::metadata(dir) {
+            Err(e) => return Err(CheckpointError::io(dir, e)),
+            Ok(m) if !m.is_dir() => {
+                return Err(CheckpointError::NotADirectory {
+                    path: dir.to_path_buf(),
+                    kind: crate::atomic::kind_of(&m.file_type()),
+                })
+            }
+            Ok(_) => {}
         }
         let cfg_path = dir.join(CONFIG_FILE);
         let config = if cfg_path.exists() {
@@ -78,7 +82,16 @@ impl Checkpoint {
         for e in rd {
             let e = e.map_err(|e| CheckpointError::io(dir, e))?;
             let n = e.file_name().to_string_lossy().to_string();
-            if n.ends_with(".safetensors") && e.path().is_file() {
+            if n.ends_with(".safetensors") {
+                // A shard that is a FIFO or a device would block or never end: name it.
+                let m = std::fs::metadata(e.path())
+                    .map_err(|err| CheckpointError::io(e.path(), err))?;
+                if !m.is_file() {
+                    return Err(CheckpointError::NotRegular {
+                        path: e.path(),
+                        kind: crate::atomic::kind_of(&m.file_type()),
+                    });
+                }
                 files.push(n);
             }
         }

@@ -70,6 +70,17 @@ mod d {
     }
 }
 
+/// The `model_type`s keep reads (V4-Flash and V4.1; mlx-lm's `deepseek_v4`/`deepseek_v41`).
+pub const MODEL_TYPES: &[&str] = &["deepseek_v41", "deepseek_v4"];
+/// Most routed experts per layer (route ids are stored as I16 in keep-routes files).
+pub const MAX_EXPERTS: usize = 1 << 15;
+/// Most sinkhorn iterations of the hyper-connections (the published models use 20).
+pub const MAX_SINKHORN_ITERS: usize = 1000;
+/// Largest compress ratio (the published models use 4 and 128).
+pub const MAX_COMPRESS_RATIO: usize = 1 << 12;
+/// Largest FP8 block side (the published models use 32 or 128).
+pub const MAX_BLOCK: usize = 1 << 12;
+
 /// The DeepSeek-V4/V4.1 configuration keys keep reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeepSeekConfig {
@@ -218,18 +229,142 @@ impl DeepSeekConfig {
         let mut cfg: DeepSeekConfig =
             serde_json::from_value(flat).map_err(|e| cerr(format!("unexpected value: {e}")))?;
         cfg.raw = raw;
-        cfg.check().map_err(cerr)?;
+        cfg.validate().map_err(cerr)?;
         Ok(cfg)
     }
 
     /// Read `config.json` from a file.
     pub fn read(path: &Path) -> Result<DeepSeekConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| CheckpointError::io(path, e))?;
+        let text = crate::small_file::read_text(path, crate::small_file::MAX_SMALL_FILE)?;
         DeepSeekConfig::from_json(path, &text)
     }
 
-    /// Internal consistency that does not need the tensors.
-    fn check(&self) -> std::result::Result<(), String> {
+    /// The one validation of a config, shared by every reader (`inspect`, `repack`, `prune`,
+    /// the model's loader): every number within the bounds a DeepSeek V4/V4.1 model can have,
+    /// and internal consistency that does not need the tensors. Bounds are far above any
+    /// published model and far below what would make an allocation or a loop run away.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if !MODEL_TYPES.contains(&self.model_type.as_str()) {
+            return Err(format!(
+                "model_type `{}` is not a DeepSeek V4 model ({})",
+                self.model_type,
+                MODEL_TYPES.join(", ")
+            ));
+        }
+        for (key, v, lo, hi) in [
+            ("vocab_size", self.vocab_size, 1, 1 << 24),
+            ("hidden_size", self.hidden_size, 1, 1 << 16),
+            ("num_hidden_layers", self.num_hidden_layers, 1, 1 << 10),
+            ("num_attention_heads", self.num_attention_heads, 1, 1 << 10),
+            ("head_dim", self.head_dim, 1, 1 << 12),
+            ("q_lora_rank", self.q_lora_rank, 1, 1 << 16),
+            ("o_lora_rank", self.o_lora_rank, 1, 1 << 16),
+            ("o_groups", self.o_groups, 1, 1 << 10),
+            (
+                "moe_intermediate_size",
+                self.moe_intermediate_size,
+                1,
+                1 << 18,
+            ),
+            ("n_routed_experts", self.n_routed_experts, 1, MAX_EXPERTS),
+            ("sliding_window", self.sliding_window, 1, 1 << 20),
+            ("index_n_heads", self.index_n_heads, 1, 1 << 10),
+            ("index_head_dim", self.index_head_dim, 1, 1 << 12),
+            ("index_topk", self.index_topk, 1, 1 << 20),
+            (
+                "candidate_topk_blocks",
+                self.candidate_topk_blocks,
+                1,
+                1 << 20,
+            ),
+            (
+                "candidate_block_size",
+                self.candidate_block_size,
+                1,
+                1 << 12,
+            ),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1,
+                1 << 24,
+            ),
+            ("hc_mult", self.hc_mult, 1, 64),
+            (
+                "hc_sinkhorn_iters",
+                self.hc_sinkhorn_iters,
+                1,
+                MAX_SINKHORN_ITERS,
+            ),
+            ("num_hash_layers", self.num_hash_layers, 0, 1 << 10),
+            (
+                "num_nextn_predict_layers",
+                self.num_nextn_predict_layers,
+                0,
+                64,
+            ),
+        ] {
+            if v < lo || v > hi {
+                return Err(format!("{key} = {v} must be in {lo}..={hi}"));
+            }
+        }
+        for (key, v) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("hc_eps", self.hc_eps),
+            ("rope_theta", self.rope_theta),
+            ("compress_rope_theta", self.compress_rope_theta),
+            ("gate_temp", self.gate_temp),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{key} = {v} must be a finite number > 0"));
+            }
+        }
+        for (key, v) in [
+            ("routed_scaling_factor", self.routed_scaling_factor),
+            ("swiglu_limit", self.swiglu_limit),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{key} = {v} must be a finite number ≥ 0"));
+            }
+        }
+        if let Some(r) = self
+            .compress_ratios
+            .iter()
+            .find(|&&r| r != 0 && (!r.is_power_of_two() || r > MAX_COMPRESS_RATIO))
+        {
+            return Err(format!(
+                "compress_ratios holds {r}: each must be 0 (window only) or a power of two up to {MAX_COMPRESS_RATIO}"
+            ));
+        }
+        if let Some(q) = &self.quantization_config {
+            match q.weight_block_size.as_deref() {
+                None => {}
+                Some([r, c]) if (1..=MAX_BLOCK).contains(r) && (1..=MAX_BLOCK).contains(c) => {}
+                Some(b) => {
+                    return Err(format!(
+                        "quantization_config.weight_block_size = {b:?} must be two sizes in 1..={MAX_BLOCK}"
+                    ))
+                }
+            }
+        }
+        if let Some(per) = &self.n_routed_experts_per_layer {
+            if per.len() != self.num_hidden_layers {
+                return Err(format!(
+                    "n_routed_experts_per_layer has {} entries but num_hidden_layers is {}",
+                    per.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(n) = per
+                .iter()
+                .find(|&&n| n < self.num_experts_per_tok || n > MAX_EXPERTS)
+            {
+                return Err(format!(
+                    "n_routed_experts_per_layer holds {n}: each must be in num_experts_per_tok ({})..={MAX_EXPERTS}",
+                    self.num_experts_per_tok
+                ));
+            }
+        }
         if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.n_routed_experts {
             return Err(format!(
                 "num_experts_per_tok = {} must be in 1..=n_routed_experts ({})",
@@ -321,11 +456,11 @@ mod tests {
     fn text_config_is_flattened() {
         let c = DeepSeekConfig::from_json(
             Path::new("c.json"),
-            r#"{"model_type":"x","text_config":{"hidden_size":64,"n_routed_experts":8,"num_experts_per_tok":2}}"#,
+            r#"{"model_type":"deepseek_v4","text_config":{"hidden_size":64,"n_routed_experts":8,"num_experts_per_tok":2}}"#,
         )
         .unwrap();
         assert_eq!(c.hidden_size, 64);
-        assert_eq!(c.model_type, "x");
+        assert_eq!(c.model_type, "deepseek_v4");
         let raw = c.raw_with(&[("n_routed_experts", Value::from(4))]);
         assert_eq!(raw["text_config"]["n_routed_experts"], 4);
     }
@@ -342,6 +477,44 @@ mod tests {
         ] {
             let e = DeepSeekConfig::from_json(Path::new("c.json"), bad).unwrap_err();
             assert!(e.to_string().starts_with("c.json"), "{e}");
+        }
+        // Numbers out of bounds are refused naming the key, before anything is allocated.
+        for (bad, key) in [
+            (r#"{"model_type":"llama"}"#, "model_type"),
+            (r#"{"sliding_window":0}"#, "sliding_window"),
+            (r#"{"index_topk":0}"#, "index_topk"),
+            (
+                r#"{"max_position_embeddings":0}"#,
+                "max_position_embeddings",
+            ),
+            (r#"{"n_routed_experts":4294967296}"#, "n_routed_experts"),
+            (r#"{"hc_sinkhorn_iters":1000000000}"#, "hc_sinkhorn_iters"),
+            (
+                r#"{"num_hidden_layers":1,"compress_ratios":[3]}"#,
+                "compress_ratios",
+            ),
+            (
+                r#"{"num_hidden_layers":1,"compress_ratios":[2147483648]}"#,
+                "compress_ratios",
+            ),
+            (
+                r#"{"num_hidden_layers":1,"compress_ratios":[9223372036854775808]}"#,
+                "compress_ratios",
+            ),
+            (r#"{"rms_norm_eps":0}"#, "rms_norm_eps"),
+            (
+                r#"{"quantization_config":{"weight_block_size":[0,0]}}"#,
+                "weight_block_size",
+            ),
+            (
+                r#"{"quantization_config":{"weight_block_size":[128]}}"#,
+                "weight_block_size",
+            ),
+        ] {
+            let e = DeepSeekConfig::from_json(Path::new("c.json"), bad)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("c.json") && e.contains(key), "{bad}: {e}");
         }
     }
 }

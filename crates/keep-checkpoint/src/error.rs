@@ -7,11 +7,11 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// An operating-system error on a file.
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: std::io::Error,
     },
     /// The safetensors header of a file is malformed.
     #[error("{path}: bad safetensors header: {msg}")]
@@ -35,6 +35,25 @@ pub enum CheckpointError {
     /// The output already exists and `--force` was not given.
     #[error("{path} already exists; pass --force to replace it, or choose another output")]
     OutputExists { path: PathBuf },
+    /// A file keep reads whole is larger than it can be.
+    #[error("{path} is larger than {max} bytes; this is not a file keep wrote or reads")]
+    TooLarge { path: PathBuf, max: u64 },
+    /// A path names something that is not a regular file where keep reads or writes one (or,
+    /// for a checkpoint output, not a directory); an output like that is never replaced, even
+    /// with `--force`.
+    #[error("{path} is {kind}, not a regular file")]
+    NotRegular { path: PathBuf, kind: &'static str },
+    /// A checkpoint path that is not a directory.
+    #[error("{path} is {kind}, not a checkpoint directory")]
+    NotADirectory { path: PathBuf, kind: &'static str },
+    /// An output would be, contain, or lie inside an input (or keep's own cache).
+    #[error("{path} {how} {role} {input}; choose an output outside it")]
+    OutputOverlapsInput {
+        path: PathBuf,
+        how: &'static str,
+        role: &'static str,
+        input: PathBuf,
+    },
     /// A writer was used out of order (a bug in the caller, reported, not panicked on).
     #[error("writer: {0}")]
     Writer(String),
@@ -48,7 +67,7 @@ impl CheckpointError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CheckpointError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

@@ -59,7 +59,7 @@ impl Index {
 
     /// Read an index file.
     pub fn read(path: &Path) -> Result<Index> {
-        let text = std::fs::read_to_string(path).map_err(|e| CheckpointError::io(path, e))?;
+        let text = crate::small_file::read_text(path, crate::small_file::MAX_SMALL_FILE)?;
         Index::parse(path, &text)
     }
 

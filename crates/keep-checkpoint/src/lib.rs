@@ -18,10 +18,12 @@ pub mod checkpoint;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod fingerprint;
 pub mod fuzzing;
 pub mod index;
 pub mod naming;
 pub mod safetensors;
+pub mod small_file;
 pub mod sums;
 pub mod writer;
 

@@ -91,8 +91,7 @@ impl VerifyReport {
 /// Check a directory against its `SHA256SUMS`.
 pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     let sums_path = dir.join(SUMS_FILE);
-    let text =
-        std::fs::read_to_string(&sums_path).map_err(|e| CheckpointError::io(&sums_path, e))?;
+    let text = crate::small_file::read_text(&sums_path, crate::small_file::MAX_SMALL_FILE)?;
     let entries = parse(&sums_path, &text)?;
     let mut rep = VerifyReport::default();
     let listed: std::collections::HashSet<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();

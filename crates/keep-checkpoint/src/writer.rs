@@ -56,6 +56,8 @@ pub struct WriterOptions {
     /// `fsync` every file before the rename (durable; off only for benchmarks that compare
     /// against a copy that does not sync either).
     pub sync: bool,
+    /// Paths the output must neither be, contain, nor lie inside (the inputs being read).
+    pub protect: Vec<PathBuf>,
 }
 
 impl Default for WriterOptions {
@@ -65,6 +67,7 @@ impl Default for WriterOptions {
             force: false,
             shard_metadata: BTreeMap::from([("format".to_string(), "pt".to_string())]),
             sync: true,
+            protect: vec![],
         }
     }
 }
@@ -188,6 +191,46 @@ fn tmp_prefix(out: &Path) -> Result<(PathBuf, String)> {
     Ok((parent, format!(".{name}.keep-tmp-")))
 }
 
+/// Where the previous output waits while it is replaced on a file system without an atomic
+/// exchange (two renames); a later writer restores it from there if it was stranded.
+fn old_sibling(out: &Path) -> Result<PathBuf> {
+    let (parent, prefix) = tmp_prefix(out)?;
+    Ok(parent.join(prefix.replace(".keep-tmp-", ".keep-old")))
+}
+
+/// Restore an output stranded in its old sibling by an interrupted replace (`out` missing), or
+/// remove an old copy whose replace completed.
+fn recover_old(out: &Path) -> Result<()> {
+    let old = old_sibling(out)?;
+    if std::fs::symlink_metadata(&old).is_err() {
+        return Ok(());
+    }
+    if std::fs::symlink_metadata(out).is_err() {
+        std::fs::rename(&old, out).map_err(|e| CheckpointError::io(out, e))
+    } else {
+        std::fs::remove_dir_all(&old).map_err(|e| CheckpointError::io(&old, e))
+    }
+}
+
+/// Check that a checkpoint may be written at `out`: absent, or an existing directory (not a
+/// link) and `force`; never one of `protect`, inside one, or containing one.
+pub fn check_dir_target(out: &Path, force: bool, protect: &[PathBuf]) -> Result<()> {
+    let inputs: Vec<&Path> = protect.iter().map(PathBuf::as_path).collect();
+    crate::atomic::check_disjoint(out, &inputs)?;
+    match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(CheckpointError::io(out, e)),
+        Ok(m) if !m.file_type().is_dir() => Err(CheckpointError::NotADirectory {
+            path: out.to_path_buf(),
+            kind: crate::atomic::kind_of(&m.file_type()),
+        }),
+        Ok(_) if !force => Err(CheckpointError::OutputExists {
+            path: out.to_path_buf(),
+        }),
+        Ok(_) => Ok(()),
+    }
+}
+
 /// Remove temporaries of `out` left by processes that are gone (Linux: no `/proc/<pid>`).
 fn remove_stale(out: &Path) -> Result<()> {
     let (parent, prefix) = tmp_prefix(out)?;
@@ -217,11 +260,8 @@ impl CheckpointWriter {
         tensors: Vec<TensorMeta>,
         opts: WriterOptions,
     ) -> Result<CheckpointWriter> {
-        if out.exists() && !opts.force {
-            return Err(CheckpointError::OutputExists {
-                path: out.to_path_buf(),
-            });
-        }
+        recover_old(out)?;
+        check_dir_target(out, opts.force, &opts.protect)?;
         let mut seen = std::collections::HashSet::new();
         for t in &tensors {
             if !seen.insert(t.name.as_str()) {
@@ -453,22 +493,33 @@ impl CheckpointWriter {
         let sums = render(&self.sums);
         let p = self.tmp.join(SUMS_FILE);
         std::fs::write(&p, sums).map_err(|e| CheckpointError::io(&p, e))?;
-        if self.out.exists() {
-            if !self.opts.force {
-                return Err(CheckpointError::OutputExists {
-                    path: self.out.clone(),
-                });
-            }
-            let old = self.tmp.with_extension("old");
-            std::fs::rename(&self.out, &old).map_err(|e| CheckpointError::io(&self.out, e))?;
-            std::fs::rename(&self.tmp, &self.out).map_err(|e| CheckpointError::io(&self.out, e))?;
-            let _ = if old.is_dir() {
-                std::fs::remove_dir_all(&old)
+        check_dir_target(&self.out, self.opts.force, &self.opts.protect)?;
+        if std::fs::symlink_metadata(&self.out).is_ok() {
+            // Swap new and old in one step where the OS can; the old copy is then in the
+            // temporary directory, removed below or, after a kill, by the next writer.
+            if crate::atomic::exchange(&self.tmp, &self.out)
+                .map_err(|e| CheckpointError::io(&self.out, e))?
+            {
+                let _ = std::fs::remove_dir_all(&self.tmp);
             } else {
-                std::fs::remove_file(&old)
-            };
+                let old = old_sibling(&self.out)?;
+                std::fs::rename(&self.out, &old).map_err(|e| CheckpointError::io(&self.out, e))?;
+                if let Err(e) = std::fs::rename(&self.tmp, &self.out) {
+                    let _ = std::fs::rename(&old, &self.out);
+                    return Err(CheckpointError::io(&self.out, e));
+                }
+                let _ = std::fs::remove_dir_all(&old);
+            }
         } else {
-            std::fs::rename(&self.tmp, &self.out).map_err(|e| CheckpointError::io(&self.out, e))?;
+            crate::atomic::rename_noreplace(&self.tmp, &self.out).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    CheckpointError::OutputExists {
+                        path: self.out.clone(),
+                    }
+                } else {
+                    CheckpointError::io(&self.out, e)
+                }
+            })?;
         }
         self.finished = true;
         Ok(self.out.clone())

@@ -18,7 +18,7 @@ mod embedded {
 }
 
 /// The cache root.
-fn cache_root() -> anyhow::Result<PathBuf> {
+pub fn cache_root() -> anyhow::Result<PathBuf> {
     if let Some(d) = std::env::var_os("KEEP_CACHE_DIR") {
         return Ok(PathBuf::from(d));
     }

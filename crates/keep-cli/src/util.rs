@@ -1,4 +1,6 @@
-//! Small helpers shared by the verbs: byte sizes, progress bars.
+//! Small helpers shared by the verbs: byte sizes, progress bars, output checks.
+
+use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -26,6 +28,24 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         u => return Err(format!("unknown size unit `{u}` in `{s}`")),
     };
     Ok((n * mult).round() as u64)
+}
+
+/// Refuse a single-file output before any work is done: an existing file without `--force`,
+/// anything that is not a regular file, a path that is or lies inside one of `inputs`, or a
+/// path inside keep's cache.
+pub fn check_out_file(out: &Path, force: bool, inputs: &[&Path]) -> anyhow::Result<()> {
+    keep_checkpoint::atomic::check_file_target(out, force)?;
+    keep_checkpoint::atomic::check_disjoint(out, inputs)?;
+    check_out_of_cache(out)
+}
+
+/// Refuse an output inside keep's cache (the bundled model and pack live there and are
+/// trusted by their own SHA256SUMS).
+pub fn check_out_of_cache(out: &Path) -> anyhow::Result<()> {
+    if let Ok(cache) = crate::bundled::cache_root() {
+        keep_checkpoint::atomic::check_outside(out, &[&cache], "keep's cache")?;
+    }
+    Ok(())
 }
 
 /// Human-readable bytes.

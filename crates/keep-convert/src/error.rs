@@ -7,11 +7,11 @@ pub enum ConvertError {
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
     /// A number-format error (lengths, alignment) on a named tensor.
-    #[error("tensor `{tensor}`: {source}")]
+    #[error("tensor `{tensor}`: {err}")]
     Format {
         tensor: String,
-        #[source]
-        source: keep_format::FormatError,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: keep_format::FormatError,
     },
     /// A conversion that would need rounding, refused.
     #[error("refusing tensor `{tensor}`: {reason}")]

@@ -2,7 +2,8 @@
 //!
 //! The report is data (serialisable to JSON); the CLI renders it as a table. Problems are
 //! collected, not raised: a weight without its scale, an orphan scale, an expert count that
-//! differs from the config, a tensor name keep does not know, index inconsistencies.
+//! differs from the config, a tensor name keep does not know, index inconsistencies, NaN or
+//! infinite values in every scale and in every tensor up to [`SCAN_BYTES`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -120,6 +121,39 @@ fn engram_tables(ck: &Checkpoint, problems: &mut Vec<String>) -> Vec<EngramTable
     out
 }
 
+/// Largest tensor whose values `inspect` scans for NaN/infinity (scales are scanned whatever
+/// their size; they are a small fraction of a weight).
+pub const SCAN_BYTES: usize = 256 << 20;
+
+/// How many of `t`'s values are NaN or infinite, for the dtypes that can hold them (E8M0 0xFF,
+/// E4M3FN 0x7F/0xFF, IEEE exponent all ones); `None` when `t` is not scanned.
+pub fn non_finite(t: &keep_checkpoint::TensorRef) -> Option<u64> {
+    use keep_checkpoint::Dtype;
+    let scale = naming::parse(t.name).part == Part::Scale;
+    if t.bytes.len() > SCAN_BYTES && !scale {
+        return None;
+    }
+    let b = t.bytes;
+    let n = match t.dtype {
+        Dtype::F8_E8M0 => b.iter().filter(|&&x| x == 0xFF).count(),
+        Dtype::F8_E4M3 => b.iter().filter(|&&x| x & 0x7F == 0x7F).count(),
+        Dtype::BF16 => b
+            .chunks_exact(2)
+            .filter(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7F80 == 0x7F80)
+            .count(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .filter(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00)
+            .count(),
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .filter(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7F80_0000 == 0x7F80_0000)
+            .count(),
+        _ => return None,
+    };
+    Some(n as u64)
+}
+
 /// Inspect an opened checkpoint.
 pub fn inspect(ck: &Checkpoint) -> Report {
     let cfg = ck.config();
@@ -153,6 +187,12 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         }
         if name.role == Role::Unknown {
             problems.push(format!("unknown tensor `{}`", t.name));
+        }
+        if let Some(n @ 1..) = non_finite(&t) {
+            problems.push(format!(
+                "`{}`: {n} non-finite values (NaN or infinity); the model would compute garbage from them",
+                t.name
+            ));
         }
         if name.part == Part::Scale {
             continue;

@@ -55,8 +55,10 @@ impl PrunePlan {
 
     /// Read and validate a plan file.
     pub fn read(path: &Path) -> Result<PrunePlan> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConvertError::Invalid(format!("{}: {e}", path.display())))?;
+        let text = keep_checkpoint::small_file::read_text(
+            path,
+            keep_checkpoint::small_file::MAX_SMALL_FILE,
+        )?;
         let plan: PrunePlan = serde_json::from_str(&text).map_err(|e| {
             ConvertError::Invalid(format!("{}: not a prune plan: {e}", path.display()))
         })?;
@@ -75,8 +77,28 @@ impl PrunePlan {
                 Self::FORMAT
             ));
         }
+        if self.n_experts == 0 || self.keep == 0 || self.keep > self.n_experts {
+            return Err(format!(
+                "keep = {} must be in 1..=n_experts ({})",
+                self.keep, self.n_experts
+            ));
+        }
+        for (what, ls) in [("layers", &self.layers), ("mtp_layers", &self.mtp_layers)] {
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(l) = ls.iter().find(|l| !seen.insert(l.layer)) {
+                return Err(format!("{what} lists layer {} twice", l.layer));
+            }
+        }
         for l in self.layers.iter().chain(&self.mtp_layers) {
             if let Some(s) = &l.survivors {
+                if s.len() != self.keep {
+                    return Err(format!(
+                        "layer {} keeps {} experts but the plan's keep is {}",
+                        l.layer,
+                        s.len(),
+                        self.keep
+                    ));
+                }
                 if s.is_empty() {
                     return Err(format!("layer {} keeps no experts", l.layer));
                 }
@@ -92,6 +114,54 @@ impl PrunePlan {
                         l.layer, self.n_experts
                     ));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// The fingerprint of the model the plan was made for (`model_fingerprint`, recorded by
+    /// `keep select`; [`keep_checkpoint::fingerprint::model_fingerprint`]).
+    pub fn model_fingerprint(&self) -> Option<&str> {
+        self.extra.get("model_fingerprint").and_then(|v| v.as_str())
+    }
+
+    /// Record that the plan is for the model in `dir`.
+    pub fn bind_to(&mut self, dir: &Path) -> Result<()> {
+        let fp = keep_checkpoint::fingerprint::model_fingerprint(dir)?;
+        self.extra.insert("model_fingerprint".into(), fp.into());
+        Ok(())
+    }
+
+    /// Check that the plan was made for the model in `dir` (its fingerprint) and that every
+    /// layer it names exists there (`n_layers` decoder layers, `n_mtp` MTP layers).
+    pub fn check_model(&self, dir: &Path, n_layers: usize, n_mtp: usize) -> Result<()> {
+        let have = keep_checkpoint::fingerprint::model_fingerprint(dir)?;
+        match self.model_fingerprint() {
+            None => {
+                return Err(ConvertError::Invalid(
+                    "the plan records no model_fingerprint: it cannot be checked against the model; make it with `keep select` for this model".into(),
+                ))
+            }
+            Some(want) if want != have => {
+                return Err(ConvertError::Invalid(format!(
+                    "the plan was made for the model with fingerprint {}, but {} has fingerprint {}: make a plan for this model",
+                    want.get(..12).unwrap_or(want),
+                    dir.display(),
+                    have.get(..12).unwrap_or(&have)
+                )))
+            }
+            Some(_) => {}
+        }
+        for (what, ls, n) in [
+            ("layer", &self.layers, n_layers),
+            ("MTP layer", &self.mtp_layers, n_mtp),
+        ] {
+            if let Some(l) = ls.iter().find(|l| l.layer >= n) {
+                return Err(ConvertError::Invalid(format!(
+                    "the plan names {what} {} but {} has {n}",
+                    l.layer,
+                    dir.display()
+                )));
             }
         }
         Ok(())

@@ -79,8 +79,11 @@ pub fn prune(
     opts: &PruneOptions,
     progress: &dyn Fn(u64, u64),
 ) -> Result<(PathBuf, PruneReport)> {
+    keep_checkpoint::writer::check_dir_target(out, opts.force, &[src.to_path_buf()])?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?;
+    plan.validate().map_err(ConvertError::Invalid)?;
+    plan.check_model(src, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)?;
     if plan.n_experts != cfg.n_routed_experts {
         return Err(ConvertError::Invalid(format!(
             "the plan is for {} experts per layer but {} has n_routed_experts = {}",
@@ -219,6 +222,7 @@ pub fn prune(
         max_shard_bytes: max_shard.max(1 << 20),
         force: opts.force,
         sync: opts.sync,
+        protect: vec![src.to_path_buf()],
         ..Default::default()
     };
     for s in ck.shards() {

@@ -247,6 +247,7 @@ pub fn repack(
     opts: &RepackOptions,
     progress: &dyn Fn(u64, u64),
 ) -> Result<(PathBuf, RepackReport)> {
+    keep_checkpoint::writer::check_dir_target(out, opts.force, &[src.to_path_buf()])?;
     let ck = Checkpoint::open(src)?;
     for s in ck.shards() {
         s.advise_sequential();
@@ -285,6 +286,7 @@ pub fn repack(
         max_shard_bytes: max_shard + max_shard / 16 + (1 << 20),
         force: opts.force,
         sync: opts.sync,
+        protect: vec![src.to_path_buf()],
         ..Default::default()
     };
     let mut w = CheckpointWriter::create(out, metas, wopts)?;
@@ -380,7 +382,7 @@ fn verify_tensors(residents: &[Resident], tmp: &Path, resident: ResidentFormat) 
         decode_fp8_block(r.weight.bytes, r.rows, r.cols, r.block, scales, &mut want).map_err(
             |e| ConvertError::Format {
                 tensor: name.to_string(),
-                source: e,
+                err: e,
             },
         )?;
         let w = outck.tensor(name)?;
@@ -397,7 +399,7 @@ fn verify_tensors(residents: &[Resident], tmp: &Path, resident: ResidentFormat) 
                     )
                     .map_err(|e| ConvertError::Format {
                         tensor: name.to_string(),
-                        source: e,
+                        err: e,
                     })?;
                 }
                 ResidentFormat::Bf16 => {

@@ -583,6 +583,21 @@ pub fn synth(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<PathBuf> {
     let st = opts.storage;
+    cfg.validate()
+        .map_err(|e| ConvertError::Invalid(format!("config: {e}")))?;
+    let max = keep_checkpoint::config::MAX_BLOCK;
+    if !(1..=max).contains(&st.block.0) || !(1..=max).contains(&st.block.1) {
+        return Err(ConvertError::Invalid(format!(
+            "FP8 block {}×{} must have sides in 1..={max}",
+            st.block.0, st.block.1
+        )));
+    }
+    if st.hash_layers > cfg.num_hidden_layers {
+        return Err(ConvertError::Invalid(format!(
+            "{} hash-routed layers but the model has {}",
+            st.hash_layers, cfg.num_hidden_layers
+        )));
+    }
     let plan = plan(cfg, &st)?;
     let metas = metas(&plan, &st);
     let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
@@ -628,7 +643,7 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
     let mut written = 0u64;
     let fmt_err = |e: keep_format::FormatError| ConvertError::Format {
         tensor: t.name.clone(),
-        source: e,
+        err: e,
     };
     match &t.kind {
         Kind::Bf16 { std } | Kind::Bf16Ones { std } => {

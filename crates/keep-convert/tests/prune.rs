@@ -23,8 +23,9 @@ fn make(dir: &Path, name: &str) -> std::path::PathBuf {
     synth(&cfg, &out, &o, &|_, _| {}).unwrap()
 }
 
-fn plan(n: usize, layers: &[(usize, Option<Vec<usize>>)]) -> PrunePlan {
-    PrunePlan {
+/// A plan for the model in `src` (its fingerprint recorded).
+fn plan(src: &Path, n: usize, layers: &[(usize, Option<Vec<usize>>)]) -> PrunePlan {
+    let mut p = PrunePlan {
         format: PrunePlan::FORMAT.into(),
         version: 1,
         n_experts: n,
@@ -43,7 +44,9 @@ fn plan(n: usize, layers: &[(usize, Option<Vec<usize>>)]) -> PrunePlan {
             .collect(),
         mtp_layers: vec![],
         extra: Default::default(),
-    }
+    };
+    p.bind_to(src).unwrap();
+    p
 }
 
 #[test]
@@ -64,7 +67,7 @@ fn prune_copies_survivor_bytes_and_slices_the_router() {
             )
         })
         .collect();
-    let p = plan(16, &layers);
+    let p = plan(&src, 16, &layers);
     let out = d.path().join("pruned");
     let opts = PruneOptions::default();
     let (_, rep) = prune(&src, &p, &out, &opts, &|_, _| {}).unwrap();
@@ -122,7 +125,7 @@ fn hash_layers_are_refused_unless_left_whole() {
     let all: Vec<_> = (0..6).map(|l| (l, Some(keep.clone()))).collect();
     let e = prune(
         &src,
-        &plan(16, &all),
+        &plan(&src, 16, &all),
         &d.path().join("x"),
         &PruneOptions::default(),
         &|_, _| {},
@@ -141,7 +144,7 @@ fn hash_layers_are_refused_unless_left_whole() {
     let out = d.path().join("y");
     prune(
         &src,
-        &plan(16, &some),
+        &plan(&src, 16, &some),
         &out,
         &PruneOptions::default(),
         &|_, _| {},
@@ -166,7 +169,7 @@ fn bad_plans_are_errors() {
     // Wrong expert count for the model.
     assert!(prune(
         &src,
-        &plan(32, &[(0, Some(vec![1, 2, 3, 4]))]),
+        &plan(&src, 32, &[(0, Some(vec![1, 2, 3, 4]))]),
         &d.path().join("a"),
         &o,
         &|_, _| {}
@@ -175,7 +178,7 @@ fn bad_plans_are_errors() {
     // Uneven counts across routed layers.
     let e = prune(
         &src,
-        &plan(16, &[(0, Some(vec![1, 2, 3, 4]))]),
+        &plan(&src, 16, &[(0, Some(vec![1, 2, 3, 4]))]),
         &d.path().join("b"),
         &o,
         &|_, _| {},
@@ -187,15 +190,57 @@ fn bad_plans_are_errors() {
     let layers: Vec<_> = (0..8).map(|l| (l, Some(vec![0, 1]))).collect();
     assert!(prune(
         &src,
-        &plan(16, &layers),
+        &plan(&src, 16, &layers),
         &d.path().join("c"),
         &o,
         &|_, _| {}
     )
     .is_err());
     // Validation.
-    let mut p = plan(16, &[(0, Some(vec![3, 1]))]);
+    let mut p = plan(&src, 16, &[(0, Some(vec![3, 1]))]);
     assert!(p.validate().is_err());
     p.layers[0].survivors = Some(vec![1, 99]);
     assert!(p.validate().is_err());
+    // Every field is checked: a duplicate layer, a layer the model lacks, a layer keeping
+    // other than `keep`, and a plan made for another model with the same expert count.
+    let keep4: Vec<_> = (0..8).map(|l| (l, Some(vec![0, 1, 2, 3]))).collect();
+    let good = plan(&src, 16, &keep4);
+    let mut dup = good.clone();
+    dup.layers.push(dup.layers[0].clone());
+    let mut far = good.clone();
+    far.layers[7].layer = 8;
+    let mut uneven = good.clone();
+    uneven.keep = 5;
+    let other = {
+        let d2 = d.path().join("other");
+        std::fs::create_dir(&d2).unwrap();
+        let (cfg, st) = preset("tiny").unwrap();
+        let o = SynthOptions {
+            seed: 6,
+            storage: st,
+            force: false,
+            max_shard_bytes: 1 << 20,
+        };
+        let m2 = synth(&cfg, &d2.join("tiny"), &o, &|_, _| {}).unwrap();
+        plan(&m2, 16, &keep4)
+    };
+    for (p, what) in [
+        (&dup, "twice"),
+        (&far, "layer 8"),
+        (&uneven, "keep"),
+        (&other, "fingerprint"),
+    ] {
+        let e = prune(&src, p, &d.path().join("z"), &o, &|_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(what), "{what}: {e}");
+        assert!(!d.path().join("z").exists());
+    }
+    let mut bare = good.clone();
+    bare.extra.clear();
+    let e = prune(&src, &bare, &d.path().join("z"), &o, &|_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model_fingerprint"), "{e}");
+    prune(&src, &good, &d.path().join("z"), &o, &|_, _| {}).unwrap();
 }

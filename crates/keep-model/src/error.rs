@@ -41,6 +41,10 @@ pub enum ModelError {
         expert: usize,
         msg: String,
     },
+    /// The hidden state or the logits turned NaN or infinite: the checkpoint holds non-finite
+    /// weights or scales that reach the computation.
+    #[error("the model's numbers turned non-finite (NaN or infinity) after {0}: the checkpoint holds non-finite weights or scales there (`keep inspect` lists them)")]
+    NonFinite(String),
     /// A cache used with the wrong model or after an error.
     #[error("cache: {0}")]
     Cache(String),

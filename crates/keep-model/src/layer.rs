@@ -109,6 +109,18 @@ pub struct Streams {
     pub tokens: Vec<u32>,
 }
 
+impl Streams {
+    /// Refuse to go on once the hidden state holds a NaN or an infinity (a NaN scale, router or
+    /// embedding in the checkpoint): `at` names where ("layer 3", "the embedding").
+    pub fn check_finite(&self, at: impl FnOnce() -> String) -> Result<()> {
+        if self.x.iter().chain(&self.pre_mix).all(|v| v.is_finite()) {
+            Ok(())
+        } else {
+            Err(ModelError::NonFinite(at()))
+        }
+    }
+}
+
 /// Position information of one forward call.
 #[derive(Debug, Clone, Copy)]
 pub struct Step {

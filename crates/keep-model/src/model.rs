@@ -133,6 +133,9 @@ impl<'a> Globals<'a> {
         ops::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
         let mut out = vec![0f32; rows.len() * cfg.vocab];
         matmul(&h, rows.len(), &self.head, &mut out)?;
+        if !out.iter().all(|v| v.is_finite()) {
+            return Err(ModelError::NonFinite("the output head".into()));
+        }
         Ok(out)
     }
 }
@@ -234,6 +237,7 @@ impl<'a> Model<'a> {
             return Ok(vec![]);
         }
         let mut s = self.globals.embed(&self.cfg, tokens)?;
+        s.check_finite(|| "the embedding".into())?;
         let step = step_of(&self.cfg, cache);
         let mut shared = Shared::default();
         let engram_ids = match &self.engram {
@@ -254,6 +258,7 @@ impl<'a> Model<'a> {
                 &mut shared,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
             )?;
+            s.check_finite(|| format!("layer {}", lw.layer))?;
         }
         cache.pos += tokens.len();
         self.globals.finish(&self.cfg, &s, which)

@@ -127,6 +127,7 @@ pub fn forward_streamed(
                 shared,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
             )?;
+            s.check_finite(|| format!("layer {l}"))?;
         }
         drop(experts);
         drop(lw);

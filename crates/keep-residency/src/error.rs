@@ -11,11 +11,11 @@ pub enum ResidencyError {
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
     /// An operating-system error on a file.
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: std::io::Error,
     },
     /// A route tensor (or its metadata) is malformed.
     #[error("{path}: tensor `{tensor}`: {msg}")]
@@ -49,7 +49,7 @@ impl ResidencyError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         ResidencyError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
     pub(crate) fn tensor(path: &std::path::Path, tensor: &str, msg: impl Into<String>) -> Self {

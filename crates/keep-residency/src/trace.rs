@@ -323,12 +323,7 @@ pub fn write_session(
     extra_metadata: &BTreeMap<String, String>,
     force: bool,
 ) -> Result<PathBuf> {
-    if path.exists() && !force {
-        return Err(keep_checkpoint::CheckpointError::OutputExists {
-            path: path.to_path_buf(),
-        }
-        .into());
-    }
+    keep_checkpoint::atomic::check_file_target(path, force)?;
     let mut meta = session_metadata(s)?;
     for (k, v) in extra_metadata {
         if meta.contains_key(k) {
@@ -357,6 +352,7 @@ pub fn write_session(
         force: true,
         shard_metadata: meta,
         sync: true,
+        protect: vec![],
     };
     let mut w = CheckpointWriter::create(
         &stage,
@@ -368,7 +364,7 @@ pub fn write_session(
     }
     let dir = w.finish()?;
     let built = dir.join("model.safetensors");
-    let moved = std::fs::rename(&built, path).map_err(|e| ResidencyError::io(path, e));
+    let moved = keep_checkpoint::atomic::place_file(&built, path, force);
     let _ = std::fs::remove_dir_all(&dir);
     moved?;
     Ok(path.to_path_buf())

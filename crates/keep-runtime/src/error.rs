@@ -41,11 +41,11 @@ pub enum RuntimeError {
     },
 
     /// An I/O error on a file.
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// Shown in the message (not as a separate cause, so it is printed once).
+        err: std::io::Error,
     },
 
     /// A warm-start or route file that cannot be used.
@@ -61,7 +61,7 @@ impl RuntimeError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         RuntimeError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

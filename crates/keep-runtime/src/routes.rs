@@ -69,9 +69,7 @@ impl RouteLog {
             path: path.to_path_buf(),
             msg,
         };
-        if path.exists() && !force {
-            return Err(file_err("exists; remove it or choose another file".into()));
-        }
+        keep_checkpoint::atomic::check_file_target(path, force)?;
         if n_experts > i16::MAX as usize + 1 {
             return Err(file_err(format!(
                 "{n_experts} experts do not fit the I16 ids of keep-routes"
@@ -122,7 +120,7 @@ impl RouteLog {
         .collect();
         let bytes = safetensors::tensor::serialize(views, Some(meta))
             .map_err(|e| file_err(e.to_string()))?;
-        Ok(keep_checkpoint::atomic::write_file(path, &bytes)?)
+        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
     }
 }
 

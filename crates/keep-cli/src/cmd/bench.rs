@@ -74,6 +74,9 @@ struct SummaryArgs {
     /// Print the rows as JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Replace an existing --plot file.
+    #[arg(long)]
+    force: bool,
 }
 
 fn kill_tests(a: KillArgs) -> anyhow::Result<()> {
@@ -102,7 +105,7 @@ fn summary(a: SummaryArgs) -> anyhow::Result<()> {
         print!("{}", s.table());
     }
     if let Some(p) = &a.plot {
-        keep_checkpoint::atomic::write_file(p, s.svg().as_bytes())?;
+        keep_checkpoint::atomic::write_file(p, s.svg().as_bytes(), a.force)?;
         eprintln!("plot written to {}", p.display());
     }
     Ok(())
@@ -133,6 +136,9 @@ struct SideArgs {
     /// Write the evidence row here (JSON).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Replace an existing --out file.
+    #[arg(long)]
+    force: bool,
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
@@ -152,7 +158,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     };
     let json = serde_json::to_string_pretty(&row)?;
     if let Some(p) = &r.out {
-        keep_checkpoint::atomic::write_file(p, json.as_bytes())?;
+        keep_checkpoint::atomic::write_file(p, json.as_bytes(), r.force)?;
     }
     println!(
         "{} on {} ({}): {} {:.2} GB/s, {} {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",

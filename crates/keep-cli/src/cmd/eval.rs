@@ -43,12 +43,18 @@ pub struct EvalArgs {
     /// Draw KL against experts kept (PNG or SVG by extension).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Replace an existing --plot file.
+    #[arg(long)]
+    force: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
+    if let Some(p) = &a.plot {
+        crate::util::check_out_file(p, a.force, &[])?;
+    }
     let model = match a.model {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,

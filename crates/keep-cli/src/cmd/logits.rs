@@ -30,9 +30,12 @@ pub struct LogitsArgs {
     /// Text to encode with the model's tokenizer.json.
     #[arg(long)]
     prompt: Option<String>,
-    /// Output safetensors file.
+    /// Output safetensors file (refused if it exists, unless --force).
     #[arg(long)]
     out: PathBuf,
+    /// Replace an existing --out file.
+    #[arg(long)]
+    force: bool,
     /// Feed the tokens one at a time through the cache instead of one prefill.
     #[arg(long)]
     decode: bool,
@@ -68,6 +71,7 @@ pub fn encode(dir: &Path, text: &str) -> anyhow::Result<Vec<u32>> {
 
 pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     let dir = model_dir(a.model)?;
+    crate::util::check_out_file(&a.out, a.force, &[&dir])?;
     let tokens: Vec<u32> = match (&a.tokens, &a.prompt) {
         (Some(t), None) => t
             .split(',')
@@ -138,8 +142,8 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
         ),
     ]
     .into();
-    safetensors::serialize_to_file(m, Some(meta), &a.out)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    let bytes = safetensors::serialize(m, Some(meta))?;
+    keep_checkpoint::atomic::write_file(&a.out, &bytes, a.force)?;
     eprintln!(
         "wrote {} ({} tokens × {} logits)",
         a.out.display(),

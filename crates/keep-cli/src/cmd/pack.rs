@@ -49,6 +49,7 @@ pub struct PackArgs {
 }
 
 pub fn run(a: PackArgs) -> anyhow::Result<()> {
+    crate::util::check_out_of_cache(&a.out)?;
     let tok = match (&a.tokenizer, &a.model) {
         (Some(t), _) => t.clone(),
         (None, Some(m)) => m.join("tokenizer.json"),

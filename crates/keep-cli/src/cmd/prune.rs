@@ -38,6 +38,8 @@ pub fn run(a: PruneArgs) -> anyhow::Result<()> {
         [model, out] => (model.clone(), out.clone()),
         _ => anyhow::bail!("give [MODEL] OUT"),
     };
+    crate::util::check_out_of_cache(&out)?;
+    keep_checkpoint::writer::check_dir_target(&out, a.force, &[model.clone(), a.plan.clone()])?;
     let plan = PrunePlan::read(&a.plan)?;
     let opts = PruneOptions {
         force: a.force,

@@ -47,6 +47,7 @@ pub struct RepackArgs {
 }
 
 pub fn run(a: RepackArgs) -> anyhow::Result<()> {
+    crate::util::check_out_of_cache(&a.out)?;
     let opts = RepackOptions {
         resident: match a.resident_format {
             Format::Mxfp8 => ResidentFormat::Mxfp8,

@@ -69,6 +69,9 @@ pub struct ResidencyArgs {
     /// Draw miss rate against hot-set size per policy (.png or .svg).
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
+    /// Replace an existing --plot file.
+    #[arg(long)]
+    force: bool,
     /// First write a synthetic run with temporal locality into RUN (a new directory), then
     /// replay it. SPEC: key=value list over layers, experts, top_k, tokens, sessions, seed,
     /// working_set, locality, drift, zipf ("" for the defaults).
@@ -112,6 +115,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         if ext != "png" && ext != "svg" {
             bail!("--plot {}: name the file *.png or *.svg", p.display());
         }
+        crate::util::check_out_file(p, a.force, &[])?;
     }
     if let Some(spec) = &a.make_synthetic {
         write_synthetic(&a.run, spec)?;

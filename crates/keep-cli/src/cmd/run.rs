@@ -54,6 +54,37 @@ pub struct RunArgs {
     budget: budget::BudgetArgs,
 }
 
+/// Refuse sampling settings that would sample garbage: a temperature that is not a finite
+/// number ≥ 0, a top-p outside (0, 1] (NaN included).
+fn check_sampling(a: &RunArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.temperature.is_finite() && a.temperature >= 0.0,
+        "--temperature must be a finite number ≥ 0, not {}",
+        a.temperature
+    );
+    anyhow::ensure!(
+        a.top_p > 0.0 && a.top_p <= 1.0,
+        "--top-p must be in (0, 1], not {}",
+        a.top_p
+    );
+    Ok(())
+}
+
+/// Refuse a run whose prompt plus generated tokens exceed the model's context
+/// (`max_position_embeddings`), before anything is allocated for it.
+fn check_context(
+    prompt: usize,
+    max_tokens: usize,
+    cfg: &keep_model::ModelConfig,
+) -> anyhow::Result<()> {
+    let limit = cfg.raw.max_position_embeddings;
+    anyhow::ensure!(
+        prompt.saturating_add(max_tokens) <= limit,
+        "{prompt} prompt tokens + --max-tokens {max_tokens} exceed the model's context of {limit} positions (max_position_embeddings); use --prompt-tokens/--max-tokens within it"
+    );
+    Ok(())
+}
+
 fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
     match raw.get(key) {
         Some(serde_json::Value::Number(n)) => {
@@ -124,10 +155,10 @@ impl TextOut {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    check_sampling(&a)?;
     if a.budget.active() {
         return budget::run(a);
     }
-    anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
     let dir = model_dir(a.model)?;
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let mut model =
@@ -138,6 +169,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let bos = config_id(raw, "bos_token_id");
     let eos = config_id(raw, "eos_token_id");
     let prompt = prompt_ids(Some(&tok), a.prompt.as_deref(), &bos)?;
+    check_context(prompt.len(), a.max_tokens, &model.cfg)?;
     let mut out = std::io::stdout().lock();
     if let Some(p) = &a.prompt {
         write!(out, "{p}")?;

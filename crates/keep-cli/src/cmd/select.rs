@@ -67,8 +67,11 @@ fn sibling(out: &Path, ext: &str) -> PathBuf {
 }
 
 pub fn run(a: SelectArgs) -> anyhow::Result<()> {
-    if a.out.exists() && !a.force {
-        anyhow::bail!("{} exists: pass --force to replace it", a.out.display());
+    crate::util::check_out_file(&a.out, a.force, &[&a.run])?;
+    if !a.no_plot {
+        for ext in ["png", "svg"] {
+            crate::util::check_out_file(&sibling(&a.out, ext), a.force, &[&a.run])?;
+        }
     }
     let stats = read_reap_stats(&a.run)?;
     let opts = SelectOptions {
@@ -82,7 +85,7 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
     plan.validate()
         .map_err(|e| anyhow::anyhow!("internal: invalid plan: {e}"))?;
     let text = serde_json::to_string_pretty(&plan)?;
-    keep_calib::st::write_bytes_atomic(&a.out, text.as_bytes())
+    keep_calib::st::write_bytes_atomic(&a.out, text.as_bytes(), a.force)
         .with_context(|| format!("writing {}", a.out.display()))?;
     let mut plots = vec![];
     if !a.no_plot {

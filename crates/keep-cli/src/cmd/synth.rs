@@ -61,6 +61,7 @@ pub struct SynthArgs {
 }
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
+    crate::util::check_out_of_cache(&a.out)?;
     let (mut cfg, mut storage) = match (&a.config, &a.preset) {
         (Some(p), None) => {
             let cfg = DeepSeekConfig::read(p)?;

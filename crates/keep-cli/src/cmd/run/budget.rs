@@ -23,6 +23,10 @@ use super::{config_id, prompt_ids, RunArgs, TextOut};
 use crate::cmd::logits::{model_dir, tokenizer};
 use crate::util::{human, parse_bytes};
 
+/// Most expert-reading threads a run may start (each holds a read buffer; far beyond what an
+/// SSD's queue depth can use).
+const MAX_IO_THREADS: usize = 256;
+
 /// The memory-budget flags of `keep run`.
 #[derive(Args, Debug, Clone)]
 pub struct BudgetArgs {
@@ -59,6 +63,9 @@ pub struct BudgetArgs {
     /// Write the run's numbers as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub stats_json: Option<PathBuf>,
+    /// Replace existing --record-routes and --stats-json files.
+    #[arg(long)]
+    pub force: bool,
     /// Without a tokenizer (keep synth models): use N deterministic prompt token ids.
     #[arg(long, value_name = "N")]
     pub prompt_tokens: Option<usize>,
@@ -144,9 +151,20 @@ fn cache_json(s: &CacheStats) -> serde_json::Value {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p must be in (0, 1]");
     let b = a.budget.clone();
     let dir = model_dir(a.model.clone())?;
+    for p in [&b.record_routes, &b.stats_json].into_iter().flatten() {
+        crate::util::check_out_file(p, b.force, &[&dir])?;
+    }
+    anyhow::ensure!(
+        (1..=MAX_IO_THREADS).contains(&b.io_threads),
+        "--io-threads must be 1 to {MAX_IO_THREADS}, not {}",
+        b.io_threads
+    );
+    anyhow::ensure!(
+        b.prompt_tokens != Some(0),
+        "--prompt-tokens must be at least 1"
+    );
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let policy: Policy = match b.policy.as_str() {
         "decay" => Policy::Decay {
@@ -212,9 +230,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else {
         Some(tokenizer(&dir)?)
     };
+    if let Some(n) = b.prompt_tokens {
+        super::check_context(n, a.max_tokens, &cfg)?;
+    }
     let prompt = match b.prompt_tokens {
         Some(n) => synthetic_prompt(n, cfg.vocab),
-        None => prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?,
+        None => {
+            let p = prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?;
+            super::check_context(p.len(), a.max_tokens, &cfg)?;
+            p
+        }
     };
     let mut out = std::io::stdout().lock();
     if let (Some(p), Some(_)) = (&a.prompt, &tok) {
@@ -343,7 +368,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     }
     if let (Some(path), Some(l)) = (&b.record_routes, &log) {
         let session = format!("keep-run-{}", std::process::id());
-        l.write(path, &session, cfg.n_experts, true)
+        l.write(path, &session, cfg.n_experts, b.force)
             .with_context(|| format!("writing routes to {}", path.display()))?;
         eprintln!(
             "routes of {} tokens written to {}",
@@ -386,6 +411,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         keep_checkpoint::atomic::write_file(
             path,
             (serde_json::to_string_pretty(&j)? + "\n").as_bytes(),
+            b.force,
         )?;
     }
     Ok(())

@@ -1,0 +1,657 @@
+//! The `keep` binary driven as a careless or hostile user would drive it: every verb's bad input
+//! goes through here, and each case asserts the exit status, that the message says what is
+//! wrong and names the user's path, and that the user's files survive byte for byte.
+//!
+//! Models are made by `keep synth --preset tiny` once per test process; the cache directory is
+//! a temporary one (`KEEP_CACHE_DIR`), so the tests never touch the user's cache.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+
+/// A scratch area shared by the tests of this process: a tiny synthetic model and a cache dir.
+struct Scratch {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    model: PathBuf,
+    cache: PathBuf,
+}
+
+fn scratch() -> &'static Scratch {
+    static S: OnceLock<Scratch> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let cache = root.join("cache");
+        std::fs::create_dir_all(&cache).unwrap();
+        let model = root.join("tiny");
+        Command::cargo_bin("keep")
+            .unwrap()
+            .env("KEEP_CACHE_DIR", &cache)
+            .args(["synth", "--preset", "tiny", "--out"])
+            .arg(&model)
+            .assert()
+            .success();
+        Scratch {
+            _dir: dir,
+            root,
+            model,
+            cache,
+        }
+    })
+}
+
+/// The `keep` binary with the scratch cache.
+fn keep() -> Command {
+    let mut c = Command::cargo_bin("keep").unwrap();
+    c.env("KEEP_CACHE_DIR", &scratch().cache);
+    c
+}
+
+/// A fresh directory for one test.
+fn workdir(name: &str) -> PathBuf {
+    let d = scratch().root.join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every file under `dir` with its bytes, sorted by path (to show a directory survived).
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = vec![];
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((
+                    p.strip_prefix(dir).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                ));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A copy of the scratch model (for tests that try to destroy it).
+fn copy_model(to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(&scratch().model).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn mkfifo(p: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Single-file outputs: never replaced without --force, never replaced if not a regular file.
+
+#[test]
+fn logits_out_refuses_existing_file_without_force_and_replaces_with_it() {
+    let w = workdir("logits-existing");
+    let out = w.join("l.safetensors");
+    std::fs::write(&out, b"precious").unwrap();
+    keep()
+        .arg("logits")
+        .arg(&scratch().model)
+        .args(["--tokens", "1,2,3", "--out"])
+        .arg(&out)
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("already exists")
+                .and(predicate::str::contains("l.safetensors")),
+        );
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    keep()
+        .arg("logits")
+        .arg(&scratch().model)
+        .args(["--tokens", "1,2,3", "--force", "--out"])
+        .arg(&out)
+        .assert()
+        .success();
+    assert_ne!(std::fs::read(&out).unwrap(), b"precious");
+    // Nothing but the output is left in the directory (no temporaries).
+    assert_eq!(std::fs::read_dir(&w).unwrap().count(), 1);
+}
+
+#[test]
+fn single_file_outputs_refuse_non_regular_targets_even_with_force() {
+    let w = workdir("non-regular");
+    let fifo = w.join("fifo");
+    mkfifo(&fifo);
+    let dir = w.join("adir");
+    std::fs::create_dir(&dir).unwrap();
+    let target = w.join("target");
+    std::fs::write(&target, b"linked").unwrap();
+    let link = w.join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for (p, what) in [
+        (&fifo, "a FIFO"),
+        (&dir, "a directory"),
+        (&link, "a symbolic link"),
+    ] {
+        keep()
+            .arg("logits")
+            .arg(&scratch().model)
+            .args(["--tokens", "1,2", "--force", "--out"])
+            .arg(p)
+            .assert()
+            .code(1)
+            .stderr(
+                predicate::str::contains(what).and(predicate::str::contains(p.to_str().unwrap())),
+            );
+        keep()
+            .arg("run")
+            .arg(&scratch().model)
+            .args([
+                "--prompt-tokens",
+                "2",
+                "--max-tokens",
+                "1",
+                "--force",
+                "--stats-json",
+            ])
+            .arg(p)
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(what));
+    }
+    {
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+    }
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(std::fs::read(&target).unwrap(), b"linked");
+    assert!(dir.is_dir());
+}
+
+#[test]
+fn logits_never_overwrites_a_shard_of_the_model_it_reads() {
+    let w = workdir("logits-shard");
+    let m = w.join("m");
+    copy_model(&m);
+    let before = snapshot(&m);
+    for force in [false, true] {
+        let mut c = keep();
+        c.arg("logits")
+            .arg(&m)
+            .args(["--tokens", "1,2,3", "--out"])
+            .arg(m.join("model.safetensors"));
+        if force {
+            c.arg("--force");
+        }
+        c.assert()
+            .code(1)
+            .stderr(predicate::str::contains("model.safetensors"));
+    }
+    assert_eq!(snapshot(&m), before);
+}
+
+#[test]
+fn run_stats_json_and_record_routes_refuse_existing_files() {
+    let w = workdir("run-outputs");
+    for flag in ["--stats-json", "--record-routes"] {
+        let p = w.join(format!("{}.out", &flag[2..]));
+        std::fs::write(&p, b"keep me").unwrap();
+        keep()
+            .arg("run")
+            .arg(&scratch().model)
+            .args(["--prompt-tokens", "2", "--max-tokens", "1", flag])
+            .arg(&p)
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("already exists"));
+        assert_eq!(std::fs::read(&p).unwrap(), b"keep me");
+        keep()
+            .arg("run")
+            .arg(&scratch().model)
+            .args(["--prompt-tokens", "2", "--max-tokens", "1", "--force", flag])
+            .arg(&p)
+            .assert()
+            .success();
+        assert_ne!(std::fs::read(&p).unwrap(), b"keep me");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Directory outputs: never the input, inside it, around it, or in keep's cache.
+
+#[test]
+fn repack_refuses_an_output_that_is_or_contains_its_input() {
+    let w = workdir("repack-overlap");
+    let m = w.join("d").join("m");
+    copy_model(&m);
+    let before = snapshot(&w);
+    let same = m.join("..").join("m");
+    for (out, how) in [
+        (&same, "is the input"),
+        (&m, "is the input"),
+        (&w.join("d"), "contains the input"),
+        (&m.join("sub"), "lies inside the input"),
+    ] {
+        keep()
+            .arg("repack")
+            .arg(&m)
+            .arg(out)
+            .args(["--resident-format", "mxfp8", "--force"])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(how));
+    }
+    assert_eq!(snapshot(&w), before);
+}
+
+#[test]
+fn prune_refuses_its_own_input_and_keeps_cache() {
+    let w = workdir("prune-overlap");
+    let m = w.join("m");
+    copy_model(&m);
+    let before = snapshot(&m);
+    let plan = w.join("plan.json");
+    std::fs::write(&plan, b"{}").unwrap();
+    keep()
+        .args(["prune", "--force", "--plan"])
+        .arg(&plan)
+        .arg(&m)
+        .arg(&m)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("is the input"));
+    assert_eq!(snapshot(&m), before);
+    // An output inside keep's cache (where the bundled model lives) is refused.
+    let cached = scratch().cache.join("models").join("keep-tiny-x");
+    keep()
+        .args(["prune", "--force", "--plan"])
+        .arg(&plan)
+        .arg(&m)
+        .arg(&cached)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("keep's cache"));
+    assert!(!cached.exists());
+}
+
+#[test]
+fn a_stranded_old_output_is_restored_by_the_next_writer() {
+    let w = workdir("stranded");
+    let out = w.join("out");
+    // What an interrupted two-rename replace leaves: OUT gone, the old copy beside it.
+    let old = w.join(".out.keep-old");
+    std::fs::create_dir(&old).unwrap();
+    std::fs::write(old.join("x"), b"old").unwrap();
+    keep()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&out)
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("already exists")
+                .and(predicate::str::contains(out.to_str().unwrap())),
+        );
+    assert_eq!(std::fs::read(out.join("x")).unwrap(), b"old");
+    assert!(!old.exists());
+    keep()
+        .args(["synth", "--preset", "tiny", "--force", "--out"])
+        .arg(&out)
+        .assert()
+        .success();
+    assert!(out.join("SHA256SUMS").is_file());
+    assert!(!out.join("x").exists());
+    // Only the output is left in the directory.
+    assert_eq!(std::fs::read_dir(&w).unwrap().count(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags that used to panic, abort or sample garbage: exit 1 with the reason.
+
+#[test]
+fn bad_flags_are_refused_with_the_reason() {
+    let m = &scratch().model;
+    let cases: &[(&[&str], &str)] = &[
+        (&["--prompt-tokens", "0"], "--prompt-tokens"),
+        (
+            &["--prompt-tokens", "2", "--temperature", "nan"],
+            "--temperature",
+        ),
+        (
+            &["--prompt-tokens", "2", "--temperature", "inf"],
+            "--temperature",
+        ),
+        (&["--prompt-tokens", "2", "--top-p", "nan"], "--top-p"),
+        (
+            &["--prompt-tokens", "2", "--io-threads", "100000"],
+            "--io-threads",
+        ),
+        (
+            &["--prompt-tokens", "2", "--io-threads", "0"],
+            "--io-threads",
+        ),
+        (&["--prompt-tokens", "1000000000"], "--prompt-tokens"),
+    ];
+    for (args, what) in cases {
+        keep()
+            .arg("run")
+            .arg(m)
+            .args(*args)
+            .args(["--max-tokens", "1"])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(*what));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configs that used to divide by zero, abort on allocation, spin, or read forever: every verb
+// that reads the model refuses them, naming the key.
+
+/// A copy of the scratch model with `edit` applied to its config.json.
+fn model_with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    let w = workdir(name);
+    let m = w.join("m");
+    copy_model(&m);
+    let p = m.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&p, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    m
+}
+
+#[test]
+fn hostile_configs_are_refused_by_every_reader_naming_the_key() {
+    let cases: Vec<(&str, serde_json::Value)> = vec![
+        (
+            "quantization_config",
+            serde_json::json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 0]}}),
+        ),
+        (
+            "compress_ratios",
+            serde_json::json!({"compress_ratios": [0, 4, 4, 2, 2, 1, 1, 9223372036854775808u64]}),
+        ),
+        (
+            "compress_ratios",
+            serde_json::json!({"compress_ratios": [0, 4, 4, 2, 2, 1, 1, 2147483648u64]}),
+        ),
+        (
+            "compress_ratios",
+            serde_json::json!({"compress_ratios": [0, 3, 4, 2, 2, 1, 1, 1]}),
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!({"n_routed_experts": 4294967296u64}),
+        ),
+        (
+            "hc_sinkhorn_iters",
+            serde_json::json!({"hc_sinkhorn_iters": 1000000000}),
+        ),
+        ("sliding_window", serde_json::json!({"sliding_window": 0})),
+        ("index_topk", serde_json::json!({"index_topk": 0})),
+        (
+            "max_position_embeddings",
+            serde_json::json!({"max_position_embeddings": 0}),
+        ),
+        ("model_type", serde_json::json!({"model_type": "llama"})),
+    ];
+    for (i, (key, patch)) in cases.iter().enumerate() {
+        let m = model_with_config(&format!("cfg-{i}"), |v| {
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+        });
+        let out = m.parent().unwrap().join("out");
+        let runs: Vec<Vec<std::ffi::OsString>> = vec![
+            vec!["inspect".into(), m.clone().into()],
+            vec![
+                "run".into(),
+                m.clone().into(),
+                "--prompt-tokens".into(),
+                "2".into(),
+                "--max-tokens".into(),
+                "1".into(),
+            ],
+            vec![
+                "repack".into(),
+                m.clone().into(),
+                out.clone().into(),
+                "--resident-format".into(),
+                "mxfp8".into(),
+            ],
+        ];
+        for args in runs {
+            keep().args(&args).assert().code(1).stderr(
+                predicate::str::contains(*key).and(predicate::str::contains("config.json")),
+            );
+        }
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn a_config_that_is_a_device_is_not_read() {
+    let w = workdir("cfg-dev");
+    let m = w.join("m");
+    copy_model(&m);
+    std::fs::remove_file(m.join("config.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", m.join("config.json")).unwrap();
+    for verb in ["inspect", "run"] {
+        keep()
+            .arg(verb)
+            .arg(&m)
+            .args(if verb == "run" {
+                &["--prompt-tokens", "2"][..]
+            } else {
+                &[][..]
+            })
+            .timeout(std::time::Duration::from_secs(120))
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("character device"));
+    }
+}
+
+#[test]
+fn synth_refuses_a_zero_block() {
+    let w = workdir("synth-block");
+    keep()
+        .args(["synth", "--preset", "tiny", "--block", "0", "--out"])
+        .arg(w.join("o"))
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("block"));
+    assert!(!w.join("o").exists());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite numbers in the checkpoint stop the run with the place they appeared, not garbage.
+
+/// Overwrite tensor `name` of `shard` with 0xFF bytes (NaN in bf16, f32, FP8 E4M3 and E8M0).
+fn poison(shard: &Path, name: &str) {
+    let mut b = std::fs::read(shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let off = &h[name]["data_offsets"];
+    let (s, e) = (
+        off[0].as_u64().unwrap() as usize,
+        off[1].as_u64().unwrap() as usize,
+    );
+    b[8 + n + s..8 + n + e].fill(0xFF);
+    std::fs::write(shard, b).unwrap();
+}
+
+#[test]
+fn non_finite_weights_stop_run_and_logits_naming_where() {
+    for (name, at) in [
+        ("embed.weight", "the embedding"),
+        ("layers.1.attn.wq_a.scale", "layer 1"),
+    ] {
+        let w = workdir(&format!("nan-{}", name.replace('.', "-")));
+        let m = w.join("m");
+        copy_model(&m);
+        poison(&m.join("model.safetensors"), name);
+        keep()
+            .arg("inspect")
+            .arg(&m)
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("non-finite").and(predicate::str::contains(name)));
+        keep()
+            .arg("run")
+            .arg(&m)
+            .args([
+                "--prompt-tokens",
+                "4",
+                "--max-tokens",
+                "2",
+                "--temperature",
+                "0",
+            ])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("non-finite").and(predicate::str::contains(at)));
+        let out = w.join("l.safetensors");
+        keep()
+            .arg("logits")
+            .arg(&m)
+            .args(["--tokens", "0,1,2", "--out"])
+            .arg(&out)
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("non-finite").and(predicate::str::contains(at)));
+        assert!(!out.exists());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors say what is wrong, once, about the user's path.
+
+#[test]
+fn errors_name_the_path_say_what_it_is_and_print_os_errors_once() {
+    let w = workdir("errors");
+    let missing = w.join("missing");
+    let out = keep().arg("inspect").arg(&missing).assert().code(1);
+    let err = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert!(err.contains(missing.to_str().unwrap()), "{err}");
+    let fifo = w.join("fifo");
+    mkfifo(&fifo);
+    keep()
+        .arg("inspect")
+        .arg(&fifo)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(
+            "is a FIFO, not a checkpoint directory",
+        ));
+    // A shard that is a FIFO is named, not skipped (and not read forever).
+    let m = w.join("m");
+    copy_model(&m);
+    mkfifo(&m.join("extra.safetensors"));
+    keep()
+        .arg("inspect")
+        .arg(&m)
+        .timeout(std::time::Duration::from_secs(120))
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("extra.safetensors").and(predicate::str::contains("a FIFO")),
+        );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans carry the fingerprint of their model and every field is checked.
+
+#[test]
+fn prune_refuses_a_plan_made_for_another_model() {
+    let w = workdir("plan-other");
+    let a = &scratch().model;
+    let b = w.join("b");
+    keep()
+        .args(["synth", "--preset", "tiny", "--seed", "9", "--out"])
+        .arg(&b)
+        .assert()
+        .success();
+    let plan = |fp: &str, layers: serde_json::Value| {
+        serde_json::json!({
+            "format": "keep-prune-plan", "version": 1, "n_experts": 16, "keep": 8,
+            "saliency": "test", "layers": layers, "mtp_layers": [], "model_fingerprint": fp,
+        })
+    };
+    let all: serde_json::Value = (0..8)
+        .map(|l| serde_json::json!({"layer": l, "survivors": (0..8).collect::<Vec<_>>()}))
+        .collect();
+    let fa = keep_checkpoint::fingerprint::model_fingerprint(a).unwrap();
+    let fb = keep_checkpoint::fingerprint::model_fingerprint(&b).unwrap();
+    let mut dup = all.clone();
+    dup.as_array_mut().unwrap().push(all[0].clone());
+    let mut far = all.clone();
+    far[7]["layer"] = 99.into();
+    let cases = [
+        (plan(&fa, all.clone()), "fingerprint"),
+        (plan(&fb, dup), "twice"),
+        (plan(&fb, far), "layer 99"),
+    ];
+    for (i, (p, what)) in cases.iter().enumerate() {
+        let pf = w.join(format!("plan-{i}.json"));
+        std::fs::write(&pf, serde_json::to_vec(p).unwrap()).unwrap();
+        keep()
+            .args(["prune", "--plan"])
+            .arg(&pf)
+            .arg(&b)
+            .arg(w.join("out"))
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains(*what));
+        assert!(!w.join("out").exists());
+    }
+    let pf = w.join("plan-ok.json");
+    std::fs::write(&pf, serde_json::to_vec(&plan(&fb, all)).unwrap()).unwrap();
+    keep()
+        .args(["prune", "--plan"])
+        .arg(&pf)
+        .arg(&b)
+        .arg(w.join("out"))
+        .assert()
+        .success();
+}
+
+#[test]
+fn plots_refuse_existing_files_without_force() {
+    let w = workdir("plots");
+    let p = w.join("p.svg");
+    std::fs::write(&p, b"keep").unwrap();
+    keep()
+        .arg("residency")
+        .arg(w.join("run"))
+        .args(["--make-synthetic", "tokens=50", "--plot"])
+        .arg(&p)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("already exists"));
+    assert_eq!(std::fs::read(&p).unwrap(), b"keep");
+    assert!(!w.join("run").exists());
+    keep()
+        .arg("residency")
+        .arg(w.join("run"))
+        .args(["--make-synthetic", "tokens=50", "--force", "--plot"])
+        .arg(&p)
+        .assert()
+        .success();
+    assert!(std::fs::read(&p).unwrap().starts_with(b"<svg"));
+}
