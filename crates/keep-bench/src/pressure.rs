@@ -14,7 +14,7 @@
 //! **decompressions** (Linux `zswpin`; macOS decompressions). Linux `pgpgin`/`pgpgout` are
 //! recorded but not gated: they count every block read and write of every process (log
 //! files, other users' builds), so on a shared machine they are never zero; macOS
-//! compressions are recorded, not gated (the seed's outbound half is pageouts and swapouts).
+//! compressions are recorded, not gated (the outbound half of the gate is pageouts and swapouts).
 //!
 //! The gate (schema_version 2, [`InboundGate::HARNESS`]): a row is clean only if the outbound
 //! delta is zero, page-ins and decompressions each stay under 4,096 and swap-ins are zero. The

@@ -1,4 +1,4 @@
-//! Scoring a student against a teacher's stored top-K log-probs (issue 6's `keep eval`).
+//! Scoring a student against a teacher's stored top-K log-probs (`keep eval`).
 //!
 //! Per position t the teacher left its K most likely tokens with their log-probs `lp_i` and the
 //! log-prob of the true next token. With `p_i = exp(lp_i)` and the tail mass

@@ -1,5 +1,5 @@
 //! `select`: choose a uniform survivor set per layer from a run's REAP statistics and write a
-//! [`PrunePlan`], with the kill test of the seed beside it.
+//! [`PrunePlan`], with the REAP-vs-frequency kill test beside it.
 //!
 //! Saliencies ([`Saliency`]): `reap` (Σ g·‖f‖ / count), `frequency` (route count),
 //! `weighted_frequency` (Σ g), `ean_mean` (Σ ‖f‖ / count). `shrink = α` pulls the mean-type

@@ -1,4 +1,4 @@
-//! Issue 6's exactness test: a checkpoint pruned by byte copy gives the same logits as the full
+//! Pruning's exactness test: a checkpoint pruned by byte copy gives the same logits as the full
 //! model with the plan applied as a router mask (same experts, same renormalised weights), on a
 //! `keep synth` model and on the bundled model; and the streamed student (what `keep eval`
 //! runs) equals the whole-model masked forward.

@@ -1,4 +1,4 @@
-//! The bundled default model (`keep-tiny`, issue 3) and its calibration pack: embedded in the
+//! The bundled default model (`keep-tiny`) and its calibration pack: embedded in the
 //! binary at build time and unpacked on first use into a cache directory, verified against
 //! their SHA256SUMS.
 //!

@@ -123,7 +123,11 @@ fn the_repository_speaks_of_the_product_only() {
             }
         }
     }
-    assert!(found.is_empty(), "history in the product:\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "history in the product:\n{}",
+        found.join("\n")
+    );
 }
 
 #[test]

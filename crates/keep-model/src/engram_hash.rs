@@ -23,7 +23,7 @@ pub const MAX_BUCKETS: usize = 4096;
 /// overflow.
 pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
 
-/// The seed multiplier of a layer's hash RNG (`default_rng(10007 * layer_id)`).
+/// The multiplier of a layer's hash RNG seed (`default_rng(10007 * layer_id)`).
 pub const LAYER_SEED_PRIME: u64 = 10007;
 
 // --- NumPy's SeedSequence (numpy/random/bit_generator.pyx) ---------------------------------

@@ -1,6 +1,6 @@
 //! Where routed experts' bytes come from: the [`ExpertSource`] trait. The MoE layer asks it for
 //! the three matrices of each chosen expert and never learns whether the bytes are resident,
-//! mmap'd or read from an SSD slot (issue 8 implements the slot cache behind this trait).
+//! mmap'd or read from an SSD slot (keep-runtime's slot cache implements this trait).
 //! [`CheckpointExperts`] is the default: views of the mmap'd checkpoint, resolved and
 //! shape-checked once at load.
 

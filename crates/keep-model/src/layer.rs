@@ -51,7 +51,7 @@ pub struct Indexer<'a> {
     pub wk: Option<(WeightView<'a>, Vec<f32>)>,
 }
 
-/// Per-layer router mask: experts that can never be chosen (issue 6's pruning-equivalent hook).
+/// Per-layer router mask: experts that can never be chosen (the hook that makes a masked model equal its pruned checkpoint).
 pub type RouterMask = Option<Vec<bool>>;
 
 /// The weights of one layer (routed experts excluded: they come from an [`ExpertSource`]).

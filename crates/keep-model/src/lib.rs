@@ -16,7 +16,7 @@
 //!
 //! What it is not: no tokenizer, no printing, no CLI, no knowledge of where routed-expert bytes
 //! come from: the MoE layer asks an [`ExpertSource`] (the default reads the checkpoint mapping;
-//! issue 8's SSD slot cache plugs in the same way).
+//! keep-runtime's SSD slot cache plugs in the same way).
 //!
 //! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic).
 

@@ -1,4 +1,4 @@
-//! Route observers: what calibration (issue 5) sees of each MoE layer and linear. The model calls
+//! Route observers: what calibration sees of each MoE layer and linear. The model calls
 //! an observer only when one is attached (`Option<&mut dyn RouteObserver>`), and observers only
 //! read: the forward is bit-identical with and without them.
 

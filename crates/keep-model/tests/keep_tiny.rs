@@ -14,11 +14,11 @@ use keep_model::observer::RouteRecorder;
 use keep_model::{Logits, Model};
 use safetensors::SafeTensors;
 
-/// Top-1 agreement floor over all held-out positions (issue 4).
+/// Top-1 agreement floor over all held-out positions.
 const MIN_TOP1: f64 = 0.995;
-/// Mean KL(reference ‖ keep) ceiling, nats per position (issue 4).
+/// Mean KL(reference ‖ keep) ceiling, nats per position.
 const MAX_MEAN_KL: f64 = 1e-4;
-/// Same routed experts on at least this share of (token, layer) pairs (issue 4).
+/// Same routed experts on at least this share of (token, layer) pairs.
 const MIN_ROUTES: f64 = 0.999;
 
 fn root() -> PathBuf {

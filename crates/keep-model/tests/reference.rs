@@ -16,11 +16,11 @@ use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::{Kernels, Logits, Model};
 use safetensors::SafeTensors;
 
-/// Top-1 agreement floor with the reference (issue 4).
+/// Top-1 agreement floor with the reference.
 const MIN_TOP1: f64 = 0.995;
-/// Mean KL(reference ‖ keep) ceiling in nats per position (issue 4).
+/// Mean KL(reference ‖ keep) ceiling in nats per position.
 const MAX_MEAN_KL: f64 = 1e-4;
-/// Routed-expert agreement floor over (token, layer) pairs (issue 4).
+/// Routed-expert agreement floor over (token, layer) pairs.
 const MIN_ROUTES: f64 = 0.999;
 /// Decode vs prefill: every kernel computes a row the same way whatever the batch, and the
 /// attention/compressor/indexer are per-row, so one token at a time is bit-identical to one
