@@ -3,7 +3,8 @@
 //!
 //! What it is: the route-trace format that calibration and `keep run --record-routes` write
 //! ([`trace`]), hot-set policies behind one trait — static, LRU, decayed counts, and Belady's
-//! optimum as the ceiling ([`policy`]) —, a single-threaded replay loop over flat per-layer
+//! optimum as the ceiling ([`policy`]; the realizable ones are also keep-runtime's slot
+//! policies, so a prediction is about what `keep run --memory-budget` does) —, a single-threaded replay loop over flat per-layer
 //! arrays ([`sim`]), a bytes and tokens/s cost model ([`cost`]), the report with its verdict
 //! per hot-set size ([`report`]), its plot ([`plot`]), and synthetic traces with temporal
 //! locality for tests and demos ([`synth`]).

@@ -431,8 +431,7 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
     }
     if opts.warm_start == WarmStart::None && policies.contains(&PolicyKind::Static) {
         notes.push(
-            "warm start none: the static set is the most frequent experts of the whole trace, \
-             each loaded on its first use"
+            "warm start none: static ranks experts by first use (the earliest stay resident)"
                 .into(),
         );
     }
@@ -652,13 +651,14 @@ mod tests {
         o.policies = vec![PolicyKind::Static];
         o.warm_start = WarmStart::Reap;
         o.reap_scores = Some(scores);
-        // Static {1}, prefilled: hits only the one use of expert 1.
+        // Static prefilled with {1}: the first 3 evicts it, then 3 hits twice; 1, 0 and the
+        // last 3 each take the one place in turn.
         let r = simulate(&t, &o).unwrap();
-        assert_eq!(r.sizes[0].policies[0].counts.hits, 1);
-        // With frequency, static {3}: four hits.
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 2);
+        // With frequency, prefilled with {3}: three hits before 1 takes its place.
         o.warm_start = WarmStart::Frequency;
         let r = simulate(&t, &o).unwrap();
-        assert_eq!(r.sizes[0].policies[0].counts.hits, 4);
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 3);
     }
 
     #[test]

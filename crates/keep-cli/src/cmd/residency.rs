@@ -13,8 +13,9 @@ use keep_residency::{HotSizes, PolicyKind, WarmStart};
 use crate::util::{human, parse_bytes};
 
 /// Replay the routes recorded in RUN (by `keep calibrate` or `keep run --record-routes`)
-/// through a hot set of experts per layer — static (top experts by REAP saliency or
-/// frequency), LRU, decayed use counts, and Belady's optimum as the ceiling — and report, per
+/// through a hot set of experts per layer — static (a fixed ranking by REAP saliency,
+/// frequency or first use), LRU, decayed use counts, and Belady's optimum as the ceiling, the
+/// first three exactly as `keep run --memory-budget` runs them — and report, per
 /// hot-set size, each policy's miss rate, bytes read per token and a tokens/s bound, with the
 /// verdict: KILL if the best realizable policy that fetches every miss still misses more than
 /// 5% of routed slots, else PASS. Residency resets at each session (file); counts pool over
