@@ -11,7 +11,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::policy::{Belady, Decay, Lru, Policy, PolicyKind, Start, StaticSet, Stream};
-use crate::trace::RouteTrace;
+use keep_artifacts::routes::RouteTrace;
 
 /// Where the warm-start ordering comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -227,7 +227,7 @@ pub fn cold_starts(experts: &[u16], n_experts: usize, initial: &[u16]) -> u64 {
 }
 
 /// Replay the whole trace through one policy at one hot-set size. Callers must pass a trace
-/// whose ids are below each layer's `n_experts` (every trace [`crate::trace::read_run`]
+/// whose ids are below each layer's `n_experts` (every trace [`keep_artifacts::routes::read_run`]
 /// returns is) and orderings that are permutations of `0..n_experts`.
 pub fn replay(trace: &RouteTrace, spec: &ReplaySpec) -> Replayed {
     match spec.policy {
@@ -277,7 +277,7 @@ pub fn order_by(scores: &[f64]) -> Vec<u16> {
 mod tests {
     use super::*;
     use crate::policy::reference;
-    use crate::trace::{LayerRoutes, Session};
+    use keep_artifacts::routes::{LayerRoutes, Session};
     use proptest::prelude::*;
 
     /// A random single-layer trace: `sessions` of `tokens` each, `k` distinct experts per token

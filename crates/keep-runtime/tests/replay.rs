@@ -8,10 +8,10 @@ mod common;
 
 use std::path::Path;
 
+use keep_artifacts::routes::read_run;
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{Sampler, SamplerConfig};
 use keep_residency::sim::{order_by, replay, ReplaySpec};
-use keep_residency::trace::read_run;
 use keep_runtime::{warm_scores, BudgetPlan, BudgetedModel, Policy, RouteLog, RuntimeOptions};
 
 /// Decoded tokens per run: enough for every slot to be given up many times.

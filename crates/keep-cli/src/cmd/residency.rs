@@ -90,7 +90,7 @@ fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
     let meta = std::collections::BTreeMap::from([("synthetic".to_string(), format!("{spec:?}"))]);
     for s in &t.sessions {
         let p = dir.join(format!("{}.safetensors", s.id));
-        keep_residency::write_session(&p, s, &meta, false)?;
+        keep_artifacts::routes::write_session(&p, s, &meta, false)?;
     }
     eprintln!(
         "wrote {} synthetic sessions ({} layers, {} experts, top-{}, {} tokens each) to {}",
@@ -117,7 +117,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     if let Some(spec) = &a.make_synthetic {
         write_synthetic(&a.run, spec)?;
     }
-    let trace = keep_residency::read_run(&a.run)?;
+    let trace = keep_artifacts::routes::read_run(&a.run)?;
     let first = &trace.sessions[0];
     let n_max = first.layers.iter().map(|l| l.n_experts).max().unwrap_or(1);
     let layers = trace.layers();
