@@ -31,7 +31,7 @@ pub use cache::{Cache, LayerCache};
 pub use config::ModelConfig;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
-pub use generate::{Sampler, SamplerConfig};
+pub use generate::{Generate, Sampler, SamplerConfig};
 pub use model::{Logits, Model};
 pub use observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
 
