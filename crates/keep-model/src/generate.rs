@@ -1,7 +1,13 @@
 //! Sampling and generation: greedy (temperature 0) or temperature + top-p with a seeded
-//! SplitMix64 generator (deterministic for a seed), and a generation loop over [`Model::forward`].
+//! SplitMix64 generator (deterministic for a seed), and keep's one generation loop
+//! ([`generate_with`]) over [`Generate`], which the whole model implements here and
+//! keep-runtime's budgeted model implements there.
 
+use std::time::Instant;
+
+use crate::cache::Cache;
 use crate::model::{Logits, Model};
+use crate::observer::RouteObserver;
 use crate::Result;
 
 /// Sampling settings.
@@ -95,6 +101,37 @@ pub struct GenStats {
     pub decode_secs: f64,
 }
 
+/// A model the generation loop can drive: the whole model (`&Model`) or one whose routed
+/// experts live elsewhere (keep-runtime's budgeted model).
+pub trait Generate {
+    /// An empty KV cache.
+    fn new_cache(&self) -> Cache;
+    /// Feed `tokens` after those in `cache`; the logits of the last one.
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>>;
+    /// Called once, right after the prompt's forward (a budgeted model takes its prefill
+    /// counters here).
+    fn prefilled(&mut self) {}
+}
+
+impl Generate for &Model<'_> {
+    fn new_cache(&self) -> Cache {
+        Model::new_cache(self)
+    }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        self.forward(tokens, cache, Logits::Last, obs)
+    }
+}
+
 /// Prefill `prompt`, then sample up to `max_tokens` tokens, calling `on_token` with each; stops
 /// early at a token in `stop` (which is passed to `on_token` but not fed back).
 pub fn generate(
@@ -103,13 +140,39 @@ pub fn generate(
     max_tokens: usize,
     sampler: &mut Sampler,
     stop: &[u32],
+    on_token: impl FnMut(u32),
+) -> Result<GenStats> {
+    generate_with(
+        &mut &*model,
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
+        None,
+        on_token,
+    )
+}
+
+/// [`generate`] over any [`Generate`], with an observer of every forward.
+pub fn generate_with<G: Generate + ?Sized>(
+    model: &mut G,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampler: &mut Sampler,
+    stop: &[u32],
+    mut obs: Option<&mut dyn RouteObserver>,
     mut on_token: impl FnMut(u32),
 ) -> Result<GenStats> {
     let mut cache = model.new_cache();
-    let t0 = std::time::Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, Logits::Last, None)?;
+    let t0 = Instant::now();
+    let mut logits = model.forward_last(
+        prompt,
+        &mut cache,
+        obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+    )?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-    let t1 = std::time::Instant::now();
+    model.prefilled();
+    let t1 = Instant::now();
     let mut generated = 0;
     let mut decode_steps = 0;
     while generated < max_tokens {
@@ -119,7 +182,11 @@ pub fn generate(
         if stop.contains(&tok) || generated == max_tokens {
             break;
         }
-        logits = model.forward(&[tok], &mut cache, Logits::Last, None)?;
+        logits = model.forward_last(
+            &[tok],
+            &mut cache,
+            obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+        )?;
         decode_steps += 1;
     }
     Ok(GenStats {

@@ -41,7 +41,7 @@ pub use engram::{Engram, EngramRows, TableRows};
 pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
-pub use generate::{Sampler, SamplerConfig};
+pub use generate::{Generate, Sampler, SamplerConfig};
 pub use keep_kernels::Kernels;
 pub use model::{Logits, Model};
 pub use observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};

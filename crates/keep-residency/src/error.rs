@@ -10,6 +10,9 @@ pub enum ResidencyError {
     /// The checkpoint layer could not read or write a file.
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
+    /// A route trace could not be read or written.
+    #[error(transparent)]
+    Artifact(#[from] keep_artifacts::ArtifactError),
     /// An operating-system error on a file.
     #[error("{path}: {err}")]
     Io {

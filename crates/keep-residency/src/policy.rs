@@ -1,14 +1,22 @@
 //! Hot-set policies behind one trait: static, LRU, decayed use counts, and Belady's optimum.
+//! The same implementations run the simulator and keep-runtime's slot cache (Belady, which
+//! needs the future, is simulator-only), so `keep residency` predicts what `keep run
+//! --memory-budget` does.
 //!
 //! The model: one hot set of `capacity` experts per layer, replayed slot by slot (token `t`,
-//! slot `j` is access `i = t·top_k + j` of the layer's stream). An access to a resident expert
-//! is a hit. A miss is read from SSD; the policy then may *admit* the expert (evicting one if
-//! full) or *bypass* it (use it once, keep the set). A miss that the fetch threshold drops
-//! (`admit == false`) changes no residency.
+//! slot `j` is access `i = t·top_k + j` of the layer's stream; a token's experts are taken in
+//! ascending id, the order in which the runtime serves them). An access to a resident expert
+//! is a hit. A miss is read from SSD; the policy then *admits* the expert, evicting one if
+//! full, or *bypasses* it (use it once, keep the set). A token's experts are chosen together
+//! (the router runs before the experts), so all of them are in use while the token lasts and
+//! none is evicted for another: a miss when every resident is in use is bypassed.
+//! A miss that the fetch threshold drops (`admit == false`) changes no residency.
 //!
-//! - **static**: a fixed set — the top-`capacity` of the warm-start ordering. Prefilled when
-//!   the warm start is `reap`/`frequency`; with `none` each member is loaded on its first use.
-//!   Everything else is bypassed.
+//! - **static**: a fixed ranking — the warm-start ordering when the hot set starts filled with
+//!   its top, else the order of first use in the stream (earliest best). Every miss is
+//!   admitted; the lowest-ranked resident goes first, so the top of the ranking stays resident
+//!   and the rest cycle through the remaining places (as in the runtime, where an expert can
+//!   only be used from a slot).
 //! - **lru**: admit every miss, evict the least recently used (prefilled residents count as
 //!   used in rank order, the best most recently).
 //! - **decay**: every use of an expert (resident or not) adds `2^(t/half_life)` to its score,
@@ -22,7 +30,13 @@
 //!   O(T·k); each access is O(log H).
 //!
 //! Data structures are flat arrays indexed by expert id (no hashing): LRU a doubly linked
-//! list, decay a min-heap and Belady a max-heap with position indices.
+//! list, static, decay and Belady heaps with position indices. The residents in use by the
+//! current token are keyed out of the victim's way while the token lasts.
+//!
+//! Online use ([`SlotPolicy`]): a cache that keeps its own residents (keep-runtime's slots)
+//! reports every use with [`SlotPolicy::touch`] and asks [`SlotPolicy::victim`] among the
+//! residents it may give up; both share the scoring of `access`, and a test replays a route
+//! file the runtime recorded to get the runtime's hit count exactly.
 
 use serde::{Deserialize, Serialize};
 
@@ -97,12 +111,28 @@ impl Start<'_> {
     }
 }
 
-/// A hot-set policy. `reset` starts a stream (a layer in a session); `access` replays access
-/// `i` (strictly increasing within a stream) of expert `e` and says whether it hit.
+/// A hot-set policy. `reset` starts a stream (a layer in a session); `begin_token` announces
+/// the experts of the token whose first access is `i` (they are in use together: none of them
+/// is evicted while the token lasts); `access` replays access `i` (strictly increasing within
+/// a stream) of expert `e` and says whether it hit.
 pub trait Policy {
     fn kind(&self) -> PolicyKind;
     fn reset(&mut self, stream: &Stream, start: &Start);
+    fn begin_token(&mut self, _i: usize, _experts: &[u16]) {}
     fn access(&mut self, i: usize, e: u16, admit: bool) -> bool;
+}
+
+/// A policy run beside a cache that keeps its own residents (keep-runtime's slots, one
+/// [`Stream`] per layer for the whole run, `top_k` = the experts of one pass). After `reset`
+/// (with `prefill` when the cache starts filled with the top of `order`), the cache reports
+/// every use with `touch` (access indices strictly increasing; a pass is one "token") and asks
+/// `victim` which of `candidates` — residents not in use by the current pass — gives up its
+/// place. Scoring is shared with [`Policy::access`], so a cache driven this way holds what the
+/// simulator's hot set holds.
+pub trait SlotPolicy: Policy + Send {
+    fn touch(&mut self, i: usize, e: u16);
+    /// The index in `candidates` of the expert to give up (`None` when empty).
+    fn victim(&self, candidates: &[u16]) -> Option<usize>;
 }
 
 /// A new policy of `kind` (`half_life` in tokens, for decay).
@@ -115,11 +145,70 @@ pub fn make(kind: PolicyKind, half_life: f64) -> Box<dyn Policy> {
     }
 }
 
-/// The fixed hot set.
+/// A new online policy of `kind` (`None` for Belady, which needs the future).
+pub fn make_online(kind: PolicyKind, half_life: f64) -> Option<Box<dyn SlotPolicy>> {
+    match kind {
+        PolicyKind::Static => Some(Box::new(StaticSet::default())),
+        PolicyKind::Lru => Some(Box::new(Lru::default())),
+        PolicyKind::Decay => Some(Box::new(Decay::new(half_life))),
+        PolicyKind::Belady => None,
+    }
+}
+
+/// The index of the smallest key among `candidates` (ties: the earlier candidate).
+fn min_by_key<K: PartialOrd>(candidates: &[u16], key: impl Fn(usize) -> K) -> Option<usize> {
+    let mut best: Option<(K, usize)> = None;
+    for (ci, &e) in candidates.iter().enumerate() {
+        let k = key(e as usize);
+        if best.as_ref().is_none_or(|(bk, _)| k < *bk) {
+            best = Some((k, ci));
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// Max-heap on rank position (worst ranked at the root); in-use residents key as `-1`.
+#[derive(Debug, Clone)]
+struct WorstRank;
+impl HeapOrder for WorstRank {
+    type K = i64;
+    #[inline]
+    fn above(a: &i64, b: &i64) -> bool {
+        a > b
+    }
+}
+
+/// The in-use key of [`WorstRank`].
+const IN_USE_RANK: i64 = -1;
+
+/// The fixed ranking (see the module doc).
 #[derive(Debug, Default, Clone)]
 pub struct StaticSet {
-    member: Vec<bool>,
-    resident: Vec<bool>,
+    /// Rank position of each expert (lower is better); `u32::MAX` until ranked.
+    rank: Vec<u32>,
+    /// Experts ranked by first use so far (when there is no warm-start ordering).
+    arrivals: u32,
+    heap: KeyHeap<WorstRank>,
+    cap: usize,
+    /// Residents in use by the current token.
+    pinned: Vec<u32>,
+}
+
+impl StaticSet {
+    #[inline]
+    fn note(&mut self, e: usize) {
+        if self.rank[e] == u32::MAX {
+            self.rank[e] = self.arrivals;
+            self.arrivals += 1;
+        }
+    }
+    #[inline]
+    fn pin(&mut self, e: u32) {
+        if self.heap.key(e) != IN_USE_RANK {
+            self.heap.rekey(e, IN_USE_RANK, true);
+            self.pinned.push(e);
+        }
+    }
 }
 
 impl Policy for StaticSet {
@@ -127,27 +216,65 @@ impl Policy for StaticSet {
         PolicyKind::Static
     }
     fn reset(&mut self, s: &Stream, st: &Start) {
-        self.member.clear();
-        self.member.resize(s.n_experts, false);
-        self.resident.clear();
-        self.resident.resize(s.n_experts, false);
-        for &e in &st.order[..st.capacity.min(st.order.len())] {
-            self.member[e as usize] = true;
+        self.rank.clear();
+        self.rank.resize(s.n_experts, u32::MAX);
+        self.arrivals = 0;
+        if st.prefill {
+            for (r, &e) in st.order.iter().enumerate() {
+                self.rank[e as usize] = r as u32;
+            }
         }
+        self.heap.reset(s.n_experts);
+        self.cap = st.capacity;
+        self.pinned.clear();
         for &e in st.initial() {
-            self.resident[e as usize] = true;
+            self.heap.push(e as u32, self.rank[e as usize] as i64);
+        }
+    }
+    fn begin_token(&mut self, _i: usize, experts: &[u16]) {
+        for p in std::mem::take(&mut self.pinned) {
+            self.heap.rekey(p, self.rank[p as usize] as i64, false);
+        }
+        for &e in experts {
+            if self.heap.contains(e as u32) {
+                self.pin(e as u32);
+            }
         }
     }
     #[inline]
     fn access(&mut self, _i: usize, e: u16, admit: bool) -> bool {
-        let e = e as usize;
-        if self.resident[e] {
+        let eu = e as u32;
+        self.note(e as usize);
+        if self.heap.contains(eu) {
+            self.pin(eu);
             return true;
         }
-        if admit && self.member[e] {
-            self.resident[e] = true;
+        if !admit || self.cap == 0 {
+            return false;
         }
+        if self.heap.len() < self.cap {
+            self.heap.push(eu, IN_USE_RANK);
+        } else if self.heap.top_key() != IN_USE_RANK {
+            self.heap.replace_top(eu, IN_USE_RANK);
+        } else {
+            return false;
+        }
+        self.pinned.push(eu);
         false
+    }
+}
+
+impl SlotPolicy for StaticSet {
+    fn touch(&mut self, _i: usize, e: u16) {
+        if (e as usize) < self.rank.len() {
+            self.note(e as usize);
+        }
+    }
+    fn victim(&self, candidates: &[u16]) -> Option<usize> {
+        // The worst rank: the smallest negated position.
+        min_by_key(candidates, |e| {
+            std::cmp::Reverse(self.rank.get(e).copied().unwrap_or(u32::MAX))
+        })
     }
 }
 
@@ -159,10 +286,17 @@ pub struct Lru {
     prev: Vec<u32>,
     next: Vec<u32>,
     resident: Vec<bool>,
+    /// Last-use tick of each expert: prefilled ranks `1..=n` (best highest), then
+    /// `tick0 + i`.
+    last: Vec<u64>,
+    tick0: u64,
     head: u32,
     tail: u32,
     len: usize,
     cap: usize,
+    /// Whether each expert is in use by the current token, and which are.
+    in_use: Vec<bool>,
+    pinned: Vec<u32>,
 }
 
 impl Lru {
@@ -202,6 +336,15 @@ impl Lru {
         }
         self.tail = e;
     }
+    /// The least recent resident not in use by the current token.
+    #[inline]
+    fn victim_slot(&self) -> u32 {
+        let mut v = self.tail;
+        while v != NIL && self.in_use[v as usize] {
+            v = self.prev[v as usize];
+        }
+        v
+    }
 }
 
 impl Policy for Lru {
@@ -216,21 +359,42 @@ impl Policy for Lru {
         self.next.resize(n, NIL);
         self.resident.clear();
         self.resident.resize(n, false);
+        self.last.clear();
+        self.last.resize(n, 0);
+        self.tick0 = n as u64 + 1;
         self.head = NIL;
         self.tail = NIL;
         self.len = 0;
         self.cap = st.capacity;
-        for &e in st.initial() {
+        self.in_use.clear();
+        self.in_use.resize(n, false);
+        self.pinned.clear();
+        let init = st.initial();
+        for (r, &e) in init.iter().enumerate() {
             // Best first = most recent first.
             self.push_back(e as u32);
             self.resident[e as usize] = true;
+            self.last[e as usize] = (init.len() - r) as u64;
             self.len += 1;
         }
     }
+    fn begin_token(&mut self, _i: usize, experts: &[u16]) {
+        for p in std::mem::take(&mut self.pinned) {
+            self.in_use[p as usize] = false;
+        }
+        for &e in experts {
+            let eu = e as usize;
+            if self.resident[eu] && !self.in_use[eu] {
+                self.in_use[eu] = true;
+                self.pinned.push(e as u32);
+            }
+        }
+    }
     #[inline]
-    fn access(&mut self, _i: usize, e: u16, admit: bool) -> bool {
+    fn access(&mut self, i: usize, e: u16, admit: bool) -> bool {
         let e = e as u32;
         if self.resident[e as usize] {
+            self.last[e as usize] = self.tick0 + i as u64;
             if self.head != e {
                 self.unlink(e);
                 self.push_front(e);
@@ -238,18 +402,38 @@ impl Policy for Lru {
             return true;
         }
         if !admit || self.cap == 0 {
+            self.last[e as usize] = self.tick0 + i as u64;
             return false;
         }
         if self.len == self.cap {
-            let victim = self.tail;
+            let victim = self.victim_slot();
+            if victim == NIL {
+                // Every resident is in use by this token: bypass.
+                self.last[e as usize] = self.tick0 + i as u64;
+                return false;
+            }
             self.unlink(victim);
             self.resident[victim as usize] = false;
         } else {
             self.len += 1;
         }
+        self.last[e as usize] = self.tick0 + i as u64;
         self.push_front(e);
         self.resident[e as usize] = true;
+        self.in_use[e as usize] = true;
+        self.pinned.push(e);
         false
+    }
+}
+
+impl SlotPolicy for Lru {
+    fn touch(&mut self, i: usize, e: u16) {
+        if let Some(t) = self.last.get_mut(e as usize) {
+            *t = self.tick0 + i as u64;
+        }
+    }
+    fn victim(&self, candidates: &[u16]) -> Option<usize> {
+        min_by_key(candidates, |e| self.last.get(e).copied().unwrap_or(0))
     }
 }
 
@@ -289,6 +473,11 @@ impl<O: HeapOrder> KeyHeap<O> {
     #[inline]
     fn len(&self) -> usize {
         self.heap.len()
+    }
+    /// The key of resident `e`.
+    #[inline]
+    fn key(&self, e: u32) -> O::K {
+        self.heap[self.pos[e as usize] as usize].0
     }
     #[inline]
     fn top_key(&self) -> O::K {
@@ -367,7 +556,7 @@ impl<O: HeapOrder> KeyHeap<O> {
 /// Scores past this exponent are rescaled (f64 holds up to 2^1023).
 const DECAY_RESCALE_EXP: f64 = 512.0;
 
-/// Min-heap on (score, last-use tick).
+/// Min-heap on (score, last-use tick); in-use residents key as an infinite score.
 #[derive(Debug, Clone)]
 struct LowestScore;
 impl HeapOrder for LowestScore {
@@ -384,9 +573,14 @@ pub struct Decay {
     half_life: f64,
     /// Scaled decayed count of every expert (resident or not).
     score: Vec<f64>,
+    /// Last-use tick of every expert (prefilled ranks `1..=n`, best highest, then
+    /// `tick0 + i`).
+    tick: Vec<u64>,
     heap: KeyHeap<LowestScore>,
     cap: usize,
     top_k: usize,
+    /// Residents in use by the current token.
+    pinned: Vec<u32>,
     /// First access index of the next token, and the current token's increment.
     tok_end: usize,
     inc: f64,
@@ -403,15 +597,18 @@ impl Decay {
         Decay {
             half_life: if half_life > 0.0 { half_life } else { 1.0 },
             score: vec![],
+            tick: vec![],
             heap: KeyHeap::default(),
             cap: 0,
             top_k: 1,
+            pinned: vec![],
             tok_end: 0,
             inc: 1.0,
             base: 0.0,
             tick0: 0,
         }
     }
+    /// The increment of access `i`.
     #[inline]
     fn increment(&mut self, i: usize) -> f64 {
         if i >= self.tok_end {
@@ -434,6 +631,13 @@ impl Decay {
         }
         self.inc
     }
+    /// Count a use of `e` at access `i`.
+    #[inline]
+    fn note(&mut self, i: usize, e: usize) {
+        let inc = self.increment(i);
+        self.score[e] += inc;
+        self.tick[e] = self.tick0 + i as u64;
+    }
 }
 
 impl Policy for Decay {
@@ -444,37 +648,73 @@ impl Policy for Decay {
         let n = s.n_experts;
         self.score.clear();
         self.score.resize(n, 0.0);
+        self.tick.clear();
+        self.tick.resize(n, 0);
         self.heap.reset(n);
         self.cap = st.capacity;
         self.top_k = s.top_k.max(1);
+        self.pinned.clear();
         self.tok_end = 0;
         self.base = 0.0;
         self.tick0 = n as u64 + 1;
         let init = st.initial();
         for (r, &e) in init.iter().enumerate() {
-            self.heap.push(e as u32, (0.0, (init.len() - r) as u64));
+            self.tick[e as usize] = (init.len() - r) as u64;
+            self.heap.push(e as u32, (0.0, self.tick[e as usize]));
+        }
+    }
+    fn begin_token(&mut self, _i: usize, experts: &[u16]) {
+        for p in std::mem::take(&mut self.pinned) {
+            let k = (self.score[p as usize], self.tick[p as usize]);
+            self.heap.rekey(p, k, false);
+        }
+        for &e in experts {
+            let eu = e as u32;
+            if self.heap.contains(eu) && self.heap.key(eu).0 != f64::INFINITY {
+                self.heap
+                    .rekey(eu, (f64::INFINITY, self.tick[e as usize]), true);
+                self.pinned.push(eu);
+            }
         }
     }
     #[inline]
     fn access(&mut self, i: usize, e: u16, admit: bool) -> bool {
-        let inc = self.increment(i);
-        let eu = e as usize;
-        self.score[eu] += inc;
-        let key = (self.score[eu], self.tick0 + i as u64);
-        if self.heap.contains(e as u32) {
-            // Its score and tick only grew.
-            self.heap.rekey(e as u32, key, true);
+        self.note(i, e as usize);
+        let eu = e as u32;
+        let in_use = (f64::INFINITY, self.tick[e as usize]);
+        if self.heap.contains(eu) {
+            // In use since the token began; its tick only grew.
+            self.heap.rekey(eu, in_use, true);
             return true;
         }
         if !admit || self.cap == 0 {
             return false;
         }
         if self.heap.len() < self.cap {
-            self.heap.push(e as u32, key);
+            self.heap.push(eu, in_use);
+        } else if self.heap.top_key().0 != f64::INFINITY {
+            self.heap.replace_top(eu, in_use);
         } else {
-            self.heap.replace_top(e as u32, key);
+            return false;
         }
+        self.pinned.push(eu);
         false
+    }
+}
+
+impl SlotPolicy for Decay {
+    fn touch(&mut self, i: usize, e: u16) {
+        if (e as usize) < self.score.len() {
+            self.note(i, e as usize);
+        }
+    }
+    fn victim(&self, candidates: &[u16]) -> Option<usize> {
+        min_by_key(candidates, |e| {
+            (
+                self.score.get(e).copied().unwrap_or(0.0),
+                self.tick.get(e).copied().unwrap_or(0),
+            )
+        })
     }
 }
 
@@ -583,24 +823,45 @@ pub(crate) mod reference {
             last[e as usize] = (init.len() - r) as u64;
         }
         let mut uses: Vec<Vec<usize>> = vec![vec![]; n];
+        // Static's ranking: the order's positions when prefilled, else first use.
+        let mut rank: Vec<usize> = vec![usize::MAX; n];
+        if prefill {
+            for (r, &e) in order.iter().enumerate() {
+                rank[e as usize] = r;
+            }
+        }
+        let mut arrivals = 0;
         for (i, &e) in experts.iter().enumerate() {
             let t = i / top_k;
             uses[e as usize].push(t);
             last[e as usize] = n as u64 + 1 + i as u64;
+            if rank[e as usize] == usize::MAX {
+                rank[e as usize] = arrivals;
+                arrivals += 1;
+            }
             let hit = res.contains(&e);
             hits.push(hit);
             if hit || !admit[i] || cap == 0 {
                 continue;
             }
+            // Residents the current token does not use may leave.
+            let token = &experts[t * top_k..((t + 1) * top_k).min(experts.len())];
+            let free: Vec<u16> = res.iter().copied().filter(|x| !token.contains(x)).collect();
             match kind {
                 PolicyKind::Static => {
-                    if order[..cap.min(n)].contains(&e) {
-                        res.push(e);
+                    if res.len() == cap {
+                        let Some(&v) = free.iter().max_by_key(|&&x| rank[x as usize]) else {
+                            continue;
+                        };
+                        res.retain(|&x| x != v);
                     }
+                    res.push(e);
                 }
                 PolicyKind::Lru => {
                     if res.len() == cap {
-                        let v = *res.iter().min_by_key(|&&x| last[x as usize]).unwrap();
+                        let Some(&v) = free.iter().min_by_key(|&&x| last[x as usize]) else {
+                            continue;
+                        };
                         res.retain(|&x| x != v);
                     }
                     res.push(e);
@@ -614,14 +875,13 @@ pub(crate) mod reference {
                             }
                             s
                         };
-                        let v = *res
-                            .iter()
-                            .min_by(|&&a, &&b| {
-                                (score(a), last[a as usize])
-                                    .partial_cmp(&(score(b), last[b as usize]))
-                                    .unwrap()
-                            })
-                            .unwrap();
+                        let Some(&v) = free.iter().min_by(|&&a, &&b| {
+                            (score(a), last[a as usize])
+                                .partial_cmp(&(score(b), last[b as usize]))
+                                .unwrap()
+                        }) else {
+                            continue;
+                        };
                         res.retain(|&x| x != v);
                     }
                     res.push(e);

@@ -15,8 +15,8 @@ use serde::Serialize;
 use crate::cost::{CostModel, TokenCost};
 use crate::policy::PolicyKind;
 use crate::sim::{self, ratio, Counts, ReplaySpec, WarmStart};
-use crate::trace::RouteTrace;
 use crate::{ResidencyError, Result};
+use keep_artifacts::routes::RouteTrace;
 
 /// `format` of the JSON report.
 pub const REPORT_FORMAT: &str = "keep-residency-report";
@@ -239,7 +239,7 @@ fn row(policy: PolicyKind, layers: Vec<Counts>, cost: Option<&CostModel>) -> Pol
 /// Check an in-memory trace before replaying it (traces from [`crate::read_run`] always pass):
 /// every session records the same layers, ids are below `n_experts`, shapes are whole tokens.
 pub fn validate(trace: &RouteTrace) -> Result<()> {
-    crate::trace::check_consistent(trace)?;
+    keep_artifacts::routes::check_consistent(trace)?;
     for s in &trace.sessions {
         for l in &s.layers {
             let bad = |msg: String| {
@@ -262,7 +262,7 @@ pub fn validate(trace: &RouteTrace) -> Result<()> {
                     l.experts.len()
                 ));
             }
-            if l.n_experts == 0 || l.n_experts > crate::trace::MAX_EXPERTS {
+            if l.n_experts == 0 || l.n_experts > keep_artifacts::routes::MAX_EXPERTS {
                 return bad(format!("n_experts = {} is out of range", l.n_experts));
             }
             if let Some(e) = l.experts.iter().find(|&&e| e as usize >= l.n_experts) {
@@ -431,8 +431,7 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
     }
     if opts.warm_start == WarmStart::None && policies.contains(&PolicyKind::Static) {
         notes.push(
-            "warm start none: the static set is the most frequent experts of the whole trace, \
-             each loaded on its first use"
+            "warm start none: static ranks experts by first use (the earliest stay resident)"
                 .into(),
         );
     }
@@ -626,7 +625,7 @@ mod tests {
 
     #[test]
     fn reap_warm_start_orders_the_static_set() {
-        use crate::trace::{LayerRoutes, Session};
+        use keep_artifacts::routes::{LayerRoutes, Session};
         // One layer, 4 experts, top-1: expert 3 is used most, expert 1 has the top REAP score.
         let experts = vec![3, 3, 3, 1, 0, 3];
         let t = RouteTrace {
@@ -654,13 +653,14 @@ mod tests {
         o.policies = vec![PolicyKind::Static];
         o.warm_start = WarmStart::Reap;
         o.reap_scores = Some(scores);
-        // Static {1}, prefilled: hits only the one use of expert 1.
+        // Static prefilled with {1}: the first 3 evicts it, then 3 hits twice; 1, 0 and the
+        // last 3 each take the one place in turn.
         let r = simulate(&t, &o).unwrap();
-        assert_eq!(r.sizes[0].policies[0].counts.hits, 1);
-        // With frequency, static {3}: four hits.
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 2);
+        // With frequency, prefilled with {3}: three hits before 1 takes its place.
         o.warm_start = WarmStart::Frequency;
         let r = simulate(&t, &o).unwrap();
-        assert_eq!(r.sizes[0].policies[0].counts.hits, 4);
+        assert_eq!(r.sizes[0].policies[0].counts.hits, 3);
     }
 
     #[test]

@@ -5,18 +5,19 @@
 //! over sessions. The loop is single-threaded and monomorphised per policy: per access one
 //! array lookup for residency and O(1) (LRU, static) or O(log H) (decay, Belady) updates.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::policy::{Belady, Decay, Lru, Policy, PolicyKind, Start, StaticSet, Stream};
-use crate::trace::RouteTrace;
+use keep_artifacts::routes::RouteTrace;
 
 /// Where the warm-start ordering comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WarmStart {
-    /// Empty hot sets (static uses the frequency ordering, loading members on first use).
+    /// Empty hot sets (static ranks experts by first use).
     None,
     /// Experts ordered by routed count over the whole trace (pooled over sessions).
     Frequency,
@@ -132,7 +133,11 @@ fn run_stream<P: Policy>(
     p.reset(stream, start);
     let (mut hits, mut misses, mut dropped) = (0u64, 0u64, 0u64);
     let mut dropped_mass = 0f64;
+    let k = stream.top_k.max(1);
     for (i, (&e, &w)) in stream.experts.iter().zip(weights).enumerate() {
+        if i % k == 0 {
+            p.begin_token(i, &stream.experts[i..(i + k).min(stream.experts.len())]);
+        }
         let admit = w >= threshold;
         if p.access(i, e, admit) {
             hits += 1;
@@ -162,15 +167,16 @@ fn replay_with<P: Policy>(p: &mut P, trace: &RouteTrace, spec: &ReplaySpec) -> R
                 order,
                 prefill: spec.prefill,
             };
+            let (experts, weights) = by_id_within_tokens(&l.experts, &l.weights, l.top_k);
             let stream = Stream {
-                experts: &l.experts,
+                experts: &experts,
                 top_k: l.top_k,
                 n_experts: l.n_experts,
             };
             let c = &mut layers[li];
             let t0 = Instant::now();
             let before = c.misses;
-            run_stream(p, &stream, &l.weights, &start, spec.threshold, c);
+            run_stream(p, &stream, &weights, &start, spec.threshold, c);
             seconds += t0.elapsed().as_secs_f64();
             if l.hash {
                 c.prefetched += c.misses - before;
@@ -182,6 +188,30 @@ fn replay_with<P: Policy>(p: &mut P, trace: &RouteTrace, spec: &ReplaySpec) -> R
         }
     }
     Replayed { layers, seconds }
+}
+
+/// A stream with each token's experts in ascending id (the order in which the runtime serves
+/// a pass's experts), weights alongside; borrowed when it already is.
+pub fn by_id_within_tokens<'a>(
+    experts: &'a [u16],
+    weights: &'a [f32],
+    top_k: usize,
+) -> (Cow<'a, [u16]>, Cow<'a, [f32]>) {
+    let k = top_k.max(1);
+    if experts.chunks(k).all(|t| t.is_sorted()) {
+        return (Cow::Borrowed(experts), Cow::Borrowed(weights));
+    }
+    let mut es = Vec::with_capacity(experts.len());
+    let mut ws = Vec::with_capacity(weights.len());
+    let mut tok: Vec<(u16, f32)> = Vec::with_capacity(k);
+    for (te, tw) in experts.chunks(k).zip(weights.chunks(k)) {
+        tok.clear();
+        tok.extend(te.iter().copied().zip(tw.iter().copied()));
+        tok.sort_by_key(|p| p.0);
+        es.extend(tok.iter().map(|p| p.0));
+        ws.extend(tok.iter().map(|p| p.1));
+    }
+    (Cow::Owned(es), Cow::Owned(ws))
 }
 
 /// Distinct experts of a stream that are not in `initial`.
@@ -205,7 +235,7 @@ pub fn cold_starts(experts: &[u16], n_experts: usize, initial: &[u16]) -> u64 {
 }
 
 /// Replay the whole trace through one policy at one hot-set size. Callers must pass a trace
-/// whose ids are below each layer's `n_experts` (every trace [`crate::trace::read_run`]
+/// whose ids are below each layer's `n_experts` (every trace [`keep_artifacts::routes::read_run`]
 /// returns is) and orderings that are permutations of `0..n_experts`.
 pub fn replay(trace: &RouteTrace, spec: &ReplaySpec) -> Replayed {
     match spec.policy {
@@ -255,7 +285,7 @@ pub fn order_by(scores: &[f64]) -> Vec<u16> {
 mod tests {
     use super::*;
     use crate::policy::reference;
-    use crate::trace::{LayerRoutes, Session};
+    use keep_artifacts::routes::{LayerRoutes, Session};
     use proptest::prelude::*;
 
     /// A random single-layer trace: `sessions` of `tokens` each, `k` distinct experts per token
@@ -298,7 +328,15 @@ mod tests {
             }),
             proptest::collection::vec(1u8..=16, k),
         )
-            .prop_map(|(e, w)| (e, w.into_iter().map(|x| x as f32 / 16.0).collect()))
+            .prop_map(|(e, w)| {
+                // In ascending id, as the replay takes a token's experts.
+                let mut p: Vec<(u16, f32)> = e
+                    .into_iter()
+                    .zip(w.into_iter().map(|x| x as f32 / 16.0))
+                    .collect();
+                p.sort_by_key(|x| x.0);
+                p.into_iter().unzip()
+            })
     }
 
     fn traces() -> impl Strategy<Value = RouteTrace> {
@@ -460,6 +498,36 @@ mod tests {
         assert_eq!((c.hits, c.misses, c.dropped), (3, 2, 1));
         assert!((c.dropped_mass - 0.1f32 as f64).abs() < 1e-12);
         assert!((c.gate_mass - (2.7f32 as f64 + 0.8f32 as f64)).abs() < 1e-5);
+    }
+
+    #[test]
+    fn a_tokens_experts_replay_in_ascending_id() {
+        // The same tokens with their experts in router order and in ascending id replay alike;
+        // the weights travel with their experts.
+        let router = [(vec![3, 0], vec![0.1, 0.9]), (vec![2, 1], vec![0.5, 0.5])];
+        let sorted = [(vec![0, 3], vec![0.9, 0.1]), (vec![1, 2], vec![0.5, 0.5])];
+        let mut toks = vec![];
+        for i in 0..12 {
+            toks.push(router[i % 2].clone());
+        }
+        let a = trace_from(4, 2, vec![toks]);
+        let l = &a.sessions[0].layers[0];
+        let (e, w) = by_id_within_tokens(&l.experts, &l.weights, 2);
+        assert_eq!(&e[..4], &[0, 3, 1, 2]);
+        assert_eq!(&w[..2], &[0.9, 0.1]);
+        let b = trace_from(4, 2, vec![(0..12).map(|i| sorted[i % 2].clone()).collect()]);
+        let order = frequency_order(&a);
+        for kind in KINDS {
+            for cap in 0..=4 {
+                let caps = [cap];
+                let ra = replay(&a, &spec_of(kind, &caps, &order, false, 0.2)).layers[0];
+                let rb = replay(&b, &spec_of(kind, &caps, &order, false, 0.2)).layers[0];
+                assert_eq!(
+                    (ra.hits, ra.misses, ra.dropped),
+                    (rb.hits, rb.misses, rb.dropped)
+                );
+            }
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! sorted descending (the router's order) and normalised to sum to 1. A deterministic
 //! SplitMix64 generator makes every trace reproducible from its seed.
 
-use crate::trace::{LayerRoutes, RouteTrace, Session};
+use keep_artifacts::routes::{LayerRoutes, RouteTrace, Session};
 
 /// The shape and locality of a synthetic trace.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,10 +79,10 @@ impl SynthSpec {
                 _ => return Err(format!("unknown key `{k}`")),
             }
         }
-        if o.n_experts == 0 || o.n_experts > crate::trace::MAX_EXPERTS {
+        if o.n_experts == 0 || o.n_experts > keep_artifacts::routes::MAX_EXPERTS {
             return Err(format!(
                 "experts must be in 1..={}",
-                crate::trace::MAX_EXPERTS
+                keep_artifacts::routes::MAX_EXPERTS
             ));
         }
         if o.top_k == 0 || o.top_k > o.n_experts {

@@ -17,6 +17,7 @@
 //! libraries, thread stacks, activations of the current forward, the KV cache (it grows with
 //! the context), the tokenizer and the gathered embedding rows.
 
+use keep_checkpoint::naming::{self, Role};
 use keep_checkpoint::Checkpoint;
 
 use crate::{Result, RuntimeError};
@@ -26,9 +27,9 @@ use crate::{Result, RuntimeError};
 /// context). Longer contexts add their KV cache on top.
 pub const FIXED_OVERHEAD: u64 = 256 << 20;
 
-/// Whether a tensor name is a routed expert's.
+/// Whether a tensor (weight or scale) is a routed expert's, by keep-checkpoint's naming.
 pub fn is_routed_expert(name: &str) -> bool {
-    name.contains(".ffn.experts.")
+    matches!(naming::parse(name).role, Role::RoutedExpert { .. })
 }
 
 /// Whether a tensor counts as resident (see the module doc).
@@ -138,6 +139,8 @@ mod tests {
     #[test]
     fn resident_names() {
         assert!(!is_resident("layers.3.ffn.experts.7.w1.weight"));
+        assert!(!is_resident("layers.3.ffn.experts.7.w2.scale"));
+        assert!(!is_resident("mtp.0.ffn.experts.1.w3.weight"));
         assert!(is_resident("layers.3.ffn.shared_experts.w1.weight"));
         assert!(is_resident("layers.3.ffn.gate.weight"));
         assert!(is_resident("head.weight"));

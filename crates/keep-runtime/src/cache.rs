@@ -1,6 +1,9 @@
 //! The slot cache: per MoE layer a fixed number of slots, each an aligned buffer that holds one
 //! routed expert (its three matrices as stored), an expert→slot map, and a replacement
-//! [`Policy`]. Missing experts are read by the [`IoPool`] straight into free or evicted slots;
+//! [`Policy`] — one of keep-residency's online policies, told of every use (a pass is one
+//! "token" of its stream; its experts in ascending id) and asked for the victim among the
+//! slots that are not in use, so `keep residency` replays what this cache does (a one-token
+//! pass exactly; a prefill pass reads each of its experts once). Missing experts are read by the [`IoPool`] straight into free or evicted slots;
 //! the model sees only [`ExpertWeights`] views of a slot and never where the bytes came from.
 //!
 //! How a layer's pass goes (the model calls [`SlotCache::prefetch`] once per layer per forward
@@ -39,7 +42,10 @@ use keep_model::{ExpertSource, ExpertWeights, ModelError};
 
 use crate::aligned::AlignedBuf;
 use crate::io::IoPool;
-use crate::policy::{Policy, PolicyState};
+use keep_residency::policy::{SlotPolicy, Start, Stream};
+use keep_residency::sim::order_by;
+
+use crate::policy::Policy;
 use crate::store::ExpertStore;
 use crate::{Result, RuntimeError};
 
@@ -71,8 +77,11 @@ struct LayerState {
     held: Vec<bool>,
     /// Missing experts of this pass without a slot yet, in the order they will be asked for.
     pending: VecDeque<usize>,
-    policy: PolicyState,
+    policy: Box<dyn SlotPolicy>,
+    /// Passes of this layer so far (a pass is one "token" of the policy's stream).
     tick: u64,
+    /// The policy's index of the next use: `(pass − 1) · n_experts + j` for the pass's `j`-th.
+    next_access: usize,
     hits: u64,
     misses: u64,
     wait_secs: f64,
@@ -193,6 +202,38 @@ impl CacheStats {
     }
 }
 
+/// `policy` started for a layer of `n` experts in `slots` slots, one pass per policy "token";
+/// with `order`, the slots start filled with its top (warm start).
+fn start_policy(
+    mut policy: Box<dyn SlotPolicy>,
+    n: usize,
+    slots: usize,
+    order: Option<&[u16]>,
+) -> Box<dyn SlotPolicy> {
+    let prefill = order.is_some();
+    let identity: Vec<u16>;
+    let order = match order {
+        Some(o) => o,
+        None => {
+            identity = (0..n).map(|e| e as u16).collect();
+            &identity
+        }
+    };
+    policy.reset(
+        &Stream {
+            experts: &[],
+            top_k: n,
+            n_experts: n,
+        },
+        &Start {
+            capacity: slots,
+            order,
+            prefill,
+        },
+    );
+    policy
+}
+
 /// Per-layer slots over an [`ExpertStore`].
 pub struct SlotCache {
     inner: Arc<Inner>,
@@ -233,14 +274,15 @@ impl Inner {
         if free.is_some() {
             return free;
         }
-        let cands = (0..st.status.len()).filter_map(|s| {
+        let (mut slots, mut experts) = (vec![], vec![]);
+        for s in 0..st.status.len() {
             let ok = st.status[s] == Status::Ready && !st.held[s] && (steal || !st.pinned[s]);
-            match (ok, st.slot_expert[s]) {
-                (true, Some(e)) => Some((s, e)),
-                _ => None,
+            if let (true, Some(e)) = (ok, st.slot_expert[s]) {
+                slots.push(s);
+                experts.push(e as u16);
             }
-        });
-        st.policy.victim(cands, st.tick)
+        }
+        st.policy.victim(&experts).map(|c| slots[c])
     }
 
     /// Put expert `e` into slot `s` and queue its read.
@@ -300,6 +342,11 @@ impl SlotCache {
         io_threads: usize,
     ) -> Result<SlotCache> {
         let (n_layers, n_experts) = (store.n_layers(), store.n_experts());
+        if n_experts > u16::MAX as usize + 1 {
+            return Err(RuntimeError::Invalid(format!(
+                "{n_experts} experts per layer: the cache's policies index at most 65536"
+            )));
+        }
         let slots = slots.min(n_experts).max(1);
         let sb = store.slot_bytes() as usize;
         let mut layers = Vec::with_capacity(n_layers);
@@ -322,8 +369,9 @@ impl SlotCache {
                     pinned: vec![false; slots],
                     held: vec![false; slots],
                     pending: VecDeque::new(),
-                    policy: PolicyState::new(policy, n_experts),
+                    policy: start_policy(policy.make(), n_experts, slots, None),
                     tick: 0,
+                    next_access: 0,
                     hits: 0,
                     misses: 0,
                     wait_secs: 0.0,
@@ -370,9 +418,14 @@ impl SlotCache {
         for (l, layer) in self.inner.layers.iter().enumerate() {
             let Some(sc) = scores.get(l) else { continue };
             let mut st = layer.st.lock().map_err(poisoned)?;
-            st.policy.warm(sc);
-            let order = st.policy.warm_order();
-            for e in order.into_iter().take(self.inner.slots) {
+            let n = st.map.len();
+            let clean: Vec<f64> = (0..n)
+                .map(|e| sc.get(e).copied().filter(|v| v.is_finite()).unwrap_or(0.0))
+                .collect();
+            let order = order_by(&clean);
+            let policy = std::mem::replace(&mut st.policy, Policy::Lru.make());
+            st.policy = start_policy(policy, n, self.inner.slots, Some(&order));
+            for e in order.into_iter().map(usize::from).take(self.inner.slots) {
                 if st.map[e].is_none() {
                     if let Some(s) = Inner::find_slot(&st, true) {
                         self.inner.assign(&self.pool, l, &mut st, s, e);
@@ -523,8 +576,8 @@ impl SlotCache {
         st.held.iter_mut().for_each(|h| *h = false);
         st.pinned.iter_mut().for_each(|p| *p = false);
         st.pending.clear();
-        let tick = st.tick;
         let n = st.map.len();
+        st.next_access = (st.tick as usize - 1) * n;
         if !st.guess.is_empty() {
             let g = std::mem::take(&mut st.guess);
             st.guess_stats.passes += 1;
@@ -536,7 +589,9 @@ impl SlotCache {
             if e >= n || st.pending.contains(&e) {
                 continue;
             }
-            st.policy.touch(e, tick);
+            let i = st.next_access;
+            st.next_access += 1;
+            st.policy.touch(i, e as u16);
             match st.map[e] {
                 Some(s) => {
                     if !st.pinned[s] {
@@ -680,8 +735,9 @@ impl SlotCache {
                 } else {
                     // Asked for without a prefetch: a miss of its own.
                     st.misses += 1;
-                    let tick = st.tick;
-                    st.policy.touch(e, tick);
+                    let i = st.next_access;
+                    st.next_access += 1;
+                    st.policy.touch(i, e as u16);
                 }
                 loop {
                     let found =

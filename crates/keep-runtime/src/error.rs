@@ -12,6 +12,10 @@ pub enum RuntimeError {
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
 
+    /// A route file could not be read or written.
+    #[error(transparent)]
+    Artifact(#[from] keep_artifacts::ArtifactError),
+
     #[error(transparent)]
     Model(#[from] keep_model::ModelError),
 

@@ -4,8 +4,8 @@
 //! What it is: the [`ExpertStore`] (each routed expert addressed as (layer, expert) → extents
 //! in the checkpoint's own safetensors shards, read with positional `O_DIRECT` reads into
 //! aligned buffers by a small [`IoPool`]), the [`SlotCache`] (per layer a fixed number of slots
-//! with an expert→slot map and a [`Policy`]: LRU, decay, static; optional warm start), the
-//! budget split ([`BudgetPlan`]), the route recorder ([`RouteLog`], `keep-routes` v1), and
+//! with an expert→slot map and a [`Policy`]: LRU, decay or static, keep-residency's own;
+//! optional warm start), the budget split ([`BudgetPlan`]), the route recorder ([`RouteLog`], `keep-routes` v1), and
 //! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and runs the
 //! generation loop. The model never learns where an expert's bytes came from. Engram table rows
 //! come from the [`EngramStore`] (an LRU row cache inside the budget, reads queued as soon as a
@@ -15,7 +15,8 @@
 //! model arithmetic (keep-model), no trace replay (keep-residency).
 //!
 //! Depends on: keep-checkpoint (tensor extents, shards), keep-model (the forward and its
-//! `ExpertSource`), keep-kernels (weight views), libc (`pread`, `O_DIRECT`, `posix_fadvise`).
+//! `ExpertSource`), keep-kernels (weight views), keep-residency (the replacement policies,
+//! shared with the simulator), libc (`pread`, `O_DIRECT`, `posix_fadvise`).
 
 pub mod aligned;
 pub mod budget;

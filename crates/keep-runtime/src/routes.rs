@@ -1,25 +1,17 @@
-//! Recording routes during a run (`keep run --record-routes FILE`) in the `keep-routes`
-//! version 1 format that `keep residency` reads: per MoE layer `L`, `routes.{L}.experts` I16
-//! `[T, top_k]` (the router's choices in its order) and `routes.{L}.weights` F16 `[T, top_k]`
-//! (final gate weights); metadata `format`, `version`, `n_experts`, `top_k`, `n_layers`,
-//! `layers`, `session`, `hash_layers` (hash-routed layers, which `keep residency` counts as
-//! prefetched). Written to a temporary sibling and renamed into place.
-//!
-//! Also reading warm-start scores: `reap.{L}.score` F64 `[n_experts]` from
-//! `reap-stats.safetensors` (`keep finalize`), or route frequencies counted from a route file.
+//! Recording routes during a run (`keep run --record-routes FILE`) as a `keep-routes` session
+//! (the format, its reader and its atomic writer are keep-artifacts' `routes`), and reading
+//! warm-start scores: `reap.{L}.score` F64 `[n_experts]` from `reap-stats.safetensors` (`keep
+//! finalize`), or route frequencies counted from a route file. Hash-routed layers are marked in
+//! the file (`hash_layers`), and `keep residency` counts their reads as prefetched.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
+use keep_artifacts::routes::{self, SessionRecorder};
 use keep_checkpoint::{Dtype, ShardFile};
 use keep_model::{RouteEvent, RouteObserver};
 
 use crate::{Result, RuntimeError};
-
-/// `format` metadata value of a route trace.
-pub const ROUTES_FORMAT: &str = "keep-routes";
-/// `version` metadata value.
-pub const ROUTES_VERSION: &str = "1";
 
 /// A [`RouteObserver`] that keeps every layer's routes of a session.
 #[derive(Debug, Default, Clone)]
@@ -63,64 +55,16 @@ impl RouteLog {
         self.layers.get(&layer).map(|l| &l.0[..])
     }
 
-    /// Write the log to `path` (refused if it exists unless `force`).
+    /// Write the log to `path` as a `keep-routes` session `session` (keep-artifacts' writer;
+    /// refused if it exists unless `force`).
     pub fn write(&self, path: &Path, session: &str, n_experts: usize, force: bool) -> Result<()> {
-        let file_err = |msg: String| RuntimeError::File {
-            path: path.to_path_buf(),
-            msg,
-        };
-        keep_checkpoint::atomic::check_file_target(path, force)?;
-        if n_experts > i16::MAX as usize + 1 {
-            return Err(file_err(format!(
-                "{n_experts} experts do not fit the I16 ids of keep-routes"
-            )));
+        let mut rec = SessionRecorder::new(session, n_experts, self.top_k.max(1))
+            .hash_layers(&self.hash_layers);
+        for (&l, (ex, ws)) in &self.layers {
+            rec.push(l, ex, ws)?;
         }
-        let k = self.top_k.max(1);
-        let mut bufs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = vec![];
-        for (l, (ex, ws)) in &self.layers {
-            let t = ex.len() / k;
-            let ids: Vec<u8> = ex.iter().flat_map(|&e| (e as i16).to_le_bytes()).collect();
-            let w: Vec<u8> = ws
-                .iter()
-                .flat_map(|&w| half::f16::from_f32(w).to_bits().to_le_bytes())
-                .collect();
-            bufs.push((format!("routes.{l}.experts"), Dtype::I16, vec![t, k], ids));
-            bufs.push((format!("routes.{l}.weights"), Dtype::F16, vec![t, k], w));
-        }
-        let mut views = vec![];
-        for (name, dt, shape, data) in &bufs {
-            let d = match dt {
-                Dtype::I16 => safetensors::Dtype::I16,
-                _ => safetensors::Dtype::F16,
-            };
-            let v = safetensors::tensor::TensorView::new(d, shape.clone(), data)
-                .map_err(|e| file_err(e.to_string()))?;
-            views.push((name.clone(), v));
-        }
-        let layers: Vec<String> = self.layers.keys().map(|l| l.to_string()).collect();
-        let meta: HashMap<String, String> = [
-            ("format", ROUTES_FORMAT.to_string()),
-            ("version", ROUTES_VERSION.to_string()),
-            ("n_experts", n_experts.to_string()),
-            ("top_k", k.to_string()),
-            ("n_layers", self.layers.len().to_string()),
-            ("layers", layers.join(",")),
-            ("session", session.to_string()),
-            (
-                "hash_layers",
-                self.hash_layers
-                    .iter()
-                    .map(|l| l.to_string())
-                    .collect::<Vec<_>>()
-                    .join(","),
-            ),
-        ]
-        .into_iter()
-        .map(|(a, b)| (a.to_string(), b))
-        .collect();
-        let bytes = safetensors::tensor::serialize(views, Some(meta))
-            .map_err(|e| file_err(e.to_string()))?;
-        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
+        routes::write_session(path, &rec.finish(), &BTreeMap::new(), force)?;
+        Ok(())
     }
 }
 
@@ -143,33 +87,34 @@ pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec
         let Some(l) = layer.filter(|&l| l < n_layers) else {
             continue;
         };
-        let data = sf.data(t);
-        match (kind, what, t.dtype) {
-            ("reap", "score", Dtype::F64) => {
-                if t.numel() != n_experts as u64 {
-                    return Err(file_err(format!(
-                        "`{}` has {} scores for a model of {n_experts} experts",
-                        t.name,
-                        t.numel()
-                    )));
+        if (kind, what, t.dtype) != ("reap", "score", Dtype::F64) {
+            continue;
+        }
+        if t.numel() != n_experts as u64 {
+            return Err(file_err(format!(
+                "`{}` has {} scores for a model of {n_experts} experts",
+                t.name,
+                t.numel()
+            )));
+        }
+        for (e, c) in sf.data(t).chunks_exact(8).enumerate() {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            out[l][e] = f64::from_le_bytes(b);
+        }
+        found = true;
+    }
+    if !found && routes::has_routes(path)? {
+        for lr in routes::read_session(path)?.layers {
+            let Some(o) = out.get_mut(lr.layer) else {
+                continue;
+            };
+            for &e in &lr.experts {
+                if let Some(x) = o.get_mut(e as usize) {
+                    *x += 1.0;
                 }
-                for (e, c) in data.chunks_exact(8).enumerate() {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(c);
-                    out[l][e] = f64::from_le_bytes(b);
-                }
-                found = true;
             }
-            ("routes", "experts", Dtype::I16) => {
-                for c in data.chunks_exact(2) {
-                    let e = i16::from_le_bytes([c[0], c[1]]);
-                    if e >= 0 && (e as usize) < n_experts {
-                        out[l][e as usize] += 1.0;
-                    }
-                }
-                found = true;
-            }
-            _ => {}
+            found = true;
         }
     }
     if !found {

@@ -1,5 +1,6 @@
 //! [`BudgetedModel`]: the DeepSeek-V4.1 model with its routed experts in a [`SlotCache`] sized
-//! from a memory budget, and the generation loop over it ([`BudgetedModel::generate`]).
+//! from a memory budget; it implements keep-model's [`Generate`], so keep-model's one
+//! generation loop drives it ([`BudgetedModel::generate`] adds the cache counters per phase).
 //! Everything except the routed experts is the model's own (views of the mapped checkpoint);
 //! the logits are bit-identical to [`Model::load`]'s because the same views of the same bytes
 //! meet the same kernels — only where the bytes sit differs.
@@ -14,12 +15,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use keep_checkpoint::Checkpoint;
 use keep_kernels::{ops, WeightView};
 use keep_model::config::Scoring;
-use keep_model::generate::Sampler;
+use keep_model::generate::{generate_with, Generate, Sampler};
 use keep_model::layer::top_k_by;
 use keep_model::weights::{vec_f32, weight};
 use keep_model::{
@@ -29,7 +29,7 @@ use keep_model::{
 
 use crate::budget::{resident_bytes, BudgetPlan};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
-use crate::engram::{engram_table_bytes, EngramStore};
+use crate::engram::{engram_table_bytes, EngramStats, EngramStore};
 use crate::io::DEFAULT_IO_THREADS;
 use crate::policy::Policy;
 use crate::routes::warm_scores;
@@ -127,6 +127,10 @@ pub struct BudgetedModel<'a> {
     plan: BudgetPlan,
     /// Router weight and bias per layer, for next-layer guesses (empty when off).
     gates: Vec<(WeightView<'a>, Vec<f32>)>,
+    /// The cache counters of the last prompt's forward ([`Generate::prefilled`]).
+    prefill_stats: Option<Box<CacheStats>>,
+    /// The Engram row counters of the last prompt's forward.
+    prefill_engram: Option<EngramStats>,
 }
 
 /// The observer that turns layer L's router input into a guess of layer L+1's experts, passing
@@ -274,6 +278,8 @@ impl<'a> BudgetedModel<'a> {
             engram,
             plan,
             gates,
+            prefill_stats: None,
+            prefill_engram: None,
         })
     }
 
@@ -311,8 +317,18 @@ impl<'a> BudgetedModel<'a> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         self.prefetch_hash_layers(tokens);
+        Ok(self.model_forward(tokens, cache, which, obs)?)
+    }
+
+    fn model_forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
         if self.gates.is_empty() {
-            return Ok(self.model.forward(tokens, cache, which, obs)?);
+            return self.model.forward(tokens, cache, which, obs);
         }
         let mut g = Guesser {
             inner: obs,
@@ -320,7 +336,7 @@ impl<'a> BudgetedModel<'a> {
             cfg: &self.model.cfg,
             cache: &self.cache,
         };
-        Ok(self.model.forward(tokens, cache, which, Some(&mut g))?)
+        self.model.forward(tokens, cache, which, Some(&mut g))
     }
 
     /// Start the reads of every hash-routed layer's experts for `tokens` (their union per
@@ -342,55 +358,64 @@ impl<'a> BudgetedModel<'a> {
         }
     }
 
-    /// Prefill `prompt` (in one forward), then sample up to `max_tokens`, calling `on_token`
-    /// with each; stops at a token in `stop` (passed to `on_token`, not fed back). The same loop
-    /// as `keep_model::generate::generate`, with an observer and cache counters per phase.
+    /// The cache counters of the last prompt's forward under keep-model's generation loop
+    /// (taken; the counters were zeroed after it).
+    pub fn take_prefill_stats(&mut self) -> Option<CacheStats> {
+        self.prefill_stats.take().map(|s| *s)
+    }
+
+    /// The Engram row counters of the last prompt's forward under keep-model's generation loop
+    /// (taken; the counters were zeroed after it). `None` without Engram layers.
+    pub fn take_prefill_engram(&mut self) -> Option<EngramStats> {
+        self.prefill_engram.take()
+    }
+
+    /// keep-model's [`generate_with`] over this model, with the cache counters of the prefill
+    /// and of the decode (zeroed before the prompt).
     pub fn generate(
         &mut self,
         prompt: &[u32],
         max_tokens: usize,
         sampler: &mut Sampler,
         stop: &[u32],
-        mut obs: Option<&mut dyn RouteObserver>,
-        mut on_token: impl FnMut(u32),
+        obs: Option<&mut dyn RouteObserver>,
+        on_token: impl FnMut(u32),
     ) -> Result<GenReport> {
-        let mut cache = self.new_cache();
         self.cache.reset_stats();
-        let t0 = Instant::now();
-        let mut logits = self.forward(
-            prompt,
-            &mut cache,
-            Logits::Last,
-            obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-        )?;
-        let prefill_secs = t0.elapsed().as_secs_f64();
-        let prefill_cache = self.cache.stats();
-        self.cache.reset_stats();
-        let t1 = Instant::now();
-        let (mut generated, mut steps) = (0, 0);
-        while generated < max_tokens {
-            let tok = sampler.sample(&logits);
-            generated += 1;
-            on_token(tok);
-            if stop.contains(&tok) || generated == max_tokens {
-                break;
-            }
-            logits = self.forward(
-                &[tok],
-                &mut cache,
-                Logits::Last,
-                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-            )?;
-            steps += 1;
-        }
+        self.prefill_stats = None;
+        let s = generate_with(self, prompt, max_tokens, sampler, stop, obs, on_token)?;
         Ok(GenReport {
-            prompt_tokens: prompt.len(),
-            prefill_secs,
-            generated: steps,
-            decode_secs: t1.elapsed().as_secs_f64(),
-            prefill_cache,
+            prompt_tokens: s.prompt_tokens,
+            prefill_secs: s.prefill_secs,
+            generated: s.generated,
+            decode_secs: s.decode_secs,
+            prefill_cache: self.take_prefill_stats().unwrap_or_default(),
             decode_cache: self.cache.stats(),
         })
+    }
+}
+
+impl Generate for BudgetedModel<'_> {
+    fn new_cache(&self) -> Cache {
+        self.model.new_cache()
+    }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        self.prefetch_hash_layers(tokens);
+        self.model_forward(tokens, cache, Logits::Last, obs)
+    }
+    fn prefilled(&mut self) {
+        self.prefill_stats = Some(Box::new(self.cache.stats()));
+        self.cache.reset_stats();
+        self.prefill_engram = self.engram.as_ref().map(|e| {
+            let s = e.stats();
+            e.reset_stats();
+            s
+        });
     }
 }
 

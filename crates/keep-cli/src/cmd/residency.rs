@@ -13,8 +13,9 @@ use keep_residency::{HotSizes, PolicyKind, WarmStart};
 use crate::util::{human, parse_bytes};
 
 /// Replay the routes recorded in RUN (by `keep calibrate` or `keep run --record-routes`)
-/// through a hot set of experts per layer — static (top experts by REAP saliency or
-/// frequency), LRU, decayed use counts, and Belady's optimum as the ceiling — and report, per
+/// through a hot set of experts per layer — static (a fixed ranking by REAP saliency,
+/// frequency or first use), LRU, decayed use counts, and Belady's optimum as the ceiling, the
+/// first three exactly as `keep run --memory-budget` runs them — and report, per
 /// hot-set size, each policy's miss rate, bytes read per token and a tokens/s bound, with the
 /// verdict: KILL if the best realizable policy that fetches every miss still misses more than
 /// 5% of routed slots, else PASS. Residency resets at each session (file); counts pool over
@@ -92,7 +93,7 @@ fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
     let meta = std::collections::BTreeMap::from([("synthetic".to_string(), format!("{spec:?}"))]);
     for s in &t.sessions {
         let p = dir.join(format!("{}.safetensors", s.id));
-        keep_residency::write_session(&p, s, &meta, false)?;
+        keep_artifacts::routes::write_session(&p, s, &meta, false)?;
     }
     eprintln!(
         "wrote {} synthetic sessions ({} layers, {} experts, top-{}, {} tokens each) to {}",
@@ -120,7 +121,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     if let Some(spec) = &a.make_synthetic {
         write_synthetic(&a.run, spec)?;
     }
-    let trace = keep_residency::read_run(&a.run)?;
+    let trace = keep_artifacts::routes::read_run(&a.run)?;
     let first = &trace.sessions[0];
     let n_max = first.layers.iter().map(|l| l.n_experts).max().unwrap_or(1);
     let layers = trace.layers();

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
-use keep_model::generate::{Sampler, SamplerConfig};
+use keep_model::generate::{generate_with, Generate, Sampler, SamplerConfig};
 use keep_model::{Cache, Logits, Model, RouteObserver};
 use keep_runtime::{
     peak_rss_bytes, BudgetedModel, CacheStats, EngramStats, Policy, RouteLog, RuntimeOptions,
@@ -99,19 +99,32 @@ enum Loaded<'a> {
     Plain(Model<'a>),
 }
 
-impl<'a> Loaded<'a> {
-    fn forward(
+impl Generate for Loaded<'_> {
+    fn new_cache(&self) -> Cache {
+        match self {
+            Loaded::Budgeted(m) => m.new_cache(),
+            Loaded::Plain(m) => m.new_cache(),
+        }
+    }
+    fn forward_last(
         &mut self,
         tokens: &[u32],
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
-    ) -> anyhow::Result<Vec<f32>> {
-        Ok(match self {
-            Loaded::Budgeted(m) => m.forward(tokens, cache, Logits::Last, obs)?,
-            Loaded::Plain(m) => m.forward(tokens, cache, Logits::Last, obs)?,
-        })
+    ) -> keep_model::Result<Vec<f32>> {
+        match self {
+            Loaded::Budgeted(m) => m.forward_last(tokens, cache, obs),
+            Loaded::Plain(m) => m.forward(tokens, cache, Logits::Last, obs),
+        }
     }
+    fn prefilled(&mut self) {
+        if let Loaded::Budgeted(m) = self {
+            m.prefilled();
+        }
+    }
+}
 
+impl<'a> Loaded<'a> {
     fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
         match self {
             Loaded::Budgeted(m) => Some(m),
@@ -255,42 +268,36 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if let Some(l) = log.as_mut() {
         l.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
     }
-    let mut cache = Cache::new(cfg.n_layers);
-    let t0 = std::time::Instant::now();
-    let mut logits = model.forward(&prompt, &mut cache, obs(&mut log))?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
-    let prefill_cache = model.budgeted().map(|m| {
-        let s = m.cache().stats();
-        m.cache().reset_stats();
-        s
-    });
-    let prefill_engram = model.budgeted().and_then(|m| m.engram()).map(|e| {
-        let s = e.stats();
-        e.reset_stats();
-        s
-    });
-    let t1 = std::time::Instant::now();
-    let (mut text, mut generated, mut steps) = (TextOut::default(), 0, 0);
-    while generated < a.max_tokens {
-        let t = sampler.sample(&logits);
-        generated += 1;
-        if eos.contains(&t) {
-            break;
-        }
-        match &tok {
-            Some(tk) => text.push(tk, t, &mut out)?,
-            None => {
-                write!(out, "{t} ")?;
-                out.flush()?;
+    // keep-model's generation loop; this verb prints each token (the end-of-sequence token is
+    // not printed) and keeps the first output error.
+    let mut text = TextOut::default();
+    let mut printed: anyhow::Result<()> = Ok(());
+    let stats = generate_with(
+        &mut model,
+        &prompt,
+        a.max_tokens,
+        &mut sampler,
+        &eos,
+        obs(&mut log),
+        |t| {
+            if eos.contains(&t) || printed.is_err() {
+                return;
             }
-        }
-        if generated == a.max_tokens {
-            break;
-        }
-        logits = model.forward(&[t], &mut cache, obs(&mut log))?;
-        steps += 1;
-    }
-    let decode_secs = t1.elapsed().as_secs_f64();
+            printed = match &tok {
+                Some(tk) => text.push(tk, t, &mut out),
+                None => write!(out, "{t} ")
+                    .and_then(|_| out.flush())
+                    .map_err(Into::into),
+            };
+        },
+    )?;
+    printed?;
+    let (prefill_secs, steps, decode_secs) =
+        (stats.prefill_secs, stats.generated, stats.decode_secs);
+    let (prefill_cache, prefill_engram) = match &mut model {
+        Loaded::Budgeted(m) => (m.take_prefill_stats(), m.take_prefill_engram()),
+        Loaded::Plain(_) => (None, None),
+    };
     writeln!(out)?;
     let decode_cache = model.budgeted().map(|m| m.cache().stats());
     let decode_engram = model.budgeted().and_then(|m| m.engram()).map(|e| e.stats());

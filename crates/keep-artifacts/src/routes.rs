@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use keep_checkpoint::{CheckpointWriter, Dtype, ShardFile, TensorMeta, WriterOptions};
 
-use crate::{ResidencyError, Result};
+use crate::{ArtifactError, Result};
 
 /// `format` metadata value of a route-trace file.
 pub const FORMAT: &str = "keep-routes";
@@ -150,20 +150,20 @@ impl SessionRecorder {
     pub fn push(&mut self, layer: usize, experts: &[u32], weights: &[f32]) -> Result<()> {
         let k = self.top_k;
         if k == 0 || experts.len() != weights.len() || !experts.len().is_multiple_of(k) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "route recorder, layer {layer}: {} experts and {} weights are not whole tokens of top-{k}",
                 experts.len(),
                 weights.len()
             )));
         }
         if self.n_experts == 0 || self.n_experts > MAX_EXPERTS {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "route recorder: {} experts per layer cannot be stored as I16 ids",
                 self.n_experts
             )));
         }
         if let Some(&bad) = experts.iter().find(|&&e| e as usize >= self.n_experts) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "route recorder, layer {layer}: expert id {bad} ≥ {} experts",
                 self.n_experts
             )));
@@ -220,7 +220,7 @@ pub fn session_metadata(s: &Session) -> Result<BTreeMap<String, String>> {
     m.insert("version".into(), VERSION.into());
     let ks: std::collections::BTreeSet<usize> = s.layers.iter().map(|l| l.top_k).collect();
     if ks.len() > 1 {
-        return Err(ResidencyError::Config(format!(
+        return Err(ArtifactError::Config(format!(
             "session `{}`: layers disagree on top-k ({ks:?})",
             s.id
         )));
@@ -266,7 +266,7 @@ pub fn session_tensors(s: &Session) -> Result<Vec<(TensorMeta, Vec<u8>)>> {
     let mut prev: Option<usize> = None;
     for l in &s.layers {
         if prev.is_some_and(|p| p >= l.layer) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "session `{}`: layers must be ascending and distinct (layer {} after {})",
                 s.id,
                 l.layer,
@@ -276,7 +276,7 @@ pub fn session_tensors(s: &Session) -> Result<Vec<(TensorMeta, Vec<u8>)>> {
         prev = Some(l.layer);
         let k = l.top_k;
         if k == 0 || l.experts.len() != l.weights.len() || !l.experts.len().is_multiple_of(k) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "session `{}`, layer {}: {} experts and {} weights are not whole tokens of top-{k}",
                 s.id,
                 l.layer,
@@ -285,7 +285,7 @@ pub fn session_tensors(s: &Session) -> Result<Vec<(TensorMeta, Vec<u8>)>> {
             )));
         }
         if l.n_experts > MAX_EXPERTS || l.experts.iter().any(|&e| e as usize >= l.n_experts) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "session `{}`, layer {}: expert ids must be < n_experts = {} (≤ {MAX_EXPERTS})",
                 s.id, l.layer, l.n_experts
             )));
@@ -327,7 +327,7 @@ pub fn write_session(
     let mut meta = session_metadata(s)?;
     for (k, v) in extra_metadata {
         if meta.contains_key(k) {
-            return Err(ResidencyError::Config(format!(
+            return Err(ArtifactError::Config(format!(
                 "metadata key `{k}` is set by the trace writer and cannot be given as extra metadata"
             )));
         }
@@ -336,7 +336,7 @@ pub fn write_session(
     let tensors = session_tensors(s)?;
     let name = path
         .file_name()
-        .ok_or_else(|| ResidencyError::Trace {
+        .ok_or_else(|| ArtifactError::Trace {
             path: path.to_path_buf(),
             msg: "has no file name".into(),
         })?
@@ -377,7 +377,7 @@ fn meta_usize(path: &Path, meta: &BTreeMap<String, String>, key: &str) -> Result
             .trim()
             .parse::<usize>()
             .map(Some)
-            .map_err(|_| ResidencyError::Trace {
+            .map_err(|_| ArtifactError::Trace {
                 path: path.to_path_buf(),
                 msg: format!("metadata `{key}` = `{v}` is not a whole number"),
             }),
@@ -392,7 +392,7 @@ fn meta_list(path: &Path, meta: &BTreeMap<String, String>, key: &str) -> Result<
             .split(',')
             .map(|x| x.trim().parse::<usize>())
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|_| ResidencyError::Trace {
+            .map_err(|_| ArtifactError::Trace {
                 path: path.to_path_buf(),
                 msg: format!("metadata `{key}` = `{v}` is not a comma list of whole numbers"),
             }),
@@ -420,7 +420,7 @@ fn decode_weights(path: &Path, name: &str, dtype: Dtype, b: &[u8]) -> Result<Vec
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
         d => {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 name,
                 format!("gate weights must be F16 (or BF16/F32), found {d}"),
@@ -428,7 +428,7 @@ fn decode_weights(path: &Path, name: &str, dtype: Dtype, b: &[u8]) -> Result<Vec
         }
     };
     if let Some(i) = v.iter().position(|w| !w.is_finite() || *w < 0.0) {
-        return Err(ResidencyError::tensor(
+        return Err(ArtifactError::tensor(
             path,
             name,
             format!(
@@ -452,7 +452,7 @@ pub fn read_session(path: &Path) -> Result<Session> {
     if format == Some(FORMAT) {
         if let Some(v) = meta.get("version") {
             if v != VERSION {
-                return Err(ResidencyError::Trace {
+                return Err(ArtifactError::Trace {
                     path: path.to_path_buf(),
                     msg: format!(
                         "route trace version {v} is not supported (this keep reads version {VERSION})"
@@ -475,7 +475,7 @@ pub fn read_session(path: &Path) -> Result<Session> {
             continue;
         };
         let Ok(layer) = layer.parse::<usize>() else {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &t.name,
                 "the layer in `routes.{layer}.*` is not a whole number",
@@ -488,13 +488,13 @@ pub fn read_session(path: &Path) -> Result<Session> {
         }
     }
     if pairs.is_empty() {
-        return Err(ResidencyError::Trace {
+        return Err(ArtifactError::Trace {
             path: path.to_path_buf(),
             msg: "holds no `routes.{layer}.experts` tensors: not a route trace".into(),
         });
     }
     if meta_n.len() > 1 && meta_n.len() != pairs.len() {
-        return Err(ResidencyError::Trace {
+        return Err(ArtifactError::Trace {
             path: path.to_path_buf(),
             msg: format!(
                 "metadata `n_experts` lists {} layers but the file records {}",
@@ -508,14 +508,14 @@ pub fn read_session(path: &Path) -> Result<Session> {
         let en = format!("routes.{layer}.experts");
         let wn = format!("routes.{layer}.weights");
         let Some(ei) = ei else {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &en,
                 format!("missing (the file has `{wn}` but not its expert ids)"),
             ));
         };
         let Some(wi) = wi else {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &wn,
                 format!("missing (the file has `{en}` but not its gate weights)"),
@@ -524,21 +524,21 @@ pub fn read_session(path: &Path) -> Result<Session> {
         let et = &h.tensors[ei];
         let wt = &h.tensors[wi];
         if et.dtype != Dtype::I16 {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &en,
                 format!("expert ids must be I16, found {}", et.dtype),
             ));
         }
         if et.shape.len() != 2 {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &en,
                 format!("shape {:?} is not [tokens, top_k]", et.shape),
             ));
         }
         if wt.shape != et.shape {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &wn,
                 format!("shape {:?} differs from `{en}` {:?}", wt.shape, et.shape),
@@ -546,11 +546,11 @@ pub fn read_session(path: &Path) -> Result<Session> {
         }
         let k = et.shape[1] as usize;
         if k == 0 {
-            return Err(ResidencyError::tensor(path, &en, "top_k is 0"));
+            return Err(ArtifactError::tensor(path, &en, "top_k is 0"));
         }
         if let Some(mk) = meta_k {
             if mk != k {
-                return Err(ResidencyError::tensor(
+                return Err(ArtifactError::tensor(
                     path,
                     &en,
                     format!("shape {:?} disagrees with metadata top_k = {mk}", et.shape),
@@ -572,14 +572,14 @@ pub fn read_session(path: &Path) -> Result<Session> {
             _ => meta_n[li],
         };
         if n_experts == 0 || n_experts > MAX_EXPERTS {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &en,
                 format!("n_experts = {n_experts} is not in 1..={MAX_EXPERTS}"),
             ));
         }
         if let Some(i) = ids.iter().position(|&e| e < 0 || e as usize >= n_experts) {
-            return Err(ResidencyError::tensor(
+            return Err(ArtifactError::tensor(
                 path,
                 &en,
                 format!(
@@ -622,7 +622,7 @@ pub fn read_run(path: &Path) -> Result<RouteTrace> {
         ..RouteTrace::default()
     };
     if path.is_dir() {
-        let rd = std::fs::read_dir(path).map_err(|e| ResidencyError::io(path, e))?;
+        let rd = std::fs::read_dir(path).map_err(|e| ArtifactError::io(path, e))?;
         let mut files: Vec<PathBuf> = rd
             .flatten()
             .map(|e| e.path())
@@ -643,7 +643,7 @@ pub fn read_run(path: &Path) -> Result<RouteTrace> {
             }
         }
         if trace.sessions.is_empty() {
-            return Err(ResidencyError::Trace {
+            return Err(ArtifactError::Trace {
                 path: path.to_path_buf(),
                 msg: "no *.safetensors file here holds `routes.*` tensors; record routes with \
                       `keep calibrate` or `keep run --record-routes`"
@@ -672,7 +672,7 @@ pub fn check_consistent(t: &RouteTrace) -> Result<()> {
     for s in &t.sessions[1..] {
         if shape(s) != want {
             let p = s.source.clone().unwrap_or_else(|| t.path.clone());
-            return Err(ResidencyError::Inconsistent {
+            return Err(ArtifactError::Inconsistent {
                 path: p,
                 msg: format!(
                     "session `{}` records (layer, n_experts, top_k) {:?}, but session `{}` records {:?}; \
