@@ -13,8 +13,10 @@ Everything runs in float32 on CPU (torch), as keep computes; the released infere
 table rows to bf16 (exact: an E4M3 value times a power of two is a bf16 value) and rounds the
 streams to the model dtype, which keep's f32 conformance does not do anywhere.
 
-The token map: these random checkpoints hash raw ids (engram_compressed_vocab_size =
-vocab_size), the identity map the NeMo copy uses when the two sizes are equal.
+The token map: when engram_compressed_vocab_size equals vocab_size the ids are hashed raw (the
+identity map the NeMo copy uses then); otherwise `build_compressed_token_map` builds it from the
+checkpoint's tokenizer (transformers' AutoTokenizer, as the published `CompressedTokenizer`):
+the normaliser sequence and the first-seen numbering of `_build_lookup_table`.
 """
 import json
 from pathlib import Path
@@ -24,6 +26,60 @@ import torch
 from safetensors import safe_open
 
 _MULTIPLIER_SEED = 10007
+# Private-use character protecting a lone space from the strip step.
+_SENTINEL = "\uE000"
+
+
+def compressed_normalizer():
+    """`CompressedTokenizer`'s normaliser (the tokenizers library's normalizers)."""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SENTINEL, " "),
+    ])
+
+
+def build_compressed_token_map(tokenizer):
+    """`CompressedTokenizer._build_lookup_table`: (lookup[raw id] = compressed id, size)."""
+    normalizer = compressed_normalizer()
+    old2new, key2new, new_tokens = {}, {}, []
+    vocab_size = len(tokenizer)
+    for tid in range(vocab_size):
+        text = tokenizer.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tokenizer.convert_ids_to_tokens(tid)
+        else:
+            norm = normalizer.normalize_str(text)
+            key = norm if norm else text
+        nid = key2new.get(key)
+        if nid is None:
+            nid = len(new_tokens)
+            key2new[key] = nid
+            new_tokens.append(key)
+        old2new[tid] = nid
+    lookup = np.empty(vocab_size, dtype=np.int64)
+    for tid in range(vocab_size):
+        lookup[tid] = old2new[tid]
+    return lookup, len(new_tokens)
+
+
+def load_compressed_token_map(tokenizer_dir):
+    """The map of a checkpoint directory's tokenizer (tokenizer.json + tokenizer_config.json).
+
+    An empty model config is passed so transformers picks the tokenizer from tokenizer_config.json
+    alone (it cannot parse every checkpoint config keep writes; the tokenizer does not need it).
+    """
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), config=PreTrainedConfig())
+    return build_compressed_token_map(tok)
 
 
 def _is_prime(n: int) -> bool:
@@ -72,7 +128,7 @@ def compute_hash_multipliers(layer_ids, max_ngram_size: int, compressed_vocab_si
 class Layout:
     """`EngramLayout.from_config`."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, ckpt=None):
         self.layer_ids = tuple(int(i) for i in cfg["engram_layer_ids"])
         self.max_ngram_size = int(cfg["engram_max_ngram_size"])
         self.n_heads = int(cfg["engram_n_heads"])
@@ -96,8 +152,12 @@ class Layout:
         self.n_hash_cols = (self.max_ngram_size - 1) * self.n_heads
         self.vocab_size = int(cfg["vocab_size"])
         self.compressed_vocab_size = int(cfg.get("engram_compressed_vocab_size") or self.vocab_size)
-        assert self.compressed_vocab_size == self.vocab_size, "these checkpoints hash raw ids"
-        self.token_map = torch.arange(self.vocab_size, dtype=torch.int64)
+        if self.compressed_vocab_size == self.vocab_size:
+            self.token_map = torch.arange(self.vocab_size, dtype=torch.int64)
+        else:
+            lookup, size = load_compressed_token_map(ckpt)
+            assert size == self.compressed_vocab_size, (size, self.compressed_vocab_size)
+            self.token_map = torch.from_numpy(lookup)
         self.pad_id = int(self.token_map[int(cfg.get("engram_pad_id", 2))])
         self.multipliers = compute_hash_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size)
         p = torch.tensor(self.primes, dtype=torch.int64)  # [n_layers, n_ngrams, n_heads]
@@ -232,7 +292,7 @@ class EngramModel:
     def __init__(self, ckpt: Path):
         cfg = json.loads((Path(ckpt) / "config.json").read_text())
         cfg = {**cfg, **cfg.get("text_config", {})}
-        self.layout = Layout(cfg)
+        self.layout = Layout(cfg, ckpt)
         self.layers = {l: Engram(Path(ckpt), cfg, self.layout, l) for l in self.layout.layer_ids}
         self.reset()
 

@@ -12,8 +12,10 @@ Checkpoints (in a temporary directory):
   - tools/oracle/model_synth.py (independent of keep: numpy + ml_dtypes), FP8 32x32 and MXFP8,
     ratios 0, 4, 1, 1, 2, 2, 2, 0 with 4 heads, and with scoring_func sigmoid and softmax;
   - Engram layers (the reference adds them from engram_ref.py, the published module in torch):
-    `keep synth --preset tiny --engram-bytes 2MiB` (layers 1 and 2, n-grams 2..3 x 2 heads) and
-    its MXFP8 repack, and model_synth.py with Engram at layers 1 and 5 (n-grams 2..4 x 3 heads,
+    `keep synth --preset tiny --engram-bytes 2MiB` (layers 1 and 2, n-grams 2..3 x 2 heads), its
+    MXFP8 repack, the same with a compressed Engram vocabulary (the keep-tiny tokenizer copied in,
+    engram_compressed_vocab_size = its compressed size: both sides build the token map), and
+    model_synth.py with Engram at layers 1 and 5 (n-grams 2..4 x 3 heads,
     64 channels, tables 3 rows larger than their buckets).
 For each: a 150-token pseudo-random sequence through `keep logits --routes` (one prefill) and
 tools/oracle/model_ref.py; top-1 agreement >= 99.5%, mean KL(ref||keep) <= 1e-4 nats per
@@ -97,6 +99,27 @@ def fp8_boundary_distance(d, toks, pos):
     return best
 
 
+def compressed_engram_copy(src: Path, dst: Path) -> Path:
+    """`src` with the bundled keep-tiny tokenizer copied in and engram_compressed_vocab_size set
+    to the size the published CompressedTokenizer (engram_ref.py) compresses it to, so both keep
+    and the reference hash over the tokenizer's compressed ids."""
+    import json
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "tools/oracle"))
+    from engram_ref import load_compressed_token_map
+
+    tiny = ROOT / "models/keep-tiny"
+    shutil.copytree(src, dst)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, dst / f)
+    _, size = load_compressed_token_map(tiny)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["engram_compressed_vocab_size"] = int(size)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
 def case(keep, d, tag, seed, tmp):
     cfg_vocab = __import__("json").loads((d / "config.json").read_text())["vocab_size"]
     toks = np.random.default_rng(seed).integers(0, cfg_vocab, 150)
@@ -151,6 +174,7 @@ def main():
         d = tmp / "synth-tiny-engram"
         run([keep, "synth", "--preset", "tiny", "--engram-bytes", "2MiB", "--out", d, "--seed", "6"])
         dirs.append((d, "keep-synth-tiny-engram-fp8"))
+        compressed = compressed_engram_copy(d, tmp / "synth-tiny-engram-tokmap")
         run([keep, "repack", d, tmp / "synth-tiny-engram-mx", "--resident-format", "mxfp8"])
         dirs.append((tmp / "synth-tiny-engram-mx", "keep-synth-tiny-engram-mxfp8"))
         engram = ('{"engram_layer_ids":[1,5],"engram_max_ngram_size":4,"engram_n_heads":3,'
@@ -166,6 +190,8 @@ def main():
             d = tmp / tag
             run([PY, ROOT / "tools/oracle/model_synth.py", d, str(seed), fmt, over])
             dirs.append((d, tag))
+        # Last, so that the cases before keep their token seeds.
+        dirs.append((compressed, "keep-synth-tiny-engram-compressed-vocab"))
         for i, (d, tag) in enumerate(dirs):
             case(keep, d, tag, 100 + i, tmp)
     print(f"model conformance: {len(FAILS)} failed")

@@ -239,7 +239,7 @@ pub fn calibrate(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<CalibrateReport> {
     let ck = Checkpoint::open(model_dir)?;
-    let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let cfg = ModelConfig::from_checkpoint(&ck)?;
     check_pack_for_model(pack, model_dir, cfg.vocab)?;
     let groups = pack.groups(opts.split);
     if groups.is_empty() {

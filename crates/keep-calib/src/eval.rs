@@ -168,7 +168,7 @@ pub fn eval(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<EvalReport> {
     let ck = Checkpoint::open(model)?;
-    let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let cfg = ModelConfig::from_checkpoint(&ck)?;
     let teacher = load_teacher(run, pack)?;
     let mut students: Vec<(String, Option<PathBuf>, Option<PrunePlan>, Kernels)> =
         vec![("model".into(), None, None, Kernels::Exact)];

@@ -110,6 +110,34 @@ impl ModelConfig {
         layer < self.hash_layers
     }
 
+    /// [`ModelConfig::from_deepseek`] of a checkpoint's config, with the Engram token
+    /// compression map built from the checkpoint's `tokenizer.json` when the config's
+    /// `engram_compressed_vocab_size` differs from its `vocab_size`. Refuses such a checkpoint
+    /// without a `tokenizer.json`, and one whose tokenizer compresses to another size.
+    pub fn from_checkpoint(ck: &keep_checkpoint::Checkpoint) -> Result<ModelConfig> {
+        let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        if let Some(layout) = cfg.engram.as_mut() {
+            if layout.needs_token_map() {
+                let path = ck.dir().join("tokenizer.json");
+                if !path.is_file() {
+                    return Err(unsupported(
+                        "engram_compressed_vocab_size",
+                        format!(
+                            "{} differs from vocab_size {}: the engram hash needs the \
+                             tokenizer's compression map, and {} is missing",
+                            layout.compressed_vocab,
+                            layout.vocab,
+                            path.display()
+                        ),
+                    ));
+                }
+                let tokens = crate::engram_tokens::compressed_token_map_from_file(&path)?;
+                layout.set_compressed_tokens(tokens)?;
+            }
+        }
+        Ok(cfg)
+    }
+
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
         let family = if c.model_type == "deepseek_v4" {

@@ -15,6 +15,7 @@
 
 use keep_checkpoint::DeepSeekConfig;
 
+use crate::engram_tokens::CompressedTokens;
 use crate::{ModelError, Result};
 
 /// Most hash columns (layers × n-gram sizes × heads) a config may ask for (V4.1-Flash: 48).
@@ -414,13 +415,21 @@ impl EngramLayout {
         self.layer_ids.iter().position(|&l| l == layer)
     }
 
-    /// Attach the tokenizer-derived compressed id of every raw token id.
+    /// Whether hashing needs the tokenizer's compression map (the compressed vocabulary is not
+    /// the model's and no map is attached yet).
+    pub fn needs_token_map(&self) -> bool {
+        self.token_map.is_none() && self.compressed_vocab != self.vocab as u64
+    }
+
+    /// Attach the tokenizer-derived compressed id of every raw token id. The map may be shorter
+    /// than the model's vocabulary (a tokenizer with fewer ids than embedding rows); ids past it
+    /// are refused when hashed. It must cover the pad id.
     pub fn set_token_map(&mut self, map: Vec<u32>) -> Result<()> {
-        if map.len() < self.vocab {
+        if map.len() <= self.pad_id {
             return Err(ModelError::Config(format!(
-                "engram token map covers {} ids, the vocabulary has {}",
+                "engram token map covers {} ids, not engram_pad_id {}",
                 map.len(),
-                self.vocab
+                self.pad_id
             )));
         }
         if let Some(bad) = map.iter().find(|&&v| v as u64 >= self.compressed_vocab) {
@@ -433,13 +442,36 @@ impl EngramLayout {
         Ok(())
     }
 
+    /// Attach a tokenizer's compression map, refusing (with both numbers) one whose size is not
+    /// `engram_compressed_vocab_size`: the multipliers were drawn for that size, so a map of
+    /// another size means another tokenizer or another normaliser.
+    pub fn set_compressed_tokens(&mut self, tokens: CompressedTokens) -> Result<()> {
+        if tokens.size as u64 != self.compressed_vocab {
+            return Err(ModelError::Unsupported {
+                key: "engram_compressed_vocab_size".into(),
+                msg: format!(
+                    "{} but the tokenizer compresses its {} ids to {} (a different tokenizer or \
+                     normaliser)",
+                    self.compressed_vocab,
+                    tokens.map.len(),
+                    tokens.size
+                ),
+            });
+        }
+        self.set_token_map(tokens.map)
+    }
+
     /// The compressed id of a raw token id.
     pub fn compress(&self, id: u32) -> Result<u32> {
         match &self.token_map {
-            Some(m) => m.get(id as usize).copied().ok_or(ModelError::Token {
-                id,
-                vocab: self.vocab,
-            }),
+            Some(m) => m
+                .get(id as usize)
+                .copied()
+                .filter(|_| (id as usize) < self.vocab)
+                .ok_or(ModelError::Token {
+                    id,
+                    vocab: self.vocab,
+                }),
             None if self.compressed_vocab == self.vocab as u64 => {
                 if (id as usize) < self.vocab {
                     Ok(id)
@@ -452,7 +484,7 @@ impl EngramLayout {
             }
             None => Err(ModelError::Config(format!(
                 "engram_compressed_vocab_size {} differs from vocab_size {}: the engram hash needs \
-                 the tokenizer's compressed token map (EngramLayout::set_token_map)",
+                 the tokenizer's compressed token map (tokenizer.json next to config.json)",
                 self.compressed_vocab, self.vocab
             ))),
         }

@@ -24,6 +24,7 @@ pub mod cache;
 pub mod config;
 pub mod engram;
 pub mod engram_hash;
+pub mod engram_tokens;
 pub mod error;
 pub mod experts;
 pub mod generate;

@@ -162,7 +162,7 @@ pub struct Model<'a> {
 impl<'a> Model<'a> {
     /// Load the model with routed experts read from the checkpoint itself.
     pub fn load(ck: &'a Checkpoint) -> Result<Self> {
-        let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let cfg = ModelConfig::from_checkpoint(ck)?;
         let experts = Box::new(CheckpointExperts::new(ck, &cfg)?);
         Self::load_with(ck, cfg, experts)
     }

@@ -71,7 +71,7 @@ pub fn forward_streamed(
     mut opts: StreamOptions,
     mut obs: Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<Vec<f32>>> {
-    let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let mut cfg = ModelConfig::from_checkpoint(ck)?;
     cfg.kernels = opts.kernels;
     let globals = Globals::load(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());

@@ -595,3 +595,101 @@ fn engram_rows_are_announced_before_they_are_read() {
         }
     }
 }
+
+/// `tests/data/small-engram` with a compressed Engram vocabulary: its config with
+/// `engram_compressed_vocab_size` = 2690 (the size the bundled keep-tiny tokenizer compresses to)
+/// and that tokenizer copied in; `small-engram-tokmap-ref.safetensors` is the reference on it.
+fn compressed_engram_checkpoint(dir: &Path, compressed: usize) {
+    let src = data().join("small-engram");
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let tiny = data().join("../../../../models/keep-tiny");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny.join(f), dir.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    cfg["engram_compressed_vocab_size"] = serde_json::json!(compressed);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}
+
+#[test]
+fn compressed_engram_vocabulary_matches_reference() {
+    let td = tempfile::tempdir().unwrap();
+    compressed_engram_checkpoint(td.path(), 2690);
+    let ck = Checkpoint::open(td.path()).unwrap();
+    let model = Model::load(&ck).unwrap();
+    let layout = model.cfg.engram.as_ref().unwrap();
+    let map = layout
+        .token_map
+        .as_ref()
+        .expect("map built from tokenizer.json");
+    // The byte-level tokens 'A' (33) and 'a' (65) share a compressed id; 'A' and 'B' do not.
+    assert_eq!(map[33], map[65]);
+    assert_ne!(map[33], map[34]);
+    // The hash runs over compressed ids: swapping a token for one that normalises alike leaves
+    // every row id unchanged, swapping it for another changes them.
+    let rows = |t: &[u32]| layout.hash(&mut Vec::new(), t).unwrap();
+    assert_eq!(rows(&[7, 33, 90, 12]), rows(&[7, 65, 90, 12]));
+    assert_ne!(rows(&[7, 33, 90, 12]), rows(&[7, 34, 90, 12]));
+
+    let r = load_ref(&data().join("small-engram-tokmap-ref.safetensors"));
+    let mut cache = model.new_cache();
+    let logits = model
+        .forward(&r.tokens, &mut cache, Logits::All, None)
+        .unwrap();
+    let (top1, kl, maxd) = agreement(&r.logits, &logits, r.vocab);
+    eprintln!("compressed engram: top1 {top1} mean KL {kl:e} max|diff| {maxd:e}");
+    assert!(top1 >= MIN_TOP1, "top-1 agreement {top1}");
+    assert!(kl <= MAX_MEAN_KL, "mean KL {kl}");
+    let greedy = r.greedy.unwrap();
+    let mut cache = model.new_cache();
+    let mut last = model
+        .forward(&r.tokens, &mut cache, Logits::Last, None)
+        .unwrap();
+    let mut mine = vec![];
+    for _ in 0..greedy.len() {
+        let tok = keep_model::generate::argmax(&last);
+        mine.push(tok);
+        last = model
+            .forward(&[tok], &mut cache, Logits::Last, None)
+            .unwrap();
+    }
+    assert_eq!(mine, greedy);
+
+    // With raw ids in place of the map (same multipliers) the reference disagrees: the fixture
+    // checks the map, not only the rest of the model.
+    let mut raw = model;
+    let ids: Vec<u32> = (0..raw.cfg.vocab as u32).collect();
+    raw.engram
+        .as_mut()
+        .unwrap()
+        .layout
+        .set_token_map(ids)
+        .unwrap();
+    let mut cache = raw.new_cache();
+    let logits = raw
+        .forward(&r.tokens, &mut cache, Logits::All, None)
+        .unwrap();
+    let (_, kl, _) = agreement(&r.logits, &logits, r.vocab);
+    assert!(kl > 100.0 * MAX_MEAN_KL, "mean KL with raw ids only {kl}");
+}
+
+#[test]
+fn compressed_engram_vocabulary_is_refused_without_its_tokenizer_or_size() {
+    // A size other than the tokenizer's: refused with both numbers.
+    let td = tempfile::tempdir().unwrap();
+    compressed_engram_checkpoint(td.path(), 2000);
+    let ck = Checkpoint::open(td.path()).unwrap();
+    let err = Model::load(&ck).err().expect("refused").to_string();
+    assert!(
+        err.contains("engram_compressed_vocab_size")
+            && err.contains("2000")
+            && err.contains("2690"),
+        "{err}"
+    );
+    // No tokenizer.json: refused at load, naming the file.
+    std::fs::remove_file(td.path().join("tokenizer.json")).unwrap();
+    let ck = Checkpoint::open(td.path()).unwrap();
+    let err = Model::load(&ck).err().expect("refused").to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+}

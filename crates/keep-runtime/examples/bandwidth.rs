@@ -45,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.get(2).map_or(Ok(48), |s| s.parse())?;
     let threads: usize = args.get(3).map_or(Ok(8), |s| s.parse())?;
     let ck = Checkpoint::open(std::path::Path::new(dir))?;
-    let cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+    let cfg = ModelConfig::from_checkpoint(&ck)?;
     let store = Arc::new(ExpertStore::open(&ck, &cfg, true)?);
     // Distinct random (layer, expert) pairs.
     let mut s = 0x2545_F491_4F6C_DD1Du64;

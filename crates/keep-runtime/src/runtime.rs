@@ -215,7 +215,7 @@ impl RouteObserver for Guesser<'_, '_, '_> {
 impl<'a> BudgetedModel<'a> {
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
-        let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let mut cfg = ModelConfig::from_checkpoint(ck)?;
         cfg.kernels = opts.kernels;
         let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
         let engram_cache = match &cfg.engram {

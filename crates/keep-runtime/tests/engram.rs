@@ -2,7 +2,9 @@
 //! budgeted run whose Engram row cache holds a few rows (so rows are evicted, re-read and, when a
 //! forward needs more rows than the cache holds, read directly) gives logits bit-identical to the
 //! plain model, and the counters add up (with a cache that holds them, every requested row is a
-//! hit or a miss; bytes read are whole 4 KiB pages, at least the useful bytes).
+//! hit or a miss; bytes read are whole 4 KiB pages, at least the useful bytes). With a compressed
+//! Engram vocabulary (a tokenizer.json next to the config) the runtime builds the same token map
+//! as the plain model and gives the same logits.
 
 use std::path::PathBuf;
 
@@ -85,5 +87,60 @@ fn engram_rows_from_ssd_give_identical_logits() {
                 "decode reuses rows of the prompt's n-grams: {s:?}"
             );
         }
+    }
+}
+
+#[test]
+fn compressed_engram_vocabulary_runs_under_a_budget() {
+    // The fixture with a compressed Engram vocabulary (the bundled keep-tiny tokenizer copied
+    // in; it compresses to 2690 ids): the budgeted runtime builds the same token map as the
+    // plain model and gives bit-identical logits.
+    let td = tempfile::tempdir().unwrap();
+    let src = fixture();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        td.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+    std::fs::copy(
+        tiny.join("tokenizer.json"),
+        td.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    cfg["engram_compressed_vocab_size"] = serde_json::json!(2690);
+    std::fs::write(td.path().join("config.json"), cfg.to_string()).unwrap();
+
+    let ck = Checkpoint::open(td.path()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..29u32).map(|i| (i * 53 + 7) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        6,
+        v,
+    );
+    let mut opts = RuntimeOptions::new(64 << 20);
+    opts.engram_cache = Some(1 << 20);
+    let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+    let map = &m.cfg().engram.as_ref().unwrap().token_map;
+    assert_eq!(
+        map.as_deref(),
+        plain.cfg.engram.as_ref().unwrap().token_map.as_deref(),
+        "the runtime builds the same token map"
+    );
+    assert!(map.is_some());
+    let mut c = m.new_cache();
+    let got = greedy(|t, w| m.forward(t, &mut c, w, None).unwrap(), &prompt, 6, v);
+    assert_eq!(want.len(), got.len());
+    for (a, b) in want.iter().zip(&got) {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "logits differ"
+        );
     }
 }
