@@ -5,20 +5,12 @@
 use std::path::{Path, PathBuf};
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let p = e.path();
-        let name = e.file_name().to_string_lossy().to_string();
-        if p.is_dir() {
-            if name != "target" && !name.starts_with('.') {
-                rust_files(&p, out);
-            }
-        } else if name.ends_with(".rs") {
-            out.push(p);
-        }
-    }
+    let mut all = vec![];
+    repo_files(dir, &mut all);
+    out.extend(
+        all.into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "rs")),
+    );
 }
 
 #[test]
