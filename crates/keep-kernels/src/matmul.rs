@@ -178,7 +178,7 @@ pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resul
 /// Which kernels a product runs on: the exact f32 decode-and-dot kernels (what `keep logits`,
 /// the fixtures and the conformance suite use), or the fast ones, which quantize activations
 /// to int8 blocks and multiply packed weights as integers where the format has an integer
-/// kernel ([`crate::intdot`]: MXFP4), round activations to bf16 and multiply with AVX-512
+/// kernel ([`crate::intdot`]: MXFP4, and affine-8 in `matmul_many_with`), round activations to bf16 and multiply with AVX-512
 /// BF16 `vdpbf16ps` for bf16, MXFP8 and FP8-block weights where the CPU has it
 /// ([`crate::bf16dot`]), and run the exact kernel elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -436,7 +436,7 @@ pub fn matmul_many(jobs: &mut [Job]) {
 }
 
 /// [`matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
-/// weight has an integer kernel run through [`crate::intdot::int_matmul_many`] (activations
+/// weight has an integer kernel (MXFP4, affine-8) run through [`crate::intdot::int_matmul_many`] (activations
 /// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
 /// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
 /// to bf16 once per distinct input), the rest as [`matmul_many`].
@@ -455,6 +455,9 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [Job]) -> Result<()>
         let int = match j.w {
             Src::Mxfp4 { packed, scales } if j.cols.is_multiple_of(crate::intdot::QBLOCK) => {
                 Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
+            }
+            Src::Affine8 { q, scales, biases } => {
+                Some(crate::intdot::IntSrc::Affine8 { q, scales, biases })
             }
             _ => None,
         };
