@@ -1567,8 +1567,7 @@ fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
         let names: Vec<(String, &str, Kernels)> = fmts
             .iter()
             .flat_map(|&f| {
-                [Kernels::Exact, Kernels::Fast]
-                    .map(|k| (format!("{f}.m{m}.{}", k.name()), f, k))
+                [Kernels::Exact, Kernels::Fast].map(|k| (format!("{f}.m{m}.{}", k.name()), f, k))
             })
             .collect();
         let kb = format!("bandwidth.m{m}");
