@@ -15,14 +15,15 @@
 //! flushed to zero; MXCSR is neither read nor written.
 //!
 //! # The contract (what every level computes, bit for bit)
-//! For input row `i` and weight row `r`, 16 f32 lanes `acc` start at zero; for each chunk `c`
-//! of 32 columns, lane `j` covers columns `32c+2j` and `32c+2j+1`:
-//! - unscaled (bf16): `acc[j] = dpbf16(acc[j], w, x)`;
+//! For input row `i` and weight row `r`, four sets of 16 f32 lanes `A[0..4]` start at zero
+//! (four independent chains, so the instruction's latency overlaps); chunk `c` of 32 columns
+//! goes to `A[c mod 4]`, its lane `j` covering columns `32c+2j` and `32c+2j+1`:
+//! - unscaled (bf16): `A[j] = dpbf16(A[j], w, x)`;
 //! - scaled (MXFP8, FP8-block; `s_c` is the scale of the block holding the chunk):
-//!   `acc[j] = fma(s_c, dpbf16(0, w, x), acc[j])`.
+//!   `A[j] = fma(s_c, dpbf16(0, w, x), A[j])`.
 //!
-//! Then `u[j] = acc[j] + acc[j+8]` (j < 8), `v[j] = u[j] + u[j+4]`, `t[j] = v[j] + v[j+2]`, and
-//! the result is `t[0] + t[1]`. [`dot_row_ref`] is that contract in plain Rust (the scalar
+//! Then `acc[j] = (A0[j] + A2[j]) + (A1[j] + A3[j])`, `u[j] = acc[j] + acc[j+8]` (j < 8),
+//! `v[j] = u[j] + u[j+4]`, `t[j] = v[j] + v[j+2]`, and the result is `t[0] + t[1]`. [`dot_row_ref`] is that contract in plain Rust (the scalar
 //! level, and the reference the AVX-512 BF16 level is tested against). Results depend neither
 //! on M, nor on the threading, nor on the level, so decode equals prefill bit for bit here too.
 //!
@@ -128,9 +129,10 @@ pub fn dpbf16_ref(acc: f32, a: [u16; 2], b: [u16; 2]) -> f32 {
     ftz(daz_bf16(a[0]).mul_add(daz_bf16(b[0]), t))
 }
 
-/// The contract's final reduction of 16 lanes.
+/// The contract's final reduction of the four sets of 16 lanes.
 #[inline(always)]
-pub fn finish_ref(acc: &[f32; 16]) -> f32 {
+pub fn finish_ref(a: &[[f32; 16]; 4]) -> f32 {
+    let acc: [f32; 16] = std::array::from_fn(|j| (a[0][j] + a[2][j]) + (a[1][j] + a[3][j]));
     let u: [f32; 8] = std::array::from_fn(|j| acc[j] + acc[j + 8]);
     let v: [f32; 4] = std::array::from_fn(|j| u[j] + u[j + 4]);
     let t: [f32; 2] = std::array::from_fn(|j| v[j] + v[j + 2]);
@@ -140,9 +142,9 @@ pub fn finish_ref(acc: &[f32; 16]) -> f32 {
 /// The contract for one (input row, weight row): `w` and `x` are `cols` bf16, `s[c]` the
 /// chunk scales (`None`: unscaled).
 pub fn dot_row_ref(w: &[u16], x: &[u16], s: Option<&[f32]>) -> f32 {
-    let mut acc = [0f32; 16];
+    let mut acc = [[0f32; 16]; 4];
     for (c, (wc, xc)) in w.chunks_exact(CHUNK).zip(x.chunks_exact(CHUNK)).enumerate() {
-        for (j, a) in acc.iter_mut().enumerate() {
+        for (j, a) in acc[c % 4].iter_mut().enumerate() {
             let (wp, xp) = ([wc[2 * j], wc[2 * j + 1]], [xc[2 * j], xc[2 * j + 1]]);
             *a = match s {
                 None => dpbf16_ref(*a, wp, xp),

@@ -3,6 +3,8 @@
 //! `vpermi2w` and a blend on bit 6, the sign bit shifted in), then one `vdpbf16ps` per chunk
 //! of 32 columns and input row; bf16 rows are read as stored.
 #![allow(clippy::incompatible_msrv)]
+// Indexed loops mirror the contract's accumulator numbering.
+#![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
@@ -29,12 +31,20 @@ unsafe fn decode32(t: &[__m512i; 4], p: *const u8) -> __m512i {
 
 /// The contract's final reduction.
 #[inline(always)]
-unsafe fn finish(acc: __m512) -> f32 {
+unsafe fn finish(a: [__m512; 4]) -> f32 {
+    let acc = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
     let u = _mm256_add_ps(_mm512_castps512_ps256(acc), hi);
     let v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
     let t = _mm_add_ps(v, _mm_movehl_ps(v, v));
     _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)))
+}
+
+/// Chunk `c` of a bf16 row (a function, not a closure: closures do not inherit the caller's
+/// target features).
+#[inline(always)]
+unsafe fn ld16(p: *const u16, c: usize) -> __m512bh {
+    bh(_mm512_loadu_si512(p.add(CHUNK * c) as *const __m512i))
 }
 
 #[inline(always)]
@@ -76,19 +86,33 @@ pub(super) unsafe fn rows_avx512bf16(
         let scaled = src.chunk_scales(r, cols, &mut s.s);
         for i in 0..a.m {
             let xp = a.x.as_ptr().add(i * cols);
-            let mut acc = _mm512_setzero_ps();
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let full = nc / 4 * 4;
             if scaled {
-                for c in 0..nc {
-                    let w = _mm512_loadu_si512(wp.add(CHUNK * c) as *const __m512i);
-                    let x = _mm512_loadu_si512(xp.add(CHUNK * c) as *const __m512i);
-                    let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(w), bh(x));
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(*s.s.get_unchecked(c)), blk, acc);
+                let sp = s.s.as_ptr();
+                let mut c = 0;
+                while c < full {
+                    for k in 0..4 {
+                        let blk =
+                            _mm512_dpbf16_ps(_mm512_setzero_ps(), ld16(wp, c + k), ld16(xp, c + k));
+                        acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c + k)), blk, acc[k]);
+                    }
+                    c += 4;
+                }
+                for c in full..nc {
+                    let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld16(wp, c), ld16(xp, c));
+                    acc[c % 4] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c)), blk, acc[c % 4]);
                 }
             } else {
-                for c in 0..nc {
-                    let w = _mm512_loadu_si512(wp.add(CHUNK * c) as *const __m512i);
-                    let x = _mm512_loadu_si512(xp.add(CHUNK * c) as *const __m512i);
-                    acc = _mm512_dpbf16_ps(acc, bh(w), bh(x));
+                let mut c = 0;
+                while c < full {
+                    for k in 0..4 {
+                        acc[k] = _mm512_dpbf16_ps(acc[k], ld16(wp, c + k), ld16(xp, c + k));
+                    }
+                    c += 4;
+                }
+                for c in full..nc {
+                    acc[c % 4] = _mm512_dpbf16_ps(acc[c % 4], ld16(wp, c), ld16(xp, c));
                 }
             }
             *out.add(i * ld + r) = finish(acc);

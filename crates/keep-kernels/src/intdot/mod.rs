@@ -194,22 +194,26 @@ impl<'a> IntSrc<'a> {
         }
     }
 
+    /// `β_g = 128·s_g + b_g` of weight row `r` into `dst[..cols/64]` (`false`: the format has
+    /// no bias term).
+    #[inline]
+    pub fn bias_groups(&self, r: usize, cols: usize, dst: &mut [f32]) -> bool {
+        let IntSrc::Affine8 { scales, biases, .. } = *self else {
+            return false;
+        };
+        let ng = cols / AFFINE8_GROUP;
+        for (g, o) in dst[..ng].iter_mut().enumerate() {
+            *o = 128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g);
+        }
+        true
+    }
+
     /// Step 5 of the contract for weight row `r` and activation row `i` (`None`: the format
     /// has no bias term).
-    #[inline]
     pub fn bias_term(&self, r: usize, a: &Q8Acts, i: usize) -> Option<f32> {
-        let IntSrc::Affine8 { scales, biases, .. } = *self else {
-            return None;
-        };
-        let (nb, ng) = (a.cols / QBLOCK, a.cols / AFFINE8_GROUP);
-        let (d, s) = (&a.d[i * nb..(i + 1) * nb], &a.sums[i * nb..(i + 1) * nb]);
-        let mut beta = 0f32;
-        for b in 0..nb {
-            let g = r * ng + b * QBLOCK / AFFINE8_GROUP;
-            let bg = 128.0 * bf16_at(scales, g) + bf16_at(biases, g);
-            beta = bg.mul_add(d[b] * s[b] as f32, beta);
-        }
-        Some(beta)
+        let mut bg = vec![0f32; a.cols / AFFINE8_GROUP];
+        self.bias_groups(r, a.cols, &mut bg)
+            .then(|| bias_term_ref(&bg, a, i))
     }
 
     /// Integer weights of row `r` (`cols` wide) into `dst`, from the definitions.
@@ -451,19 +455,41 @@ impl IntSrc<'_> {
     }
 }
 
+/// Step 5 of the contract: `β = fma(β_g, d_b · S_b, β)` over the blocks of activation row `i`.
+#[inline]
+pub fn bias_term_ref(bg: &[f32], a: &Q8Acts, i: usize) -> f32 {
+    let nb = a.cols / QBLOCK;
+    let (d, s) = (&a.d[i * nb..(i + 1) * nb], &a.sums[i * nb..(i + 1) * nb]);
+    let mut beta = 0f32;
+    for b in 0..nb {
+        beta = bg[b * QBLOCK / AFFINE8_GROUP].mul_add(d[b] * s[b] as f32, beta);
+    }
+    beta
+}
+
 /// Step 5 of the contract for weight row `r`, added to every activation row's result.
 ///
 /// # Safety
 /// As [`rows_scalar`].
 #[inline]
 unsafe fn add_bias_terms(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: usize) {
-    if matches!(src, IntSrc::Affine8 { .. }) {
-        for i in 0..a.m {
-            if let Some(beta) = src.bias_term(r, a, i) {
-                *out.add(i * ld + r) += beta;
-            }
-        }
+    if !matches!(src, IntSrc::Affine8 { .. }) {
+        return;
     }
+    BIAS.with(|c| {
+        let mut bg = c.take();
+        bg.resize(a.cols / AFFINE8_GROUP, 0.0);
+        src.bias_groups(r, a.cols, &mut bg);
+        for i in 0..a.m {
+            *out.add(i * ld + r) += bias_term_ref(&bg, a, i);
+        }
+        c.replace(bg);
+    });
+}
+
+thread_local! {
+    /// The `β_g` of the row being finished (affine-8).
+    static BIAS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `2 · e2m1(code)` for the 16 codes.
