@@ -95,13 +95,14 @@ impl Default for Options {
 }
 
 /// Test names, in run order.
-pub const TESTS: [&str; 6] = [
+pub const TESTS: [&str; 7] = [
     "memory-bandwidth",
     "mxfp8-residents",
     "fused-sinkhorn",
     "e8p-m1",
     "routed-ffn",
     "fast-kernels",
+    "fast-residents",
 ];
 
 /// One evidence row.
@@ -1453,6 +1454,203 @@ fn fast_kernels(opts: &Options, bw: Option<f64>) -> Result<Row> {
     })
 }
 
+/// Side of the square resident weight the fast-residents test chains (V4.1-Flash's hidden size).
+const RES_SIDE: usize = 4096;
+
+/// A square resident weight in the three formats of the fast-residents test.
+struct SquareRes {
+    bf16: Vec<u8>,
+    q: Vec<u8>,
+    mx: Vec<u8>,
+    aq: Vec<u8>,
+    asc: Vec<u8>,
+    abi: Vec<u8>,
+}
+
+fn synth_square(seed: u64) -> SquareRes {
+    let n = RES_SIDE * RES_SIDE;
+    let mut r = Rng(seed);
+    let bf = |v: f32| keep_kernels::bf16dot::f32_to_bf16_rne(v).to_le_bytes();
+    let bf16: Vec<u8> = (0..n).flat_map(|_| bf(r.normal() * 0.02)).collect();
+    // Finite E4M3 codes (no NaN), E8M0 scales around 2^-8.
+    let q: Vec<u8> = (0..n)
+        .map(|_| {
+            let b = r.next() as u8;
+            if b & 0x7F == 0x7F {
+                b ^ 1
+            } else {
+                b
+            }
+        })
+        .collect();
+    let mx: Vec<u8> = (0..n / 32).map(|_| 117 + (r.next() % 4) as u8).collect();
+    let aq: Vec<u8> = (0..n).map(|_| r.next() as u8).collect();
+    let ng = n / keep_kernels::affine::AFFINE8_GROUP;
+    let asc: Vec<u8> = (0..ng).flat_map(|_| bf(2e-4)).collect();
+    let abi: Vec<u8> = (0..ng).flat_map(|_| bf(-0.0255)).collect();
+    SquareRes {
+        bf16,
+        q,
+        mx,
+        aq,
+        asc,
+        abi,
+    }
+}
+
+/// Resident GEMVs on the fast kernels against the exact ones: a chain of distinct square
+/// `RES_SIDE²` weights (MXFP8, bf16, affine-8) at M = 1, 4, 8, 32 tokens per call, GB/s of
+/// weight bytes against the interleaved read bandwidth.
+fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
+    use keep_kernels::Kernels;
+    let reps = if opts.quick { 2 } else { 3 };
+    let budget: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
+    // Copies sized by the bf16 form (the largest), so every format's chain leaves the caches.
+    let copies = budget.div_ceil(2 * RES_SIDE * RES_SIDE).max(2);
+    let res: Vec<SquareRes> = (0..copies)
+        .map(|c| synth_square(0xFA57 + c as u64))
+        .collect();
+    let bw_bytes: usize = 1 << 30;
+    let mut buf = vec![0u64; bw_bytes / 8];
+    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
+        c.iter_mut()
+            .enumerate()
+            .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
+    });
+    let n = RES_SIDE;
+    let fmts = ["mxfp8", "bf16", "affine8"];
+    fn src_of<'a>(f: &str, r: &'a SquareRes) -> (simd::Src<'a>, usize) {
+        let n = RES_SIDE;
+        match f {
+            "mxfp8" => {
+                let v = WeightView::mxfp8(&r.q, &r.mx, n, n).expect("sized");
+                (simd::Src::view(&v), v.nbytes())
+            }
+            "bf16" => {
+                let v = WeightView::bf16(&r.bf16, n, n).expect("sized");
+                (simd::Src::view(&v), v.nbytes())
+            }
+            _ => {
+                let v = Affine8View::new(&r.aq, &r.asc, &r.abi, n, n).expect("sized");
+                (simd::Src::affine8(&v), v.nbytes())
+            }
+        }
+    }
+    let mut raw_all: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut metrics = BTreeMap::new();
+    let mut quiet_all: Option<Quiet> = None;
+    for &m in &FAST_MS {
+        let mut g = Rng(17 + m as u64);
+        let x0: Vec<f32> = (0..m * n).map(|_| g.normal()).collect();
+        let run = |f: &str, kernels: Kernels| {
+            let mut x = x0.clone();
+            let mut y = vec![0f32; m * n];
+            for r in &res {
+                let (w, _) = src_of(f, r);
+                let mut jobs = [Job {
+                    w,
+                    rows: n,
+                    cols: n,
+                    x: &x,
+                    m,
+                    out: &mut y,
+                }];
+                simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+                for (xr, yr) in x.chunks_exact_mut(n).zip(y.chunks_exact(n)) {
+                    let ms = yr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+                    let inv = 1.0 / (ms + 1e-6).sqrt();
+                    xr.iter_mut().zip(yr).for_each(|(a, b)| *a = b * inv);
+                }
+            }
+            black_box(x[0]);
+        };
+        let names: Vec<(String, &str, Kernels)> = fmts
+            .iter()
+            .flat_map(|&f| {
+                [Kernels::Exact, Kernels::Fast].map(|k| (format!("{f}.m{m}.{}", k.name()), f, k))
+            })
+            .collect();
+        let kb = format!("bandwidth.m{m}");
+        let mut closures: Vec<Box<dyn FnMut() + '_>> = names
+            .iter()
+            .map(|(_, f, k)| {
+                let (f, k, run) = (*f, *k, &run);
+                Box::new(move || run(f, k)) as Box<dyn FnMut()>
+            })
+            .collect();
+        let mut bwf = || {
+            black_box(read_pass(black_box(&buf)));
+        };
+        let mut variants: Vec<(&str, &mut dyn FnMut())> = names
+            .iter()
+            .zip(closures.iter_mut())
+            .map(|((k, _, _), c)| (k.as_str(), &mut **c as &mut dyn FnMut()))
+            .collect();
+        variants.push((kb.as_str(), &mut bwf));
+        let (raw, quiet) = Window { opts }.run(reps, &mut variants);
+        quiet_all = Some(match quiet_all {
+            None => quiet,
+            Some(q) => merge_quiet(q, quiet),
+        });
+        let med = medians(&raw);
+        let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
+        metrics.insert(kb.clone(), bw_here);
+        for f in fmts {
+            let bytes = (copies * src_of(f, &res[0]).1) as f64;
+            for k in [Kernels::Exact, Kernels::Fast] {
+                let t = med[&format!("{f}.m{m}.{}", k.name())];
+                let gbps = bytes / 1e9 / t;
+                metrics.insert(format!("gbps.{f}.m{m}.{}", k.name()), gbps);
+                metrics.insert(format!("ratio.{f}.m{m}.{}", k.name()), gbps / bw_here);
+            }
+            metrics.insert(
+                format!("speedup.{f}.m{m}"),
+                med[&format!("{f}.m{m}.exact")] / med[&format!("{f}.m{m}.fast")],
+            );
+        }
+        raw_all.extend(raw);
+    }
+    drop(buf);
+    let r = metrics["ratio.mxfp8.m1.fast"];
+    let verdict = if r >= 0.85 {
+        "PASS"
+    } else if r >= 0.5 {
+        "TUNE"
+    } else {
+        "KILL"
+    };
+    if let Some(b) = bw {
+        metrics.insert("bandwidth_reference_row_gbps".into(), b);
+    }
+    metrics.insert("gbps".into(), metrics["gbps.mxfp8.m1.fast"]);
+    metrics.insert("ratio_to_bandwidth".into(), r);
+    let med = medians(&raw_all);
+    Ok(Row {
+        format: ROW_FORMAT.into(),
+        schema_version: SCHEMA_VERSION,
+        test: "fast-residents".into(),
+        command: command_line(),
+        machine: serde_json::to_value(machine()).unwrap_or_default(),
+        versions: versions(),
+        formats: fmts.iter().map(|s| s.to_string()).collect(),
+        resident_format: "mxfp8".into(),
+        params: serde_json::json!({"side": RES_SIDE, "m": FAST_MS, "copies": copies,
+            "reps": reps, "budget_bytes": budget,
+            "bf_level": keep_kernels::bf16dot::bf_level().map(|l| l.name()),
+            "int_level": keep_kernels::intdot::int_level().name(),
+            "kernels": {"exact": "simd::matmul_many_with(Kernels::Exact)", "fast": "simd::matmul_many_with(Kernels::Fast): bf16dot for mxfp8/bf16 (exact where the CPU lacks AVX-512 BF16), intdot for affine8"},
+            "chain": "each call's output, RMS-normalised, is the next call's input; one distinct weight per call"}),
+        raw_seconds: raw_all,
+        median_seconds: med,
+        metrics,
+        bandwidth_gbps: bw,
+        verdict: verdict.into(),
+        rule: format!("M=1 mxfp8 resident GEMV on the fast kernels PASS if >= 0.85x the interleaved read bandwidth (TUNE 0.5-0.85) [{verdict}]; bf16 and affine8, M = 4, 8, 32 and the exact kernels reported"),
+        quiet: quiet_all.expect("at least one window"),
+        notes: vec![],
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 
 fn write_row(dir: &Path, row: &Row) -> Result<()> {
@@ -1511,6 +1709,9 @@ pub fn run(opts: &Options, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     }
     if want("fast-kernels") {
         push(fast_kernels(opts, bw)?, &mut rows)?;
+    }
+    if want("fast-residents") {
+        push(fast_residents(opts, bw)?, &mut rows)?;
     }
     Ok(rows)
 }

@@ -12,8 +12,9 @@
 //! threads, so a decode step (M = 1) gives bit-identical results to the same row inside a
 //! prefill (M = T).
 //!
-//! Beside these exact kernels, [`intdot`] holds the fast ones (int8 activation blocks times
-//! integer weights, exact i32 sums), chosen per call with [`Kernels`].
+//! Beside these exact kernels, [`intdot`] and [`bf16dot`] hold the fast ones (int8 activation
+//! blocks times integer weights with exact i32 sums; bf16-rounded activations times bf16 /
+//! E4M3 weights through AVX-512 BF16), chosen per call with [`Kernels`].
 //!
 //! What it is not: no I/O, no tensor naming, no model logic, no printing. The element decode
 //! tables are keep-format's ([`codec`] re-exports them); [`cpu`] is the leaf module of CPU
@@ -22,6 +23,7 @@
 //! Depends on: `keep-format` (element tables, E8P decode), `rayon`, `thiserror`.
 
 pub mod affine;
+pub mod bf16dot;
 pub mod codec;
 pub mod cpu;
 pub mod e8p;

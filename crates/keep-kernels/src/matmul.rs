@@ -178,13 +178,15 @@ pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resul
 /// Which kernels a product runs on: the exact f32 decode-and-dot kernels (what `keep logits`,
 /// the fixtures and the conformance suite use), or the fast ones, which quantize activations
 /// to int8 blocks and multiply packed weights as integers where the format has an integer
-/// kernel ([`crate::intdot`]: MXFP4) and run the exact kernel elsewhere.
+/// kernel ([`crate::intdot`]: MXFP4, and affine-8 in `matmul_many_with`), round activations to bf16 and multiply with AVX-512
+/// BF16 `vdpbf16ps` for bf16, MXFP8 and FP8-block weights where the CPU has it
+/// ([`crate::bf16dot`]), and run the exact kernel elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kernels {
     /// The exact f32 kernels.
     #[default]
     Exact,
-    /// Integer dot products where a format has them.
+    /// Integer or bf16 dot products where a format has them.
     Fast,
 }
 
@@ -218,6 +220,12 @@ pub fn matmul_with(
     if kernels == Kernels::Fast {
         if let Some(src) = crate::intdot::IntSrc::from_view(w) {
             return crate::intdot::int_matmul(x, m, &src, w.rows, w.cols, out);
+        }
+        if let Some(src) = crate::bf16dot::BfSrc::from_view(w) {
+            // `false`: no AVX-512 BF16 here, so the exact kernel runs below.
+            if crate::bf16dot::bf_matmul(x, m, &src, w.rows, w.cols, out)? {
+                return Ok(());
+            }
         }
     }
     matmul(x, m, w, out)

@@ -50,7 +50,7 @@ struct KillArgs {
     #[arg(long, default_value_t = 500)]
     quiet_ms: u64,
     /// Run only these tests (the bandwidth reference always runs): mxfp8-residents,
-    /// fused-sinkhorn, e8p-m1, routed-ffn.
+    /// fused-sinkhorn, e8p-m1, routed-ffn, fast-kernels, fast-residents.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }

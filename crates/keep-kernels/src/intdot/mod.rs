@@ -13,6 +13,10 @@
 //!   [−11, 11] (pattern × 4, signs, ±1 for the ¼ shift), looked up in a 65,536-entry table of
 //!   8 int8 each (512 KiB, built once from `keep_format::e8p::decode_e8p`); the block factor
 //!   is 1 and the row's result is multiplied by `scale / 4` at the end.
+//! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
+//!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
+//!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is
+//!   rounded to f32 once: the only rounding beyond the activations').
 //!
 //! # The contract (what every level computes, bit for bit)
 //! For input row `i` and weight row `r`, with integer weights `w`, int8 activations `q` and
@@ -22,7 +26,10 @@
 //! 2. `acc[b mod 4][g] = fma(c_b, p[b][g] as f32, acc[b mod 4][g])`, blocks in order;
 //! 3. `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])`;
 //! 4. `s = ((u0+u4) + (u2+u6)) + ((u1+u5) + (u3+u7))`, then `s · post` where the format has a
-//!    row factor (E8P: `scale · 0.25`, exact).
+//!    row factor (E8P: `scale · 0.25`, exact);
+//! 5. affine-8 only: `β = fma(β_g, d_b · S_b, β)` over blocks in order from `β = 0`, with
+//!    `β_g = 128·s_g + b_g` and `S_b` the exact sum of block `b`'s int8 activations, and the
+//!    result is `s + β` ([`IntSrc::bias_term`], the same scalar code on every level).
 //!
 //! [`dot_blocks_ref`] and [`finish_ref`] are that contract in plain Rust (the scalar level, and
 //! the reference the SIMD levels are tested against on every forced level and odd shapes); a
@@ -35,6 +42,8 @@ use std::sync::LazyLock;
 
 use keep_format::e8p::{decode_e8p, E8P_DIM};
 
+use crate::affine::AFFINE8_GROUP;
+use crate::codec::bf16_at;
 use crate::cpu::{check_operands, PAR_MIN_MACS};
 use crate::e8p::E8pView;
 use crate::simd::{row_tasks, SyncPtr};
@@ -51,13 +60,15 @@ pub const QBLOCK: usize = 32;
 pub const QMAX: f32 = 127.0;
 
 /// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
-/// block scales (`x ≈ q · d`).
+/// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` (for the
+/// affine-8 bias term).
 #[derive(Debug, Clone, Default)]
 pub struct Q8Acts {
     pub m: usize,
     pub cols: usize,
     pub q: Vec<i8>,
     pub d: Vec<f32>,
+    pub sums: Vec<i32>,
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -121,6 +132,12 @@ impl Q8Acts {
         {
             *d = quantize_block(xb, qb);
         }
+        self.sums.clear();
+        self.sums.extend(
+            self.q
+                .chunks_exact(QBLOCK)
+                .map(|b| b.iter().map(|&v| v as i32).sum::<i32>()),
+        );
         Ok(())
     }
 
@@ -141,6 +158,12 @@ pub enum IntSrc<'a> {
     Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
     /// E8P codes `[rows, cols/8]`, one f32 scale per row.
     E8p { codes: &'a [u16], scales: &'a [f32] },
+    /// Affine-8 codes `[rows, cols]`, bf16 scales and biases `[rows, cols/64]`.
+    Affine8 {
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+    },
 }
 
 impl<'a> IntSrc<'a> {
@@ -160,6 +183,37 @@ impl<'a> IntSrc<'a> {
             codes: w.codes,
             scales: w.scales,
         })
+    }
+
+    /// The integer form of an [`crate::affine::Affine8View`] (always: `cols % 64 == 0`).
+    pub fn from_affine8(w: &crate::affine::Affine8View<'a>) -> Self {
+        IntSrc::Affine8 {
+            q: w.q,
+            scales: w.scales,
+            biases: w.biases,
+        }
+    }
+
+    /// `β_g = 128·s_g + b_g` of weight row `r` into `dst[..cols/64]` (`false`: the format has
+    /// no bias term).
+    #[inline]
+    pub fn bias_groups(&self, r: usize, cols: usize, dst: &mut [f32]) -> bool {
+        let IntSrc::Affine8 { scales, biases, .. } = *self else {
+            return false;
+        };
+        let ng = cols / AFFINE8_GROUP;
+        for (g, o) in dst[..ng].iter_mut().enumerate() {
+            *o = 128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g);
+        }
+        true
+    }
+
+    /// Step 5 of the contract for weight row `r` and activation row `i` (`None`: the format
+    /// has no bias term).
+    pub fn bias_term(&self, r: usize, a: &Q8Acts, i: usize) -> Option<f32> {
+        let mut bg = vec![0f32; a.cols / AFFINE8_GROUP];
+        self.bias_groups(r, a.cols, &mut bg)
+            .then(|| bias_term_ref(&bg, a, i))
     }
 
     /// Integer weights of row `r` (`cols` wide) into `dst`, from the definitions.
@@ -182,6 +236,11 @@ impl<'a> IntSrc<'a> {
                     }
                 }
             }
+            IntSrc::Affine8 { q, .. } => {
+                for (o, &c) in dst.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
+                    *o = (c as i32 - 128) as i8;
+                }
+            }
         }
     }
 
@@ -196,6 +255,12 @@ impl<'a> IntSrc<'a> {
                 }
             }
             IntSrc::E8p { .. } => dst[..nb].iter_mut().for_each(|o| *o = 1.0),
+            IntSrc::Affine8 { scales, .. } => {
+                let ng = cols / AFFINE8_GROUP;
+                for (b, o) in dst[..nb].iter_mut().enumerate() {
+                    *o = bf16_at(scales, r * ng + b * QBLOCK / AFFINE8_GROUP);
+                }
+            }
         }
     }
 
@@ -203,7 +268,7 @@ impl<'a> IntSrc<'a> {
     #[inline]
     pub fn post(&self, r: usize) -> Option<f32> {
         match *self {
-            IntSrc::Mxfp4 { .. } => None,
+            IntSrc::Mxfp4 { .. } | IntSrc::Affine8 { .. } => None,
             IntSrc::E8p { scales, .. } => Some(scales[r] * 0.25),
         }
     }
@@ -352,6 +417,7 @@ unsafe fn rows_scalar(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut 
                 let v = finish_ref(&acc);
                 *out.add(i * ld + r) = post.map_or(v, |p| v * p);
             }
+            add_bias_terms(src, a, r, out, ld);
         }
         SCRATCH.with(|c| c.replace(taken));
     }
@@ -380,8 +446,50 @@ impl IntSrc<'_> {
                     d8.copy_from_slice(&v);
                 }
             }
+            IntSrc::Affine8 { q, .. } => {
+                for (o, &c) in dst.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
+                    *o = (c ^ 0x80) as i8;
+                }
+            }
         }
     }
+}
+
+/// Step 5 of the contract: `β = fma(β_g, d_b · S_b, β)` over the blocks of activation row `i`.
+#[inline]
+pub fn bias_term_ref(bg: &[f32], a: &Q8Acts, i: usize) -> f32 {
+    let nb = a.cols / QBLOCK;
+    let (d, s) = (&a.d[i * nb..(i + 1) * nb], &a.sums[i * nb..(i + 1) * nb]);
+    let mut beta = 0f32;
+    for b in 0..nb {
+        beta = bg[b * QBLOCK / AFFINE8_GROUP].mul_add(d[b] * s[b] as f32, beta);
+    }
+    beta
+}
+
+/// Step 5 of the contract for weight row `r`, added to every activation row's result.
+///
+/// # Safety
+/// As [`rows_scalar`].
+#[inline]
+unsafe fn add_bias_terms(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: usize) {
+    if !matches!(src, IntSrc::Affine8 { .. }) {
+        return;
+    }
+    BIAS.with(|c| {
+        let mut bg = c.take();
+        bg.resize(a.cols / AFFINE8_GROUP, 0.0);
+        src.bias_groups(r, a.cols, &mut bg);
+        for i in 0..a.m {
+            *out.add(i * ld + r) += bias_term_ref(&bg, a, i);
+        }
+        c.replace(bg);
+    });
+}
+
+thread_local! {
+    /// The `β_g` of the row being finished (affine-8).
+    static BIAS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `2 · e2m1(code)` for the 16 codes.
@@ -419,6 +527,13 @@ fn check_src(src: &IntSrc, rows: usize, cols: usize) -> Result<()> {
             }
             IntSrc::E8p { codes, scales } => {
                 codes.len() == rows * cols / E8P_DIM && scales.len() == rows
+            }
+            IntSrc::Affine8 { q, scales, biases } => {
+                let ng = rows * cols / AFFINE8_GROUP;
+                cols.is_multiple_of(AFFINE8_GROUP)
+                    && q.len() == rows * cols
+                    && scales.len() == 2 * ng
+                    && biases.len() == 2 * ng
             }
         };
     if ok {

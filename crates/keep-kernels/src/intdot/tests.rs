@@ -38,6 +38,28 @@ fn quantize_block_error_is_half_a_step() {
 
 #[test]
 fn integer_decoders_equal_definitions_on_every_code() {
+    // Affine-8: every byte is q − 128, and the block factors are the group scales.
+    let q: Vec<u8> = (0..=255u8).collect();
+    let sc: Vec<u8> = [0.5f32, 2.0, -1.0, 0.25]
+        .iter()
+        .flat_map(|&v| crate::bf16dot::f32_to_bf16_rne(v).to_le_bytes())
+        .collect();
+    let src = IntSrc::Affine8 {
+        q: &q,
+        scales: &sc,
+        biases: &sc,
+    };
+    let (mut a, mut b) = (vec![0i8; 256], vec![0i8; 256]);
+    src.decode_row_ref(0, 256, &mut a);
+    src.decode_row_fast(0, 256, &mut b);
+    assert_eq!(a, b);
+    assert!(a
+        .iter()
+        .enumerate()
+        .all(|(c, &v)| v as i32 == c as i32 - 128));
+    let mut f = [0f32; 8];
+    src.block_factors(0, 256, &mut f);
+    assert_eq!(f, [0.5, 0.5, 2.0, 2.0, -1.0, -1.0, 0.25, 0.25]);
     // MXFP4: every byte (two nibbles).
     let packed: Vec<u8> = (0..=255u8).collect();
     let scales = vec![127u8; 16];
@@ -123,8 +145,13 @@ fn compare(
     }
 }
 
-/// Σ_j |x_j · w_j| for weight row `o`, from the integer decoder and the factors.
+/// Σ_j |x_j · w_j| for weight row `o`, from the integer decoder and the factors (affine-8:
+/// from the definition).
 fn exact_mag(x: &[f32], src: &IntSrc, o: usize, cols: usize) -> f32 {
+    if let IntSrc::Affine8 { q, scales, biases } = *src {
+        let v = crate::affine::Affine8View::new(q, scales, biases, q.len() / cols, cols).unwrap();
+        return (0..cols).map(|j| (x[j] * v.get_ref(o, j)).abs()).sum();
+    }
     let mut w = vec![0i8; cols];
     src.decode_row_ref(o, cols, &mut w);
     let mut f = vec![0f32; cols / QBLOCK];
@@ -167,6 +194,27 @@ fn every_level_matches_the_contract_on_odd_shapes() {
             o
         };
         compare(&src, rows, cols, &exact, &mut rng);
+        if cols.is_multiple_of(crate::affine::AFFINE8_GROUP) {
+            let q = rng.bytes(rows * cols);
+            let ng = rows * cols / crate::affine::AFFINE8_GROUP;
+            // MLX-like groups: scale (max − min) / 255 > 0, bias the group's minimum.
+            let sc: Vec<u8> = (0..ng)
+                .flat_map(|_| {
+                    crate::bf16dot::f32_to_bf16_rne(rng.f().abs() * 0.01 + 1e-4).to_le_bytes()
+                })
+                .collect();
+            let bi: Vec<u8> = (0..ng)
+                .flat_map(|_| crate::bf16dot::f32_to_bf16_rne(rng.f() * 0.5).to_le_bytes())
+                .collect();
+            let v = crate::affine::Affine8View::new(&q, &sc, &bi, rows, cols).unwrap();
+            let src = IntSrc::from_affine8(&v);
+            let exact = |x: &[f32], m: usize| {
+                let mut o = vec![0f32; m * rows];
+                crate::affine::affine8_matmul_ref(x, m, &v, &mut o).unwrap();
+                o
+            };
+            compare(&src, rows, cols, &exact, &mut rng);
+        }
     }
 }
 
@@ -262,6 +310,41 @@ fn threaded_and_many_equal_one_thread() {
         let mut e1 = vec![0f32; m * rows];
         int_matmul(&x, m, &esrc, rows, cols, &mut e1).unwrap();
         assert_eq!(o3, e1);
+    }
+    // Affine-8: threaded equals one thread, and `matmul_many_with(Fast)` routes it here.
+    let (rows, cols) = (517, 4096);
+    assert!(rows * cols >= PAR_MIN_MACS);
+    let q = rng.bytes(rows * cols);
+    let ng = rows * cols / crate::affine::AFFINE8_GROUP;
+    let bf = |v: f32| crate::bf16dot::f32_to_bf16_rne(v).to_le_bytes();
+    let sc: Vec<u8> = (0..ng).flat_map(|_| bf(rng.f().abs() * 0.01)).collect();
+    let bi: Vec<u8> = (0..ng).flat_map(|_| bf(rng.f())).collect();
+    let v = crate::affine::Affine8View::new(&q, &sc, &bi, rows, cols).unwrap();
+    let src = IntSrc::from_affine8(&v);
+    for m in [1, 3] {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut threaded = vec![0f32; m * rows];
+        pool.install(|| int_matmul(&x, m, &src, rows, cols, &mut threaded).unwrap());
+        let a = Q8Acts::quantize(&x, m, cols).unwrap();
+        let mut serial = vec![0f32; m * rows];
+        // SAFETY: serial has m*rows elements; one thread.
+        unsafe { rows_at(int_level(), &src, &a, 0, rows, serial.as_mut_ptr(), rows) };
+        assert_eq!(threaded, serial, "affine-8 m = {m}");
+        let mut via = vec![0f32; m * rows];
+        {
+            let mut jobs = vec![crate::simd::Job {
+                w: crate::simd::Src::affine8(&v),
+                rows,
+                cols,
+                x: &x,
+                m,
+                out: &mut via,
+            }];
+            pool.install(|| {
+                crate::simd::matmul_many_with(crate::Kernels::Fast, &mut jobs).unwrap()
+            });
+        }
+        assert_eq!(via, serial, "affine-8 through matmul_many_with");
     }
 }
 

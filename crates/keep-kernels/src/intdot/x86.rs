@@ -1,7 +1,8 @@
 //! x86-64 integer dot products of [`super`]'s contract: AVX-512 (`vpdpbusd` with VNNI, else
 //! `vpmaddubsw` + `vpmaddwd`) and AVX2 (`vpmaddubsw` + `vpmaddwd`). Signed × signed int8 runs
 //! on these unsigned × signed instructions as `|w| · (q · sign(w))` (exact: |q| ≤ 127, and a
-//! pair of products stays within i16 since |w| ≤ 12). A 512-bit accumulator holds two of the
+//! pair of products stays within i16 since |w| ≤ 128: 2 · 128 · 127 = 32,512; `vpabsb` of
+//! −128 is the byte 0x80, read as 128 unsigned). A 512-bit accumulator holds two of the
 //! contract's 8-lane accumulators (blocks `b` and `b+1`), a 256-bit one holds one; blocks past
 //! the last whole group of four run the contract in scalar code on the same accumulators.
 //!
@@ -103,7 +104,7 @@ unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row 
     src.block_factors(r, cols, &mut s.f);
     match *src {
         IntSrc::Mxfp4 { packed, .. } => Row::Mx4(packed.as_ptr().add(r * cols / 2)),
-        IntSrc::E8p { .. } => {
+        IntSrc::E8p { .. } | IntSrc::Affine8 { .. } => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }
@@ -161,6 +162,7 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
                 }
                 i += mr;
             }
+            super::add_bias_terms(src, a, r, out, ld);
         }
         SCRATCH.with(|c| c.replace(taken));
     }
@@ -307,6 +309,7 @@ pub(super) unsafe fn rows_avx2(
                 }
                 i += mr;
             }
+            super::add_bias_terms(src, a, r, out, ld);
         }
         SCRATCH.with(|c| c.replace(taken));
     }

@@ -436,39 +436,63 @@ pub fn matmul_many(jobs: &mut [Job]) {
 }
 
 /// [`matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
-/// weight has an integer kernel run through [`crate::intdot::int_matmul_many`] (activations
-/// quantized once per distinct input), the rest as [`matmul_many`].
+/// weight has an integer kernel (MXFP4, affine-8) run through [`crate::intdot::int_matmul_many`] (activations
+/// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
+/// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
+/// to bf16 once per distinct input), the rest as [`matmul_many`].
 pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [Job]) -> Result<()> {
     if kernels == crate::Kernels::Exact {
         matmul_many(jobs);
         return Ok(());
     }
-    let (mut int_jobs, mut rest): (Vec<crate::intdot::IntJob>, Vec<Job>) = (vec![], vec![]);
+    let bf = crate::bf16dot::bf_level();
+    let (mut int_jobs, mut bf_jobs, mut rest): (
+        Vec<crate::intdot::IntJob>,
+        Vec<crate::bf16dot::BfJob>,
+        Vec<Job>,
+    ) = (vec![], vec![], vec![]);
     for j in jobs.iter_mut() {
         let int = match j.w {
             Src::Mxfp4 { packed, scales } if j.cols.is_multiple_of(crate::intdot::QBLOCK) => {
                 Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
             }
+            Src::Affine8 { q, scales, biases } => {
+                Some(crate::intdot::IntSrc::Affine8 { q, scales, biases })
+            }
             _ => None,
         };
-        match int {
-            Some(w) => int_jobs.push(crate::intdot::IntJob {
+        let bfw = bf.and(crate::bf16dot::BfSrc::from_src(&j.w, j.cols));
+        if let Some(w) = int {
+            int_jobs.push(crate::intdot::IntJob {
                 w,
                 rows: j.rows,
                 cols: j.cols,
                 x: j.x,
                 m: j.m,
                 out: &mut *j.out,
-            }),
-            None => rest.push(Job {
+            });
+        } else if let Some(w) = bfw {
+            bf_jobs.push(crate::bf16dot::BfJob {
+                w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            });
+        } else {
+            rest.push(Job {
                 w: j.w,
                 rows: j.rows,
                 cols: j.cols,
                 x: j.x,
                 m: j.m,
                 out: &mut *j.out,
-            }),
+            });
         }
+    }
+    if let (Some(level), false) = (bf, bf_jobs.is_empty()) {
+        crate::bf16dot::bf_matmul_many_at(level, &mut bf_jobs)?;
     }
     if !int_jobs.is_empty() {
         crate::intdot::int_matmul_many(&mut int_jobs)?;
