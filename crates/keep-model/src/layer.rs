@@ -18,7 +18,7 @@
 use keep_checkpoint::Checkpoint;
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::simd::{matmul_many_with, Job};
-use keep_kernels::{matmul, Kernels, WeightView};
+use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
@@ -236,12 +236,8 @@ impl<'a> LayerWeights<'a> {
     }
 }
 
-/// `y = x · Wᵀ` for `m` rows on `kernels`, reporting the input to an observer that wants
-/// linear inputs. Resident weights take the fast kernels here in that mode (bf16 / MXFP8 /
-/// FP8-block through `keep_kernels::bf16dot` where the CPU has AVX-512 BF16).
-#[allow(clippy::too_many_arguments)]
+/// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
 pub(crate) fn lin(
-    kernels: Kernels,
     x: &[f32],
     m: usize,
     w: &WeightView,
@@ -252,7 +248,7 @@ pub(crate) fn lin(
 ) -> Result<Vec<f32>> {
     note_input(obs, layer, name, expert, x, m, w.cols);
     let mut y = vec![0f32; m * w.rows];
-    keep_kernels::matmul_with(kernels, x, m, w, &mut y)?;
+    matmul(x, m, w, &mut y)?;
     Ok(y)
 }
 
@@ -423,9 +419,9 @@ impl LayerWeights<'_> {
     ) -> Result<Vec<f32>> {
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
@@ -433,7 +429,7 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
@@ -569,7 +565,7 @@ impl LayerWeights<'_> {
                     .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
-        lin(cfg.kernels, &oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
+        lin(&oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
     }
 
     /// `Attention._compress` with `Compressor.__call__`.
@@ -590,31 +586,13 @@ impl LayerWeights<'_> {
         let ratio = self.roles.ratio;
         let c = &mut caches[l];
         let (latent, n, first) = if ratio == 1 {
-            let mut lat = lin(
-                cfg.kernels,
-                x,
-                t,
-                &cp.wkv,
-                obs,
-                l,
-                "attn.compressor.wkv",
-                None,
-            )?;
+            let mut lat = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
             ops::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
             (lat, t, step.start_pos)
         } else {
-            let kvp = lin(
-                cfg.kernels,
-                x,
-                t,
-                &cp.wkv,
-                obs,
-                l,
-                "attn.compressor.wkv",
-                None,
-            )?;
+            let kvp = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
             let gw = cp.wgate.as_ref().expect("loaded for ratio > 1");
-            let gp = lin(cfg.kernels, x, t, gw, obs, l, "attn.compressor.wgate", None)?;
+            let gp = lin(x, t, gw, obs, l, "attn.compressor.wgate", None)?;
             let pending = c.n_pending;
             c.pending_kv.extend_from_slice(&kvp);
             c.pending_gate.extend_from_slice(&gp);
@@ -641,7 +619,7 @@ impl LayerWeights<'_> {
             if self.roles.index_source {
                 if let Some((wk, kn)) = self.indexer.as_ref().and_then(|ix| ix.wk.as_ref()) {
                     let ihd = cfg.index_head_dim;
-                    let mut k = lin(cfg.kernels, &latent, n, wk, obs, l, "attn.indexer.wk", None)?;
+                    let mut k = lin(&latent, n, wk, obs, l, "attn.indexer.wk", None)?;
                     ops::rms_norm(&mut k, ihd, Some(kn), cfg.eps);
                     for i in 0..n {
                         let row = &mut k[i * ihd..(i + 1) * ihd];
@@ -682,16 +660,7 @@ impl LayerWeights<'_> {
         let n = keys.n_index;
         let keys = &keys.index_k[..n * cfg.index_head_dim];
         let (nh, ihd) = (cfg.index_heads, cfg.index_head_dim);
-        let mut q = lin(
-            cfg.kernels,
-            qr,
-            t,
-            &ix.wq_b,
-            obs,
-            l,
-            "attn.indexer.wq_b",
-            None,
-        )?;
+        let mut q = lin(qr, t, &ix.wq_b, obs, l, "attn.indexer.wq_b", None)?;
         for i in 0..t {
             for hh in 0..nh {
                 let row = &mut q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
@@ -700,7 +669,6 @@ impl LayerWeights<'_> {
             }
         }
         let mut w = lin(
-            cfg.kernels,
             x,
             t,
             &ix.weights_proj,
@@ -803,9 +771,7 @@ impl LayerWeights<'_> {
         let l = self.layer;
         let t = tokens.len();
         let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
-        // The router stays on the exact kernels in every mode: its logits pick experts (a
-        // discrete choice), and on keep-tiny the fast gate raised eval KL from 1.45e-4 to 1.64e-4.
-        let mut logits = lin(Kernels::Exact, x, t, &self.gate, obs, l, "ffn.gate", None)?;
+        let mut logits = lin(x, t, &self.gate, obs, l, "ffn.gate", None)?;
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];
         let mut scores = vec![0f32; t * e];
@@ -966,41 +932,14 @@ impl LayerWeights<'_> {
             }
         }
         let [sw1, sw2, sw3] = &self.shared;
-        let g = lin(
-            cfg.kernels,
-            x,
-            t,
-            sw1,
-            obs,
-            l,
-            "ffn.shared_experts.w1",
-            None,
-        )?;
-        let u = lin(
-            cfg.kernels,
-            x,
-            t,
-            sw3,
-            obs,
-            l,
-            "ffn.shared_experts.w3",
-            None,
-        )?;
+        let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
+        let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
             .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
             .collect();
-        let sh = lin(
-            cfg.kernels,
-            &act,
-            t,
-            sw2,
-            obs,
-            l,
-            "ffn.shared_experts.w2",
-            None,
-        )?;
+        let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
         let mut out = vec![0f32; t * d];
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];

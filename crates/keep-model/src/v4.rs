@@ -167,8 +167,8 @@ pub fn pool_step(
     layer: usize,
     names: [&'static str; 2],
 ) -> Result<()> {
-    let kvp = lin(cfg.kernels, x, t, &pw.wkv, obs, layer, names[0], None)?;
-    let gp = lin(cfg.kernels, x, t, &pw.wgate, obs, layer, names[1], None)?;
+    let kvp = lin(x, t, &pw.wkv, obs, layer, names[0], None)?;
+    let gp = lin(x, t, &pw.wgate, obs, layer, names[1], None)?;
     let w = pw.wkv.rows;
     let (m, hd) = (pw.ratio, pw.dim_out);
     st.pending_kv.extend_from_slice(&kvp);
@@ -245,16 +245,7 @@ pub fn index_topk(
         return Ok((vec![], 0));
     }
     let (nh, ihd, m) = (cfg.index_heads, cfg.index_head_dim, ix.pool.ratio);
-    let mut q = lin(
-        cfg.kernels,
-        qr,
-        t,
-        &ix.wq_b,
-        obs,
-        layer,
-        "attn.indexer.wq_b",
-        None,
-    )?;
+    let mut q = lin(qr, t, &ix.wq_b, obs, layer, "attn.indexer.wq_b", None)?;
     for i in 0..t {
         for hh in 0..nh {
             let row = &mut q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
@@ -262,7 +253,6 @@ pub fn index_topk(
         }
     }
     let mut w = lin(
-        cfg.kernels,
         x,
         t,
         &ix.weights_proj,
@@ -315,9 +305,9 @@ impl crate::layer::LayerWeights<'_> {
     ) -> Result<Vec<f32>> {
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         head_norm(&mut q, hd, cfg.eps);
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
@@ -326,7 +316,7 @@ impl crate::layer::LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(
