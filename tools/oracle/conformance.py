@@ -196,8 +196,12 @@ def section_prune(args):
                 print(f"SKIP prune {tag}: {model} is not there", flush=True)
                 continue
             keep_n = n // 2
+            # A hand-made plan names the model it was made for (`keep inspect --json` reports
+            # the fingerprint `keep prune` checks).
+            fp = json.loads(subprocess.run([str(keep), "inspect", str(model), "--json"], check=True,
+                                           capture_output=True, text=True).stdout)["model_fingerprint"]
             plan = {"format": "keep-prune-plan", "version": 1, "n_experts": n, "keep": keep_n,
-                    "saliency": "conformance",
+                    "saliency": "conformance", "model_fingerprint": fp,
                     "layers": [{"layer": l} for l in
                                range(json.loads((model / "config.json").read_text())["num_hidden_layers"])]}
             # Survivors: a scattered half of the experts in every layer.

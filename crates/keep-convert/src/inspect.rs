@@ -28,6 +28,9 @@ pub struct Report {
     pub format: &'static str,
     pub version: u32,
     pub dir: String,
+    /// The model fingerprint that calibration files and prune plans record
+    /// (`keep_checkpoint::fingerprint`); `None` when it cannot be computed (no config.json).
+    pub model_fingerprint: Option<String>,
     pub model_type: Option<String>,
     pub layers: Option<usize>,
     pub routed_experts: Option<usize>,
@@ -307,6 +310,7 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         format: "keep-inspect",
         version: 1,
         dir: ck.dir().display().to_string(),
+        model_fingerprint: keep_checkpoint::fingerprint::model_fingerprint(ck.dir()).ok(),
         model_type: cfg.map(|c| c.model_type.clone()),
         layers: cfg.map(|c| c.num_hidden_layers),
         routed_experts: cfg.map(|c| c.n_routed_experts),
