@@ -36,7 +36,7 @@ use std::sync::LazyLock;
 
 use crate::codec::{e4m3_to_f32_ref, e8m0_to_f32};
 use crate::cpu::{check_operands, PAR_MIN_MACS};
-use crate::simd::{block_scale, row_tasks, SyncPtr};
+use crate::simd::{block_scale, prepare_per_input, run_row_jobs, SyncPtr};
 use crate::weight::{BlockScales, WeightView};
 use crate::{KernelError, Result};
 
@@ -452,39 +452,19 @@ pub fn bf_matmul_many_at(level: BfLevel, jobs: &mut [BfJob]) -> Result<()> {
         check_operands(j.x, j.m, j.rows, j.cols, j.out)?;
         j.w.check(j.rows, j.cols)?;
     }
-    let mut acts: Vec<Bf16Acts> = vec![];
-    let mut which = Vec::with_capacity(jobs.len());
-    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
-    for j in jobs.iter() {
-        let key = (j.x.as_ptr(), j.x.len(), j.cols);
-        match keys.iter().position(|k| *k == key) {
-            Some(p) => which.push(p),
-            None => {
-                keys.push(key);
-                acts.push(Bf16Acts::round(j.x, j.m, j.cols)?);
-                which.push(acts.len() - 1);
-            }
-        }
-    }
-    let threads = rayon::current_num_threads();
-    let total: usize = jobs.iter().map(|j| j.m * j.rows * j.cols).sum();
-    if threads < 2 || total < PAR_MIN_MACS {
-        for (j, &w) in jobs.iter_mut().zip(&which) {
-            // SAFETY: lengths checked; one thread.
-            unsafe { rows_at(level, &j.w, &acts[w], 0, j.rows, j.out.as_mut_ptr(), j.rows) };
-        }
-        return Ok(());
-    }
-    let tasks = row_tasks(jobs.iter().map(|j| (j.m, j.rows, j.cols)), threads);
-    let ptrs: Vec<SyncPtr> = jobs
+    let (acts, which) =
+        prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), Bf16Acts::round)?;
+    let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
+    let outs: Vec<SyncPtr> = jobs
         .iter_mut()
         .map(|j| SyncPtr(j.out.as_mut_ptr()))
         .collect();
     let jobs_ro: &[BfJob] = jobs;
-    tasks.par_iter().for_each(|&(ji, r0, r1)| {
+    run_row_jobs(&shapes, &outs, |ji, r0, r1, out| {
         let j = &jobs_ro[ji];
-        // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
-        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, ptrs[ji].0, j.rows) };
+        // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
+        // disjoint row range of its job's m×rows output.
+        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
     });
     Ok(())
 }

@@ -46,7 +46,7 @@ use crate::affine::AFFINE8_GROUP;
 use crate::codec::bf16_at;
 use crate::cpu::{check_operands, PAR_MIN_MACS};
 use crate::e8p::E8pView;
-use crate::simd::{row_tasks, SyncPtr};
+use crate::simd::{prepare_per_input, run_row_jobs, SyncPtr};
 use crate::weight::{WeightKind, WeightView};
 use crate::{KernelError, Result};
 
@@ -624,40 +624,20 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
         check_src(&j.w, j.rows, j.cols)?;
     }
     // One quantization per distinct input slice.
-    let mut acts: Vec<Q8Acts> = vec![];
-    let mut which = Vec::with_capacity(jobs.len());
-    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
-    for j in jobs.iter() {
-        let key = (j.x.as_ptr(), j.x.len(), j.cols);
-        match keys.iter().position(|k| *k == key) {
-            Some(p) => which.push(p),
-            None => {
-                keys.push(key);
-                acts.push(Q8Acts::quantize(j.x, j.m, j.cols)?);
-                which.push(acts.len() - 1);
-            }
-        }
-    }
+    let (acts, which) =
+        prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), Q8Acts::quantize)?;
     let level = int_level();
-    let threads = rayon::current_num_threads();
-    let total: usize = jobs.iter().map(|j| j.m * j.rows * j.cols).sum();
-    if threads < 2 || total < PAR_MIN_MACS {
-        for (j, &w) in jobs.iter_mut().zip(&which) {
-            // SAFETY: lengths checked; one thread.
-            unsafe { rows_at(level, &j.w, &acts[w], 0, j.rows, j.out.as_mut_ptr(), j.rows) };
-        }
-        return Ok(());
-    }
-    let tasks = row_tasks(jobs.iter().map(|j| (j.m, j.rows, j.cols)), threads);
-    let ptrs: Vec<SyncPtr> = jobs
+    let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
+    let outs: Vec<SyncPtr> = jobs
         .iter_mut()
         .map(|j| SyncPtr(j.out.as_mut_ptr()))
         .collect();
     let jobs_ro: &[IntJob] = jobs;
-    tasks.par_iter().for_each(|&(ji, r0, r1)| {
+    run_row_jobs(&shapes, &outs, |ji, r0, r1, out| {
         let j = &jobs_ro[ji];
-        // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
-        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, ptrs[ji].0, j.rows) };
+        // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
+        // disjoint row range of its job's m×rows output.
+        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
     });
     Ok(())
 }

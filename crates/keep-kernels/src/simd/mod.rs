@@ -324,6 +324,53 @@ pub(crate) fn row_tasks(
     tasks
 }
 
+/// Prepare one activation form per distinct input of a batch: jobs whose input is the same
+/// slice (same pointer, length and width) share it. Returns the prepared forms and, per job,
+/// the index of its form. `jobs` yields `(x, m, cols)`.
+pub(crate) fn prepare_per_input<'x, A, E>(
+    jobs: impl Iterator<Item = (&'x [f32], usize, usize)>,
+    mut prepare: impl FnMut(&'x [f32], usize, usize) -> std::result::Result<A, E>,
+) -> std::result::Result<(Vec<A>, Vec<usize>), E> {
+    let mut acts: Vec<A> = vec![];
+    let mut which = vec![];
+    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
+    for (x, m, cols) in jobs {
+        let key = (x.as_ptr(), x.len(), cols);
+        match keys.iter().position(|k| *k == key) {
+            Some(p) => which.push(p),
+            None => {
+                keys.push(key);
+                acts.push(prepare(x, m, cols)?);
+                which.push(acts.len() - 1);
+            }
+        }
+    }
+    Ok((acts, which))
+}
+
+/// Run a batch of products given as `(m, rows, cols)` shapes and output pointers: on this
+/// thread when small, else as [`row_tasks`] over rayon. `run(job, r0, r1, out)` computes output
+/// rows `r0..r1` of job `job` into `out` (the job's `m × rows` output, leading dimension
+/// `rows`); tasks of one job cover disjoint row ranges.
+pub(crate) fn run_row_jobs(
+    shapes: &[(usize, usize, usize)],
+    outs: &[SyncPtr],
+    run: impl Fn(usize, usize, usize, *mut f32) + Sync,
+) {
+    let threads = rayon::current_num_threads();
+    let total: usize = shapes.iter().map(|&(m, rows, cols)| m * rows * cols).sum();
+    if threads < 2 || total < crate::cpu::PAR_MIN_MACS {
+        for (ji, &(_, rows, _)) in shapes.iter().enumerate() {
+            run(ji, 0, rows, outs[ji].0);
+        }
+        return;
+    }
+    let tasks = row_tasks(shapes.iter().copied(), threads);
+    tasks
+        .par_iter()
+        .for_each(|&(ji, r0, r1)| run(ji, r0, r1, outs[ji].0));
+}
+
 /// The whole product at a given level, threaded over output rows when big. Operand lengths
 /// must already be checked (`x`: `m*cols`, `out`: `m*rows`).
 pub(crate) fn run_at(
