@@ -15,6 +15,11 @@ tools/oracle/v4flash_ref.py (its own FP8/FP4 decoding, strict state-dict load):
     0, one hash layer, no YaRN) with float32 power-of-two scales (V4-Flash-Base storage) and
     scoring_func sigmoid;
   - the same shapes with two hash layers, routed_scaling_factor 2.5 and YaRN (factor 8).
+Pruned hash-routed layers: an odd-shaped checkpoint (vocabulary 4096, two hash layers, 12 experts
+top-3) is calibrated on a small pack of this repository's docs (keep-tiny's tokenizer), and for
+each remap policy (reap-next, nearest, frequency) `keep select --keep 6 --hash-remap POLICY`,
+`keep prune` (tid2eid rewritten) and `keep verify`; the pruned checkpoint then goes through the
+same checks against transformers loading it (logits, routes, greedy tokens).
 (transformers 5.23 cannot score with `softmax`: `ACT2FN` has no such activation, so that
 scoring function, which keep implements for V4.1, is not checked against it for V4.)
 For each: a pseudo-random sequence through `keep logits --routes` (one prefill) and the
@@ -101,6 +106,34 @@ def case(keep, d, tag, seed, n_tokens, tmp):
     return c
 
 
+def pruned_cases(keep, tmp):
+    """Checkpoints pruned with each hash-remap policy (see the module doc)."""
+    cfg = tmp / "hashprune.json"
+    cfg.write_text(json.dumps({**ODD, "vocab_size": 4096, "num_hash_layers": 2,
+                               "scoring_func": "sqrtsoftplus"}))
+    d = tmp / "hashprune"
+    run([keep, "synth", "--config", cfg, "--out", d, "--seed", "4", "--block", "128",
+         "--hash-layers", "2"])
+    pack, calib = tmp / "hashprune-pack", tmp / "hashprune-run"
+    run([keep, "pack", "--from", ROOT / "docs/v4flash.md", ROOT / "ARCHITECTURE.md",
+         "--tokenizer", ROOT / "models/keep-tiny/tokenizer.json", "--out", pack,
+         "--max-tokens", "256", "--held-out-frac", "0"])
+    run([keep, "calibrate", d, "--pack", pack, "--out", calib])
+    run([keep, "finalize", calib])
+    out = []
+    for policy in ["reap-next", "nearest", "frequency"]:
+        plan, pruned = tmp / f"plan-{policy}.json", tmp / f"hashprune-{policy}"
+        run([keep, "select", calib, "--keep", "6", "--hash-remap", policy, "--out", plan,
+             "--no-plot"])
+        run([keep, "prune", d, pruned, "--plan", plan])
+        run([keep, "verify", pruned])
+        pc = json.loads((pruned / "config.json").read_text())
+        check(f"v4 pruned-{policy}: the pruned checkpoint has 6 experts per layer",
+              pc["n_routed_experts"] == 6, str(pc["n_routed_experts"]))
+        out.append((pruned, f"pruned-hash-remap-{policy}", 150))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", default=str(ROOT / "target/release/keep"))
@@ -129,6 +162,7 @@ def main():
             run([keep, "synth", "--config", cfg, "--out", d, "--seed", str(seed), "--block", "128",
                  "--f32-scales", "--hash-layers", str(hash_layers)])
             cases.append((d, tag, 200))
+        cases += pruned_cases(keep, tmp)
         for i, (d, tag, n) in enumerate(cases):
             results[tag] = case(keep, d, tag, 100 + i, n, tmp)
     if a.json:

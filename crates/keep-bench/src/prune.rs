@@ -34,6 +34,7 @@ pub fn half_plan(ck: &Checkpoint) -> Result<PrunePlan> {
                 layer: l,
                 survivors: Some((0..keep).collect()),
                 hash_routed: false,
+                hash_remap: None,
             })
             .collect(),
         mtp_layers: vec![],

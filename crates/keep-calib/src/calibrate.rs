@@ -83,6 +83,10 @@ pub struct CalibrateOptions {
     pub release_pages: bool,
     /// Which kernels the forward runs on (the teacher log-probs and imatrix come from them).
     pub kernels: Kernels,
+    /// On hash-routed layers, run every expert on every token and gather expert-to-expert
+    /// output distances (`reap.{L}.dist`, what the `nearest` remap policy ranks by). Costs
+    /// `n_experts / top_k` times those layers' routed-expert work.
+    pub hash_distances: bool,
 }
 
 impl Default for CalibrateOptions {
@@ -95,6 +99,7 @@ impl Default for CalibrateOptions {
             teacher_topk: TEACHER_TOPK,
             release_pages: true,
             kernels: Kernels::Exact,
+            hash_distances: true,
         }
     }
 }
@@ -342,6 +347,9 @@ pub fn run_session(
     let records: Vec<_> = pack.records_of(group).collect();
     let stats = SessionStats::new(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.dim);
     let mut col = Collector::new(stats, opts.route_tokens);
+    if opts.hash_distances && opts.split == Split::Calibration {
+        col.distance_layers = hash_layers(cfg);
+    }
     let mut batches: Vec<Vec<usize>> = vec![];
     let mut size = 0usize;
     for (i, r) in records.iter().enumerate() {
@@ -367,6 +375,7 @@ pub fn run_session(
         let so = StreamOptions {
             logits: if eval { Logits::All } else { Logits::None },
             masks: vec![],
+            hash_tables: vec![],
             on_layer: Some(&mut on_layer),
             release_pages: opts.release_pages,
             kernels: opts.kernels,

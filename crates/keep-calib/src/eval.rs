@@ -4,14 +4,17 @@
 //! top-64 log-probs and the log-prob of the true next token (see [`crate::session`]). The
 //! records' tokens come from the pack the run was made from (checked by fingerprint). Each
 //! student is the model with an optional [`PrunePlan`] applied as a router mask (pruned experts
-//! can never be chosen; the survivors' weights are renormalised by the model's own router) —
-//! no checkpoint is written. A pruned checkpoint can be scored too, by passing it as the model.
+//! can never be chosen; the survivors' weights are renormalised by the model's own router) and,
+//! on pruned hash-routed layers, the plan's remap of `tid2eid` ([`remapped_tables`]) — no
+//! checkpoint is written. A pruned checkpoint can be scored too, by passing it as the model.
 //! Metrics are in [`crate::eval_metrics`]; a plot draws KL against experts kept.
 
 use std::path::{Path, PathBuf};
 
 use keep_checkpoint::Checkpoint;
+use keep_convert::hashremap::remap_table;
 use keep_convert::plan::PrunePlan;
+use keep_model::hash::HashTable;
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig};
@@ -153,6 +156,39 @@ fn read_i32(f: &StFile, name: &str) -> Result<Vec<i32>> {
         .collect())
 }
 
+/// The `tid2eid` tables a plan gives the model's pruned hash-routed layers (its remap applied,
+/// in the model's expert ids), per layer: what `keep prune` writes, before the renumbering, so
+/// the masked student routes exactly as the pruned checkpoint does.
+pub fn remapped_tables(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    plan: &PrunePlan,
+) -> Result<Vec<Option<HashTable>>> {
+    let mut out = vec![None; cfg.n_layers];
+    for (l, slot) in out.iter_mut().enumerate() {
+        let Some(surv) = plan.survivors(l) else {
+            continue;
+        };
+        if !cfg.is_hash(l) {
+            continue;
+        }
+        let remap = plan.hash_remap(l).ok_or_else(|| {
+            CalibError::Mismatch(format!(
+                "the plan prunes hash-routed layer {l} without a hash_remap: make it with `keep select --hash-remap POLICY`"
+            ))
+        })?;
+        let bad = |e: String| CalibError::Mismatch(format!("layer {l}: hash_remap: {e}"));
+        remap
+            .validate(cfg.n_experts, surv, cfg.top_k)
+            .map_err(bad)?;
+        let t = HashTable::load(ck, cfg, l)?;
+        let ids = remap_table(&t.ids, t.top_k, surv, remap).map_err(bad)?;
+        let raw: Vec<i64> = ids.iter().map(|&j| j as i64).collect();
+        *slot = Some(HashTable::new(t.vocab, t.top_k, cfg.n_experts, &raw).map_err(bad)?);
+    }
+    Ok(out)
+}
+
 /// Score `model` and each plan (as a router mask) against the teacher `run` made from `pack`.
 /// `chunk_tokens` bounds the tokens run through the model at once. With
 /// [`Kernels::Fast`] the model is also scored on the fast kernels (student
@@ -208,6 +244,10 @@ pub fn eval(
         let masks: Vec<Option<Vec<bool>>> = (0..cfg.n_layers)
             .map(|l| plan.as_ref().and_then(|p| p.pruned_mask(l)))
             .collect();
+        let hash_tables = match &plan {
+            Some(p) => remapped_tables(&ck, &cfg, p)?,
+            None => vec![],
+        };
         let mut sums = EvalSums::default();
         let mut i = 0;
         while i < teacher.len() {
@@ -221,6 +261,7 @@ pub fn eval(
             let so = StreamOptions {
                 logits: Logits::All,
                 masks: masks.clone(),
+                hash_tables: hash_tables.clone(),
                 on_layer: None,
                 release_pages: false,
                 kernels: student_kernels,

@@ -15,7 +15,8 @@
 //! - `reap-stats.safetensors` (`format` = `keep-reap-stats`): `reap.{L}.score` F64 `[E]` =
 //!   Σ g·‖f‖ / count (0 when never routed), `reap.{L}.count` I64, `reap.{L}.sum_g`,
 //!   `reap.{L}.sum_norm`, `reap.{L}.sum_g_norm` F64 `[E]`, `reap.{L}.max_f`, `reap.{L}.min_f`
-//!   F32 `[E, hidden]`.
+//!   F32 `[E, hidden]`, and on hash-routed layers `reap.{L}.dist` F64 `[E, E]` (summed output
+//!   distances, see [`crate::stats::LayerReap::dist`]) when the sessions gathered them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,9 @@ pub fn finalize(run: &Path) -> Result<FinalizeReport> {
     let mut imatrix: BTreeMap<(usize, String), ImEntry> = BTreeMap::new();
     let mut reap: Vec<LayerReap> = (0..nl).map(|_| LayerReap::new(ne, hidden)).collect();
     let mut tokens = 0;
+    // Sessions carrying hash-layer output distances, per layer: all or none of them must.
+    let mut with_dist = vec![0usize; nl];
+    let mut summed = 0usize;
     for f in &files {
         let s = read_sums(f, nl, ne, hidden)?;
         let name = s.session.clone();
@@ -153,10 +157,21 @@ pub fn finalize(run: &Path) -> Result<FinalizeReport> {
         }
         for (l, r) in s.reap.iter().enumerate() {
             if let Some(r) = r {
+                with_dist[l] += usize::from(!r.dist.is_empty());
                 reap[l].add(r);
             }
         }
+        summed += 1;
         tokens += s.tokens;
+    }
+    if no_reap.is_empty() && count_diff.is_empty() {
+        if let Some(l) = (0..nl).find(|&l| with_dist[l] != 0 && with_dist[l] != summed) {
+            return Err(CalibError::Sessions(format!(
+                "layer {l}: {} of {summed} sessions carry hash-layer output distances \
+                 (reap.{l}.dist); calibrate every session the same way",
+                with_dist[l]
+            )));
+        }
     }
     if !no_reap.is_empty() || !count_diff.is_empty() {
         let mut msg = format!(

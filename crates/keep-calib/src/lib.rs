@@ -33,6 +33,7 @@
 //! | `reap.{L}.count` | I64 `[E]` | routes to each expert |
 //! | `reap.{L}.sum_g`, `sum_norm`, `sum_g_norm` | F64 `[E]` | Σ g, Σ ‖f‖₂, Σ g·‖f‖₂ |
 //! | `reap.{L}.max_f`, `min_f` | F32 `[E, hidden]` | per output channel extremes of f (0 if never routed) |
+//! | `reap.{L}.dist` | F64 `[E, E]` | hash-routed layers: Σ over routes to r of ‖f_r − f_j‖₂² at (r, j) |
 //! | `routes.{L}.experts` | I16 `[T, top_k]` | chosen experts, router order, first ≤ 2048 tokens |
 //! | `routes.{L}.weights` | F16 `[T, top_k]` | final gate weights |
 //! | `teacher.{i}.topk_ids` / `topk_logprobs` | I32 / F32 `[T, 64]` | eval split: top-64 log-probs of record i |

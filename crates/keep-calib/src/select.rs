@@ -7,7 +7,10 @@
 //! s' = (n·s + α·m) / (n + α), with n the expert's route count and m the mean over routed
 //! experts. Every pruned layer keeps the same number of experts (at least `top_k`): the
 //! highest-saliency ones, ties broken by the lower id. Hash-routed layers are left whole and
-//! marked.
+//! marked, unless a remap policy is given (`hash_remap`): then they are pruned like the others
+//! (their saliency uses the hash routing's gate weights, which is what calibration records)
+//! and the plan carries each one's replacements for its removed experts
+//! ([`keep_convert::hashremap`]). Their Jaccard is reported but not part of the kill test.
 //!
 //! The kill test: per layer, the Jaccard index |A∩B| / |A∪B| of the chosen set A against the
 //! frequency-chosen set B; a mean ≥ [`KILL_JACCARD`] means the saliency adds nothing over
@@ -19,10 +22,12 @@
 
 use std::collections::BTreeMap;
 
+use keep_convert::hashremap::{rank_desc, HashRemap, RemapPolicy, NEAREST_DISTANCE};
 use keep_convert::plan::{LayerPlan, PrunePlan};
 use serde::Serialize;
 
 use crate::finalize::ReapStats;
+use crate::stats::LayerReap;
 use crate::{CalibError, Result};
 
 /// Mean Jaccard at or above which the saliency adds nothing over frequency.
@@ -100,6 +105,9 @@ pub struct SelectOptions {
     pub saliency: Saliency,
     pub shrink: Option<f64>,
     pub protect_super_experts: bool,
+    /// Prune hash-routed layers too, remapping their `tid2eid` by this policy (`None`: leave
+    /// them whole).
+    pub hash_remap: Option<RemapPolicy>,
 }
 
 /// One layer's selection.
@@ -118,6 +126,8 @@ pub struct LayerSelection {
     pub saliency_spread: f64,
     /// Super-expert candidates in this layer.
     pub super_experts: Vec<usize>,
+    /// A pruned hash-routed layer's replacements for its removed experts.
+    pub remap: Option<HashRemap>,
 }
 
 /// A super-expert candidate.
@@ -241,6 +251,64 @@ pub fn layer_saliency(
     }
 }
 
+/// The replacements of hash-routed layer `l`'s removed experts under `policy` (see
+/// [`keep_convert::hashremap`]): `reap` is the layer's REAP score, `surv` its survivors.
+pub fn hash_remap(
+    policy: RemapPolicy,
+    l: usize,
+    r: &LayerReap,
+    reap: &[f64],
+    surv: &[usize],
+) -> Result<HashRemap> {
+    let ne = r.n_experts;
+    let by_reap = rank_desc(surv, reap);
+    Ok(match policy {
+        RemapPolicy::ReapNext => HashRemap::uniform(
+            policy,
+            "REAP score (sum g*||f|| / count, hash-routing gate weights), highest first",
+            ne,
+            surv,
+            &by_reap,
+        ),
+        RemapPolicy::Frequency => {
+            let c: Vec<f64> = r.count.iter().map(|&c| c as f64).collect();
+            HashRemap::uniform(
+                policy,
+                "calibration route count, highest first",
+                ne,
+                surv,
+                &rank_desc(surv, &c),
+            )
+        }
+        RemapPolicy::Nearest => {
+            if r.dist.len() != ne * ne {
+                return Err(CalibError::Options(format!(
+                    "--hash-remap nearest needs the hash-routed layers' output distances, but layer {l} has none: calibrate without --no-hash-distances"
+                )));
+            }
+            let mut candidates = BTreeMap::new();
+            for e in (0..ne).filter(|e| surv.binary_search(e).is_err()) {
+                let order = match r.mean_dist(e) {
+                    Some(d) => {
+                        let mut o = surv.to_vec();
+                        o.sort_by(|&a, &b| d[a].total_cmp(&d[b]).then(a.cmp(&b)));
+                        o
+                    }
+                    None => by_reap.clone(),
+                };
+                candidates.insert(e, order);
+            }
+            HashRemap {
+                policy: policy.name().into(),
+                ranked_by: Some(format!(
+                    "{NEAREST_DISTANCE}, nearest first (experts no calibration token reached: REAP order)"
+                )),
+                candidates,
+            }
+        }
+    })
+}
+
 /// Choose survivors (see the module doc).
 pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
     let ne = stats.n_experts;
@@ -295,7 +363,16 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
             });
         }
         let (surv, freq, j) = if hash {
-            (None, None, None)
+            match opts.hash_remap {
+                None => (None, None, None),
+                Some(_) => {
+                    let s = top_ids(&sal, keep, &[]);
+                    let fs: Vec<f64> = r.count.iter().map(|&c| c as f64).collect();
+                    let f = top_ids(&fs, keep, &[]);
+                    let j = jaccard(&s, &f);
+                    (Some(s), Some(f), Some(j))
+                }
+            }
         } else {
             let forced: &[usize] = if opts.protect_super_experts {
                 &sup
@@ -309,9 +386,14 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
             jac.push(j);
             (Some(s), Some(f), Some(j))
         };
+        let remap = match (&surv, opts.hash_remap) {
+            (Some(s), Some(p)) if hash => Some(hash_remap(p, l, r, &stats.scores[l], s)?),
+            _ => None,
+        };
         layers.push(LayerSelection {
             layer: l,
             hash_routed: hash,
+            remap,
             survivors: surv,
             frequency_survivors: freq,
             jaccard_vs_frequency: j,
@@ -419,6 +501,7 @@ pub fn to_plan(sel: &Selection, stats: &ReapStats, opts: &SelectOptions) -> Prun
                 layer: l.layer,
                 survivors: l.survivors.clone(),
                 hash_routed: l.hash_routed,
+                hash_remap: l.remap.clone(),
             })
             .collect(),
         mtp_layers: vec![],

@@ -3,7 +3,8 @@
 //!
 //! Tensors (see the crate doc for the full list): `imatrix.{L}.{key}` F32 `[cols]` (or
 //! `[groups, cols]`) with `imatrix.{L}.{key}.count` I64 `[1]` (or `[groups]`);
-//! `reap.{L}.{count,sum_g,sum_norm,sum_g_norm,max_f,min_f}`; `routes.{L}.experts` I16
+//! `reap.{L}.{count,sum_g,sum_norm,sum_g_norm,max_f,min_f}` (and `reap.{L}.dist` on hash-routed
+//! layers when gathered); `routes.{L}.experts` I16
 //! `[T, top_k]` and `routes.{L}.weights` F16 `[T, top_k]`; for the eval split
 //! `teacher.{i}.topk_ids` I32 `[T, K]`, `teacher.{i}.topk_logprobs` F32 `[T, K]`,
 //! `teacher.{i}.next_logprob` F32 `[T-1]` (record `i` of the session's `records` list).
@@ -97,6 +98,9 @@ pub fn reap_tensors(reap: &[LayerReap], with_score: bool) -> Vec<Tensor> {
             vec![e, r.hidden],
             &mn,
         ));
+        if !r.dist.is_empty() {
+            out.push(Tensor::f64(format!("reap.{l}.dist"), vec![e, e], &r.dist));
+        }
         if with_score {
             out.push(Tensor::f64(format!("reap.{l}.score"), vec![e], &r.score()));
         }
@@ -317,6 +321,16 @@ pub fn read_sums(
             ));
         }
         r.count = count.iter().map(|&c| c as u64).collect();
+        let dn = format!("reap.{l}.dist");
+        if f.has(&dn) {
+            r.dist = f.f64s(&dn)?;
+            if r.dist.len() != n_experts * n_experts {
+                return Err(CalibError::invalid(
+                    &path,
+                    format!("{dn}: {} entries, expected {n_experts}²", r.dist.len()),
+                ));
+            }
+        }
         reap.push(Some(r));
     }
     Ok(SessionSums {

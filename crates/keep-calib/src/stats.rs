@@ -17,7 +17,9 @@
 
 use std::collections::BTreeMap;
 
-use keep_model::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use keep_model::{
+    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
+};
 
 /// Σ x² per column for one linear (one row of sums per group), with row counts.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +82,9 @@ pub struct LayerReap {
     /// `[n_experts × hidden]`; meaningful where `count > 0` (written as 0 elsewhere).
     pub max_f: Vec<f32>,
     pub min_f: Vec<f32>,
+    /// Hash-routed layers: `[n_experts × n_experts]`, entry `(r, j)` = Σ over the routes to
+    /// expert `r` of ‖f_r(x) − f_j(x)‖² (f64); empty when not gathered.
+    pub dist: Vec<f64>,
 }
 
 impl LayerReap {
@@ -93,7 +98,61 @@ impl LayerReap {
             sum_g_norm: vec![0.0; n_experts],
             max_f: vec![f32::NEG_INFINITY; n_experts * hidden],
             min_f: vec![f32::INFINITY; n_experts * hidden],
+            dist: vec![],
         }
+    }
+    /// Add the candidate outputs of expert `j` (`[tokens × hidden]`) against the routed outputs
+    /// (`[tokens × top_k × hidden]`, experts `chosen`) to [`LayerReap::dist`].
+    pub fn add_candidate(
+        &mut self,
+        j: usize,
+        top_k: usize,
+        chosen: &[u32],
+        routed: &[f32],
+        outputs: &[f32],
+    ) {
+        let (d, e) = (self.hidden, self.n_experts);
+        let t = outputs.len() / d.max(1);
+        if j >= e || chosen.len() != t * top_k || routed.len() != t * top_k * d {
+            return;
+        }
+        if self.dist.is_empty() {
+            self.dist = vec![0.0; e * e];
+        }
+        for i in 0..t {
+            let y = &outputs[i * d..(i + 1) * d];
+            for s in 0..top_k {
+                let r = chosen[i * top_k + s] as usize;
+                if r >= e {
+                    continue;
+                }
+                let f = &routed[(i * top_k + s) * d..(i * top_k + s + 1) * d];
+                let sq: f64 = f
+                    .iter()
+                    .zip(y)
+                    .map(|(&a, &b)| {
+                        let v = a as f64 - b as f64;
+                        v * v
+                    })
+                    .sum();
+                self.dist[r * e + j] += sq;
+            }
+        }
+    }
+    /// Mean squared distance from removed expert `r` to every expert (`None` when `r` was
+    /// never routed or no distances were gathered).
+    pub fn mean_dist(&self, r: usize) -> Option<Vec<f64>> {
+        let e = self.n_experts;
+        if self.dist.len() != e * e || r >= e || self.count[r] == 0 {
+            return None;
+        }
+        let c = self.count[r] as f64;
+        Some(
+            self.dist[r * e..(r + 1) * e]
+                .iter()
+                .map(|&v| v / c)
+                .collect(),
+        )
     }
     /// ‖f‖₂ of one output row, accumulated in f64.
     pub fn norm(row: &[f32]) -> f64 {
@@ -130,6 +189,14 @@ impl LayerReap {
     /// Add another layer's sums (max/min only where the other saw the expert).
     pub fn add(&mut self, o: &LayerReap) {
         let d = self.hidden;
+        if !o.dist.is_empty() {
+            if self.dist.is_empty() {
+                self.dist = vec![0.0; o.dist.len()];
+            }
+            for (a, b) in self.dist.iter_mut().zip(&o.dist) {
+                *a += b;
+            }
+        }
         for e in 0..self.n_experts {
             self.sum_g_norm[e] += o.sum_g_norm[e];
             self.sum_g[e] += o.sum_g[e];
@@ -301,6 +368,9 @@ pub struct Collector {
     pub stats: SessionStats,
     /// Tokens of routing kept per layer.
     pub route_tokens: usize,
+    /// Hash-routed layers whose expert-to-expert output distances are gathered
+    /// ([`LayerReap::dist`]; every expert runs on every token of these layers).
+    pub distance_layers: Vec<usize>,
 }
 
 impl Collector {
@@ -308,6 +378,7 @@ impl Collector {
         Collector {
             stats,
             route_tokens,
+            distance_layers: vec![],
         }
     }
 }
@@ -318,6 +389,14 @@ impl RouteObserver for Collector {
     }
     fn wants_linear_inputs(&self) -> bool {
         true
+    }
+    fn wants_candidate_outputs(&self, layer: usize) -> bool {
+        self.distance_layers.contains(&layer)
+    }
+    fn on_candidate_output(&mut self, ev: &CandidateOutputEvent) {
+        if let Some(l) = self.stats.reap.get_mut(ev.layer) {
+            l.add_candidate(ev.expert, ev.top_k, ev.chosen, ev.routed, ev.outputs);
+        }
     }
     fn on_route(&mut self, ev: &RouteEvent) {
         let Some(r) = self.stats.routes.get_mut(ev.layer) else {

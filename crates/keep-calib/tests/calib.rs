@@ -549,6 +549,7 @@ fn select_writes_a_valid_uniform_plan() {
         saliency: Saliency::Reap,
         shrink: None,
         protect_super_experts: false,
+        hash_remap: None,
     };
     let sel = select(&stats, &o).unwrap();
     assert_eq!(sel.keep, 8);

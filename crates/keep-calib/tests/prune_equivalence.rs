@@ -30,6 +30,7 @@ fn plan_for(n: usize, layers: usize, keep: usize) -> PrunePlan {
                     v
                 }),
                 hash_routed: false,
+                hash_remap: None,
             })
             .collect(),
         mtp_layers: vec![],

@@ -7,6 +7,9 @@
 //!  "saliency": "reap", "layers": [{"layer": 0, "survivors": [0, 3, ...]},
 //!  {"layer": 1, "survivors": null, "hash_routed": true}], "mtp_layers": []}
 //! ```
+//! A pruned hash-routed layer also carries `"hash_remap": {"policy": "nearest", "ranked_by":
+//! "...", "candidates": {"5": [3, 0, ...], ...}}`: per removed expert, the kept experts in order
+//! of preference (see [`crate::hashremap`]).
 //! `survivors` are original expert ids in ascending order; an expert's new id is its index in
 //! that list. `null` (or a missing layer) leaves the layer whole.
 
@@ -15,6 +18,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::hashremap::HashRemap;
 use crate::{ConvertError, Result};
 
 /// One layer of a plan.
@@ -23,9 +27,13 @@ pub struct LayerPlan {
     pub layer: usize,
     /// Surviving original ids, ascending; `None` keeps the layer whole.
     pub survivors: Option<Vec<usize>>,
-    /// Marked by `keep select` for hash-routed layers it left whole.
+    /// Marked by `keep select` for hash-routed layers.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub hash_routed: bool,
+    /// A pruned hash-routed layer: what replaces each removed expert in `tid2eid`
+    /// ([`crate::hashremap`]). Required when a hash-routed layer has survivors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash_remap: Option<HashRemap>,
 }
 
 /// A pruning plan.
@@ -87,6 +95,26 @@ impl PrunePlan {
             let mut seen = std::collections::BTreeSet::new();
             if let Some(l) = ls.iter().find(|l| !seen.insert(l.layer)) {
                 return Err(format!("{what} lists layer {} twice", l.layer));
+            }
+        }
+        if let Some(l) = self.mtp_layers.iter().find(|l| l.hash_remap.is_some()) {
+            return Err(format!("MTP layer {} has a hash_remap", l.layer));
+        }
+        for l in &self.layers {
+            match (&l.survivors, &l.hash_remap) {
+                (None, Some(_)) => {
+                    return Err(format!(
+                        "layer {} has a hash_remap but is left whole",
+                        l.layer
+                    ))
+                }
+                (Some(s), Some(r)) => {
+                    if s.windows(2).all(|w| w[0] < w[1]) && s.iter().all(|&e| e < self.n_experts) {
+                        r.validate(self.n_experts, s, 1)
+                            .map_err(|e| format!("layer {}: hash_remap: {e}", l.layer))?;
+                    }
+                }
+                _ => {}
             }
         }
         for l in self.layers.iter().chain(&self.mtp_layers) {
@@ -173,6 +201,14 @@ impl PrunePlan {
             .iter()
             .find(|l| l.layer == layer)
             .and_then(|l| l.survivors.as_deref())
+    }
+
+    /// The remap of pruned hash-routed decoder layer `layer` (`None`: none recorded).
+    pub fn hash_remap(&self, layer: usize) -> Option<&HashRemap> {
+        self.layers
+            .iter()
+            .find(|l| l.layer == layer)
+            .and_then(|l| l.hash_remap.as_ref())
     }
 
     /// Survivors of MTP layer `n` (`None` = whole).

@@ -4,20 +4,23 @@
 //! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries are sliced to the
 //! survivors; `n_routed_experts` in config.json becomes `E'`. FP8, FP4 and E8M0 bytes are never
 //! decoded: every tensor is either copied whole or sliced along its first dimension. Tensors
-//! keep does not understand are copied untouched and listed in the report. Hash-routed layers
-//! (`gate.tid2eid`) are refused unless the plan leaves them whole, since their expert ids come
-//! from the token and would need a remapping policy. The id map is written as `prune-map.json`.
+//! keep does not understand are copied untouched and listed in the report. A pruned hash-routed
+//! layer (`gate.tid2eid`) needs the plan's remap for it ([`crate::hashremap`]): its table is
+//! rewritten — every removed expert's id replaced by the remap, then every id renumbered — in
+//! its own dtype and shape; a hash layer pruned without a remap is refused. The id map is
+//! written as `prune-map.json`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use keep_checkpoint::naming::{self, Role, Scope};
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
-use keep_checkpoint::{Checkpoint, TensorRef};
+use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
 use serde::Serialize;
 use serde_json::json;
 
 use crate::copy::{copy_range, copy_tensor};
+use crate::hashremap::{remap_table, HashRemap};
 use crate::plan::PrunePlan;
 use crate::{ConvertError, Result};
 
@@ -43,6 +46,10 @@ pub struct PruneReport {
     pub tensors_copied: usize,
     pub tensors_sliced: usize,
     pub tensors_dropped: usize,
+    /// `tid2eid` tables rewritten through a remap and the renumbering.
+    pub tensors_rewritten: usize,
+    /// Hash-routed layers whose `tid2eid` was rewritten, with the remap policy.
+    pub hash_remapped: BTreeMap<usize, String>,
     /// Tensors copied untouched because keep does not know their role.
     pub unknown_copied: Vec<String>,
     pub bytes_before: u64,
@@ -51,6 +58,8 @@ pub struct PruneReport {
 
 enum Action<'a> {
     Copy(TensorRef<'a>, String),
+    /// Write these bytes in place of the tensor (a rewritten `tid2eid`).
+    Write(TensorRef<'a>, Vec<u8>),
     /// Keep rows `rows` of a tensor whose first dimension is the expert axis.
     Slice(TensorRef<'a>, &'a [usize]),
 }
@@ -69,6 +78,58 @@ fn scope_label(scope: Scope) -> String {
         Scope::Mtp(n) => format!("mtp.{n}"),
         Scope::Model => "model".into(),
     }
+}
+
+/// Decode a `tid2eid` tensor (I32 or I64 `[vocab, top_k]`), replace removed experts through
+/// `remap`, renumber to the survivors' new ids and encode it again in its own dtype.
+fn rewrite_tid2eid(
+    t: &TensorRef,
+    top_k: usize,
+    n_experts: usize,
+    survivors: &[usize],
+    remap: &HashRemap,
+) -> Result<Vec<u8>> {
+    let bad = |msg: String| ConvertError::Invalid(format!("{}: {msg}", t.name));
+    if t.shape.len() != 2 || t.shape[1] != top_k as u64 {
+        return Err(bad(format!(
+            "shape {:?} is not [vocab, num_experts_per_tok = {top_k}]",
+            t.shape
+        )));
+    }
+    let width = match t.dtype {
+        Dtype::I32 => 4,
+        Dtype::I64 => 8,
+        d => return Err(bad(format!("dtype {d}, expected I32 or I64 expert ids"))),
+    };
+    let n = (t.shape[0] * t.shape[1]) as usize;
+    if t.bytes.len() != n * width {
+        return Err(bad(format!("{} bytes for {n} ids", t.bytes.len())));
+    }
+    let mut ids = Vec::with_capacity(n);
+    for c in t.bytes.chunks_exact(width) {
+        let v = if width == 4 {
+            i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64
+        } else {
+            i64::from_le_bytes(c.try_into().expect("8 bytes"))
+        };
+        if v < 0 || v as usize >= n_experts {
+            return Err(bad(format!("names expert {v}, outside 0..{n_experts}")));
+        }
+        ids.push(v as u32);
+    }
+    let remapped = remap_table(&ids, top_k, survivors, remap).map_err(bad)?;
+    let mut out = Vec::with_capacity(t.bytes.len());
+    for j in remapped {
+        let new = survivors
+            .binary_search(&(j as usize))
+            .map_err(|_| bad(format!("remap left removed expert {j}")))? as i64;
+        if width == 4 {
+            out.extend_from_slice(&(new as i32).to_le_bytes());
+        } else {
+            out.extend_from_slice(&new.to_le_bytes());
+        }
+    }
+    Ok(out)
 }
 
 /// Prune `src` into `out`. `progress(bytes_done, bytes_total)` is called as it copies.
@@ -132,20 +193,41 @@ pub fn prune(
             cfg.num_experts_per_tok
         )));
     }
-    if !hash_pruned.is_empty() {
+    let no_remap: Vec<&String> = hash_pruned
+        .iter()
+        .filter(|l| {
+            l.parse()
+                .map_or(true, |l: usize| plan.hash_remap(l).is_none())
+        })
+        .collect();
+    if !no_remap.is_empty() {
         return Err(ConvertError::Refused {
-            tensor: format!("gate.tid2eid of layers {}", hash_pruned.join(", ")),
+            tensor: format!(
+                "gate.tid2eid of layers {}",
+                no_remap
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
             reason: "these layers are hash-routed: their expert ids come from the token id, so \
-                     pruning them needs a remapping policy keep does not have. Leave them whole \
-                     in the plan (\"survivors\": null; `keep select` does this) and prune the \
-                     other layers"
+                     the plan must say what replaces each removed expert (\"hash_remap\": make \
+                     the plan with `keep select --hash-remap reap-next|nearest|frequency`), or \
+                     leave them whole (\"survivors\": null)"
                 .into(),
         });
+    }
+    for l in &hash_layers {
+        if let (Some(s), Some(r)) = (plan.survivors(*l), plan.hash_remap(*l)) {
+            r.validate(plan.n_experts, s, cfg.num_experts_per_tok)
+                .map_err(|e| ConvertError::Invalid(format!("layer {l}: hash_remap: {e}")))?;
+        }
     }
 
     let mut actions = vec![];
     let mut unknown_copied = vec![];
     let mut dropped = 0usize;
+    let mut hash_rewritten = vec![];
     let mut id_map: BTreeMap<String, BTreeMap<usize, usize>> = BTreeMap::new();
     for t in ck.tensors() {
         let n = naming::parse(t.name);
@@ -166,6 +248,20 @@ pub fn prune(
                 }
                 Err(_) => dropped += 1,
             },
+            (Role::RouterTid2eid, Some(s)) => {
+                let Scope::Layer(l) = n.scope else {
+                    return Err(ConvertError::Refused {
+                        tensor: t.name.to_string(),
+                        reason: "a hash-routed MTP layer cannot be pruned".into(),
+                    });
+                };
+                let remap = plan
+                    .hash_remap(l)
+                    .ok_or_else(|| ConvertError::Invalid(format!("layer {l}: no hash_remap")))?;
+                let bytes = rewrite_tid2eid(&t, cfg.num_experts_per_tok, plan.n_experts, s, remap)?;
+                hash_rewritten.push(l);
+                actions.push(Action::Write(t, bytes));
+            }
             (Role::RouterWeight | Role::RouterBias | Role::RouterBiasVl, Some(s)) => {
                 if t.shape.first().copied() != Some(plan.n_experts as u64) {
                     return Err(ConvertError::Refused {
@@ -209,6 +305,7 @@ pub fn prune(
         .iter()
         .map(|a| match a {
             Action::Copy(t, name) => TensorMeta::new(name.clone(), t.dtype, t.shape),
+            Action::Write(t, _) => TensorMeta::new(t.name, t.dtype, t.shape),
             Action::Slice(t, s) => {
                 let mut shape = t.shape.to_vec();
                 shape[0] = s.len() as u64;
@@ -230,13 +327,18 @@ pub fn prune(
     }
     let mut w = CheckpointWriter::create(out, metas, wopts)?;
     let mut done = 0u64;
-    let (mut copied, mut sliced) = (0usize, 0usize);
+    let (mut copied, mut sliced, mut rewritten) = (0usize, 0usize, 0usize);
     for a in &actions {
         match a {
             Action::Copy(t, name) => {
                 copy_tensor(&ck, &mut w, name, t)?;
                 done += t.bytes.len() as u64;
                 copied += 1;
+            }
+            Action::Write(t, bytes) => {
+                w.write_tensor(t.name, bytes)?;
+                done += bytes.len() as u64;
+                rewritten += 1;
             }
             Action::Slice(t, s) => {
                 let row = t.bytes.len() / plan.n_experts;
@@ -276,6 +378,16 @@ pub fn prune(
         tensors_copied: copied,
         tensors_sliced: sliced,
         tensors_dropped: dropped,
+        tensors_rewritten: rewritten,
+        hash_remapped: hash_rewritten
+            .iter()
+            .map(|&l| {
+                let p = plan
+                    .hash_remap(l)
+                    .map_or(String::new(), |r| r.policy.clone());
+                (l, p)
+            })
+            .collect(),
         unknown_copied,
         bytes_before: ck.tensors().map(|t| t.bytes.len() as u64).sum(),
         bytes_after: total,

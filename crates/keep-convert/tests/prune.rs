@@ -1,10 +1,12 @@
 //! `keep prune` by byte copy: survivors renumbered with identical bytes, router rows sliced,
-//! config updated, hash-routed layers refused unless left whole.
+//! config updated, hash-routed layers refused unless left whole or remapped (their `tid2eid`
+//! then rewritten: removed ids replaced, all ids renumbered, everything else byte-identical).
 
 use std::path::Path;
 
 use keep_checkpoint::naming::{expert_tensor, ExpertMat};
 use keep_checkpoint::Checkpoint;
+use keep_convert::hashremap::{HashRemap, RemapPolicy};
 use keep_convert::inspect::inspect;
 use keep_convert::plan::{LayerPlan, PrunePlan};
 use keep_convert::presets::preset;
@@ -40,6 +42,7 @@ fn plan(src: &Path, n: usize, layers: &[(usize, Option<Vec<usize>>)]) -> PrunePl
                 layer: *l,
                 survivors: s.clone(),
                 hash_routed: false,
+                hash_remap: None,
             })
             .collect(),
         mtp_layers: vec![],
@@ -117,7 +120,7 @@ fn surv_of(layers: &[(usize, Option<Vec<usize>>)], l: usize) -> Vec<usize> {
 }
 
 #[test]
-fn hash_layers_are_refused_unless_left_whole() {
+fn hash_layers_are_refused_unless_left_whole_or_remapped() {
     let d = tempfile::tempdir().unwrap();
     let src = make(d.path(), "tiny-v4flash");
     let keep: Vec<usize> = (0..8).collect();
@@ -154,6 +157,76 @@ fn hash_layers_are_refused_unless_left_whole() {
     let c = o.config().unwrap();
     assert_eq!(c.experts_in_layer(0), 16);
     assert_eq!(c.experts_in_layer(5), 8);
+    assert!(
+        inspect(&o).problems.is_empty(),
+        "{:?}",
+        inspect(&o).problems
+    );
+
+    // With a remap on layers 0 and 1 (survivors 4..12; every removed expert prefers 11, 10,
+    // …, 4), the tables are rewritten; computed here by hand from the source table.
+    let surv: Vec<usize> = (4..12).collect();
+    let pref: Vec<usize> = surv.iter().rev().copied().collect();
+    let all: Vec<_> = (0..6).map(|l| (l, Some(surv.clone()))).collect();
+    let mut p = plan(&src, 16, &all);
+    for l in &mut p.layers[..2] {
+        l.hash_routed = true;
+        l.hash_remap = Some(HashRemap::uniform(
+            RemapPolicy::ReapNext,
+            "test",
+            16,
+            &surv,
+            &pref,
+        ));
+    }
+    let out = d.path().join("z");
+    let (_, rep) = prune(&src, &p, &out, &PruneOptions::default(), &|_, _| {}).unwrap();
+    assert_eq!(rep.tensors_rewritten, 2);
+    let s = Checkpoint::open(&src).unwrap();
+    let o = Checkpoint::open(&out).unwrap();
+    let ids = |ck: &Checkpoint, name: &str| -> Vec<i64> {
+        let t = ck.tensor(name).unwrap();
+        let w = t.dtype.bits() / 8;
+        t.bytes
+            .chunks_exact(w)
+            .map(|c| {
+                if w == 4 {
+                    i32::from_le_bytes(c.try_into().unwrap()) as i64
+                } else {
+                    i64::from_le_bytes(c.try_into().unwrap())
+                }
+            })
+            .collect()
+    };
+    for l in 0..2 {
+        let name = format!("layers.{l}.ffn.gate.tid2eid");
+        let (a, b) = (ids(&s, &name), ids(&o, &name));
+        assert_eq!(
+            s.tensor(&name).unwrap().shape,
+            o.tensor(&name).unwrap().shape
+        );
+        let mut changed = 0;
+        for (ra, rb) in a.chunks(4).zip(b.chunks(4)) {
+            let mut want: Vec<i64> = ra.to_vec();
+            for i in 0..4 {
+                if !(4..12).contains(&want[i]) {
+                    let pick = pref.iter().map(|&e| e as i64).find(|e| !want.contains(e));
+                    want[i] = pick.unwrap();
+                    changed += 1;
+                }
+            }
+            let want: Vec<i64> = want.iter().map(|&e| e - 4).collect();
+            assert_eq!(rb, &want[..], "row {ra:?}");
+        }
+        assert!(changed > 0);
+    }
+    // Everything else of the hash layers is copied or sliced as for any layer.
+    let g = "layers.0.ffn.gate.weight";
+    let row = s.tensor(g).unwrap().bytes.len() / 16;
+    assert_eq!(
+        o.tensor(g).unwrap().bytes,
+        &s.tensor(g).unwrap().bytes[4 * row..12 * row]
+    );
     assert!(
         inspect(&o).problems.is_empty(),
         "{:?}",

@@ -24,7 +24,9 @@ use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::ExpertSource;
 use crate::hash::{route_hash, HashTable};
-use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use crate::observer::{
+    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
+};
 use crate::v4::V4Attn;
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
@@ -233,6 +235,32 @@ impl<'a> LayerWeights<'a> {
                 None
             },
         })
+    }
+}
+
+impl LayerWeights<'_> {
+    /// Route this hash-routed layer by `table` instead of the checkpoint's `tid2eid` (a pruning
+    /// plan's remap, in the checkpoint's expert ids). Refused on a top-k layer and for a table
+    /// of another shape.
+    pub fn replace_hash_table(&mut self, cfg: &ModelConfig, table: HashTable) -> Result<()> {
+        let l = self.layer;
+        if self.hash.is_none() {
+            return Err(ModelError::Config(format!(
+                "layer {l} is not hash-routed: it has no tid2eid table to replace"
+            )));
+        }
+        if table.vocab != cfg.vocab
+            || table.top_k != cfg.top_k
+            || table.ids.len() != cfg.vocab * cfg.top_k
+            || table.ids.iter().any(|&j| j as usize >= cfg.n_experts)
+        {
+            return Err(ModelError::Config(format!(
+                "layer {l}: a replacement tid2eid table must be [{} × {}] with ids below {}",
+                cfg.vocab, cfg.top_k, cfg.n_experts
+            )));
+        }
+        self.hash = Some(table);
+        Ok(())
     }
 }
 
@@ -931,6 +959,13 @@ impl LayerWeights<'_> {
                 }
             }
         }
+        if self.hash.is_some() {
+            if let Some(o) = obs.as_deref_mut() {
+                if o.wants_candidate_outputs(l) {
+                    candidate_outputs(cfg, experts, l, x, t, &chosen, &ys, o)?;
+                }
+            }
+        }
         let [sw1, sw2, sw3] = &self.shared;
         let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
         let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
@@ -955,6 +990,62 @@ impl LayerWeights<'_> {
         }
         Ok(out)
     }
+}
+
+/// Every expert of hash-routed layer `l` on every token row of `x` (`[t × dim]`), each reported
+/// to `o` with the routed experts' outputs `ys` (`[t × top_k × dim]`) beside it.
+#[allow(clippy::too_many_arguments)]
+fn candidate_outputs(
+    cfg: &ModelConfig,
+    experts: &dyn ExpertSource,
+    l: usize,
+    x: &[f32],
+    t: usize,
+    chosen: &[u32],
+    ys: &[f32],
+    o: &mut dyn RouteObserver,
+) -> Result<()> {
+    let (d, inter, limit) = (cfg.dim, cfg.inter, cfg.swiglu_limit);
+    let all: Vec<usize> = (0..cfg.n_experts).collect();
+    for chunk in all.chunks(experts.max_batch().max(1)) {
+        let views = experts.experts(l, chunk)?;
+        if views.len() != chunk.len() {
+            return Err(ModelError::Expert {
+                layer: l,
+                expert: chunk[0],
+                msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
+            });
+        }
+        for (&j, ew) in chunk.iter().zip(&views) {
+            let (mut g, mut u) = (vec![0f32; t * inter], vec![0f32; t * inter]);
+            {
+                let mut jobs = vec![
+                    Job::view(&ew.w1, x, t, &mut g)?,
+                    Job::view(&ew.w3, x, t, &mut u)?,
+                ];
+                matmul_many_with(cfg.kernels, &mut jobs)?;
+            }
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+                .collect();
+            let mut y = vec![0f32; t * d];
+            {
+                let mut jobs = vec![Job::view(&ew.w2, &act, t, &mut y)?];
+                matmul_many_with(cfg.kernels, &mut jobs)?;
+            }
+            o.on_candidate_output(&CandidateOutputEvent {
+                layer: l,
+                top_k: cfg.top_k,
+                expert: j,
+                chosen,
+                routed: ys,
+                outputs: &y,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// One query head of `_sparse_attention`: softmax over `q·k·scale` of the given rows with the

@@ -45,7 +45,9 @@ pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{Generate, Sampler, SamplerConfig};
 pub use keep_kernels::Kernels;
 pub use model::{Logits, Model};
-pub use observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+pub use observer::{
+    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
+};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, ModelError>;

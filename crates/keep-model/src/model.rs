@@ -218,6 +218,16 @@ impl<'a> Model<'a> {
         Ok(())
     }
 
+    /// Route hash-routed `layer` by `table` (checkpoint expert ids) instead of its `tid2eid`
+    /// (see [`LayerWeights::replace_hash_table`]).
+    pub fn set_hash_table(&mut self, layer: usize, table: crate::hash::HashTable) -> Result<()> {
+        let cfg = &self.cfg;
+        let lw = self.layers.get_mut(layer).ok_or_else(|| {
+            ModelError::Config(format!("hash table for layer {layer} of {}", cfg.n_layers))
+        })?;
+        lw.replace_hash_table(cfg, table)
+    }
+
     /// Run `tokens` from the cache's position, updating the cache.
     pub fn forward(
         &self,

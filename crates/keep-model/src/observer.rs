@@ -34,6 +34,26 @@ pub struct ExpertOutputEvent<'a> {
     pub outputs: &'a [f32],
 }
 
+/// One routed expert's output on every token row of a hash-routed layer, beside the outputs of
+/// the experts the tokens were actually routed to: what a pruner needs to measure how close a
+/// kept expert's outputs are to a removed one's on the tokens that `tid2eid` sends to it.
+/// Delivered (for every expert of the layer, after the routed experts ran) only when
+/// [`RouteObserver::wants_candidate_outputs`] says so; it costs one pass of every expert over
+/// every token of the layer.
+#[derive(Debug)]
+pub struct CandidateOutputEvent<'a> {
+    pub layer: usize,
+    pub top_k: usize,
+    /// The expert whose outputs `outputs` are.
+    pub expert: usize,
+    /// The routed experts `[tokens × top_k]` (the table's ids).
+    pub chosen: &'a [u32],
+    /// The routed experts' outputs (before the gate weight) `[tokens × top_k × hidden]`.
+    pub routed: &'a [f32],
+    /// `expert`'s outputs on every token row `[tokens × hidden]`.
+    pub outputs: &'a [f32],
+}
+
 /// The input rows of one linear (for an importance matrix).
 #[derive(Debug)]
 pub struct LinearInputEvent<'a> {
@@ -58,7 +78,12 @@ pub trait RouteObserver {
     fn wants_linear_inputs(&self) -> bool {
         false
     }
+    /// Whether to deliver [`CandidateOutputEvent`]s for hash-routed layer `layer`.
+    fn wants_candidate_outputs(&self, _layer: usize) -> bool {
+        false
+    }
     fn on_route(&mut self, _ev: &RouteEvent) {}
+    fn on_candidate_output(&mut self, _ev: &CandidateOutputEvent) {}
     fn on_expert_output(&mut self, _ev: &ExpertOutputEvent) {}
     fn on_linear_input(&mut self, _ev: &LinearInputEvent) {}
 }

@@ -16,6 +16,7 @@ use crate::cache::Cache;
 use crate::config::ModelConfig;
 use crate::engram::{table_view, EngramLayer, TableRows};
 use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::hash::HashTable;
 use crate::layer::{LayerWeights, Shared};
 use crate::model::{step_of, Globals, Logits};
 use crate::observer::RouteObserver;
@@ -26,6 +27,10 @@ pub struct StreamOptions<'o> {
     pub logits: Logits,
     /// Router masks per layer (`None`: no mask).
     pub masks: Vec<Option<Vec<bool>>>,
+    /// Replacement `tid2eid` tables per hash-routed layer (`None`: the checkpoint's own), in the
+    /// checkpoint's expert ids: a pruning plan's remap applied without writing a checkpoint
+    /// (pair it with the plan's router mask, which the replaced table must respect).
+    pub hash_tables: Vec<Option<HashTable>>,
     /// Called after each layer with the layer index (progress).
     pub on_layer: Option<&'o mut dyn FnMut(usize)>,
     /// Drop a finished layer's pages from the process (see the module doc).
@@ -39,6 +44,7 @@ impl Default for StreamOptions<'_> {
         StreamOptions {
             logits: Logits::All,
             masks: vec![],
+            hash_tables: vec![],
             on_layer: None,
             release_pages: true,
             kernels: keep_kernels::Kernels::Exact,
@@ -91,7 +97,10 @@ pub fn forward_streamed(
         ));
     }
     for l in 0..cfg.n_layers {
-        let lw = LayerWeights::load(ck, &cfg, l)?;
+        let mut lw = LayerWeights::load(ck, &cfg, l)?;
+        if let Some(Some(t)) = opts.hash_tables.get(l) {
+            lw.replace_hash_table(&cfg, t.clone())?;
+        }
         let experts = CheckpointExperts::for_layers(ck, &cfg, l..l + 1)?;
         let mask = opts.masks.get(l).and_then(|m| m.as_deref());
         let engram = match cfg

@@ -14,7 +14,9 @@ use keep_calib::pack::{Pack, Split};
 ///
 /// Each session file (RUN/<group>.safetensors, keep-calib-session v1) holds, per layer: Σx² and
 /// token counts of every linear (per expert for routed experts), REAP sums (Σg·‖f‖, Σg, Σ‖f‖,
-/// route counts, per-channel max/min of f) with the model's own gate weights, the first 2,048
+/// route counts, per-channel max/min of f) with the model's own gate weights (a hash-routed
+/// layer's: its tid2eid experts weighed by its gate), on hash-routed layers the output
+/// distances between every pair of experts on the tokens routed to the first, the first 2,048
 /// tokens of routing, and for --split eval the teacher's top-64 log-probs and the log-prob of
 /// each true next token. Complete sessions are skipped and partial ones redone; --shard I/N runs
 /// only groups ≡ I (mod N), so N processes (a Slurm array, a Kubernetes indexed Job) cover one
@@ -49,6 +51,11 @@ pub struct CalibrateArgs {
     /// Keep each finished layer's pages mapped (default: dropped, so RSS stays near one layer).
     #[arg(long)]
     keep_pages: bool,
+    /// Skip the hash-routed layers' expert-to-expert output distances (by default every expert
+    /// of a hash-routed layer runs on every calibration token, n_experts / top_k times those
+    /// layers' expert work; the `nearest` remap of `keep select --hash-remap` needs them).
+    #[arg(long)]
+    no_hash_distances: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -102,6 +109,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         chunk_tokens: a.chunk_tokens,
         release_pages: !a.keep_pages,
         kernels: a.kernels.into(),
+        hash_distances: !a.no_hash_distances,
         ..Default::default()
     };
     let bar = ProgressBar::new(0);

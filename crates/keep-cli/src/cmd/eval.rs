@@ -14,7 +14,9 @@ use keep_calib::pack::Pack;
 /// mean KL(teacher ‖ student) per position (the teacher's top-64 plus one tail bucket for the
 /// mass outside them), the student's NLL of the true next token and its change from the
 /// teacher's, and top-1 agreement. Each `--mask PLAN.json` (from `keep select`) makes pruned
-/// experts unselectable and renormalises over the survivors, without writing a checkpoint;
+/// experts unselectable and renormalises over the survivors (on a pruned hash-routed layer,
+/// tid2eid is remapped by the plan's hash_remap instead, as `keep prune` writes it), without
+/// writing a checkpoint;
 /// a pruned checkpoint is scored by passing it as MODEL. With several plans, `--plot` draws KL
 /// against experts kept.
 ///

@@ -13,8 +13,10 @@ use crate::util::{byte_bar, human};
 ///
 /// Survivors are renumbered 0..E'-1 in their original order; gate.weight rows and
 /// gate.bias / gate.bias_vl entries are sliced; n_routed_experts is updated; FP8, FP4 and E8M0
-/// bytes are never decoded; tensors keep does not know are copied and listed. Hash-routed
-/// layers (gate.tid2eid) are refused unless the plan leaves them whole. Writes prune-map.json
+/// bytes are never decoded; tensors keep does not know are copied and listed. A pruned
+/// hash-routed layer's gate.tid2eid is rewritten through the plan's hash_remap (each removed
+/// expert replaced, then every id renumbered; `keep select --hash-remap`); without a remap such
+/// a layer is refused. Writes prune-map.json
 /// (old → new ids), the index and SHA256SUMS; the output appears only when complete.
 ///
 /// Example: keep prune --plan plan-50.json /tmp/keep-tiny-50
@@ -63,6 +65,9 @@ pub fn run(a: PruneArgs) -> anyhow::Result<()> {
         r.tensors_sliced,
         r.tensors_dropped
     );
+    for (l, p) in &r.hash_remapped {
+        println!("layer {l}: tid2eid rewritten through the {p} remap");
+    }
     if !r.unknown_copied.is_empty() {
         println!(
             "copied {} tensors keep does not understand, untouched: {}",

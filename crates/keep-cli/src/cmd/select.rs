@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use keep_calib::finalize::read_reap_stats;
 use keep_calib::select::{select, to_plan, Keep, Saliency, SelectOptions, KILL_JACCARD};
+use keep_convert::hashremap::RemapPolicy;
 
 /// Choose a uniform survivor set per layer and write a prune plan (keep-prune-plan v1).
 ///
@@ -14,7 +15,12 @@ use keep_calib::select::{select, to_plan, Keep, Saliency, SelectOptions, KILL_JA
 /// Jaccard of the chosen set against the frequency-chosen set (the kill test: a mean ≥ 0.9 means
 /// the saliency adds nothing over counts), super-expert candidates (REAP's outlier rule on
 /// max |f|, both signs) and writes a plot of Jaccard and saliency spread beside the plan
-/// (PLAN.jaccard.png and .svg). Hash-routed layers are left whole and marked.
+/// (PLAN.jaccard.png and .svg). Hash-routed layers are left whole and marked, unless
+/// --hash-remap names a policy: then they are pruned too, and the plan records for each removed
+/// expert the kept experts that replace it in tid2eid, in order of preference (a token takes the
+/// first one not already among its experts): reap-next (by REAP score), nearest (by the mean
+/// squared distance of the experts' outputs on the calibration tokens routed to the removed
+/// expert) or frequency (by route count, a baseline).
 ///
 /// Example: keep select /tmp/run --keep 50% --out plan-50.json
 #[derive(Args)]
@@ -34,6 +40,10 @@ pub struct SelectArgs {
     /// Always keep super-expert candidates.
     #[arg(long)]
     protect_super_experts: bool,
+    /// Prune hash-routed layers too, remapping their tid2eid by this policy: reap-next,
+    /// nearest or frequency (default: leave them whole).
+    #[arg(long, value_name = "POLICY", value_parser = parse_remap)]
+    hash_remap: Option<RemapPolicy>,
     /// The plan to write (JSON).
     #[arg(long)]
     out: PathBuf,
@@ -58,6 +68,11 @@ fn parse_saliency(s: &str) -> Result<Saliency, String> {
     })
 }
 
+fn parse_remap(s: &str) -> Result<RemapPolicy, String> {
+    RemapPolicy::parse(s)
+        .ok_or_else(|| format!("`{s}` is not a remap policy: reap-next, nearest, frequency"))
+}
+
 fn sibling(out: &Path, ext: &str) -> PathBuf {
     let stem = out
         .file_stem()
@@ -79,6 +94,7 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
         saliency: a.saliency,
         shrink: a.shrink,
         protect_super_experts: a.protect_super_experts,
+        hash_remap: a.hash_remap,
     };
     let sel = select(&stats, &opts)?;
     let plan = to_plan(&sel, &stats, &opts);
@@ -113,8 +129,19 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
     );
     println!("layer  jaccard  spread  super-experts");
     for l in &sel.layers {
-        if l.hash_routed {
+        if l.hash_routed && l.survivors.is_none() {
             println!("{:>5}  hash-routed: left whole", l.layer);
+            continue;
+        }
+        if let Some(r) = &l.remap {
+            println!(
+                "{:>5}  {:>7.3}  {:>6.3}  hash-routed: {} removed experts remapped by {}",
+                l.layer,
+                l.jaccard_vs_frequency.unwrap_or(f64::NAN),
+                l.saliency_spread,
+                r.candidates.len(),
+                r.policy
+            );
             continue;
         }
         println!(
