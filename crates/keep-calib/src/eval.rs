@@ -10,8 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
+use keep_artifacts::plan::PrunePlan;
 use keep_checkpoint::Checkpoint;
-use keep_convert::plan::PrunePlan;
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig};

@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 
-use keep_convert::plan::{LayerPlan, PrunePlan};
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
 use serde::Serialize;
 
 use crate::finalize::ReapStats;
@@ -406,22 +406,16 @@ pub fn to_plan(sel: &Selection, stats: &ReapStats, opts: &SelectOptions) -> Prun
             "candidates": sel.super_experts,
         }),
     );
-    PrunePlan {
-        format: PrunePlan::FORMAT.into(),
-        version: 1,
-        n_experts: sel.n_experts,
-        keep: sel.keep,
-        saliency: sel.saliency.name().into(),
-        layers: sel
-            .layers
-            .iter()
-            .map(|l| LayerPlan {
-                layer: l.layer,
-                survivors: l.survivors.clone(),
-                hash_routed: l.hash_routed,
-            })
-            .collect(),
-        mtp_layers: vec![],
-        extra,
-    }
+    let mut plan = PrunePlan::new(sel.n_experts, sel.keep, sel.saliency.name());
+    plan.layers = sel
+        .layers
+        .iter()
+        .map(|l| LayerPlan {
+            layer: l.layer,
+            survivors: l.survivors.clone(),
+            hash_routed: l.hash_routed,
+        })
+        .collect();
+    plan.extra = extra;
+    plan
 }

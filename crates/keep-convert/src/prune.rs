@@ -18,8 +18,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::copy::{copy_range, copy_tensor};
-use crate::plan::PrunePlan;
 use crate::{ConvertError, Result};
+use keep_artifacts::plan::PrunePlan;
 
 /// Options of [`prune`].
 #[derive(Debug, Clone, Default)]

@@ -82,10 +82,7 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
     };
     let sel = select(&stats, &opts)?;
     let plan = to_plan(&sel, &stats, &opts);
-    plan.validate()
-        .map_err(|e| anyhow::anyhow!("internal: invalid plan: {e}"))?;
-    let text = serde_json::to_string_pretty(&plan)?;
-    keep_calib::st::write_bytes_atomic(&a.out, text.as_bytes(), a.force)
+    plan.write(&a.out, a.force)
         .with_context(|| format!("writing {}", a.out.display()))?;
     let mut plots = vec![];
     if !a.no_plot {
