@@ -29,6 +29,12 @@ pub enum ArtifactError {
     /// Files of one run disagree (layers, expert counts, top-k).
     #[error("{path}: {msg}")]
     Inconsistent { path: PathBuf, msg: String },
+    /// A file is not what its format says (JSON, format tag, version, ranges).
+    #[error("{path}: {msg}")]
+    Invalid { path: PathBuf, msg: String },
+    /// A file does not belong to the model or the other files it is used with.
+    #[error("{0}")]
+    Mismatch(String),
     /// A writer was asked for something it cannot store.
     #[error("{0}")]
     Config(String),
@@ -40,6 +46,13 @@ impl ArtifactError {
         ArtifactError::Io {
             path: path.into(),
             source,
+        }
+    }
+    /// A malformed file.
+    pub fn invalid(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        ArtifactError::Invalid {
+            path: path.into(),
+            msg: msg.into(),
         }
     }
     pub(crate) fn tensor(path: &std::path::Path, tensor: &str, msg: impl Into<String>) -> Self {

@@ -9,9 +9,9 @@
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
 use keep_checkpoint::naming::{self, Role};
 use keep_checkpoint::Checkpoint;
-use keep_convert::plan::{LayerPlan, PrunePlan};
 use keep_convert::prune::{prune, PruneOptions};
 
 use crate::side::{self, SideBySide, Spec};

@@ -11,7 +11,7 @@ pub enum CalibError {
     #[error(transparent)]
     Model(#[from] keep_model::ModelError),
     #[error(transparent)]
-    Convert(#[from] keep_convert::ConvertError),
+    Artifact(#[from] keep_artifacts::ArtifactError),
     /// A file could not be read or written.
     #[error("{path}: {err}")]
     Io {

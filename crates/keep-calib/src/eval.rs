@@ -11,9 +11,9 @@
 
 use std::path::{Path, PathBuf};
 
+use keep_artifacts::hashremap::remap_table;
+use keep_artifacts::plan::PrunePlan;
 use keep_checkpoint::Checkpoint;
-use keep_convert::hashremap::remap_table;
-use keep_convert::plan::PrunePlan;
 use keep_model::hash::HashTable;
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::Kernels;

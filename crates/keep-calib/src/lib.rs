@@ -12,7 +12,7 @@
 //! no pruning (keep-convert's `prune` applies the plan).
 //!
 //! Depends on: keep-model (forward, observers), keep-checkpoint (safetensors reading, atomic
-//! writer), keep-convert (the plan type), `tokenizers`, `safetensors`, `plotters`.
+//! writer), keep-artifacts (the prune plan), `tokenizers`, `safetensors`, `plotters`.
 //!
 //! # Files
 //!
@@ -53,7 +53,7 @@
 //! (`keep-reap-stats` v1, the `reap.*` names summed plus `reap.{L}.score` F64 `[E]` =
 //! Σ g·‖f‖ / count, 0 for never-routed experts). See [`finalize`].
 //!
-//! **Plan**: `keep_convert::plan::PrunePlan` with extra fields; see [`select`].
+//! **Plan**: `keep_artifacts::plan::PrunePlan` with extra fields; see [`select`].
 
 pub mod calibrate;
 pub mod error;

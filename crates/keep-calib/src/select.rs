@@ -10,7 +10,7 @@
 //! marked, unless a remap policy is given (`hash_remap`): then they are pruned like the others
 //! (their saliency uses the hash routing's gate weights, which is what calibration records)
 //! and the plan carries each one's replacements for its removed experts
-//! ([`keep_convert::hashremap`]). Their Jaccard is reported but not part of the kill test.
+//! ([`keep_artifacts::hashremap`]). Their Jaccard is reported but not part of the kill test.
 //!
 //! The kill test: per layer, the Jaccard index |A∩B| / |A∪B| of the chosen set A against the
 //! frequency-chosen set B; a mean ≥ [`KILL_JACCARD`] means the saliency adds nothing over
@@ -22,8 +22,8 @@
 
 use std::collections::BTreeMap;
 
-use keep_convert::hashremap::{rank_desc, HashRemap, RemapPolicy, NEAREST_DISTANCE};
-use keep_convert::plan::{LayerPlan, PrunePlan};
+use keep_artifacts::hashremap::{rank_desc, HashRemap, RemapPolicy, NEAREST_DISTANCE};
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
 use serde::Serialize;
 
 use crate::finalize::ReapStats;
@@ -252,7 +252,7 @@ pub fn layer_saliency(
 }
 
 /// The replacements of hash-routed layer `l`'s removed experts under `policy` (see
-/// [`keep_convert::hashremap`]): `reap` is the layer's REAP score, `surv` its survivors.
+/// [`keep_artifacts::hashremap`]): `reap` is the layer's REAP score, `surv` its survivors.
 pub fn hash_remap(
     policy: RemapPolicy,
     l: usize,
@@ -488,23 +488,17 @@ pub fn to_plan(sel: &Selection, stats: &ReapStats, opts: &SelectOptions) -> Prun
             "candidates": sel.super_experts,
         }),
     );
-    PrunePlan {
-        format: PrunePlan::FORMAT.into(),
-        version: 1,
-        n_experts: sel.n_experts,
-        keep: sel.keep,
-        saliency: sel.saliency.name().into(),
-        layers: sel
-            .layers
-            .iter()
-            .map(|l| LayerPlan {
-                layer: l.layer,
-                survivors: l.survivors.clone(),
-                hash_routed: l.hash_routed,
-                hash_remap: l.remap.clone(),
-            })
-            .collect(),
-        mtp_layers: vec![],
-        extra,
-    }
+    let mut plan = PrunePlan::new(sel.n_experts, sel.keep, sel.saliency.name());
+    plan.layers = sel
+        .layers
+        .iter()
+        .map(|l| LayerPlan {
+            layer: l.layer,
+            survivors: l.survivors.clone(),
+            hash_routed: l.hash_routed,
+            hash_remap: l.remap.clone(),
+        })
+        .collect();
+    plan.extra = extra;
+    plan
 }

@@ -556,7 +556,7 @@ fn select_writes_a_valid_uniform_plan() {
     let plan = to_plan(&sel, &stats, &o);
     plan.validate().unwrap();
     let text = serde_json::to_string(&plan).unwrap();
-    let back: keep_convert::plan::PrunePlan = serde_json::from_str(&text).unwrap();
+    let back: keep_artifacts::plan::PrunePlan = serde_json::from_str(&text).unwrap();
     // (floats in the extra fields may differ in the last bit through JSON: compare the plan proper)
     assert_eq!(
         (&back.layers, back.keep, back.n_experts),

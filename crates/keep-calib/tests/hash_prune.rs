@@ -7,13 +7,13 @@
 
 use std::path::Path;
 
+use keep_artifacts::hashremap::RemapPolicy;
 use keep_calib::calibrate::{calibrate, CalibrateOptions};
 use keep_calib::eval::remapped_tables;
 use keep_calib::finalize::{finalize, read_reap_stats};
 use keep_calib::pack::{from_token_sources, write_pack, Pack, PackOptions, Split};
 use keep_calib::select::{select, to_plan, Keep, Saliency, SelectOptions};
 use keep_checkpoint::Checkpoint;
-use keep_convert::hashremap::RemapPolicy;
 use keep_convert::prune::{prune, PruneOptions};
 use keep_convert::ConvertError;
 use keep_model::hash::HashTable;
@@ -134,7 +134,7 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
             assert_eq!(r.policy, policy.name());
             assert_eq!(r.candidates.len(), ne - 8);
         }
-        let back: keep_convert::plan::PrunePlan =
+        let back: keep_artifacts::plan::PrunePlan =
             serde_json::from_str(&serde_json::to_string(&plan).unwrap()).unwrap();
         assert_eq!(back.layers, plan.layers);
 

@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
 use keep_checkpoint::Checkpoint;
-use keep_convert::plan::{LayerPlan, PrunePlan};
 use keep_convert::presets::preset;
 use keep_convert::prune::{prune, PruneOptions};
 use keep_convert::synth::{synth, SynthOptions};

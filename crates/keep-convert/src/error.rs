@@ -6,6 +6,9 @@ pub enum ConvertError {
     /// Reading or writing the checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
+    /// A prune plan is malformed or belongs to another model.
+    #[error(transparent)]
+    Artifact(#[from] keep_artifacts::ArtifactError),
     /// A number-format error (lengths, alignment) on a named tensor.
     #[error("tensor `{tensor}`: {err}")]
     Format {

@@ -3,21 +3,20 @@
 //! What it is: `synth` (random-weight checkpoints in DeepSeek's published format, encoded the
 //! way DeepSeek ships them), `inspect` (what a checkpoint holds, bytes and bits per weight by role
 //! and format, and everything inconsistent), and `repack` (FP8-block residents → MXFP8 byte for
-//! byte, or → bf16; everything else copied). It sits between `keep-checkpoint`, which only moves
+//! byte, or → bf16; everything else copied), and `prune` (byte copy following a keep-artifacts
+//! prune plan). It sits between `keep-checkpoint`, which only moves
 //! bytes, and `keep-format`, which only codes numbers.
 //!
 //! What it is not: a model (nothing here runs a forward pass) and not a user interface (nothing
 //! prints; reports are returned as data and errors are typed).
 //!
-//! Depends on: keep-format, keep-checkpoint, rand/rand_distr (synth), rayon.
+//! Depends on: keep-format, keep-checkpoint, keep-artifacts (the prune plan), rand/rand_distr (synth), rayon.
 
 #![recursion_limit = "512"]
 
 pub mod copy;
 pub mod error;
-pub mod hashremap;
 pub mod inspect;
-pub mod plan;
 pub mod presets;
 pub mod prune;
 pub mod repack;

@@ -5,7 +5,7 @@
 //! survivors; `n_routed_experts` in config.json becomes `E'`. FP8, FP4 and E8M0 bytes are never
 //! decoded: every tensor is either copied whole or sliced along its first dimension. Tensors
 //! keep does not understand are copied untouched and listed in the report. A pruned hash-routed
-//! layer (`gate.tid2eid`) needs the plan's remap for it ([`crate::hashremap`]): its table is
+//! layer (`gate.tid2eid`) needs the plan's remap for it ([`keep_artifacts::hashremap`]): its table is
 //! rewritten — every removed expert's id replaced by the remap, then every id renumbered — in
 //! its own dtype and shape; a hash layer pruned without a remap is refused. The id map is
 //! written as `prune-map.json`.
@@ -20,9 +20,9 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::copy::{copy_range, copy_tensor};
-use crate::hashremap::{remap_table, HashRemap};
-use crate::plan::PrunePlan;
 use crate::{ConvertError, Result};
+use keep_artifacts::hashremap::{remap_table, HashRemap};
+use keep_artifacts::plan::PrunePlan;
 
 /// Options of [`prune`].
 #[derive(Debug, Clone, Default)]

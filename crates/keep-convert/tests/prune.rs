@@ -4,11 +4,11 @@
 
 use std::path::Path;
 
+use keep_artifacts::hashremap::{HashRemap, RemapPolicy};
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
 use keep_checkpoint::naming::{expert_tensor, ExpertMat};
 use keep_checkpoint::Checkpoint;
-use keep_convert::hashremap::{HashRemap, RemapPolicy};
 use keep_convert::inspect::inspect;
-use keep_convert::plan::{LayerPlan, PrunePlan};
 use keep_convert::presets::preset;
 use keep_convert::prune::{prune, PruneOptions};
 use keep_convert::synth::{synth, SynthOptions};

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use keep_convert::plan::PrunePlan;
+use keep_artifacts::plan::PrunePlan;
 use keep_convert::prune::{prune, PruneOptions};
 
 use crate::util::{byte_bar, human};

@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
+use keep_artifacts::hashremap::RemapPolicy;
 use keep_calib::finalize::read_reap_stats;
 use keep_calib::select::{select, to_plan, Keep, Saliency, SelectOptions, KILL_JACCARD};
-use keep_convert::hashremap::RemapPolicy;
 
 /// Choose a uniform survivor set per layer and write a prune plan (keep-prune-plan v1).
 ///
@@ -98,10 +98,7 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
     };
     let sel = select(&stats, &opts)?;
     let plan = to_plan(&sel, &stats, &opts);
-    plan.validate()
-        .map_err(|e| anyhow::anyhow!("internal: invalid plan: {e}"))?;
-    let text = serde_json::to_string_pretty(&plan)?;
-    keep_calib::st::write_bytes_atomic(&a.out, text.as_bytes(), a.force)
+    plan.write(&a.out, a.force)
         .with_context(|| format!("writing {}", a.out.display()))?;
     let mut plots = vec![];
     if !a.no_plot {

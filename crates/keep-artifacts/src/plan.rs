@@ -1,5 +1,6 @@
-//! The pruning plan: which routed experts survive in each layer (written by `keep select`,
-//! read by `keep prune` and by router-masked students).
+//! Prune plans: which routed experts survive in each layer. Written by `keep select` (and by
+//! `keep bench prune`'s half-experts plan), read by `keep prune`, by router-masked students in
+//! `keep eval`, and by the prune equivalence tests.
 //!
 //! JSON, `format` = `keep-prune-plan`, `version` = 1:
 //! ```json
@@ -11,7 +12,10 @@
 //! "...", "candidates": {"5": [3, 0, ...], ...}}`: per removed expert, the kept experts in order
 //! of preference (see [`crate::hashremap`]).
 //! `survivors` are original expert ids in ascending order; an expert's new id is its index in
-//! that list. `null` (or a missing layer) leaves the layer whole.
+//! that list. `null` (or a missing layer) leaves the layer whole. Any other top-level field
+//! (`model_fingerprint`, the selection's Jaccard figures, …) is kept in [`PrunePlan::extra`]
+//! and written back unchanged. The file is `serde_json`'s pretty printing of the plan with no
+//! trailing newline; [`PrunePlan::write`] validates before writing and writes atomically.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,7 +23,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::hashremap::HashRemap;
-use crate::{ConvertError, Result};
+use crate::{ArtifactError, Result};
 
 /// One layer of a plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,29 +64,68 @@ pub struct PrunePlan {
 impl PrunePlan {
     /// The format tag.
     pub const FORMAT: &'static str = "keep-prune-plan";
+    /// The version this crate reads and writes.
+    pub const VERSION: u32 = 1;
 
-    /// Read and validate a plan file.
+    /// An empty plan of the current format and version (every layer whole until `layers` is
+    /// filled in).
+    pub fn new(n_experts: usize, keep: usize, saliency: impl Into<String>) -> PrunePlan {
+        PrunePlan {
+            format: Self::FORMAT.into(),
+            version: Self::VERSION,
+            n_experts,
+            keep,
+            saliency: saliency.into(),
+            layers: vec![],
+            mtp_layers: vec![],
+            extra: BTreeMap::new(),
+        }
+    }
+
+    /// Read and validate a plan file (a regular file of at most
+    /// [`keep_checkpoint::small_file::MAX_SMALL_FILE`] bytes).
     pub fn read(path: &Path) -> Result<PrunePlan> {
         let text = keep_checkpoint::small_file::read_text(
             path,
             keep_checkpoint::small_file::MAX_SMALL_FILE,
         )?;
-        let plan: PrunePlan = serde_json::from_str(&text).map_err(|e| {
-            ConvertError::Invalid(format!("{}: not a prune plan: {e}", path.display()))
-        })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parse and validate the text of a plan; `path` only names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<PrunePlan> {
+        let plan: PrunePlan = serde_json::from_str(text)
+            .map_err(|e| ArtifactError::invalid(path, format!("not a prune plan: {e}")))?;
         plan.validate()
-            .map_err(|e| ConvertError::Invalid(format!("{}: {e}", path.display())))?;
+            .map_err(|e| ArtifactError::invalid(path, e))?;
         Ok(plan)
+    }
+
+    /// The bytes [`PrunePlan::write`] writes (pretty JSON, no trailing newline), after
+    /// validating the plan.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        self.validate()
+            .map_err(|e| ArtifactError::Config(format!("invalid prune plan: {e}")))?;
+        serde_json::to_vec_pretty(self)
+            .map_err(|e| ArtifactError::Config(format!("prune plan: {e}")))
+    }
+
+    /// Validate and write the plan to `path` atomically (temporary sibling, fsync, rename); an
+    /// existing `path` is refused unless `force`, a non-regular one always.
+    pub fn write(&self, path: &Path, force: bool) -> Result<()> {
+        let bytes = self.to_bytes()?;
+        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
     }
 
     /// Check the format tag, ranges, order and uniqueness.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format != Self::FORMAT || self.version != 1 {
+        if self.format != Self::FORMAT || self.version != Self::VERSION {
             return Err(format!(
-                "format `{}` version {} is not {} version 1",
+                "format `{}` version {} is not {} version {}",
                 self.format,
                 self.version,
-                Self::FORMAT
+                Self::FORMAT,
+                Self::VERSION
             ));
         }
         if self.n_experts == 0 || self.keep == 0 || self.keep > self.n_experts {
@@ -166,12 +209,12 @@ impl PrunePlan {
         let have = keep_checkpoint::fingerprint::model_fingerprint(dir)?;
         match self.model_fingerprint() {
             None => {
-                return Err(ConvertError::Invalid(
+                return Err(ArtifactError::Mismatch(
                     "the plan records no model_fingerprint: it cannot be checked against the model; make it with `keep select` for this model".into(),
                 ))
             }
             Some(want) if want != have => {
-                return Err(ConvertError::Invalid(format!(
+                return Err(ArtifactError::Mismatch(format!(
                     "the plan was made for the model with fingerprint {}, but {} has fingerprint {}: make a plan for this model",
                     want.get(..12).unwrap_or(want),
                     dir.display(),
@@ -185,7 +228,7 @@ impl PrunePlan {
             ("MTP layer", &self.mtp_layers, n_mtp),
         ] {
             if let Some(l) = ls.iter().find(|l| l.layer >= n) {
-                return Err(ConvertError::Invalid(format!(
+                return Err(ArtifactError::Mismatch(format!(
                     "the plan names {what} {} but {} has {n}",
                     l.layer,
                     dir.display()
@@ -230,5 +273,136 @@ impl PrunePlan {
             }
             m
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> PrunePlan {
+        let mut p = PrunePlan::new(8, 3, "reap");
+        p.layers = vec![
+            LayerPlan {
+                layer: 0,
+                survivors: Some(vec![1, 4, 7]),
+                hash_routed: false,
+                hash_remap: None,
+            },
+            LayerPlan {
+                layer: 1,
+                survivors: None,
+                hash_routed: true,
+                hash_remap: None,
+            },
+            LayerPlan {
+                layer: 2,
+                survivors: Some(vec![0, 2, 5]),
+                hash_routed: true,
+                hash_remap: Some(crate::hashremap::HashRemap::uniform(
+                    crate::hashremap::RemapPolicy::ReapNext,
+                    "test",
+                    8,
+                    &[0, 2, 5],
+                    &[5, 0, 2],
+                )),
+            },
+        ];
+        p.mtp_layers = vec![LayerPlan {
+            layer: 0,
+            survivors: Some(vec![0, 1, 2]),
+            hash_routed: false,
+            hash_remap: None,
+        }];
+        p.extra
+            .insert("model_fingerprint".into(), "ab".repeat(32).into());
+        p.extra
+            .insert("mean_jaccard".into(), serde_json::json!(0.5));
+        p
+    }
+
+    #[test]
+    fn round_trip_keeps_every_field_and_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.json");
+        let p = sample();
+        p.write(&path, false).unwrap();
+        let back = PrunePlan::read(&path).unwrap();
+        assert_eq!(back, p);
+        assert_eq!(std::fs::read(&path).unwrap(), back.to_bytes().unwrap());
+        assert_eq!(back.survivors(0), Some(&[1, 4, 7][..]));
+        assert_eq!(back.survivors(1), None);
+        assert_eq!(back.mtp_survivors(0), Some(&[0, 1, 2][..]));
+        assert_eq!(
+            back.pruned_mask(0).unwrap(),
+            vec![true, false, true, true, false, true, true, false]
+        );
+        assert_eq!(back.model_fingerprint(), Some("ab".repeat(32).as_str()));
+        assert_eq!(back.hash_remap(2).unwrap().candidates[&1], vec![5, 0, 2]);
+        assert!(back.hash_remap(0).is_none());
+        // `hash_routed: false` and a missing remap are not written; `true` and a remap are.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.matches("hash_routed").count(), 2);
+        assert_eq!(text.matches("hash_remap").count(), 1);
+        // A remap on a layer left whole, or naming a removed expert as a replacement, is invalid.
+        let mut bad = p.clone();
+        bad.layers[1].hash_remap = bad.layers[2].hash_remap.clone();
+        assert!(bad.validate().unwrap_err().contains("left whole"));
+        let mut bad = p.clone();
+        bad.layers[2]
+            .hash_remap
+            .as_mut()
+            .unwrap()
+            .candidates
+            .insert(1, vec![5, 3, 2]);
+        assert!(bad.validate().unwrap_err().contains("not kept"));
+        assert!(!text.ends_with('\n'));
+    }
+
+    #[test]
+    fn existing_output_is_refused_without_force() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.json");
+        std::fs::write(&path, b"old").unwrap();
+        let err = sample().write(&path, false).unwrap_err();
+        assert!(err.to_string().contains("exists"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        sample().write(&path, true).unwrap();
+        assert_eq!(PrunePlan::read(&path).unwrap(), sample());
+    }
+
+    #[test]
+    fn invalid_plans_are_refused_on_read_and_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.json");
+        type Breaker = fn(&mut PrunePlan);
+        let cases: Vec<(Breaker, &str)> = vec![
+            (|p| p.format = "other".into(), "is not keep-prune-plan"),
+            (|p| p.version = 2, "version 2"),
+            (|p| p.keep = 9, "must be in 1..=n_experts"),
+            (
+                |p| p.layers[0].survivors = Some(vec![4, 1, 7]),
+                "strictly ascending",
+            ),
+            (
+                |p| p.layers[0].survivors = Some(vec![1, 4, 8]),
+                "out of range",
+            ),
+            (|p| p.layers[0].survivors = Some(vec![1, 4]), "keeps 2"),
+            (|p| p.layers[1].layer = 0, "twice"),
+        ];
+        for (break_it, want) in cases {
+            let mut p = sample();
+            break_it(&mut p);
+            let err = p.write(&path, true).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+            let text = serde_json::to_string_pretty(&p).unwrap();
+            let err = PrunePlan::parse(&path, &text).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+        }
+        for bad in ["", "{", "[]", "{\"format\": 1}", "null"] {
+            let err = PrunePlan::parse(&path, bad).unwrap_err().to_string();
+            assert!(err.contains("not a prune plan"), "{err}");
+        }
     }
 }
