@@ -65,13 +65,16 @@ impl Checkpoint {
             Ok(_) => {}
         }
         let cfg_path = dir.join(CONFIG_FILE);
-        let config = if cfg_path.exists() {
+        // Present means any directory entry, a dangling link included (reading it then says
+        // what it is), not only a readable file.
+        let present = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+        let config = if present(&cfg_path) {
             Some(DeepSeekConfig::read(&cfg_path)?)
         } else {
             None
         };
         let idx_path = dir.join(INDEX_FILE);
-        let index = if idx_path.exists() {
+        let index = if present(&idx_path) {
             Some(Index::read(&idx_path)?)
         } else {
             None
@@ -119,9 +122,29 @@ impl Checkpoint {
             None => files,
         };
         if shard_names.is_empty() {
+            let mut names: Vec<String> = std::fs::read_dir(dir)
+                .map_err(|e| CheckpointError::io(dir, e))?
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect();
+            names.sort();
+            let msg = if names.is_empty() {
+                "is an empty directory, not a checkpoint (a checkpoint directory holds \
+                 config.json and *.safetensors shards)"
+                    .to_string()
+            } else {
+                let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
+                format!(
+                    "is not a checkpoint directory: it holds no *.safetensors shard ({} entr{}: {}{})",
+                    names.len(),
+                    if names.len() == 1 { "y" } else { "ies" },
+                    shown.join(", "),
+                    if names.len() > shown.len() { ", …" } else { "" }
+                )
+            };
             return Err(CheckpointError::Index {
                 path: dir.to_path_buf(),
-                msg: "no *.safetensors files".into(),
+                msg,
             });
         }
         let mut shards = vec![];

@@ -81,6 +81,13 @@ pub const MAX_COMPRESS_RATIO: usize = 1 << 12;
 /// Largest FP8 block side (the published models use 32 or 128).
 pub const MAX_BLOCK: usize = 1 << 12;
 
+/// The router scoring functions of the reference models.
+pub const SCORING_FUNCS: &[&str] = &["sqrtsoftplus", "sigmoid", "softmax"];
+/// Most Engram hash columns over all engram layers (`layers × (max_ngram − 1) × heads`).
+pub const MAX_ENGRAM_COLUMNS: usize = 4096;
+/// Largest Engram vocabulary / table size (the published tables hold ~2^23 rows a layer).
+pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
+
 /// The DeepSeek-V4/V4.1 configuration keys keep reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeepSeekConfig {
@@ -378,6 +385,8 @@ impl DeepSeekConfig {
                 self.num_hidden_layers
             ));
         }
+        self.validate_family()?;
+        self.validate_engram()?;
         for (key, ids) in [
             ("kv_source_layer_ids", &self.kv_source_layer_ids),
             ("index_source_layer_ids", &self.index_source_layer_ids),
@@ -389,6 +398,149 @@ impl DeepSeekConfig {
                     self.num_hidden_layers
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// What the attention, the router and each family need beyond bounds: V4.1 and V4 shapes
+    /// the attention can split, a known `scoring_func`, one shared expert, hash routing only in
+    /// V4 and only over existing layers, V4 compress ratios of 0 or at least 4.
+    fn validate_family(&self) -> std::result::Result<(), String> {
+        let v4 = self.model_type == "deepseek_v4";
+        if !SCORING_FUNCS.contains(&self.scoring_func.as_str()) {
+            return Err(format!(
+                "scoring_func `{}` is not one of {}",
+                self.scoring_func,
+                SCORING_FUNCS.join(", ")
+            ));
+        }
+        if !(self.num_attention_heads * self.head_dim).is_multiple_of(self.o_groups) {
+            return Err(format!(
+                "o_groups = {} does not divide num_attention_heads × head_dim ({} × {})",
+                self.o_groups, self.num_attention_heads, self.head_dim
+            ));
+        }
+        if !self.qk_rope_head_dim.is_multiple_of(2)
+            || self.qk_rope_head_dim > self.head_dim
+            || self.qk_rope_head_dim > self.index_head_dim
+        {
+            return Err(format!(
+                "qk_rope_head_dim = {} must be even and at most head_dim ({}) and index_head_dim ({})",
+                self.qk_rope_head_dim, self.head_dim, self.index_head_dim
+            ));
+        }
+        if self.n_shared_experts != 1 {
+            return Err(format!(
+                "n_shared_experts = {}: DeepSeek V4 models have exactly one shared expert",
+                self.n_shared_experts
+            ));
+        }
+        if self.num_hash_layers > 0 && !v4 {
+            return Err(format!(
+                "num_hash_layers = {} in a `{}` config: hash routing (`ffn.gate.tid2eid`) is \
+                 V4-Flash's; a V4-Flash checkpoint declares model_type `deepseek_v4`",
+                self.num_hash_layers, self.model_type
+            ));
+        }
+        if self.num_hash_layers > self.num_hidden_layers {
+            return Err(format!(
+                "num_hash_layers = {} but num_hidden_layers is {}",
+                self.num_hash_layers, self.num_hidden_layers
+            ));
+        }
+        if v4 {
+            if let Some((l, r)) = (0..self.num_hidden_layers)
+                .map(|l| (l, self.compress_ratio(l)))
+                .find(|&(_, r)| (1..4).contains(&r))
+            {
+                return Err(format!(
+                    "compress_ratios: layer {l} has ratio {r}; DeepSeek-V4 layers compress by 0 \
+                     (window only), 4 (CSA) or more (HCA)"
+                ));
+            }
+        }
+        if self.candidate_source_layer_id < -1
+            || self.candidate_source_layer_id >= self.num_hidden_layers as i64
+        {
+            return Err(format!(
+                "candidate_source_layer_id = {} must be -1 (none) or a layer below num_hidden_layers ({})",
+                self.candidate_source_layer_id, self.num_hidden_layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// Engram keys: one table size per engram layer, n-grams of size ≥ 2, heads and a row
+    /// width, bounded hash columns and vocabularies, a pad id inside the vocabulary.
+    fn validate_engram(&self) -> std::result::Result<(), String> {
+        let n = self.engram_layer_ids.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if self.engram_num_embeddings.len() != n {
+            return Err(format!(
+                "engram_num_embeddings has {} entries for {n} engram layers {:?}",
+                self.engram_num_embeddings.len(),
+                self.engram_layer_ids
+            ));
+        }
+        let mut seen = self.engram_layer_ids.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != n {
+            return Err(format!(
+                "engram_layer_ids {:?} names a layer twice",
+                self.engram_layer_ids
+            ));
+        }
+        for (k, v, lo, hi) in [
+            ("engram_max_ngram_size", self.engram_max_ngram_size, 2, 64),
+            ("engram_n_heads", self.engram_n_heads, 1, MAX_ENGRAM_COLUMNS),
+            ("engram_head_dim", self.engram_head_dim, 1, 1 << 16),
+        ] {
+            if v < lo || v > hi {
+                return Err(format!(
+                    "{k} = {v} must be in {lo}..={hi} (an engram layer needs n-grams of size ≥ 2, heads and a row width)"
+                ));
+            }
+        }
+        if (self.engram_max_ngram_size - 1)
+            .saturating_mul(self.engram_n_heads)
+            .saturating_mul(n)
+            > MAX_ENGRAM_COLUMNS
+        {
+            return Err(format!(
+                "engram_n_heads: {n} layers × {} n-gram sizes × {} heads is more than {MAX_ENGRAM_COLUMNS} hash columns",
+                self.engram_max_ngram_size - 1,
+                self.engram_n_heads
+            ));
+        }
+        if !(2..=MAX_ENGRAM_VOCAB).contains(&self.engram_vocab_size) {
+            return Err(format!(
+                "engram_vocab_size = {} must be in 2..={MAX_ENGRAM_VOCAB} (the bucket primes start above it)",
+                self.engram_vocab_size
+            ));
+        }
+        if let Some(&r) = self
+            .engram_num_embeddings
+            .iter()
+            .find(|&&r| r == 0 || r > MAX_ENGRAM_VOCAB)
+        {
+            return Err(format!(
+                "engram_num_embeddings holds {r}: each must be in 1..={MAX_ENGRAM_VOCAB}"
+            ));
+        }
+        if self.engram_pad_id >= self.vocab_size {
+            return Err(format!(
+                "engram_pad_id = {} is outside the vocabulary ({})",
+                self.engram_pad_id, self.vocab_size
+            ));
+        }
+        if self.engram_compressed_vocab_size > self.vocab_size {
+            return Err(format!(
+                "engram_compressed_vocab_size = {} is larger than vocab_size ({}); compression only merges ids",
+                self.engram_compressed_vocab_size, self.vocab_size
+            ));
         }
         Ok(())
     }
@@ -509,6 +661,44 @@ mod tests {
             (
                 r#"{"quantization_config":{"weight_block_size":[128]}}"#,
                 "weight_block_size",
+            ),
+            // The family's rules and Engram keys: one validation for inspect and the loader.
+            (r#"{"scoring_func":"relu"}"#, "scoring_func"),
+            (r#"{"n_shared_experts":0}"#, "n_shared_experts"),
+            (r#"{"o_groups":7}"#, "o_groups"),
+            (r#"{"qk_rope_head_dim":63}"#, "qk_rope_head_dim"),
+            (r#"{"num_hash_layers":3}"#, "num_hash_layers"),
+            (
+                r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"num_hash_layers":3}"#,
+                "num_hash_layers",
+            ),
+            (
+                r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"compress_ratios":[0,2]}"#,
+                "compress_ratios",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"candidate_source_layer_id":2}"#,
+                "candidate_source_layer_id",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"engram_layer_ids":[1]}"#,
+                "engram_num_embeddings",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":1,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":5}"#,
+                "engram_max_ngram_size",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":3,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":1}"#,
+                "engram_vocab_size",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"vocab_size":10,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":3,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":5,"engram_pad_id":10}"#,
+                "engram_pad_id",
+            ),
+            (
+                r#"{"num_hidden_layers":2,"vocab_size":10,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":3,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":5,"engram_pad_id":2,"engram_compressed_vocab_size":11}"#,
+                "engram_compressed_vocab_size",
             ),
         ] {
             let e = DeepSeekConfig::from_json(Path::new("c.json"), bad)

@@ -13,6 +13,9 @@ pub enum CheckpointError {
         /// Shown in the message (not as a separate cause, so it is printed once).
         err: std::io::Error,
     },
+    /// A path is a symbolic link whose target does not exist.
+    #[error("{path} is a symbolic link to {target}, which does not exist")]
+    DanglingLink { path: PathBuf, target: PathBuf },
     /// The safetensors header of a file is malformed.
     #[error("{path}: bad safetensors header: {msg}")]
     Header { path: PathBuf, msg: String },
@@ -63,11 +66,15 @@ pub enum CheckpointError {
 }
 
 impl CheckpointError {
-    /// Wrap an I/O error with the path it happened on.
+    /// Wrap an I/O error with the path it happened on (a path that is not found because it is
+    /// a symbolic link to nothing says so, naming where the link points).
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        CheckpointError::Io {
-            path: path.into(),
-            err: source,
+        let path = path.into();
+        if source.kind() == std::io::ErrorKind::NotFound {
+            if let Ok(target) = std::fs::read_link(&path) {
+                return CheckpointError::DanglingLink { path, target };
+            }
         }
+        CheckpointError::Io { path, err: source }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! What it is: zero-copy (mmap) reading of one or many `*.safetensors` shards with a hostile-input
 //! header parser, the `model.safetensors.index.json` index, `config.json` as DeepSeek publishes
-//! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), and an
+//! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), the one
+//! classification of how a weight is stored and the one check of the tensors against the config
+//! ([`layout`], shared by inspect, repack, the model's loader and the runtime's budget), and an
 //! atomic writer that shards, writes the index and a `SHA256SUMS` file, building the output in a
 //! sibling temporary directory and renaming it into place only when complete, and single files
 //! written the same way ([`atomic`]).
@@ -21,6 +23,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod fuzzing;
 pub mod index;
+pub mod layout;
 pub mod naming;
 pub mod safetensors;
 pub mod small_file;

@@ -15,7 +15,13 @@ pub const MAX_SMALL_FILE: u64 = 64 << 20;
 /// Read `path` (following links) as UTF-8 text, refusing anything that is not a regular file
 /// and anything larger than `max` bytes.
 pub fn read_text(path: &Path, max: u64) -> Result<String> {
-    let f = std::fs::File::open(path).map_err(|e| CheckpointError::io(path, e))?;
+    // Opened without blocking: opening a FIFO for reading would otherwise wait for a writer
+    // before the check below could refuse it.
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut opts, libc::O_NONBLOCK);
+    let f = opts.open(path).map_err(|e| CheckpointError::io(path, e))?;
     let m = f.metadata().map_err(|e| CheckpointError::io(path, e))?;
     if !m.file_type().is_file() {
         return Err(CheckpointError::NotRegular {

@@ -655,3 +655,400 @@ fn plots_refuse_existing_files_without_force() {
         .success();
     assert!(std::fs::read(&p).unwrap().starts_with(b"<svg"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// One layout classification and one check of the tensors against the config: `inspect` reports
+// exactly what the loader of `run`/`logits` refuses, on the same malformed checkpoints.
+
+/// Rewrite the safetensors header of `shard` (the data section is kept byte for byte; offsets
+/// are relative to it, so renaming a tensor or changing its dtype or shape keeps it readable).
+fn edit_header(shard: &Path, edit: impl Fn(&mut serde_json::Map<String, serde_json::Value>)) {
+    let b = std::fs::read(shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    edit(h.as_object_mut().unwrap());
+    let mut hb = serde_json::to_vec(&h).unwrap();
+    while !hb.len().is_multiple_of(8) {
+        hb.push(b' ');
+    }
+    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&hb);
+    out.extend_from_slice(&b[8 + n..]);
+    std::fs::write(shard, out).unwrap();
+}
+
+/// Rename tensor `from` to `to` in `shard`.
+fn rename_tensor(h: &mut serde_json::Map<String, serde_json::Value>, from: &str, to: &str) {
+    let v = h.remove(from).unwrap_or_else(|| panic!("no tensor {from}"));
+    h.insert(to.into(), v);
+}
+
+/// `keep inspect --json DIR` (exit 0) and the reasons it says the loader refuses the model.
+fn inspect_refusals(m: &Path) -> (Vec<String>, Vec<String>) {
+    let out = keep().args(["inspect", "--json"]).arg(m).assert().success();
+    let r: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    let list = |k: &str| -> Vec<String> {
+        r[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap().to_string())
+            .collect()
+    };
+    (list("refused"), list("problems"))
+}
+
+#[test]
+fn inspect_and_the_loader_refuse_the_same_malformed_checkpoints() {
+    type Edit = Box<dyn Fn(&mut serde_json::Map<String, serde_json::Value>)>;
+    type CfgEdit = Box<dyn Fn(&mut serde_json::Value)>;
+    let none: CfgEdit = Box::new(|_| {});
+    let cases: Vec<(&str, Edit, CfgEdit, &str)> = vec![
+        (
+            "no-embed",
+            Box::new(|h| rename_tensor(h, "embed.weight", "embed.wexght")),
+            Box::new(|_| {}),
+            "`embed.weight` is missing",
+        ),
+        (
+            "no-head",
+            Box::new(|h| rename_tensor(h, "head.weight", "head.wexght")),
+            Box::new(|_| {}),
+            "`head.weight` is missing",
+        ),
+        (
+            "no-router",
+            Box::new(|h| rename_tensor(h, "layers.2.ffn.gate.weight", "layers.2.ffn.gate.wexght")),
+            Box::new(|_| {}),
+            "`layers.2.ffn.gate.weight` is missing",
+        ),
+        (
+            "u8-scale",
+            Box::new(|h| h["layers.1.attn.wq_a.scale"]["dtype"] = "U8".into()),
+            Box::new(|_| {}),
+            "U8",
+        ),
+        (
+            "u8-expert-scale",
+            Box::new(|h| h["layers.3.ffn.experts.5.w2.scale"]["dtype"] = "U8".into()),
+            Box::new(|_| {}),
+            "U8",
+        ),
+        (
+            "scale-grid",
+            Box::new(|h| {
+                let s = &mut h["layers.0.attn.wkv.scale"]["shape"];
+                let a = s[0].clone();
+                s[0] = s[1].clone();
+                s[1] = a;
+            }),
+            Box::new(|_| {}),
+            "layers.0.attn.wkv.weight",
+        ),
+        (
+            "f16-head",
+            Box::new(|h| h["head.weight"]["dtype"] = "F16".into()),
+            Box::new(|_| {}),
+            "F16",
+        ),
+        (
+            "fp8-no-scale",
+            Box::new(|h| {
+                rename_tensor(
+                    h,
+                    "layers.4.ffn.shared_experts.w1.scale",
+                    "layers.4.ffn.shared_experts.w1.scxle",
+                )
+            }),
+            Box::new(|_| {}),
+            "without a scale",
+        ),
+        (
+            "more-experts",
+            Box::new(|_| {}),
+            Box::new(|v| v["n_routed_experts"] = 32.into()),
+            "n_routed_experts = 32",
+        ),
+        (
+            "vocab",
+            Box::new(|_| {}),
+            Box::new(|v| v["vocab_size"] = (v["vocab_size"].as_u64().unwrap() + 1).into()),
+            "`embed.weight`",
+        ),
+        (
+            "hidden",
+            Box::new(|_| {}),
+            Box::new(|v| {
+                v["moe_intermediate_size"] =
+                    (v["moe_intermediate_size"].as_u64().unwrap() * 2).into()
+            }),
+            "ffn.shared_experts.w1.weight",
+        ),
+    ];
+    for (name, edit, cfg, why) in cases.iter().chain(std::iter::once(&(
+        "intact",
+        Box::new(|_: &mut serde_json::Map<String, serde_json::Value>| {}) as Edit,
+        none,
+        "",
+    ))) {
+        let m = model_with_config(&format!("agree-{name}"), |v| cfg(v));
+        edit_header(&m.join("model.safetensors"), |h| edit(h));
+        let (refused, problems) = inspect_refusals(&m);
+        let run = keep()
+            .arg("run")
+            .arg(&m)
+            .args([
+                "--prompt-tokens",
+                "3",
+                "--max-tokens",
+                "1",
+                "--temperature",
+                "0",
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&run.stderr).to_string();
+        if *name == "intact" {
+            assert!(refused.is_empty(), "{refused:?}");
+            assert!(problems.is_empty(), "{problems:?}");
+            assert!(run.status.success(), "{err}");
+            continue;
+        }
+        assert!(
+            refused.iter().any(|r| r.contains(why)),
+            "{name}: inspect's refusals {refused:?} do not say `{why}`"
+        );
+        assert!(!problems.is_empty(), "{name}: inspect found no problem");
+        assert_eq!(
+            run.status.code(),
+            Some(1),
+            "{name}: run was not refused: {err}"
+        );
+        assert!(
+            err.contains(why),
+            "{name}: run's error does not say `{why}`: {err}"
+        );
+        assert!(
+            err.contains(m.to_str().unwrap()) || err.contains("config.json"),
+            "{name}: run's error does not name the model: {err}"
+        );
+    }
+}
+
+#[test]
+fn configs_no_reference_runs_are_refused_by_inspect_and_run_naming_the_key() {
+    let cases: Vec<(&str, serde_json::Value)> = vec![
+        ("scoring_func", serde_json::json!({"scoring_func": "relu"})),
+        (
+            "n_shared_experts",
+            serde_json::json!({"n_shared_experts": 2}),
+        ),
+        ("o_groups", serde_json::json!({"o_groups": 7})),
+        (
+            "qk_rope_head_dim",
+            serde_json::json!({"qk_rope_head_dim": 3}),
+        ),
+        ("num_hash_layers", serde_json::json!({"num_hash_layers": 2})),
+        (
+            "num_hash_layers",
+            serde_json::json!({"model_type": "deepseek_v4", "num_hash_layers": 99}),
+        ),
+        (
+            "compress_ratios",
+            serde_json::json!({"model_type": "deepseek_v4", "compress_ratios": [0, 2, 4, 4, 4, 4, 4, 4]}),
+        ),
+        (
+            "candidate_source_layer_id",
+            serde_json::json!({"candidate_source_layer_id": 8}),
+        ),
+        (
+            "engram_num_embeddings",
+            serde_json::json!({"engram_layer_ids": [1], "engram_num_embeddings": []}),
+        ),
+        (
+            "engram_max_ngram_size",
+            serde_json::json!({"engram_layer_ids": [1], "engram_num_embeddings": [1000],
+                "engram_max_ngram_size": 1, "engram_n_heads": 2, "engram_head_dim": 32,
+                "engram_vocab_size": 100}),
+        ),
+        (
+            "engram_pad_id",
+            serde_json::json!({"engram_layer_ids": [1], "engram_num_embeddings": [1000],
+                "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+                "engram_vocab_size": 100, "engram_pad_id": 1000000}),
+        ),
+        (
+            "engram_layer_ids",
+            serde_json::json!({"engram_layer_ids": [1, 1], "engram_num_embeddings": [1000, 1000],
+                "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+                "engram_vocab_size": 100}),
+        ),
+    ];
+    for (i, (key, patch)) in cases.iter().enumerate() {
+        let m = model_with_config(&format!("cfg-ref-{i}"), |v| {
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+        });
+        for args in [
+            vec!["inspect"],
+            vec!["run", "--prompt-tokens", "2", "--max-tokens", "1"],
+        ] {
+            keep()
+                .arg(args[0])
+                .arg(&m)
+                .args(&args[1..])
+                .assert()
+                .code(1)
+                .stderr(
+                    predicate::str::contains(*key).and(predicate::str::contains("config.json")),
+                );
+        }
+    }
+}
+
+/// Run `keep ARGS`, expect exit 1, and return stderr after checking that it names `path`,
+/// says `what`, prints no OS error twice and never names an internal temporary.
+fn refused_naming(args: &[&std::ffi::OsStr], path: &Path, what: &str) -> String {
+    let out = keep()
+        .args(args)
+        .timeout(std::time::Duration::from_secs(120))
+        .assert()
+        .code(1);
+    let err = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert!(
+        err.contains(path.to_str().unwrap()),
+        "does not name {path:?}: {err}"
+    );
+    assert!(err.contains(what), "does not say `{what}`: {err}");
+    for os in err.match_indices("(os error").map(|(i, _)| &err[i..]) {
+        let code = &os[..os.find(')').unwrap_or(os.len())];
+        assert_eq!(
+            err.matches(code).count(),
+            1,
+            "`{code}` printed twice: {err}"
+        );
+    }
+    assert!(
+        !err.contains(".keep-"),
+        "names an internal temporary: {err}"
+    );
+    err
+}
+
+#[test]
+fn bad_paths_are_named_with_what_they_are() {
+    let w = workdir("bad-paths");
+    let os = |p: &Path| p.as_os_str().to_owned();
+    // A file given as a model directory.
+    let file = w.join("model.txt");
+    std::fs::write(&file, b"not a model").unwrap();
+    for verb in ["inspect", "run", "logits", "repack"] {
+        let mut args = vec![os(Path::new(verb)), os(&file)];
+        if verb == "repack" {
+            args.extend([
+                os(&w.join("out")),
+                "--resident-format".into(),
+                "mxfp8".into(),
+            ]);
+        }
+        if verb == "logits" {
+            args.extend([
+                "--tokens".into(),
+                "1".into(),
+                "--out".into(),
+                os(&w.join("l")),
+            ]);
+        }
+        let a: Vec<&std::ffi::OsStr> = args.iter().map(|s| s.as_os_str()).collect();
+        refused_naming(&a, &file, "is a regular file, not a checkpoint directory");
+    }
+    assert!(!w.join("out").exists() && !w.join("l").exists());
+    // An empty directory, and one that holds no shard.
+    let empty = w.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    for verb in ["inspect", "run"] {
+        refused_naming(
+            &[verb.as_ref(), empty.as_os_str()],
+            &empty,
+            "is an empty directory",
+        );
+    }
+    let stray = w.join("stray");
+    std::fs::create_dir_all(&stray).unwrap();
+    std::fs::write(stray.join("notes.txt"), b"x").unwrap();
+    refused_naming(
+        &["inspect".as_ref(), stray.as_os_str()],
+        &stray,
+        "holds no *.safetensors shard (1 entry: notes.txt)",
+    );
+    // A dangling symbolic link, as the model and as its config.json.
+    let link = w.join("link");
+    std::os::unix::fs::symlink(w.join("gone"), &link).unwrap();
+    for verb in ["inspect", "run"] {
+        refused_naming(
+            &[verb.as_ref(), link.as_os_str()],
+            &link,
+            "is a symbolic link to",
+        );
+    }
+    let m = w.join("m");
+    copy_model(&m);
+    std::fs::remove_file(m.join("config.json")).unwrap();
+    std::os::unix::fs::symlink(w.join("gone.json"), m.join("config.json")).unwrap();
+    refused_naming(
+        &["inspect".as_ref(), m.as_os_str()],
+        &m.join("config.json"),
+        "which does not exist",
+    );
+    // A config.json that is a FIFO or a directory: named, never waited on.
+    std::fs::remove_file(m.join("config.json")).unwrap();
+    mkfifo(&m.join("config.json"));
+    refused_naming(
+        &["inspect".as_ref(), m.as_os_str()],
+        &m.join("config.json"),
+        "is a FIFO, not a regular file",
+    );
+    std::fs::remove_file(m.join("config.json")).unwrap();
+    std::fs::create_dir(m.join("config.json")).unwrap();
+    refused_naming(
+        &["run".as_ref(), m.as_os_str()],
+        &m.join("config.json"),
+        "is a directory, not a regular file",
+    );
+    // A directory given where a file is read (a prune plan), and a FIFO there.
+    let plan_dir = w.join("plan");
+    std::fs::create_dir_all(&plan_dir).unwrap();
+    let out = w.join("pruned");
+    refused_naming(
+        &[
+            "prune".as_ref(),
+            "--plan".as_ref(),
+            plan_dir.as_os_str(),
+            scratch().model.as_os_str(),
+            out.as_os_str(),
+        ],
+        &plan_dir,
+        "is a directory, not a regular file",
+    );
+    let plan_fifo = w.join("plan.fifo");
+    mkfifo(&plan_fifo);
+    refused_naming(
+        &[
+            "prune".as_ref(),
+            "--plan".as_ref(),
+            plan_fifo.as_os_str(),
+            scratch().model.as_os_str(),
+            out.as_os_str(),
+        ],
+        &plan_fifo,
+        "is a FIFO, not a regular file",
+    );
+    assert!(!out.exists());
+    // A missing model: the OS error once, with the path.
+    let gone = w.join("nothing-here");
+    refused_naming(
+        &["run".as_ref(), gone.as_os_str()],
+        &gone,
+        "No such file or directory",
+    );
+}

@@ -3,7 +3,9 @@
 //! The report is data (serialisable to JSON); the CLI renders it as a table. Problems are
 //! collected, not raised: a weight without its scale, an orphan scale, an expert count that
 //! differs from the config, a tensor name keep does not know, index inconsistencies, NaN or
-//! infinite values in every scale and in every tensor up to [`SCAN_BYTES`].
+//! infinite values in every scale and in every tensor up to [`SCAN_BYTES`]. Formats are
+//! keep-checkpoint's one layout classification, and [`Report::refused`] is the loader's own
+//! check of the tensors against the config, so inspect and the loader cannot disagree.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -11,7 +13,7 @@ use keep_checkpoint::naming::{self, Part, Role, Scope};
 use keep_checkpoint::Checkpoint;
 use serde::Serialize;
 
-use crate::resident::{classify, scale_of, WeightFormat};
+use crate::resident::{classify, label, scale_kind, scale_of};
 
 /// Bytes and weights of one (role, format) cell.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -53,6 +55,9 @@ pub struct Report {
     pub experts_per_layer: BTreeMap<String, usize>,
     /// Everything unknown or inconsistent.
     pub problems: Vec<String>,
+    /// Why the model's loader refuses this checkpoint (`keep_checkpoint::layout::
+    /// model_problems`, the check the loader runs before allocating): empty when it loads.
+    pub refused: Vec<String>,
 }
 
 /// One Engram table.
@@ -208,23 +213,31 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Some(s) = scale {
             claimed_scales.insert(s.name.to_string());
         }
-        let c = classify(t, scale, hint);
-        if let WeightFormat::Unknown(r) = &c.format {
-            problems.push(format!("`{}`: {r}", t.name));
-        }
-        if let WeightFormat::Fp8Block { block, scale } = &c.format {
-            *fp8_blocks
-                .entry(format!("{}x{} {}", block.0, block.1, scale.label()))
-                .or_default() += c.numel();
-        }
+        let (fmt, numel, bytes) = match classify(t, scale, hint) {
+            Ok(c) => {
+                if let (keep_checkpoint::layout::Layout::Fp8Block { block, .. }, Some(k)) =
+                    (c.layout, scale_kind(&c))
+                {
+                    *fp8_blocks
+                        .entry(format!("{}x{} {}", block.0, block.1, k.label()))
+                        .or_default() += c.numel();
+                }
+                (label(&c), c.numel(), c.bytes())
+            }
+            Err(r) => {
+                problems.push(format!("`{}`: {r}", t.name));
+                let bytes = t.bytes.len() as u64 + scale.map_or(0, |s| s.bytes.len() as u64);
+                ("unknown".to_string(), t.numel(), bytes)
+            }
+        };
         let cell = by
             .entry(name.role.label().to_string())
             .or_default()
-            .entry(c.format.label())
+            .entry(fmt)
             .or_default();
         cell.tensors += 1;
-        cell.weights += c.numel();
-        cell.bytes += c.bytes();
+        cell.weights += numel;
+        cell.bytes += bytes;
     }
     for t in ck.tensors() {
         if naming::parse(t.name).part == Part::Scale && !claimed_scales.contains(t.name) {
@@ -290,21 +303,19 @@ pub fn inspect(ck: &Checkpoint) -> Report {
                 problems.push(format!("layer {l} has no routed experts"));
             }
         }
-        if let Some(e) = ck.get("embed.weight") {
-            if e.shape.first().copied() != Some(c.vocab_size as u64)
-                || e.shape.get(1).copied() != Some(c.hidden_size as u64)
-            {
-                problems.push(format!(
-                    "embed.weight is {:?} but config.json declares vocab_size {} × hidden_size {}",
-                    e.shape, c.vocab_size, c.hidden_size
-                ));
-            }
-        }
         for &l in &c.engram_layer_ids {
             engram.insert(l);
         }
     } else {
         problems.push("no config.json".into());
+    }
+    let refused = cfg.map_or_else(Vec::new, |c| keep_checkpoint::layout::model_problems(ck, c));
+    if !refused.is_empty() {
+        problems.push(format!(
+            "the model's loader refuses this checkpoint (keep run, keep logits): {} problem(s) with \
+             the tensors it reads, listed under `refused`",
+            refused.len()
+        ));
     }
     Report {
         format: "keep-inspect",
@@ -328,5 +339,6 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         fp8_blocks,
         experts_per_layer,
         problems,
+        refused,
     }
 }

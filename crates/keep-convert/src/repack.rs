@@ -22,7 +22,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::copy::copy_tensor;
-use crate::resident::{classify, scale_of, ScaleKind, WeightFormat};
+use crate::resident::{classify, scale_kind, scale_of, Layout, ScaleKind};
 use crate::{ConvertError, Result};
 
 /// The format residents are written in.
@@ -144,14 +144,17 @@ fn prepare<'a>(ck: &'a Checkpoint, opts: &RepackOptions) -> Result<Vec<Resident<
             continue;
         }
         let scale = scale.expect("checked above");
-        let c = classify(t, Some(scale), hint);
-        let WeightFormat::Fp8Block { block, scale: kind } = c.format else {
+        let c = classify(t, Some(scale), hint).map_err(|reason| ConvertError::Refused {
+            tensor: t.name.to_string(),
+            reason: format!("cannot read its format: {reason}"),
+        })?;
+        let (Layout::Fp8Block { block, .. }, Some(kind)) = (c.layout, scale_kind(&c)) else {
             return Err(ConvertError::Refused {
                 tensor: t.name.to_string(),
-                reason: format!("cannot read its format: {}", c.format.label()),
+                reason: format!("cannot read its format: {}", c.layout.label()),
             });
         };
-        let (rows, cols) = c.logical;
+        let (rows, cols) = (c.rows, c.cols);
         let block = BlockShape::new(block.0, block.1);
         let mut buf = vec![];
         let scales = scales_of(kind, scale.bytes, &mut buf);

@@ -4,10 +4,10 @@
 //! Two families share it ([`Family`]): DeepSeek-V4.1 (`model_type` `deepseek_v41`, spec mlx-lm's
 //! `deepseek_v41.py`, plus the published Engram layers, laid out in `engram_hash`) and
 //! DeepSeek-V4 / V4-Flash (`model_type` `deepseek_v4`, spec transformers'
-//! `DeepseekV4ForCausalLM`, see `crate::v4`). Refused, naming the key: engram keys that do not
-//! fit `engram_layer_ids`, `num_hash_layers` > 0 on a V4.1 config (hash routing belongs to V4),
-//! a V4 compress ratio other than 0, 4 or > 4, an unknown `scoring_func`, and shapes the
-//! attention cannot split.
+//! `DeepseekV4ForCausalLM`, see `crate::v4`). What a config may hold is decided by the one config
+//! validation, `DeepSeekConfig::validate` (keep-checkpoint; `keep inspect` runs the same), and
+//! whether the tensors match it by `keep_checkpoint::layout::model_problems`, which
+//! [`ModelConfig::from_checkpoint`] runs before anything is allocated.
 
 use keep_checkpoint::DeepSeekConfig;
 
@@ -110,12 +110,22 @@ impl ModelConfig {
         layer < self.hash_layers
     }
 
-    /// [`ModelConfig::from_deepseek`] of a checkpoint's config, with the Engram token
+    /// [`ModelConfig::from_deepseek`] of a checkpoint's config, after the tensors are checked
+    /// against it (`keep_checkpoint::layout::model_problems`: refused, listing each problem,
+    /// before anything is allocated), with the Engram token
     /// compression map built from the checkpoint's `tokenizer.json` when the config's
     /// `engram_compressed_vocab_size` differs from its `vocab_size`. Refuses such a checkpoint
     /// without a `tokenizer.json`, and one whose tokenizer compresses to another size.
     pub fn from_checkpoint(ck: &keep_checkpoint::Checkpoint) -> Result<ModelConfig> {
-        let mut cfg = ModelConfig::from_deepseek(ck.require_config()?)?;
+        let raw = ck.require_config()?;
+        let problems = keep_checkpoint::layout::model_problems(ck, raw);
+        if !problems.is_empty() {
+            return Err(ModelError::Tensors {
+                dir: ck.dir().display().to_string(),
+                problems,
+            });
+        }
+        let mut cfg = ModelConfig::from_deepseek(raw)?;
         if let Some(layout) = cfg.engram.as_mut() {
             if layout.needs_token_map() {
                 let path = ck.dir().join("tokenizer.json");
@@ -145,33 +155,11 @@ impl ModelConfig {
         } else {
             Family::V41
         };
-        if c.num_hash_layers > 0 && family == Family::V41 {
-            return Err(unsupported(
-                "num_hash_layers",
-                format!(
-                    "{} hash-routed layers in a `{}` config: hash routing (`ffn.gate.tid2eid`) is \
-                     V4-Flash's; a V4-Flash checkpoint declares model_type `deepseek_v4`",
-                    c.num_hash_layers, c.model_type
-                ),
-            ));
-        }
-        if family == Family::V4 {
-            for l in 0..c.num_hidden_layers {
-                let r = c.compress_ratio(l);
-                if (1..4).contains(&r) {
-                    return Err(unsupported(
-                        "compress_ratios",
-                        format!(
-                            "layer {l} has ratio {r}; DeepSeek-V4 layers compress by 0 (window \
-                             only), 4 (CSA) or more (HCA)"
-                        ),
-                    ));
-                }
-            }
-            if c.index_topk == 0 {
-                return Err(unsupported("index_topk", "must be positive"));
-            }
-        }
+        // The one config validation (keep-checkpoint's, which `keep inspect` runs too): every
+        // bound, the family's rules (hash routing, compress ratios), scoring, shapes the
+        // attention can split, Engram keys. Configs read from a file have passed it already;
+        // one built by hand is checked here.
+        c.validate().map_err(ModelError::Config)?;
         let scoring = match c.scoring_func.as_str() {
             "sqrtsoftplus" => Scoring::SqrtSoftplus,
             "sigmoid" => Scoring::Sigmoid,
@@ -183,50 +171,6 @@ impl ModelConfig {
                 ))
             }
         };
-        let bad = |k: &str, m: String| Err(unsupported(k, m));
-        if c.hidden_size == 0 || c.num_attention_heads == 0 || c.head_dim == 0 || c.vocab_size == 0
-        {
-            return bad(
-                "hidden_size",
-                "hidden_size, num_attention_heads, head_dim and vocab_size must be positive".into(),
-            );
-        }
-        if c.o_groups == 0 || !(c.num_attention_heads * c.head_dim).is_multiple_of(c.o_groups) {
-            return bad(
-                "o_groups",
-                format!(
-                    "{} does not divide num_attention_heads × head_dim",
-                    c.o_groups
-                ),
-            );
-        }
-        if !c.qk_rope_head_dim.is_multiple_of(2)
-            || c.qk_rope_head_dim > c.head_dim
-            || c.qk_rope_head_dim > c.index_head_dim
-        {
-            return bad(
-                "qk_rope_head_dim",
-                format!(
-                    "{} must be even and at most head_dim ({}) and index_head_dim ({})",
-                    c.qk_rope_head_dim, c.head_dim, c.index_head_dim
-                ),
-            );
-        }
-        if c.hc_mult == 0 {
-            return bad("hc_mult", "must be at least 1".into());
-        }
-        if c.n_shared_experts != 1 {
-            return bad(
-                "n_shared_experts",
-                format!(
-                    "{} (the reference model has exactly one shared expert)",
-                    c.n_shared_experts
-                ),
-            );
-        }
-        if c.candidate_block_size == 0 {
-            return bad("candidate_block_size", "must be positive".into());
-        }
         let rs = c.rope_scaling.as_ref().and_then(|v| v.as_object());
         let get = |k: &str, d: f64| {
             rs.and_then(|m| m.get(k))
@@ -254,7 +198,7 @@ impl ModelConfig {
             raw: c.clone(),
             family,
             hash_layers: if family == Family::V4 {
-                c.num_hash_layers.min(c.num_hidden_layers)
+                c.num_hash_layers
             } else {
                 0
             },
@@ -326,22 +270,36 @@ mod tests {
 
     #[test]
     fn refusals_name_their_keys() {
-        let e = cfg(r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#).unwrap_err();
-        assert!(e.to_string().contains("engram_num_embeddings"), "{e}");
-        let e = cfg(r#"{"num_hash_layers":3}"#).unwrap_err();
-        assert!(
-            e.to_string().contains("num_hash_layers") && e.to_string().contains("V4-Flash"),
-            "{e}"
-        );
+        // Config refusals are the config validation's (the one `keep inspect` runs too).
+        for (json, key) in [
+            (
+                r#"{"num_hidden_layers":4,"engram_layer_ids":[1]}"#,
+                "engram_num_embeddings",
+            ),
+            (r#"{"num_hash_layers":3}"#, "V4-Flash"),
+            (
+                r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"compress_ratios":[0,2]}"#,
+                "compress_ratios",
+            ),
+            (
+                r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"num_hash_layers":3}"#,
+                "num_hash_layers",
+            ),
+            (r#"{"scoring_func":"relu"}"#, "scoring_func"),
+            (r#"{"n_shared_experts":2}"#, "n_shared_experts"),
+            (r#"{"o_groups":7}"#, "o_groups"),
+        ] {
+            let e = DeepSeekConfig::from_json(Path::new("config.json"), json).unwrap_err();
+            assert!(e.to_string().contains(key), "{json}: {e}");
+        }
         let v4 = cfg(r#"{"model_type":"deepseek_v4","num_hash_layers":3,"num_hidden_layers":4}"#)
             .unwrap();
         assert_eq!((v4.family, v4.hash_layers), (Family::V4, 3));
-        let e =
-            cfg(r#"{"model_type":"deepseek_v4","num_hidden_layers":2,"compress_ratios":[0,2]}"#)
-                .unwrap_err();
-        assert!(e.to_string().contains("compress_ratios"), "{e}");
-        let e = cfg(r#"{"scoring_func":"relu"}"#).unwrap_err();
-        assert!(e.to_string().contains("scoring_func"), "{e}");
         assert!(cfg("{}").is_ok());
+        // A config built by hand, never read, is checked by the same validation.
+        let mut c = DeepSeekConfig::from_json(Path::new("config.json"), "{}").unwrap();
+        c.scoring_func = "relu".into();
+        let e = ModelConfig::from_deepseek(&c).unwrap_err();
+        assert!(e.to_string().contains("scoring_func"), "{e}");
     }
 }

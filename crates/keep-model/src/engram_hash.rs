@@ -18,11 +18,12 @@ use keep_checkpoint::DeepSeekConfig;
 use crate::engram_tokens::CompressedTokens;
 use crate::{ModelError, Result};
 
-/// Most hash columns (layers × n-gram sizes × heads) a config may ask for (V4.1-Flash: 48).
-pub const MAX_BUCKETS: usize = 4096;
+/// Most hash columns (layers × n-gram sizes × heads) a config may ask for (V4.1-Flash: 48);
+/// the bound is the config validation's.
+pub const MAX_BUCKETS: usize = keep_checkpoint::config::MAX_ENGRAM_COLUMNS;
 /// Largest `engram_vocab_size` accepted (V4.1-Flash: 1.6·10⁷); keeps bucket ids far from u64
-/// overflow.
-pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
+/// overflow (the config validation's bound).
+pub const MAX_ENGRAM_VOCAB: u64 = keep_checkpoint::config::MAX_ENGRAM_VOCAB;
 
 /// The multiplier of a layer's hash RNG seed (`default_rng(10007 * layer_id)`).
 pub const LAYER_SEED_PRIME: u64 = 10007;
@@ -282,6 +283,9 @@ impl EngramLayout {
         if c.engram_layer_ids.is_empty() {
             return Ok(None);
         }
+        // The config's one validation (keep-checkpoint) bounds every engram key; a config
+        // built by hand rather than read is checked here the same way.
+        c.validate().map_err(ModelError::Config)?;
         let bad = |key: &str, msg: String| {
             Err(ModelError::Unsupported {
                 key: key.into(),
@@ -289,67 +293,6 @@ impl EngramLayout {
             })
         };
         let n = c.engram_layer_ids.len();
-        if c.engram_num_embeddings.len() != n {
-            return bad(
-                "engram_num_embeddings",
-                format!(
-                    "{} entries for {} engram layers {:?}",
-                    c.engram_num_embeddings.len(),
-                    n,
-                    c.engram_layer_ids
-                ),
-            );
-        }
-        for (k, v) in [
-            ("engram_max_ngram_size", c.engram_max_ngram_size),
-            ("engram_n_heads", c.engram_n_heads),
-            ("engram_head_dim", c.engram_head_dim),
-        ] {
-            if v == 0 || (k == "engram_max_ngram_size" && v < 2) {
-                return bad(
-                    k,
-                    format!(
-                        "{v} (an engram layer needs n-grams of size ≥ 2, heads and a row width)"
-                    ),
-                );
-            }
-        }
-        if (c.engram_max_ngram_size - 1)
-            .saturating_mul(c.engram_n_heads)
-            .saturating_mul(n)
-            > MAX_BUCKETS
-        {
-            return bad(
-                "engram_n_heads",
-                format!(
-                    "{} layers × {} n-gram sizes × {} heads is more than {MAX_BUCKETS} hash columns",
-                    n,
-                    c.engram_max_ngram_size - 1,
-                    c.engram_n_heads
-                ),
-            );
-        }
-        if c.engram_vocab_size > MAX_ENGRAM_VOCAB {
-            return bad(
-                "engram_vocab_size",
-                format!("{} is above {MAX_ENGRAM_VOCAB}", c.engram_vocab_size),
-            );
-        }
-        if c.engram_vocab_size < 2 {
-            return bad(
-                "engram_vocab_size",
-                format!("{} (the bucket primes start above it)", c.engram_vocab_size),
-            );
-        }
-        if c.engram_pad_id >= c.vocab_size {
-            return bad(
-                "engram_pad_id",
-                format!(
-                    "{} is outside the vocabulary ({})",
-                    c.engram_pad_id, c.vocab_size
-                ),
-            );
-        }
         let compressed_vocab = if c.engram_compressed_vocab_size == 0 {
             c.vocab_size as u64
         } else {

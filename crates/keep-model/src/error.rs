@@ -15,6 +15,10 @@ pub enum ModelError {
     /// The config is inconsistent.
     #[error("config: {0}")]
     Config(String),
+    /// The checkpoint's tensors contradict its config or are stored in a layout keep cannot
+    /// read (`keep inspect` lists the same problems).
+    #[error("{dir}: the checkpoint does not match its config.json: {}{}", problems.iter().take(8).cloned().collect::<Vec<_>>().join("; "), if problems.len() > 8 { format!("; and {} more (keep inspect lists them)", problems.len() - 8) } else { String::new() })]
+    Tensors { dir: String, problems: Vec<String> },
     /// A tensor the model needs is missing.
     #[error("tensor `{0}` is missing from the checkpoint (the model needs it)")]
     Missing(String),

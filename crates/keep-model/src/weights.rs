@@ -1,16 +1,10 @@
-//! Reading one weight from the checkpoint as a [`WeightView`] in its shipped format, decided from
-//! the weight's dtype and its scale's dtype and shape, never assumed (the one place that maps
-//! tensor bytes to formats):
-//!
-//! | weight dtype | scale | format |
-//! |---|---|---|
-//! | F32 / BF16 `[out,in]` | none | f32 / bf16 |
-//! | F8_E4M3 `[out,in]` | E8M0/U8 `[out, in/32]` | MXFP8 (`keep repack --resident-format mxfp8`) |
-//! | F8_E4M3 `[out,in]` | E8M0/U8 or F32 `[ceil(out/B), ceil(in/B)]` | FP8 B×B block (B from `quantization_config`, else 32/64/128 by shape) |
-//! | I8/U8 `[out, in/2]` | E8M0/U8 `[out, in/32]` | MXFP4 (DeepSeek FP4 experts) |
-//!
-//! Scales are looked up as `<base>.scale` and then `<base>.weight_scale_inv` (V3 naming).
+//! Reading one weight from the checkpoint as a [`WeightView`] in its shipped format. The format
+//! is keep-checkpoint's [`layout`] classification (weight dtype + scale dtype + scale shape →
+//! plain f32/bf16, FP8 blocks of any side with E8M0 or f32 scales, MXFP8, MXFP4), the same one
+//! `keep inspect`, `keep repack` and the runtime's budget use; this module only maps a layout to
+//! the kernels' view. Scales are looked up as `<base>.scale` and then `<base>.weight_scale_inv`.
 
+use keep_checkpoint::layout::{self, Layout, ScaleDtype};
 use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
 use keep_kernels::{BlockScales, WeightView};
 
@@ -46,13 +40,12 @@ pub fn weight<'a>(
 ) -> Result<WeightView<'a>> {
     let wname = format!("{base}.weight");
     let w = tensor(ck, &wname)?;
-    let scale = ck
-        .get(&format!("{base}.scale"))
-        .or_else(|| ck.get(&format!("{wname}_scale_inv")));
-    view(w, scale, rows, cols, block_hint)
+    view(w, layout::scale_of(ck, &wname), rows, cols, block_hint)
 }
 
-/// The view of a weight tensor and its optional scale tensor.
+/// The view of a weight tensor and its optional scale tensor, as `[rows, cols]`: the layout is
+/// keep-checkpoint's one classification ([`layout::classify_as`]), so the loader accepts
+/// exactly what `keep inspect` accepts.
 pub fn view<'a>(
     w: TensorRef<'a>,
     scale: Option<TensorRef<'a>>,
@@ -61,82 +54,28 @@ pub fn view<'a>(
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightView<'a>> {
     let name = w.name;
-    let wshape: Vec<usize> = w.shape.iter().map(|&v| v as usize).collect();
+    let l = layout::classify_as(w, scale, rows, cols, block_hint).map_err(|e| fmt_err(name, e))?;
     let kerr = |e: keep_kernels::KernelError| fmt_err(name, e.to_string());
-    match (w.dtype, scale) {
-        (Dtype::F32, None) | (Dtype::BF16, None) => {
-            if wshape != [rows, cols] {
-                return Err(shape_err(name, &[rows, cols], w.shape));
-            }
-            if w.dtype == Dtype::F32 {
-                WeightView::f32(w.bytes, rows, cols).map_err(kerr)
-            } else {
-                WeightView::bf16(w.bytes, rows, cols).map_err(kerr)
-            }
+    let sbytes = || l.scale.map_or(&[][..], |s| s.bytes);
+    match l.layout {
+        Layout::Plain(Dtype::F32) => WeightView::f32(w.bytes, rows, cols),
+        Layout::Plain(Dtype::BF16) => WeightView::bf16(w.bytes, rows, cols),
+        Layout::Plain(d) => {
+            return Err(fmt_err(name, format!("dtype {d} is not computable")));
         }
-        (Dtype::F8_E4M3, Some(s)) => {
-            if wshape != [rows, cols] {
-                return Err(shape_err(name, &[rows, cols], w.shape));
-            }
-            let sshape: Vec<usize> = s.shape.iter().map(|&v| v as usize).collect();
-            let e8 = matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8);
-            if cols.is_multiple_of(32) && sshape == [rows, cols / 32] && e8 {
-                return WeightView::mxfp8(w.bytes, s.bytes, rows, cols).map_err(kerr);
-            }
-            if sshape.len() != 2 {
-                return Err(fmt_err(s.name, format!("scale shape {:?} is not 2-D", s.shape)));
-            }
-            let mut tries = vec![];
-            if let Some(b) = block_hint {
-                tries.push(b);
-            }
-            tries.extend([(32, 32), (64, 64), (128, 128)]);
-            let block = tries
-                .into_iter()
-                .find(|&(br, bc)| sshape == [rows.div_ceil(br), cols.div_ceil(bc)])
-                .ok_or_else(|| {
-                    fmt_err(
-                        s.name,
-                        format!(
-                            "scale shape {:?} fits neither MXFP8 [{rows}, {}] nor FP8 blocks of 32, 64 or 128 over [{rows}, {cols}]",
-                            s.shape,
-                            cols / 32
-                        ),
-                    )
-                })?;
-            let scales = match s.dtype {
-                Dtype::F8_E8M0 | Dtype::U8 => BlockScales::E8m0(s.bytes),
-                Dtype::F32 => BlockScales::F32(s.bytes),
-                d => return Err(fmt_err(s.name, format!("scale dtype {d} is not E8M0 or F32"))),
+        l @ Layout::Fp8Block { .. } if l.is_mxfp8() => {
+            WeightView::mxfp8(w.bytes, sbytes(), rows, cols)
+        }
+        Layout::Fp8Block { block, scale } => {
+            let scales = match scale {
+                ScaleDtype::E8m0 => BlockScales::E8m0(sbytes()),
+                ScaleDtype::F32 => BlockScales::F32(sbytes()),
             };
-            WeightView::fp8_block(w.bytes, scales, rows, cols, block.0, block.1).map_err(kerr)
+            WeightView::fp8_block(w.bytes, scales, rows, cols, block.0, block.1)
         }
-        (Dtype::I8 | Dtype::U8, Some(s)) => {
-            if !cols.is_multiple_of(32) || wshape != [rows, cols / 2] {
-                return Err(shape_err(name, &[rows, cols / 2], w.shape));
-            }
-            let sshape: Vec<usize> = s.shape.iter().map(|&v| v as usize).collect();
-            if sshape != [rows, cols / 32] || !matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8) {
-                return Err(fmt_err(
-                    s.name,
-                    format!(
-                        "FP4 scale must be E8M0 [{rows}, {}], found {} {:?}",
-                        cols / 32,
-                        s.dtype,
-                        s.shape
-                    ),
-                ));
-            }
-            WeightView::mxfp4(w.bytes, s.bytes, rows, cols).map_err(kerr)
-        }
-        (d, s) => Err(fmt_err(
-            name,
-            format!(
-                "dtype {d} {} is not a weight format keep computes with (f32, bf16, FP8 E4M3 + scale, FP4 I8 + E8M0 scale)",
-                if s.is_some() { "with a scale" } else { "without a scale" }
-            ),
-        )),
+        Layout::Mxfp4 => WeightView::mxfp4(w.bytes, sbytes(), rows, cols),
     }
+    .map_err(kerr)
 }
 
 /// A 1-D (or any-shape with `len` elements) f32/bf16 tensor decoded to f32.

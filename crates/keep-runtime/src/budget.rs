@@ -5,7 +5,8 @@
 //!   norms, hyper-connections, routers, shared experts and the output head — counted at their
 //!   stored size. Two exclusions: routed experts (they live in slots) and the token embedding,
 //!   which is only gathered one row per token (its touched rows are part of the fixed overhead,
-//!   as in `keep residency`'s cost model); MTP tensors are not loaded. Engram tables
+//!   as in `keep residency`'s cost model); MTP tensors are not loaded. A weight's size is its
+//!   layout's (keep-checkpoint's one classification: elements plus scale partner). Engram tables
 //!   (`layers.N.engram.embed.*`) are never resident: their rows are read on demand into the
 //!   Engram row cache, whose bytes the runtime adds to the residents' share.
 //! - **Slots**: the rest of the budget, split evenly over the MoE layers, in whole slots of
@@ -17,7 +18,8 @@
 //! libraries, thread stacks, activations of the current forward, the KV cache (it grows with
 //! the context), the tokenizer and the gathered embedding rows.
 
-use keep_checkpoint::naming::{self, Role};
+use keep_checkpoint::layout;
+use keep_checkpoint::naming::{self, Part, Role};
 use keep_checkpoint::Checkpoint;
 
 use crate::{Result, RuntimeError};
@@ -40,12 +42,35 @@ pub fn is_resident(name: &str) -> bool {
         && !crate::engram::is_engram_table(name)
 }
 
-/// Bytes of the resident tensors of `ck`.
+/// Bytes of the resident tensors of `ck`: each weight at its stored size in the layout
+/// keep-checkpoint's one classification gives it (elements plus its scale partner), every other
+/// resident tensor (norms, biases, hyper-connection mixes, a scale with no weight) at its size.
 pub fn resident_bytes(ck: &Checkpoint) -> u64 {
-    ck.tensors()
-        .filter(|t| is_resident(t.name))
+    let hint = ck.config().and_then(|c| c.weight_block_size());
+    let mut total = 0u64;
+    let mut counted_scales = std::collections::HashSet::new();
+    for t in ck.tensors().filter(|t| is_resident(t.name)) {
+        let n = naming::parse(t.name);
+        if n.part == Part::Scale {
+            continue;
+        }
+        let scale = (n.part == Part::Weight)
+            .then(|| layout::scale_of(ck, t.name))
+            .flatten();
+        total += match layout::classify(t, scale, hint) {
+            Ok(l) => l.bytes(),
+            // The loader refuses such a weight; count what is there.
+            Err(_) => t.bytes.len() as u64 + scale.map_or(0, |s| s.bytes.len() as u64),
+        };
+        counted_scales.extend(scale.map(|s| s.name.to_string()));
+    }
+    let orphans: u64 = ck
+        .tensors()
+        .filter(|t| is_resident(t.name) && naming::parse(t.name).part == Part::Scale)
+        .filter(|t| !counted_scales.contains(t.name))
         .map(|t| t.bytes.len() as u64)
-        .sum()
+        .sum();
+    total + orphans
 }
 
 /// How a budget is split.

@@ -268,9 +268,7 @@ impl ExpertStore {
                         expert: x,
                         msg: format!("no tensor `{wname}` in the checkpoint"),
                     })?;
-                    let st = ck
-                        .get(&format!("{base}.scale"))
-                        .or_else(|| ck.get(&format!("{wname}_scale_inv")));
+                    let st = keep_checkpoint::layout::scale_of(ck, &wname);
                     // The same format and shape checks the model makes (views only).
                     keep_model::weights::view(wt, st, rows, cols, hint)?;
                     let wi = tensors.len();

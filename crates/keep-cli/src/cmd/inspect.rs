@@ -10,10 +10,12 @@ use crate::util::human;
 
 /// Report what a checkpoint holds: architecture, layers, routed and shared experts, top-k,
 /// hash-routed, engram and MTP layers, bytes and bits per weight by role × format, FP8 block
-/// shapes and scale kinds, per-layer expert counts, and everything unknown or inconsistent.
+/// shapes and scale kinds, per-layer expert counts, everything unknown or inconsistent, and
+/// every reason the model's loader (keep run, keep logits) refuses the checkpoint — inspect
+/// runs the same checks, so it never passes a checkpoint that run refuses.
 ///
 /// DIR defaults to the bundled model. Exit status 0 even with problems (they are listed);
-/// 1 when the checkpoint cannot be read at all.
+/// 1 when the checkpoint cannot be read at all (including a config.json keep refuses).
 ///
 /// Example: keep inspect /tmp/tiny --json
 #[derive(Args)]
@@ -32,7 +34,16 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         None => crate::bundled::default_model_dir()?,
     };
     let ck = Checkpoint::open(&dir)?;
-    let r = inspect(&ck);
+    let mut r = inspect(&ck);
+    // The rest of the loader's checks (views over every weight it reads, V4 compressors, hash
+    // tables, Engram tables, the tokenizer map): what `keep run` would say, said here too.
+    if r.refused.is_empty() && ck.config().is_some() {
+        if let Err(e) = keep_model::Model::load(&ck) {
+            r.refused.push(e.to_string());
+            r.problems
+                .push(format!("the model's loader refuses this checkpoint: {e}"));
+        }
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
@@ -113,6 +124,16 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     } else {
         println!("  {} problem(s):", r.problems.len());
         for p in &r.problems {
+            println!("  - {p}");
+        }
+    }
+    if !r.refused.is_empty() {
+        println!();
+        println!(
+            "  keep run and keep logits refuse this checkpoint ({} reason(s)):",
+            r.refused.len()
+        );
+        for p in &r.refused {
             println!("  - {p}");
         }
     }

@@ -1,0 +1,565 @@
+//! How a weight is stored — the one classification that `keep inspect`, `keep repack`, the
+//! model's weight loader and the runtime's budget all use, so that inspect never accepts a
+//! checkpoint the loader refuses, nor the reverse — and the one check of a checkpoint's
+//! tensors against its config ([`model_problems`]) that inspect reports and the loader refuses
+//! with, before anything is allocated.
+//!
+//! A layout is read from the weight's dtype and its scale partner's dtype and shape, never
+//! assumed (only names and shapes are looked at; no weight byte is decoded here):
+//!
+//! | weight | scale | layout |
+//! |---|---|---|
+//! | any dtype, `[rows, cols]` | none | plain (the model computes with F32 and BF16) |
+//! | `F8_E4M3 [rows, cols]` | `F8_E8M0 [rows, cols/32]` | MXFP8 (FP8 block 1×32, E8M0) |
+//! | `F8_E4M3 [rows, cols]` | `F8_E8M0` or `F32` `[ceil(rows/b), ceil(cols/b)]` | FP8 b×b blocks; b from `quantization_config.weight_block_size` when it fits, else 32, 64, 128 or 256 |
+//! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
+//!
+//! Refused, with the reason: an FP8 or I8 weight without a scale, a scale on any other weight
+//! dtype, a scale that is not 2-D, a scale grid no block shape fits, and `U8` scales or packed
+//! weights (DeepSeek and mlx-lm's loader store E8M0 scales as `F8_E8M0` and FP4 as `I8`; a
+//! `U8` tensor says nothing about what its bytes are). Scales are looked up as `<base>.scale`,
+//! then `<base>.weight_scale_inv` (V3 naming) ([`scale_of`]).
+
+use crate::naming;
+use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
+
+/// Block sides tried, smallest first, when the config declares none that fits. For powers of
+/// two two sides can only give the same grid when the grid is 1 along that side, where they
+/// decode identically.
+pub const BLOCK_SIDES: [usize; 4] = [32, 64, 128, 256];
+
+/// The dtype of an FP8 block scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ScaleDtype {
+    /// `F8_E8M0`: `2^(b − 127)`, 0xFF is NaN.
+    E8m0,
+    /// `F32` multipliers (V4-Flash-Base's powers of two, or V3's `scale_inv`).
+    F32,
+}
+
+impl ScaleDtype {
+    /// Report label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ScaleDtype::E8m0 => "e8m0",
+            ScaleDtype::F32 => "f32",
+        }
+    }
+}
+
+/// How a weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Layout {
+    /// Unscaled elements of this dtype.
+    Plain(Dtype),
+    /// FP8 E4M3 with one scale per `block.0 × block.1` block (`(1, 32)` with E8M0 is MXFP8).
+    Fp8Block {
+        block: (usize, usize),
+        scale: ScaleDtype,
+    },
+    /// FP4 E2M1, two per `I8` byte (element `2j` in the low nibble), one E8M0 scale per row and
+    /// 32 columns.
+    Mxfp4,
+}
+
+impl Layout {
+    /// Whether this is MXFP8 (FP8 blocks of one row × 32 columns with E8M0 scales).
+    pub fn is_mxfp8(self) -> bool {
+        self == Layout::Fp8Block {
+            block: (1, 32),
+            scale: ScaleDtype::E8m0,
+        }
+    }
+
+    /// Whether keep's kernels multiply by a matrix stored this way.
+    pub fn computable(self) -> bool {
+        !matches!(self, Layout::Plain(d) if !matches!(d, Dtype::F32 | Dtype::BF16))
+    }
+
+    /// Report label (`"mxfp8"`, `"fp8-block 128x128 e8m0"`, `"fp4 (mxfp4)"`, `"bf16"`).
+    pub fn label(self) -> String {
+        match self {
+            Layout::Plain(d) => d.name().to_ascii_lowercase(),
+            l if l.is_mxfp8() => "mxfp8".into(),
+            Layout::Fp8Block { block, scale } => {
+                format!("fp8-block {}x{} {}", block.0, block.1, scale.label())
+            }
+            Layout::Mxfp4 => "fp4 (mxfp4)".into(),
+        }
+    }
+}
+
+/// A weight (and its scale) classified.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightLayout<'a> {
+    pub weight: TensorRef<'a>,
+    pub scale: Option<TensorRef<'a>>,
+    pub layout: Layout,
+    /// Logical `[rows, cols]` (FP4 counts two elements per byte; a 1-D weight is one row).
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl WeightLayout<'_> {
+    /// Logical number of weights.
+    pub fn numel(&self) -> u64 {
+        self.rows as u64 * self.cols as u64
+    }
+
+    /// Stored bytes, the scale's included.
+    pub fn bytes(&self) -> u64 {
+        self.weight.bytes.len() as u64 + self.scale.map_or(0, |s| s.bytes.len() as u64)
+    }
+}
+
+/// The scale partner of weight `weight_name`, if the checkpoint has one.
+pub fn scale_of<'a>(ck: &'a Checkpoint, weight_name: &str) -> Option<TensorRef<'a>> {
+    naming::scale_candidates(weight_name)
+        .iter()
+        .find_map(|n| ck.get(n))
+}
+
+fn dims(t: &TensorRef) -> Vec<usize> {
+    t.shape.iter().map(|&d| d as usize).collect()
+}
+
+/// Classify a weight from its dtype and its scale's dtype and shape (`block_hint`: the config's
+/// `weight_block_size`). The error says why keep cannot read it.
+pub fn classify<'a>(
+    weight: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightLayout<'a>, String> {
+    let wd = dims(&weight);
+    let (rows, cols) = match wd.as_slice() {
+        [r, c] => (*r, *c),
+        [n] => (1, *n),
+        _ if scale.is_none() => (wd.iter().product(), 1),
+        _ => {
+            return Err(format!(
+                "a scaled weight must be 2-D, this one has shape {:?}",
+                weight.shape
+            ))
+        }
+    };
+    let done = |layout, rows, cols| {
+        Ok(WeightLayout {
+            weight,
+            scale,
+            layout,
+            rows,
+            cols,
+        })
+    };
+    let Some(s) = scale else {
+        return match weight.dtype {
+            Dtype::F8_E4M3 | Dtype::I8 => Err(format!(
+                "{} weight without a scale tensor (`.scale` or `.weight_scale_inv`)",
+                weight.dtype
+            )),
+            d => done(Layout::Plain(d), rows, cols),
+        };
+    };
+    let sd = dims(&s);
+    let [sr, sc] = sd[..] else {
+        return Err(format!(
+            "its scale `{}` has shape {:?}, not [rows, columns]",
+            s.name, s.shape
+        ));
+    };
+    let scale_dtype = match s.dtype {
+        Dtype::F8_E8M0 => ScaleDtype::E8m0,
+        Dtype::F32 => ScaleDtype::F32,
+        Dtype::U8 => {
+            return Err(format!(
+                "its scale `{}` has dtype U8, which does not say what the bytes are: \
+                 E8M0 scales are stored as F8_E8M0 (as DeepSeek publishes them and mlx-lm reads them)",
+                s.name
+            ))
+        }
+        d => {
+            return Err(format!(
+                "its scale `{}` has dtype {d}; block scales are F8_E8M0 or F32",
+                s.name
+            ))
+        }
+    };
+    match weight.dtype {
+        Dtype::I8 => {
+            let cols = cols * 2;
+            if scale_dtype != ScaleDtype::E8m0 {
+                return Err(format!(
+                    "FP4 weight with a {} scale; FP4 scales are F8_E8M0",
+                    s.dtype
+                ));
+            }
+            if !cols.is_multiple_of(32) || sr != rows || sc != cols / 32 {
+                return Err(format!(
+                    "FP4 weight of {rows}x{cols} needs a scale of [{rows}, {}] (one per 32 columns), found {:?}",
+                    cols / 32,
+                    s.shape
+                ));
+            }
+            done(Layout::Mxfp4, rows, cols)
+        }
+        Dtype::U8 => Err(format!(
+            "packed weight of dtype U8 with a scale: FP4 weights are stored as I8 (scale `{}`)",
+            s.name
+        )),
+        Dtype::F8_E4M3 => {
+            let fits = |(br, bc): (usize, usize)| {
+                br > 0 && bc > 0 && rows.div_ceil(br) == sr && cols.div_ceil(bc) == sc
+            };
+            let mx = (1, 32);
+            let block = block_hint
+                .filter(|&b| fits(b))
+                .or_else(|| {
+                    (scale_dtype == ScaleDtype::E8m0 && cols.is_multiple_of(32) && fits(mx))
+                        .then_some(mx)
+                })
+                .or_else(|| BLOCK_SIDES.iter().map(|&b| (b, b)).find(|&b| fits(b)));
+            match block {
+                Some(block) => done(
+                    Layout::Fp8Block {
+                        block,
+                        scale: scale_dtype,
+                    },
+                    rows,
+                    cols,
+                ),
+                None => Err(format!(
+                    "FP8 weight of {rows}x{cols} with a {sr}x{sc} scale grid: neither MXFP8 \
+                     [{rows}, {}] nor square blocks of {}{}",
+                    cols / 32,
+                    BLOCK_SIDES.map(|b| b.to_string()).join(", "),
+                    block_hint.map_or(String::new(), |(a, b)| format!(
+                        " nor the config's weight_block_size [{a}, {b}]"
+                    ))
+                )),
+            }
+        }
+        d => Err(format!("{d} weight with a scale tensor `{}`", s.name)),
+    }
+}
+
+/// Classify a weight the model multiplies by as `[rows, cols]`: [`classify`], and the logical
+/// shape must be exactly that and the layout one keep computes with.
+pub fn classify_as<'a>(
+    weight: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+    rows: usize,
+    cols: usize,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightLayout<'a>, String> {
+    if weight.shape.len() != 2 {
+        return Err(format!(
+            "has shape {:?}, expected a [{rows}, {cols}] matrix",
+            weight.shape
+        ));
+    }
+    let l = classify(weight, scale, block_hint)?;
+    if !l.layout.computable() {
+        return Err(format!(
+            "dtype {} is not a weight format keep computes with (F32, BF16, FP8 E4M3 + scale, \
+             FP4 I8 + E8M0 scale)",
+            weight.dtype
+        ));
+    }
+    if (l.rows, l.cols) != (rows, cols) {
+        return Err(format!(
+            "holds a {}x{} {} matrix, expected [{rows}, {cols}] (shape {:?})",
+            l.rows,
+            l.cols,
+            l.layout.label(),
+            weight.shape
+        ));
+    }
+    Ok(l)
+}
+
+/// Look up `<base>.weight` (and its scale) in `ck` and [`classify_as`] it.
+pub fn weight_as<'a>(
+    ck: &'a Checkpoint,
+    base: &str,
+    rows: usize,
+    cols: usize,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightLayout<'a>, String> {
+    let name = format!("{base}.weight");
+    let w = ck
+        .get(&name)
+        .ok_or_else(|| format!("tensor `{name}` is missing"))?;
+    classify_as(w, scale_of(ck, &name), rows, cols, block_hint)
+        .map_err(|e| format!("tensor `{name}`: {e}"))
+}
+
+/// A vector the model reads whole: present, F32 or BF16, `len` values.
+fn vector_problem(ck: &Checkpoint, name: &str, len: usize) -> Option<String> {
+    match ck.get(name) {
+        None => Some(format!("tensor `{name}` is missing")),
+        Some(t) if !matches!(t.dtype, Dtype::F32 | Dtype::BF16) => Some(format!(
+            "tensor `{name}` has dtype {}, expected F32 or BF16",
+            t.dtype
+        )),
+        Some(t) if t.numel() != len as u64 => Some(format!(
+            "tensor `{name}` has shape {:?}, expected {len} values",
+            t.shape
+        )),
+        Some(_) => None,
+    }
+}
+
+/// A hyper-connection mix (`{prefix}fn` `[mix·hc, hc·dim]` unscaled, `{prefix}base` `[mix·hc]`,
+/// `{prefix}scale` `[scales]`).
+fn hc_problems(
+    ck: &Checkpoint,
+    cfg: &DeepSeekConfig,
+    prefix: &str,
+    mix: usize,
+    scales: usize,
+    out: &mut Vec<String>,
+) {
+    let hc = cfg.hc_mult;
+    let name = format!("{prefix}fn");
+    match ck.get(&name) {
+        None => out.push(format!("tensor `{name}` is missing")),
+        Some(t) => {
+            if let Err(e) = classify_as(t, None, mix * hc, hc * cfg.hidden_size, None) {
+                out.push(format!("tensor `{name}`: {e}"));
+            }
+        }
+    }
+    out.extend(vector_problem(ck, &format!("{prefix}base"), mix * hc));
+    out.extend(vector_problem(ck, &format!("{prefix}scale"), scales));
+}
+
+/// Most problems [`model_problems`] lists (the first ones say what is wrong; the rest repeat).
+pub const MAX_PROBLEMS: usize = 64;
+
+/// Everything about `ck`'s tensors that contradicts `cfg` or that the model cannot read: the
+/// embedding, head and final norm, and in every decoder layer the router (weight, bias or
+/// `tid2eid` table), the routed experts (as many as `n_routed_experts`, each matrix in a
+/// layout keep computes with and of the config's shape), the shared expert, the attention
+/// projections and the norms. Only names, dtypes and shapes are read. `keep inspect` reports
+/// these and the model's loader refuses a checkpoint that has any, so the two always agree.
+pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
+    let mut out = vec![];
+    let hint = cfg.weight_block_size();
+    let (d, v) = (cfg.hidden_size, cfg.vocab_size);
+    let mat = |out: &mut Vec<String>, base: &str, r: usize, c: usize| {
+        if let Err(e) = weight_as(ck, base, r, c, hint) {
+            out.push(e);
+        }
+    };
+    mat(&mut out, "embed", v, d);
+    mat(&mut out, "head", v, d);
+    let vector = |out: &mut Vec<String>, name: &str, len: usize| {
+        out.extend(vector_problem(ck, name, len));
+    };
+    vector(&mut out, "norm.weight", d);
+    if cfg.model_type == "deepseek_v4" {
+        hc_problems(ck, cfg, "hc_head_", 1, 1, &mut out);
+    }
+    let (h, hd, e, i) = (
+        cfg.num_attention_heads,
+        cfg.head_dim,
+        cfg.n_routed_experts,
+        cfg.moe_intermediate_size,
+    );
+    let (ql, og, ol) = (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank);
+    let v4 = cfg.model_type == "deepseek_v4";
+    for l in 0..cfg.num_hidden_layers {
+        if out.len() >= MAX_PROBLEMS {
+            break;
+        }
+        let p = format!("layers.{l}.");
+        for (n, len) in [
+            ("attn_norm.weight", d),
+            ("ffn_norm.weight", d),
+            ("attn.q_norm.weight", ql),
+            ("attn.kv_norm.weight", hd),
+            ("attn.attn_sink", h),
+        ] {
+            vector(&mut out, &format!("{p}{n}"), len);
+        }
+        for k in ["attn", "ffn"] {
+            hc_problems(
+                ck,
+                cfg,
+                &format!("{p}hc_{k}_"),
+                2 + cfg.hc_mult,
+                3,
+                &mut out,
+            );
+        }
+        for (n, r, c) in [
+            ("attn.wq_a", ql, d),
+            ("attn.wq_b", h * hd, ql),
+            ("attn.wkv", hd, d),
+            ("attn.wo_a", og * ol, (h * hd).checked_div(og).unwrap_or(0)),
+            ("attn.wo_b", d, og * ol),
+            ("ffn.gate", e, d),
+            ("ffn.shared_experts.w1", i, d),
+            ("ffn.shared_experts.w2", d, i),
+            ("ffn.shared_experts.w3", i, d),
+        ] {
+            mat(&mut out, &format!("{p}{n}"), r, c);
+        }
+        let tid = format!("{p}ffn.gate.tid2eid");
+        if v4 && l < cfg.num_hash_layers {
+            match ck.get(&tid) {
+                None => out.push(format!(
+                    "tensor `{tid}` is missing (layer {l} is hash-routed: num_hash_layers = {})",
+                    cfg.num_hash_layers
+                )),
+                Some(t) if t.shape != [v as u64, cfg.num_experts_per_tok as u64] => {
+                    out.push(format!(
+                        "tensor `{tid}` has shape {:?}, expected [vocab_size {v}, num_experts_per_tok {}]",
+                        t.shape, cfg.num_experts_per_tok
+                    ))
+                }
+                Some(t) if !matches!(t.dtype, Dtype::I32 | Dtype::I64) => out.push(format!(
+                    "tensor `{tid}` has dtype {}, expected I32 or I64",
+                    t.dtype
+                )),
+                Some(_) => {}
+            }
+        } else {
+            if ck.contains(&tid) {
+                out.push(format!(
+                    "tensor `{tid}` makes layer {l} hash-routed but the config makes only layers 0..{} hash-routed{}",
+                    if v4 { cfg.num_hash_layers } else { 0 },
+                    if v4 { "" } else { " (hash routing is model_type deepseek_v4's)" }
+                ));
+            }
+            vector(&mut out, &format!("{p}ffn.gate.bias"), e);
+        }
+        let present = (0..e)
+            .take_while(|x| ck.contains(&format!("{p}ffn.experts.{x}.w1.weight")))
+            .count();
+        if present < e {
+            out.push(format!(
+                "layer {l} has routed experts 0..{present} but config.json declares n_routed_experts = {e} \
+                 (`{p}ffn.experts.{present}.w1.weight` is missing)"
+            ));
+            continue;
+        }
+        for x in 0..e {
+            let before = out.len();
+            for (m, r, c) in [("w1", i, d), ("w2", d, i), ("w3", i, d)] {
+                mat(&mut out, &format!("{p}ffn.experts.{x}.{m}"), r, c);
+            }
+            if out.len() > before {
+                // One bad expert says what is wrong; the others are usually the same.
+                break;
+            }
+        }
+    }
+    out.truncate(MAX_PROBLEMS);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t<'a>(name: &'a str, dtype: Dtype, shape: &'a [u64], bytes: &'a [u8]) -> TensorRef<'a> {
+        TensorRef {
+            name,
+            dtype,
+            shape,
+            bytes,
+            shard: 0,
+            file_offset: 0,
+        }
+    }
+
+    #[test]
+    fn layouts_from_dtype_and_scale_shape() {
+        let b = [0u8; 0];
+        let w = t("a.weight", Dtype::F8_E4M3, &[64, 256], &b);
+        type Case<'a> = (TensorRef<'a>, Option<(usize, usize)>, Layout);
+        let cases: Vec<Case> = vec![
+            (
+                t("a.scale", Dtype::F8_E8M0, &[64, 8], &b),
+                None,
+                Layout::Fp8Block {
+                    block: (1, 32),
+                    scale: ScaleDtype::E8m0,
+                },
+            ),
+            (
+                t("a.scale", Dtype::F8_E8M0, &[1, 2], &b),
+                None,
+                Layout::Fp8Block {
+                    block: (128, 128),
+                    scale: ScaleDtype::E8m0,
+                },
+            ),
+            (
+                t("a.scale", Dtype::F32, &[2, 8], &b),
+                None,
+                Layout::Fp8Block {
+                    block: (32, 32),
+                    scale: ScaleDtype::F32,
+                },
+            ),
+            // The config's block size wins when it fits.
+            (
+                t("a.scale", Dtype::F8_E8M0, &[4, 16], &b),
+                Some((16, 16)),
+                Layout::Fp8Block {
+                    block: (16, 16),
+                    scale: ScaleDtype::E8m0,
+                },
+            ),
+        ];
+        for (s, hint, want) in cases {
+            let l = classify(w, Some(s), hint).unwrap();
+            assert_eq!(l.layout, want, "{:?}", s.shape);
+            assert_eq!((l.rows, l.cols), (64, 256));
+        }
+        let fp4 = t("e.weight", Dtype::I8, &[8, 32], &b);
+        let s4 = t("e.scale", Dtype::F8_E8M0, &[8, 2], &b);
+        let l = classify(fp4, Some(s4), None).unwrap();
+        assert_eq!((l.layout, l.rows, l.cols), (Layout::Mxfp4, 8, 64));
+        let plain = t("n.weight", Dtype::BF16, &[4, 4], &b);
+        assert_eq!(
+            classify(plain, None, None).unwrap().layout,
+            Layout::Plain(Dtype::BF16)
+        );
+    }
+
+    #[test]
+    fn unreadable_layouts_are_refused_with_the_reason() {
+        let b = [0u8; 0];
+        let w = t("a.weight", Dtype::F8_E4M3, &[64, 256], &b);
+        for (s, why) in [
+            (t("a.scale", Dtype::U8, &[64, 8], &b), "U8"),
+            (t("a.scale", Dtype::BF16, &[64, 8], &b), "BF16"),
+            (t("a.scale", Dtype::F8_E8M0, &[3, 5], &b), "3x5 scale grid"),
+            (t("a.scale", Dtype::F8_E8M0, &[512], &b), "not [rows"),
+        ] {
+            let e = classify(w, Some(s), None).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+        assert!(classify(w, None, None)
+            .unwrap_err()
+            .contains("without a scale"));
+        let fp4 = t("e.weight", Dtype::I8, &[8, 32], &b);
+        let e = classify(fp4, Some(t("e.scale", Dtype::F32, &[8, 2], &b)), None).unwrap_err();
+        assert!(e.contains("F8_E8M0"), "{e}");
+        let e = classify(fp4, Some(t("e.scale", Dtype::F8_E8M0, &[8, 4], &b)), None).unwrap_err();
+        assert!(e.contains("[8, 2]"), "{e}");
+        let u4 = t("e.weight", Dtype::U8, &[8, 32], &b);
+        let s4 = t("e.scale", Dtype::F8_E8M0, &[8, 2], &b);
+        assert!(classify(u4, Some(s4), None).unwrap_err().contains("I8"));
+        // A plain F16 matrix is a layout, but not one the model multiplies by.
+        let f16 = t("h.weight", Dtype::F16, &[4, 4], &b);
+        assert!(classify(f16, None, None).is_ok());
+        let e = classify_as(f16, None, 4, 4, None).unwrap_err();
+        assert!(e.contains("F16"), "{e}");
+        let e = classify_as(fp4, Some(s4), 8, 32, None).unwrap_err();
+        assert!(e.contains("expected [8, 32]"), "{e}");
+    }
+}
