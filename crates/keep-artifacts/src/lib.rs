@@ -14,6 +14,7 @@
 
 pub mod error;
 pub mod routes;
+pub mod run_stats;
 
 pub use error::ArtifactError;
 
