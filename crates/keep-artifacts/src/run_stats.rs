@@ -292,10 +292,31 @@ mod tests {
             .filter_map(|l| l.strip_prefix("  \""))
             .filter_map(|l| l.split('"').next())
             .collect();
-        let mut sorted = keys.clone();
-        sorted.sort();
-        assert_eq!(keys.len(), 21);
-        assert_eq!(keys, sorted);
+        assert_eq!(
+            keys,
+            [
+                "command",
+                "decode_cache",
+                "decode_engram",
+                "decode_secs",
+                "decode_tokens",
+                "decode_tps",
+                "fixed_overhead_bytes",
+                "format",
+                "io_threads",
+                "load_secs",
+                "model",
+                "peak_rss_bytes",
+                "plan",
+                "policy",
+                "prefill_cache",
+                "prefill_engram",
+                "prefill_secs",
+                "prefill_tps",
+                "prompt_tokens",
+                "version"
+            ]
+        );
         let mut w = serde_json::to_value(stats()).unwrap();
         w["version"] = 2.into();
         std::fs::write(&p, w.to_string()).unwrap();

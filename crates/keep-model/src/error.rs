@@ -56,7 +56,7 @@ pub enum ModelError {
     Sampling(String),
     /// A generation longer than the model's context.
     #[error("{prompt} prompt tokens + {max_tokens} tokens to generate exceed the model's context of {limit} positions (max_position_embeddings)")]
-    Context {
+    TooLong {
         prompt: usize,
         max_tokens: usize,
         limit: usize,

@@ -232,7 +232,7 @@ pub fn encode_prompt(
     let check = |n: usize| {
         let limit = cfg.raw.max_position_embeddings;
         if n.saturating_add(max_tokens) > limit {
-            return Err(ModelError::Context {
+            return Err(ModelError::TooLong {
                 prompt: n,
                 max_tokens,
                 limit,
@@ -484,7 +484,7 @@ mod tests {
             ControlFlow::Continue(())
         })
         .unwrap_err();
-        assert!(matches!(e, ModelError::Context { prompt: 4, .. }), "{e}");
+        assert!(matches!(e, ModelError::TooLong { prompt: 4, .. }), "{e}");
         assert!(m.forwards.is_empty());
         assert!(generate(&mut m, Prompt::Synthetic(3), &opts, None, |_| {
             ControlFlow::Continue(())

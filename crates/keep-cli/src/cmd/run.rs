@@ -60,7 +60,7 @@ pub struct RunArgs {
 /// A refusal of the run, in the words of its flags where a flag is the cause.
 fn flag_error(e: RuntimeError) -> anyhow::Error {
     match e {
-        RuntimeError::Model(ModelError::Context {
+        RuntimeError::Model(ModelError::TooLong {
             prompt,
             max_tokens,
             limit,
