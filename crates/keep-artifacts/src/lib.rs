@@ -18,6 +18,7 @@ pub mod error;
 pub mod hashremap;
 pub mod plan;
 pub mod routes;
+pub mod run_stats;
 
 pub use error::ArtifactError;
 

@@ -63,17 +63,9 @@ fn fixture() -> &'static Fixture {
 
 /// A deterministic pseudo-random token stream.
 fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) as u32) % vocab
-        })
-        .collect()
+    use keep_rng::Draw;
+    let mut r = keep_rng::rng(seed);
+    (0..n).map(|_| r.below(vocab as usize) as u32).collect()
 }
 
 fn make_pack(dir: &Path, name: &str, seed: u64) -> Pack {

@@ -10,7 +10,7 @@
 //! What it is not: a model (nothing here runs a forward pass) and not a user interface (nothing
 //! prints; reports are returned as data and errors are typed).
 //!
-//! Depends on: keep-format, keep-checkpoint, keep-artifacts (the prune plan), rand/rand_distr (synth), rayon.
+//! Depends on: keep-format, keep-checkpoint, keep-artifacts (the prune plan), keep-rng + rand/rand_distr (synth), rayon.
 
 #![recursion_limit = "512"]
 

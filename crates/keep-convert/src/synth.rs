@@ -7,7 +7,9 @@
 //! rows with one E8M0 scale per 32 channels, `wkv` FP8 block-scaled and bf16 `q/k_weight`. Every tensor is generated from its own seed (the run's seed
 //! and the tensor's name), in row chunks that are also seeded by position, so the output is
 //! the same whatever the thread count, and tensors of any size stream to disk without being
-//! held whole in memory.
+//! held whole in memory. The generator is keep-rng's (Xoshiro256++ seeded by SplitMix64, the
+//! stream of rand 0.9's `SmallRng`, which earlier checkpoints were drawn from); the normals
+//! are rand_distr 0.5's `StandardNormal` over it.
 
 use std::path::{Path, PathBuf};
 
@@ -17,7 +19,7 @@ use keep_checkpoint::{DeepSeekConfig, Dtype};
 use keep_format::bf16::f32_to_bf16;
 use keep_format::fp8block::{encode_fp8_block, BlockShape};
 use keep_format::mx::quantize_mxfp4_row;
-use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand::Rng;
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 
@@ -538,7 +540,7 @@ fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
 
 /// Draw `n` values mean + std·N(0,1) from a chunk's own generator.
 fn normals(seed: u64, name: &str, chunk: u64, n: usize, mean: f32, std: f32) -> Vec<f32> {
-    let mut rng = SmallRng::seed_from_u64(seed_for(seed, name, chunk));
+    let mut rng = keep_rng::rng(seed_for(seed, name, chunk));
     (0..n)
         .map(|_| {
             let z: f32 = rng.sample(StandardNormal);
@@ -679,7 +681,7 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
             top_k,
             experts,
         } => {
-            let mut rng = SmallRng::seed_from_u64(seed_for(seed, &t.name, 0));
+            let mut rng = keep_rng::rng(seed_for(seed, &t.name, 0));
             let mut b = Vec::with_capacity(vocab * top_k * 4);
             for _ in 0..*vocab {
                 let mut ids: Vec<i32> = vec![];
@@ -803,6 +805,24 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// keep-rng's generator is the stream `keep synth` has always drawn from (rand 0.9's
+    /// `SmallRng`, Xoshiro256++ seeded by SplitMix64 on 64-bit targets), so a seed makes the
+    /// same checkpoint; and so are the normals and integer ranges drawn over it.
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn the_generator_is_the_stream_earlier_checkpoints_were_drawn_from() {
+        use rand::{rngs::SmallRng, RngCore, SeedableRng};
+        for seed in [0u64, 1, 11, seed_for(7, "layers.0.attn.wq_a.weight", 3)] {
+            let (mut a, mut b) = (keep_rng::rng(seed), SmallRng::seed_from_u64(seed));
+            for _ in 0..64 {
+                assert_eq!(a.next_u64(), b.next_u64());
+                let (x, y): (f32, f32) = (a.sample(StandardNormal), b.sample(StandardNormal));
+                assert_eq!(x.to_bits(), y.to_bits());
+                assert_eq!(a.random_range(0..37), b.random_range(0..37));
+            }
+        }
+    }
     use crate::presets::preset;
 
     #[test]

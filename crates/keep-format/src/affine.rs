@@ -250,24 +250,22 @@ mod tests {
     use crate::testutil::same;
     use crate::FormatError;
 
-    fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 32) as u32
+    /// 32 bits of keep-rng's generator.
+    fn draw32(r: &mut keep_rng::Rng) -> u32 {
+        keep_rng::RngCore::next_u32(r)
     }
 
     #[test]
     fn ref_vs_fast_every_code_all_param_kinds() {
-        let mut seed = 9u64;
+        let mut seed = keep_rng::rng(9);
         let q: Vec<u8> = (0..=255u8).cycle().take(1024).collect();
         for _ in 0..50 {
-            let s16: Vec<u16> = (0..16).map(|_| lcg(&mut seed) as u16).collect();
-            let b16: Vec<u16> = (0..16).map(|_| lcg(&mut seed) as u16).collect();
+            let s16: Vec<u16> = (0..16).map(|_| draw32(&mut seed) as u16).collect();
+            let b16: Vec<u16> = (0..16).map(|_| draw32(&mut seed) as u16).collect();
             let s8: Vec<u8> = s16.iter().flat_map(|v| v.to_le_bytes()).collect();
             let b8: Vec<u8> = b16.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let s32: Vec<f32> = (0..16).map(|_| f32::from_bits(lcg(&mut seed))).collect();
-            let b32: Vec<f32> = (0..16).map(|_| f32::from_bits(lcg(&mut seed))).collect();
+            let s32: Vec<f32> = (0..16).map(|_| f32::from_bits(draw32(&mut seed))).collect();
+            let b32: Vec<f32> = (0..16).map(|_| f32::from_bits(draw32(&mut seed))).collect();
             let kinds = [
                 (ParamSlice::Bf16(&s16), ParamSlice::Bf16(&b16)),
                 (ParamSlice::Bf16Le(&s8), ParamSlice::Bf16Le(&b8)),
@@ -379,13 +377,13 @@ mod tests {
         quantize_affine8_row(&[0.0; 64], &mut q, &mut s, &mut b).unwrap();
         assert_eq!((b[0], q[0]), (0.0, 0));
 
-        let mut seed = 4u64;
+        let mut seed = keep_rng::rng(4);
         for trial in 0..200 {
             let cols = 64 * (1 + trial % 4);
             let off = (trial % 20) as i32 - 10;
             let w: Vec<f32> = (0..cols)
                 .map(|_| {
-                    ((lcg(&mut seed) >> 8) as f32 / (1u32 << 24) as f32 - 0.3) * 2f32.powi(off)
+                    ((draw32(&mut seed) >> 8) as f32 / (1u32 << 24) as f32 - 0.3) * 2f32.powi(off)
                 })
                 .collect();
             let mut q = vec![0u8; cols];

@@ -373,26 +373,7 @@ mod tests {
     use crate::testutil::same;
     use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-    /// Deterministic xorshift64* generator for test data.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        /// Uniform in [0, 1).
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-        /// Standard normal (Box–Muller).
-        fn gauss(&mut self) -> f64 {
-            let u = 1.0 - self.unit();
-            let v = self.unit();
-            (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-        }
-    }
+    use keep_rng::{Draw, RngCore};
 
     /// A decoded codeword in quarter-units (exact: every value is a multiple of ¼).
     fn quarters(w: [f32; 8]) -> [i32; 8] {
@@ -628,10 +609,10 @@ mod tests {
 
     #[test]
     fn nearest_recovers_codewords() {
-        let mut rng = Rng(0x0123_4567_89AB_CDEF);
+        let mut rng = keep_rng::rng(0x0123_4567_89AB_CDEF);
         let sample: Vec<u16> = [0u16, 1, 0x00FF, 0xFF00, 0xFFFF, 0xE300, 0xE2FF]
             .into_iter()
-            .chain((0..24).map(|_| rng.next() as u16))
+            .chain((0..24).map(|_| rng.next_u64() as u16))
             .collect();
         for &c in &sample {
             let w = decode_e8p(c);
@@ -657,7 +638,7 @@ mod tests {
     /// vectors estimate it with a standard error of about 2%; the band is ±6%.
     #[test]
     fn gaussian_mse_at_opt_scale() {
-        let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+        let mut rng = keep_rng::rng(0xD1B5_4A32_D192_ED03);
         let (mut se, mut cnt) = (0.0f64, 0usize);
         for _ in 0..1024 {
             let x: [f64; 8] = std::array::from_fn(|_| rng.gauss());

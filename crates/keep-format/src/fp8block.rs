@@ -388,11 +388,9 @@ mod tests {
     use crate::mx::decode_mxfp8_row;
     use crate::testutil::same;
 
-    fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 32) as u32
+    /// 32 bits of keep-rng's generator.
+    fn draw32(r: &mut keep_rng::Rng) -> u32 {
+        keep_rng::RngCore::next_u32(r)
     }
 
     const BLOCKS: [(usize, usize); 5] = [(1, 32), (32, 32), (128, 128), (3, 5), (7, 1)];
@@ -400,20 +398,20 @@ mod tests {
 
     #[test]
     fn ref_vs_fast_odd_shapes_all_scale_kinds() {
-        let mut seed = 1u64;
+        let mut seed = keep_rng::rng(1);
         let mut cases = 0;
         for rows in (1..=70).step_by(3).chain([64, 128, 129]) {
             for &cols in &COLS {
                 for &(br, bc) in &BLOCKS {
                     let block = BlockShape::new(br, bc);
                     let (sr, sc) = block.grid(rows, cols).unwrap();
-                    let q: Vec<u8> = (0..rows * cols).map(|_| lcg(&mut seed) as u8).collect();
-                    let e8: Vec<u8> = (0..sr * sc).map(|_| lcg(&mut seed) as u8).collect();
+                    let q: Vec<u8> = (0..rows * cols).map(|_| draw32(&mut seed) as u8).collect();
+                    let e8: Vec<u8> = (0..sr * sc).map(|_| draw32(&mut seed) as u8).collect();
                     let p2: Vec<f32> = (0..sr * sc)
-                        .map(|_| crate::minifloat::pow2((lcg(&mut seed) % 277) as i32 - 149))
+                        .map(|_| crate::minifloat::pow2((draw32(&mut seed) % 277) as i32 - 149))
                         .collect();
                     let inv: Vec<f32> = (0..sr * sc)
-                        .map(|_| f32::from_bits(lcg(&mut seed)))
+                        .map(|_| f32::from_bits(draw32(&mut seed)))
                         .collect();
                     for scales in [
                         BlockScales::E8m0(&e8),
@@ -562,13 +560,13 @@ mod tests {
 
     #[test]
     fn encode_decode_error_bounds_and_floor() {
-        let mut seed = 3u64;
+        let mut seed = keep_rng::rng(3);
         for &(rows, cols) in &[(1usize, 1usize), (5, 7), (33, 65), (130, 40)] {
             for &(br, bc) in &BLOCKS {
                 let block = BlockShape::new(br, bc);
                 let w: Vec<f32> = (0..rows * cols)
                     .map(|_| {
-                        let r = lcg(&mut seed);
+                        let r = draw32(&mut seed);
                         ((r >> 8) as f32 / (1u32 << 23) as f32 - 1.0)
                             * 2f32.powi((r % 40) as i32 - 20)
                     })
@@ -596,12 +594,12 @@ mod tests {
 
     #[test]
     fn encode_of_decode_is_byte_identical() {
-        let mut seed = 11u64;
+        let mut seed = keep_rng::rng(11);
         let (rows, cols, block) = (70usize, 100usize, BlockShape::new(32, 32));
         let (sr, sc) = block.grid(rows, cols).unwrap();
         let mut q: Vec<u8> = (0..rows * cols)
             .map(|_| {
-                let c = lcg(&mut seed) as u8;
+                let c = draw32(&mut seed) as u8;
                 if c & 0x7F == 0x7F {
                     0x80
                 } else {
@@ -616,7 +614,7 @@ mod tests {
             }
         }
         let s: Vec<u8> = (0..sr * sc)
-            .map(|_| 110 + (lcg(&mut seed) % 100) as u8)
+            .map(|_| 110 + (draw32(&mut seed) % 100) as u8)
             .collect();
         let mut d = vec![0.0; rows * cols];
         decode_fp8_block(&q, rows, cols, block, BlockScales::E8m0(&s), &mut d).unwrap();
@@ -640,7 +638,7 @@ mod tests {
 
     #[test]
     fn repack_to_mxfp8_is_bit_exact() {
-        let mut seed = 5u64;
+        let mut seed = keep_rng::rng(5);
         for &(rows, cols, b) in &[
             (70usize, 96usize, 32usize),
             (130, 256, 128),
@@ -649,8 +647,10 @@ mod tests {
         ] {
             let block = BlockShape::square(b);
             let (sr, sc) = block.grid(rows, cols).unwrap();
-            let q: Vec<u8> = (0..rows * cols).map(|_| lcg(&mut seed) as u8).collect();
-            let e8: Vec<u8> = (0..sr * sc).map(|_| (lcg(&mut seed) % 255) as u8).collect();
+            let q: Vec<u8> = (0..rows * cols).map(|_| draw32(&mut seed) as u8).collect();
+            let e8: Vec<u8> = (0..sr * sc)
+                .map(|_| (draw32(&mut seed) % 255) as u8)
+                .collect();
             let p2: Vec<f32> = e8.iter().map(|&x| e8m0_to_f32(x)).collect();
             let mut full = vec![0.0; rows * cols];
             decode_fp8_block(&q, rows, cols, block, BlockScales::E8m0(&e8), &mut full).unwrap();

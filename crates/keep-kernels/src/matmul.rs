@@ -299,7 +299,7 @@ mod tests {
 
     #[test]
     fn fast_matches_ref_on_odd_shapes() {
-        let mut rng = Rng(0x9E3779B97F4A7C15);
+        let mut rng = Rng::new(0x9E3779B97F4A7C15);
         for &(rows, cols) in &[(1, 32), (7, 64), (33, 96), (65, 160), (300, 1024)] {
             for &m in &[1, 3, 4, 9] {
                 let f32b: Vec<u8> = (0..rows * cols)
@@ -343,7 +343,7 @@ mod tests {
 
     #[test]
     fn fp8_block_odd_cols_and_row_slices() {
-        let mut rng = Rng(77);
+        let mut rng = Rng::new(77);
         let (rows, cols) = (70, 50);
         let q: Vec<u8> = rng
             .bytes(rows * cols)

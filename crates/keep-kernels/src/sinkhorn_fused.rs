@@ -486,13 +486,9 @@ mod tests {
 
     #[test]
     fn fused_matches_the_unfused_path() {
-        let mut s = 0x2545_F491_4F6C_DD1Du64;
-        let mut f = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 2_000_001) as f32 / 250_000.0 - 4.0
-        };
+        let mut r = keep_rng::rng(0x2545_F491_4F6C_DD1D);
+        // Uniform in [-4, 4].
+        let mut f = move || 4.0 * keep_rng::Draw::signed_unit_f32(&mut r);
         for hc in 1..=9usize {
             for iters in [0usize, 1, 2, 20] {
                 let nm = (2 + hc) * hc;
@@ -576,13 +572,9 @@ mod timing {
     #[test]
     #[ignore]
     fn print_max_rel_diff() {
-        let mut s = 0x9E37_79B9_7F4A_7C15u64;
-        let mut u = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let mut r = keep_rng::rng(0x9E37_79B9_7F4A_7C15);
+        let mut u =
+            move || (keep_rng::RngCore::next_u64(&mut r) >> 40) as f32 / (1u64 << 24) as f32;
         // Box-Muller normals.
         let mut normal = move || {
             let (a, b) = (u().max(1e-7), u());

@@ -1,20 +1,23 @@
-//! The tests' deterministic generator (xorshift64) of inputs, weight bytes and E8M0 scales.
+//! The tests' generator of inputs, weight bytes and E8M0 scales: keep-rng's, with the draws
+//! these tests use.
 
-pub(crate) struct Rng(pub(crate) u64);
+use keep_rng::{Draw, RngCore};
+
+pub(crate) struct Rng(keep_rng::Rng);
 
 impl Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
+        Rng(keep_rng::rng(seed))
+    }
     pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0.next_u64()
     }
     /// A value in [-1, 1].
     pub(crate) fn f(&mut self) -> f32 {
-        (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+        self.0.signed_unit_f32()
     }
     pub(crate) fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        self.0.bytes(n)
     }
     /// E8M0 scale bytes around 2^-7 .. 2^2.
     pub(crate) fn scales(&mut self, n: usize) -> Vec<u8> {

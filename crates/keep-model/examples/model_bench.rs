@@ -19,16 +19,7 @@ fn main() {
     );
     let ck = Checkpoint::open(std::path::Path::new(&args[1])).unwrap();
     let model = Model::load(&ck).unwrap();
-    let vocab = model.cfg.vocab as u64;
-    let mut s = 12345u64;
-    let prompt: Vec<u32> = (0..plen)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab) as u32
-        })
-        .collect();
+    let prompt = keep_model::generate::synthetic_prompt(plen, model.cfg.vocab);
     let (mut pre, mut dec) = (vec![], vec![]);
     for _ in 0..reps {
         let mut cache = model.new_cache();

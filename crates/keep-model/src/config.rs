@@ -95,6 +95,42 @@ pub struct ModelConfig {
     pub kernels: keep_kernels::Kernels,
     /// Engram layers' hashing (`None`: no `engram_layer_ids`); see `engram_hash`.
     pub engram: Option<crate::engram_hash::EngramLayout>,
+    /// The beginning-of-sequence token: `bos_token_id`, else [`DEFAULT_BOS`]. Generation
+    /// starts from it when the prompt encodes to no tokens.
+    pub bos: u32,
+    /// The end-of-sequence tokens (`eos_token_id`: one id or a list; absent or null: none,
+    /// generation then runs to its token limit). Generation stops at the first of them.
+    pub eos: Vec<u32>,
+}
+
+/// The beginning-of-sequence token of a config without `bos_token_id`: 0 (DeepSeek's
+/// `<｜begin▁of▁sentence｜>` and the bundled model's `<|endoftext|>` are both id 0).
+pub const DEFAULT_BOS: u32 = 0;
+
+/// Token ids under `key` of the raw `config.json` (a number or a list of numbers; absent or null:
+/// none), each checked against the vocabulary.
+fn token_ids(raw: &serde_json::Value, key: &str, vocab: usize) -> Result<Vec<u32>> {
+    let bad = |v: &serde_json::Value| {
+        unsupported(
+            key,
+            format!("{v} is not a token id (a non-negative integer) or a list of them"),
+        )
+    };
+    let one = |v: &serde_json::Value| -> Result<u32> {
+        let id = v.as_u64().ok_or_else(|| bad(v))?;
+        if id >= vocab as u64 {
+            return Err(unsupported(
+                key,
+                format!("token id {id} is outside the vocabulary (vocab_size {vocab})"),
+            ));
+        }
+        Ok(id as u32)
+    };
+    match raw.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(vec![]),
+        Some(serde_json::Value::Array(a)) => a.iter().map(one).collect(),
+        Some(v) => Ok(vec![one(v)?]),
+    }
 }
 
 fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
@@ -235,6 +271,17 @@ impl ModelConfig {
             roles,
             kernels: keep_kernels::Kernels::Exact,
             engram: crate::engram_hash::EngramLayout::from_config(c)?,
+            bos: match token_ids(&c.raw, "bos_token_id", c.vocab_size)?[..] {
+                [] => DEFAULT_BOS,
+                [id] => id,
+                _ => {
+                    return bad(
+                        "bos_token_id",
+                        "a list: one beginning-of-sequence token is expected".into(),
+                    )
+                }
+            },
+            eos: token_ids(&c.raw, "eos_token_id", c.vocab_size)?,
         })
     }
 
@@ -301,5 +348,27 @@ mod tests {
         c.scoring_func = "relu".into();
         let e = ModelConfig::from_deepseek(&c).unwrap_err();
         assert!(e.to_string().contains("scoring_func"), "{e}");
+    }
+
+    #[test]
+    fn bos_and_eos_come_from_the_config_or_the_stated_fallback() {
+        let c = cfg("{}").unwrap();
+        assert_eq!((c.bos, c.eos.as_slice()), (DEFAULT_BOS, &[][..]));
+        let c = cfg(r#"{"bos_token_id":null,"eos_token_id":null}"#).unwrap();
+        assert_eq!((c.bos, c.eos.as_slice()), (DEFAULT_BOS, &[][..]));
+        let c = cfg(r#"{"bos_token_id":5,"eos_token_id":1}"#).unwrap();
+        assert_eq!((c.bos, c.eos.as_slice()), (5, &[1][..]));
+        let c = cfg(r#"{"eos_token_id":[1,7]}"#).unwrap();
+        assert_eq!(c.eos, vec![1, 7]);
+        for (json, key) in [
+            (r#"{"eos_token_id":"</s>"}"#, "eos_token_id"),
+            (r#"{"eos_token_id":-1}"#, "eos_token_id"),
+            (r#"{"vocab_size":16,"eos_token_id":[1,16]}"#, "eos_token_id"),
+            (r#"{"bos_token_id":1.5}"#, "bos_token_id"),
+            (r#"{"bos_token_id":[0,1]}"#, "bos_token_id"),
+        ] {
+            let e = cfg(json).unwrap_err();
+            assert!(e.to_string().contains(key), "{json}: {e}");
+        }
     }
 }

@@ -52,4 +52,17 @@ pub enum ModelError {
     /// A cache used with the wrong model or after an error.
     #[error("cache: {0}")]
     Cache(String),
+    /// The tokenizer could not be loaded, or could not encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Sampling settings that would sample garbage.
+    #[error("sampling: {0}")]
+    Sampling(String),
+    /// A generation longer than the model's context.
+    #[error("{prompt} prompt tokens + {max_tokens} tokens to generate exceed the model's context of {limit} positions (max_position_embeddings)")]
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        limit: usize,
+    },
 }

@@ -1202,13 +1202,14 @@ mod tests {
     /// f32 component vs a plain f64 version: a few ulps of accumulation over short sums.
     const TOL: f64 = 1e-5;
 
-    struct Rng(u64);
+    /// keep-rng's generator with the draw these tests use (uniform in [-1, 1]).
+    struct Rng(keep_rng::Rng);
     impl Rng {
+        fn new(seed: u64) -> Rng {
+            Rng(keep_rng::rng(seed))
+        }
         fn f(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % 2_000_001) as f32 / 1_000_000.0 - 1.0
+            keep_rng::Draw::signed_unit_f32(&mut self.0)
         }
     }
 
@@ -1224,7 +1225,7 @@ mod tests {
             r#"{"hidden_size":8,"hc_mult":3,"num_hidden_layers":1,"rms_norm_eps":1e-6,"hc_sinkhorn_iters":20,"hc_eps":1e-6}"#,
         );
         let (hc, d, t) = (3usize, 8usize, 2usize);
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let nm = (2 + hc) * hc;
         let fnw: Vec<f32> = (0..nm * hc * d).map(|_| rng.f() * 0.3).collect();
         let fnb: Vec<u8> = fnw.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -1320,7 +1321,7 @@ mod tests {
 
     #[test]
     fn router_matches_plain_f64() {
-        let mut rng = Rng(9);
+        let mut rng = Rng::new(9);
         for (func, temp) in [("sqrtsoftplus", 1.0), ("sigmoid", 0.7), ("softmax", 1.3)] {
             let c = cfg(&format!(
                 r#"{{"n_routed_experts":12,"num_experts_per_tok":3,"scoring_func":"{func}","gate_temp":{temp},"routed_scaling_factor":2.5,"num_hidden_layers":1}}"#
@@ -1376,7 +1377,7 @@ mod tests {
 
     #[test]
     fn attention_with_sink_matches_plain_f64() {
-        let mut rng = Rng(11);
+        let mut rng = Rng::new(11);
         let hd = 40;
         let q: Vec<f32> = (0..hd).map(|_| rng.f()).collect();
         let keys: Vec<Vec<f32>> = (0..7)
@@ -1403,7 +1404,7 @@ mod tests {
 
     #[test]
     fn pooling_matches_plain_f64() {
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         let (n, ratio, hd) = (3usize, 4usize, 5usize);
         let kv: Vec<f32> = (0..n * ratio * hd).map(|_| rng.f() * 2.0).collect();
         let gate: Vec<f32> = (0..n * ratio * hd).map(|_| rng.f() * 5.0).collect();

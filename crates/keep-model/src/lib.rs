@@ -9,12 +9,14 @@
 //! ([`streamed::forward_streamed`]) that loads one layer at a time and runs every record through
 //! it with the same per-layer function (so its logits are bit-identical to the whole-model
 //! forward), [`RouteObserver`] hooks for calibration (no cost when none is attached), a router
-//! mask hook, and sampling/generation helpers. The specification is mlx-lm 0.32.2's
+//! mask hook, and keep's one [`generate()`] (prompt encoding with the model's tokenizer,
+//! sampling, end-of-sequence stops, the streaming detokenizer, timings) over the [`Generate`]
+//! trait. The specification is mlx-lm 0.32.2's
 //! `mlx_lm/models/deepseek_v41.py` for V4.1 and transformers 5.23's `modeling_deepseek_v4.py`
 //! for V4 (`docs/v4flash.md` lists every difference); each module names the reference function
 //! it follows.
 //!
-//! What it is not: no tokenizer, no printing, no CLI, no knowledge of where routed-expert bytes
+//! What it is not: no printing, no CLI, no knowledge of where routed-expert bytes
 //! come from: the MoE layer asks an [`ExpertSource`] (the default reads the checkpoint mapping;
 //! keep-runtime's SSD slot cache plugs in the same way).
 //!
@@ -42,7 +44,10 @@ pub use engram::{Engram, EngramRows, TableRows};
 pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
-pub use generate::{Generate, Sampler, SamplerConfig};
+pub use generate::{
+    generate, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampler, SamplerConfig,
+    TextStream,
+};
 pub use keep_kernels::Kernels;
 pub use model::{Logits, Model};
 pub use observer::{

@@ -567,6 +567,11 @@ impl HeapOrder for LowestScore {
     }
 }
 
+/// Default half-life of [`Decay`], in tokens. Decoding, one token is one forward pass of each
+/// layer, so this is also keep-runtime's `--policy decay` default: `keep residency` predicts
+/// the `keep run --memory-budget` that runs with the defaults.
+pub const DEFAULT_HALF_LIFE: f64 = 32.0;
+
 /// Decayed use counts with a half-life in tokens.
 #[derive(Debug, Clone)]
 pub struct Decay {

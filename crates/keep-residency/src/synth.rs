@@ -7,9 +7,10 @@
 //! (the topic drifts). Each of a token's `top_k` distinct experts comes from the working set
 //! with probability `locality`, else from the base popularity. Gate weights are random,
 //! sorted descending (the router's order) and normalised to sum to 1. A deterministic
-//! SplitMix64 generator makes every trace reproducible from its seed.
+//! SplitMix64 stream (keep-rng's) makes every trace reproducible from its seed.
 
 use keep_artifacts::routes::{LayerRoutes, RouteTrace, Session};
+use keep_rng::Draw;
 
 /// The shape and locality of a synthetic trace.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,37 +96,16 @@ impl SynthSpec {
     }
 }
 
-/// SplitMix64.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
-    }
-}
+/// The traces' generator: keep-rng's SplitMix64 stream started at `spec.seed` (the stream these
+/// traces have always drawn from, so a seed makes the same trace).
+type Rng = keep_rng::SplitMix64;
 
 /// A synthetic trace (see the module doc). Layers are numbered `0..layers`.
 pub fn synthetic(spec: &SynthSpec) -> RouteTrace {
     let n = spec.n_experts.max(1);
     let k = spec.top_k.clamp(1, n);
     let ws = spec.working_set.clamp(k, n);
-    let mut rng = Rng::new(spec.seed);
+    let mut rng = keep_rng::splitmix(spec.seed);
     // Per layer: a popularity CDF over a random permutation of the experts.
     let cdfs: Vec<(Vec<f64>, Vec<u16>)> = (0..spec.layers)
         .map(|_| {

@@ -48,14 +48,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = ModelConfig::from_checkpoint(&ck)?;
     let store = Arc::new(ExpertStore::open(&ck, &cfg, true)?);
     // Distinct random (layer, expert) pairs.
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut r = keep_rng::rng(0x2545_F491_4F6C_DD1D);
     let mut picks = vec![];
     let total = cfg.n_layers * cfg.n_experts;
     while picks.len() < n.min(total) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        let i = (s % total as u64) as usize;
+        let i = keep_rng::Draw::below(&mut r, total);
         if !picks.contains(&i) {
             picks.push(i);
         }

@@ -6,8 +6,10 @@
 //! aligned buffers by a small [`IoPool`]), the [`SlotCache`] (per layer a fixed number of slots
 //! with an expert→slot map and a [`Policy`]: LRU, decay or static, keep-residency's own;
 //! optional warm start), the budget split ([`BudgetPlan`]), the route recorder ([`RouteLog`], `keep-routes` v1), and
-//! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and runs the
-//! generation loop. The model never learns where an expert's bytes came from. Engram table rows
+//! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and implements
+//! keep-model's `Generate`, and one `keep run` ([`run`]: [`RunModel`], mapped or budgeted, driven
+//! by keep-model's one `generate`, measured in a [`RunReport`] that becomes keep-artifacts'
+//! `keep-run-stats` file). The model never learns where an expert's bytes came from. Engram table rows
 //! come from the [`EngramStore`] (an LRU row cache inside the budget, reads queued as soon as a
 //! forward's token ids are known).
 //!
@@ -26,6 +28,7 @@ pub mod error;
 pub mod io;
 pub mod policy;
 pub mod routes;
+pub mod run;
 pub mod runtime;
 pub mod store;
 
@@ -36,9 +39,9 @@ pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
 pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};
+pub use run::{RunInfo, RunModel, RunReport};
 pub use runtime::{
-    peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, GenReport, RuntimeOptions,
-    DEFAULT_ENGRAM_CACHE,
+    peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, RuntimeOptions, DEFAULT_ENGRAM_CACHE,
 };
 pub use store::ExpertStore;
 

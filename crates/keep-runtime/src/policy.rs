@@ -29,8 +29,9 @@ pub enum Policy {
     Static,
 }
 
-/// Default half-life of [`Policy::Decay`], in forward passes.
-pub const DEFAULT_HALF_LIFE: f64 = 32.0;
+/// Default half-life of [`Policy::Decay`], in forward passes (decoded tokens): keep-residency's,
+/// so that `keep residency`'s default decay is the one `keep run` runs.
+pub use keep_residency::policy::DEFAULT_HALF_LIFE;
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

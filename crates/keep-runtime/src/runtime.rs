@@ -1,6 +1,7 @@
 //! [`BudgetedModel`]: the DeepSeek-V4.1 model with its routed experts in a [`SlotCache`] sized
 //! from a memory budget; it implements keep-model's [`Generate`], so keep-model's one
-//! generation loop drives it ([`BudgetedModel::generate`] adds the cache counters per phase).
+//! `generate` drives it, and it keeps the cache counters of the prompt's forward apart from the
+//! decode's ([`BudgetedModel::take_prefill_stats`]; `crate::run` collects them).
 //! Everything except the routed experts is the model's own (views of the mapped checkpoint);
 //! the logits are bit-identical to [`Model::load`]'s because the same views of the same bytes
 //! meet the same kernels — only where the bytes sit differs.
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use keep_checkpoint::Checkpoint;
 use keep_kernels::{ops, WeightView};
 use keep_model::config::Scoring;
-use keep_model::generate::{generate_with, Generate, Sampler};
+use keep_model::generate::Generate;
 use keep_model::layer::top_k_by;
 use keep_model::weights::{vec_f32, weight};
 use keep_model::{
@@ -77,36 +78,6 @@ impl RuntimeOptions {
     }
 }
 
-/// Timings of a generation.
-#[derive(Debug, Clone, Default)]
-pub struct GenReport {
-    pub prompt_tokens: usize,
-    pub prefill_secs: f64,
-    /// Decode forwards (tokens fed back).
-    pub generated: usize,
-    pub decode_secs: f64,
-    /// Cache counters of the prefill and of the decode.
-    pub prefill_cache: CacheStats,
-    pub decode_cache: CacheStats,
-}
-
-impl GenReport {
-    pub fn prefill_tps(&self) -> f64 {
-        rate(self.prompt_tokens, self.prefill_secs)
-    }
-    pub fn decode_tps(&self) -> f64 {
-        rate(self.generated, self.decode_secs)
-    }
-}
-
-fn rate(n: usize, s: f64) -> f64 {
-    if s > 0.0 {
-        n as f64 / s
-    } else {
-        0.0
-    }
-}
-
 /// keep-model's row source over the shared [`EngramStore`].
 struct StoreRows(Arc<EngramStore>);
 
@@ -125,6 +96,7 @@ pub struct BudgetedModel<'a> {
     cache: Arc<SlotCache>,
     engram: Option<Arc<EngramStore>>,
     plan: BudgetPlan,
+    policy: Policy,
     /// Router weight and bias per layer, for next-layer guesses (empty when off).
     gates: Vec<(WeightView<'a>, Vec<f32>)>,
     /// The cache counters of the last prompt's forward ([`Generate::prefilled`]).
@@ -277,6 +249,7 @@ impl<'a> BudgetedModel<'a> {
             cache,
             engram,
             plan,
+            policy: opts.policy,
             gates,
             prefill_stats: None,
             prefill_engram: None,
@@ -291,6 +264,11 @@ impl<'a> BudgetedModel<'a> {
     /// How the budget was split.
     pub fn plan(&self) -> &BudgetPlan {
         &self.plan
+    }
+
+    /// The slot replacement policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
     }
 
     /// The slot cache (counters, residency).
@@ -369,33 +347,12 @@ impl<'a> BudgetedModel<'a> {
     pub fn take_prefill_engram(&mut self) -> Option<EngramStats> {
         self.prefill_engram.take()
     }
-
-    /// keep-model's [`generate_with`] over this model, with the cache counters of the prefill
-    /// and of the decode (zeroed before the prompt).
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        max_tokens: usize,
-        sampler: &mut Sampler,
-        stop: &[u32],
-        obs: Option<&mut dyn RouteObserver>,
-        on_token: impl FnMut(u32),
-    ) -> Result<GenReport> {
-        self.cache.reset_stats();
-        self.prefill_stats = None;
-        let s = generate_with(self, prompt, max_tokens, sampler, stop, obs, on_token)?;
-        Ok(GenReport {
-            prompt_tokens: s.prompt_tokens,
-            prefill_secs: s.prefill_secs,
-            generated: s.generated,
-            decode_secs: s.decode_secs,
-            prefill_cache: self.take_prefill_stats().unwrap_or_default(),
-            decode_cache: self.cache.stats(),
-        })
-    }
 }
 
 impl Generate for BudgetedModel<'_> {
+    fn cfg(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
     fn new_cache(&self) -> Cache {
         self.model.new_cache()
     }
@@ -407,6 +364,15 @@ impl Generate for BudgetedModel<'_> {
     ) -> keep_model::Result<Vec<f32>> {
         self.prefetch_hash_layers(tokens);
         self.model_forward(tokens, cache, Logits::Last, obs)
+    }
+    /// Zero the counters, so that the prompt's forward is counted alone.
+    fn starting(&mut self) {
+        self.cache.reset_stats();
+        self.prefill_stats = None;
+        self.prefill_engram = None;
+        if let Some(e) = &self.engram {
+            e.reset_stats();
+        }
     }
     fn prefilled(&mut self) {
         self.prefill_stats = Some(Box::new(self.cache.stats()));

@@ -1,4 +1,4 @@
-//! The simulator models the runtime: a route file that `BudgetedModel` recorded while
+//! The simulator models the runtime: a route file that a budgeted `keep run` recorded while
 //! generating (a one-token prompt, then decode: every forward is one token), replayed through
 //! keep-residency with the same policy, a hot set of the cache's slots per layer and the same
 //! warm start, gives the runtime's hits and misses exactly, layer by layer — for lru, decay
@@ -6,13 +6,16 @@
 
 mod common;
 
+use std::ops::ControlFlow;
 use std::path::Path;
 
 use keep_artifacts::routes::read_run;
 use keep_checkpoint::Checkpoint;
-use keep_model::generate::{Sampler, SamplerConfig};
+use keep_model::generate::{GenerateOptions, Prompt, SamplerConfig};
 use keep_residency::sim::{order_by, replay, ReplaySpec};
-use keep_runtime::{warm_scores, BudgetPlan, BudgetedModel, Policy, RouteLog, RuntimeOptions};
+use keep_runtime::{
+    warm_scores, BudgetPlan, BudgetedModel, Policy, RouteLog, RunModel, RuntimeOptions,
+};
 
 /// Decoded tokens per run: enough for every slot to be given up many times.
 const DECODE_TOKENS: usize = 48;
@@ -20,34 +23,32 @@ const DECODE_TOKENS: usize = 48;
 /// Generate from a one-token prompt under `opts`, record the routes to `routes`; the hits and
 /// misses per layer (prefill and decode together) and the slots per layer.
 fn run(ck: &Checkpoint, opts: &RuntimeOptions, routes: &Path) -> (Vec<(u64, u64)>, usize) {
-    let mut m = BudgetedModel::load(ck, opts).unwrap();
+    let mut m = RunModel::load(ck, opts.kernels, Some(opts)).unwrap();
     let n_experts = m.cfg().n_experts;
     let prompt = common::prompt(1, m.cfg().vocab);
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: 1.0,
-        top_p: 1.0,
-        seed: 11,
-    });
+    let gen = GenerateOptions {
+        max_tokens: DECODE_TOKENS,
+        sampling: SamplerConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 11,
+        },
+        tokenizer: None,
+    };
     let mut log = RouteLog::new();
-    let r = m
-        .generate(
-            &prompt,
-            DECODE_TOKENS,
-            &mut sampler,
-            &[],
-            Some(&mut log),
-            |_| {},
-        )
-        .unwrap();
+    let r = keep_runtime::run::run(&mut m, Prompt::Ids(&prompt), &gen, Some(&mut log), |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
     log.write(routes, "replay", n_experts, true).unwrap();
-    let per_layer = r
-        .prefill_cache
+    let (prefill, decode) = (r.prefill_cache.unwrap(), r.decode_cache.unwrap());
+    let per_layer = prefill
         .per_layer
         .iter()
-        .zip(&r.decode_cache.per_layer)
+        .zip(&decode.per_layer)
         .map(|(p, d)| (p.hits + d.hits, p.misses + d.misses))
         .collect();
-    (per_layer, m.plan().slots_per_layer)
+    (per_layer, m.budgeted().unwrap().plan().slots_per_layer)
 }
 
 #[test]

@@ -55,9 +55,7 @@ pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 /// The model's tokenizer (`tokenizer.json` in its directory).
 pub fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
-    let p = dir.join("tokenizer.json");
-    tokenizers::Tokenizer::from_file(&p)
-        .map_err(|e| anyhow::anyhow!("{}: cannot load the tokenizer: {e}", p.display()))
+    Ok(keep_model::generate::load_tokenizer(dir)?)
 }
 
 /// Token ids of `text` (with the tokenizer's special tokens, as the reference tools encode).

@@ -42,8 +42,9 @@ pub struct ResidencyArgs {
     /// Policies to replay: static, lru, decay, belady (comma list).
     #[arg(long, value_delimiter = ',', default_value = "static,lru,decay,belady")]
     policy: Vec<String>,
-    /// Half-life of the decayed use counts, in tokens.
-    #[arg(long, default_value_t = 64.0)]
+    /// Half-life of the decayed use counts, in tokens (decoded tokens are forward passes, so
+    /// the default is `keep run --policy decay`'s).
+    #[arg(long, default_value_t = keep_residency::policy::DEFAULT_HALF_LIFE)]
     half_life: f64,
     /// Warm start: reap (RUN/reap-stats.safetensors), frequency (counts of the trace), none
     /// (empty hot sets), or auto (reap when the file exists, else frequency).

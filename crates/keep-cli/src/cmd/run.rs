@@ -1,19 +1,22 @@
 //! `keep run`: generate text from a model (the bundled one by default), streaming it to stdout,
-//! and print prefill and decode speeds to stderr at the end.
+//! and print prefill and decode speeds to stderr at the end. Flags and printing only: the run
+//! is keep-runtime's (`run::run` over a mapped or budgeted model, driving keep-model's one
+//! `generate`), the `--stats-json` file keep-artifacts' `run_stats`.
 
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
-use keep_model::generate::{generate, Sampler, SamplerConfig};
-use keep_model::Model;
-use tokenizers::Tokenizer;
+use keep_model::generate::{load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig};
+use keep_model::ModelError;
+use keep_runtime::{RouteLog, RunInfo, RuntimeError};
 
-use super::logits::{model_dir, tokenizer};
+use super::logits::model_dir;
 
-// Memory-budget flags and their run path (keep-runtime): a child module so it can read RunArgs.
+// Memory-budget flags and the printing of what a budgeted run measured.
 mod budget;
 
 /// Generate text with the model, streaming it to stdout.
@@ -54,155 +57,110 @@ pub struct RunArgs {
     budget: budget::BudgetArgs,
 }
 
-/// Refuse sampling settings that would sample garbage: a temperature that is not a finite
-/// number ≥ 0, a top-p outside (0, 1] (NaN included).
-fn check_sampling(a: &RunArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        a.temperature.is_finite() && a.temperature >= 0.0,
-        "--temperature must be a finite number ≥ 0, not {}",
-        a.temperature
-    );
-    anyhow::ensure!(
-        a.top_p > 0.0 && a.top_p <= 1.0,
-        "--top-p must be in (0, 1], not {}",
-        a.top_p
-    );
-    Ok(())
-}
-
-/// Refuse a run whose prompt plus generated tokens exceed the model's context
-/// (`max_position_embeddings`), before anything is allocated for it.
-fn check_context(
-    prompt: usize,
-    max_tokens: usize,
-    cfg: &keep_model::ModelConfig,
-) -> anyhow::Result<()> {
-    let limit = cfg.raw.max_position_embeddings;
-    anyhow::ensure!(
-        prompt.saturating_add(max_tokens) <= limit,
-        "{prompt} prompt tokens + --max-tokens {max_tokens} exceed the model's context of {limit} positions (max_position_embeddings); use --prompt-tokens/--max-tokens within it"
-    );
-    Ok(())
-}
-
-fn config_id(raw: &serde_json::Value, key: &str) -> Vec<u32> {
-    match raw.get(key) {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+/// A refusal of the run, in the words of its flags where a flag is the cause.
+fn flag_error(e: RuntimeError) -> anyhow::Error {
+    match e {
+        RuntimeError::Model(ModelError::TooLong {
+            prompt,
+            max_tokens,
+            limit,
+        }) => anyhow::anyhow!(
+            "{prompt} prompt tokens + --max-tokens {max_tokens} exceed the model's context of {limit} positions (max_position_embeddings); use --prompt-tokens/--max-tokens within it"
+        ),
+        RuntimeError::Model(e @ ModelError::Sampling(_)) => {
+            anyhow::anyhow!("{e}: give --temperature ≥ 0 and --top-p in (0, 1]")
         }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|v| v.as_u64())
-            .map(|v| v as u32)
-            .collect(),
-        _ => vec![],
-    }
-}
-
-/// The prompt's token ids, encoded as mlx-lm's `generate` encodes (the tokenizer's special
-/// tokens added); no tokenizer, or an empty or missing prompt, starts from the
-/// beginning-of-sequence token.
-fn prompt_ids(
-    tok: Option<&Tokenizer>,
-    prompt: Option<&str>,
-    bos: &[u32],
-) -> anyhow::Result<Vec<u32>> {
-    let mut ids = match (tok, prompt) {
-        (Some(t), Some(p)) if !p.is_empty() => t
-            .encode(p, true)
-            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-            .get_ids()
-            .to_vec(),
-        _ => vec![],
-    };
-    if ids.is_empty() {
-        ids.push(bos.first().copied().unwrap_or(0));
-    }
-    Ok(ids)
-}
-
-/// Generated text printed as it grows: the whole sequence is decoded at each token and what is
-/// new is printed, so multi-token characters come out whole.
-#[derive(Default)]
-struct TextOut {
-    ids: Vec<u32>,
-    printed: String,
-}
-
-impl TextOut {
-    fn push(&mut self, tok: &Tokenizer, t: u32, out: &mut impl Write) -> anyhow::Result<()> {
-        self.ids.push(t);
-        let text = tok
-            .decode(&self.ids, true)
-            .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
-        // Wait while the text ends in an incomplete character; print what follows the part
-        // already printed (if decoding rewrote earlier text, from where it differs).
-        if !text.ends_with('\u{FFFD}') && text != self.printed {
-            let common = self
-                .printed
-                .char_indices()
-                .zip(text.chars())
-                .take_while(|((_, a), b)| a == b)
-                .last()
-                .map(|((i, c), _)| i + c.len_utf8())
-                .unwrap_or(0);
-            write!(out, "{}", &text[common..])?;
-            out.flush()?;
-            self.printed = text;
-        }
-        Ok(())
+        e => e.into(),
     }
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    check_sampling(&a)?;
-    if a.budget.active() {
-        return budget::run(a);
-    }
-    let dir = model_dir(a.model)?;
-    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let mut model =
-        Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
-    model.cfg.kernels = a.kernels.into();
-    let tok = tokenizer(&dir)?;
-    let raw = &model.cfg.raw.raw;
-    let bos = config_id(raw, "bos_token_id");
-    let eos = config_id(raw, "eos_token_id");
-    let prompt = prompt_ids(Some(&tok), a.prompt.as_deref(), &bos)?;
-    check_context(prompt.len(), a.max_tokens, &model.cfg)?;
-    let mut out = std::io::stdout().lock();
-    if let Some(p) = &a.prompt {
-        write!(out, "{p}")?;
-        out.flush()?;
-    }
-    let mut sampler = Sampler::new(SamplerConfig {
+    let b = &a.budget;
+    let sampling = SamplerConfig {
         temperature: a.temperature,
         top_p: a.top_p,
         seed: a.seed,
-    });
-    let mut text = TextOut::default();
-    let mut err: Option<anyhow::Error> = None;
-    let stats = generate(&model, &prompt, a.max_tokens, &mut sampler, &eos, |t| {
-        if eos.contains(&t) || err.is_some() {
-            return;
-        }
-        if let Err(e) = text.push(&tok, t, &mut out) {
-            err = Some(e);
-        }
-    })?;
-    if let Some(e) = err {
-        return Err(e);
+    };
+    sampling
+        .check()
+        .map_err(|e| flag_error(RuntimeError::Model(e)))?;
+    let dir = model_dir(a.model.clone())?;
+    b.check(&dir)?;
+    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let opts = b.runtime_options(a.kernels.into())?;
+    let (mut model, load_secs) =
+        keep_runtime::run::load_timed(&ck, a.kernels.into(), opts.as_ref())
+            .with_context(|| format!("loading the model from {}", dir.display()))?;
+    if let Some(m) = model.budgeted() {
+        budget::print_plan(m);
     }
+    let tok = match b.prompt_tokens {
+        Some(_) => None,
+        None => Some(load_tokenizer(&dir)?),
+    };
+    let prompt = match b.prompt_tokens {
+        Some(n) => Prompt::Synthetic(n),
+        None => Prompt::Text(a.prompt.as_deref().unwrap_or("")),
+    };
+    let gen = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampling,
+        tokenizer: tok.as_ref(),
+    };
+    let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
+    // Each piece goes to stdout as it comes; the first output error stops the run.
+    let mut out = std::io::stdout().lock();
+    let mut printed: std::io::Result<()> = Ok(());
+    let report = keep_runtime::run::run(&mut model, prompt, &gen, log.as_mut(), |p| {
+        printed = match p {
+            Piece::Prompt(_) => match (&a.prompt, &tok) {
+                (Some(text), Some(_)) => write!(out, "{text}"),
+                _ => Ok(()),
+            },
+            Piece::Text(s) => write!(out, "{s}"),
+            Piece::Token(t) => write!(out, "{t} "),
+        }
+        .and_then(|_| out.flush());
+        match printed {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(_) => ControlFlow::Break(()),
+        }
+    })
+    .map_err(flag_error)?;
+    printed?;
     writeln!(out)?;
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let g = &report.gen;
     eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s)",
-        stats.prompt_tokens,
-        stats.prefill_secs,
-        rate(stats.prompt_tokens, stats.prefill_secs),
-        stats.generated,
-        stats.decode_secs,
-        rate(stats.generated, stats.decode_secs)
+        "prefill: {} tokens in {:.3} s ({:.2} tokens/s); decode: {} tokens in {:.3} s ({:.2} tokens/s)",
+        g.prompt_tokens,
+        g.prefill_secs,
+        g.prefill_tps(),
+        g.generated,
+        g.decode_secs,
+        g.decode_tps()
     );
+    if b.active() {
+        budget::print_report(&report, b.memory_budget);
+    }
+    if let (Some(path), Some(l)) = (&b.record_routes, &log) {
+        let session = format!("keep-run-{}", std::process::id());
+        l.write(path, &session, model.cfg().n_experts, b.force)
+            .with_context(|| format!("writing routes to {}", path.display()))?;
+        eprintln!(
+            "routes of {} tokens written to {}",
+            l.tokens(),
+            path.display()
+        );
+    }
+    if let Some(path) = &b.stats_json {
+        let info = RunInfo {
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            model: dir.display().to_string(),
+            io_threads: b.io_threads,
+            load_secs,
+        };
+        keep_artifacts::run_stats::write(path, &report.stats(&model, &info), b.force)
+            .with_context(|| format!("writing the run's numbers to {}", path.display()))?;
+    }
     Ok(())
 }

@@ -11,7 +11,7 @@ const REL_TOL: f32 = 1e-5;
 
 #[test]
 fn quantize_block_error_is_half_a_step() {
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     for scale in [1e-6f32, 1.0, 3e4] {
         let x: Vec<f32> = (0..QBLOCK).map(|_| rng.f() * scale).collect();
         let mut q = [0i8; QBLOCK];
@@ -164,7 +164,7 @@ fn exact_mag(x: &[f32], src: &IntSrc, o: usize, cols: usize) -> f32 {
 
 #[test]
 fn every_level_matches_the_contract_on_odd_shapes() {
-    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let mut rng = Rng::new(0x5EED_1234_ABCD_0001);
     for &(rows, cols) in &[
         (1, 32),
         (3, 64),
@@ -222,7 +222,7 @@ fn every_level_matches_the_contract_on_odd_shapes() {
 fn extreme_scales_and_special_inputs() {
     // Scale bytes 0, 1, 200 in one row and NaN (0xFF) in the other; inputs with zero and NaN blocks.
     let (rows, cols) = (2, 192);
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     let p = rng.bytes(rows * cols / 2);
     let s = vec![0u8, 1, 200, 127, 127, 130, 127, 0xFF, 127, 127, 127, 127];
     let w = WeightView::mxfp4(&p, &s, rows, cols).unwrap();
@@ -247,7 +247,7 @@ fn extreme_scales_and_special_inputs() {
 
 #[test]
 fn threaded_and_many_equal_one_thread() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let (rows, cols) = (1037, 4128);
     assert!(rows * cols >= PAR_MIN_MACS);
     let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
@@ -371,7 +371,7 @@ fn bad_operands_are_errors() {
 fn print_single_thread_gbps() {
     use std::time::Instant;
     let (rows, cols) = (2048usize, 7168usize);
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let p = rng.bytes(rows * cols / 2);
     let sc = rng.scales(rows * cols / 32);
     let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();

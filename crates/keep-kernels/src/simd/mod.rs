@@ -628,7 +628,7 @@ mod tests {
 
     #[test]
     fn every_level_matches_ref_on_odd_shapes() {
-        let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+        let mut rng = Rng::new(0xD1B5_4A32_D192_ED03);
         for &(rows, cols) in &[(1, 32), (3, 64), (17, 96), (33, 160), (70, 1056)] {
             let f32b: Vec<u8> = (0..rows * cols)
                 .flat_map(|_| rng.f().to_le_bytes())
@@ -722,7 +722,7 @@ mod tests {
     fn threaded_equals_one_thread() {
         // Above PAR_MIN_MACS and in a 4-thread pool, so the threaded path runs on any machine;
         // against all rows computed on this thread.
-        let mut rng = Rng(7);
+        let mut rng = Rng::new(7);
         let (rows, cols) = (1037, 4160);
         assert!(rows * cols >= crate::cpu::PAR_MIN_MACS);
         let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
@@ -756,7 +756,7 @@ mod tests {
 
     #[test]
     fn many_equals_one_by_one() {
-        let mut rng = Rng(42);
+        let mut rng = Rng::new(42);
         // Six jobs above PAR_MIN_MACS together (the threaded pass), in a 4-thread pool.
         let (rows, cols) = (1400, 512);
         assert!(6 * rows * cols >= crate::cpu::PAR_MIN_MACS);
@@ -811,17 +811,8 @@ mod timing {
 
     fn print_gbps(m: usize) {
         let (rows, cols) = (2304usize, 5120usize);
-        let mut s = 0x1234_5678u64;
-        let mut bytes = |n: usize| -> Vec<u8> {
-            (0..n)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    s as u8
-                })
-                .collect()
-        };
+        let mut r = crate::test_rng::Rng::new(0x1234_5678);
+        let mut bytes = |n: usize| -> Vec<u8> { r.bytes(n) };
         let bf: Vec<u8> = bytes(rows * cols * 2)
             .chunks(2)
             .flat_map(|c| [c[0], 0x3C | (c[1] & 0x81)])

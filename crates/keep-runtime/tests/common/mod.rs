@@ -35,13 +35,7 @@ pub fn synth_tiny(
 
 /// A deterministic prompt of `n` token ids below `vocab`.
 pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 12345u64;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
+    use keep_rng::Draw;
+    let mut r = keep_rng::rng(12345);
+    (0..n).map(|_| r.below(vocab) as u32).collect()
 }

@@ -1,26 +1,16 @@
-//! `keep run --memory-budget BYTES`: the run verb with routed experts in per-layer slots inside
-//! a memory budget (keep-runtime), misses read from the checkpoint's own shards. Also serves
-//! `--record-routes` and `--stats-json` without a budget (plain mapped model), so that a
-//! budgeted run and an mmap run can be compared with the same flags. At the end it prints hit
-//! rate, bytes read and read bandwidth, prefill and decode tokens/s and peak resident memory.
-//!
-//! A child module of `run` so that it reads `RunArgs` without widening that struct's API.
+//! `keep run`'s memory-budget flags (`--memory-budget` and what goes with it: policy, warm start,
+//! next-layer prefetch, the Engram row cache, I/O threads, `--record-routes`, `--stats-json`,
+//! `--prompt-tokens`), their checks, and the printing of what a budgeted run measured: hit
+//! rates, bytes read and read bandwidth per phase, the Engram row cache, peak resident memory.
+//! Flags and printing only; the run itself is keep-runtime's.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::Context;
 use clap::Args;
-use keep_checkpoint::Checkpoint;
-use keep_model::generate::{generate_with, Generate, Sampler, SamplerConfig};
-use keep_model::{Cache, Logits, Model, RouteObserver};
 use keep_runtime::{
-    peak_rss_bytes, BudgetedModel, CacheStats, EngramStats, Policy, RouteLog, RuntimeOptions,
-    DEFAULT_IO_THREADS, FIXED_OVERHEAD,
+    BudgetedModel, Policy, RunReport, RuntimeOptions, DEFAULT_IO_THREADS, FIXED_OVERHEAD,
 };
 
-use super::{config_id, prompt_ids, RunArgs, TextOut};
-use crate::cmd::logits::{model_dir, tokenizer};
 use crate::util::{human, parse_bytes};
 
 /// Most expert-reading threads a run may start (each holds a read buffer; far beyond what an
@@ -81,237 +71,89 @@ impl BudgetArgs {
     }
 }
 
-fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab.max(1) as u64) as u32
-        })
-        .collect()
-}
-
-/// The model this path drives: under a memory budget (keep-runtime) or plainly mapped.
-enum Loaded<'a> {
-    Budgeted(BudgetedModel<'a>),
-    Plain(Model<'a>),
-}
-
-impl Generate for Loaded<'_> {
-    fn new_cache(&self) -> Cache {
-        match self {
-            Loaded::Budgeted(m) => m.new_cache(),
-            Loaded::Plain(m) => m.new_cache(),
+impl BudgetArgs {
+    /// Refuse bad flags and outputs before anything is loaded: existing `--record-routes` /
+    /// `--stats-json` files without `--force` (and any inside the model `dir`), an I/O thread
+    /// count out of range, an empty synthetic prompt.
+    pub fn check(&self, dir: &Path) -> anyhow::Result<()> {
+        for p in [&self.record_routes, &self.stats_json]
+            .into_iter()
+            .flatten()
+        {
+            crate::util::check_out_file(p, self.force, &[dir])?;
         }
-    }
-    fn forward_last(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        obs: Option<&mut dyn RouteObserver>,
-    ) -> keep_model::Result<Vec<f32>> {
-        match self {
-            Loaded::Budgeted(m) => m.forward_last(tokens, cache, obs),
-            Loaded::Plain(m) => m.forward(tokens, cache, Logits::Last, obs),
-        }
-    }
-    fn prefilled(&mut self) {
-        if let Loaded::Budgeted(m) = self {
-            m.prefilled();
-        }
-    }
-}
-
-impl<'a> Loaded<'a> {
-    fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
-        match self {
-            Loaded::Budgeted(m) => Some(m),
-            Loaded::Plain(_) => None,
-        }
-    }
-}
-
-fn obs(l: &mut Option<RouteLog>) -> Option<&mut dyn RouteObserver> {
-    l.as_mut().map(|l| l as &mut dyn RouteObserver)
-}
-
-fn engram_json(s: &EngramStats) -> serde_json::Value {
-    serde_json::json!({
-        "rows_requested": s.rows_requested, "hits": s.hits, "misses": s.misses,
-        "hit_rate": s.hit_rate(), "bytes_read": s.bytes_read, "useful_bytes": s.useful_bytes,
-        "read_amplification": s.read_amplification(), "reads": s.reads,
-        "wait_secs": s.wait_secs, "sync_rows": s.sync_rows,
-    })
-}
-
-fn cache_json(s: &CacheStats) -> serde_json::Value {
-    serde_json::json!({
-        "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate(),
-        "bytes_read": s.bytes_read, "experts_read": s.experts_read,
-        "io_busy_secs": s.io_busy_secs, "read_gbps": s.read_gbps(), "wait_secs": s.wait_secs,
-        "warm_bytes": s.warm_bytes,
-        "hash_layers": {
-            "exact_passes": s.exact_passes, "hits": s.hash_hits, "misses": s.hash_misses,
-            "wait_secs": s.hash_wait_secs,
-        },
-        "guess": {
-            "passes": s.guess.passes, "guessed": s.guess.guessed, "routed": s.guess.routed,
-            "right": s.guess.right, "reads": s.guess.reads, "saved": s.guess.saved,
-        },
-    })
-}
-
-pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    let b = a.budget.clone();
-    let dir = model_dir(a.model.clone())?;
-    for p in [&b.record_routes, &b.stats_json].into_iter().flatten() {
-        crate::util::check_out_file(p, b.force, &[&dir])?;
-    }
-    anyhow::ensure!(
-        (1..=MAX_IO_THREADS).contains(&b.io_threads),
-        "--io-threads must be 1 to {MAX_IO_THREADS}, not {}",
-        b.io_threads
-    );
-    anyhow::ensure!(
-        b.prompt_tokens != Some(0),
-        "--prompt-tokens must be at least 1"
-    );
-    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let policy: Policy = match b.policy.as_str() {
-        "decay" => Policy::Decay {
-            half_life: b.half_life,
-        },
-        p => p
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--policy: {e}"))?,
-    };
-    let t_load = std::time::Instant::now();
-    // One of the two models; both run through `forward` below.
-    let mut model = match b.memory_budget {
-        Some(bytes) => {
-            let opts = RuntimeOptions {
-                budget: bytes,
-                policy,
-                io_threads: b.io_threads,
-                direct_io: !b.buffered_io,
-                warm_start: b.warm_start.clone(),
-                prefetch_next: b.prefetch_next,
-                kernels: a.kernels.into(),
-                engram_cache: b.engram_cache,
-            };
-            let m = BudgetedModel::load(&ck, &opts)
-                .with_context(|| format!("loading the model from {}", dir.display()))?;
-            Loaded::Budgeted(m)
-        }
-        None => {
-            let mut m = Model::load(&ck)?;
-            m.cfg.kernels = a.kernels.into();
-            Loaded::Plain(m)
-        }
-    };
-    let load_secs = t_load.elapsed().as_secs_f64();
-    let cfg = match &model {
-        Loaded::Budgeted(m) => m.cfg().clone(),
-        Loaded::Plain(m) => m.cfg.clone(),
-    };
-    if let Some(m) = model.budgeted() {
-        let p = m.plan();
-        let st = m.cache().store();
-        eprintln!(
-            "budget {}: residents {} + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
-            human(p.budget),
-            human(p.residents),
-            p.slots_per_layer,
-            p.n_layers,
-            human(p.slot_bytes),
-            human(p.planned()),
-            human(st.total_bytes()),
-            p.slots_per_layer,
-            p.n_experts,
-            policy,
-            b.io_threads,
-            if st.direct_io() { "O_DIRECT" } else { "buffered reads + fadvise(DONTNEED): direct I/O unavailable or off" }
+        anyhow::ensure!(
+            (1..=MAX_IO_THREADS).contains(&self.io_threads),
+            "--io-threads must be 1 to {MAX_IO_THREADS}, not {}",
+            self.io_threads
         );
+        anyhow::ensure!(
+            self.prompt_tokens != Some(0),
+            "--prompt-tokens must be at least 1"
+        );
+        Ok(())
     }
-    let raw = &cfg.raw.raw;
-    let bos = config_id(raw, "bos_token_id");
-    let eos = config_id(raw, "eos_token_id");
-    let tok = if b.prompt_tokens.is_some() {
-        None
-    } else {
-        Some(tokenizer(&dir)?)
-    };
-    if let Some(n) = b.prompt_tokens {
-        super::check_context(n, a.max_tokens, &cfg)?;
-    }
-    let prompt = match b.prompt_tokens {
-        Some(n) => synthetic_prompt(n, cfg.vocab),
-        None => {
-            let p = prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?;
-            super::check_context(p.len(), a.max_tokens, &cfg)?;
-            p
-        }
-    };
-    let mut out = std::io::stdout().lock();
-    if let (Some(p), Some(_)) = (&a.prompt, &tok) {
-        write!(out, "{p}")?;
-        out.flush()?;
-    }
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: a.temperature,
-        top_p: a.top_p,
-        seed: a.seed,
-    });
-    let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
-    if let Some(l) = log.as_mut() {
-        l.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
-    }
-    // keep-model's generation loop; this verb prints each token (the end-of-sequence token is
-    // not printed) and keeps the first output error.
-    let mut text = TextOut::default();
-    let mut printed: anyhow::Result<()> = Ok(());
-    let stats = generate_with(
-        &mut model,
-        &prompt,
-        a.max_tokens,
-        &mut sampler,
-        &eos,
-        obs(&mut log),
-        |t| {
-            if eos.contains(&t) || printed.is_err() {
-                return;
+
+    /// The runtime's options when `--memory-budget` is given.
+    pub fn runtime_options(
+        &self,
+        kernels: keep_model::Kernels,
+    ) -> anyhow::Result<Option<RuntimeOptions>> {
+        let Some(budget) = self.memory_budget else {
+            return Ok(None);
+        };
+        let policy: Policy = match self.policy.as_str() {
+            "decay" => {
+                anyhow::ensure!(
+                    self.half_life.is_finite() && self.half_life > 0.0,
+                    "--half-life must be a positive number of forward passes, not {}",
+                    self.half_life
+                );
+                Policy::Decay {
+                    half_life: self.half_life,
+                }
             }
-            printed = match &tok {
-                Some(tk) => text.push(tk, t, &mut out),
-                None => write!(out, "{t} ")
-                    .and_then(|_| out.flush())
-                    .map_err(Into::into),
-            };
-        },
-    )?;
-    printed?;
-    let (prefill_secs, steps, decode_secs) =
-        (stats.prefill_secs, stats.generated, stats.decode_secs);
-    let (prefill_cache, prefill_engram) = match &mut model {
-        Loaded::Budgeted(m) => (m.take_prefill_stats(), m.take_prefill_engram()),
-        Loaded::Plain(_) => (None, None),
-    };
-    writeln!(out)?;
-    let decode_cache = model.budgeted().map(|m| m.cache().stats());
-    let decode_engram = model.budgeted().and_then(|m| m.engram()).map(|e| e.stats());
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+            p => p
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--policy: {e}"))?,
+        };
+        Ok(Some(RuntimeOptions {
+            budget,
+            policy,
+            io_threads: self.io_threads,
+            direct_io: !self.buffered_io,
+            warm_start: self.warm_start.clone(),
+            prefetch_next: self.prefetch_next,
+            kernels,
+            engram_cache: self.engram_cache,
+        }))
+    }
+}
+
+/// The budget split, before the run.
+pub fn print_plan(m: &BudgetedModel) {
+    let p = m.plan();
+    let st = m.cache().store();
     eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.2} tokens/s); decode: {} tokens in {:.3} s ({:.2} tokens/s)",
-        prompt.len(),
-        prefill_secs,
-        rate(prompt.len(), prefill_secs),
-        steps,
-        decode_secs,
-        rate(steps, decode_secs)
+        "budget {}: residents {} + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
+        human(p.budget),
+        human(p.residents),
+        p.slots_per_layer,
+        p.n_layers,
+        human(p.slot_bytes),
+        human(p.planned()),
+        human(st.total_bytes()),
+        p.slots_per_layer,
+        p.n_experts,
+        m.policy(),
+        m.cache().stats().io_threads,
+        if st.direct_io() { "O_DIRECT" } else { "buffered reads + fadvise(DONTNEED): direct I/O unavailable or off" }
     );
-    for (phase, s) in [("prefill", &prefill_cache), ("decode", &decode_cache)] {
+}
+
+/// The caches' counters per phase and the peak resident memory, after the run.
+pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
+    for (phase, s) in [("prefill", &r.prefill_cache), ("decode", &r.decode_cache)] {
         if let Some(s) = s {
             eprintln!(
                 "{phase} experts: hit rate {:.1}% ({} hits, {} misses); read {} in {} reads at {:.2} GB/s; waited {:.3} s",
@@ -347,7 +189,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             }
         }
     }
-    for (phase, s) in [("prefill", &prefill_engram), ("decode", &decode_engram)] {
+    for (phase, s) in [("prefill", &r.prefill_engram), ("decode", &r.decode_engram)] {
         if let Some(s) = s {
             eprintln!(
                 "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads); waited {:.3} s",
@@ -362,8 +204,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let peak = peak_rss_bytes();
-    match (peak, b.memory_budget) {
+    match (r.peak_rss, memory_budget) {
         (Some(p), Some(budget)) => eprintln!(
             "peak resident memory: {} (budget {} + documented overhead {})",
             human(p),
@@ -373,53 +214,4 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         (Some(p), None) => eprintln!("peak resident memory: {}", human(p)),
         _ => {}
     }
-    if let (Some(path), Some(l)) = (&b.record_routes, &log) {
-        let session = format!("keep-run-{}", std::process::id());
-        l.write(path, &session, cfg.n_experts, b.force)
-            .with_context(|| format!("writing routes to {}", path.display()))?;
-        eprintln!(
-            "routes of {} tokens written to {}",
-            l.tokens(),
-            path.display()
-        );
-    }
-    if let Some(path) = &b.stats_json {
-        let plan = model.budgeted().map(|m| {
-            let p = m.plan();
-            serde_json::json!({
-                "budget": p.budget, "residents": p.residents, "slot_bytes": p.slot_bytes,
-                "slots_per_layer": p.slots_per_layer, "n_layers": p.n_layers,
-                "n_experts": p.n_experts, "top_k": p.top_k,
-                "routed_expert_bytes": m.cache().store().total_bytes(),
-                "expert_bytes": m.cache().store().expert_bytes(),
-                "direct_io": m.cache().store().direct_io(),
-                "engram_cache_bytes": m.engram().map(|e| e.cache_bytes()),
-            })
-        });
-        let j = serde_json::json!({
-            "format": "keep-run-stats", "version": 1,
-            "command": std::env::args().collect::<Vec<_>>().join(" "),
-            "model": dir.display().to_string(),
-            "policy": b.memory_budget.map(|_| policy.to_string()),
-            "io_threads": b.io_threads,
-            "plan": plan,
-            "load_secs": load_secs,
-            "prompt_tokens": prompt.len(), "prefill_secs": prefill_secs,
-            "prefill_tps": rate(prompt.len(), prefill_secs),
-            "decode_tokens": steps, "decode_secs": decode_secs,
-            "decode_tps": rate(steps, decode_secs),
-            "prefill_cache": prefill_cache.as_ref().map(cache_json),
-            "decode_cache": decode_cache.as_ref().map(cache_json),
-            "prefill_engram": prefill_engram.as_ref().map(engram_json),
-            "decode_engram": decode_engram.as_ref().map(engram_json),
-            "peak_rss_bytes": peak,
-            "fixed_overhead_bytes": FIXED_OVERHEAD,
-        });
-        keep_checkpoint::atomic::write_file(
-            path,
-            (serde_json::to_string_pretty(&j)? + "\n").as_bytes(),
-            b.force,
-        )?;
-    }
-    Ok(())
 }

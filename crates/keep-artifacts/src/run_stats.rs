@@ -1,0 +1,333 @@
+//! `keep-run-stats` v1: the numbers of one `keep run` (`--stats-json FILE`) — the command, the
+//! budget split, prefill and decode speeds, the expert cache's and the Engram row cache's
+//! counters per phase, peak resident memory — as a JSON object, read by the budget and Engram
+//! benchmark scripts (`dev/bench-budget.sh`, `dev/bench-engram.sh`).
+//!
+//! Its one typed writer ([`write`], atomic through keep-checkpoint, an existing file refused
+//! without `force`) and one typed reader ([`read`], which checks `format` and `version`). The
+//! fields are declared in alphabetical order so the file lists them in the order readers have
+//! always seen; fields that do not apply to a run (a plan and cache counters without a memory
+//! budget, Engram counters without Engram layers) are `null`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ArtifactError, Result};
+
+/// The `format` field of a run-stats file.
+pub const FORMAT: &str = "keep-run-stats";
+/// The `version` field this module writes and reads.
+pub const VERSION: u32 = 1;
+/// Largest run-stats file the reader accepts (a few kilobytes in practice).
+pub const MAX_BYTES: u64 = 1 << 20;
+
+/// One run's numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunStats {
+    /// The command line, space-joined.
+    pub command: String,
+    /// Expert cache counters of the decode (`None` without a memory budget).
+    pub decode_cache: Option<CacheCounters>,
+    /// Engram row cache counters of the decode (`None` without Engram layers or a budget).
+    pub decode_engram: Option<EngramCounters>,
+    pub decode_secs: f64,
+    /// Decode forwards (sampled tokens fed back).
+    pub decode_tokens: u64,
+    pub decode_tps: f64,
+    /// Memory a run may use beyond its budget (binary, stacks, activations, short KV cache).
+    pub fixed_overhead_bytes: u64,
+    /// [`FORMAT`].
+    pub format: String,
+    pub io_threads: u64,
+    pub load_secs: f64,
+    /// The model directory.
+    pub model: String,
+    /// Peak resident set size (`None` where the system does not report it).
+    pub peak_rss_bytes: Option<u64>,
+    /// How the budget was split (`None` without a memory budget).
+    pub plan: Option<PlanNumbers>,
+    /// The slot policy (`None` without a memory budget).
+    pub policy: Option<String>,
+    pub prefill_cache: Option<CacheCounters>,
+    pub prefill_engram: Option<EngramCounters>,
+    pub prefill_secs: f64,
+    pub prefill_tps: f64,
+    pub prompt_tokens: u64,
+    /// [`VERSION`].
+    pub version: u32,
+}
+
+/// How a memory budget was split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanNumbers {
+    pub budget: u64,
+    /// Whether every shard is read with direct I/O.
+    pub direct_io: bool,
+    /// Bytes of the Engram row cache (`None` without Engram layers).
+    pub engram_cache_bytes: Option<u64>,
+    /// Bytes of one routed expert.
+    pub expert_bytes: u64,
+    pub n_experts: u64,
+    pub n_layers: u64,
+    /// Bytes of the resident weights (with the Engram row cache).
+    pub residents: u64,
+    /// Bytes of all routed experts of all layers.
+    pub routed_expert_bytes: u64,
+    /// Bytes of one slot (one expert's aligned reads).
+    pub slot_bytes: u64,
+    pub slots_per_layer: u64,
+    pub top_k: u64,
+}
+
+/// The expert cache's counters over one phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheCounters {
+    pub bytes_read: u64,
+    pub experts_read: u64,
+    pub guess: GuessCounters,
+    pub hash_layers: HashLayerCounters,
+    pub hit_rate: f64,
+    pub hits: u64,
+    pub io_busy_secs: f64,
+    pub misses: u64,
+    pub read_gbps: f64,
+    pub wait_secs: f64,
+    pub warm_bytes: u64,
+}
+
+/// Next-layer guesses (all zero unless the run prefetched the next layer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuessCounters {
+    pub guessed: u64,
+    pub passes: u64,
+    pub reads: u64,
+    pub right: u64,
+    pub routed: u64,
+    pub saved: u64,
+}
+
+/// The hash-routed layers' share of the counters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HashLayerCounters {
+    pub exact_passes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub wait_secs: f64,
+}
+
+/// The Engram row cache's counters over one phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngramCounters {
+    pub bytes_read: u64,
+    pub hit_rate: f64,
+    pub hits: u64,
+    pub misses: u64,
+    pub read_amplification: f64,
+    pub reads: u64,
+    pub rows_requested: u64,
+    pub sync_rows: u64,
+    pub useful_bytes: u64,
+    pub wait_secs: f64,
+}
+
+/// The file's bytes: pretty-printed JSON and a final newline.
+pub fn to_json(s: &RunStats) -> Result<String> {
+    check(Path::new("run stats"), s)?;
+    serde_json::to_string_pretty(s)
+        .map(|j| j + "\n")
+        .map_err(|e| ArtifactError::Config(format!("run stats: {e}")))
+}
+
+/// Write `s` to `path` atomically (temporary sibling, renamed when complete); an existing file
+/// is refused unless `force`.
+pub fn write(path: &Path, s: &RunStats, force: bool) -> Result<()> {
+    keep_checkpoint::atomic::write_file(path, to_json(s)?.as_bytes(), force)?;
+    Ok(())
+}
+
+/// Read a run-stats file, refusing another format or version.
+pub fn read(path: &Path) -> Result<RunStats> {
+    let text = keep_checkpoint::small_file::read_text(path, MAX_BYTES)?;
+    let bad = |msg: String| ArtifactError::Trace {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    match (v.get("format"), v.get("version")) {
+        (Some(f), _) if *f != FORMAT => {
+            return Err(bad(format!("format {f} is not `{FORMAT}`")));
+        }
+        (_, Some(n)) if *n != VERSION => {
+            return Err(bad(format!(
+                "version {n} of {FORMAT}: this keep reads version {VERSION}"
+            )));
+        }
+        (None, _) | (_, None) => {
+            return Err(bad(format!("no `format`/`version`: not a {FORMAT} file")));
+        }
+        _ => {}
+    }
+    serde_json::from_value(v).map_err(|e| bad(format!("{FORMAT} v{VERSION}: {e}")))
+}
+
+fn check(path: &Path, s: &RunStats) -> Result<()> {
+    if s.format != FORMAT || s.version != VERSION {
+        return Err(ArtifactError::Config(format!(
+            "{}: run stats must be {FORMAT} v{VERSION}, not {} v{}",
+            path.display(),
+            s.format,
+            s.version
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(k: u64) -> CacheCounters {
+        CacheCounters {
+            bytes_read: 4096 * k,
+            experts_read: k,
+            guess: GuessCounters {
+                guessed: 1,
+                passes: 2,
+                reads: 3,
+                right: 4,
+                routed: 5,
+                saved: 6,
+            },
+            hash_layers: HashLayerCounters {
+                exact_passes: 7,
+                hits: 8,
+                misses: 9,
+                wait_secs: 0.25,
+            },
+            hit_rate: 0.75,
+            hits: 3 * k,
+            io_busy_secs: 0.5,
+            misses: k,
+            read_gbps: 1.5,
+            wait_secs: 0.125,
+            warm_bytes: 0,
+        }
+    }
+
+    fn stats() -> RunStats {
+        RunStats {
+            command: "keep run m --memory-budget 2GiB".into(),
+            decode_cache: Some(cache(2)),
+            decode_engram: Some(EngramCounters {
+                bytes_read: 8192,
+                hit_rate: 0.5,
+                hits: 2,
+                misses: 2,
+                read_amplification: 3.0,
+                reads: 2,
+                rows_requested: 4,
+                sync_rows: 0,
+                useful_bytes: 2048,
+                wait_secs: 0.01,
+            }),
+            decode_secs: 1.25,
+            decode_tokens: 10,
+            decode_tps: 8.0,
+            fixed_overhead_bytes: 256 << 20,
+            format: FORMAT.into(),
+            io_threads: 8,
+            load_secs: 0.5,
+            model: "/m".into(),
+            peak_rss_bytes: None,
+            plan: Some(PlanNumbers {
+                budget: 2 << 30,
+                direct_io: true,
+                engram_cache_bytes: None,
+                expert_bytes: 1000,
+                n_experts: 64,
+                n_layers: 4,
+                residents: 1 << 20,
+                routed_expert_bytes: 256_000,
+                slot_bytes: 4096,
+                slots_per_layer: 10,
+                top_k: 6,
+            }),
+            policy: Some("lru".into()),
+            prefill_cache: Some(cache(1)),
+            prefill_engram: None,
+            prefill_secs: 0.0,
+            prefill_tps: 0.0,
+            prompt_tokens: 3,
+            version: VERSION,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_refusals() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("run.json");
+        let s = stats();
+        write(&p, &s, false).unwrap();
+        assert_eq!(read(&p).unwrap(), s);
+        // An existing file is refused without force and replaced with it.
+        let e = write(&p, &s, false).unwrap_err();
+        assert!(e.to_string().contains("exists"), "{e}");
+        let mut t = stats();
+        t.plan = None;
+        t.policy = None;
+        t.prefill_cache = None;
+        t.decode_cache = None;
+        t.decode_engram = None;
+        write(&p, &t, true).unwrap();
+        assert_eq!(read(&p).unwrap(), t);
+        // The fields readers use, in the order they have always been listed.
+        let text = std::fs::read_to_string(&p).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["plan"], serde_json::Value::Null);
+        assert_eq!(v["format"], "keep-run-stats");
+        let keys: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("  \""))
+            .filter_map(|l| l.split('"').next())
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "command",
+                "decode_cache",
+                "decode_engram",
+                "decode_secs",
+                "decode_tokens",
+                "decode_tps",
+                "fixed_overhead_bytes",
+                "format",
+                "io_threads",
+                "load_secs",
+                "model",
+                "peak_rss_bytes",
+                "plan",
+                "policy",
+                "prefill_cache",
+                "prefill_engram",
+                "prefill_secs",
+                "prefill_tps",
+                "prompt_tokens",
+                "version"
+            ]
+        );
+        let mut w = serde_json::to_value(stats()).unwrap();
+        w["version"] = 2.into();
+        std::fs::write(&p, w.to_string()).unwrap();
+        assert!(read(&p).unwrap_err().to_string().contains("version 2"));
+        w["format"] = "keep-routes".into();
+        std::fs::write(&p, w.to_string()).unwrap();
+        assert!(read(&p).unwrap_err().to_string().contains("keep-routes"));
+        std::fs::write(&p, "{").unwrap();
+        assert!(read(&p).unwrap_err().to_string().contains("not JSON"));
+        let mut bad = stats();
+        bad.format = "other".into();
+        assert!(write(&p, &bad, true).is_err());
+    }
+}

@@ -1,0 +1,132 @@
+//! keep-rng: keep's one random generator, for synthetic checkpoints, synthetic route traces,
+//! sampling and test data — so that an output a user can reproduce from a seed stays the same
+//! across keep's versions and platforms.
+//!
+//! What it is: [`Rng`], Xoshiro256++ seeded from a `u64` through SplitMix64 ([`rng`]) — the
+//! algorithm and seeding of rand 0.9's `SmallRng` on 64-bit targets, so its stream is the one
+//! `keep synth` has always drawn — and [`SplitMix64`], its seeding generator, as a stream of
+//! its own for the two outputs that have always drawn from it (sampled text for a seed, `keep
+//! residency --make-synthetic` traces). Both come from `rand_xoshiro`, whose algorithms are fixed by
+//! their published definitions (Blackman and Vigna; Steele, Lea and Flood), unlike rand's
+//! `SmallRng`/`StdRng`, which may change algorithm between versions. [`Draw`] adds the few
+//! draws keep makes on either generator, each defined here once.
+//!
+//! What it is not: no distributions beyond those draws (keep-convert draws its normals with
+//! rand_distr over [`Rng`]), nothing cryptographic.
+//!
+//! Depends on: rand_core (the generator traits), rand_xoshiro.
+
+pub use rand_core::{RngCore, SeedableRng};
+pub use rand_xoshiro::{SplitMix64, Xoshiro256PlusPlus};
+
+/// keep's generator: Xoshiro256++.
+pub type Rng = Xoshiro256PlusPlus;
+
+/// The generator for `seed`: its state is the first four outputs of SplitMix64 started at
+/// `seed` (as rand 0.9's `SmallRng::seed_from_u64`).
+pub fn rng(seed: u64) -> Rng {
+    Xoshiro256PlusPlus::seed_from_u64(seed)
+}
+
+/// A SplitMix64 stream whose state starts at `seed` (its first output mixes `seed + φ·2⁶⁴`).
+pub fn splitmix(seed: u64) -> SplitMix64 {
+    SplitMix64::seed_from_u64(seed)
+}
+
+/// The draws keep makes, on any generator.
+pub trait Draw: RngCore {
+    /// Uniform in [0, 1) with 53 random bits: `(x >> 11) · 2⁻⁵³`.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` for `n < 2³²` (`n > 0`): the upper 32 bits scaled,
+    /// `((x >> 32) · n) >> 32` (Lemire's multiply-shift without rejection; bias < n / 2³²).
+    fn below(&mut self, n: usize) -> usize {
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
+    }
+
+    /// Uniform in [-1, 1] on a grid of 10⁻⁶ (test data that prints readably).
+    fn signed_unit_f32(&mut self) -> f32 {
+        (self.next_u64() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+    }
+
+    /// A standard normal (Box–Muller on two [`Draw::unit`]s).
+    fn gauss(&mut self) -> f64 {
+        let u = 1.0 - self.unit();
+        let v = self.unit();
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+
+    /// `n` random bytes.
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        self.fill_bytes(&mut b);
+        b
+    }
+}
+
+impl<R: RngCore + ?Sized> Draw for R {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SplitMix64 written out from its definition (Steele, Lea, Flood 2014).
+    fn splitmix_ref(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Xoshiro256++ written out from its definition (Blackman, Vigna 2019).
+    fn xoshiro_ref(s: &mut [u64; 4]) -> u64 {
+        let out = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        out
+    }
+
+    #[test]
+    fn the_streams_are_their_definitions() {
+        for seed in [0u64, 1, 7, 0x9E37_79B9_7F4A_7C15, u64::MAX] {
+            let mut st = seed;
+            let mut sm = splitmix(seed);
+            for _ in 0..100 {
+                assert_eq!(sm.next_u64(), splitmix_ref(&mut st));
+            }
+            let mut st = seed;
+            let mut s: [u64; 4] = std::array::from_fn(|_| splitmix_ref(&mut st));
+            let mut r = rng(seed);
+            for _ in 0..100 {
+                assert_eq!(r.next_u64(), xoshiro_ref(&mut s));
+            }
+        }
+    }
+
+    #[test]
+    fn known_values() {
+        // The first SplitMix64 output from state 0 (published test vector).
+        assert_eq!(splitmix(0).next_u64(), 0xE220_A839_7B1D_CDAF);
+    }
+
+    #[test]
+    fn draws_stay_in_range() {
+        let mut r = rng(3);
+        for _ in 0..1000 {
+            let u = r.unit();
+            assert!((0.0..1.0).contains(&u));
+            assert!(r.below(7) < 7);
+            assert!((-1.0..=1.0).contains(&r.signed_unit_f32()));
+            assert!(r.gauss().is_finite());
+        }
+        assert_eq!(r.bytes(13).len(), 13);
+    }
+}

@@ -1,0 +1,251 @@
+//! One `keep run`: the model it drives ([`RunModel`]: whole and mapped, or under a memory budget),
+//! keep-model's one [`generate`] over it with the optional route recorder, and what the run
+//! measured ([`RunReport`]: prefill and decode timings, the expert cache's and the Engram row
+//! cache's counters per phase, peak resident memory), which becomes the `keep-run-stats` file
+//! of keep-artifacts ([`RunReport::stats`]). It never prints; keep-cli prints the report.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use keep_artifacts::run_stats::{
+    self, CacheCounters, EngramCounters, GuessCounters, HashLayerCounters, PlanNumbers, RunStats,
+};
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
+use keep_model::{Cache, Model, ModelConfig, RouteObserver};
+
+use crate::budget::FIXED_OVERHEAD;
+use crate::cache::CacheStats;
+use crate::engram::EngramStats;
+use crate::routes::RouteLog;
+use crate::runtime::{peak_rss_bytes, BudgetedModel, RuntimeOptions};
+use crate::Result;
+
+/// The model a run drives: plainly mapped, or with its routed experts in budgeted slots.
+pub enum RunModel<'a> {
+    Mapped(Model<'a>),
+    Budgeted(BudgetedModel<'a>),
+}
+
+impl<'a> RunModel<'a> {
+    /// Load the model of `ck`: under `budget` when given (its `kernels` are used), else mapped
+    /// whole with `kernels`.
+    pub fn load(
+        ck: &'a Checkpoint,
+        kernels: keep_kernels::Kernels,
+        budget: Option<&RuntimeOptions>,
+    ) -> Result<RunModel<'a>> {
+        Ok(match budget {
+            Some(opts) => RunModel::Budgeted(BudgetedModel::load(ck, opts)?),
+            None => {
+                let mut m = Model::load(ck)?;
+                m.cfg.kernels = kernels;
+                RunModel::Mapped(m)
+            }
+        })
+    }
+
+    /// The model's config.
+    pub fn cfg(&self) -> &ModelConfig {
+        match self {
+            RunModel::Mapped(m) => &m.cfg,
+            RunModel::Budgeted(m) => m.cfg(),
+        }
+    }
+
+    /// The budgeted model, if this run has a budget.
+    pub fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
+        match self {
+            RunModel::Budgeted(m) => Some(m),
+            RunModel::Mapped(_) => None,
+        }
+    }
+}
+
+impl Generate for RunModel<'_> {
+    fn cfg(&self) -> &ModelConfig {
+        RunModel::cfg(self)
+    }
+    fn new_cache(&self) -> Cache {
+        match self {
+            RunModel::Mapped(m) => m.new_cache(),
+            RunModel::Budgeted(m) => m.new_cache(),
+        }
+    }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        match self {
+            RunModel::Mapped(m) => m.forward_last(tokens, cache, obs),
+            RunModel::Budgeted(m) => m.forward_last(tokens, cache, obs),
+        }
+    }
+    fn starting(&mut self) {
+        if let RunModel::Budgeted(m) = self {
+            m.starting();
+        }
+    }
+    fn prefilled(&mut self) {
+        if let RunModel::Budgeted(m) = self {
+            m.prefilled();
+        }
+    }
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default)]
+pub struct RunReport {
+    pub gen: GenStats,
+    /// Expert cache counters of the prefill and of the decode (`None` without a budget).
+    pub prefill_cache: Option<CacheStats>,
+    pub decode_cache: Option<CacheStats>,
+    /// Engram row cache counters (`None` without a budget or without Engram layers).
+    pub prefill_engram: Option<EngramStats>,
+    pub decode_engram: Option<EngramStats>,
+    /// Peak resident set size at the end (`None` where the system does not report it).
+    pub peak_rss: Option<u64>,
+}
+
+/// Generate with `model` ([`generate`]), recording the routes into `routes` when given (its
+/// hash-routed layers are marked first); the report of the run.
+pub fn run(
+    model: &mut RunModel,
+    prompt: Prompt,
+    opts: &GenerateOptions,
+    routes: Option<&mut RouteLog>,
+    on_piece: impl FnMut(Piece) -> ControlFlow<()>,
+) -> Result<RunReport> {
+    let hash_layers: Vec<usize> = (0..model.cfg().hash_layers).collect();
+    let obs = routes.map(|l| {
+        l.set_hash_layers(&hash_layers);
+        l as &mut dyn RouteObserver
+    });
+    let gen = generate(model, prompt, opts, obs, on_piece)?;
+    let mut r = RunReport {
+        gen,
+        ..RunReport::default()
+    };
+    if let RunModel::Budgeted(m) = model {
+        r.prefill_cache = m.take_prefill_stats();
+        r.prefill_engram = m.take_prefill_engram();
+        r.decode_cache = Some(m.cache().stats());
+        r.decode_engram = m.engram().map(|e| e.stats());
+    }
+    r.peak_rss = peak_rss_bytes();
+    Ok(r)
+}
+
+/// Load timing: [`RunModel::load`] and the seconds it took.
+pub fn load_timed<'a>(
+    ck: &'a Checkpoint,
+    kernels: keep_kernels::Kernels,
+    budget: Option<&RuntimeOptions>,
+) -> Result<(RunModel<'a>, f64)> {
+    let t = Instant::now();
+    let m = RunModel::load(ck, kernels, budget)?;
+    Ok((m, t.elapsed().as_secs_f64()))
+}
+
+/// How a run was started, for its stats file.
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    /// The command line, space-joined.
+    pub command: String,
+    /// The model directory.
+    pub model: String,
+    pub io_threads: usize,
+    pub load_secs: f64,
+}
+
+fn cache_counters(s: &CacheStats) -> CacheCounters {
+    CacheCounters {
+        bytes_read: s.bytes_read,
+        experts_read: s.experts_read,
+        guess: GuessCounters {
+            guessed: s.guess.guessed,
+            passes: s.guess.passes,
+            reads: s.guess.reads,
+            right: s.guess.right,
+            routed: s.guess.routed,
+            saved: s.guess.saved,
+        },
+        hash_layers: HashLayerCounters {
+            exact_passes: s.exact_passes,
+            hits: s.hash_hits,
+            misses: s.hash_misses,
+            wait_secs: s.hash_wait_secs,
+        },
+        hit_rate: s.hit_rate(),
+        hits: s.hits,
+        io_busy_secs: s.io_busy_secs,
+        misses: s.misses,
+        read_gbps: s.read_gbps(),
+        wait_secs: s.wait_secs,
+        warm_bytes: s.warm_bytes,
+    }
+}
+
+fn engram_counters(s: &EngramStats) -> EngramCounters {
+    EngramCounters {
+        bytes_read: s.bytes_read,
+        hit_rate: s.hit_rate(),
+        hits: s.hits,
+        misses: s.misses,
+        read_amplification: s.read_amplification(),
+        reads: s.reads,
+        rows_requested: s.rows_requested,
+        sync_rows: s.sync_rows,
+        useful_bytes: s.useful_bytes,
+        wait_secs: s.wait_secs,
+    }
+}
+
+impl RunReport {
+    /// The `keep-run-stats` record of this run of `model`.
+    pub fn stats(&self, model: &RunModel, info: &RunInfo) -> RunStats {
+        let b = model.budgeted();
+        let plan = b.map(|m| {
+            let p = m.plan();
+            let store = m.cache().store();
+            PlanNumbers {
+                budget: p.budget,
+                direct_io: store.direct_io(),
+                engram_cache_bytes: m.engram().map(|e| e.cache_bytes()),
+                expert_bytes: store.expert_bytes(),
+                n_experts: p.n_experts as u64,
+                n_layers: p.n_layers as u64,
+                residents: p.residents,
+                routed_expert_bytes: store.total_bytes(),
+                slot_bytes: p.slot_bytes,
+                slots_per_layer: p.slots_per_layer as u64,
+                top_k: p.top_k as u64,
+            }
+        });
+        let g = &self.gen;
+        RunStats {
+            command: info.command.clone(),
+            decode_cache: self.decode_cache.as_ref().map(cache_counters),
+            decode_engram: self.decode_engram.as_ref().map(engram_counters),
+            decode_secs: g.decode_secs,
+            decode_tokens: g.generated as u64,
+            decode_tps: g.decode_tps(),
+            fixed_overhead_bytes: FIXED_OVERHEAD,
+            format: run_stats::FORMAT.into(),
+            io_threads: info.io_threads as u64,
+            load_secs: info.load_secs,
+            model: info.model.clone(),
+            peak_rss_bytes: self.peak_rss,
+            plan,
+            policy: b.map(|m| m.policy().to_string()),
+            prefill_cache: self.prefill_cache.as_ref().map(cache_counters),
+            prefill_engram: self.prefill_engram.as_ref().map(engram_counters),
+            prefill_secs: g.prefill_secs,
+            prefill_tps: g.prefill_tps(),
+            prompt_tokens: g.prompt_tokens as u64,
+            version: run_stats::VERSION,
+        }
+    }
+}
