@@ -95,6 +95,11 @@ pub struct ModelConfig {
     pub kernels: keep_kernels::Kernels,
     /// Engram layers' hashing (`None`: no `engram_layer_ids`); see `engram_hash`.
     pub engram: Option<crate::engram_hash::EngramLayout>,
+    /// Most tokens one forward pass computes at once (not part of the checkpoint:
+    /// [`crate::memory::DEFAULT_PREFILL_CHUNK`] unless a caller picks another). Longer prompts
+    /// run as consecutive chunks, which gives the same logits bit for bit and bounds the
+    /// activations (see [`crate::memory`]).
+    pub prefill_chunk: usize,
 }
 
 fn unsupported(key: &str, msg: impl Into<String>) -> ModelError {
@@ -291,6 +296,7 @@ impl ModelConfig {
             roles,
             kernels: keep_kernels::Kernels::Exact,
             engram: crate::engram_hash::EngramLayout::from_config(c)?,
+            prefill_chunk: crate::memory::DEFAULT_PREFILL_CHUNK,
         })
     }
 

@@ -30,6 +30,7 @@ pub mod experts;
 pub mod generate;
 pub mod hash;
 pub mod layer;
+pub mod memory;
 pub mod model;
 pub mod observer;
 pub mod streamed;
@@ -44,6 +45,7 @@ pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{Generate, Sampler, SamplerConfig};
 pub use keep_kernels::Kernels;
+pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
 pub use model::{Logits, Model};
 pub use observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
 
