@@ -379,6 +379,7 @@ pub fn run_session(
             on_layer: Some(&mut on_layer),
             release_pages: opts.release_pages,
             kernels: opts.kernels,
+            prefill_chunk: None,
         };
         let logits = forward_streamed(ck, &toks, so, Some(&mut col as &mut dyn RouteObserver))?;
         if eval {

@@ -265,6 +265,7 @@ pub fn eval(
                 on_layer: None,
                 release_pages: false,
                 kernels: student_kernels,
+                prefill_chunk: None,
             };
             let logits = forward_streamed(&ck, &toks, so, None)?;
             for (lg, t) in logits.iter().zip(&teacher[i..j]) {

@@ -32,6 +32,16 @@ impl LayerCache {
             + self.pending_gate.len())
             + self.v4.nbytes()
     }
+
+    /// Bytes reserved (capacity of every buffer).
+    pub fn capacity_bytes(&self) -> usize {
+        4 * (self.window.capacity()
+            + self.compress_kv.capacity()
+            + self.index_k.capacity()
+            + self.pending_kv.capacity()
+            + self.pending_gate.capacity())
+            + self.v4.capacity_bytes()
+    }
 }
 
 /// The whole model's cache.

@@ -101,6 +101,11 @@ pub struct ModelConfig {
     /// The end-of-sequence tokens (`eos_token_id`: one id or a list; absent or null: none,
     /// generation then runs to its token limit). Generation stops at the first of them.
     pub eos: Vec<u32>,
+    /// Most tokens one forward pass computes at once (not part of the checkpoint:
+    /// [`crate::memory::DEFAULT_PREFILL_CHUNK`] unless a caller picks another). Longer prompts
+    /// run as consecutive chunks, which gives the same logits bit for bit and bounds the
+    /// activations (see [`crate::memory`]).
+    pub prefill_chunk: usize,
 }
 
 /// The beginning-of-sequence token of a config without `bos_token_id`: 0 (DeepSeek's
@@ -282,6 +287,7 @@ impl ModelConfig {
                 }
             },
             eos: token_ids(&c.raw, "eos_token_id", c.vocab_size)?,
+            prefill_chunk: crate::memory::DEFAULT_PREFILL_CHUNK,
         })
     }
 

@@ -49,6 +49,10 @@ pub enum ModelError {
     /// weights or scales that reach the computation.
     #[error("the model's numbers turned non-finite (NaN or infinity) after {0}: the checkpoint holds non-finite weights or scales there (`keep inspect` lists them)")]
     NonFinite(String),
+    /// A forward that would run past the context the model (`max_position_embeddings`) or the
+    /// run (a budgeted run's planned context) allows.
+    #[error("context: {0}")]
+    Context(String),
     /// A cache used with the wrong model or after an error.
     #[error("cache: {0}")]
     Cache(String),

@@ -112,6 +112,26 @@ pub struct Streams {
 }
 
 impl Streams {
+    /// A copy of tokens `a..b`.
+    pub fn rows(&self, a: usize, b: usize) -> Streams {
+        let w = self.x.len() / self.t.max(1);
+        let m = self.pre_mix.len() / self.t.max(1);
+        Streams {
+            t: b - a,
+            x: self.x[a * w..b * w].to_vec(),
+            pre_mix: self.pre_mix[a * m..b * m].to_vec(),
+            tokens: self.tokens[a..b].to_vec(),
+        }
+    }
+
+    /// Write `part` (a [`Streams::rows`] copy, computed on) back over tokens `a..`.
+    pub fn set_rows(&mut self, a: usize, part: &Streams) {
+        let w = self.x.len() / self.t.max(1);
+        let m = self.pre_mix.len() / self.t.max(1);
+        self.x[a * w..(a + part.t) * w].copy_from_slice(&part.x);
+        self.pre_mix[a * m..(a + part.t) * m].copy_from_slice(&part.pre_mix);
+    }
+
     /// Refuse to go on once the hidden state holds a NaN or an infinity (a NaN scale, router or
     /// embedding in the checkpoint): `at` names where ("layer 3", "the embedding").
     pub fn check_finite(&self, at: impl FnOnce() -> String) -> Result<()> {
@@ -121,6 +141,15 @@ impl Streams {
             Err(ModelError::NonFinite(at()))
         }
     }
+}
+
+/// The rows of source layer `src`'s compressed cache (`held` of them) that exist once the
+/// tokens up to the end of this pass are in: all of them in the whole model, which runs every
+/// layer on a chunk before the next chunk; in the layer-streamed path, which runs a layer on
+/// every chunk before the next layer, the source already holds later chunks' rows, and these
+/// are not counted (no query of this pass can see them).
+fn visible(cfg: &ModelConfig, src: usize, held: usize, step: Step, t: usize) -> usize {
+    held.min((step.start_pos + t) / cfg.roles[src].ratio.max(1))
 }
 
 /// Position information of one forward call.
@@ -495,7 +524,9 @@ impl LayerWeights<'_> {
         let window = &caches[l].window;
         let comp: Option<(&[f32], &[i32], usize)> = if self.roles.ratio > 0 {
             match (shared.compress_kv, &shared.topk) {
-                (Some(src), Some((idx, k))) if *k > 0 && caches[src].n_compressed > 0 => {
+                (Some(src), Some((idx, k)))
+                    if *k > 0 && visible(cfg, src, caches[src].n_compressed, step, t) > 0 =>
+                {
                     Some((&caches[src].compress_kv[..], &idx[..], *k))
                 }
                 _ => None,
@@ -681,11 +712,16 @@ impl LayerWeights<'_> {
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<(Vec<i32>, usize)> {
         let l = self.layer;
-        let keys = match shared.index_k {
-            Some(src) if caches[src].n_index > 0 => &caches[src],
-            _ => return Ok((vec![], 0)),
+        let (keys, n) = match shared.index_k {
+            Some(src) => (
+                &caches[src],
+                visible(cfg, src, caches[src].n_index, step, t),
+            ),
+            None => return Ok((vec![], 0)),
         };
-        let n = keys.n_index;
+        if n == 0 {
+            return Ok((vec![], 0));
+        }
         let keys = &keys.index_k[..n * cfg.index_head_dim];
         let (nh, ihd) = (cfg.index_heads, cfg.index_head_dim);
         let mut q = lin(qr, t, &ix.wq_b, obs, l, "attn.indexer.wq_b", None)?;

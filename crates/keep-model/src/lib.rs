@@ -32,6 +32,7 @@ pub mod experts;
 pub mod generate;
 pub mod hash;
 pub mod layer;
+pub mod memory;
 pub mod model;
 pub mod observer;
 pub mod streamed;
@@ -49,6 +50,7 @@ pub use generate::{
     TextStream,
 };
 pub use keep_kernels::Kernels;
+pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
 pub use model::{Logits, Model};
 pub use observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,

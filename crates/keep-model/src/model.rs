@@ -140,6 +140,18 @@ impl<'a> Globals<'a> {
     }
 }
 
+/// Refuse a forward of `t` tokens after `pos` that would run past `max_position_embeddings`.
+pub fn check_context(cfg: &ModelConfig, pos: usize, t: usize) -> Result<()> {
+    let limit = cfg.raw.max_position_embeddings;
+    match pos.checked_add(t) {
+        Some(end) if end <= limit => Ok(()),
+        _ => Err(ModelError::Context(format!(
+            "{t} tokens after position {pos} run past the model's {limit} positions \
+             (max_position_embeddings)"
+        ))),
+    }
+}
+
 /// The step of a forward of `t` tokens on `cache`.
 pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
     Step {
@@ -228,7 +240,9 @@ impl<'a> Model<'a> {
         lw.replace_hash_table(cfg, table)
     }
 
-    /// Run `tokens` from the cache's position, updating the cache.
+    /// Run `tokens` from the cache's position, updating the cache: in passes of at most
+    /// [`ModelConfig::prefill_chunk`] tokens (the logits are the same bit for bit; see
+    /// [`crate::memory`]), refused past `max_position_embeddings`.
     pub fn forward(
         &self,
         tokens: &[u32],
@@ -246,6 +260,46 @@ impl<'a> Model<'a> {
         if tokens.is_empty() {
             return Ok(vec![]);
         }
+        check_context(&self.cfg, cache.pos, tokens.len())?;
+        let chunk = self.cfg.prefill_chunk.max(1);
+        if tokens.len() <= chunk {
+            return self.forward_chunk(tokens, cache, which, obs);
+        }
+        // A long prompt runs as consecutive chunks (see `crate::memory`): the same logits bit
+        // for bit, activations bounded by the chunk.
+        let n = tokens.len().div_ceil(chunk);
+        let mut out = match which {
+            Logits::All => Vec::with_capacity(tokens.len() * self.cfg.vocab),
+            _ => Vec::new(),
+        };
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            let w = match which {
+                Logits::Last if i + 1 < n => Logits::None,
+                w => w,
+            };
+            let l = self.forward_chunk(
+                part,
+                cache,
+                w,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+            if which == Logits::All {
+                out.extend_from_slice(&l);
+            } else {
+                out = l;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One forward pass over `tokens` (at most a chunk) from the cache's position.
+    fn forward_chunk(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
         let mut s = self.globals.embed(&self.cfg, tokens)?;
         s.check_finite(|| "the embedding".into())?;
         let step = step_of(&self.cfg, cache);

@@ -5,6 +5,10 @@
 //! resolved weights plus the records' activations and caches (weights are views of the
 //! checkpoint mapping: file-backed pages the kernel can drop once the layer is released).
 //!
+//! A record longer than [`ModelConfig::prefill_chunk`] runs through each layer chunk by chunk,
+//! with the chunk positions and shared state the whole model's chunked forward uses, so the
+//! layer's temporaries stay bounded by the chunk (the records' streams are held whole).
+//!
 //! Routed experts come from an [`ExpertSource`]; by default one resolved per layer. With
 //! `release_pages`, the pages of a finished layer's tensors are dropped from this process
 //! (`madvise(MADV_DONTNEED)` on the read-only file mapping: the data is unchanged and would
@@ -17,8 +21,8 @@ use crate::config::ModelConfig;
 use crate::engram::{table_view, EngramLayer, TableRows};
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::hash::HashTable;
-use crate::layer::{LayerWeights, Shared};
-use crate::model::{step_of, Globals, Logits};
+use crate::layer::{LayerWeights, Shared, Step};
+use crate::model::{check_context, Globals, Logits};
 use crate::observer::RouteObserver;
 use crate::Result;
 
@@ -37,6 +41,9 @@ pub struct StreamOptions<'o> {
     pub release_pages: bool,
     /// Which kernels the products run on.
     pub kernels: keep_kernels::Kernels,
+    /// Tokens per chunk of a record inside each layer (`None`: the config's
+    /// [`ModelConfig::prefill_chunk`]).
+    pub prefill_chunk: Option<usize>,
 }
 
 impl Default for StreamOptions<'_> {
@@ -48,6 +55,7 @@ impl Default for StreamOptions<'_> {
             on_layer: None,
             release_pages: true,
             kernels: keep_kernels::Kernels::Exact,
+            prefill_chunk: None,
         }
     }
 }
@@ -79,6 +87,9 @@ pub fn forward_streamed(
 ) -> Result<Vec<Vec<f32>>> {
     let mut cfg = ModelConfig::from_checkpoint(ck)?;
     cfg.kernels = opts.kernels;
+    if let Some(c) = opts.prefill_chunk {
+        cfg.prefill_chunk = c.max(1);
+    }
     let globals = Globals::load(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
     let mut engram_ids = Vec::with_capacity(records.len());
@@ -89,11 +100,13 @@ pub fn forward_streamed(
             Some(lay) => lay.hash(&mut cache.engram_history, r)?,
             None => vec![],
         });
+        check_context(&cfg, 0, r.len())?;
+        // One shared state per chunk: a chunk's layers pass it on as the whole model's do.
+        let chunks = r.len().div_ceil(cfg.prefill_chunk.max(1));
         states.push((
             s,
             cache,
-            Shared::default(),
-            step_of(&cfg, &Cache::new(cfg.n_layers)),
+            (0..chunks).map(|_| Shared::default()).collect::<Vec<_>>(),
         ));
     }
     for l in 0..cfg.n_layers {
@@ -119,24 +132,47 @@ pub fn forward_streamed(
             )),
             None => None,
         };
-        for ((s, cache, shared, step), ids) in states.iter_mut().zip(&engram_ids) {
+        for ((s, cache, shared), ids) in states.iter_mut().zip(&engram_ids) {
             if s.t == 0 {
                 continue;
             }
-            if let Some((lay, el, rows)) = &engram {
-                el.forward(&cfg, lay, s, ids, rows)?;
+            let chunk = cfg.prefill_chunk.max(1);
+            for (c, sh) in shared.iter_mut().enumerate() {
+                let (a, b) = (c * chunk, ((c + 1) * chunk).min(s.t));
+                // The chunk's rows, run as the whole model runs its chunks (a record within one
+                // chunk runs in place).
+                let mut part = if s.t <= chunk {
+                    None
+                } else {
+                    Some(s.rows(a, b))
+                };
+                let p = match part.as_mut() {
+                    Some(p) => p,
+                    None => &mut *s,
+                };
+                let step = Step {
+                    start_pos: a,
+                    previous: a.min(cfg.window),
+                };
+                if let Some((lay, el, rows)) = &engram {
+                    let per = lay.layer_ids.len() * lay.cols();
+                    el.forward(&cfg, lay, p, &ids[a * per..b * per], rows)?;
+                }
+                lw.forward(
+                    &cfg,
+                    &experts as &dyn ExpertSource,
+                    mask,
+                    p,
+                    step,
+                    &mut cache.layers,
+                    sh,
+                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                )?;
+                p.check_finite(|| format!("layer {l}"))?;
+                if let Some(p) = part {
+                    s.set_rows(a, &p);
+                }
             }
-            lw.forward(
-                &cfg,
-                &experts as &dyn ExpertSource,
-                mask,
-                s,
-                *step,
-                &mut cache.layers,
-                shared,
-                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-            )?;
-            s.check_finite(|| format!("layer {l}"))?;
         }
         drop(experts);
         drop(lw);

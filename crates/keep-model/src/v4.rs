@@ -77,6 +77,14 @@ impl PoolState {
             + self.prev_gate.len()
             + self.entries.len())
     }
+
+    fn capacity_bytes(&self) -> usize {
+        4 * (self.pending_kv.capacity()
+            + self.pending_gate.capacity()
+            + self.prev_kv.capacity()
+            + self.prev_gate.capacity()
+            + self.entries.capacity())
+    }
 }
 
 /// A V4 layer's compressor and indexer state.
@@ -90,6 +98,11 @@ impl V4Cache {
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
         self.kv.nbytes() + self.index.nbytes()
+    }
+
+    /// Bytes reserved.
+    pub fn capacity_bytes(&self) -> usize {
+        self.kv.capacity_bytes() + self.index.capacity_bytes()
     }
 }
 

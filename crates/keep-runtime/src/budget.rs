@@ -14,20 +14,27 @@
 //!   at most `n_experts` per layer. A budget that cannot hold the residents plus `top_k` slots
 //!   per layer is refused with the number of bytes needed.
 //!
+//! - **Context**: the decoding cache for the run's context (prompt + generated tokens: window,
+//!   compressed KV, index keys, open compressor groups — reserved exactly up front) and the
+//!   activations of one forward pass of at most `prefill_chunk` tokens (longer prompts run in
+//!   chunks), both from keep-model's [`keep_model::memory`] before anything is allocated.
+//!
 //! Not in the budget (the documented fixed overhead, [`FIXED_OVERHEAD`]): the binary and its
-//! libraries, thread stacks, activations of the current forward, the KV cache (it grows with
-//! the context), the tokenizer and the gathered embedding rows.
+//! libraries, thread stacks, the allocator's slack, the tokenizer and the gathered embedding
+//! rows — none of which grows with the context.
 
 use keep_checkpoint::layout;
 use keep_checkpoint::naming::{self, Part, Role};
 use keep_checkpoint::Checkpoint;
+use keep_model::MemoryEstimate;
 
 use crate::{Result, RuntimeError};
 
-/// Memory beyond the budget a run may use, measured by the peak-RSS test on a small model and
-/// documented in the README: 256 MiB (binary, allocator, stacks, activations, KV cache of a short
-/// context). Longer contexts add their KV cache on top.
-pub const FIXED_OVERHEAD: u64 = 256 << 20;
+/// Memory beyond the budget a run may use: the binary and its libraries, allocator slack,
+/// thread stacks, tokenizer and embedding rows. Measured by `keep run` on the bundled model for
+/// prompts of 16 to 16k tokens (`dev/budget_vs_prompt.sh`, peak RSS − budget stays under 48 MiB)
+/// and checked by the CLI's peak-RSS test; it does not grow with the context.
+pub const FIXED_OVERHEAD: u64 = 64 << 20;
 
 /// Whether a tensor (weight or scale) is a routed expert's, by keep-checkpoint's naming.
 pub fn is_routed_expert(name: &str) -> bool {
@@ -73,6 +80,34 @@ pub fn resident_bytes(ck: &Checkpoint) -> u64 {
     total + orphans
 }
 
+/// Physical memory of this machine in bytes (`sysconf(_SC_PHYS_PAGES) × page size`); `None`
+/// where the OS does not say.
+pub fn machine_memory_bytes() -> Option<u64> {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && page > 0).then(|| (pages as u64).saturating_mul(page as u64))
+}
+
+/// Refuse `bytes` of planned allocation (`what` says whose) when it exceeds the machine's
+/// physical memory, before anything is allocated.
+pub fn check_machine(bytes: u64, what: &str) -> Result<()> {
+    match machine_memory_bytes() {
+        Some(m) if bytes > m => Err(RuntimeError::Invalid(format!(
+            "{what} would allocate {bytes} bytes ({:.2} GiB), more than this machine's {m} bytes \
+             ({:.2} GiB) of memory; use a shorter context (--prompt-tokens/--max-tokens) or a \
+             smaller --memory-budget",
+            bytes as f64 / (1u64 << 30) as f64,
+            m as f64 / (1u64 << 30) as f64
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// How a budget is split.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BudgetPlan {
@@ -85,6 +120,8 @@ pub struct BudgetPlan {
     pub slots_per_layer: usize,
     /// `slots_per_layer × n_layers × slot_bytes`.
     pub slot_total: u64,
+    /// The context the run is planned for, its decoding cache and one pass's activations.
+    pub memory: MemoryEstimate,
 }
 
 impl BudgetPlan {
@@ -93,10 +130,32 @@ impl BudgetPlan {
         residents.saturating_add(slot_bytes.saturating_mul((n_layers * top_k) as u64))
     }
 
-    /// Split `budget`, or refuse it naming the bytes needed.
+    /// Split `budget` with no context counted (see [`BudgetPlan::with_memory`]).
     pub fn new(
         budget: u64,
         residents: u64,
+        slot_bytes: u64,
+        n_layers: usize,
+        top_k: usize,
+        n_experts: usize,
+    ) -> Result<BudgetPlan> {
+        let none = MemoryEstimate {
+            context: 0,
+            chunk: 0,
+            cache: 0,
+            activations: 0,
+        };
+        Self::with_memory(
+            budget, residents, none, slot_bytes, n_layers, top_k, n_experts,
+        )
+    }
+
+    /// Split `budget` between the residents, the context's cache and activations (`memory`)
+    /// and the slots, or refuse it naming the bytes needed.
+    pub fn with_memory(
+        budget: u64,
+        residents: u64,
+        memory: MemoryEstimate,
         slot_bytes: u64,
         n_layers: usize,
         top_k: usize,
@@ -107,20 +166,26 @@ impl BudgetPlan {
                 "cannot plan slots for {n_layers} layers of {n_experts} experts (top-k {top_k}) of {slot_bytes} bytes"
             )));
         }
-        let needed = Self::minimum(residents, slot_bytes, n_layers, top_k);
+        let fixed = residents.saturating_add(memory.total());
+        let needed = Self::minimum(fixed, slot_bytes, n_layers, top_k);
         if budget < needed {
             return Err(RuntimeError::BudgetTooSmall {
                 budget,
                 residents,
+                context: memory.context,
+                context_bytes: memory.total(),
+                cache: memory.cache,
+                activations: memory.activations,
+                chunk: memory.chunk,
                 layers: n_layers,
                 top_k,
                 slot_bytes,
-                slots: needed - residents,
+                slots: needed - fixed,
                 needed,
                 needed_gib: needed as f64 / (1u64 << 30) as f64,
             });
         }
-        let per_layer = (budget - residents) / slot_bytes / n_layers as u64;
+        let per_layer = (budget - fixed) / slot_bytes / n_layers as u64;
         let slots = (per_layer.min(n_experts as u64) as usize).max(top_k);
         Ok(BudgetPlan {
             budget,
@@ -131,12 +196,18 @@ impl BudgetPlan {
             n_experts,
             slots_per_layer: slots,
             slot_total: slots as u64 * n_layers as u64 * slot_bytes,
+            memory,
         })
     }
 
-    /// Resident + slot bytes (≤ budget).
+    /// What is not slots: residents + the context's cache and activations.
+    pub fn fixed(&self) -> u64 {
+        self.residents + self.memory.total()
+    }
+
+    /// Resident + context + slot bytes (≤ budget).
     pub fn planned(&self) -> u64 {
-        self.residents + self.slot_total
+        self.fixed() + self.slot_total
     }
 }
 
@@ -159,6 +230,35 @@ mod tests {
         assert!(msg.contains(&format!("at least {need} bytes")), "{msg}");
         assert!(msg.contains("resident weights take 1000 bytes"), "{msg}");
         assert!(BudgetPlan::new(need, 1000, 100, 4, 2, 64).is_ok());
+    }
+
+    #[test]
+    fn context_counts_inside_the_budget() {
+        let memory = MemoryEstimate {
+            context: 4096,
+            chunk: 128,
+            cache: 3000,
+            activations: 2000,
+        };
+        let need = 1000 + 5000 + 4 * 2 * 100;
+        let e = BudgetPlan::with_memory(need - 1, 1000, memory, 100, 4, 2, 64).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("at least {need} bytes")), "{msg}");
+        assert!(msg.contains("4096 tokens takes 5000 more"), "{msg}");
+        let p = BudgetPlan::with_memory(need + 4 * 100, 1000, memory, 100, 4, 2, 64).unwrap();
+        assert_eq!(p.slots_per_layer, 3);
+        assert_eq!(p.planned(), need + 4 * 100);
+        assert!(p.planned() <= p.budget);
+    }
+
+    #[test]
+    fn machine_memory_is_known_and_checked() {
+        if let Some(m) = machine_memory_bytes() {
+            assert!(m > 1 << 20);
+            assert!(check_machine(m / 2, "a run").is_ok());
+            let msg = check_machine(m + 1, "a run").unwrap_err().to_string();
+            assert!(msg.contains(&format!("{}", m + 1)), "{msg}");
+        }
     }
 
     #[test]

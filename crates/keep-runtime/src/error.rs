@@ -19,15 +19,22 @@ pub enum RuntimeError {
     #[error(transparent)]
     Model(#[from] keep_model::ModelError),
 
-    /// The budget cannot hold the resident weights plus top-k slots in every layer.
+    /// The budget cannot hold the resident weights, the context and top-k slots in every layer.
     #[error(
-        "--memory-budget {budget} bytes is too small: the resident weights take {residents} bytes and \
-         {layers} MoE layers × top-k {top_k} slots × {slot_bytes} bytes per slot take {slots} more, \
-         so at least {needed} bytes ({needed_gib:.2} GiB) are needed; give a budget ≥ {needed}"
+        "--memory-budget {budget} bytes is too small: the resident weights take {residents} bytes, \
+         a context of {context} tokens takes {context_bytes} more (decoding cache {cache} + \
+         activations {activations} of one {chunk}-token pass), and {layers} MoE layers × top-k \
+         {top_k} slots × {slot_bytes} bytes per slot take {slots} more, so at least {needed} bytes \
+         ({needed_gib:.2} GiB) are needed; give a budget ≥ {needed} or a shorter context"
     )]
     BudgetTooSmall {
         budget: u64,
         residents: u64,
+        context: usize,
+        context_bytes: u64,
+        cache: u64,
+        activations: u64,
+        chunk: usize,
         layers: usize,
         top_k: usize,
         slot_bytes: u64,

@@ -32,7 +32,7 @@ pub mod run;
 pub mod runtime;
 pub mod store;
 
-pub use budget::{resident_bytes, BudgetPlan, FIXED_OVERHEAD};
+pub use budget::{check_machine, machine_memory_bytes, resident_bytes, BudgetPlan, FIXED_OVERHEAD};
 pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache};
 pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;

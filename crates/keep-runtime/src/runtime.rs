@@ -8,6 +8,11 @@
 //!
 //! Forwards take `&mut self`: one forward at a time drives the cache (see `cache.rs`).
 //!
+//! The run is planned for a context ([`RuntimeOptions::context`]): its decoding cache
+//! ([`BudgetedModel::new_cache`] reserves it exactly) and one chunk's activations come out of
+//! the budget, prompts run in chunks of `prefill_chunk` tokens, and a forward past the planned
+//! context is refused rather than allowed to grow the cache beyond the budget.
+//!
 //! Hash-routed layers (DeepSeek-V4-Flash's first `num_hash_layers`) are prefetched exactly:
 //! their experts are `tid2eid[token]`, so [`BudgetedModel::forward`] starts every such layer's
 //! reads from the token ids before the first layer runs (the prompt's at prefill, the sampled
@@ -28,14 +33,14 @@ use keep_model::{
     RouteObserver,
 };
 
-use crate::budget::{resident_bytes, BudgetPlan};
+use crate::budget::{check_machine, resident_bytes, BudgetPlan};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
 use crate::engram::{engram_table_bytes, EngramStats, EngramStore};
 use crate::io::DEFAULT_IO_THREADS;
 use crate::policy::Policy;
 use crate::routes::warm_scores;
 use crate::store::ExpertStore;
-use crate::Result;
+use crate::{Result, RuntimeError};
 
 /// How to run inside a budget.
 #[derive(Debug, Clone)]
@@ -56,6 +61,13 @@ pub struct RuntimeOptions {
     /// Bytes of the Engram row cache, taken out of the budget (`None`: the smaller of the
     /// tables and [`DEFAULT_ENGRAM_CACHE`]). Engram tables are never resident.
     pub engram_cache: Option<u64>,
+    /// Tokens the run will hold (prompt + generated); its decoding cache and one forward pass's
+    /// activations come out of the budget and forwards past it are refused. `None`: the
+    /// model's whole context (`max_position_embeddings`).
+    pub context: Option<usize>,
+    /// Tokens per forward pass of a long prompt (`None`: keep-model's
+    /// [`DEFAULT_PREFILL_CHUNK`](keep_model::DEFAULT_PREFILL_CHUNK)).
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Default Engram row cache: 256 MiB holds V4.1-Flash's rows (2 × 24 × 264 bytes a token) for
@@ -74,6 +86,8 @@ impl RuntimeOptions {
             prefetch_next: false,
             kernels: keep_kernels::Kernels::Exact,
             engram_cache: None,
+            context: None,
+            prefill_chunk: None,
         }
     }
 }
@@ -103,6 +117,21 @@ pub struct BudgetedModel<'a> {
     prefill_stats: Option<Box<CacheStats>>,
     /// The Engram row counters of the last prompt's forward.
     prefill_engram: Option<EngramStats>,
+}
+
+impl BudgetedModel<'_> {
+    /// Refuse a forward that would run past the planned context.
+    fn check_planned(&self, cache: &Cache, t: usize) -> keep_model::Result<()> {
+        let planned = self.plan.memory.context;
+        match cache.pos.checked_add(t) {
+            Some(end) if end <= planned => Ok(()),
+            _ => Err(keep_model::ModelError::Context(format!(
+                "{t} tokens after position {} run past the {planned} tokens this run's memory \
+                 budget was planned for (RuntimeOptions::context)",
+                cache.pos
+            ))),
+        }
+    }
 }
 
 /// The observer that turns layer L's router input into a guess of layer L+1's experts, passing
@@ -189,6 +218,23 @@ impl<'a> BudgetedModel<'a> {
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
         let mut cfg = ModelConfig::from_checkpoint(ck)?;
         cfg.kernels = opts.kernels;
+        if let Some(c) = opts.prefill_chunk {
+            if c == 0 {
+                return Err(RuntimeError::Invalid(
+                    "the prefill chunk must be at least 1 token".into(),
+                ));
+            }
+            cfg.prefill_chunk = c;
+        }
+        let limit = cfg.raw.max_position_embeddings;
+        let context = opts.context.unwrap_or(limit);
+        if context == 0 || context > limit {
+            return Err(RuntimeError::Invalid(format!(
+                "a context of {context} tokens: the model holds 1 to {limit} \
+                 (max_position_embeddings)"
+            )));
+        }
+        let memory = cfg.memory_estimate(context);
         let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
         let engram_cache = match &cfg.engram {
             Some(_) => opts
@@ -196,14 +242,16 @@ impl<'a> BudgetedModel<'a> {
                 .unwrap_or_else(|| engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE)),
             None => 0,
         };
-        let plan = BudgetPlan::new(
+        let plan = BudgetPlan::with_memory(
             opts.budget,
             resident_bytes(ck) + engram_cache,
+            memory,
             store.slot_bytes(),
             cfg.n_layers,
             cfg.top_k,
             cfg.n_experts,
         )?;
+        check_machine(plan.planned(), "this budgeted run")?;
         let cache = Arc::new(SlotCache::new(
             store,
             plan.slots_per_layer,
@@ -281,9 +329,9 @@ impl<'a> BudgetedModel<'a> {
         self.engram.as_deref()
     }
 
-    /// An empty KV cache.
+    /// An empty KV cache, reserved for the planned context (it never grows past it).
     pub fn new_cache(&self) -> Cache {
-        self.model.new_cache()
+        Cache::for_context(&self.model.cfg, self.plan.memory.context)
     }
 
     /// [`Model::forward`] with the experts from the slots.
@@ -294,8 +342,42 @@ impl<'a> BudgetedModel<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
-        self.prefetch_hash_layers(tokens);
-        Ok(self.model_forward(tokens, cache, which, obs)?)
+        Ok(self.forward_chunks(tokens, cache, which, obs)?)
+    }
+
+    /// The forward in chunks of `prefill_chunk` tokens (the model's own chunking, with each
+    /// chunk's hash-routed experts prefetched just before it, so a long prompt never asks for
+    /// more of them at once than one chunk routes to).
+    fn forward_chunks(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        self.check_planned(cache, tokens.len())?;
+        let chunk = self.model.cfg.prefill_chunk.max(1);
+        let n = tokens.len().div_ceil(chunk);
+        let mut out = vec![];
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            let w = match which {
+                Logits::Last if i + 1 < n => Logits::None,
+                w => w,
+            };
+            self.prefetch_hash_layers(part);
+            let l = self.model_forward(
+                part,
+                cache,
+                w,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+            if which == Logits::All {
+                out.extend_from_slice(&l);
+            } else {
+                out = l;
+            }
+        }
+        Ok(out)
     }
 
     fn model_forward(
@@ -354,7 +436,7 @@ impl Generate for BudgetedModel<'_> {
         &self.model.cfg
     }
     fn new_cache(&self) -> Cache {
-        self.model.new_cache()
+        BudgetedModel::new_cache(self)
     }
     fn forward_last(
         &mut self,
@@ -362,8 +444,7 @@ impl Generate for BudgetedModel<'_> {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> keep_model::Result<Vec<f32>> {
-        self.prefetch_hash_layers(tokens);
-        self.model_forward(tokens, cache, Logits::Last, obs)
+        self.forward_chunks(tokens, cache, Logits::Last, obs)
     }
     /// Zero the counters, so that the prompt's forward is counted alone.
     fn starting(&mut self) {

@@ -64,7 +64,7 @@ fn logits_identical_with_a_small_budget() {
 
     // The least budget: top-k slots per layer (4 of 16 experts).
     let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
-    let (residents, slot) = (probe.plan().residents, probe.plan().slot_bytes);
+    let (residents, slot) = (probe.plan().fixed(), probe.plan().slot_bytes);
     let experts_total = probe.cache().store().total_bytes();
     drop(probe);
     let min = BudgetPlan::minimum(residents, slot, cfg.n_layers, cfg.top_k);
@@ -157,7 +157,7 @@ fn budget_refusal_names_the_bytes_needed() {
     let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
     let p = probe.plan().clone();
     drop(probe);
-    let need = BudgetPlan::minimum(p.residents, p.slot_bytes, p.n_layers, p.top_k);
+    let need = BudgetPlan::minimum(p.fixed(), p.slot_bytes, p.n_layers, p.top_k);
     let err = BudgetedModel::load(&ck, &RuntimeOptions::new(need - 1))
         .err()
         .expect("refused");
@@ -240,7 +240,7 @@ fn v4flash_hash_layers_prefetched_exactly_with_identical_logits() {
     let steps = 10;
     let want = run_plain(&plain, &prompt, steps);
     let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
-    let (residents, slot) = (probe.plan().residents, probe.plan().slot_bytes);
+    let (residents, slot) = (probe.plan().fixed(), probe.plan().slot_bytes);
     drop(probe);
     let min = BudgetPlan::minimum(residents, slot, cfg.n_layers, cfg.top_k);
     for (budget, next) in [(min, false), (min + 2 * slot * cfg.n_layers as u64, true)] {

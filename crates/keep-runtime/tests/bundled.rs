@@ -47,9 +47,9 @@ fn bundled_model_logits_identical_under_a_small_budget() {
     let p = probe.plan().clone();
     let experts = probe.cache().store().total_bytes();
     drop(probe);
-    let min = BudgetPlan::minimum(p.residents, p.slot_bytes, p.n_layers, p.top_k);
+    let min = BudgetPlan::minimum(p.fixed(), p.slot_bytes, p.n_layers, p.top_k);
     assert!(
-        min - p.residents < experts / 4,
+        min - p.fixed() < experts / 4,
         "slots must be far below the experts' size"
     );
     for policy in [

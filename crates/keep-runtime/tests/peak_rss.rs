@@ -57,7 +57,7 @@ fn peak_rss_within_budget_plus_overhead() {
     let p = probe.plan().clone();
     let experts = probe.cache().store().total_bytes();
     drop(probe);
-    let budget = BudgetPlan::minimum(p.residents, p.slot_bytes, p.n_layers, p.top_k + 4);
+    let budget = BudgetPlan::minimum(p.fixed(), p.slot_bytes, p.n_layers, p.top_k + 4);
     assert!(
         budget + TEST_OVERHEAD < experts,
         "the test must be able to tell"

@@ -58,7 +58,7 @@ fn a_recorded_run_replays_to_the_runtimes_hits() {
     let ck = Checkpoint::open(&path).unwrap();
     let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
     let cfg = probe.cfg().clone();
-    let (residents, slot) = (probe.plan().residents, probe.plan().slot_bytes);
+    let (residents, slot) = (probe.plan().fixed(), probe.plan().slot_bytes);
     drop(probe);
     // Three slots beyond top-k per layer: 7 of 32 experts.
     let budget = BudgetPlan::minimum(residents, slot, cfg.n_layers, cfg.top_k)
