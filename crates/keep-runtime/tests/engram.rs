@@ -144,3 +144,30 @@ fn compressed_engram_vocabulary_runs_under_a_budget() {
         );
     }
 }
+
+#[test]
+fn engram_use_counts_the_rows_the_runtime_reads() {
+    // keep-model's `EngramUse` predicts from the token ids alone what the runtime's row store
+    // reads: with a cache that holds every row, one prefill reads each distinct row once.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let mut opts = RuntimeOptions::new(64 << 20);
+    opts.engram_cache = Some(1 << 20);
+    let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+    let v = m.cfg().vocab as u32;
+    let prompt: Vec<u32> = (0..41u32).map(|i| (i * 31 + 5) % v).collect();
+    let mut u = keep_model::engram::EngramUse::new(&ck, m.cfg())
+        .unwrap()
+        .expect("the fixture has engram layers");
+    u.add(&prompt).unwrap();
+    let r = u.report();
+    let mut c = m.new_cache();
+    m.forward(&prompt, &mut c, Logits::Last, None).unwrap();
+    let s = m.engram().unwrap().stats();
+    assert_eq!(s.misses, r.distinct_rows.iter().sum::<u64>(), "{s:?} {r:?}");
+    assert_eq!(s.useful_bytes, r.distinct_bytes, "{s:?} {r:?}");
+    assert_eq!(
+        r.rows_gathered,
+        (prompt.len() * r.rows_per_token * r.layers.len()) as u64
+    );
+    assert_eq!(r.tokens, prompt.len() as u64);
+}
