@@ -37,8 +37,8 @@ pub use io::{IoPool, DEFAULT_IO_THREADS};
 pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};
 pub use runtime::{
-    peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, GenReport, RuntimeOptions,
-    DEFAULT_ENGRAM_CACHE,
+    engram_rows_above, engram_rows_from_store, peak_rss_bytes, reset_peak_rss, rss_bytes,
+    BudgetedModel, GenReport, RuntimeOptions, DEFAULT_ENGRAM_CACHE, ENGRAM_SSD_THRESHOLD,
 };
 pub use store::ExpertStore;
 

@@ -171,3 +171,35 @@ fn engram_use_counts_the_rows_the_runtime_reads() {
     );
     assert_eq!(r.tokens, prompt.len() as u64);
 }
+
+#[test]
+fn tables_above_the_threshold_are_read_not_mapped() {
+    // Without a budget, a model whose tables exceed the threshold reads its rows through the
+    // store (same logits as the mapped tables); below it the tables stay mapped.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 71 + 3) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        5,
+        v,
+    );
+    let mut mapped = Model::load(&ck).unwrap();
+    assert!(keep_runtime::engram_rows_above(&mut mapped, &ck, u64::MAX)
+        .unwrap()
+        .is_none());
+    let mut m = Model::load(&ck).unwrap();
+    let store = keep_runtime::engram_rows_above(&mut m, &ck, 0)
+        .unwrap()
+        .expect("tables above a zero threshold are read through the store");
+    let mut c = m.new_cache();
+    let got = greedy(|t, w| m.forward(t, &mut c, w, None).unwrap(), &prompt, 5, v);
+    for (a, b) in want.iter().zip(&got) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    let s = store.stats();
+    assert!(s.misses > 0 && s.bytes_read >= s.useful_bytes, "{s:?}");
+}

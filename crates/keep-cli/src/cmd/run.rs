@@ -164,6 +164,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
     model.cfg.kernels = a.kernels.into();
+    // Engram tables above the threshold are read row by row even without a budget.
+    let engram =
+        keep_runtime::engram_rows_above(&mut model, &ck, keep_runtime::ENGRAM_SSD_THRESHOLD)
+            .with_context(|| format!("opening the Engram tables of {}", dir.display()))?;
     let tok = tokenizer(&dir)?;
     let raw = &model.cfg.raw.raw;
     let bos = config_id(raw, "bos_token_id");
@@ -204,5 +208,18 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         stats.decode_secs,
         rate(stats.generated, stats.decode_secs)
     );
+    if let Some(e) = engram {
+        let s = e.stats();
+        eprintln!(
+            "engram rows (tables above {}, read from SSD): hit rate {:.1}% ({} of {} rows); read {} in {} reads; waited {:.3} s",
+            crate::util::human(keep_runtime::ENGRAM_SSD_THRESHOLD),
+            s.hit_rate() * 100.0,
+            s.hits,
+            s.rows_requested,
+            crate::util::human(s.bytes_read),
+            s.reads,
+            s.wait_secs
+        );
+    }
     Ok(())
 }
