@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use keep_checkpoint::Checkpoint;
+use keep_model::engram::{EngramUse, EngramUseReport};
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig, RouteObserver};
@@ -146,6 +147,9 @@ pub struct CalibrateReport {
     pub tokens_per_s: f64,
     pub model_fingerprint: String,
     pub pack_fingerprint: String,
+    /// Engram table use of the sessions run (rows and bytes per token, distinct rows per
+    /// layer); `None` for a model without Engram layers.
+    pub engram: Option<EngramUseReport>,
 }
 
 /// Check that the pack was tokenized for this model: the model's `tokenizer.json` must hash
@@ -284,7 +288,9 @@ pub fn calibrate(
         tokens_per_s: 0.0,
         model_fingerprint: mfp.clone(),
         pack_fingerprint: pack.fingerprint.clone(),
+        engram: None,
     };
+    let mut engram = EngramUse::new(&ck, &cfg)?;
     let mut todo = vec![];
     for &gi in &mine {
         let g = groups[gi];
@@ -322,10 +328,16 @@ pub fn calibrate(
             tokens: g.tokens as u64,
         });
         let stats = run_session(&ck, &cfg, pack, &g.id, opts, &mut report.tokens, progress)?;
+        if let Some(u) = engram.as_mut() {
+            for r in pack.records_of(&g.id) {
+                u.add(&r.tokens)?;
+            }
+        }
         write_session(&path, &id, &stats)?;
         report.sessions_run.push(g.id.clone());
     }
     report.seconds = t0.elapsed().as_secs_f64();
+    report.engram = engram.map(|u| u.report());
     report.tokens_per_s = if report.seconds > 0.0 {
         report.tokens as f64 / report.seconds
     } else {

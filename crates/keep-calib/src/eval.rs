@@ -15,6 +15,7 @@ use keep_artifacts::hashremap::remap_table;
 use keep_artifacts::plan::PrunePlan;
 use keep_checkpoint::Checkpoint;
 use keep_model::hash::HashTable;
+use keep_model::engram::{EngramUse, EngramUseReport};
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::Kernels;
 use keep_model::{Logits, ModelConfig};
@@ -59,6 +60,9 @@ pub struct EvalReport {
     pub teacher_nll: f64,
     pub students: Vec<StudentScore>,
     pub kl_rule: &'static str,
+    /// Engram table use of the scored records (the same for every student; `None` without
+    /// Engram layers).
+    pub engram: Option<EngramUseReport>,
 }
 
 /// One teacher record: tokens and the stored teacher arrays.
@@ -206,6 +210,15 @@ pub fn eval(
     let ck = Checkpoint::open(model)?;
     let cfg = ModelConfig::from_checkpoint(&ck)?;
     let teacher = load_teacher(run, pack)?;
+    let engram = match EngramUse::new(&ck, &cfg)? {
+        Some(mut u) => {
+            for t in &teacher {
+                u.add(&t.tokens)?;
+            }
+            Some(u.report())
+        }
+        None => None,
+    };
     let mut students: Vec<(String, Option<PathBuf>, Option<PrunePlan>, Kernels)> =
         vec![("model".into(), None, None, Kernels::Exact)];
     if kernels == Kernels::Fast {
@@ -300,6 +313,7 @@ pub fn eval(
         pack: pack.dir.display().to_string(),
         records: teacher.len(),
         teacher_nll,
+        engram,
         students: out,
         kl_rule: "KL(teacher||student) per position over the teacher's top-64 plus one tail bucket (its mass outside the top-64 against the student's); a lower bound of the full KL, exact when the tail is empty",
     })

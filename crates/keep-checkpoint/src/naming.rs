@@ -251,6 +251,18 @@ fn mtp_role(rest: &str) -> Role {
     }
 }
 
+/// Whether `name` is an Engram table tensor (`layers.N.engram.embed.{weight,scale}`): rows
+/// gathered a few per token by hashed n-gram ids, read on demand and never resident. The
+/// Engram layer's other tensors (projections, norms) are small residents.
+pub fn is_engram_table(name: &str) -> bool {
+    name.contains(".engram.embed.")
+}
+
+/// The Engram table weight of decoder layer `layer`.
+pub fn engram_table(layer: usize, part: &str) -> String {
+    format!("layers.{layer}.engram.embed.{part}")
+}
+
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
 /// `.weight_scale_inv`); empty for a name that is not a `.weight`.
 pub fn scale_candidates(name: &str) -> Vec<String> {

@@ -834,7 +834,7 @@ mod tests {
         let plan = plan(&cfg, &st).unwrap();
         let tables: u64 = metas(&plan, &st)
             .iter()
-            .filter(|m| m.name.contains(".engram.embed."))
+            .filter(|m| keep_checkpoint::naming::is_engram_table(&m.name))
             .map(TensorMeta::nbytes)
             .sum();
         // Primes above engram_vocab_size make each table a little larger than asked for.

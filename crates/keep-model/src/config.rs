@@ -280,10 +280,10 @@ impl ModelConfig {
                 [] => DEFAULT_BOS,
                 [id] => id,
                 _ => {
-                    return bad(
+                    return Err(unsupported(
                         "bos_token_id",
-                        "a list: one beginning-of-sequence token is expected".into(),
-                    )
+                        "a list: one beginning-of-sequence token is expected",
+                    ))
                 }
             },
             eos: token_ids(&c.raw, "eos_token_id", c.vocab_size)?,

@@ -25,6 +25,96 @@ use crate::{ModelError, Result};
 /// The floor of |dot| under the gate's square root (`clamp_value` of the published module).
 pub const GATE_CLAMP: f32 = 1e-6;
 
+/// How much of the Engram tables a token stream uses: rows and bytes per token, and the
+/// distinct rows it touched per layer (the size a row cache needs to serve every repeat). Rows
+/// follow from the token ids alone, so this needs no forward pass; each sequence added is
+/// hashed from its own start, as the model does.
+#[derive(Debug, Clone)]
+pub struct EngramUse {
+    layout: EngramLayout,
+    /// Bytes of one row (FP8 weight row plus its E8M0 scale row) per engram slot.
+    row_bytes: Vec<u64>,
+    seen: Vec<std::collections::HashSet<u64>>,
+    tokens: u64,
+}
+
+/// What [`EngramUse`] counted.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EngramUseReport {
+    /// Decoder layers with an Engram.
+    pub layers: Vec<usize>,
+    pub tokens: u64,
+    /// Rows gathered per token in each layer (n-gram orders × hash heads).
+    pub rows_per_token: usize,
+    /// Table bytes used per token over all Engram layers (weights and scales of the rows).
+    pub bytes_per_token: u64,
+    /// Distinct rows touched per layer.
+    pub distinct_rows: Vec<u64>,
+    /// Bytes of those distinct rows over all layers: a row cache this large serves every
+    /// repeated row of the stream from memory.
+    pub distinct_bytes: u64,
+    /// Rows gathered over all layers and tokens.
+    pub rows_gathered: u64,
+}
+
+impl EngramUse {
+    /// `None` when `cfg` has no Engram layers; refuses a checkpoint whose tables are missing.
+    pub fn new(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Option<Self>> {
+        let Some(layout) = cfg.engram.clone() else {
+            return Ok(None);
+        };
+        let mut row_bytes = vec![];
+        for (slot, &l) in layout.layer_ids.iter().enumerate() {
+            let rows = layout.num_embeddings[slot].max(1);
+            let mut b = 0u64;
+            for part in ["weight", "scale"] {
+                let name = keep_checkpoint::naming::engram_table(l, part);
+                let t = ck
+                    .get(&name)
+                    .ok_or_else(|| ModelError::Config(format!("engram table {name} is missing")))?;
+                b += t.bytes.len() as u64 / rows;
+            }
+            row_bytes.push(b);
+        }
+        let seen = vec![Default::default(); layout.layer_ids.len()];
+        Ok(Some(EngramUse {
+            layout,
+            row_bytes,
+            seen,
+            tokens: 0,
+        }))
+    }
+
+    /// Count one sequence's rows.
+    pub fn add(&mut self, tokens: &[u32]) -> Result<()> {
+        let ids = self.layout.hash(&mut vec![], tokens)?;
+        let (ns, cols) = (self.layout.layer_ids.len(), self.layout.cols());
+        for (i, id) in ids.iter().enumerate() {
+            self.seen[(i / cols) % ns].insert(*id);
+        }
+        self.tokens += tokens.len() as u64;
+        Ok(())
+    }
+
+    pub fn report(&self) -> EngramUseReport {
+        let cols = self.layout.cols();
+        let distinct_rows: Vec<u64> = self.seen.iter().map(|s| s.len() as u64).collect();
+        EngramUseReport {
+            layers: self.layout.layer_ids.clone(),
+            tokens: self.tokens,
+            rows_per_token: cols,
+            bytes_per_token: self.row_bytes.iter().map(|b| b * cols as u64).sum(),
+            distinct_bytes: distinct_rows
+                .iter()
+                .zip(&self.row_bytes)
+                .map(|(n, b)| n * b)
+                .sum(),
+            distinct_rows,
+            rows_gathered: self.tokens * (cols * self.row_bytes.len()) as u64,
+        }
+    }
+}
+
 /// Where engram table rows come from.
 pub trait EngramRows: Send + Sync {
     /// Dequantized rows `ids` of engram slot `slot` (its index in `engram_layer_ids`) into

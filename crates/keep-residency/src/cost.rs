@@ -10,6 +10,14 @@
 //! hash-routed layers are prefetched from the token ids: they still take SSD bandwidth (in
 //! `ssd_bytes_per_token`) but are reported apart (`prefetched_ssd_bytes_per_token`) because
 //! the runtime starts them before any layer runs, so they need not stall the forward.
+//!
+//! Engram tables (DeepSeek-V4.1) are never resident: per token and Engram layer, `cols` rows
+//! (one per n-gram order × hash head) are gathered by hashed token ids. Without a row cache
+//! each row is one direct read of the 4 KiB pages it spans — `1 + (row − 1) / 4096` pages on
+//! average for a row at a random byte offset — for the weight row and again for its scale row.
+//! Those bytes are SSD reads known from the token ids alone, so they count as prefetched. The
+//! model is an upper bound: a row cache (`keep run --engram-cache`) turns repeated n-grams
+//! into memory reads.
 
 use std::path::Path;
 
@@ -27,6 +35,8 @@ pub struct CostModel {
     pub expert_bytes: Vec<u64>,
     /// Bytes read from memory once per token besides the routed experts (0 without a model).
     pub resident_bytes: u64,
+    /// Engram table reads per token (empty without Engram layers or without a model).
+    pub engram: Vec<EngramBytes>,
     /// SSD read bandwidth, GB/s (10⁹ bytes).
     pub ssd_gbps: f64,
     /// Memory read bandwidth, GB/s (10⁹ bytes).
@@ -40,6 +50,9 @@ pub struct TokenCost {
     pub ssd_bytes_per_token: f64,
     /// Of those, the bytes of hash-routed layers (read ahead from the token ids).
     pub prefetched_ssd_bytes_per_token: f64,
+    /// Engram table bytes read from SSD per token (whole pages, with no row cache); included
+    /// in `ssd_bytes_per_token` and in `prefetched_ssd_bytes_per_token`.
+    pub engram_ssd_bytes_per_token: f64,
     /// Bytes read from memory per token (hit experts plus resident weights).
     pub mem_bytes_per_token: f64,
     /// Seconds per token of SSD reads plus memory reads.
@@ -51,8 +64,13 @@ pub struct TokenCost {
 impl CostModel {
     /// Cost of the per-layer counts of one replay.
     pub fn cost(&self, layers: &[Counts]) -> TokenCost {
-        let mut ssd = 0.0;
-        let mut pre = 0.0;
+        let engram: f64 = self
+            .engram
+            .iter()
+            .map(EngramBytes::ssd_bytes_per_token)
+            .sum();
+        let mut ssd = engram;
+        let mut pre = engram;
         let mut mem = self.resident_bytes as f64;
         for (c, &b) in layers.iter().zip(&self.expert_bytes) {
             if c.tokens == 0 {
@@ -67,10 +85,49 @@ impl CostModel {
         TokenCost {
             ssd_bytes_per_token: ssd,
             prefetched_ssd_bytes_per_token: pre,
+            engram_ssd_bytes_per_token: engram,
             mem_bytes_per_token: mem,
             seconds_per_token: s,
             tokens_per_sec: if s > 0.0 { 1.0 / s } else { f64::INFINITY },
         }
+    }
+}
+
+/// The direct-read page size the runtime's stores use.
+pub const PAGE_BYTES: u64 = 4096;
+
+/// One Engram layer's table reads per token.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngramBytes {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Rows gathered per token (n-gram orders × hash heads).
+    pub rows_per_token: usize,
+    /// Bytes of one weight row (FP8 channels) and of its scale row (E8M0).
+    pub row_bytes: u64,
+    pub scale_row_bytes: u64,
+}
+
+impl EngramBytes {
+    /// Expected 4 KiB pages a read of `bytes` at a uniformly random byte offset spans.
+    fn pages(bytes: u64) -> f64 {
+        if bytes == 0 {
+            0.0
+        } else {
+            1.0 + (bytes - 1) as f64 / PAGE_BYTES as f64
+        }
+    }
+
+    /// Table bytes used per token (rows × row bytes, scales included).
+    pub fn row_bytes_per_token(&self) -> f64 {
+        (self.rows_per_token as u64 * (self.row_bytes + self.scale_row_bytes)) as f64
+    }
+
+    /// SSD bytes read per token with no row cache: whole pages of each weight and scale row.
+    pub fn ssd_bytes_per_token(&self) -> f64 {
+        self.rows_per_token as f64
+            * (Self::pages(self.row_bytes) + Self::pages(self.scale_row_bytes))
+            * PAGE_BYTES as f64
     }
 }
 
@@ -81,6 +138,8 @@ pub struct ModelBytes {
     pub expert_bytes: Vec<u64>,
     pub resident_bytes: u64,
     pub n_routed_experts: Option<usize>,
+    /// Engram table reads per token, one entry per Engram layer.
+    pub engram: Vec<EngramBytes>,
 }
 
 /// Read expert and resident byte counts for `layers` from the checkpoint at `dir`. Errors
@@ -127,15 +186,43 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
         let skip = matches!(
             n.role,
             Role::RoutedExpert { .. } | Role::Embedding | Role::Vision
-        ) || matches!(n.scope, Scope::Mtp(_));
+        ) || matches!(n.scope, Scope::Mtp(_))
+            || naming::is_engram_table(t.name);
         if !skip {
             resident += t.bytes.len() as u64;
+        }
+    }
+    let mut engram = vec![];
+    if let Some(c) = ck.config() {
+        let rows_per_token = c.engram_max_ngram_size.saturating_sub(1) * c.engram_n_heads;
+        for &l in &c.engram_layer_ids {
+            let per_row = |part: &str| -> Result<u64> {
+                let name = naming::engram_table(l, part);
+                match ck.get(&name) {
+                    Some(t) if t.shape.len() == 2 && t.shape[0] > 0 => {
+                        Ok(t.bytes.len() as u64 / t.shape[0])
+                    }
+                    _ => Err(ResidencyError::Model {
+                        msg: format!(
+                            "{}: Engram layer {l} has no table `{name}` of shape [rows, channels]",
+                            dir.display()
+                        ),
+                    }),
+                }
+            };
+            engram.push(EngramBytes {
+                layer: l,
+                rows_per_token,
+                row_bytes: per_row("weight")?,
+                scale_row_bytes: per_row("scale")?,
+            });
         }
     }
     Ok(ModelBytes {
         expert_bytes,
         resident_bytes: resident,
         n_routed_experts: n_cfg,
+        engram,
     })
 }
 
@@ -148,6 +235,7 @@ mod tests {
         let m = CostModel {
             expert_bytes: vec![1_000_000, 2_000_000],
             resident_bytes: 500_000,
+            engram: vec![],
             ssd_gbps: 1.0,
             mem_gbps: 10.0,
         };
@@ -163,5 +251,37 @@ mod tests {
         let s = 1e6 / 1e9 + 5.5e6 / 1e10;
         assert!((t.seconds_per_token - s).abs() < 1e-15);
         assert!((t.tokens_per_sec - 1.0 / s).abs() < 1e-6);
+    }
+
+    #[test]
+    fn engram_rows_are_prefetched_page_reads() {
+        // V4.1-Flash's Engram shape: 2-, 3- and 4-grams × 8 heads, 256 FP8 channels with an
+        // E8M0 scale per 32: a 256-byte row spans 1 + 255/4096 pages on average, its 8-byte
+        // scale row 1 + 7/4096.
+        let e = EngramBytes {
+            layer: 1,
+            rows_per_token: 24,
+            row_bytes: 256,
+            scale_row_bytes: 8,
+        };
+        assert_eq!(e.row_bytes_per_token(), 24.0 * 264.0);
+        let pages = (1.0 + 255.0 / 4096.0) + (1.0 + 7.0 / 4096.0);
+        assert_eq!(e.ssd_bytes_per_token(), 24.0 * pages * 4096.0);
+        let m = CostModel {
+            expert_bytes: vec![1_000],
+            resident_bytes: 0,
+            engram: vec![e.clone(), EngramBytes { layer: 14, ..e }],
+            ssd_gbps: 1.0,
+            mem_gbps: 10.0,
+        };
+        let t = m.cost(&[Counts {
+            tokens: 1,
+            misses: 1,
+            ..Counts::default()
+        }]);
+        let engram = 2.0 * 24.0 * pages * 4096.0;
+        assert_eq!(t.engram_ssd_bytes_per_token, engram);
+        assert_eq!(t.ssd_bytes_per_token, 1_000.0 + engram);
+        assert_eq!(t.prefetched_ssd_bytes_per_token, engram);
     }
 }

@@ -518,6 +518,7 @@ mod tests {
             cost: Some(CostModel {
                 expert_bytes: vec![1_000_000; 4],
                 resident_bytes: 0,
+                engram: vec![],
                 ssd_gbps: 5.0,
                 mem_gbps: 50.0,
             }),

@@ -206,10 +206,7 @@ pub fn engram_table_bytes(ck: &Checkpoint) -> u64 {
         .sum()
 }
 
-/// An Engram table tensor (rows read on demand, never resident).
-pub fn is_engram_table(name: &str) -> bool {
-    name.contains(".engram.embed.")
-}
+pub use keep_checkpoint::naming::is_engram_table;
 
 impl EngramStore {
     /// Lay out `layout`'s tables in `ck` (no table byte is read) with a row cache of
@@ -230,7 +227,7 @@ impl EngramStore {
         let mut tables = vec![];
         for (slot, &l) in layout.layer_ids.iter().enumerate() {
             let get = |n: &str, dt: Dtype, cols: usize| -> Result<(usize, u64)> {
-                let name = format!("layers.{l}.engram.embed.{n}");
+                let name = keep_checkpoint::naming::engram_table(l, n);
                 let t = ck
                     .get(&name)
                     .ok_or_else(|| RuntimeError::Invalid(format!("{name} is missing")))?;

@@ -41,7 +41,8 @@ pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};
 pub use run::{RunInfo, RunModel, RunReport};
 pub use runtime::{
-    peak_rss_bytes, reset_peak_rss, rss_bytes, BudgetedModel, RuntimeOptions, DEFAULT_ENGRAM_CACHE,
+    engram_rows_above, engram_rows_from_store, peak_rss_bytes, reset_peak_rss, rss_bytes,
+    BudgetedModel, RuntimeOptions, DEFAULT_ENGRAM_CACHE, ENGRAM_SSD_THRESHOLD,
 };
 pub use store::ExpertStore;
 

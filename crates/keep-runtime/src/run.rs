@@ -16,15 +16,27 @@ use keep_model::{Cache, Model, ModelConfig, RouteObserver};
 
 use crate::budget::FIXED_OVERHEAD;
 use crate::cache::CacheStats;
-use crate::engram::EngramStats;
+use std::sync::Arc;
+
+use crate::engram::{EngramStats, EngramStore};
 use crate::routes::RouteLog;
-use crate::runtime::{peak_rss_bytes, BudgetedModel, RuntimeOptions};
+use crate::runtime::{
+    engram_rows_above, peak_rss_bytes, BudgetedModel, RuntimeOptions, ENGRAM_SSD_THRESHOLD,
+};
 use crate::Result;
 
 /// The model a run drives: plainly mapped, or with its routed experts in budgeted slots.
 pub enum RunModel<'a> {
-    Mapped(Model<'a>),
+    /// Mapped whole; Engram tables above [`ENGRAM_SSD_THRESHOLD`] still read row by row
+    /// through a store (`Some`).
+    Mapped(Model<'a>, Option<MappedEngram>),
     Budgeted(BudgetedModel<'a>),
+}
+
+/// The Engram row store of a mapped run and its prefill counters.
+pub struct MappedEngram {
+    pub store: Arc<EngramStore>,
+    prefill: Option<EngramStats>,
 }
 
 impl<'a> RunModel<'a> {
@@ -40,7 +52,12 @@ impl<'a> RunModel<'a> {
             None => {
                 let mut m = Model::load(ck)?;
                 m.cfg.kernels = kernels;
-                RunModel::Mapped(m)
+                let engram = engram_rows_above(&mut m, ck, ENGRAM_SSD_THRESHOLD)?
+                    .map(|store| MappedEngram {
+                        store,
+                        prefill: None,
+                    });
+                RunModel::Mapped(m, engram)
             }
         })
     }
@@ -48,7 +65,7 @@ impl<'a> RunModel<'a> {
     /// The model's config.
     pub fn cfg(&self) -> &ModelConfig {
         match self {
-            RunModel::Mapped(m) => &m.cfg,
+            RunModel::Mapped(m, _) => &m.cfg,
             RunModel::Budgeted(m) => m.cfg(),
         }
     }
@@ -57,7 +74,7 @@ impl<'a> RunModel<'a> {
     pub fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
         match self {
             RunModel::Budgeted(m) => Some(m),
-            RunModel::Mapped(_) => None,
+            RunModel::Mapped(..) => None,
         }
     }
 }
@@ -68,7 +85,7 @@ impl Generate for RunModel<'_> {
     }
     fn new_cache(&self) -> Cache {
         match self {
-            RunModel::Mapped(m) => m.new_cache(),
+            RunModel::Mapped(m, _) => m.new_cache(),
             RunModel::Budgeted(m) => m.new_cache(),
         }
     }
@@ -79,18 +96,28 @@ impl Generate for RunModel<'_> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> keep_model::Result<Vec<f32>> {
         match self {
-            RunModel::Mapped(m) => m.forward_last(tokens, cache, obs),
+            RunModel::Mapped(m, _) => m.forward_last(tokens, cache, obs),
             RunModel::Budgeted(m) => m.forward_last(tokens, cache, obs),
         }
     }
     fn starting(&mut self) {
-        if let RunModel::Budgeted(m) = self {
-            m.starting();
+        match self {
+            RunModel::Budgeted(m) => m.starting(),
+            RunModel::Mapped(_, Some(e)) => {
+                e.store.reset_stats();
+                e.prefill = None;
+            }
+            RunModel::Mapped(_, None) => {}
         }
     }
     fn prefilled(&mut self) {
-        if let RunModel::Budgeted(m) = self {
-            m.prefilled();
+        match self {
+            RunModel::Budgeted(m) => m.prefilled(),
+            RunModel::Mapped(_, Some(e)) => {
+                e.prefill = Some(e.store.stats());
+                e.store.reset_stats();
+            }
+            RunModel::Mapped(_, None) => {}
         }
     }
 }
@@ -102,7 +129,8 @@ pub struct RunReport {
     /// Expert cache counters of the prefill and of the decode (`None` without a budget).
     pub prefill_cache: Option<CacheStats>,
     pub decode_cache: Option<CacheStats>,
-    /// Engram row cache counters (`None` without a budget or without Engram layers).
+    /// Engram row cache counters (`None` without Engram layers, or when a run without a budget
+    /// maps tables below [`ENGRAM_SSD_THRESHOLD`]).
     pub prefill_engram: Option<EngramStats>,
     pub decode_engram: Option<EngramStats>,
     /// Peak resident set size at the end (`None` where the system does not report it).
@@ -128,11 +156,18 @@ pub fn run(
         gen,
         ..RunReport::default()
     };
-    if let RunModel::Budgeted(m) = model {
-        r.prefill_cache = m.take_prefill_stats();
-        r.prefill_engram = m.take_prefill_engram();
-        r.decode_cache = Some(m.cache().stats());
-        r.decode_engram = m.engram().map(|e| e.stats());
+    match model {
+        RunModel::Budgeted(m) => {
+            r.prefill_cache = m.take_prefill_stats();
+            r.prefill_engram = m.take_prefill_engram();
+            r.decode_cache = Some(m.cache().stats());
+            r.decode_engram = m.engram().map(|e| e.stats());
+        }
+        RunModel::Mapped(_, Some(e)) => {
+            r.prefill_engram = e.prefill.take();
+            r.decode_engram = Some(e.store.stats());
+        }
+        RunModel::Mapped(_, None) => {}
     }
     r.peak_rss = peak_rss_bytes();
     Ok(r)

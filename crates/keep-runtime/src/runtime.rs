@@ -74,6 +74,57 @@ pub struct RuntimeOptions {
 /// about 20,000 distinct tokens.
 pub const DEFAULT_ENGRAM_CACHE: u64 = 256 << 20;
 
+/// Without `--memory-budget`, Engram tables larger than this are still never mapped: their
+/// rows are read from the shards into a row cache, as under a budget. Mapped, a table read a
+/// few scattered rows a token fills the page cache with 4 KiB pages of which ~264 bytes are
+/// used, and on a model whose tables exceed memory that is what evicts the weights.
+pub const ENGRAM_SSD_THRESHOLD: u64 = 2 << 30;
+
+/// Serve `model`'s Engram rows from `ck`'s shards through an [`EngramStore`] (page-aligned
+/// reads into an LRU row cache of `cache_bytes`) instead of its mapped tables. `None` (and no
+/// change) for a model without Engram layers.
+pub fn engram_rows_from_store(
+    model: &mut Model<'_>,
+    ck: &Checkpoint,
+    cache_bytes: u64,
+    direct_io: bool,
+    io_threads: usize,
+) -> Result<Option<Arc<EngramStore>>> {
+    let (Some(layout), Some(e)) = (model.cfg.engram.as_ref(), model.engram.as_mut()) else {
+        return Ok(None);
+    };
+    let store = Arc::new(EngramStore::open(
+        ck,
+        layout,
+        cache_bytes,
+        direct_io,
+        io_threads,
+    )?);
+    e.rows = Box::new(StoreRows(store.clone()));
+    Ok(Some(store))
+}
+
+/// The rule for a run without a budget: tables above `threshold` bytes (normally
+/// [`ENGRAM_SSD_THRESHOLD`]) are read through a store with the default row cache; smaller ones
+/// stay mapped (`None`).
+pub fn engram_rows_above(
+    model: &mut Model<'_>,
+    ck: &Checkpoint,
+    threshold: u64,
+) -> Result<Option<Arc<EngramStore>>> {
+    let bytes = engram_table_bytes(ck);
+    if model.engram.is_none() || bytes <= threshold {
+        return Ok(None);
+    }
+    engram_rows_from_store(
+        model,
+        ck,
+        bytes.min(DEFAULT_ENGRAM_CACHE),
+        true,
+        DEFAULT_IO_THREADS,
+    )
+}
+
 impl RuntimeOptions {
     /// Defaults (LRU, [`DEFAULT_IO_THREADS`], direct I/O, no warm start) for `budget`.
     pub fn new(budget: u64) -> RuntimeOptions {
@@ -278,20 +329,14 @@ impl<'a> BudgetedModel<'a> {
             }
         }
         cache.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
-        let engram = match &cfg.engram {
-            Some(lay) => Some(Arc::new(EngramStore::open(
-                ck,
-                lay,
-                engram_cache,
-                opts.direct_io,
-                opts.io_threads,
-            )?)),
-            None => None,
-        };
         let mut model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
-        if let (Some(e), Some(store)) = (model.engram.as_mut(), &engram) {
-            e.rows = Box::new(StoreRows(store.clone()));
-        }
+        let engram = engram_rows_from_store(
+            &mut model,
+            ck,
+            engram_cache,
+            opts.direct_io,
+            opts.io_threads,
+        )?;
         Ok(BudgetedModel {
             model,
             cache,

@@ -144,3 +144,62 @@ fn compressed_engram_vocabulary_runs_under_a_budget() {
         );
     }
 }
+
+#[test]
+fn engram_use_counts_the_rows_the_runtime_reads() {
+    // keep-model's `EngramUse` predicts from the token ids alone what the runtime's row store
+    // reads: with a cache that holds every row, one prefill reads each distinct row once.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let mut opts = RuntimeOptions::new(64 << 20);
+    opts.engram_cache = Some(1 << 20);
+    let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+    let v = m.cfg().vocab as u32;
+    let prompt: Vec<u32> = (0..41u32).map(|i| (i * 31 + 5) % v).collect();
+    let mut u = keep_model::engram::EngramUse::new(&ck, m.cfg())
+        .unwrap()
+        .expect("the fixture has engram layers");
+    u.add(&prompt).unwrap();
+    let r = u.report();
+    let mut c = m.new_cache();
+    m.forward(&prompt, &mut c, Logits::Last, None).unwrap();
+    let s = m.engram().unwrap().stats();
+    assert_eq!(s.misses, r.distinct_rows.iter().sum::<u64>(), "{s:?} {r:?}");
+    assert_eq!(s.useful_bytes, r.distinct_bytes, "{s:?} {r:?}");
+    assert_eq!(
+        r.rows_gathered,
+        (prompt.len() * r.rows_per_token * r.layers.len()) as u64
+    );
+    assert_eq!(r.tokens, prompt.len() as u64);
+}
+
+#[test]
+fn tables_above_the_threshold_are_read_not_mapped() {
+    // Without a budget, a model whose tables exceed the threshold reads its rows through the
+    // store (same logits as the mapped tables); below it the tables stay mapped.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 71 + 3) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        5,
+        v,
+    );
+    let mut mapped = Model::load(&ck).unwrap();
+    assert!(keep_runtime::engram_rows_above(&mut mapped, &ck, u64::MAX)
+        .unwrap()
+        .is_none());
+    let mut m = Model::load(&ck).unwrap();
+    let store = keep_runtime::engram_rows_above(&mut m, &ck, 0)
+        .unwrap()
+        .expect("tables above a zero threshold are read through the store");
+    let mut c = m.new_cache();
+    let got = greedy(|t, w| m.forward(t, &mut c, w, None).unwrap(), &prompt, 5, v);
+    for (a, b) in want.iter().zip(&got) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    let s = store.stats();
+    assert!(s.misses > 0 && s.bytes_read >= s.useful_bytes, "{s:?}");
+}

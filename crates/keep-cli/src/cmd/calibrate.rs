@@ -180,6 +180,25 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
             rss.map(|r| format!(", peak RSS {}", crate::util::human(r)))
                 .unwrap_or_default()
         );
+        if let Some(e) = &report.engram {
+            println!("{}", engram_line(e));
+        }
     }
     Ok(())
+}
+
+/// One line on the Engram tables a run used: bytes a token gathers and the distinct rows (what
+/// a row cache would need to serve every repeated n-gram from memory).
+pub fn engram_line(e: &keep_model::engram::EngramUseReport) -> String {
+    format!(
+        "engram layers {:?}: {} rows a token in each, {} of tables a token in all; {} tokens \
+         touched {} distinct rows ({}) of {} gathered",
+        e.layers,
+        e.rows_per_token,
+        crate::util::human(e.bytes_per_token),
+        e.tokens,
+        e.distinct_rows.iter().sum::<u64>(),
+        crate::util::human(e.distinct_bytes),
+        e.rows_gathered
+    )
 }

@@ -119,5 +119,8 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             s.top1 * 100.0
         );
     }
+    if let Some(e) = &r.engram {
+        println!("{}", super::calibrate::engram_line(e));
+    }
     Ok(())
 }

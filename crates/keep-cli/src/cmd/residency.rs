@@ -177,6 +177,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
             Some(CostModel {
                 expert_bytes: mb.expert_bytes,
                 resident_bytes: mb.resident_bytes,
+                engram: mb.engram,
                 ssd_gbps: a.ssd_gbps,
                 mem_gbps: a.mem_gbps,
             }),
@@ -188,6 +189,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
             Some(CostModel {
                 expert_bytes: vec![b; layers.len()],
                 resident_bytes: 0,
+                engram: vec![],
                 ssd_gbps: a.ssd_gbps,
                 mem_gbps: a.mem_gbps,
             }),
@@ -295,6 +297,19 @@ fn print_table(r: &Report, bytes_from: &str) {
         i.warm_start.name(),
         i.half_life_tokens
     );
+    if let Some(c) = i.cost.as_ref().filter(|c| !c.engram.is_empty()) {
+        let used: f64 = c.engram.iter().map(|e| e.row_bytes_per_token()).sum();
+        let read: f64 = c.engram.iter().map(|e| e.ssd_bytes_per_token()).sum();
+        let layers: Vec<String> = c.engram.iter().map(|e| e.layer.to_string()).collect();
+        println!(
+            "  engram layers {}: {} rows a token use {} of tables, read as {} of 4 KiB pages \
+             (no row cache; prefetched from the token ids, in SSD/token)",
+            layers.join(", "),
+            c.engram.iter().map(|e| e.rows_per_token).sum::<usize>(),
+            human(used as u64),
+            human(read as u64)
+        );
+    }
     if let Some(t) = i.fetch_threshold {
         println!("  hybrid rows (+thr): misses with gate weight < {t} dropped, not read");
     }

@@ -139,7 +139,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         g.decode_secs,
         g.decode_tps()
     );
-    if b.active() {
+    // A run without a budget still reads Engram tables above the threshold from SSD: its row
+    // counters are printed the same way.
+    if b.active() || report.decode_engram.is_some() {
         budget::print_report(&report, b.memory_budget);
     }
     if let (Some(path), Some(l)) = (&b.record_routes, &log) {
