@@ -118,7 +118,6 @@ impl BudgetArgs {
                 .map_err(|e: String| anyhow::anyhow!("--policy: {e}"))?,
         };
         Ok(Some(RuntimeOptions {
-            budget,
             policy,
             io_threads: self.io_threads,
             direct_io: !self.buffered_io,
@@ -126,6 +125,7 @@ impl BudgetArgs {
             prefetch_next: self.prefetch_next,
             kernels,
             engram_cache: self.engram_cache,
+            ..RuntimeOptions::new(budget)
         }))
     }
 }
