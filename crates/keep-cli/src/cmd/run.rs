@@ -170,6 +170,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let eos = config_id(raw, "eos_token_id");
     let prompt = prompt_ids(Some(&tok), a.prompt.as_deref(), &bos)?;
     check_context(prompt.len(), a.max_tokens, &model.cfg)?;
+    let mem = model
+        .cfg
+        .memory_estimate(prompt.len() + a.max_tokens.saturating_sub(1));
+    keep_runtime::check_machine(mem.total(), "this run's context")?;
     let mut out = std::io::stdout().lock();
     if let Some(p) = &a.prompt {
         write!(out, "{p}")?;

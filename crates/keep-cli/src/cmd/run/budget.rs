@@ -15,8 +15,8 @@ use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate_with, Generate, Sampler, SamplerConfig};
 use keep_model::{Cache, Logits, Model, RouteObserver};
 use keep_runtime::{
-    peak_rss_bytes, BudgetedModel, CacheStats, EngramStats, Policy, RouteLog, RuntimeOptions,
-    DEFAULT_IO_THREADS, FIXED_OVERHEAD,
+    check_machine, peak_rss_bytes, BudgetedModel, CacheStats, EngramStats, Policy, RouteLog,
+    RuntimeOptions, DEFAULT_IO_THREADS, FIXED_OVERHEAD,
 };
 
 use super::{config_id, prompt_ids, RunArgs, TextOut};
@@ -69,6 +69,10 @@ pub struct BudgetArgs {
     /// Without a tokenizer (keep synth models): use N deterministic prompt token ids.
     #[arg(long, value_name = "N")]
     pub prompt_tokens: Option<usize>,
+    /// Tokens per forward pass of a long prompt (default: keep-model's DEFAULT_PREFILL_CHUNK);
+    /// the logits do not depend on it, the activations grow with it.
+    #[arg(long, value_name = "N")]
+    pub prefill_chunk: Option<usize>,
 }
 
 impl BudgetArgs {
@@ -78,6 +82,7 @@ impl BudgetArgs {
             || self.record_routes.is_some()
             || self.stats_json.is_some()
             || self.prompt_tokens.is_some()
+            || self.prefill_chunk.is_some()
     }
 }
 
@@ -178,7 +183,39 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         b.prompt_tokens != Some(0),
         "--prompt-tokens must be at least 1"
     );
+    anyhow::ensure!(
+        b.prefill_chunk != Some(0),
+        "--prefill-chunk must be at least 1"
+    );
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    // The prompt and the context first: the run's memory is planned for them before anything
+    // is allocated.
+    let mut cfg = keep_model::ModelConfig::from_checkpoint(&ck)
+        .with_context(|| format!("loading the model from {}", dir.display()))?;
+    if let Some(c) = b.prefill_chunk {
+        cfg.prefill_chunk = c;
+    }
+    let raw = &cfg.raw.raw;
+    let bos = config_id(raw, "bos_token_id");
+    let eos = config_id(raw, "eos_token_id");
+    let tok = if b.prompt_tokens.is_some() {
+        None
+    } else {
+        Some(tokenizer(&dir)?)
+    };
+    if let Some(n) = b.prompt_tokens {
+        super::check_context(n, a.max_tokens, &cfg)?;
+    }
+    let prompt = match b.prompt_tokens {
+        Some(n) => synthetic_prompt(n, cfg.vocab),
+        None => {
+            let p = prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?;
+            super::check_context(p.len(), a.max_tokens, &cfg)?;
+            p
+        }
+    };
+    // Generation stops one token short of feeding the last sampled token back.
+    let context = prompt.len() + a.max_tokens.saturating_sub(1);
     let policy: Policy = match b.policy.as_str() {
         "decay" => Policy::Decay {
             half_life: b.half_life,
@@ -200,29 +237,35 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 prefetch_next: b.prefetch_next,
                 kernels: a.kernels.into(),
                 engram_cache: b.engram_cache,
+                context: Some(context),
+                prefill_chunk: b.prefill_chunk,
             };
             let m = BudgetedModel::load(&ck, &opts)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
             Loaded::Budgeted(m)
         }
         None => {
+            let mem = cfg.memory_estimate(context);
+            check_machine(mem.total(), "this run's context").map_err(anyhow::Error::from)?;
             let mut m = Model::load(&ck)?;
             m.cfg.kernels = a.kernels.into();
+            m.cfg.prefill_chunk = cfg.prefill_chunk;
             Loaded::Plain(m)
         }
     };
     let load_secs = t_load.elapsed().as_secs_f64();
-    let cfg = match &model {
-        Loaded::Budgeted(m) => m.cfg().clone(),
-        Loaded::Plain(m) => m.cfg.clone(),
-    };
     if let Some(m) = model.budgeted() {
         let p = m.plan();
         let st = m.cache().store();
         eprintln!(
-            "budget {}: residents {} + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
+            "budget {}: residents {} + context of {} tokens {} (decoding cache {} + activations {} of a {}-token pass) + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
             human(p.budget),
             human(p.residents),
+            p.memory.context,
+            human(p.memory.total()),
+            human(p.memory.cache),
+            human(p.memory.activations),
+            p.memory.chunk,
             p.slots_per_layer,
             p.n_layers,
             human(p.slot_bytes),
@@ -235,25 +278,6 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             if st.direct_io() { "O_DIRECT" } else { "buffered reads + fadvise(DONTNEED): direct I/O unavailable or off" }
         );
     }
-    let raw = &cfg.raw.raw;
-    let bos = config_id(raw, "bos_token_id");
-    let eos = config_id(raw, "eos_token_id");
-    let tok = if b.prompt_tokens.is_some() {
-        None
-    } else {
-        Some(tokenizer(&dir)?)
-    };
-    if let Some(n) = b.prompt_tokens {
-        super::check_context(n, a.max_tokens, &cfg)?;
-    }
-    let prompt = match b.prompt_tokens {
-        Some(n) => synthetic_prompt(n, cfg.vocab),
-        None => {
-            let p = prompt_ids(tok.as_ref(), a.prompt.as_deref(), &bos)?;
-            super::check_context(p.len(), a.max_tokens, &cfg)?;
-            p
-        }
-    };
     let mut out = std::io::stdout().lock();
     if let (Some(p), Some(_)) = (&a.prompt, &tok) {
         write!(out, "{p}")?;
@@ -394,6 +418,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 "expert_bytes": m.cache().store().expert_bytes(),
                 "direct_io": m.cache().store().direct_io(),
                 "engram_cache_bytes": m.engram().map(|e| e.cache_bytes()),
+                "context": p.memory.context, "prefill_chunk": p.memory.chunk,
+                "cache_bytes": p.memory.cache, "activation_bytes": p.memory.activations,
             })
         });
         let j = serde_json::json!({
