@@ -61,7 +61,13 @@ pub struct RunStats {
 /// How a memory budget was split.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanNumbers {
+    /// Bytes of one prefill pass's activations reserved in the budget.
+    pub activation_bytes: u64,
     pub budget: u64,
+    /// Bytes of the decoding cache reserved for `context` positions.
+    pub cache_bytes: u64,
+    /// Positions the run was planned for (prompt + generated tokens).
+    pub context: u64,
     /// Whether every shard is read with direct I/O.
     pub direct_io: bool,
     /// Bytes of the Engram row cache (`None` without Engram layers).
@@ -70,6 +76,8 @@ pub struct PlanNumbers {
     pub expert_bytes: u64,
     pub n_experts: u64,
     pub n_layers: u64,
+    /// Tokens per forward pass of a long prompt.
+    pub prefill_chunk: u64,
     /// Bytes of the resident weights (with the Engram row cache).
     pub residents: u64,
     /// Bytes of all routed experts of all layers.
@@ -235,19 +243,23 @@ mod tests {
             decode_secs: 1.25,
             decode_tokens: 10,
             decode_tps: 8.0,
-            fixed_overhead_bytes: 256 << 20,
+            fixed_overhead_bytes: 64 << 20,
             format: FORMAT.into(),
             io_threads: 8,
             load_secs: 0.5,
             model: "/m".into(),
             peak_rss_bytes: None,
             plan: Some(PlanNumbers {
+                activation_bytes: 1 << 16,
                 budget: 2 << 30,
+                cache_bytes: 1 << 18,
+                context: 40,
                 direct_io: true,
                 engram_cache_bytes: None,
                 expert_bytes: 1000,
                 n_experts: 64,
                 n_layers: 4,
+                prefill_chunk: 128,
                 residents: 1 << 20,
                 routed_expert_bytes: 256_000,
                 slot_bytes: 4096,

@@ -31,9 +31,9 @@ use keep_model::MemoryEstimate;
 use crate::{Result, RuntimeError};
 
 /// Memory beyond the budget a run may use: the binary and its libraries, allocator slack,
-/// thread stacks, tokenizer and embedding rows. Measured by `keep run` on the bundled model for
-/// prompts of 16 to 16k tokens (`dev/budget_vs_prompt.sh`, peak RSS − budget stays under 48 MiB)
-/// and checked by the CLI's peak-RSS test; it does not grow with the context.
+/// thread stacks, tokenizer and embedding rows; it does not grow with the context. Checked by
+/// the CLI's peak-RSS test (`keep-cli/tests/memory_budget.rs`, the bundled model at the least
+/// budget it accepts); `dev/budget_vs_prompt.py` measures prompts of 16 to 16k tokens.
 pub const FIXED_OVERHEAD: u64 = 64 << 20;
 
 /// Whether a tensor (weight or scale) is a routed expert's, by keep-checkpoint's naming.

@@ -246,12 +246,16 @@ impl RunReport {
             let p = m.plan();
             let store = m.cache().store();
             PlanNumbers {
+                activation_bytes: p.memory.activations,
                 budget: p.budget,
+                cache_bytes: p.memory.cache,
+                context: p.memory.context as u64,
                 direct_io: store.direct_io(),
                 engram_cache_bytes: m.engram().map(|e| e.cache_bytes()),
                 expert_bytes: store.expert_bytes(),
                 n_experts: p.n_experts as u64,
                 n_layers: p.n_layers as u64,
+                prefill_chunk: p.memory.chunk as u64,
                 residents: p.residents,
                 routed_expert_bytes: store.total_bytes(),
                 slot_bytes: p.slot_bytes,

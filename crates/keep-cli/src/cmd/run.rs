@@ -10,9 +10,11 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
-use keep_model::generate::{load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig};
+use keep_model::generate::{
+    encode_prompt, load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig,
+};
 use keep_model::ModelError;
-use keep_runtime::{RouteLog, RunInfo, RuntimeError};
+use keep_runtime::{RouteLog, RunInfo, RunModel, RuntimeError};
 
 use super::logits::model_dir;
 
@@ -87,12 +89,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let dir = model_dir(a.model.clone())?;
     b.check(&dir)?;
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let opts = b.runtime_options(a.kernels.into())?;
-    let (mut model, load_secs) =
-        keep_runtime::run::load_timed(&ck, a.kernels.into(), opts.as_ref())
-            .with_context(|| format!("loading the model from {}", dir.display()))?;
-    if let Some(m) = model.budgeted() {
-        budget::print_plan(m);
+    // The prompt and the context first: the run's memory is planned for them (and refused when
+    // it cannot fit the budget or the machine) before anything is allocated.
+    let mut cfg = keep_model::ModelConfig::from_checkpoint(&ck)
+        .with_context(|| format!("loading the model from {}", dir.display()))?;
+    if let Some(c) = b.prefill_chunk {
+        cfg.prefill_chunk = c;
     }
     let tok = match b.prompt_tokens {
         Some(_) => None,
@@ -102,6 +104,24 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         Some(n) => Prompt::Synthetic(n),
         None => Prompt::Text(a.prompt.as_deref().unwrap_or("")),
     };
+    let ids = encode_prompt(&cfg, tok.as_ref(), prompt, a.max_tokens)
+        .map_err(|e| flag_error(RuntimeError::Model(e)))?;
+    // Generation stops one token short of feeding the last sampled token back.
+    let context = ids.len() + a.max_tokens.saturating_sub(1);
+    let opts = b.runtime_options(a.kernels.into(), context)?;
+    if opts.is_none() {
+        keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
+    }
+    let (mut model, load_secs) =
+        keep_runtime::run::load_timed(&ck, a.kernels.into(), opts.as_ref())
+            .with_context(|| format!("loading the model from {}", dir.display()))?;
+    if let RunModel::Mapped(m, _) = &mut model {
+        m.cfg.prefill_chunk = cfg.prefill_chunk;
+    }
+    if let Some(m) = model.budgeted() {
+        budget::print_plan(m);
+    }
+    let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
         sampling,

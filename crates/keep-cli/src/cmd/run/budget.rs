@@ -59,6 +59,10 @@ pub struct BudgetArgs {
     /// Without a tokenizer (keep synth models): use N deterministic prompt token ids.
     #[arg(long, value_name = "N")]
     pub prompt_tokens: Option<usize>,
+    /// Tokens per forward pass of a long prompt (default: keep-model's DEFAULT_PREFILL_CHUNK);
+    /// the logits do not depend on it, the activations grow with it.
+    #[arg(long, value_name = "N")]
+    pub prefill_chunk: Option<usize>,
 }
 
 impl BudgetArgs {
@@ -68,6 +72,7 @@ impl BudgetArgs {
             || self.record_routes.is_some()
             || self.stats_json.is_some()
             || self.prompt_tokens.is_some()
+            || self.prefill_chunk.is_some()
     }
 }
 
@@ -91,13 +96,19 @@ impl BudgetArgs {
             self.prompt_tokens != Some(0),
             "--prompt-tokens must be at least 1"
         );
+        anyhow::ensure!(
+            self.prefill_chunk != Some(0),
+            "--prefill-chunk must be at least 1"
+        );
         Ok(())
     }
 
-    /// The runtime's options when `--memory-budget` is given.
+    /// The runtime's options when `--memory-budget` is given, planned for a run of `context`
+    /// positions (prompt + generated tokens).
     pub fn runtime_options(
         &self,
         kernels: keep_model::Kernels,
+        context: usize,
     ) -> anyhow::Result<Option<RuntimeOptions>> {
         let Some(budget) = self.memory_budget else {
             return Ok(None);
@@ -125,6 +136,8 @@ impl BudgetArgs {
             prefetch_next: self.prefetch_next,
             kernels,
             engram_cache: self.engram_cache,
+            context: Some(context),
+            prefill_chunk: self.prefill_chunk,
             ..RuntimeOptions::new(budget)
         }))
     }
@@ -135,9 +148,14 @@ pub fn print_plan(m: &BudgetedModel) {
     let p = m.plan();
     let st = m.cache().store();
     eprintln!(
-        "budget {}: residents {} + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
+        "budget {}: residents {} + context of {} tokens {} (decoding cache {} + activations {} of a {}-token pass) + {} slots/layer × {} layers × {} = {} (routed experts {}; {} per layer of {}; policy {}; {} I/O threads, {})",
         human(p.budget),
         human(p.residents),
+        p.memory.context,
+        human(p.memory.total()),
+        human(p.memory.cache),
+        human(p.memory.activations),
+        p.memory.chunk,
         p.slots_per_layer,
         p.n_layers,
         human(p.slot_bytes),

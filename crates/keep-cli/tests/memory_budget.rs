@@ -1,0 +1,134 @@
+//! `keep run --memory-budget` keeps its promise on the bundled model: for each prompt length the
+//! binary is asked for the least budget that holds the run (a budget of one byte is refused
+//! naming it), then run at exactly that budget, and the child's peak resident set (from
+//! `wait4`'s rusage) stays within the budget plus `FIXED_OVERHEAD`. A prompt past the model's
+//! context, and a long context in a budget too small for its cache, are refused with exit 1
+//! before anything is allocated. Linux only (`ru_maxrss` in KiB).
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use keep_runtime::FIXED_OVERHEAD;
+
+/// Prompt lengths run here (the full 16..16k table comes from `dev/budget_vs_prompt.sh`);
+/// small enough to run in seconds on two cores.
+const PROMPTS: [usize; 3] = [16, 200, 700];
+
+struct Outcome {
+    code: i32,
+    stderr: String,
+    peak_rss: u64,
+}
+
+/// Run `keep run ARGS` as a child with its own cache dir; its exit code, stderr and peak RSS.
+fn keep_run(args: &[String], dir: &Path) -> Outcome {
+    let err_path = dir.join(format!("stderr-{}", args.join("_").replace('/', "_")));
+    let err = std::fs::File::create(&err_path).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_keep"))
+        .arg("run")
+        .args(args)
+        .env("KEEP_CACHE_DIR", dir.join("cache"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .unwrap();
+    let mut status = 0i32;
+    // SAFETY: a zeroed rusage is a valid value; wait4 fills it for our own child.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut ru) };
+    assert_eq!(pid, child.id() as libc::pid_t, "wait4 failed");
+    assert!(libc::WIFEXITED(status), "keep run was killed: {status}");
+    Outcome {
+        code: libc::WEXITSTATUS(status),
+        stderr: std::fs::read_to_string(&err_path).unwrap(),
+        peak_rss: ru.ru_maxrss as u64 * 1024,
+    }
+}
+
+fn args(budget: u64, prompt: usize, max_tokens: usize) -> Vec<String> {
+    [
+        "--memory-budget".to_string(),
+        budget.to_string(),
+        "--prompt-tokens".into(),
+        prompt.to_string(),
+        "--max-tokens".into(),
+        max_tokens.to_string(),
+        "--temperature".into(),
+        "0".into(),
+    ]
+    .to_vec()
+}
+
+/// The least budget the binary names when refusing `budget`.
+fn needed(o: &Outcome) -> u64 {
+    let at = o
+        .stderr
+        .find("at least ")
+        .unwrap_or_else(|| panic!("no need named: {}", o.stderr));
+    o.stderr[at + 9..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number after `at least`: {}", o.stderr))
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn peak_rss_stays_within_budget_plus_overhead() {
+    let td = tempfile::tempdir().unwrap();
+    let mut last_need = 0;
+    for &p in &PROMPTS {
+        let refused = keep_run(&args(1, p, 8), td.path());
+        assert_eq!(refused.code, 1, "{}", refused.stderr);
+        let need = needed(&refused);
+        assert!(
+            refused
+                .stderr
+                .contains(&format!("context of {} tokens", p + 7)),
+            "{}",
+            refused.stderr
+        );
+        assert!(
+            need > last_need,
+            "a longer context needs more ({need} after {last_need})"
+        );
+        last_need = need;
+        let ok = keep_run(&args(need, p, 8), td.path());
+        assert_eq!(ok.code, 0, "prompt {p} at budget {need}: {}", ok.stderr);
+        eprintln!(
+            "prompt {p}: budget {need}, peak RSS {} (overhead {})",
+            ok.peak_rss,
+            ok.peak_rss as i64 - need as i64
+        );
+        assert!(
+            ok.peak_rss <= need + FIXED_OVERHEAD,
+            "prompt {p}: peak RSS {} > budget {need} + overhead {FIXED_OVERHEAD}",
+            ok.peak_rss
+        );
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn long_contexts_that_cannot_fit_are_refused() {
+    let td = tempfile::tempdir().unwrap();
+    // Past the bundled model's 4096 positions.
+    let o = keep_run(&args(3 << 20, 8000, 8), td.path());
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(o.stderr.contains("max_position_embeddings"), "{}", o.stderr);
+    assert!(
+        o.peak_rss < 64 << 20,
+        "refused before allocating: {}",
+        o.peak_rss
+    );
+    // Within the positions but not within 3 MiB: refused naming what the context takes.
+    let o = keep_run(&args(3 << 20, 4000, 8), td.path());
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("context of 4007 tokens takes"),
+        "{}",
+        o.stderr
+    );
+    assert!(needed(&o) > 3 << 20);
+}
