@@ -13,6 +13,7 @@
 //! weights).
 
 pub mod error;
+pub mod fuzzing;
 pub mod routes;
 
 pub use error::ArtifactError;

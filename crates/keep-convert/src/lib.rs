@@ -15,6 +15,7 @@
 
 pub mod copy;
 pub mod error;
+pub mod fuzzing;
 pub mod inspect;
 pub mod plan;
 pub mod presets;

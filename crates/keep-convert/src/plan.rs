@@ -67,7 +67,8 @@ impl PrunePlan {
         Ok(plan)
     }
 
-    /// Check the format tag, ranges, order and uniqueness.
+    /// Check the format tag, ranges (`n_experts` at most the config bound, so a router mask of
+    /// that size is always small), order and uniqueness.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.format != Self::FORMAT || self.version != 1 {
             return Err(format!(
@@ -75,6 +76,13 @@ impl PrunePlan {
                 self.format,
                 self.version,
                 Self::FORMAT
+            ));
+        }
+        if self.n_experts > keep_checkpoint::config::MAX_EXPERTS {
+            return Err(format!(
+                "n_experts = {} is more than any model keep reads ({})",
+                self.n_experts,
+                keep_checkpoint::config::MAX_EXPERTS
             ));
         }
         if self.n_experts == 0 || self.keep == 0 || self.keep > self.n_experts {
