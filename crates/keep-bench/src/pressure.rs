@@ -332,7 +332,7 @@ pub fn cold_read_clean(q: &Quiet) -> bool {
     let c = classes(&q.before.source, &deltas(&q.before, &q.after));
     counters_complete(&q.before, &q.after)
         && c.outbound == 0
-        && c.swapins <= InboundGate::HARNESS.swapins_at_most
+        && c.swapins == 0
         && c.decompressions < InboundGate::HARNESS.decompressions_below
 }
 

@@ -200,7 +200,7 @@ mod tests {
         let two = split_files(&j, 2);
         assert_eq!(two.len(), 2);
         assert_eq!(two[0], b"a");
-        assert_eq!(split_files(&two[1], 5), vec![&b""[..], b"ccc"]);
+        assert_eq!(split_files(two[1], 5), vec![&b""[..], b"ccc"]);
         assert_eq!(split_files(b"plain", 3), vec![&b"plain"[..]]);
     }
 }
