@@ -9,9 +9,15 @@ input is float32), and writes a safetensors file with
   tokens   int32  [T]               the input token ids
   logits   f32    [T, vocab]        one prefill of all T tokens from position 0
   routes   int32  [L, T, top_k]     (--routes) each layer's chosen experts, sorted ascending
+  route_weights f32 [L, T, top_k]   (--routes) their gate weights, in the same order
   greedy   int32  [N]               (--greedy N) N tokens decoded greedily with the reference cache
                                     after the prompt (prefill of the prompt, then one token a step)
   greedy_logits f32 [N, vocab]      (--greedy N) the logits each greedy step chose from
+  kv_fp8_in  f32  [L, T, head_dim]  (--fp8-kv) each layer's window KV rows of the prefill as they
+                                    enter mlx-lm's `_fake_quant_fp8` (after the norm and RoPE)
+  kv_fp8_out f32  [L, T, head_dim]  (--fp8-kv) the same rows after the FP8 round trip
+  kv_fp8_scale_exp int32 [L, T, head_dim/32]  (--fp8-kv) each block's power-of-two scale,
+                                    computed with the round trip's own ops
 
 Metadata: format=keep-model-ref, version=1, command=<this command line>, mlx / mlx-lm versions.
 
@@ -22,7 +28,7 @@ first (the released inference's stateful hash, so the greedy decode with the ref
 hashes as the released code does), and each Engram layer's module is applied to the streams
 right before that decoder layer runs, as the released `Transformer.forward` does.
 
-Usage: model_ref.py DIR --tokens 1,2,3 --out FILE.safetensors [--routes] [--greedy N]
+Usage: model_ref.py DIR --tokens 1,2,3 --out FILE.safetensors [--routes] [--greedy N] [--fp8-kv]
        model_ref.py DIR --tokens-file ids.npy ...   (int array, 1-D)
 """
 import argparse
@@ -100,18 +106,54 @@ class RouteRecorder:
 
     def __init__(self):
         self.calls = []
+        self.weights = []
         self._orig = deepseek_v41.Router.__call__
         rec = self
 
         def hooked(router, x):
             chosen, weights = rec._orig(router, x)
-            rec.calls.append(np.sort(np.array(chosen), axis=-1).astype(np.int32))
+            c = np.array(chosen)
+            order = np.argsort(c, axis=-1, kind="stable")
+            rec.calls.append(np.take_along_axis(c, order, -1).astype(np.int32))
+            rec.weights.append(np.take_along_axis(np.array(weights.astype(mx.float32)), order, -1))
             return chosen, weights
 
         deepseek_v41.Router.__call__ = hooked
 
     def close(self):
         deepseek_v41.Router.__call__ = self._orig
+
+
+class KvFp8Recorder:
+    """Wraps `_fake_quant_fp8` (called once per layer on the window KV rows) and keeps its input,
+    output and block scale exponents, unevaluated until the forward is done."""
+
+    def __init__(self):
+        self.calls = []
+        self._orig = deepseek_v41._fake_quant_fp8
+        rec = self
+
+        def hooked(x, block_size=32):
+            out = rec._orig(x, block_size)
+            blocks = x.astype(mx.float32).reshape(*x.shape[:-1], -1, block_size)
+            amax = mx.maximum(mx.max(mx.abs(blocks), axis=-1), 1e-4)
+            rec.calls.append((x.astype(mx.float32), out.astype(mx.float32),
+                              mx.ceil(mx.log2(amax / 448.0))))
+            return out
+
+        deepseek_v41._fake_quant_fp8 = hooked
+
+    def close(self):
+        deepseek_v41._fake_quant_fp8 = self._orig
+
+    def tensors(self, n_layers):
+        assert len(self.calls) == n_layers, (len(self.calls), n_layers)
+        mx.eval([a for c in self.calls for a in c])
+        return {
+            "kv_fp8_in": np.stack([np.array(c[0])[0] for c in self.calls]),
+            "kv_fp8_out": np.stack([np.array(c[1])[0] for c in self.calls]),
+            "kv_fp8_scale_exp": np.stack([np.array(c[2])[0] for c in self.calls]).astype(np.int32),
+        }
 
 
 def main(argv=None):
@@ -122,6 +164,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--routes", action="store_true")
     ap.add_argument("--greedy", type=int, default=0)
+    ap.add_argument("--fp8-kv", action="store_true")
     args = ap.parse_args(argv)
     if args.tokens is not None:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -138,13 +181,18 @@ def main(argv=None):
     out = {"tokens": np.array(tokens, dtype=np.int32)}
 
     rec = RouteRecorder() if args.routes else None
+    kv = KvFp8Recorder() if args.fp8_kv else None
     logits = model(mx.array([tokens]))[0].astype(mx.float32)
     mx.eval(logits)
     out["logits"] = np.array(logits)
+    if kv is not None:
+        kv.close()
+        out.update(kv.tensors(n_layers))
     if rec is not None:
         rec.close()
         assert len(rec.calls) == n_layers
         out["routes"] = np.stack([c.reshape(len(tokens), -1) for c in rec.calls])
+        out["route_weights"] = np.stack([w.reshape(len(tokens), -1) for w in rec.weights])
 
     if args.greedy:
         if ENGRAM is not None:

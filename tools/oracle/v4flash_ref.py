@@ -21,6 +21,7 @@ Writes a safetensors file with
   tokens   int32  [T]             the input token ids
   logits   f32    [T, vocab]      one forward of all T tokens (no cache)
   routes   int32  [L, T, top_k]   (--routes) each layer's experts, sorted ascending
+  route_weights f32 [L, T, top_k] (--routes) their gate weights (after routed scaling), same order
   greedy   int32  [N]             (--greedy N) N greedy tokens, each from a full forward (no cache)
 
 Metadata: format=keep-model-ref, version=1, reference=transformers, command, versions.
@@ -267,6 +268,7 @@ def stable_indexer_topk():
 class Routes:
     def __init__(self):
         self.calls = []
+        self.weights = []
         self.orig = {}
         for cls in (mdv4.DeepseekV4TopKRouter, mdv4.DeepseekV4HashRouter):
             self.orig[cls] = cls.forward
@@ -274,7 +276,11 @@ class Routes:
 
             def hooked(router, *a, _f=f, **k):
                 out = _f(router, *a, **k)
-                rec.calls.append(np.sort(out[2].numpy(), -1).astype(np.int32))
+                idx = out[2].numpy()
+                order = np.argsort(idx, -1, kind="stable")
+                rec.calls.append(np.take_along_axis(idx, order, -1).astype(np.int32))
+                w = out[1].float().numpy()
+                rec.weights.append(np.take_along_axis(w, order, -1).astype(np.float32))
                 return out
 
             cls.forward = hooked
@@ -307,6 +313,7 @@ def main(argv=None):
         rec.close()
         assert len(rec.calls) == cfg.num_hidden_layers, len(rec.calls)
         out["routes"] = np.stack([r.reshape(len(toks), -1) for r in rec.calls])
+        out["route_weights"] = np.stack([w.reshape(len(toks), -1) for w in rec.weights])
     if a.greedy:
         seq, g = list(toks), []
         for _ in range(a.greedy):

@@ -15,6 +15,7 @@
 //! half (f16 gate weights), serde and serde_json (the JSON artifacts).
 
 pub mod error;
+pub mod fuzzing;
 pub mod hashremap;
 pub mod plan;
 pub mod routes;

@@ -117,7 +117,8 @@ impl PrunePlan {
         Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
     }
 
-    /// Check the format tag, ranges, order and uniqueness.
+    /// Check the format tag, ranges (`n_experts` at most the config bound, so a router mask of
+    /// that size is always small), order and uniqueness.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.format != Self::FORMAT || self.version != Self::VERSION {
             return Err(format!(
@@ -126,6 +127,13 @@ impl PrunePlan {
                 self.version,
                 Self::FORMAT,
                 Self::VERSION
+            ));
+        }
+        if self.n_experts > keep_checkpoint::config::MAX_EXPERTS {
+            return Err(format!(
+                "n_experts = {} is more than any model keep reads ({})",
+                self.n_experts,
+                keep_checkpoint::config::MAX_EXPERTS
             ));
         }
         if self.n_experts == 0 || self.keep == 0 || self.keep > self.n_experts {

@@ -22,6 +22,10 @@
 //! set back in saw thousands to hundreds of thousands. Version 1 rows carry no inbound gate and
 //! are clean on zero outbound alone; [`replay`] re-judges a stored row under the rule of its
 //! own version and refuses a row that declares a laxer inbound gate than the harness's.
+//!
+//! Under every version a window whose counters could not be read (no `/proc/vmstat` or
+//! `vm_stat`, or a gated counter missing before or after) is not clean: zero deltas of counters
+//! that were never read prove nothing ([`counters_complete`]).
 
 use std::collections::BTreeMap;
 
@@ -124,6 +128,33 @@ pub fn read() -> Counters {
     }
 }
 
+/// The counters each source must have for its gate classes to mean anything (`zswpin` and
+/// `zswpout` exist only with zswap, so they are optional).
+pub fn required_keys(source: &str) -> &'static [&'static str] {
+    match source {
+        "linux-vmstat" => &["pgmajfault", "pswpin", "pswpout"],
+        "macos-vm_stat" => &[
+            "pageins",
+            "pageouts",
+            "swapins",
+            "swapouts",
+            "decompressions",
+        ],
+        _ => &[],
+    }
+}
+
+/// Whether two readings can be judged: a known source, the same on both sides, and every
+/// required counter present in both.
+pub fn counters_complete(before: &Counters, after: &Counters) -> bool {
+    let req = required_keys(&before.source);
+    !req.is_empty()
+        && before.source == after.source
+        && req
+            .iter()
+            .all(|k| before.values.contains_key(*k) && after.values.contains_key(*k))
+}
+
 /// Counter deltas mapped onto the gate's classes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Classes {
@@ -213,16 +244,24 @@ pub struct Quiet {
     pub inbound_gate: Option<InboundGate>,
     pub outbound_clean: bool,
     pub inbound_clean: bool,
+    /// Whether the counters could be read before and after ([`counters_complete`]); rows
+    /// written before this field existed read as `true` and are re-checked by [`replay`].
+    #[serde(default = "read_by_default")]
+    pub counters_read: bool,
     pub clean: bool,
     pub rule: String,
+}
+
+fn read_by_default() -> bool {
+    true
 }
 
 /// The rule text of a gate version.
 pub fn rule(version: u32) -> String {
     match version {
-        1 => "clean iff outbound deltas are zero (v1)".into(),
+        1 => "clean iff the counters were read and outbound deltas are zero (v1)".into(),
         _ => format!(
-            "clean iff outbound deltas are zero, page-ins < {}, decompressions < {} and swap-ins <= {} (v2)",
+            "clean iff the counters were read, outbound deltas are zero, page-ins < {}, decompressions < {} and swap-ins <= {} (v2)",
             InboundGate::HARNESS.pageins_below,
             InboundGate::HARNESS.decompressions_below,
             InboundGate::HARNESS.swapins_at_most
@@ -237,6 +276,7 @@ pub fn judge(before: Counters, after: Counters) -> Quiet {
     let gate = InboundGate::HARNESS;
     let outbound_clean = c.outbound == 0;
     let inbound_clean = gate.admits(&c);
+    let counters_read = counters_complete(&before, &after);
     Quiet {
         gate_version: GATE_VERSION,
         before,
@@ -246,7 +286,8 @@ pub fn judge(before: Counters, after: Counters) -> Quiet {
         inbound_gate: Some(gate),
         outbound_clean,
         inbound_clean,
-        clean: outbound_clean && inbound_clean,
+        counters_read,
+        clean: counters_read && outbound_clean && inbound_clean,
         rule: rule(GATE_VERSION),
     }
 }
@@ -257,6 +298,11 @@ pub fn judge(before: Counters, after: Counters) -> Quiet {
 pub fn replay(q: &Quiet) -> Result<bool> {
     let d = deltas(&q.before, &q.after);
     let c = classes(&q.before.source, &d);
+    let read = counters_complete(&q.before, &q.after);
+    Ok(read && replay_classes(q, &c)?)
+}
+
+fn replay_classes(q: &Quiet, c: &Classes) -> Result<bool> {
     match q.gate_version {
         1 => Ok(c.outbound == 0),
         2 => {
@@ -269,13 +315,29 @@ pub fn replay(q: &Quiet) -> Result<bool> {
                     InboundGate::HARNESS
                 )));
             }
-            Ok(c.outbound == 0 && g.admits(&c))
+            Ok(c.outbound == 0 && g.admits(c))
         }
         v => Err(BenchError::Invalid(format!(
             "quiet gate version {v} is unknown (this harness knows 1 and 2)"
         ))),
     }
 }
+
+/// The gate of a cold-read benchmark (repack and prune against plain copies), which evicts its
+/// source before every timed step: page-ins are the measured reads themselves, so they are not
+/// gated; the window is clean only if the counters were read, nothing was pushed out of memory,
+/// nothing was swapped in, and decompressions stayed under the harness's limit. Recomputed
+/// from the stored counters, so a summary can replay it.
+pub fn cold_read_clean(q: &Quiet) -> bool {
+    let c = classes(&q.before.source, &deltas(&q.before, &q.after));
+    counters_complete(&q.before, &q.after)
+        && c.outbound == 0
+        && c.swapins == 0
+        && c.decompressions < InboundGate::HARNESS.decompressions_below
+}
+
+/// The rule text of [`cold_read_clean`].
+pub const COLD_READ_RULE: &str = "clean iff the counters were read, outbound deltas are zero, swap-ins are zero and decompressions < 4096; page-ins are the cold reads being measured and are not gated";
 
 #[cfg(test)]
 mod tests {
@@ -320,6 +382,40 @@ mod tests {
         // Any swap-in or swap-out: dirty.
         assert!(!judge(linux(0, 0, 0), linux(0, 1, 0)).clean);
         assert!(!judge(linux(0, 0, 0), linux(0, 0, 1)).clean);
+    }
+
+    #[test]
+    fn cold_read_gate_ignores_page_ins_only() {
+        let q = judge(linux(0, 0, 0), linux(900_000, 0, 0));
+        assert!(!q.clean && cold_read_clean(&q));
+        assert!(!cold_read_clean(&judge(linux(0, 0, 0), linux(0, 0, 1))));
+        assert!(!cold_read_clean(&judge(linux(0, 0, 0), linux(0, 1, 0))));
+        let none = Counters {
+            source: "none".into(),
+            values: BTreeMap::new(),
+        };
+        assert!(!cold_read_clean(&judge(none.clone(), none)));
+    }
+
+    #[test]
+    fn unreadable_counters_are_never_clean() {
+        let none = Counters {
+            source: "none".into(),
+            values: BTreeMap::new(),
+        };
+        let q = judge(none.clone(), none);
+        assert!(q.outbound_clean && q.inbound_clean && !q.counters_read && !q.clean);
+        assert!(!replay(&q).unwrap());
+        // A gated counter missing on one side: not clean either, under both versions.
+        let mut after = linux(0, 0, 0);
+        after.values.remove("pswpout");
+        let mut q = judge(linux(0, 0, 0), after);
+        assert!(!q.clean && !replay(&q).unwrap());
+        q.gate_version = 1;
+        q.inbound_gate = None;
+        assert!(!replay(&q).unwrap());
+        // zswap counters are optional.
+        assert!(judge(linux(0, 0, 0), linux(0, 0, 0)).clean);
     }
 
     #[test]

@@ -61,6 +61,7 @@ pub mod eval;
 pub mod eval_metrics;
 pub mod finalize;
 pub mod fingerprint;
+pub mod fuzzing;
 pub mod pack;
 pub mod plot;
 pub mod select;

@@ -430,11 +430,22 @@ impl Pack {
             ));
         }
         let text = String::from_utf8(text).map_err(|_| CalibError::invalid(&rp, "not UTF-8"))?;
-        let mut records = Vec::with_capacity(manifest.n_records);
+        // Not sized from `n_records`: the manifest is input, and checked against the file below.
+        let mut records = Vec::new();
         for (i, line) in text.lines().enumerate() {
             let r: Record = serde_json::from_str(line)
                 .map_err(|e| CalibError::invalid(&rp, format!("line {}: {e}", i + 1)))?;
             records.push(r);
+        }
+        if records.len() != manifest.n_records {
+            return Err(CalibError::invalid(
+                &mp,
+                format!(
+                    "n_records is {}, the records file has {}",
+                    manifest.n_records,
+                    records.len()
+                ),
+            ));
         }
         for g in &manifest.groups {
             let n = records.iter().filter(|r| r.group == g.id).count();

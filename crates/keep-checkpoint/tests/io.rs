@@ -280,22 +280,24 @@ fn a_missing_shard_or_a_lying_index_is_an_error() {
 
 #[test]
 fn fuzz_corpus_replays_without_panic() {
-    // The committed corpus of `cargo fuzz run header` (fuzz/corpus) replayed as a normal test.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
-    let mut n = 0;
-    for target in ["header", "index", "config"] {
-        let dir = root.join(target);
-        let Ok(rd) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let bytes = std::fs::read(e.path()).unwrap();
-            keep_checkpoint::fuzzing::run(target, &bytes);
-            n += 1;
-        }
+    // The committed corpus of `cargo fuzz run <target>` (fuzz/corpus: seeds and the inputs the
+    // fuzzer kept, minimised) and every input that once crashed (fuzz/regressions), replayed
+    // as a normal test.
+    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
+    for target in keep_checkpoint::fuzzing::TARGETS {
+        let n = keep_checkpoint::fuzzing::replay_corpus(
+            &fuzz.join("corpus"),
+            &[target],
+            &keep_checkpoint::fuzzing::run,
+        );
+        assert!(
+            n >= 5,
+            "expected a committed corpus for `{target}`, found {n} inputs"
+        );
     }
-    assert!(
-        n >= 10,
-        "expected a committed fuzz corpus, found {n} inputs"
+    keep_checkpoint::fuzzing::replay_corpus(
+        &fuzz.join("regressions"),
+        &keep_checkpoint::fuzzing::TARGETS,
+        &keep_checkpoint::fuzzing::run,
     );
 }

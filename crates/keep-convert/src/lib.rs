@@ -16,6 +16,7 @@
 
 pub mod copy;
 pub mod error;
+pub mod fuzzing;
 pub mod inspect;
 pub mod presets;
 pub mod prune;

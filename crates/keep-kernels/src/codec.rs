@@ -7,7 +7,7 @@
 pub use keep_format::bf16::bf16_to_f32;
 pub use keep_format::e8m0::e8m0_to_f32;
 pub use keep_format::fp4::E2M1_LUT as E2M1;
-pub use keep_format::fp8::{e4m3_to_f32_ref, E4M3_LUT as E4M3};
+pub use keep_format::fp8::{e4m3_to_f32_ref, f32_to_e4m3, E4M3_LUT as E4M3};
 
 /// Little-endian f32 at element `i` of a byte slice.
 #[inline]

@@ -215,6 +215,13 @@ impl Rope {
     }
 }
 
+/// The power-of-two scale [`fake_quant_fp8`] gives one block: `2^ceil(log2(max(amax, 1e-4) /
+/// 448))`, so that the block's largest magnitude lands at or under E4M3's 448.
+pub fn fp8_block_scale(b: &[f32]) -> f32 {
+    let amax = b.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-4);
+    2f32.powf((amax / 448.0).log2().ceil())
+}
+
 /// `_fake_quant_fp8(x, block)` on one row in place: power-of-two scale per block from
 /// `ceil(log2(max(amax, 1e-4) / 448))`, clip to ±448, round to E4M3 (RNE). Rows whose length is
 /// not a multiple of `block` are left alone, as in the reference.
@@ -223,8 +230,7 @@ pub fn fake_quant_fp8(x: &mut [f32], block: usize) {
         return;
     }
     for b in x.chunks_exact_mut(block) {
-        let amax = b.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-4);
-        let scale = 2f32.powf((amax / 448.0).log2().ceil());
+        let scale = fp8_block_scale(b);
         for v in b.iter_mut() {
             *v = round_e4m3((*v / scale).clamp(-448.0, 448.0)) * scale;
         }

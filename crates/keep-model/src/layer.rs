@@ -491,7 +491,23 @@ impl LayerWeights<'_> {
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
             self.rope.apply(row, (step.start_pos + i) as f32, false);
+        }
+        let before = obs
+            .as_ref()
+            .is_some_and(|o| o.wants_kv_fp8())
+            .then(|| kv.clone());
+        for row in kv.chunks_exact_mut(hd) {
             ops::fake_quant_fp8(row, 32);
+        }
+        if let (Some(before), Some(o)) = (before, obs.as_mut()) {
+            o.on_kv_fp8(&crate::observer::KvFp8Event {
+                layer: l,
+                start_pos: step.start_pos,
+                rows: t,
+                cols: hd,
+                before: &before,
+                after: &kv,
+            });
         }
         // The window with the new rows appended (truncated after attending).
         {

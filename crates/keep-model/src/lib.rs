@@ -29,6 +29,7 @@ pub mod engram_hash;
 pub mod engram_tokens;
 pub mod error;
 pub mod experts;
+pub mod fuzzing;
 pub mod generate;
 pub mod hash;
 pub mod layer;

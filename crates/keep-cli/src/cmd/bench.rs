@@ -99,7 +99,7 @@ fn summary(a: SummaryArgs) -> anyhow::Result<()> {
     let s = keep_bench::summary::load(&a.dir)
         .with_context(|| format!("summarising {}", a.dir.display()))?;
     if a.json {
-        let rows: Vec<_> = s.rows.iter().map(|(_, r, _)| r).collect();
+        let rows: Vec<_> = s.rows.iter().map(|r| &r.row).collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", s.table());
@@ -174,5 +174,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         row.verdict,
         row.rule
     );
+    for n in &row.notes {
+        println!("  note: {n}");
+    }
     Ok(())
 }
