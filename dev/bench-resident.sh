@@ -27,7 +27,7 @@ if [[ -e "$OUT/bench.json" && "${FORCE:-0}" != 1 ]]; then
 fi
 mkdir -p "$OUT"
 size=$(du -sb "$MODEL" | cut -f1)
-avail=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
+avail=$(($(awk '/MemAvailable/ {print $2}' /proc/meminfo) * 1024))
 if (( size > avail * 8 / 10 )); then
   echo "model $size bytes does not fit in 80% of available memory ($avail); refusing" >&2; exit 1
 fi
@@ -84,7 +84,7 @@ b = {
   "keep_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
   "loads": open(f"{out}/loads.txt").read().splitlines(),
   "mem_gbps_rounds": [b["mem_gbps"] for b in bws], "mem_gbps_median": mem,
-  "bytes_per_token": bpt, "resident_bytes": res.get("cost_model", {}).get("resident_bytes"),
+  "bytes_per_token": bpt, "resident_bytes": res["inputs"]["cost"]["resident_bytes"], "expert_bytes": res["inputs"]["cost"]["expert_bytes"], "top_k": res["inputs"]["top_k"],
   "replay": {"policy": pol.get("policy"), "miss_rate": pol.get("miss_rate"), "cost": cost},
   "bound_tps": bound,
   "kernels": rows,
