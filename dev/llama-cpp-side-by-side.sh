@@ -218,6 +218,7 @@ for (t, m, k, n), ls in sorted(llama.items()):
                 speed_ratio_keep_over_llama=l_us / k_us,
                 per_round_ratio=[a["us_per_run"] / b["us_per_call"] for a, b in zip(sorted(ls, key=lambda x: x["round"]), sorted(ks, key=lambda x: x["round"]))],
                 keep_load_before=[x["load_before"] for x in ks], llama_load_after=[x["load_after"] for x in ls]))
+            rows[-1]["per_round_ratio_median"] = med(rows[-1]["per_round_ratio"])
 lscpu = sh("lscpu")
 model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), None)
 flags = next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), [])
@@ -238,13 +239,13 @@ ev = {
                 "harness": "test-backend-ops perf -o MUL_MAT -b CPU (one thread: half the hardware threads); MUL_MAT(type_a, f32) cases at keep's shapes added to make_test_cases_perf, bs=[1,1] nr=[1,1]"},
   "keep": {"commit": sh("git -C '${REPO}' rev-parse HEAD"), "dirty": bool(sh("git -C '${REPO}' status --porcelain --untracked-files=no")),
            "harness": "keep bench matmul --threads 1 --seconds 1 (same weight every call, one warm-up call)"},
-  "units": "us per call of one product out[M x rows] = x[M x cols] . W^T, both sides on one thread with the weight cache-resident (the same weight every call); weight_gbps = that side's own packed weight bytes (codes + scales) / time of one call, 1e9 bytes; speed_ratio_keep_over_llama = llama us / keep us (same shape and M, >1 means keep is faster)",
+  "units": "us per call of one product out[M x rows] = x[M x cols] . W^T, both sides on one thread with the weight cache-resident (the same weight every call); weight_gbps = that side's own packed weight bytes (codes + scales) / time of one call, 1e9 bytes; speed_ratio_keep_over_llama = median llama us / median keep us (same shape and M, >1 means keep is faster); per_round_ratio = llama us / keep us of each round (the two steps of a round ran back to back), per_round_ratio_median its median",
   "rows": rows,
 }
 json.dump(ev, open(out, "w"), indent=1)
-print(f"{'llama':>8} {'keep':>8} {'kern':>5} {'shape':>10} {'M':>3} {'llama GB/s':>10} {'keep GB/s':>10} {'keep/llama speed':>16}")
+print(f"{'llama':>8} {'keep':>8} {'kern':>5} {'shape':>10} {'M':>3} {'llama GB/s':>10} {'keep GB/s':>10} {'keep/llama speed':>16} {'paired median':>13}")
 for x in rows:
-    print(f"{x['llama_type']:>8} {x['keep_format']:>8} {x['keep_kernels']:>5} {str(x['out_rows'])+'x'+str(x['in_cols']):>10} {x['m_tokens']:>3} {x['llama_weight_gbps']:>10.2f} {x['keep_weight_gbps']:>10.2f} {x['speed_ratio_keep_over_llama']:>16.2f}")
+    print(f"{x['llama_type']:>8} {x['keep_format']:>8} {x['keep_kernels']:>5} {str(x['out_rows'])+'x'+str(x['in_cols']):>10} {x['m_tokens']:>3} {x['llama_weight_gbps']:>10.2f} {x['keep_weight_gbps']:>10.2f} {x['speed_ratio_keep_over_llama']:>16.2f} {x['per_round_ratio_median']:>13.2f}")
 PY
 mv "$OUT.part" "$OUT"
 echo "evidence: $OUT (raw steps in $RAW)" >&2
