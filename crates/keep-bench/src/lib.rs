@@ -9,6 +9,8 @@
 pub mod cache;
 pub mod evidence;
 pub mod killtests;
+pub mod matmul;
+pub mod peak;
 pub mod pressure;
 pub mod prune;
 pub mod repack;

@@ -20,6 +20,140 @@ enum Which {
     Prune(SideArgs),
     KillTests(KillArgs),
     Summary(SummaryArgs),
+    Matmul(MatmulArgs),
+    Peak(PeakArgs),
+}
+
+/// The machine's arithmetic peak, measured: f32 FMA GFLOP/s and int8 dot-product GOP/s
+/// (AVX-512 VNNI) in register-only loops on --threads threads (the line prefill GFLOP/s of
+/// `keep bench matmul --m 128` is read against).
+///
+/// Example: keep bench peak --threads 2 --json
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+struct PeakArgs {
+    /// Threads (one loop each).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Timed seconds per loop.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// Print JSON instead of a line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn peak(a: PeakArgs) -> anyhow::Result<()> {
+    let p = keep_bench::peak::measure(a.threads, a.seconds)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&p)?);
+    } else {
+        println!(
+            "threads={} f32 {:.1} GFLOP/s ({}); int8 {} ({})",
+            p.threads,
+            p.f32_gflops,
+            p.f32_path,
+            p.int8_gops
+                .map(|g| format!("{g:.1} GOP/s"))
+                .unwrap_or_else(|| "-".into()),
+            p.int8_path.unwrap_or("none")
+        );
+    }
+    Ok(())
+}
+
+/// One weight product timed per thread, the way llama.cpp's `test-backend-ops perf` times
+/// MUL_MAT: the same weight every call (cache-resident when it fits), at least --seconds after
+/// one warm-up call, on a pool of --threads threads.
+///
+/// Runs every combination of --format, --shape, --m and --kernels and prints one line per
+/// case (JSON lines with --json): microseconds per call, weight bytes per second (the
+/// format's packed bytes, scales included) and GFLOP/s. Weights are synthesised; nothing is
+/// read or written. `dev/llama-cpp-side-by-side.sh` puts these beside llama.cpp's numbers.
+///
+/// Example: keep bench matmul --format mxfp4,e8p --shape 2304x5120 --m 1,8,32 --kernels fast --threads 1
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+struct MatmulArgs {
+    /// Weight formats: mxfp4, e8p, affine8, mxfp8, bf16.
+    #[arg(long, value_delimiter = ',', required = true)]
+    format: Vec<String>,
+    /// Weight shapes as OUTxIN (output rows x input columns).
+    #[arg(long, value_delimiter = ',', required = true)]
+    shape: Vec<String>,
+    /// Activation rows (tokens) per call.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    m: Vec<usize>,
+    /// Kernels: exact, fast.
+    #[arg(long, value_delimiter = ',', default_value = "fast")]
+    kernels: Vec<String>,
+    /// Threads of the pool the products run on.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Minimum timed seconds per case.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// Print JSON lines instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn matmul(a: MatmulArgs) -> anyhow::Result<()> {
+    use keep_bench::matmul::{time_case, Case, Format};
+    let formats = a
+        .format
+        .iter()
+        .map(|f| Format::parse(f).with_context(|| format!("unknown format {f:?}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let kernels = a
+        .kernels
+        .iter()
+        .map(|k| {
+            keep_bench::matmul::Kernels::parse(k).with_context(|| format!("unknown kernels {k:?}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let shapes = a
+        .shape
+        .iter()
+        .map(|s| {
+            let (r, c) = s
+                .split_once('x')
+                .with_context(|| format!("shape {s:?} is not OUTxIN"))?;
+            Ok((r.parse::<usize>()?, c.parse::<usize>()?))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for &format in &formats {
+        for &(rows, cols) in &shapes {
+            for &m in &a.m {
+                for &k in &kernels {
+                    let case = Case {
+                        format,
+                        kernels: k,
+                        rows,
+                        cols,
+                        m,
+                    };
+                    let r = time_case(&case, a.threads, a.seconds).with_context(|| {
+                        format!("{} {rows}x{cols} m={m} {}", format.name(), k.name())
+                    })?;
+                    if a.json {
+                        println!("{}", serde_json::to_string(&r)?);
+                    } else {
+                        println!(
+                            "{:>8} {:>5} {rows:>5}x{cols:<5} m={m:<3} threads={} {:>10.2} us/call {:>7.2} GB/s {:>7.2} GFLOP/s",
+                            format.name(),
+                            k.name(),
+                            r.threads,
+                            r.us_per_call,
+                            r.weight_gbps,
+                            r.gflops
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The decode-kernel kill tests: each decides one optimisation on evidence measured in this run.
@@ -145,6 +279,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let (r, row) = match a.which {
         Which::KillTests(k) => return kill_tests(k),
         Which::Summary(k) => return summary(k),
+        Which::Matmul(k) => return matmul(k),
+        Which::Peak(k) => return peak(k),
         Which::Repack(r) => {
             let row = keep_bench::repack::run(&r.dir, &r.scratch, r.rounds)
                 .with_context(|| format!("benchmarking repack of {}", r.dir.display()))?;
