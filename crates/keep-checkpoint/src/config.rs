@@ -530,16 +530,16 @@ impl DeepSeekConfig {
                 "engram_num_embeddings holds {r}: each must be in 1..={MAX_ENGRAM_VOCAB}"
             ));
         }
+        if self.engram_compressed_vocab_size as u64 > MAX_ENGRAM_VOCAB {
+            return Err(format!(
+                "engram_compressed_vocab_size = {} is more than {MAX_ENGRAM_VOCAB}",
+                self.engram_compressed_vocab_size
+            ));
+        }
         if self.engram_pad_id >= self.vocab_size {
             return Err(format!(
                 "engram_pad_id = {} is outside the vocabulary ({})",
                 self.engram_pad_id, self.vocab_size
-            ));
-        }
-        if self.engram_compressed_vocab_size > self.vocab_size {
-            return Err(format!(
-                "engram_compressed_vocab_size = {} is larger than vocab_size ({}); compression only merges ids",
-                self.engram_compressed_vocab_size, self.vocab_size
             ));
         }
         Ok(())
@@ -697,7 +697,7 @@ mod tests {
                 "engram_pad_id",
             ),
             (
-                r#"{"num_hidden_layers":2,"vocab_size":10,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":3,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":5,"engram_pad_id":2,"engram_compressed_vocab_size":11}"#,
+                r#"{"num_hidden_layers":2,"vocab_size":10,"engram_layer_ids":[1],"engram_num_embeddings":[9],"engram_max_ngram_size":3,"engram_n_heads":1,"engram_head_dim":32,"engram_vocab_size":5,"engram_pad_id":2,"engram_compressed_vocab_size":2199023255553}"#,
                 "engram_compressed_vocab_size",
             ),
         ] {

@@ -52,11 +52,12 @@ impl<'a> RunModel<'a> {
             None => {
                 let mut m = Model::load(ck)?;
                 m.cfg.kernels = kernels;
-                let engram = engram_rows_above(&mut m, ck, ENGRAM_SSD_THRESHOLD)?
-                    .map(|store| MappedEngram {
+                let engram = engram_rows_above(&mut m, ck, ENGRAM_SSD_THRESHOLD)?.map(|store| {
+                    MappedEngram {
                         store,
                         prefill: None,
-                    });
+                    }
+                });
                 RunModel::Mapped(m, engram)
             }
         })
