@@ -169,7 +169,7 @@ pub fn remap_table(
     survivors: &[usize],
     remap: &HashRemap,
 ) -> Result<Vec<u32>, String> {
-    if top_k == 0 || ids.len() % top_k != 0 {
+    if top_k == 0 || !ids.len().is_multiple_of(top_k) {
         return Err(format!("{} ids are not rows of {top_k}", ids.len()));
     }
     let mut out = Vec::with_capacity(ids.len());

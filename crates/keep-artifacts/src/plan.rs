@@ -159,11 +159,13 @@ impl PrunePlan {
                         l.layer
                     ))
                 }
-                (Some(s), Some(r)) => {
-                    if s.windows(2).all(|w| w[0] < w[1]) && s.iter().all(|&e| e < self.n_experts) {
-                        r.validate(self.n_experts, s, 1)
-                            .map_err(|e| format!("layer {}: hash_remap: {e}", l.layer))?;
-                    }
+                // (Survivors out of order or range are reported below.)
+                (Some(s), Some(r))
+                    if s.windows(2).all(|w| w[0] < w[1])
+                        && s.iter().all(|&e| e < self.n_experts) =>
+                {
+                    r.validate(self.n_experts, s, 1)
+                        .map_err(|e| format!("layer {}: hash_remap: {e}", l.layer))?;
                 }
                 _ => {}
             }
