@@ -169,9 +169,9 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
             .forward(&toks, &mut cache, Logits::All, None)
             .unwrap();
         let mut student = Model::load(&ck).unwrap();
-        for l in 0..mcfg.n_layers {
+        for (l, table) in remapped.iter().enumerate().take(mcfg.n_layers) {
             student.set_router_mask(l, plan.pruned_mask(l)).unwrap();
-            if let Some(t) = &remapped[l] {
+            if let Some(t) = table {
                 student.set_hash_table(l, t.clone()).unwrap();
             }
         }
@@ -194,7 +194,7 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
             release_pages: false,
             ..Default::default()
         };
-        let streamed = forward_streamed(&ck, &[toks.clone()], so, None).unwrap();
+        let streamed = forward_streamed(&ck, std::slice::from_ref(&toks), so, None).unwrap();
         assert!(streamed[0]
             .iter()
             .zip(&want)

@@ -24,6 +24,8 @@ struct Outcome {
 fn keep_run(args: &[String], dir: &Path) -> Outcome {
     let err_path = dir.join(format!("stderr-{}", args.join("_").replace('/', "_")));
     let err = std::fs::File::create(&err_path).unwrap();
+    // Reaped by wait4 below (for its rusage), not by Child::wait.
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(env!("CARGO_BIN_EXE_keep"))
         .arg("run")
         .args(args)
