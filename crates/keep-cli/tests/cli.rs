@@ -656,6 +656,20 @@ fn plots_refuse_existing_files_without_force() {
     assert!(std::fs::read(&p).unwrap().starts_with(b"<svg"));
 }
 
+#[test]
+fn a_synthetic_trace_too_large_to_hold_is_refused_before_allocating() {
+    // 10^10 tokens × 8 layers × top-6 routed slots would abort on allocation.
+    let w = workdir("synthetic-huge");
+    keep()
+        .arg("residency")
+        .arg(w.join("run"))
+        .args(["--make-synthetic", "tokens=10000000000"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("routed slots"));
+    assert!(!w.join("run").exists());
+}
+
 // ---------------------------------------------------------------------------------------------
 // One layout classification and one check of the tensors against the config: `inspect` reports
 // exactly what the loader of `run`/`logits` refuses, on the same malformed checkpoints.

@@ -92,9 +92,21 @@ impl SynthSpec {
         if o.layers == 0 || o.sessions == 0 {
             return Err("layers and sessions must be at least 1".into());
         }
+        // Checked before anything is allocated: a trace holds 6 bytes a routed slot in memory
+        // (u32 expert + f16 weight) and again on disk.
+        let slots = (o.sessions as u128) * (o.tokens as u128) * (o.layers as u128) * (o.top_k as u128);
+        if slots > MAX_SYNTH_SLOTS as u128 {
+            return Err(format!(
+                "sessions × tokens × layers × top_k = {slots} routed slots; a synthetic trace holds at most {MAX_SYNTH_SLOTS} ({} GB in memory)",
+                MAX_SYNTH_SLOTS * 6 / 1_000_000_000
+            ));
+        }
         Ok(o)
     }
 }
+
+/// Most routed slots a synthetic trace may hold (sessions × tokens × layers × top_k).
+pub const MAX_SYNTH_SLOTS: u64 = 1 << 30;
 
 /// The traces' generator: keep-rng's SplitMix64 stream started at `spec.seed` (the stream these
 /// traces have always drawn from, so a seed makes the same trace).
@@ -252,5 +264,6 @@ mod tests {
         assert!(SynthSpec::parse("top_k=9,experts=8").is_err());
         assert!(SynthSpec::parse("bogus=1").is_err());
         assert!(SynthSpec::parse("layers").is_err());
+        assert!(SynthSpec::parse("tokens=10000000000").is_err());
     }
 }
