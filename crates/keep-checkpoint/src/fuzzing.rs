@@ -166,6 +166,16 @@ fn checkpoint(data: &[u8]) {
     let _ = crate::fingerprint::model_fingerprint(ck.dir());
 }
 
+/// Replay a crate's committed inputs of `targets` — the repository's `fuzz/corpus/TARGET` and
+/// `fuzz/regressions/TARGET`, found from the crate's `CARGO_MANIFEST_DIR` — through `f`; the
+/// number of corpus inputs run (regressions are run too, not counted).
+pub fn replay_committed(manifest_dir: &str, targets: &[&str], f: &dyn Fn(&str, &[u8])) -> usize {
+    let fuzz = Path::new(manifest_dir).join("../../fuzz");
+    let n = replay_corpus(&fuzz.join("corpus"), targets, f);
+    replay_corpus(&fuzz.join("regressions"), targets, f);
+    n
+}
+
 /// Replay every committed input of `targets` under `fuzz/corpus/<target>` through `f`;
 /// returns the number of inputs replayed. Shared by the corpus replays of every crate.
 pub fn replay_corpus(corpus: &Path, targets: &[&str], f: &dyn Fn(&str, &[u8])) -> usize {

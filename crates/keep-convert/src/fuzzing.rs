@@ -42,17 +42,11 @@ pub fn run(target: &str, data: &[u8]) {
 mod tests {
     #[test]
     fn fuzz_corpus_replays_without_panic() {
-        let fuzz = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
-        let n = keep_checkpoint::fuzzing::replay_corpus(
-            &fuzz.join("corpus"),
+        let n = keep_checkpoint::fuzzing::replay_committed(
+            env!("CARGO_MANIFEST_DIR"),
             &super::TARGETS,
             &super::run,
         );
         assert!(n >= 5, "expected a committed plan corpus, found {n}");
-        keep_checkpoint::fuzzing::replay_corpus(
-            &fuzz.join("regressions"),
-            &super::TARGETS,
-            &super::run,
-        );
     }
 }

@@ -94,7 +94,8 @@ impl SynthSpec {
         }
         // Checked before anything is allocated: a trace holds 6 bytes a routed slot in memory
         // (u32 expert + f16 weight) and again on disk.
-        let slots = (o.sessions as u128) * (o.tokens as u128) * (o.layers as u128) * (o.top_k as u128);
+        let slots =
+            (o.sessions as u128) * (o.tokens as u128) * (o.layers as u128) * (o.top_k as u128);
         if slots > MAX_SYNTH_SLOTS as u128 {
             return Err(format!(
                 "sessions × tokens × layers × top_k = {slots} routed slots; a synthetic trace holds at most {MAX_SYNTH_SLOTS} ({} GB in memory)",
