@@ -152,6 +152,38 @@ pub fn check_context(cfg: &ModelConfig, pos: usize, t: usize) -> Result<()> {
     }
 }
 
+/// Run `tokens` as consecutive passes of at most `chunk` tokens through `pass` (tokens, which
+/// logits), asking every pass but the last for no logits when only the last position's are
+/// wanted, and joining the logits of all passes when all are: the one chunk loop of the whole
+/// model and of keep-runtime's budgeted model.
+pub fn run_chunked(
+    tokens: &[u32],
+    chunk: usize,
+    which: Logits,
+    mut pass: impl FnMut(&[u32], Logits) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let chunk = chunk.max(1);
+    let n = tokens.len().div_ceil(chunk);
+    let mut out = vec![];
+    for (i, part) in tokens.chunks(chunk).enumerate() {
+        let w = match which {
+            Logits::Last if i + 1 < n => Logits::None,
+            w => w,
+        };
+        let l = pass(part, w)?;
+        if which == Logits::All {
+            if i == 0 {
+                // Every position's logits, allocated once (one pass gives the row size).
+                out.reserve_exact(l.len() / part.len() * tokens.len());
+            }
+            out.extend_from_slice(&l);
+        } else {
+            out = l;
+        }
+    }
+    Ok(out)
+}
+
 /// The step of a forward of `t` tokens on `cache`.
 pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
     Step {
@@ -267,29 +299,14 @@ impl<'a> Model<'a> {
         }
         // A long prompt runs as consecutive chunks (see `crate::memory`): the same logits bit
         // for bit, activations bounded by the chunk.
-        let n = tokens.len().div_ceil(chunk);
-        let mut out = match which {
-            Logits::All => Vec::with_capacity(tokens.len() * self.cfg.vocab),
-            _ => Vec::new(),
-        };
-        for (i, part) in tokens.chunks(chunk).enumerate() {
-            let w = match which {
-                Logits::Last if i + 1 < n => Logits::None,
-                w => w,
-            };
-            let l = self.forward_chunk(
+        run_chunked(tokens, chunk, which, |part, w| {
+            self.forward_chunk(
                 part,
                 cache,
                 w,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-            )?;
-            if which == Logits::All {
-                out.extend_from_slice(&l);
-            } else {
-                out = l;
-            }
-        }
-        Ok(out)
+            )
+        })
     }
 
     /// One forward pass over `tokens` (at most a chunk) from the cache's position.

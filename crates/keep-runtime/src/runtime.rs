@@ -401,28 +401,16 @@ impl<'a> BudgetedModel<'a> {
         mut obs: Option<&mut dyn RouteObserver>,
     ) -> keep_model::Result<Vec<f32>> {
         self.check_planned(cache, tokens.len())?;
-        let chunk = self.model.cfg.prefill_chunk.max(1);
-        let n = tokens.len().div_ceil(chunk);
-        let mut out = vec![];
-        for (i, part) in tokens.chunks(chunk).enumerate() {
-            let w = match which {
-                Logits::Last if i + 1 < n => Logits::None,
-                w => w,
-            };
+        let chunk = self.model.cfg.prefill_chunk;
+        keep_model::model::run_chunked(tokens, chunk, which, |part, w| {
             self.prefetch_hash_layers(part);
-            let l = self.model_forward(
+            self.model_forward(
                 part,
                 cache,
                 w,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-            )?;
-            if which == Logits::All {
-                out.extend_from_slice(&l);
-            } else {
-                out = l;
-            }
-        }
-        Ok(out)
+            )
+        })
     }
 
     fn model_forward(
