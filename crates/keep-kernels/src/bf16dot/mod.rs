@@ -27,6 +27,13 @@
 //! level, and the reference the AVX-512 BF16 level is tested against). Results depend neither
 //! on M, nor on the threading, nor on the level, so decode equals prefill bit for bit here too.
 //!
+//! # Prefill
+//! From [`GEMM_MIN_M`] activation rows on, the AVX-512 BF16 level runs a cache-blocked GEMM
+//! (`gemm_x86`) on the same contract: [`GEMM_PANEL`] weight rows decoded to bf16 once per
+//! panel and reused by every activation row from L1/L2, with a register tile of activation
+//! rows × weight rows sharing each loaded vector. Every (input row, weight row) result is the
+//! same bits as the row kernel's.
+//!
 //! Only columns in whole chunks of 32 (and FP8 blocks of a multiple of 32 columns, or one
 //! block across the row) take this path; [`BfSrc::from_view`] says `None` otherwise and the
 //! caller runs the exact kernel.
@@ -41,7 +48,16 @@ use crate::weight::{BlockScales, WeightView};
 use crate::{KernelError, Result};
 
 #[cfg(target_arch = "x86_64")]
+mod gemm_x86;
+#[cfg(target_arch = "x86_64")]
 mod x86;
+
+/// From this many activation rows on, the AVX-512 BF16 level runs the cache-blocked GEMM
+/// (the same results as the row kernel; see the module doc's Prefill section).
+pub const GEMM_MIN_M: usize = 33;
+
+/// Weight rows per GEMM panel (decoded once, reused by every activation row).
+pub const GEMM_PANEL: usize = 16;
 
 /// Columns per chunk (one 512-bit `vdpbf16ps`: 16 lanes × 2).
 pub const CHUNK: usize = 32;
@@ -372,6 +388,10 @@ unsafe fn rows_at(
     ld: usize,
 ) {
     match level {
+        #[cfg(target_arch = "x86_64")]
+        BfLevel::Avx512Bf16 if crate::cpu::has_avx512_bf16() && a.m >= GEMM_MIN_M => {
+            gemm_x86::gemm_bf16(src, a, r0, r1, out, ld)
+        }
         #[cfg(target_arch = "x86_64")]
         BfLevel::Avx512Bf16 if crate::cpu::has_avx512_bf16() => {
             x86::rows_avx512bf16(src, a, r0, r1, out, ld)

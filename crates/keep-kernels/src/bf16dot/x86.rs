@@ -12,14 +12,14 @@ use super::{Bf16Acts, BfSrc, CHUNK, E4M3_BF16, SCRATCH};
 
 /// The four 32-entry quarters of the E4M3 magnitude → bf16 table.
 #[inline(always)]
-unsafe fn tables() -> [__m512i; 4] {
+pub(super) unsafe fn tables() -> [__m512i; 4] {
     let t = &*E4M3_BF16;
     std::array::from_fn(|k| _mm512_loadu_si512(t.as_ptr().add(32 * k) as *const __m512i))
 }
 
 /// 32 E4M3 bytes at `p` → 32 bf16.
 #[inline(always)]
-unsafe fn decode32(t: &[__m512i; 4], p: *const u8) -> __m512i {
+pub(super) unsafe fn decode32(t: &[__m512i; 4], p: *const u8) -> __m512i {
     let b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
     let lo = _mm512_permutex2var_epi16(t[0], b, t[1]);
     let hi = _mm512_permutex2var_epi16(t[2], b, t[3]);
@@ -31,7 +31,7 @@ unsafe fn decode32(t: &[__m512i; 4], p: *const u8) -> __m512i {
 
 /// The contract's final reduction.
 #[inline(always)]
-unsafe fn finish(a: [__m512; 4]) -> f32 {
+pub(super) unsafe fn finish(a: [__m512; 4]) -> f32 {
     let acc = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
     let u = _mm256_add_ps(_mm512_castps512_ps256(acc), hi);
@@ -48,7 +48,7 @@ unsafe fn ld16(p: *const u16, c: usize) -> __m512bh {
 }
 
 #[inline(always)]
-unsafe fn bh(v: __m512i) -> __m512bh {
+pub(super) unsafe fn bh(v: __m512i) -> __m512bh {
     std::mem::transmute::<__m512i, __m512bh>(v)
 }
 

@@ -27,15 +27,27 @@
 //! 3. `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])`;
 //! 4. `s = ((u0+u4) + (u2+u6)) + ((u1+u5) + (u3+u7))`, then `s · post` where the format has a
 //!    row factor (E8P: `scale · 0.25`, exact);
-//! 5. affine-8 only: `β = fma(β_g, d_b · S_b, β)` over blocks in order from `β = 0`, with
-//!    `β_g = 128·s_g + b_g` and `S_b` the exact sum of block `b`'s int8 activations, and the
-//!    result is `s + β` ([`IntSrc::bias_term`], the same scalar code on every level).
+//! 5. affine-8 only: with `β_b = 128·s_g + b_g` for the group `g` holding block `b` and
+//!    `e_b = d_b · S_b` (`S_b` the exact sum of block `b`'s int8 activations; one f32
+//!    multiply, `Q8Acts::ds`), sixteen lanes `L[b mod 16] = fma(β_b, e_b, L[b mod 16])` over
+//!    the blocks in order from zero, then `v[j] = L[j] + L[j+8]`, `β = ((v0+v4) + (v2+v6)) +
+//!    ((v1+v5) + (v3+v7))`, and the result is `s + β` ([`bias_term_ref`]; one 512-bit FMA per
+//!    16 blocks on the AVX-512 levels).
 //!
 //! [`dot_blocks_ref`] and [`finish_ref`] are that contract in plain Rust (the scalar level, and
 //! the reference the SIMD levels are tested against on every forced level and odd shapes); a
 //! SIMD level hands any blocks past its last whole group to them. Results therefore do not
 //! depend on M, on the threading or on the level, so decode equals prefill bit for bit in this
 //! mode too.
+//!
+//! # Prefill
+//! From [`GEMM_MIN_M`] activation rows on, the AVX-512 VNNI level runs a cache-blocked GEMM
+//! (`gemm_x86`) on the same contract: a panel of [`GEMM_PANEL`] weight rows is decoded to int8
+//! once and reused by every activation row from L1/L2, and a register tile of activation rows
+//! × weight rows shares each loaded vector (activations offset to unsigned bytes, `q + 128`,
+//! so `vpdpbusd` needs no sign trick; the offset's `128·Σw` is subtracted exactly as the
+//! starting value of the integer sum). Every (input row, weight row) result is the same bits
+//! as the row kernels'.
 
 use rayon::prelude::*;
 use std::sync::LazyLock;
@@ -51,7 +63,18 @@ use crate::weight::{WeightKind, WeightView};
 use crate::{KernelError, Result};
 
 #[cfg(target_arch = "x86_64")]
+mod gemm_x86;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
 mod x86;
+
+/// From this many activation rows on, the AVX-512 VNNI level runs the cache-blocked GEMM
+/// (the same results as the row kernels; see the module doc's Prefill section).
+pub const GEMM_MIN_M: usize = 33;
+
+/// Weight rows per GEMM panel (decoded once, reused by every activation row).
+pub const GEMM_PANEL: usize = 16;
 
 /// Activation values per quantization block (one f32 scale each).
 pub const QBLOCK: usize = 32;
@@ -60,8 +83,8 @@ pub const QBLOCK: usize = 32;
 pub const QMAX: f32 = 127.0;
 
 /// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
-/// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` (for the
-/// affine-8 bias term).
+/// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` and `ds` the
+/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term).
 #[derive(Debug, Clone, Default)]
 pub struct Q8Acts {
     pub m: usize,
@@ -69,6 +92,7 @@ pub struct Q8Acts {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
     pub sums: Vec<i32>,
+    pub ds: Vec<f32>,
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -138,6 +162,9 @@ impl Q8Acts {
                 .chunks_exact(QBLOCK)
                 .map(|b| b.iter().map(|&v| v as i32).sum::<i32>()),
         );
+        self.ds.clear();
+        self.ds
+            .extend(self.d.iter().zip(&self.sums).map(|(&d, &s)| d * s as f32));
         Ok(())
     }
 
@@ -194,16 +221,18 @@ impl<'a> IntSrc<'a> {
         }
     }
 
-    /// `β_g = 128·s_g + b_g` of weight row `r` into `dst[..cols/64]` (`false`: the format has
-    /// no bias term).
+    /// `β_b = 128·s_g + b_g` of weight row `r` for every block `b` (`g` the group holding it)
+    /// into `dst[..cols/32]` (`false`: the format has no bias term).
     #[inline]
-    pub fn bias_groups(&self, r: usize, cols: usize, dst: &mut [f32]) -> bool {
+    pub fn bias_blocks(&self, r: usize, cols: usize, dst: &mut [f32]) -> bool {
         let IntSrc::Affine8 { scales, biases, .. } = *self else {
             return false;
         };
         let ng = cols / AFFINE8_GROUP;
-        for (g, o) in dst[..ng].iter_mut().enumerate() {
-            *o = 128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g);
+        let per = AFFINE8_GROUP / QBLOCK;
+        for (g, o) in dst[..cols / QBLOCK].chunks_exact_mut(per).enumerate() {
+            let beta = 128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g);
+            o.iter_mut().for_each(|v| *v = beta);
         }
         true
     }
@@ -211,9 +240,10 @@ impl<'a> IntSrc<'a> {
     /// Step 5 of the contract for weight row `r` and activation row `i` (`None`: the format
     /// has no bias term).
     pub fn bias_term(&self, r: usize, a: &Q8Acts, i: usize) -> Option<f32> {
-        let mut bg = vec![0f32; a.cols / AFFINE8_GROUP];
-        self.bias_groups(r, a.cols, &mut bg)
-            .then(|| bias_term_ref(&bg, a, i))
+        let nb = a.cols / QBLOCK;
+        let mut bb = vec![0f32; nb];
+        self.bias_blocks(r, a.cols, &mut bb)
+            .then(|| bias_term_ref(&bb, &a.ds[i * nb..(i + 1) * nb]))
     }
 
     /// Integer weights of row `r` (`cols` wide) into `dst`, from the definitions.
@@ -338,6 +368,8 @@ pub enum IntLevel {
     Avx512,
     /// AVX-512 VNNI `vpdpbusd`.
     Avx512Vnni,
+    /// aarch64 NEON with the dot-product extension (`sdot`).
+    NeonDot,
 }
 
 impl IntLevel {
@@ -348,6 +380,7 @@ impl IntLevel {
             IntLevel::Avx2 => "avx2-maddubs",
             IntLevel::Avx512 => "avx512-maddubs",
             IntLevel::Avx512Vnni => "avx512-vnni",
+            IntLevel::NeonDot => "neon-sdot",
         }
     }
 }
@@ -360,6 +393,7 @@ pub fn int_level() -> IntLevel {
         Level::Avx512 if crate::cpu::has_avx512_vnni() => IntLevel::Avx512Vnni,
         Level::Avx512 => IntLevel::Avx512,
         Level::Avx2 => IntLevel::Avx2,
+        Level::Neon if has_neon_dotprod() => IntLevel::NeonDot,
         _ => IntLevel::Scalar,
     })
 }
@@ -369,6 +403,9 @@ pub fn int_levels_available() -> Vec<IntLevel> {
     use crate::cpu::{detected, has_avx512_vnni, Level};
     let d = detected();
     let mut v = vec![IntLevel::Scalar];
+    if d == Level::Neon && has_neon_dotprod() {
+        v.push(IntLevel::NeonDot);
+    }
     if d >= Level::Avx2 && d != Level::Neon {
         v.push(IntLevel::Avx2);
     }
@@ -379,6 +416,18 @@ pub fn int_levels_available() -> Vec<IntLevel> {
         }
     }
     v
+}
+
+/// NEON's dot-product extension (`sdot`), checked at run time.
+fn has_neon_dotprod() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("dotprod")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
+    }
 }
 
 /// Per-thread scratch: a decoded integer row and its block factors.
@@ -455,16 +504,16 @@ impl IntSrc<'_> {
     }
 }
 
-/// Step 5 of the contract: `β = fma(β_g, d_b · S_b, β)` over the blocks of activation row `i`.
+/// Step 5 of the contract: sixteen lanes of `fma(β_b, e_b, L)` over the blocks, then the
+/// fixed tree (`bb`: the weight row's `β_b`, `ds`: the activation row's `e_b = d_b · S_b`).
 #[inline]
-pub fn bias_term_ref(bg: &[f32], a: &Q8Acts, i: usize) -> f32 {
-    let nb = a.cols / QBLOCK;
-    let (d, s) = (&a.d[i * nb..(i + 1) * nb], &a.sums[i * nb..(i + 1) * nb]);
-    let mut beta = 0f32;
-    for b in 0..nb {
-        beta = bg[b * QBLOCK / AFFINE8_GROUP].mul_add(d[b] * s[b] as f32, beta);
+pub fn bias_term_ref(bb: &[f32], ds: &[f32]) -> f32 {
+    let mut l = [0f32; 16];
+    for (b, (&beta, &e)) in bb.iter().zip(ds).enumerate() {
+        l[b % 16] = beta.mul_add(e, l[b % 16]);
     }
-    beta
+    let v: [f32; 8] = std::array::from_fn(|j| l[j] + l[j + 8]);
+    ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
 }
 
 /// Step 5 of the contract for weight row `r`, added to every activation row's result.
@@ -476,19 +525,20 @@ unsafe fn add_bias_terms(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: 
     if !matches!(src, IntSrc::Affine8 { .. }) {
         return;
     }
+    let nb = a.cols / QBLOCK;
     BIAS.with(|c| {
-        let mut bg = c.take();
-        bg.resize(a.cols / AFFINE8_GROUP, 0.0);
-        src.bias_groups(r, a.cols, &mut bg);
+        let mut bb = c.take();
+        bb.resize(nb, 0.0);
+        src.bias_blocks(r, a.cols, &mut bb);
         for i in 0..a.m {
-            *out.add(i * ld + r) += bias_term_ref(&bg, a, i);
+            *out.add(i * ld + r) += bias_term_ref(&bb, &a.ds[i * nb..(i + 1) * nb]);
         }
-        c.replace(bg);
+        c.replace(bb);
     });
 }
 
 thread_local! {
-    /// The `β_g` of the row being finished (affine-8).
+    /// The `β_b` of the row being finished (affine-8).
     static BIAS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -510,11 +560,15 @@ unsafe fn rows_at(
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx512Vnni if a.m >= GEMM_MIN_M => gemm_x86::gemm_vnni(src, a, r0, r1, out, ld),
+        #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512Vnni => x86::rows_avx512::<true>(src, a, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512 => x86::rows_avx512::<false>(src, a, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]
         IntLevel::Avx2 => x86::rows_avx2(src, a, r0, r1, out, ld),
+        #[cfg(target_arch = "aarch64")]
+        IntLevel::NeonDot => neon::rows_sdot(src, a, r0, r1, out, ld),
         _ => rows_scalar(src, a, r0, r1, out, ld),
     }
 }

@@ -109,7 +109,8 @@ fn compare(
     exact: &dyn Fn(&[f32], usize) -> Vec<f32>,
     rng: &mut Rng,
 ) {
-    for &m in &[1usize, 2, 3, 4, 5, 7, 8, 13, 32] {
+    // From GEMM_MIN_M on, the VNNI level runs the GEMM: odd M across its tile sizes.
+    for &m in &[1usize, 2, 3, 4, 5, 7, 8, 13, 32, GEMM_MIN_M, 38, 45] {
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
         let a = Q8Acts::quantize(&x, m, cols).unwrap();
         let xd = a.dequantize();
@@ -173,6 +174,7 @@ fn every_level_matches_the_contract_on_odd_shapes() {
         (33, 160),
         (9, 256),
         (70, 1056),
+        (21, 1088),
     ] {
         let p = rng.bytes(rows * cols / 2);
         let s = rng.scales(rows * cols / 32);

@@ -19,7 +19,7 @@ use super::{IntSrc, Q8Acts, Scratch, MXFP4_I8, QBLOCK, SCRATCH};
 
 /// Where a row's integer weights come from.
 #[derive(Clone, Copy)]
-enum Row {
+pub(super) enum Row {
     /// Packed E2M1 bytes of the row.
     Mx4(*const u8),
     /// Decoded int8 weights of the row.
@@ -29,7 +29,7 @@ enum Row {
 impl Row {
     /// Weights `k..k+64` (AVX-512).
     #[inline(always)]
-    unsafe fn w64(self, k: usize) -> __m512i {
+    pub(super) unsafe fn w64(self, k: usize) -> __m512i {
         match self {
             Row::Mx4(p) => {
                 let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(k / 2) as *const __m256i));
@@ -77,7 +77,7 @@ impl Row {
 
 /// The contract's steps 1–2 for blocks `b0..b1` in scalar code (the tails).
 #[inline(always)]
-unsafe fn tail_blocks(
+pub(super) unsafe fn tail_blocks(
     row: Row,
     q: *const i8,
     c: impl Fn(usize) -> f32,
@@ -112,7 +112,7 @@ unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row 
 }
 
 #[inline(always)]
-unsafe fn hsum256(b: __m256) -> f32 {
+pub(super) unsafe fn hsum256(b: __m256) -> f32 {
     let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
     let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
     let e = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
@@ -162,10 +162,27 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
                 }
                 i += mr;
             }
-            super::add_bias_terms(src, a, r, out, ld);
+            if matches!(src, IntSrc::Affine8 { .. }) {
+                bias_rows_avx512(src, a, r, out, ld);
+            }
         }
         SCRATCH.with(|c| c.replace(taken));
     }
+}
+
+/// Step 5 of the contract for weight row `r` (affine-8), added to every activation row's
+/// result, one 512-bit FMA per 16 blocks.
+#[inline(always)]
+unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: usize) {
+    let nb = a.cols / QBLOCK;
+    let mut bb = super::BIAS.with(|c| c.take());
+    bb.resize(nb, 0.0);
+    src.bias_blocks(r, a.cols, &mut bb);
+    for i in 0..a.m {
+        *out.add(i * ld + r) +=
+            super::gemm_x86::bias_avx512(bb.as_ptr(), a.ds.as_ptr().add(i * nb), nb);
+    }
+    super::BIAS.with(|c| c.replace(bb));
 }
 
 /// Input rows `i..i+MR` against one weight row.

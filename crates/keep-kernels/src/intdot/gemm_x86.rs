@@ -1,0 +1,285 @@
+//! Cache-blocked integer GEMM for prefill (AVX-512 VNNI), on [`super`]'s contract bit for
+//! bit. Weight rows are taken [`GEMM_PANEL`] at a time: each is decoded once to int8 (with
+//! its block factors, the exact `−128·Σw` of every four columns and, for affine-8, its
+//! per-block bias coefficients) into a per-thread panel that stays in L1/L2 while every
+//! activation row of the call streams past it. Inside a panel a register tile of `MR`
+//! activation rows × `NR` weight rows loads each activation vector once for `NR` weight rows
+//! and each weight vector once for `MR` activation rows.
+//!
+//! The activations enter `vpdpbusd` as unsigned bytes `q + 128` (a xor of the sign bit) and
+//! the weights as signed bytes, so no per-pair sign trick is needed: `Σ (q+128)·w` started at
+//! `−128·Σw` is exactly `Σ q·w` (|terms| ≤ 4·255·128, far inside i32). The float part (the
+//! block coefficient `f_b · d_b`, one FMA per block into the contract's four 8-lane
+//! accumulators, the fixed reduction tree, the scalar tail blocks, the row factor and the
+//! affine-8 bias term) is the row kernels' own, so each result equals theirs.
+#![allow(clippy::incompatible_msrv)]
+// Indexed loops mirror the contract's accumulator numbering.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::x86::{hsum256, tail_blocks, Row};
+use super::{IntSrc, Q8Acts, GEMM_PANEL, MXFP4_I8, QBLOCK};
+
+/// Activation rows per register tile.
+const MR: usize = 4;
+/// Weight rows per register tile.
+const NR: usize = 2;
+
+/// One thread's decoded panel.
+#[derive(Default)]
+struct Panel {
+    /// `GEMM_PANEL × cols` int8 weights.
+    w: Vec<i8>,
+    /// `GEMM_PANEL × cols/4` values `−128 · Σ` of four weights.
+    corr: Vec<i32>,
+    /// `GEMM_PANEL × nb` block factors.
+    f: Vec<f32>,
+    /// `GEMM_PANEL × nb` affine-8 `β_b`.
+    beta: Vec<f32>,
+}
+
+thread_local! {
+    static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+}
+
+/// Step 5 of the contract (sixteen FMA lanes over the blocks, then the fixed tree).
+///
+/// # Safety
+/// AVX-512 F; `bb` and `ds` hold `nb` floats.
+#[inline(always)]
+pub(super) unsafe fn bias_avx512(bb: *const f32, ds: *const f32, nb: usize) -> f32 {
+    let mut l = _mm512_setzero_ps();
+    let mut b = 0;
+    while b + 16 <= nb {
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(bb.add(b)), _mm512_loadu_ps(ds.add(b)), l);
+        b += 16;
+    }
+    if b < nb {
+        let k: __mmask16 = (1u32 << (nb - b)) as u16 - 1;
+        let x = _mm512_maskz_loadu_ps(k, bb.add(b));
+        let y = _mm512_maskz_loadu_ps(k, ds.add(b));
+        l = _mm512_mask3_fmadd_ps(x, y, l, k);
+    }
+    let v = _mm256_add_ps(
+        _mm512_castps512_ps256(l),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
+    );
+    hsum256(v)
+}
+
+/// Rows `r0..r1` of the product (see [`super::rows_at`]).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ/VNNI; `out` as in `super::rows_scalar`; `src` holds at
+/// least `r1` rows of `a.cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")]
+pub(super) unsafe fn gemm_vnni(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let affine = matches!(src, IntSrc::Affine8 { .. });
+    let mut p = PANEL.with(|c| c.take());
+    p.w.resize(GEMM_PANEL * cols, 0);
+    p.corr.resize(GEMM_PANEL * cols / 4, 0);
+    p.f.resize(GEMM_PANEL * nb, 0.0);
+    if affine {
+        p.beta.resize(GEMM_PANEL * nb, 0.0);
+    }
+    let mut p0 = r0;
+    while p0 < r1 {
+        let np = GEMM_PANEL.min(r1 - p0);
+        for k in 0..np {
+            decode_row(src, p0 + k, cols, &mut p, k);
+        }
+        let mut i = 0;
+        while i < a.m {
+            let mr = MR.min(a.m - i);
+            let mut k = 0;
+            while k < np {
+                let nr = NR.min(np - k);
+                let t = Tile {
+                    src,
+                    a,
+                    p: &p,
+                    i,
+                    k,
+                    row: p0 + k,
+                    out,
+                    ld,
+                };
+                match (mr, nr) {
+                    (4, 2) => t.run::<4, 2>(),
+                    (3, 2) => t.run::<3, 2>(),
+                    (2, 2) => t.run::<2, 2>(),
+                    (1, 2) => t.run::<1, 2>(),
+                    (4, _) => t.run::<4, 1>(),
+                    (3, _) => t.run::<3, 1>(),
+                    (2, _) => t.run::<2, 1>(),
+                    _ => t.run::<1, 1>(),
+                }
+                k += nr;
+            }
+            i += mr;
+        }
+        p0 += np;
+    }
+    PANEL.with(|c| c.replace(p));
+}
+
+/// Decode weight row `r` into panel slot `k`.
+#[inline(always)]
+unsafe fn decode_row(src: &IntSrc, r: usize, cols: usize, p: &mut Panel, k: usize) {
+    let nb = cols / QBLOCK;
+    let w = &mut p.w[k * cols..(k + 1) * cols];
+    match *src {
+        IntSrc::Mxfp4 { packed, .. } => {
+            let row = Row::Mx4(packed.as_ptr().add(r * cols / 2));
+            let mut c = 0;
+            while c + 64 <= cols {
+                _mm512_storeu_si512(w.as_mut_ptr().add(c) as *mut __m512i, row.w64(c));
+                c += 64;
+            }
+            let bytes = &packed[r * cols / 2..(r + 1) * cols / 2];
+            while c < cols {
+                let b = bytes[c / 2];
+                w[c] = MXFP4_I8[(b & 0xF) as usize];
+                w[c + 1] = MXFP4_I8[(b >> 4) as usize];
+                c += 2;
+            }
+        }
+        _ => src.decode_row_fast(r, cols, w),
+    }
+    src.block_factors(r, cols, &mut p.f[k * nb..(k + 1) * nb]);
+    if matches!(src, IntSrc::Affine8 { .. }) {
+        src.bias_blocks(r, cols, &mut p.beta[k * nb..(k + 1) * nb]);
+    }
+    // −128·Σ of every four weights, for the columns the vector loop covers.
+    let full = nb / 4 * 4;
+    let ones = _mm512_set1_epi8(-128);
+    let corr = p.corr.as_mut_ptr().add(k * cols / 4);
+    let mut c = 0;
+    while c < full * QBLOCK {
+        let wv = _mm512_loadu_si512(w.as_ptr().add(c) as *const __m512i);
+        let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wv);
+        _mm512_storeu_si512(
+            corr.add(c / 4) as *mut __m512i,
+            _mm512_sub_epi32(_mm512_setzero_si512(), s),
+        );
+        c += 64;
+    }
+}
+
+/// One register tile: activation rows `i..i+M` against panel slots `k..k+N`.
+struct Tile<'s, 'a> {
+    src: &'s IntSrc<'a>,
+    a: &'s Q8Acts,
+    p: &'s Panel,
+    i: usize,
+    k: usize,
+    row: usize,
+    out: *mut f32,
+    ld: usize,
+}
+
+impl Tile<'_, '_> {
+    #[inline(always)]
+    unsafe fn run<const M: usize, const N: usize>(&self) {
+        let a = self.a;
+        let (cols, nb) = (a.cols, a.cols / QBLOCK);
+        let full = nb / 4 * 4;
+        let q: [*const i8; M] = std::array::from_fn(|j| a.q.as_ptr().add((self.i + j) * cols));
+        let d: [*const f32; M] = std::array::from_fn(|j| a.d.as_ptr().add((self.i + j) * nb));
+        let w: [*const i8; N] = std::array::from_fn(|r| self.p.w.as_ptr().add((self.k + r) * cols));
+        let cr: [*const i32; N] =
+            std::array::from_fn(|r| self.p.corr.as_ptr().add((self.k + r) * cols / 4));
+        let f: [*const f32; N] = std::array::from_fn(|r| self.p.f.as_ptr().add((self.k + r) * nb));
+        let idx = [
+            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+            _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+        ];
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; M]; N];
+        let mut b = 0;
+        while b < full {
+            for h in 0..2 {
+                let c = b * QBLOCK + 64 * h;
+                // Plain loops, no closures: closures do not inherit the target features.
+                let mut xu = [_mm512_setzero_si512(); M];
+                let mut dv = [_mm512_setzero_ps(); M];
+                for j in 0..M {
+                    xu[j] =
+                        _mm512_xor_si512(_mm512_loadu_si512(q[j].add(c) as *const __m512i), flip);
+                    dv[j] = _mm512_permutexvar_ps(
+                        idx[h],
+                        _mm512_castps128_ps512(_mm_loadu_ps(d[j].add(b))),
+                    );
+                }
+                for r in 0..N {
+                    let wv = _mm512_loadu_si512(w[r].add(c) as *const __m512i);
+                    let cv = _mm512_loadu_si512(cr[r].add(c / 4) as *const __m512i);
+                    let fv = _mm512_permutexvar_ps(
+                        idx[h],
+                        _mm512_castps128_ps512(_mm_loadu_ps(f[r].add(b))),
+                    );
+                    for j in 0..M {
+                        let s = _mm512_dpbusd_epi32(cv, xu[j], wv);
+                        acc[r][j][h] = _mm512_fmadd_ps(
+                            _mm512_mul_ps(fv, dv[j]),
+                            _mm512_cvtepi32_ps(s),
+                            acc[r][j][h],
+                        );
+                    }
+                }
+            }
+            b += 4;
+        }
+        for r in 0..N {
+            let row = self.row + r;
+            let post = self.src.post(row);
+            for j in 0..M {
+                let (lo0, hi0) = (
+                    _mm512_castps512_ps256(acc[r][j][0]),
+                    _mm512_extractf32x8_ps(acc[r][j][0], 1),
+                );
+                let (lo1, hi1) = (
+                    _mm512_castps512_ps256(acc[r][j][1]),
+                    _mm512_extractf32x8_ps(acc[r][j][1], 1),
+                );
+                let s = if full == nb {
+                    hsum256(_mm256_add_ps(
+                        _mm256_add_ps(lo0, lo1),
+                        _mm256_add_ps(hi0, hi1),
+                    ))
+                } else {
+                    let mut v = [[0f32; 8]; 4];
+                    _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
+                    _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
+                    _mm256_storeu_ps(v[2].as_mut_ptr(), lo1);
+                    _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
+                    let (fr, dj) = (f[r], d[j]);
+                    tail_blocks(
+                        Row::Buf(w[r]),
+                        q[j],
+                        |bb| *fr.add(bb) * *dj.add(bb),
+                        &mut v,
+                        full,
+                        nb,
+                    );
+                    super::finish_ref(&v)
+                };
+                let mut s = post.map_or(s, |p| s * p);
+                if !self.p.beta.is_empty() && matches!(self.src, IntSrc::Affine8 { .. }) {
+                    let bb = self.p.beta.as_ptr().add((self.k + r) * nb);
+                    s += bias_avx512(bb, a.ds.as_ptr().add((self.i + j) * nb), nb);
+                }
+                *self.out.add((self.i + j) * self.ld + row) = s;
+            }
+        }
+    }
+}
