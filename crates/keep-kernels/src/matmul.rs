@@ -12,8 +12,10 @@
 
 use crate::{Result, WeightView};
 
+use crate::cpu::check_operands;
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::has_avx2;
 pub use crate::cpu::PAR_MIN_MACS;
-use crate::cpu::{check_operands, has_avx2};
 
 const LANES: usize = 16;
 

@@ -89,6 +89,7 @@ fn instruction_model_rounds_and_flushes() {
 
 /// Lanes that exercise the instruction's corners: denormal inputs, products near the f32
 /// underflow and overflow limits, cancellations and rounding ties.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn crafted_lanes(rng: &mut Rng) -> ([f32; 16], [u16; 32], [u16; 32]) {
     let pick = |r: &mut Rng| -> u16 {
         match r.next() % 8 {

@@ -8,9 +8,31 @@
 //! scalar contract's own code. Compile-checked with
 //! `cargo check -p keep-kernels --target aarch64-unknown-linux-gnu`; not run on this machine.
 
+// Indexed loops mirror the contract's accumulator numbering.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::aarch64::*;
 
 use super::{dot_blocks_ref, finish_ref, IntSrc, Q8Acts, QBLOCK, SCRATCH};
+
+/// `sdot` from zero: four i32 lanes, lane `g` the sum of the four products of bytes `4g..4g+4`
+/// (inline assembly: the `vdotq_s32` intrinsic is not stable in Rust yet).
+///
+/// # Safety
+/// The CPU has the dot-product extension.
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+unsafe fn sdot(a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut r = vdupq_n_s32(0);
+    std::arch::asm!(
+        "sdot {r:v}.4s, {a:v}.16b, {b:v}.16b",
+        r = inout(vreg) r,
+        a = in(vreg) a,
+        b = in(vreg) b,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    r
+}
 
 /// Rows `r0..r1` of the product.
 ///
@@ -44,12 +66,8 @@ pub(super) unsafe fn rows_sdot(
             while b < full {
                 for h in 0..4 {
                     let k = (b + h) * QBLOCK;
-                    let p0 = vdotq_s32(vdupq_n_s32(0), vld1q_s8(w.add(k)), vld1q_s8(q.add(k)));
-                    let p1 = vdotq_s32(
-                        vdupq_n_s32(0),
-                        vld1q_s8(w.add(k + 16)),
-                        vld1q_s8(q.add(k + 16)),
-                    );
+                    let p0 = sdot(vld1q_s8(w.add(k)), vld1q_s8(q.add(k)));
+                    let p1 = sdot(vld1q_s8(w.add(k + 16)), vld1q_s8(q.add(k + 16)));
                     let c = s.f[b + h] * *d.add(b + h);
                     acc[h][0] = vfmaq_n_f32(acc[h][0], vcvtq_f32_s32(p0), c);
                     acc[h][1] = vfmaq_n_f32(acc[h][1], vcvtq_f32_s32(p1), c);

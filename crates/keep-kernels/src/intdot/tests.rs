@@ -365,9 +365,9 @@ fn bad_operands_are_errors() {
     assert!(int_matmul(&[0.0; 32], 1, &src, 2, 32, &mut [0f32; 2]).is_err());
 }
 
-/// Manual single-thread timing (`cargo test --release -p keep-kernels intdot::tests::print --
-/// --ignored --nocapture`): GB/s of weight bytes, exact kernels beside integer ones at every
-/// level; asserts nothing.
+/// Manual single-thread timing (`KEEP_PRINT_M=1,32,33,128 cargo test --release -p keep-kernels
+/// intdot::tests::print -- --ignored --nocapture`; M defaults to 1,4,8,32): GB/s of weight
+/// bytes and GFLOP/s, exact kernels beside integer ones at every level; asserts nothing.
 #[test]
 #[ignore]
 fn print_single_thread_gbps() {
@@ -384,12 +384,24 @@ fn print_single_thread_gbps() {
         .num_threads(1)
         .build()
         .unwrap();
-    for m in [1usize, 4, 8, 32] {
+    let q = rng.bytes(rows * cols);
+    let ng = rows * cols / crate::affine::AFFINE8_GROUP;
+    let sb: Vec<u8> = (0..ng)
+        .flat_map(|_| crate::bf16dot::f32_to_bf16_rne(2e-4).to_le_bytes())
+        .collect();
+    let bb: Vec<u8> = (0..ng)
+        .flat_map(|_| crate::bf16dot::f32_to_bf16_rne(-0.0255).to_le_bytes())
+        .collect();
+    let af = crate::affine::Affine8View::new(&q, &sb, &bb, rows, cols).unwrap();
+    let m_list: Vec<usize> = std::env::var("KEEP_PRINT_M")
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or_else(|_| vec![1, 4, 8, 32]);
+    for m in m_list {
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
         let mut out = vec![0f32; m * rows];
         let time = |f: &mut dyn FnMut()| {
             let mut best = f64::INFINITY;
-            for _ in 0..10 {
+            for _ in 0..if m > 32 { 3 } else { 10 } {
                 let t = Instant::now();
                 f();
                 best = best.min(t.elapsed().as_secs_f64());
@@ -399,20 +411,36 @@ fn print_single_thread_gbps() {
         let nb4 = w.nbytes() as f64;
         let nb2 = e.nbytes() as f64;
         pool.install(|| {
-            let t = time(&mut || crate::simd::matmul_fast(&x, m, &w, &mut out).unwrap());
-            println!("m={m} mxfp4 exact: {:.2} GB/s", nb4 / t / 1e9);
-            let t = time(&mut || crate::e8p::e8p_matmul(&x, m, &e, &mut out).unwrap());
-            println!("m={m} e8p exact: {:.2} GB/s", nb2 / t / 1e9);
-            for lv in int_levels_available() {
+            if m <= 32 {
+                let t = time(&mut || crate::simd::matmul_fast(&x, m, &w, &mut out).unwrap());
+                println!("m={m} mxfp4 exact: {:.2} GB/s", nb4 / t / 1e9);
+                let t = time(&mut || crate::e8p::e8p_matmul(&x, m, &e, &mut out).unwrap());
+                println!("m={m} e8p exact: {:.2} GB/s", nb2 / t / 1e9);
+            }
+            // The scalar level only at small M (it is slow).
+            for lv in int_levels_available()
+                .into_iter()
+                .filter(|&l| m <= 8 || l >= IntLevel::Avx512)
+            {
                 for (name, src, nb) in [
                     ("mxfp4", IntSrc::from_view(&w).unwrap(), nb4),
                     ("e8p", IntSrc::from_e8p(&e).unwrap(), nb2),
+                    (
+                        "affine8",
+                        IntSrc::from_affine8(&af),
+                        (rows * cols * 17 / 16) as f64,
+                    ),
                 ] {
                     let t = time(&mut || {
                         let a = Q8Acts::quantize(&x, m, cols).unwrap();
                         int_matmul_at(lv, &src, rows, &a, &mut out).unwrap()
                     });
-                    println!("m={m} {name} int {}: {:.2} GB/s", lv.name(), nb / t / 1e9);
+                    let gf = 2.0 * (m * rows * cols) as f64 / t / 1e9;
+                    println!(
+                        "m={m} {name} int {}: {:.2} GB/s {gf:.1} GFLOP/s",
+                        lv.name(),
+                        nb / t / 1e9
+                    );
                 }
             }
         });
