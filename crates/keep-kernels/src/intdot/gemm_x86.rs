@@ -95,7 +95,12 @@ pub(super) unsafe fn gemm_vnni(
     while p0 < r1 {
         let np = GEMM_PANEL.min(r1 - p0);
         for k in 0..np {
-            decode_row(src, p0 + k, cols, &mut p, k);
+            if affine {
+                src.block_factors(p0 + k, cols, &mut p.f[k * nb..(k + 1) * nb]);
+                src.bias_blocks(p0 + k, cols, &mut p.beta[k * nb..(k + 1) * nb]);
+            } else {
+                decode_row(src, p0 + k, cols, &mut p, k);
+            }
         }
         let mut i = 0;
         while i < a.m {
@@ -113,15 +118,23 @@ pub(super) unsafe fn gemm_vnni(
                     out,
                     ld,
                 };
-                match (mr, nr) {
-                    (4, 2) => t.run::<4, 2>(),
-                    (3, 2) => t.run::<3, 2>(),
-                    (2, 2) => t.run::<2, 2>(),
-                    (1, 2) => t.run::<1, 2>(),
-                    (4, _) => t.run::<4, 1>(),
-                    (3, _) => t.run::<3, 1>(),
-                    (2, _) => t.run::<2, 1>(),
-                    _ => t.run::<1, 1>(),
+                match (mr, nr, affine) {
+                    (4, 2, false) => t.run::<4, 2, false>(),
+                    (3, 2, false) => t.run::<3, 2, false>(),
+                    (2, 2, false) => t.run::<2, 2, false>(),
+                    (1, 2, false) => t.run::<1, 2, false>(),
+                    (4, _, false) => t.run::<4, 1, false>(),
+                    (3, _, false) => t.run::<3, 1, false>(),
+                    (2, _, false) => t.run::<2, 1, false>(),
+                    (_, _, false) => t.run::<1, 1, false>(),
+                    (4, 2, true) => t.run::<4, 2, true>(),
+                    (3, 2, true) => t.run::<3, 2, true>(),
+                    (2, 2, true) => t.run::<2, 2, true>(),
+                    (1, 2, true) => t.run::<1, 2, true>(),
+                    (4, _, true) => t.run::<4, 1, true>(),
+                    (3, _, true) => t.run::<3, 1, true>(),
+                    (2, _, true) => t.run::<2, 1, true>(),
+                    (_, _, true) => t.run::<1, 1, true>(),
                 }
                 k += nr;
             }
@@ -188,14 +201,29 @@ struct Tile<'s, 'a> {
 }
 
 impl Tile<'_, '_> {
+    /// `AFF`: affine-8, whose stored bytes `q` are the unsigned operand as they lie (the
+    /// integer weight `q − 128` never materialises), the activations the signed one, and
+    /// the sums start at the activations' `−128·Σx` ([`Q8Acts::nsum4`]); otherwise the
+    /// decoded panel is the signed operand, the activations enter as `q + 128` and the sums
+    /// start at the panel's `−128·Σw`.
     #[inline(always)]
-    unsafe fn run<const M: usize, const N: usize>(&self) {
+    unsafe fn run<const M: usize, const N: usize, const AFF: bool>(&self) {
         let a = self.a;
         let (cols, nb) = (a.cols, a.cols / QBLOCK);
         let full = nb / 4 * 4;
         let q: [*const i8; M] = std::array::from_fn(|j| a.q.as_ptr().add((self.i + j) * cols));
         let d: [*const f32; M] = std::array::from_fn(|j| a.d.as_ptr().add((self.i + j) * nb));
-        let w: [*const i8; N] = std::array::from_fn(|r| self.p.w.as_ptr().add((self.k + r) * cols));
+        let mut w = [std::ptr::null::<i8>(); N];
+        for r in 0..N {
+            w[r] = match (AFF, *self.src) {
+                (true, IntSrc::Affine8 { q, .. }) => {
+                    q.as_ptr().add((self.row + r) * cols) as *const i8
+                }
+                _ => self.p.w.as_ptr().add((self.k + r) * cols),
+            };
+        }
+        let ns: [*const i32; M] =
+            std::array::from_fn(|j| a.nsum4.as_ptr().add((self.i + j) * cols / 4));
         let cr: [*const i32; N] =
             std::array::from_fn(|r| self.p.corr.as_ptr().add((self.k + r) * cols / 4));
         let f: [*const f32; N] = std::array::from_fn(|r| self.p.f.as_ptr().add((self.k + r) * nb));
@@ -212,9 +240,15 @@ impl Tile<'_, '_> {
                 // Plain loops, no closures: closures do not inherit the target features.
                 let mut xu = [_mm512_setzero_si512(); M];
                 let mut dv = [_mm512_setzero_ps(); M];
+                let mut nv = [_mm512_setzero_si512(); M];
                 for j in 0..M {
-                    xu[j] =
-                        _mm512_xor_si512(_mm512_loadu_si512(q[j].add(c) as *const __m512i), flip);
+                    let xv = _mm512_loadu_si512(q[j].add(c) as *const __m512i);
+                    if AFF {
+                        xu[j] = xv;
+                        nv[j] = _mm512_loadu_si512(ns[j].add(c / 4) as *const __m512i);
+                    } else {
+                        xu[j] = _mm512_xor_si512(xv, flip);
+                    }
                     dv[j] = _mm512_permutexvar_ps(
                         idx[h],
                         _mm512_castps128_ps512(_mm_loadu_ps(d[j].add(b))),
@@ -222,13 +256,21 @@ impl Tile<'_, '_> {
                 }
                 for r in 0..N {
                     let wv = _mm512_loadu_si512(w[r].add(c) as *const __m512i);
-                    let cv = _mm512_loadu_si512(cr[r].add(c / 4) as *const __m512i);
+                    let cv = if AFF {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_loadu_si512(cr[r].add(c / 4) as *const __m512i)
+                    };
                     let fv = _mm512_permutexvar_ps(
                         idx[h],
                         _mm512_castps128_ps512(_mm_loadu_ps(f[r].add(b))),
                     );
                     for j in 0..M {
-                        let s = _mm512_dpbusd_epi32(cv, xu[j], wv);
+                        let s = if AFF {
+                            _mm512_dpbusd_epi32(nv[j], wv, xu[j])
+                        } else {
+                            _mm512_dpbusd_epi32(cv, xu[j], wv)
+                        };
                         acc[r][j][h] = _mm512_fmadd_ps(
                             _mm512_mul_ps(fv, dv[j]),
                             _mm512_cvtepi32_ps(s),
@@ -264,7 +306,11 @@ impl Tile<'_, '_> {
                     _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
                     let (fr, dj) = (f[r], d[j]);
                     tail_blocks(
-                        Row::Buf(w[r]),
+                        if AFF {
+                            Row::U8(w[r] as *const u8)
+                        } else {
+                            Row::Buf(w[r])
+                        },
                         q[j],
                         |bb| *fr.add(bb) * *dj.add(bb),
                         &mut v,

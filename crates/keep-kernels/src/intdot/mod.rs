@@ -84,7 +84,9 @@ pub const QMAX: f32 = 127.0;
 
 /// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
 /// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` and `ds` the
-/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term).
+/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term), and `nsum4`
+/// the `m × cols/4` values `−128 · Σ` of every four int8 (the start of the VNNI level's
+/// affine-8 sums, which multiply the stored bytes `q` as unsigned).
 #[derive(Debug, Clone, Default)]
 pub struct Q8Acts {
     pub m: usize,
@@ -93,6 +95,7 @@ pub struct Q8Acts {
     pub d: Vec<f32>,
     pub sums: Vec<i32>,
     pub ds: Vec<f32>,
+    pub nsum4: Vec<i32>,
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -165,6 +168,12 @@ impl Q8Acts {
         self.ds.clear();
         self.ds
             .extend(self.d.iter().zip(&self.sums).map(|(&d, &s)| d * s as f32));
+        self.nsum4.clear();
+        self.nsum4.extend(
+            self.q
+                .chunks_exact(4)
+                .map(|v| -128 * v.iter().map(|&e| e as i32).sum::<i32>()),
+        );
         Ok(())
     }
 

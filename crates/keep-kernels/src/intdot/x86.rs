@@ -24,6 +24,10 @@ pub(super) enum Row {
     Mx4(*const u8),
     /// Decoded int8 weights of the row.
     Buf(*const i8),
+    /// Affine-8 bytes `q` of the row as stored: the integer weight `q − 128` is one xor in
+    /// registers, and the VNNI level multiplies `q` itself as unsigned bytes, starting from
+    /// the activations' `−128·Σq` ([`Q8Acts::nsum4`]).
+    U8(*const u8),
 }
 
 impl Row {
@@ -42,6 +46,10 @@ impl Row {
                 _mm512_shuffle_epi8(lut, t)
             }
             Row::Buf(p) => _mm512_loadu_si512(p.add(k) as *const __m512i),
+            Row::U8(p) => _mm512_xor_si512(
+                _mm512_loadu_si512(p.add(k) as *const __m512i),
+                _mm512_set1_epi8(-128),
+            ),
         }
     }
 
@@ -59,6 +67,10 @@ impl Row {
                 _mm256_shuffle_epi8(_mm256_set_m128i(l, l), t)
             }
             Row::Buf(p) => _mm256_loadu_si256(p.add(k) as *const __m256i),
+            Row::U8(p) => _mm256_xor_si256(
+                _mm256_loadu_si256(p.add(k) as *const __m256i),
+                _mm256_set1_epi8(-128),
+            ),
         }
     }
 
@@ -71,6 +83,7 @@ impl Row {
                 MXFP4_I8[if k.is_multiple_of(2) { b & 0xF } else { b >> 4 } as usize]
             }
             Row::Buf(p) => *p.add(k),
+            Row::U8(p) => (*p.add(k) ^ 0x80) as i8,
         }
     }
 }
@@ -104,7 +117,8 @@ unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row 
     src.block_factors(r, cols, &mut s.f);
     match *src {
         IntSrc::Mxfp4 { packed, .. } => Row::Mx4(packed.as_ptr().add(r * cols / 2)),
-        IntSrc::E8p { .. } | IntSrc::Affine8 { .. } => {
+        IntSrc::Affine8 { q, .. } => Row::U8(q.as_ptr().add(r * cols)),
+        IntSrc::E8p { .. } => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }
@@ -154,11 +168,15 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
             let mut i = 0;
             while i < a.m {
                 let mr = (a.m - i).min(4);
-                match mr {
-                    4 => group512::<VNNI, 4>(row, a, f, i, post, r, out, ld),
-                    3 => group512::<VNNI, 3>(row, a, f, i, post, r, out, ld),
-                    2 => group512::<VNNI, 2>(row, a, f, i, post, r, out, ld),
-                    _ => group512::<VNNI, 1>(row, a, f, i, post, r, out, ld),
+                match (mr, VNNI && matches!(row, Row::U8(_))) {
+                    (4, false) => group512::<VNNI, 4, false>(row, a, f, i, post, r, out, ld),
+                    (3, false) => group512::<VNNI, 3, false>(row, a, f, i, post, r, out, ld),
+                    (2, false) => group512::<VNNI, 2, false>(row, a, f, i, post, r, out, ld),
+                    (_, false) => group512::<VNNI, 1, false>(row, a, f, i, post, r, out, ld),
+                    (4, true) => group512::<VNNI, 4, true>(row, a, f, i, post, r, out, ld),
+                    (3, true) => group512::<VNNI, 3, true>(row, a, f, i, post, r, out, ld),
+                    (2, true) => group512::<VNNI, 2, true>(row, a, f, i, post, r, out, ld),
+                    (_, true) => group512::<VNNI, 1, true>(row, a, f, i, post, r, out, ld),
                 }
                 i += mr;
             }
@@ -185,10 +203,12 @@ unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld
     super::BIAS.with(|c| c.replace(bb));
 }
 
-/// Input rows `i..i+MR` against one weight row.
+/// Input rows `i..i+MR` against one weight row (`DIRECT`: an affine-8 row on the VNNI level,
+/// `Σ q·x` from the stored bytes started at the activations' `−128·Σx`, which is exactly
+/// the contract's `Σ (q − 128)·x`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn group512<const VNNI: bool, const MR: usize>(
+unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
     row: Row,
     a: &Q8Acts,
     f: *const f32,
@@ -208,19 +228,29 @@ unsafe fn group512<const VNNI: bool, const MR: usize>(
     let mut b = 0;
     while b < full {
         let k = b * QBLOCK;
-        let w0 = row.w64(k);
-        let w1 = row.w64(k + 64);
+        let (w0, w1) = match (DIRECT, row) {
+            (true, Row::U8(p)) => (
+                _mm512_loadu_si512(p.add(k) as *const __m512i),
+                _mm512_loadu_si512(p.add(k + 64) as *const __m512i),
+            ),
+            _ => (row.w64(k), row.w64(k + 64)),
+        };
         let (a0, a1) = (_mm512_abs_epi8(w0), _mm512_abs_epi8(w1));
         let (n0, n1) = (_mm512_movepi8_mask(w0), _mm512_movepi8_mask(w1));
         let f4 = _mm_loadu_ps(f.add(b));
         for j in 0..MR {
             let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
-            let p0 = dot64::<VNNI>(a0, n0, _mm512_loadu_si512(q[j].add(k) as *const __m512i));
-            let p1 = dot64::<VNNI>(
-                a1,
-                n1,
-                _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i),
-            );
+            let qa = _mm512_loadu_si512(q[j].add(k) as *const __m512i);
+            let qb = _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i);
+            let (p0, p1) = if DIRECT {
+                let ns = a.nsum4.as_ptr().add((i + j) * cols / 4 + k / 4);
+                (
+                    _mm512_dpbusd_epi32(_mm512_loadu_si512(ns as *const __m512i), w0, qa),
+                    _mm512_dpbusd_epi32(_mm512_loadu_si512(ns.add(16) as *const __m512i), w1, qb),
+                )
+            } else {
+                (dot64::<VNNI>(a0, n0, qa), dot64::<VNNI>(a1, n1, qb))
+            };
             acc[j][0] = _mm512_fmadd_ps(
                 _mm512_permutexvar_ps(idx_a, c4),
                 _mm512_cvtepi32_ps(p0),
