@@ -96,8 +96,13 @@ pub(super) unsafe fn gemm_vnni(
         let np = GEMM_PANEL.min(r1 - p0);
         for k in 0..np {
             if affine {
-                src.block_factors(p0 + k, cols, &mut p.f[k * nb..(k + 1) * nb]);
-                src.bias_blocks(p0 + k, cols, &mut p.beta[k * nb..(k + 1) * nb]);
+                super::x86::block_factors_avx512(src, p0 + k, cols, &mut p.f[k * nb..(k + 1) * nb]);
+                super::x86::bias_blocks_avx512(
+                    src,
+                    p0 + k,
+                    cols,
+                    &mut p.beta[k * nb..(k + 1) * nb],
+                );
             } else {
                 decode_row(src, p0 + k, cols, &mut p, k);
             }
@@ -168,9 +173,9 @@ unsafe fn decode_row(src: &IntSrc, r: usize, cols: usize, p: &mut Panel, k: usiz
         }
         _ => src.decode_row_fast(r, cols, w),
     }
-    src.block_factors(r, cols, &mut p.f[k * nb..(k + 1) * nb]);
+    super::x86::block_factors_avx512(src, r, cols, &mut p.f[k * nb..(k + 1) * nb]);
     if matches!(src, IntSrc::Affine8 { .. }) {
-        src.bias_blocks(r, cols, &mut p.beta[k * nb..(k + 1) * nb]);
+        super::x86::bias_blocks_avx512(src, r, cols, &mut p.beta[k * nb..(k + 1) * nb]);
     }
     // −128·Σ of every four weights, for the columns the vector loop covers.
     let full = nb / 4 * 4;

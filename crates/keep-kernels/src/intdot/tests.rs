@@ -446,3 +446,49 @@ fn print_single_thread_gbps() {
         });
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vector_row_factors_equal_scalar_on_every_scale_byte() {
+    if crate::cpu::detected() < crate::cpu::Level::Avx512 {
+        return;
+    }
+    // MXFP4: every E8M0 byte (0, 1 and 0xFF are special), 16 at a time and in the tail.
+    let cols = 32 * 260;
+    let scales: Vec<u8> = (0..cols / 32).map(|b| (b % 256) as u8).collect();
+    let packed = vec![0u8; cols / 2];
+    let src = IntSrc::Mxfp4 {
+        packed: &packed,
+        scales: &scales,
+    };
+    let (mut a, mut b) = (vec![0f32; cols / 32], vec![0f32; cols / 32]);
+    src.block_factors(0, cols, &mut a);
+    // SAFETY: the CPU has AVX-512 (checked above).
+    unsafe { x86::block_factors_avx512(&src, 0, cols, &mut b) };
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    // Affine-8: random bf16 scales and biases (infinities and NaN included), odd group count.
+    let mut rng = Rng::new(3);
+    let cols = 64 * 37;
+    let ng = cols / 64;
+    let mut sc = rng.bytes(2 * ng);
+    sc[1] = 0x7F;
+    sc[0] = 0x80; // +inf
+    let bi = rng.bytes(2 * ng);
+    let q = vec![0u8; cols];
+    let src = IntSrc::Affine8 {
+        q: &q,
+        scales: &sc,
+        biases: &bi,
+    };
+    let nb = cols / 32;
+    let (mut a, mut b) = (vec![0f32; nb], vec![0f32; nb]);
+    src.block_factors(0, cols, &mut a);
+    // SAFETY: as above.
+    unsafe { x86::block_factors_avx512(&src, 0, cols, &mut b) };
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    src.bias_blocks(0, cols, &mut a);
+    // SAFETY: as above.
+    unsafe { x86::bias_blocks_avx512(&src, 0, cols, &mut b) };
+    let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+    assert!(a.iter().zip(&b).all(|(x, y)| same(*x, *y)));
+}

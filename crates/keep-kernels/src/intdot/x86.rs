@@ -16,6 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::{IntSrc, Q8Acts, Scratch, MXFP4_I8, QBLOCK, SCRATCH};
+use crate::affine::AFFINE8_GROUP;
+use crate::codec::bf16_at;
 
 /// Where a row's integer weights come from.
 #[derive(Clone, Copy)]
@@ -111,10 +113,95 @@ pub(super) unsafe fn tail_blocks(
     }
 }
 
+/// `IntSrc::block_factors` 16 blocks at a time (the same values: E8M0 bytes by the
+/// exponent field with the three special bytes, bf16 scales widened), scalar for the rest.
+///
+/// # Safety
+/// AVX-512 F/BW; `src` holds row `r` of `cols`.
+#[inline(always)]
+pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, dst: &mut [f32]) {
+    let nb = cols / QBLOCK;
+    let dst = &mut dst[..nb];
+    let mut b = 0;
+    match *src {
+        IntSrc::Mxfp4 { scales, .. } => {
+            let e = scales.as_ptr().add(r * nb);
+            while b + 16 <= nb {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(e.add(b) as *const __m128i));
+                let mut bits = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+                let k0 = _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512());
+                let k1 = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(1));
+                let kf = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(0xFF));
+                bits = _mm512_mask_mov_epi32(bits, k0, _mm512_set1_epi32(0x0020_0000));
+                bits = _mm512_mask_mov_epi32(bits, k1, _mm512_set1_epi32(0x0040_0000));
+                bits =
+                    _mm512_mask_mov_epi32(bits, kf, _mm512_set1_epi32(f32::NAN.to_bits() as i32));
+                _mm512_storeu_si512(dst.as_mut_ptr().add(b) as *mut __m512i, bits);
+                b += 16;
+            }
+            for (o, &v) in dst[b..].iter_mut().zip(&scales[r * nb + b..(r + 1) * nb]) {
+                *o = super::e8m0_half(v);
+            }
+        }
+        IntSrc::Affine8 { scales, .. } => {
+            let sp = (scales.as_ptr() as *const u16).add(r * (cols / AFFINE8_GROUP));
+            while b + 16 <= nb {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(b), groups16(sp.add(b / 2)));
+                b += 16;
+            }
+            let ng = cols / AFFINE8_GROUP;
+            for (bb, o) in dst.iter_mut().enumerate().skip(b) {
+                *o = bf16_at(scales, r * ng + bb * QBLOCK / AFFINE8_GROUP);
+            }
+        }
+        IntSrc::E8p { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
+    }
+}
+
+/// 8 bf16 group values at `p` as f32, each twice (16 blocks of 32 in 8 groups of 64).
+#[inline(always)]
+unsafe fn groups16(p: *const u16) -> __m512 {
+    let g = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+        16,
+    ));
+    let idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(g))
+}
+
+/// `IntSrc::bias_blocks` (affine-8) 16 blocks at a time: `128·s + b` in f32 (the product is
+/// exact, so this is the scalar code's value), scalar for the rest.
+///
+/// # Safety
+/// AVX-512 F; `src` holds row `r` of `cols`.
+#[inline(always)]
+pub(super) unsafe fn bias_blocks_avx512(src: &IntSrc, r: usize, cols: usize, dst: &mut [f32]) {
+    let IntSrc::Affine8 { scales, biases, .. } = *src else {
+        return;
+    };
+    let nb = cols / QBLOCK;
+    let ng = cols / AFFINE8_GROUP;
+    let sp = (scales.as_ptr() as *const u16).add(r * ng);
+    let bp = (biases.as_ptr() as *const u16).add(r * ng);
+    let mut b = 0;
+    while b + 16 <= nb {
+        let v = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_set1_ps(128.0), groups16(sp.add(b / 2))),
+            groups16(bp.add(b / 2)),
+        );
+        _mm512_storeu_ps(dst.as_mut_ptr().add(b), v);
+        b += 16;
+    }
+    for (bb, o) in dst[..nb].iter_mut().enumerate().skip(b) {
+        let g = r * ng + bb * QBLOCK / AFFINE8_GROUP;
+        *o = 128.0 * bf16_at(scales, g) + bf16_at(biases, g);
+    }
+}
+
 /// Prepare row `r`: the weight source and the block factors in `s.f`.
 #[inline(always)]
 unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row {
-    src.block_factors(r, cols, &mut s.f);
+    block_factors_avx512(src, r, cols, &mut s.f);
     match *src {
         IntSrc::Mxfp4 { packed, .. } => Row::Mx4(packed.as_ptr().add(r * cols / 2)),
         IntSrc::Affine8 { q, .. } => Row::U8(q.as_ptr().add(r * cols)),
@@ -195,7 +282,7 @@ unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld
     let nb = a.cols / QBLOCK;
     let mut bb = super::BIAS.with(|c| c.take());
     bb.resize(nb, 0.0);
-    src.bias_blocks(r, a.cols, &mut bb);
+    bias_blocks_avx512(src, r, a.cols, &mut bb);
     for i in 0..a.m {
         *out.add(i * ld + r) +=
             super::gemm_x86::bias_avx512(bb.as_ptr(), a.ds.as_ptr().add(i * nb), nb);
