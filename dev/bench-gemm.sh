@@ -8,12 +8,12 @@
 #
 # Usage: dev/bench-gemm.sh [THREADS] [OUT.jsonl]
 #   defaults: 1 thread, dev/evidence/prefill-gemm-vs-peak.jsonl
-#   env: MS='64 128 512' FORMATS=mxfp4,e8p,affine8,mxfp8,bf16 SHAPE=2304x5120 SECONDS=1
+#   env: MS='32 64 128 512' (32: the row kernels, the last M below the GEMM) FORMATS=mxfp4,e8p,affine8,mxfp8,bf16 SHAPE=2304x5120 SECONDS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS="${1:-1}"
 OUT="${2:-dev/evidence/prefill-gemm-vs-peak.jsonl}"
-MS="${MS:-64 128 512}"
+MS="${MS:-32 64 128 512}"
 FORMATS="${FORMATS:-mxfp4,e8p,affine8,mxfp8,bf16}"
 SHAPE="${SHAPE:-2304x5120}"
 SECONDS_PER="${SECONDS:-1}"
@@ -40,7 +40,12 @@ print(f"peak: f32 {f32:.1f} GFLOP/s, int8 {i8 and round(i8, 1)} GOP/s (best of {
 for r in rows:
     if r.get("bench") != "matmul":
         continue
-    integer = r["format"] in ("mxfp4", "e8p", "affine8") and r["kernels"] == "fast"
-    ref, name = (i8, "int8") if integer and i8 else (f32 if r["kernels"] == "exact" or r["format"] not in ("mxfp8", "bf16") else 2 * f32, "f32" if r["kernels"] == "exact" or r["format"] not in ("mxfp8", "bf16") else "bf16=2xf32")
+    fast = r["kernels"] == "fast"
+    if fast and r["format"] in ("mxfp4", "e8p", "affine8") and i8:
+        ref, name = i8, "int8"
+    elif fast and r["format"] in ("mxfp8", "bf16") and r.get("bf_level"):
+        ref, name = 2 * f32, "bf16 (2x f32)"
+    else:
+        ref, name = f32, "f32"
     print(f'{r["format"]:8} {r["kernels"]:5} M={r["m"]:4} {r["gflops"]:7.1f} GFLOP/s = {r["gflops"]/ref:6.1%} of the {name} peak')
 PY

@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{bh, decode32, finish, tables};
+use super::x86::{bh, chunk_scales_avx512, decode_row, finish, has_vbmi};
 use super::{Bf16Acts, BfSrc, CHUNK, GEMM_PANEL};
 
 /// Activation rows per register tile.
@@ -36,8 +36,33 @@ thread_local! {
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/BF16; `out` as in [`super::rows_at`]; `src` checked for the shape.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
 pub(super) unsafe fn gemm_bf16(
+    src: &BfSrc,
+    a: &Bf16Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    if has_vbmi() {
+        gemm_vbmi(src, a, r0, r1, out, ld)
+    } else {
+        gemm_plain(src, a, r0, r1, out, ld)
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi,avx2,fma")]
+unsafe fn gemm_vbmi(src: &BfSrc, a: &Bf16Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    gemm_impl::<true>(src, a, r0, r1, out, ld)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn gemm_plain(src: &BfSrc, a: &Bf16Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
+    gemm_impl::<false>(src, a, r0, r1, out, ld)
+}
+
+#[inline(always)]
+unsafe fn gemm_impl<const VBMI: bool>(
     src: &BfSrc,
     a: &Bf16Acts,
     r0: usize,
@@ -47,7 +72,6 @@ pub(super) unsafe fn gemm_bf16(
 ) {
     let cols = a.cols;
     let nc = cols / CHUNK;
-    let t = tables();
     let mut p = PANEL.with(|c| c.take());
     p.w.resize(GEMM_PANEL * cols, 0);
     p.s.resize(GEMM_PANEL * nc, 0.0);
@@ -61,16 +85,12 @@ pub(super) unsafe fn gemm_bf16(
             wp[k] = match *src {
                 BfSrc::Bf16(b) => b.as_ptr().add(2 * r * cols) as *const u16,
                 BfSrc::Mxfp8 { q, .. } | BfSrc::Fp8Block { q, .. } => {
-                    let qp = q.as_ptr().add(r * cols);
                     let dst = p.w.as_mut_ptr().add(k * cols);
-                    for c in 0..nc {
-                        let v = decode32(&t, qp.add(CHUNK * c));
-                        _mm512_storeu_si512(dst.add(CHUNK * c) as *mut __m512i, v);
-                    }
+                    decode_row::<VBMI>(q.as_ptr().add(r * cols), nc, dst);
                     dst
                 }
             };
-            scaled = src.chunk_scales(r, cols, &mut p.s[k * nc..(k + 1) * nc]);
+            scaled = chunk_scales_avx512(src, r, cols, &mut p.s[k * nc..(k + 1) * nc]);
         }
         let mut i = 0;
         while i < a.m {

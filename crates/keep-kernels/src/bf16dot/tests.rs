@@ -365,3 +365,38 @@ fn unsupported_shapes_and_bad_lengths() {
     assert!(bf_matmul_at(BfLevel::Scalar, &src, 64, &a, &mut [0.0; 64]).is_err());
     assert!(Bf16Acts::round(&[0.0; 10], 1, 64).is_err());
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vector_decoders_and_scales_equal_the_tables_on_every_code() {
+    if !crate::cpu::has_avx512_bf16() || !x86::has_vbmi() {
+        return;
+    }
+    // Every code at every byte position of a 64-byte group, and an odd chunk count (the last
+    // chunk through the 32-wide decoder).
+    let nc = 2 * 256 + 1;
+    let q: Vec<u8> = (0..nc * CHUNK)
+        .map(|k| ((k * 7 + k / 64) % 256) as u8)
+        .collect();
+    let want: Vec<u16> = q.iter().map(|&b| E4M3_BF16[b as usize]).collect();
+    for vbmi in [false, true] {
+        let mut got = vec![0u16; nc * CHUNK];
+        // SAFETY: the CPU has AVX-512 BF16 and VBMI (checked above); sizes match.
+        unsafe { x86::decode_row_test(vbmi, q.as_ptr(), nc, got.as_mut_ptr()) };
+        assert_eq!(got, want, "vbmi={vbmi}");
+    }
+    // E8M0 chunk scales: every byte, 16 at a time and in the tail.
+    let scales: Vec<u8> = (0..nc).map(|c| (c % 256) as u8).collect();
+    let src = BfSrc::Mxfp8 {
+        q: &q,
+        scales: &scales,
+    };
+    let (mut a, mut b) = (vec![0f32; nc], vec![0f32; nc]);
+    assert!(src.chunk_scales(0, nc * CHUNK, &mut a));
+    // SAFETY: as above.
+    assert!(unsafe { x86::chunk_scales_test(&src, 0, nc * CHUNK, &mut b) });
+    assert!(a
+        .iter()
+        .zip(&b)
+        .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
+}
