@@ -1,10 +1,11 @@
 //! Integer dot products ("fast" kernels): each activation row is quantized once per call to
 //! int8 blocks of 32 with one f32 scale per block ([`Q8Acts`]), each packed weight is decoded
 //! to small integers (never to f32), and the two are multiplied as int8 × int8 with exact i32
-//! sums, as llama.cpp's CPU backend does (`maddubs` on AVX2, `vpdpbusd` on AVX-512 VNNI). Only
-//! the per-block sums meet floating point. This is an approximation of the exact product (the
-//! activation rounding, about 2^-8 of a block's largest value); its cost is measured by
-//! `keep eval --kernels fast`, not assumed.
+//! sums, as llama.cpp's CPU backend does (`maddubs` on AVX2, `vpdpbusd` on AVX-512 VNNI,
+//! `sdot` on aarch64 with the dot-product extension). Only the per-block sums meet floating
+//! point. This is an approximation of the exact product (the activation rounding, about 2^-8
+//! of a block's largest value); its cost is measured by `keep eval --kernels fast`, not
+//! assumed.
 //!
 //! Formats ([`IntSrc`]) and their integer weights:
 //! - MXFP4 (packed E2M1 + E8M0 per 32): `2·e2m1` is an integer in [−12, 12]; the block's

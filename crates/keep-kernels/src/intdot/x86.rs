@@ -8,7 +8,10 @@
 //!
 //! MXFP4 weights are decoded in registers (nibbles widened to 16 bits, then a 16-entry
 //! `vpshufb` table); E8P rows are first looked up into an int8 row buffer (one table load per
-//! code), which then serves every input row.
+//! code), which then serves every input row; affine-8 bytes are read as stored (`q − 128` is
+//! one xor in registers, and VNNI multiplies `q` itself as unsigned bytes from the
+//! activations' `−128·Σx`). Row factors (E8M0, bf16 scales, `128·s + b`) are computed 16
+//! blocks at a time.
 #![allow(clippy::incompatible_msrv)]
 // Indexed loops mirror the contract's lane and accumulator numbering.
 #![allow(clippy::needless_range_loop)]
