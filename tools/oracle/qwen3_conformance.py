@@ -20,6 +20,10 @@ nats per position, routed experts equal on >= 99.9% of (token, MoE layer) pairs;
 reference's 16 greedy tokens (mlx-lm's prompt cache) equal keep's argmax when keep decodes the
 prompt and those tokens one at a time with its cache (`keep logits --decode`); keep's decode
 logits equal its prefill logits bit for bit.
+Then the pipeline: `keep synth --family qwen3_moe --preset qwen3-tiny --format fp8` (bf16
+power-of-two block scales), `keep repack --resident-format mxfp8` of it (compared with the
+reference on its source: the repack is lossless), and a checkpoint calibrated, selected (REAP,
+8 of 16 experts) and pruned by keep, which mlx-lm then loads.
 Prints PASS/FAIL lines; exit 1 on any failure.
 """
 import argparse
@@ -79,12 +83,14 @@ def synth(tmp, tag, cfg, seed, layout):
     return d
 
 
-def case(keep, d, tag, seed, n_tokens, tmp):
+def case(keep, d, tag, seed, n_tokens, tmp, ref_dir=None):
+    """keep on `d` against the reference on `ref_dir` (default `d`: the same checkpoint; a
+    lossless repack is compared with the reference on its source)."""
     vocab = json.loads((d / "config.json").read_text())["vocab_size"]
     toks = np.random.default_rng(seed).integers(0, vocab, n_tokens)
     t = ",".join(map(str, toks))
     ref, mine = tmp / f"{tag}-ref.safetensors", tmp / f"{tag}-keep.safetensors"
-    run([PY, REF, "ref", d, "--tokens", t, "--out", ref, "--routes", "--greedy", "16"])
+    run([PY, REF, "ref", ref_dir or d, "--tokens", t, "--out", ref, "--routes", "--greedy", "16"])
     run([keep, "logits", d, "--tokens", t, "--out", mine, "--routes"])
     r, k = load_file(str(ref)), load_file(str(mine))
     c = compare(r, k)
@@ -110,6 +116,34 @@ def case(keep, d, tag, seed, n_tokens, tmp):
     return c
 
 
+def pruned_case(keep, tmp):
+    """Calibrate a Qwen3-MoE checkpoint on a pack of this repository's docs (keep-tiny's
+    tokenizer, so a 4096-token vocabulary), select 8 of 16 experts per MoE layer by REAP, prune;
+    the pruned checkpoint (router rows sliced, experts renumbered, num_experts 8) is then
+    compared with mlx-lm loading it."""
+    cfg = json.loads(json.dumps(ODD))
+    cfg.update({"vocab_size": 4096, "num_experts": 16, "num_experts_per_tok": 4,
+                "num_hidden_layers": 3, "mlp_only_layers": [1]})
+    c = tmp / "prune-src.json"
+    c.write_text(json.dumps(cfg))
+    d = tmp / "prune-src"
+    run([keep, "synth", "--config", c, "--out", d, "--seed", "6"])
+    pack, calib = tmp / "prune-pack", tmp / "prune-run"
+    run([keep, "pack", "--from", ROOT / "ARCHITECTURE.md", "--tokenizer",
+         ROOT / "models/keep-tiny/tokenizer.json", "--out", pack, "--max-tokens", "256",
+         "--held-out-frac", "0"])
+    run([keep, "calibrate", d, "--pack", pack, "--out", calib])
+    run([keep, "finalize", calib])
+    plan, pruned = tmp / "prune-plan.json", tmp / "pruned"
+    run([keep, "select", calib, "--keep", "8", "--out", plan, "--no-plot"])
+    run([keep, "prune", d, pruned, "--plan", plan])
+    run([keep, "verify", pruned])
+    pc = json.loads((pruned / "config.json").read_text())
+    check("qwen3 pruned: the pruned checkpoint has num_experts 8", pc["num_experts"] == 8,
+          str(pc["num_experts"]))
+    return (pruned, "pruned-reap-8-of-16", 150)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", default=str(ROOT / "target/release/keep"))
@@ -125,8 +159,17 @@ def main():
             (synth(tmp, "odd-fp8", ODD, 3, "fp8"), "odd-fp8", 150),
             (synth(tmp, "odd-fp8-f32", TIED_STEP2, 4, "fp8-f32"), "odd-fp8-f32-tied-step2", 150),
         ]
-        for i, (d, tag, n) in enumerate(cases):
-            results[tag] = case(keep, d, tag, 100 + i, n, tmp)
+        # keep synth's own Qwen3-MoE checkpoints (FP8 with bf16 power-of-two block scales),
+        # read by mlx-lm through the oracle's FP8 decode; the FP8 one repacked to MXFP8.
+        d = tmp / "synth-fp8"
+        run([keep, "synth", "--family", "qwen3_moe", "--preset", "qwen3-tiny", "--format", "fp8",
+             "--out", d, "--seed", "5"])
+        cases.append((d, "keep-synth-qwen3-tiny-fp8", 150))
+        run([keep, "repack", d, tmp / "synth-mx", "--resident-format", "mxfp8", "--verify"])
+        cases.append((tmp / "synth-mx", "keep-synth-qwen3-tiny-fp8-repacked-mxfp8", 150, d))
+        cases.append(pruned_case(keep, tmp))
+        for i, (d, tag, n, *ref_dir) in enumerate(cases):
+            results[tag] = case(keep, d, tag, 100 + i, n, tmp, *ref_dir)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     print(f"qwen3 conformance: {len(FAILS)} failed")

@@ -122,6 +122,7 @@ def fp8_blocks(w, scale_dtype):
 
 def fp8_decode(q, scale):
     w = q.astype(np.float32)
+    scale = scale.astype(np.float32)
     r, c = w.shape
     s = np.repeat(np.repeat(scale, BLOCK, 0), BLOCK, 1)[:r, :c]
     return w * s

@@ -264,7 +264,9 @@ pub fn parse(name: &str) -> TensorName {
 
 fn layer_role(rest: &str) -> Role {
     match rest {
-        "input_layernorm" | "post_attention_layernorm" | "self_attn.q_norm"
+        "input_layernorm"
+        | "post_attention_layernorm"
+        | "self_attn.q_norm"
         | "self_attn.k_norm" => return Role::Norm,
         "mlp.gate" => return Role::RouterWeight,
         _ => {}
@@ -295,13 +297,13 @@ fn layer_role(rest: &str) -> Role {
 pub fn model_problems(ck: &Checkpoint, cfg: &Qwen3MoeConfig) -> Vec<String> {
     use crate::layout::{vector_problem, weight_as, MAX_PROBLEMS};
     let mut out = vec![];
-    let hint = cfg
-        .quantization_config
-        .as_ref()
-        .and_then(|q| match q.weight_block_size.as_deref() {
-            Some([r, c]) => Some((*r, *c)),
-            _ => None,
-        });
+    let hint =
+        cfg.quantization_config
+            .as_ref()
+            .and_then(|q| match q.weight_block_size.as_deref() {
+                Some([r, c]) => Some((*r, *c)),
+                _ => None,
+            });
     let (d, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim);
     let mat = |out: &mut Vec<String>, base: &str, r: usize, c: usize| {
         if let Err(e) = weight_as(ck, base, r, c, hint) {
@@ -385,7 +387,10 @@ mod tests {
         assert_eq!(c.model_type, MODEL_TYPE);
         assert_eq!((c.n_routed_experts, c.num_experts_per_tok), (8, 2));
         assert_eq!((c.hidden_size, c.moe_intermediate_size), (64, 32));
-        assert_eq!((c.scoring_func.as_str(), c.n_shared_experts), ("softmax", 0));
+        assert_eq!(
+            (c.scoring_func.as_str(), c.n_shared_experts),
+            ("softmax", 0)
+        );
         assert!(c.validate().is_ok());
         assert!(q.is_moe_layer(0) && !q.is_moe_layer(1) && q.is_moe_layer(2));
         // Nested under `text_config` as some exports write it.
@@ -453,11 +458,19 @@ mod tests {
                 Scope::Layer(1),
                 Role::SharedExpert(ExpertMat::W2),
             ),
-            ("model.layers.1.mlp.bogus.weight", Scope::Layer(1), Role::Unknown),
+            (
+                "model.layers.1.mlp.bogus.weight",
+                Scope::Layer(1),
+                Role::Unknown,
+            ),
         ];
         for (name, scope, role) in cases {
             let n = parse(name);
-            assert_eq!((n.scope, &n.role, n.part), (scope, &role, Part::Weight), "{name}");
+            assert_eq!(
+                (n.scope, &n.role, n.part),
+                (scope, &role, Part::Weight),
+                "{name}"
+            );
         }
         let s = parse("model.layers.2.mlp.experts.5.gate_proj.weight_scale_inv");
         assert_eq!(s.part, Part::Scale);

@@ -176,7 +176,9 @@ pub fn prune(
             .survivors(l)
             .map_or(cfg.n_routed_experts, <[usize]>::len);
         per_layer.push(n);
-        if !hash_layers.contains(&l) {
+        // A Qwen3-MoE dense layer has no routed experts to count.
+        let dense = cfg.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));
+        if !hash_layers.contains(&l) && !dense {
             counts.insert(n);
         }
     }
@@ -362,7 +364,7 @@ pub fn prune(
         None => "n_routed_experts",
     };
     let mut edits = vec![(experts_key, json!(e_after))];
-    if per_layer.iter().any(|&n| n != e_after) {
+    if cfg.qwen3.is_none() && per_layer.iter().any(|&n| n != e_after) {
         edits.push(("n_routed_experts_per_layer", json!(per_layer)));
     }
     let raw = cfg.raw_with(&edits);

@@ -539,7 +539,14 @@ pub(crate) fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
 }
 
 /// Draw `n` values mean + std·N(0,1) from a chunk's own generator.
-pub(crate) fn normals(seed: u64, name: &str, chunk: u64, n: usize, mean: f32, std: f32) -> Vec<f32> {
+pub(crate) fn normals(
+    seed: u64,
+    name: &str,
+    chunk: u64,
+    n: usize,
+    mean: f32,
+    std: f32,
+) -> Vec<f32> {
     let mut rng = keep_rng::rng(seed_for(seed, name, chunk));
     (0..n)
         .map(|_| {

@@ -248,7 +248,17 @@ impl ModelConfig {
         } else {
             0
         };
-        streams + qwen3 + hc_mix + attn + comp + index + moe + engram + kernels + head + SMALL_BUFFERS
+        streams
+            + qwen3
+            + hc_mix
+            + attn
+            + comp
+            + index
+            + moe
+            + engram
+            + kernels
+            + head
+            + SMALL_BUFFERS
     }
 
     /// The cache and activations of a run of `context` tokens at this config's chunk size.

@@ -104,12 +104,14 @@ pub fn rope_halves(x: &mut [f32], inv_freq: &[f32], pos: usize) {
     }
 }
 
-/// Name of the linear whose input an observer is told, within the layer (Hugging Face's names).
+/// Name of a routed expert's linear whose input an observer is told: keep's role names (as
+/// every family reports them: calibration keys its importance matrix and its REAP cross-check
+/// on `ffn.experts.{e}.w1` …), not the checkpoint's.
 fn mat_label(mat: ExpertMat) -> &'static str {
     match mat {
-        ExpertMat::W1 => "mlp.experts.gate_proj",
-        ExpertMat::W2 => "mlp.experts.down_proj",
-        ExpertMat::W3 => "mlp.experts.up_proj",
+        ExpertMat::W1 => "ffn.experts.w1",
+        ExpertMat::W2 => "ffn.experts.w2",
+        ExpertMat::W3 => "ffn.experts.w3",
     }
 }
 
@@ -262,7 +264,9 @@ impl<'a> Qwen3Layer<'a> {
             let visible = start_pos + i + 1;
             for head in 0..h {
                 let g = head / group;
-                for (a, b) in qs.iter_mut().zip(&q[(i * h + head) * hd..(i * h + head + 1) * hd])
+                for (a, b) in qs
+                    .iter_mut()
+                    .zip(&q[(i * h + head) * hd..(i * h + head + 1) * hd])
                 {
                     *a = b * scale;
                 }
@@ -300,7 +304,7 @@ impl<'a> Qwen3Layer<'a> {
     ) -> Result<Vec<f32>> {
         let l = self.layer;
         let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
-        let mut logits = lin(x, t, gate, obs, l, "mlp.gate", None)?;
+        let mut logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];
         let mut scores = vec![0f32; t * e];
@@ -366,8 +370,24 @@ impl<'a> Qwen3Layer<'a> {
                 .collect();
             for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
                 let m = by_expert[j].len();
-                note_input(obs, l, mat_label(ExpertMat::W1), Some(j), xin, m, ew.w1.cols);
-                note_input(obs, l, mat_label(ExpertMat::W3), Some(j), xin, m, ew.w3.cols);
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W1),
+                    Some(j),
+                    xin,
+                    m,
+                    ew.w1.cols,
+                );
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W3),
+                    Some(j),
+                    xin,
+                    m,
+                    ew.w3.cols,
+                );
             }
             let mut gs: Vec<Vec<f32>> = chunk
                 .iter()
@@ -396,7 +416,15 @@ impl<'a> Qwen3Layer<'a> {
                 .collect();
             for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
                 let m = by_expert[j].len();
-                note_input(obs, l, mat_label(ExpertMat::W2), Some(j), act, m, ew.w2.cols);
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W2),
+                    Some(j),
+                    act,
+                    m,
+                    ew.w2.cols,
+                );
             }
             let mut outs: Vec<Vec<f32>> = chunk
                 .iter()

@@ -26,7 +26,9 @@ const MIN_ROUTES: f64 = 1.0;
 const WEIGHT_SUM_TOL: f32 = 1e-6;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
 }
 
 struct Tensors(HashMap<String, (Vec<usize>, Vec<u8>)>);
@@ -187,7 +189,12 @@ fn chunked_prefill_equals_one_pass_and_masks_remove_experts() {
     model.set_router_mask(0, Some(mask)).unwrap();
     let mut rec = RouteRecorder::default();
     model
-        .forward(&tokens, &mut model.new_cache(), Logits::Last, Some(&mut rec))
+        .forward(
+            &tokens,
+            &mut model.new_cache(),
+            Logits::Last,
+            Some(&mut rec),
+        )
         .unwrap();
     for ((_, _, ex), ws) in rec.calls.iter().zip(&rec.weights) {
         assert!(ex.iter().all(|&e| e >= 3));

@@ -95,11 +95,11 @@ fn run_qwen3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
         }
     }
     if let Some(bytes) = a.experts_bytes {
-        let cfg = Qwen3MoeConfig::from_value(raw.clone())?;
+        let cfg = Qwen3MoeConfig::from_value(raw.clone()).map_err(anyhow::Error::msg)?;
         let n = experts_for_bytes(&cfg, format, bytes);
         raw["num_experts"] = n.into();
     }
-    let cfg = Qwen3MoeConfig::from_value(raw.clone())?;
+    let cfg = Qwen3MoeConfig::from_value(raw.clone()).map_err(anyhow::Error::msg)?;
     let opts = QwenSynthOptions {
         seed: a.seed,
         format,
