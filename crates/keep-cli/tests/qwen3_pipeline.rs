@@ -25,7 +25,7 @@ fn stdout(c: &mut Command) -> String {
 }
 
 const CONFIG: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
-  "hidden_size":96,"num_hidden_layers":3,"intermediate_size":80,"num_attention_heads":4,
+  "hidden_size":96,"num_hidden_layers":3,"intermediate_size":96,"num_attention_heads":4,
   "num_key_value_heads":2,"head_dim":24,"num_experts":16,"num_experts_per_tok":4,
   "moe_intermediate_size":40,"decoder_sparse_step":1,"mlp_only_layers":[1],"rms_norm_eps":1e-6,
   "vocab_size":4096,"rope_theta":1000000.0,"tie_word_embeddings":false,
