@@ -543,7 +543,7 @@ mod tests {
         let w = t("a.weight", Dtype::F8_E4M3, &[64, 256], &b);
         for (s, why) in [
             (t("a.scale", Dtype::U8, &[64, 8], &b), "U8"),
-            (t("a.scale", Dtype::BF16, &[64, 8], &b), "BF16"),
+            (t("a.scale", Dtype::F16, &[64, 8], &b), "F16"),
             (t("a.scale", Dtype::F8_E8M0, &[3, 5], &b), "3x5 scale grid"),
             (t("a.scale", Dtype::F8_E8M0, &[512], &b), "not [rows"),
         ] {

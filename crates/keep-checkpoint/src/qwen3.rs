@@ -409,10 +409,14 @@ mod tests {
             ("mlp_only_layers", serde_json::json!([3]), "mlp_only_layers"),
             ("decoder_sparse_step", Value::from(0), "decoder_sparse_step"),
             ("rms_norm_eps", Value::from(-1.0), "rms_norm_eps"),
-            ("num_experts", Value::Null, "num_experts"),
+            ("num_experts", Value::Null, "missing field `num_experts`"),
         ] {
             let mut v = tiny.clone();
-            v[key] = val;
+            if val.is_null() {
+                v.as_object_mut().unwrap().remove(key);
+            } else {
+                v[key] = val;
+            }
             let e = DeepSeekConfig::from_json(Path::new("config.json"), &v.to_string())
                 .unwrap_err()
                 .to_string();
