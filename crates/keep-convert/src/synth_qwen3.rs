@@ -209,7 +209,7 @@ fn metas(plan: &[Planned]) -> Vec<TensorMeta> {
         };
         if t.fp8 {
             out.push(TensorMeta::new(&t.name, Dtype::F8_E4M3, &shape));
-            out.push(TensorMeta::new(&scale_name(&t.name), Dtype::BF16, &grid(t)));
+            out.push(TensorMeta::new(scale_name(&t.name), Dtype::BF16, &grid(t)));
         } else {
             out.push(TensorMeta::new(&t.name, Dtype::BF16, &shape));
         }
