@@ -17,6 +17,8 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
   model      (when tools/oracle/model_conformance.py exists) keep's forward against mlx-lm
   model-v4   keep's DeepSeek-V4 / V4-Flash forward against transformers' DeepseekV4ForCausalLM
              (tools/oracle/v4flash_conformance.py)
+  model-qwen3  keep's Qwen3-MoE forward, pipeline and synth against mlx-lm's qwen3_moe
+             (tools/oracle/qwen3_conformance.py)
   fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
 """
 import argparse
@@ -235,6 +237,13 @@ def section_model_v4(args):
           r.returncode == 0)
 
 
+def section_model_qwen3(args):
+    script = ROOT / "tools/oracle/qwen3_conformance.py"
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("model-qwen3: keep's Qwen3-MoE forward agrees with mlx-lm (qwen3_conformance.py)",
+          r.returncode == 0)
+
+
 def section_fixtures(args):
     script = ROOT / "tools/oracle/make_fixtures.py"
     fixtures = ROOT / "fixtures/keep-tiny"
@@ -248,7 +257,7 @@ def section_fixtures(args):
 
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
             "model": section_model, "model-v4": section_model_v4,
-            "fixtures": section_fixtures}
+            "model-qwen3": section_model_qwen3, "fixtures": section_fixtures}
 
 
 def main():

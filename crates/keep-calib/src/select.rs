@@ -362,7 +362,12 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
                 max_abs_f: per_layer_abs[l][e],
             });
         }
-        let (surv, freq, j) = if hash {
+        // A layer no token was routed through (a dense layer of a family that has them, e.g.
+        // Qwen3-MoE's `mlp_only_layers`) has nothing to select: it is left whole.
+        let unrouted = !hash && r.count.iter().all(|&c| c == 0);
+        let (surv, freq, j) = if unrouted {
+            (None, None, None)
+        } else if hash {
             match opts.hash_remap {
                 None => (None, None, None),
                 Some(_) => {

@@ -200,6 +200,10 @@ pub struct DeepSeekConfig {
     pub num_nextn_predict_layers: usize,
     #[serde(default)]
     pub quantization_config: Option<QuantizationConfig>,
+    /// A Qwen3-MoE checkpoint's own config (`model_type` `qwen3_moe`): this struct is then its
+    /// role view (`crate::qwen3::Qwen3MoeConfig::role_view`).
+    #[serde(skip)]
+    pub qwen3: Option<crate::qwen3::Qwen3MoeConfig>,
     /// The file as read (after `text_config` flattening is *not* applied), for writers.
     #[serde(skip)]
     pub raw: Value,
@@ -233,6 +237,11 @@ impl DeepSeekConfig {
             }
             _ => raw.clone(),
         };
+        // Another family's config is read by its own module and described in keep's roles.
+        if flat.get("model_type").and_then(Value::as_str) == Some(crate::qwen3::MODEL_TYPE) {
+            let q = crate::qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
+            return Ok(q.role_view(raw));
+        }
         let mut cfg: DeepSeekConfig =
             serde_json::from_value(flat).map_err(|e| cerr(format!("unexpected value: {e}")))?;
         cfg.raw = raw;
@@ -251,6 +260,16 @@ impl DeepSeekConfig {
     /// and internal consistency that does not need the tensors. Bounds are far above any
     /// published model and far below what would make an allocation or a loop run away.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.model_type == crate::qwen3::MODEL_TYPE {
+            // The role view of a Qwen3-MoE config: the family's own validation.
+            return match &self.qwen3 {
+                Some(q) => q.validate(),
+                None => Err(format!(
+                    "model_type `{}` without its family config",
+                    self.model_type
+                )),
+            };
+        }
         if !MODEL_TYPES.contains(&self.model_type.as_str()) {
             return Err(format!(
                 "model_type `{}` is not a DeepSeek V4 model ({})",

@@ -35,6 +35,8 @@ pub enum ScaleDtype {
     E8m0,
     /// `F32` multipliers (V4-Flash-Base's powers of two, or V3's `scale_inv`).
     F32,
+    /// `BF16` multipliers (Qwen3's FP8 `weight_scale_inv`).
+    Bf16,
 }
 
 impl ScaleDtype {
@@ -43,6 +45,7 @@ impl ScaleDtype {
         match self {
             ScaleDtype::E8m0 => "e8m0",
             ScaleDtype::F32 => "f32",
+            ScaleDtype::Bf16 => "bf16",
         }
     }
 }
@@ -170,6 +173,7 @@ pub fn classify<'a>(
     let scale_dtype = match s.dtype {
         Dtype::F8_E8M0 => ScaleDtype::E8m0,
         Dtype::F32 => ScaleDtype::F32,
+        Dtype::BF16 => ScaleDtype::Bf16,
         Dtype::U8 => {
             return Err(format!(
                 "its scale `{}` has dtype U8, which does not say what the bytes are: \
@@ -179,7 +183,7 @@ pub fn classify<'a>(
         }
         d => {
             return Err(format!(
-                "its scale `{}` has dtype {d}; block scales are F8_E8M0 or F32",
+                "its scale `{}` has dtype {d}; block scales are F8_E8M0, F32 or BF16",
                 s.name
             ))
         }
@@ -294,7 +298,7 @@ pub fn weight_as<'a>(
 }
 
 /// A vector the model reads whole: present, F32 or BF16, `len` values.
-fn vector_problem(ck: &Checkpoint, name: &str, len: usize) -> Option<String> {
+pub(crate) fn vector_problem(ck: &Checkpoint, name: &str, len: usize) -> Option<String> {
     match ck.get(name) {
         None => Some(format!("tensor `{name}` is missing")),
         Some(t) if !matches!(t.dtype, Dtype::F32 | Dtype::BF16) => Some(format!(
@@ -343,6 +347,9 @@ pub const MAX_PROBLEMS: usize = 64;
 /// projections and the norms. Only names, dtypes and shapes are read. `keep inspect` reports
 /// these and the model's loader refuses a checkpoint that has any, so the two always agree.
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
+    if let Some(q) = &cfg.qwen3 {
+        return crate::qwen3::model_problems(ck, q);
+    }
     let mut out = vec![];
     let hint = cfg.weight_block_size();
     let (d, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -536,7 +543,7 @@ mod tests {
         let w = t("a.weight", Dtype::F8_E4M3, &[64, 256], &b);
         for (s, why) in [
             (t("a.scale", Dtype::U8, &[64, 8], &b), "U8"),
-            (t("a.scale", Dtype::BF16, &[64, 8], &b), "BF16"),
+            (t("a.scale", Dtype::F16, &[64, 8], &b), "F16"),
             (t("a.scale", Dtype::F8_E8M0, &[3, 5], &b), "3x5 scale grid"),
             (t("a.scale", Dtype::F8_E8M0, &[512], &b), "not [rows"),
         ] {

@@ -25,6 +25,7 @@ pub mod fuzzing;
 pub mod index;
 pub mod layout;
 pub mod naming;
+pub mod qwen3;
 pub mod safetensors;
 pub mod small_file;
 pub mod sums;

@@ -138,8 +138,14 @@ impl TensorName {
     }
 }
 
-/// Parse any tensor name (never fails: unrecognised names get [`Role::Unknown`]).
+/// Parse any tensor name, DeepSeek's or (under `model.` / `lm_head.`) a Qwen3-MoE
+/// checkpoint's through [`crate::qwen3::parse`] (never fails: unrecognised names get [`Role::Unknown`]).
 pub fn parse(name: &str) -> TensorName {
+    // Hugging Face's `model.`-rooted tree (Qwen3-MoE) is its family module's to name; DeepSeek's
+    // own names never start so.
+    if name.starts_with("model.") || name.starts_with("lm_head.") {
+        return crate::qwen3::parse(name);
+    }
     let part = if name.ends_with(".weight") {
         Part::Weight
     } else if name.ends_with(".scale") || name.ends_with(".weight_scale_inv") {

@@ -299,7 +299,8 @@ pub fn inspect(ck: &Checkpoint) -> Report {
             ));
         }
         for l in 0..c.num_hidden_layers {
-            if !experts.contains_key(&Scope::Layer(l)) && c.n_routed_experts > 0 {
+            let dense = c.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));
+            if !experts.contains_key(&Scope::Layer(l)) && c.n_routed_experts > 0 && !dense {
                 problems.push(format!("layer {l} has no routed experts"));
             }
         }

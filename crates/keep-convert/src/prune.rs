@@ -176,7 +176,9 @@ pub fn prune(
             .survivors(l)
             .map_or(cfg.n_routed_experts, <[usize]>::len);
         per_layer.push(n);
-        if !hash_layers.contains(&l) {
+        // A Qwen3-MoE dense layer has no routed experts to count.
+        let dense = cfg.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));
+        if !hash_layers.contains(&l) && !dense {
             counts.insert(n);
         }
     }
@@ -235,11 +237,17 @@ pub fn prune(
         match (&n.role, surv) {
             (Role::RoutedExpert { expert, .. }, Some(s)) => match s.binary_search(expert) {
                 Ok(new) => {
-                    let prefix = format!("{}ffn.experts.{expert}.", naming::scope_prefix(n.scope));
+                    // The family's expert tree: DeepSeek's `layers.N.ffn.experts.`, Qwen3-MoE's
+                    // `model.layers.N.mlp.experts.`.
+                    let experts = match cfg.qwen3 {
+                        Some(_) => format!("model.{}mlp.experts.", naming::scope_prefix(n.scope)),
+                        None => format!("{}ffn.experts.", naming::scope_prefix(n.scope)),
+                    };
+                    let prefix = format!("{experts}{expert}.");
                     let rest = t.name.strip_prefix(&prefix).ok_or_else(|| {
                         ConvertError::Invalid(format!("unexpected expert tensor name `{}`", t.name))
                     })?;
-                    let name = format!("{}ffn.experts.{new}.{rest}", naming::scope_prefix(n.scope));
+                    let name = format!("{experts}{new}.{rest}");
                     id_map
                         .entry(scope_label(n.scope))
                         .or_default()
@@ -351,8 +359,12 @@ pub fn prune(
         }
         progress(done, total);
     }
-    let mut edits = vec![("n_routed_experts", json!(e_after))];
-    if per_layer.iter().any(|&n| n != e_after) {
+    let experts_key = match cfg.qwen3 {
+        Some(_) => keep_checkpoint::qwen3::Qwen3MoeConfig::EXPERTS_KEY,
+        None => "n_routed_experts",
+    };
+    let mut edits = vec![(experts_key, json!(e_after))];
+    if cfg.qwen3.is_none() && per_layer.iter().any(|&n| n != e_after) {
         edits.push(("n_routed_experts_per_layer", json!(per_layer)));
     }
     let raw = cfg.raw_with(&edits);

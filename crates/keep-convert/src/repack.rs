@@ -105,6 +105,14 @@ fn scales_of<'b>(kind: ScaleKind, bytes: &'b [u8], buf: &'b mut Vec<f32>) -> Blo
             *buf = f32s(bytes);
             BlockScales::F32ScaleInv(buf)
         }
+        ScaleKind::Bf16Pow2 => {
+            *buf = f32s(&crate::resident::bf16_scales_as_f32(bytes));
+            BlockScales::F32Pow2(buf)
+        }
+        ScaleKind::Bf16ScaleInv => {
+            *buf = f32s(&crate::resident::bf16_scales_as_f32(bytes));
+            BlockScales::F32ScaleInv(buf)
+        }
     }
 }
 

@@ -19,6 +19,10 @@ pub enum ScaleKind {
     F32Pow2,
     /// float32 multipliers that are not all powers of two (V3 `scale_inv`).
     F32ScaleInv,
+    /// bfloat16 values that are all exact powers of two.
+    Bf16Pow2,
+    /// bfloat16 multipliers that are not all powers of two (Qwen's FP8 `weight_scale_inv`).
+    Bf16ScaleInv,
 }
 
 impl ScaleKind {
@@ -28,6 +32,8 @@ impl ScaleKind {
             ScaleKind::E8m0 => "e8m0",
             ScaleKind::F32Pow2 => "f32-pow2",
             ScaleKind::F32ScaleInv => "f32-scale-inv",
+            ScaleKind::Bf16Pow2 => "bf16-pow2",
+            ScaleKind::Bf16ScaleInv => "bf16-scale-inv",
         }
     }
 }
@@ -60,8 +66,27 @@ pub fn scale_kind(l: &WeightLayout) -> Option<ScaleKind> {
         } else {
             ScaleKind::F32ScaleInv
         }),
+        (
+            Layout::Fp8Block {
+                scale: ScaleDtype::Bf16,
+                ..
+            },
+            Some(s),
+        ) => Some(if f32_scales_are_pow2(&bf16_scales_as_f32(s.bytes)) {
+            ScaleKind::Bf16Pow2
+        } else {
+            ScaleKind::Bf16ScaleInv
+        }),
         _ => None,
     }
+}
+
+/// bfloat16 scale bytes widened to float32 bytes (exact).
+pub fn bf16_scales_as_f32(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(2)
+        .flat_map(|c| [0, 0, c[0], c[1]])
+        .collect()
 }
 
 /// Report label of a layout with its scale kind (`"fp8-block 128x128 f32-pow2"`, `"mxfp8"`).

@@ -528,7 +528,7 @@ fn scale_name(weight: &str) -> String {
     format!("{}.scale", weight.strip_suffix(".weight").unwrap_or(weight))
 }
 
-fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
+pub(crate) fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
     // FNV-1a over the name, mixed with the run seed and the chunk index.
     let mut h: u64 = 0xcbf29ce484222325 ^ seed.wrapping_mul(0x9E3779B97F4A7C15);
     for b in name.bytes().chain(chunk.to_le_bytes()) {
@@ -539,7 +539,14 @@ fn seed_for(seed: u64, name: &str, chunk: u64) -> u64 {
 }
 
 /// Draw `n` values mean + std·N(0,1) from a chunk's own generator.
-fn normals(seed: u64, name: &str, chunk: u64, n: usize, mean: f32, std: f32) -> Vec<f32> {
+pub(crate) fn normals(
+    seed: u64,
+    name: &str,
+    chunk: u64,
+    n: usize,
+    mean: f32,
+    std: f32,
+) -> Vec<f32> {
     let mut rng = keep_rng::rng(seed_for(seed, name, chunk));
     (0..n)
         .map(|_| {
@@ -550,7 +557,7 @@ fn normals(seed: u64, name: &str, chunk: u64, n: usize, mean: f32, std: f32) -> 
 }
 
 /// Rows per generated chunk: about 4 M values, a multiple of `align` rows.
-fn chunk_rows(cols: usize, align: usize) -> usize {
+pub(crate) fn chunk_rows(cols: usize, align: usize) -> usize {
     let r = ((4 << 20) / cols.max(1)).max(1);
     r.div_ceil(align) * align
 }
@@ -632,7 +639,7 @@ pub fn synth(
     Ok(w.finish()?)
 }
 
-fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+pub(crate) fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
         .collect()

@@ -338,6 +338,24 @@ mod tests {
                         m,
                         &mut rng,
                     );
+                    // bf16 scales (Qwen's `weight_scale_inv`): the same values, truncated.
+                    let hs: Vec<u8> = fs.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+                    let hv = WeightView::fp8_block(&q, BlockScales::Bf16(&hs), rows, cols, b, b)
+                        .unwrap();
+                    compare(&hv, m, &mut rng);
+                    // ... decode exactly as f32 scales holding the bf16 values.
+                    let fv: Vec<u8> = hs
+                        .chunks_exact(2)
+                        .flat_map(|c| [0, 0, c[0], c[1]])
+                        .collect();
+                    let fw =
+                        WeightView::fp8_block(&q, BlockScales::F32(&fv), rows, cols, b, b).unwrap();
+                    let (mut a, mut z) = (vec![0f32; cols], vec![0f32; cols]);
+                    for r in 0..rows {
+                        hv.decode_row(r, &mut a);
+                        fw.decode_row(r, &mut z);
+                        assert!(a.iter().zip(&z).all(|(x, y)| x.to_bits() == y.to_bits()));
+                    }
                 }
             }
         }

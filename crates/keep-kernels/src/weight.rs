@@ -58,6 +58,8 @@ pub enum BlockScales<'a> {
     E8m0(&'a [u8]),
     /// One little-endian f32 per block (multiplied as is).
     F32(&'a [u8]),
+    /// One little-endian bf16 per block (multiplied as is; Qwen's FP8 `weight_scale_inv`).
+    Bf16(&'a [u8]),
 }
 
 /// The format-specific bytes of a [`WeightView`].
@@ -145,6 +147,7 @@ impl<'a> WeightView<'a> {
         let (what, got) = match scales {
             BlockScales::E8m0(s) => ("fp8 block scales (E8M0)", s.len()),
             BlockScales::F32(s) => ("fp8 block scales (f32)", s.len() / 4),
+            BlockScales::Bf16(s) => ("fp8 block scales (bf16)", s.len() / 2),
         };
         check(what, rows, cols, n, got)?;
         Ok(WeightView {
@@ -274,6 +277,7 @@ impl<'a> WeightView<'a> {
                 let s = match scales {
                     BlockScales::E8m0(s) => e8m0_to_f32(s[si]),
                     BlockScales::F32(s) => f32_at(s, si),
+                    BlockScales::Bf16(s) => crate::codec::bf16_at(s, si),
                 };
                 crate::codec::e4m3_to_f32_ref(q[r * cols + c]) * s
             }
@@ -346,6 +350,7 @@ impl<'a> WeightView<'a> {
                     let s = match scales {
                         BlockScales::E8m0(s) => e8m0_to_f32(s[base + g]),
                         BlockScales::F32(s) => f32_at(s, base + g),
+                        BlockScales::Bf16(s) => crate::codec::bf16_at(s, base + g),
                     };
                     for (d, &b) in dch.iter_mut().zip(qch) {
                         *d = e4m3_bits(b) * s;

@@ -20,6 +20,8 @@ pub struct LayerCache {
     pub n_pending: usize,
     /// DeepSeek-V4: the layer's own compressor and indexer state.
     pub v4: crate::v4::V4Cache,
+    /// Qwen3-MoE: every position's keys and values.
+    pub qwen3: crate::qwen3::KvRows,
 }
 
 impl LayerCache {
@@ -31,6 +33,7 @@ impl LayerCache {
             + self.pending_kv.len()
             + self.pending_gate.len())
             + self.v4.nbytes()
+            + self.qwen3.nbytes()
     }
 
     /// Bytes reserved (capacity of every buffer).
@@ -41,6 +44,7 @@ impl LayerCache {
             + self.pending_kv.capacity()
             + self.pending_gate.capacity())
             + self.v4.capacity_bytes()
+            + self.qwen3.capacity_bytes()
     }
 }
 

@@ -22,6 +22,9 @@ pub enum Family {
     /// DeepSeek-V4 / V4-Flash (transformers `deepseek_v4`): per-layer CSA (ratio 4, overlapping
     /// windows + indexer) / HCA (other ratios) compressors, hash-routed first layers.
     V4,
+    /// Qwen3-MoE (mlx-lm `qwen3_moe`, [`crate::qwen3`]): GQA with q/k norms, softmax top-k
+    /// router, no shared expert; one residual stream (`hc` = 1).
+    Qwen3Moe,
 }
 
 /// How router logits become scores.
@@ -191,7 +194,9 @@ impl ModelConfig {
 
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
-        let family = if c.model_type == "deepseek_v4" {
+        let family = if c.qwen3.is_some() {
+            Family::Qwen3Moe
+        } else if c.model_type == "deepseek_v4" {
             Family::V4
         } else {
             Family::V41
@@ -270,7 +275,11 @@ impl ModelConfig {
             rope_theta: c.rope_theta,
             compress_rope_theta: c.compress_rope_theta,
             yarn,
-            hc: c.hc_mult,
+            hc: if family == Family::Qwen3Moe {
+                1
+            } else {
+                c.hc_mult
+            },
             hc_iters: c.hc_sinkhorn_iters,
             hc_eps: c.hc_eps as f32,
             roles,

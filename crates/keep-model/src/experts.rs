@@ -7,7 +7,7 @@
 use keep_checkpoint::Checkpoint;
 use keep_kernels::WeightView;
 
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 use crate::weights::weight;
 use crate::{ModelError, Result};
 
@@ -74,6 +74,24 @@ impl<'a> CheckpointExperts<'a> {
                         w1: WeightView::f32(&[], 0, 0)?,
                         w2: WeightView::f32(&[], 0, 0)?,
                         w3: WeightView::f32(&[], 0, 0)?,
+                    });
+                    continue;
+                }
+                if cfg.family == Family::Qwen3Moe {
+                    if !crate::qwen3::family_config(cfg)?.is_moe_layer(l) {
+                        // A dense layer has no routed experts.
+                        experts.push(ExpertWeights {
+                            w1: WeightView::f32(&[], 0, 0)?,
+                            w2: WeightView::f32(&[], 0, 0)?,
+                            w3: WeightView::f32(&[], 0, 0)?,
+                        });
+                        continue;
+                    }
+                    let [g, dn, u] = crate::qwen3::expert_bases(l, x);
+                    experts.push(ExpertWeights {
+                        w1: weight(ck, &g, i, d, hint)?,
+                        w2: weight(ck, &dn, d, i, hint)?,
+                        w3: weight(ck, &u, i, d, hint)?,
                     });
                     continue;
                 }

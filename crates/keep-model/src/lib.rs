@@ -36,6 +36,7 @@ pub mod layer;
 pub mod memory;
 pub mod model;
 pub mod observer;
+pub mod qwen3;
 pub mod streamed;
 pub mod v4;
 pub mod weights;

@@ -69,6 +69,8 @@ pub struct LayerCacheRows {
     /// floats.
     pub v4_kv: [usize; 3],
     pub v4_index: [usize; 3],
+    /// Qwen3-MoE: floats of every position's keys, and as many of values.
+    pub qwen3_kv: usize,
 }
 
 impl ModelConfig {
@@ -81,6 +83,13 @@ impl ModelConfig {
             window: self.window.min(context) + chunk,
             ..Default::default()
         };
+        if self.family == Family::Qwen3Moe {
+            let kv = self.raw.qwen3.as_ref().map_or(0, |q| q.num_key_value_heads);
+            return LayerCacheRows {
+                qwen3_kv: context * kv * self.head_dim,
+                ..Default::default()
+            };
+        }
         let ratio = roles.ratio;
         if ratio == 0 {
             return r;
@@ -97,6 +106,7 @@ impl ModelConfig {
                     }
                 }
             }
+            Family::Qwen3Moe => {}
             Family::V4 => {
                 let csa = ratio == 4;
                 let pool = |dim_out: usize, overlap: bool| {
@@ -130,7 +140,8 @@ impl ModelConfig {
                 + 2 * (r.v4_kv[0] + r.v4_kv[1]) as u64
                 + r.v4_kv[2] as u64
                 + 2 * (r.v4_index[0] + r.v4_index[1]) as u64
-                + r.v4_index[2] as u64;
+                + r.v4_index[2] as u64
+                + 2 * r.qwen3_kv as u64;
             total = total.saturating_add(floats * F);
         }
         // Engram's n-gram look-back (a few token ids) and the per-layer headers.
@@ -230,7 +241,24 @@ impl ModelConfig {
             Logits::None => 0,
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
-        streams + hc_mix + attn + comp + index + moe + engram + kernels + head + SMALL_BUFFERS
+        // Qwen3-MoE's attention: q, k, v, the attention output and one head's scores over
+        // the whole context (the DeepSeek terms above bound the rest).
+        let qwen3 = if self.family == Family::Qwen3Moe {
+            3 * t * h * hd * F + t * d * F + (context as u64 + t) * F + hd * F
+        } else {
+            0
+        };
+        streams
+            + qwen3
+            + hc_mix
+            + attn
+            + comp
+            + index
+            + moe
+            + engram
+            + kernels
+            + head
+            + SMALL_BUFFERS
     }
 
     /// The cache and activations of a run of `context` tokens at this config's chunk size.
@@ -267,6 +295,8 @@ impl Cache {
             lc.index_k.reserve_exact(r.index_k * ihd);
             lc.pending_kv.reserve_exact(r.pending * hd);
             lc.pending_gate.reserve_exact(r.pending * hd);
+            lc.qwen3.k.reserve_exact(r.qwen3_kv);
+            lc.qwen3.v.reserve_exact(r.qwen3_kv);
             for (st, rows) in [(&mut lc.v4.kv, r.v4_kv), (&mut lc.v4.index, r.v4_index)] {
                 st.pending_kv.reserve_exact(rows[0]);
                 st.pending_gate.reserve_exact(rows[0]);

@@ -41,6 +41,21 @@ impl<'a> Globals<'a> {
     /// Resolve `embed.weight`, `head.weight`, `norm.weight`.
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let hint = cfg.raw.weight_block_size();
+        if let Some(q) = &cfg.raw.qwen3 {
+            use keep_checkpoint::qwen3::{EMBED, HEAD, NORM};
+            // One stream (`hc` = 1): the embedding row itself; a tied head is the embedding.
+            let embed = weight(ck, EMBED, cfg.vocab, cfg.dim, hint)?;
+            return Ok(Globals {
+                embed,
+                head: if q.tie_word_embeddings {
+                    embed
+                } else {
+                    weight(ck, HEAD, cfg.vocab, cfg.dim, hint)?
+                },
+                norm: vec_f32(ck, NORM, cfg.dim)?,
+                hc_head: None,
+            });
+        }
         Ok(Globals {
             embed: weight(ck, "embed", cfg.vocab, cfg.dim, hint)?,
             head: weight(ck, "head", cfg.vocab, cfg.dim, hint)?,
@@ -201,6 +216,8 @@ pub struct Model<'a> {
     masks: Vec<Option<Vec<bool>>>,
     /// Engram layers (`None` without `engram_layer_ids`).
     pub engram: Option<Engram<'a>>,
+    /// Qwen3-MoE's decoder layers (`layers` is then empty).
+    pub qwen3: Vec<crate::qwen3::Qwen3Layer<'a>>,
 }
 
 impl<'a> Model<'a> {
@@ -218,9 +235,17 @@ impl<'a> Model<'a> {
         experts: Box<dyn ExpertSource + 'a>,
     ) -> Result<Self> {
         let globals = Globals::load(ck, &cfg)?;
-        let layers = (0..cfg.n_layers)
-            .map(|l| LayerWeights::load(ck, &cfg, l))
-            .collect::<Result<Vec<_>>>()?;
+        let (layers, qwen3) = if cfg.family == Family::Qwen3Moe {
+            let q = (0..cfg.n_layers)
+                .map(|l| crate::qwen3::Qwen3Layer::load(ck, &cfg, l))
+                .collect::<Result<Vec<_>>>()?;
+            (vec![], q)
+        } else {
+            let layers = (0..cfg.n_layers)
+                .map(|l| LayerWeights::load(ck, &cfg, l))
+                .collect::<Result<Vec<_>>>()?;
+            (layers, vec![])
+        };
         let masks = vec![None; cfg.n_layers];
         let engram = Engram::load(ck, &cfg)?;
         Ok(Model {
@@ -230,6 +255,7 @@ impl<'a> Model<'a> {
             experts,
             masks,
             engram,
+            qwen3,
         })
     }
 
@@ -319,6 +345,22 @@ impl<'a> Model<'a> {
     ) -> Result<Vec<f32>> {
         let mut s = self.globals.embed(&self.cfg, tokens)?;
         s.check_finite(|| "the embedding".into())?;
+        if self.cfg.family == Family::Qwen3Moe {
+            for lw in &self.qwen3 {
+                lw.forward(
+                    &self.cfg,
+                    self.experts.as_ref(),
+                    self.masks[lw.layer].as_deref(),
+                    &mut s.x,
+                    cache.pos,
+                    &mut cache.layers[lw.layer].qwen3,
+                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                )?;
+                s.check_finite(|| format!("layer {}", lw.layer))?;
+            }
+            cache.pos += tokens.len();
+            return self.globals.finish(&self.cfg, &s, which);
+        }
         let step = step_of(&self.cfg, cache);
         let mut shared = Shared::default();
         let engram_ids = match &self.engram {

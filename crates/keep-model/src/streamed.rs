@@ -17,7 +17,7 @@
 use keep_checkpoint::Checkpoint;
 
 use crate::cache::Cache;
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 use crate::engram::{table_view, EngramLayer, TableRows};
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::hash::HashTable;
@@ -63,7 +63,12 @@ impl Default for StreamOptions<'_> {
 /// Drop the mapped pages of `layers.{layer}.*` from this process (advisory; errors ignored).
 pub fn release_layer_pages(ck: &Checkpoint, layer: usize) {
     let prefix = format!("layers.{layer}.");
-    for t in ck.tensors().filter(|t| t.name.starts_with(&prefix)) {
+    // DeepSeek's `layers.N.` or Hugging Face's `model.layers.N.` (Qwen3-MoE).
+    let hf = format!("model.{prefix}");
+    for t in ck
+        .tensors()
+        .filter(|t| t.name.starts_with(&prefix) || t.name.starts_with(&hf))
+    {
         if let Some(m) = ck.shards().get(t.shard).and_then(|s| s.mapping()) {
             let (off, len) = (t.file_offset as usize, t.bytes.len());
             if len > 0 && off + len <= m.len() {
@@ -110,6 +115,38 @@ pub fn forward_streamed(
         ));
     }
     for l in 0..cfg.n_layers {
+        if cfg.family == Family::Qwen3Moe {
+            // Qwen3-MoE's layer over every record, chunk by chunk as the whole model runs it.
+            let ql = crate::qwen3::Qwen3Layer::load(ck, &cfg, l)?;
+            let experts = CheckpointExperts::for_layers(ck, &cfg, l..l + 1)?;
+            let mask = opts.masks.get(l).and_then(|m| m.as_deref());
+            let d = cfg.dim;
+            for (s, cache, _) in states.iter_mut() {
+                let chunk = cfg.prefill_chunk.max(1);
+                for a in (0..s.t).step_by(chunk) {
+                    let b = (a + chunk).min(s.t);
+                    ql.forward(
+                        &cfg,
+                        &experts as &dyn ExpertSource,
+                        mask,
+                        &mut s.x[a * d..b * d],
+                        a,
+                        &mut cache.layers[l].qwen3,
+                        obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                    )?;
+                }
+                s.check_finite(|| format!("layer {l}"))?;
+            }
+            drop(experts);
+            drop(ql);
+            if opts.release_pages {
+                release_layer_pages(ck, l);
+            }
+            if let Some(f) = opts.on_layer.as_deref_mut() {
+                f(l);
+            }
+            continue;
+        }
         let mut lw = LayerWeights::load(ck, &cfg, l)?;
         if let Some(Some(t)) = opts.hash_tables.get(l) {
             lw.replace_hash_table(&cfg, t.clone())?;

@@ -70,6 +70,7 @@ pub fn view<'a>(
             let scales = match scale {
                 ScaleDtype::E8m0 => BlockScales::E8m0(sbytes()),
                 ScaleDtype::F32 => BlockScales::F32(sbytes()),
+                ScaleDtype::Bf16 => BlockScales::Bf16(sbytes()),
             };
             WeightView::fp8_block(w.bytes, scales, rows, cols, block.0, block.1)
         }

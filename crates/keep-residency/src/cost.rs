@@ -160,10 +160,19 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
         }
     }
     let mut expert_bytes = Vec::with_capacity(layers.len());
+    let qwen3 = ck.config().and_then(|c| c.qwen3.clone());
     for &l in layers {
         let mut b = 0u64;
+        if qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l)) {
+            // A Qwen3-MoE dense layer: no routed experts (its trace rows are empty).
+            expert_bytes.push(0);
+            continue;
+        }
         for mat in ExpertMat::ALL {
-            let w = naming::expert_tensor(l, 0, mat, "weight");
+            let w = match &qwen3 {
+                Some(_) => keep_checkpoint::qwen3::expert_tensor(l, 0, mat, "weight"),
+                None => naming::expert_tensor(l, 0, mat, "weight"),
+            };
             let Some(t) = ck.get(&w) else {
                 return Err(ResidencyError::Model {
                     msg: format!(
@@ -174,7 +183,7 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
                 });
             };
             b += t.bytes.len() as u64;
-            if let Some(s) = ck.get(&naming::expert_tensor(l, 0, mat, "scale")) {
+            if let Some(s) = keep_checkpoint::layout::scale_of(&ck, &w) {
                 b += s.bytes.len() as u64;
             }
         }

@@ -45,6 +45,7 @@ pub fn is_routed_expert(name: &str) -> bool {
 pub fn is_resident(name: &str) -> bool {
     !is_routed_expert(name)
         && !name.starts_with("embed.")
+        && !name.starts_with("model.embed_tokens.")
         && !name.starts_with("mtp.")
         && !crate::engram::is_engram_table(name)
 }

@@ -253,15 +253,30 @@ impl ExpertStore {
         let (d, i) = (cfg.dim, cfg.inter);
         let mut layouts = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
         let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
+        let q3 = cfg.raw.qwen3.as_ref();
         for l in 0..cfg.n_layers {
             for x in 0..cfg.n_experts {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
+                if q3.is_some_and(|q| !q.is_moe_layer(l)) {
+                    // A Qwen3-MoE dense layer: no routed experts, never asked for one.
+                    layouts.push(ExpertLayout {
+                        tensors,
+                        mats,
+                        runs: vec![],
+                        bytes: 0,
+                        slot_bytes: 0,
+                    });
+                    continue;
+                }
                 for (m, (w, rows, cols)) in [("w1", i, d), ("w2", d, i), ("w3", i, d)]
                     .into_iter()
                     .enumerate()
                 {
-                    let base = format!("layers.{l}.ffn.experts.{x}.{w}");
+                    let base = match q3 {
+                        Some(_) => keep_model::qwen3::expert_bases(l, x)[m].clone(),
+                        None => format!("layers.{l}.ffn.experts.{x}.{w}"),
+                    };
                     let wname = format!("{base}.weight");
                     let wt = ck.get(&wname).ok_or_else(|| RuntimeError::Layout {
                         layer: l,

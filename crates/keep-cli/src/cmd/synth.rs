@@ -1,4 +1,5 @@
-//! `keep synth`: write a random-weight checkpoint in DeepSeek's published format.
+//! `keep synth`: write a random-weight checkpoint in DeepSeek's published format, or (with
+//! `--family qwen3_moe`) a Qwen3-MoE one in Hugging Face's.
 
 use std::path::PathBuf;
 
@@ -19,7 +20,12 @@ use crate::util::{byte_bar, human, parse_bytes};
 /// 128×128 blocks), `flash` (real V4.1-Flash shapes, 4 layers), `v4flash` (real V4-Flash
 /// shapes, 4 layers). The output is the same for the same seed, whatever the thread count.
 ///
+/// With --family qwen3_moe: a Qwen3-MoE checkpoint with Hugging Face's names, in bf16 or
+/// Qwen's FP8 layout (--format), from a preset (qwen3-30b-a3b: real shapes; qwen3-tiny) or a
+/// config; --layers N keeps the first N layers.
+///
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
+///          keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers 4 --format fp8 --out /tmp/q
 ///          keep synth --preset tiny --engram-bytes 4MiB --out /tmp/tiny-engram
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
@@ -58,10 +64,94 @@ pub struct SynthArgs {
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
+    /// Model family: deepseek (default) or qwen3_moe (Hugging Face names; presets
+    /// qwen3-30b-a3b, qwen3-tiny; a --config whose model_type is qwen3_moe picks it too).
+    #[arg(long)]
+    family: Option<String>,
+    /// Keep only the first N decoder layers (qwen3_moe).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Storage of a qwen3_moe checkpoint: bf16 (default) or fp8 (128×128 blocks, bf16
+    /// weight_scale_inv).
+    #[arg(long)]
+    format: Option<String>,
+}
+
+/// `keep synth --family qwen3_moe`: keep-convert's `synth_qwen3`.
+fn run_qwen3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
+    use keep_checkpoint::qwen3::Qwen3MoeConfig;
+    use keep_convert::synth_qwen3::{experts_for_bytes, synth_qwen3, QwenFormat, QwenSynthOptions};
+    if a.engram_bytes.is_some() || a.block.is_some() || a.f32_scales || a.hash_layers.is_some() {
+        anyhow::bail!("--engram-bytes, --block, --f32-scales and --hash-layers are DeepSeek's");
+    }
+    let format = QwenFormat::parse(a.format.as_deref().unwrap_or("bf16"))?;
+    let m = raw
+        .as_object_mut()
+        .ok_or_else(|| anyhow::anyhow!("config.json is not an object"))?;
+    if let Some(n) = a.layers {
+        m.insert("num_hidden_layers".into(), n.into());
+        if let Some(serde_json::Value::Array(v)) = m.get_mut("mlp_only_layers") {
+            v.retain(|l| l.as_u64().is_some_and(|l| (l as usize) < n));
+        }
+    }
+    if let Some(bytes) = a.experts_bytes {
+        let cfg = Qwen3MoeConfig::from_value(raw.clone()).map_err(anyhow::Error::msg)?;
+        let n = experts_for_bytes(&cfg, format, bytes);
+        raw["num_experts"] = n.into();
+    }
+    let cfg = Qwen3MoeConfig::from_value(raw.clone()).map_err(anyhow::Error::msg)?;
+    let opts = QwenSynthOptions {
+        seed: a.seed,
+        format,
+        force: a.force,
+        max_shard_bytes: a.max_shard,
+    };
+    let bar = byte_bar(0, "synth");
+    let out = synth_qwen3(&raw, &a.out, &opts, &|done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    let size: u64 = std::fs::read_dir(&out)?
+        .flatten()
+        .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+        .sum();
+    println!(
+        "wrote {} ({}, qwen3_moe, {} layers, {} routed experts per layer, {:?}, seed {})",
+        out.display(),
+        human(size),
+        cfg.num_hidden_layers,
+        cfg.num_experts,
+        format,
+        a.seed
+    );
+    Ok(())
 }
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     crate::util::check_out_of_cache(&a.out)?;
+    match a.family.as_deref() {
+        None | Some("deepseek") => {}
+        Some("qwen3_moe") => {
+            let raw = match (&a.config, &a.preset) {
+                (Some(p), None) => DeepSeekConfig::read(p)?.raw,
+                (None, Some(name)) => keep_convert::synth_qwen3::preset_json(name)?,
+                _ => anyhow::bail!("give --config FILE.json or --preset qwen3-30b-a3b|qwen3-tiny"),
+            };
+            return run_qwen3(&a, raw);
+        }
+        Some(f) => anyhow::bail!("unknown --family `{f}` (deepseek, qwen3_moe)"),
+    }
+    if let Some(p) = &a.config {
+        let cfg = DeepSeekConfig::read(p)?;
+        if cfg.qwen3.is_some() {
+            return run_qwen3(&a, cfg.raw);
+        }
+    }
+    if a.layers.is_some() || a.format.is_some() {
+        anyhow::bail!("--layers and --format are for --family qwen3_moe");
+    }
     let (mut cfg, mut storage) = match (&a.config, &a.preset) {
         (Some(p), None) => {
             let cfg = DeepSeekConfig::read(p)?;

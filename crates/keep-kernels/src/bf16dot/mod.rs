@@ -287,6 +287,7 @@ impl<'a> BfSrc<'a> {
                     let n = match scales {
                         BlockScales::E8m0(s) => s.len(),
                         BlockScales::F32(s) => s.len() / 4,
+                        BlockScales::Bf16(s) => s.len() / 2,
                     };
                     block_rows > 0
                         && block_cols > 0

@@ -173,6 +173,7 @@ pub(crate) fn block_scale(scales: BlockScales, i: usize) -> f32 {
     match scales {
         BlockScales::E8m0(s) => crate::codec::e8m0_to_f32(s[i]),
         BlockScales::F32(s) => crate::codec::f32_at(s, i),
+        BlockScales::Bf16(s) => crate::codec::bf16_at(s, i),
     }
 }
 
@@ -660,6 +661,12 @@ mod tests {
                         .collect();
                     compare(
                         &WeightView::fp8_block(&q, BlockScales::F32(&fs), rows, cols, b, b)
+                            .unwrap(),
+                        &mut rng,
+                    );
+                    let hs: Vec<u8> = fs.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+                    compare(
+                        &WeightView::fp8_block(&q, BlockScales::Bf16(&hs), rows, cols, b, b)
                             .unwrap(),
                         &mut rng,
                     );

@@ -1,0 +1,207 @@
+//! The pipeline on a small random Qwen3-MoE checkpoint (`keep synth --family qwen3_moe`, 3
+//! layers with the middle one dense, 16 experts top-4, a 4096-token vocabulary so the bundled
+//! tokenizer's packs fit): inspect, repack of the FP8 layout to MXFP8 (logits unchanged bit for
+//! bit), pack, calibrate, finalize, select (REAP), prune (8 of 16 experts, router rows sliced,
+//! `num_experts` rewritten; the pruned model equals the masked one under eval), eval, run with
+//! and without --memory-budget (the same greedy tokens), residency over the recorded routes.
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn keep(cache: &Path) -> Command {
+    let mut c = Command::cargo_bin("keep").unwrap();
+    c.env("KEEP_CACHE_DIR", cache);
+    c
+}
+
+fn stdout(c: &mut Command) -> String {
+    String::from_utf8(c.assert().success().get_output().stdout.clone()).unwrap()
+}
+
+const CONFIG: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+  "hidden_size":96,"num_hidden_layers":3,"intermediate_size":96,"num_attention_heads":4,
+  "num_key_value_heads":2,"head_dim":24,"num_experts":16,"num_experts_per_tok":4,
+  "moe_intermediate_size":40,"decoder_sparse_step":1,"mlp_only_layers":[1],"rms_norm_eps":1e-6,
+  "vocab_size":4096,"rope_theta":1000000.0,"tie_word_embeddings":false,
+  "max_position_embeddings":2048,"norm_topk_prob":true,"bos_token_id":1,"eos_token_id":2}"#;
+
+/// The logits file of `keep logits` on fixed tokens.
+fn logits(cache: &Path, model: &Path, out: &Path) -> Vec<u8> {
+    keep(cache)
+        .arg("logits")
+        .arg(model)
+        .args(["--tokens", "5,17,300,4000,9,9,1234,77", "--out"])
+        .arg(out)
+        .assert()
+        .success();
+    let b = std::fs::read(out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+    st.tensor("logits").unwrap().data().to_vec()
+}
+
+#[test]
+fn qwen3_moe_through_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = dir.path();
+    let cache = w.join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let cfg = w.join("config.json");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let src = w.join("src");
+    keep(&cache)
+        .args(["synth", "--format", "fp8", "--seed", "3", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&src)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("qwen3_moe"));
+    let report = stdout(keep(&cache).arg("inspect").arg(&src));
+    assert!(report.contains("no problems found"), "{report}");
+    assert!(report.contains("16 in each of 2 layers"), "{report}");
+
+    // FP8 residents (128×128 bf16 power-of-two scales) → MXFP8: the same logits bit for bit.
+    let mx = w.join("mx");
+    keep(&cache)
+        .arg("repack")
+        .arg(&src)
+        .arg(&mx)
+        .args(["--resident-format", "mxfp8", "--verify"])
+        .assert()
+        .success();
+    assert_eq!(
+        logits(&cache, &src, &w.join("a.safetensors")),
+        logits(&cache, &mx, &w.join("b.safetensors"))
+    );
+
+    // Calibrate, select, prune.
+    let pack = w.join("pack");
+    keep(&cache)
+        .args(["pack", "--from"])
+        .arg(root().join("ARCHITECTURE.md"))
+        .arg(root().join("docs/v4flash.md"))
+        .arg("--tokenizer")
+        .arg(root().join("models/keep-tiny/tokenizer.json"))
+        .arg("--out")
+        .arg(&pack)
+        .args(["--max-tokens", "128", "--held-out-frac", "0.3"])
+        .assert()
+        .success();
+    let run = w.join("run");
+    keep(&cache)
+        .arg("calibrate")
+        .arg(&src)
+        .arg("--pack")
+        .arg(&pack)
+        .arg("--out")
+        .arg(&run)
+        .assert()
+        .success();
+    keep(&cache).arg("finalize").arg(&run).assert().success();
+    let plan = w.join("plan.json");
+    keep(&cache)
+        .arg("select")
+        .arg(&run)
+        .args(["--keep", "8", "--no-plot", "--out"])
+        .arg(&plan)
+        .assert()
+        .success();
+    let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    let layers = p["layers"].as_array().unwrap();
+    assert!(layers.iter().any(|l| l["survivors"].is_array()));
+    let pruned = w.join("pruned");
+    keep(&cache)
+        .arg("prune")
+        .arg(&src)
+        .arg(&pruned)
+        .arg("--plan")
+        .arg(&plan)
+        .assert()
+        .success();
+    keep(&cache).arg("verify").arg(&pruned).assert().success();
+    let pc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(pruned.join("config.json")).unwrap()).unwrap();
+    assert_eq!(pc["num_experts"], 8);
+    let report = stdout(keep(&cache).arg("inspect").arg(&pruned));
+    assert!(report.contains("8 in each of 2 layers"), "{report}");
+
+    // Eval: the plan as a router mask on the source scores as the pruned checkpoint does.
+    let ev = w.join("ev");
+    keep(&cache)
+        .arg("calibrate")
+        .arg(&src)
+        .arg("--pack")
+        .arg(&pack)
+        .args(["--split", "eval", "--out"])
+        .arg(&ev)
+        .assert()
+        .success();
+    let masked = stdout(
+        keep(&cache)
+            .arg("eval")
+            .arg(&src)
+            .arg("--teacher")
+            .arg(&ev)
+            .arg("--pack")
+            .arg(&pack)
+            .arg("--mask")
+            .arg(&plan),
+    );
+    let whole = stdout(
+        keep(&cache)
+            .arg("eval")
+            .arg(&pruned)
+            .arg("--teacher")
+            .arg(&ev)
+            .arg("--pack")
+            .arg(&pack),
+    );
+    let kl = |s: &str, student: &str| -> String {
+        let line = s
+            .lines()
+            .find(|l| l.trim_start().starts_with(student))
+            .unwrap_or_else(|| panic!("{student} in {s}"));
+        line.split_whitespace().nth(2).unwrap().to_string()
+    };
+    assert_eq!(kl(&masked, "plan.json"), kl(&whole, "model"));
+
+    // Run whole and under a memory budget: the same greedy tokens; residency replays the routes.
+    let gen = |extra: &[&str]| -> String {
+        let out = stdout(
+            keep(&cache)
+                .arg("run")
+                .arg(&src)
+                .args([
+                    "--prompt-tokens",
+                    "24",
+                    "--max-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                ])
+                .args(extra),
+        );
+        out.lines()
+            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let routes = w.join("routes.safetensors");
+    let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
+    assert!(!plain.is_empty());
+    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
+    let rep = stdout(
+        keep(&cache)
+            .arg("residency")
+            .arg(&routes)
+            .arg("--model")
+            .arg(&src),
+    );
+    assert!(rep.contains("verdict"), "{rep}");
+}

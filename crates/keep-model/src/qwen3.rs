@@ -1,0 +1,514 @@
+//! The Qwen3-MoE decoder layer (`Family::Qwen3Moe`, `model_type` `qwen3_moe`), following
+//! mlx-lm 0.32.2's `qwen3_moe.py` operation by operation: `input_layernorm`, attention (q/k/v
+//! projections, per-head RMSNorm of queries and keys, non-traditional RoPE — the two halves of
+//! each head rotate — over the whole head, grouped-query SDPA with the causal mask and scale
+//! `head_dim^-0.5`, `o_proj`), residual, `post_attention_layernorm`, then either the sparse MoE
+//! block (softmax router over all experts, top-k, gate weights renormalised when
+//! `norm_topk_prob`, per-expert SwiGLU) or the dense MLP (`mlp_only_layers` and layers off the
+//! `decoder_sparse_step`), residual.
+//!
+//! Tensor names are the family module's (`keep_checkpoint::qwen3`); routed experts come from
+//! the model's [`ExpertSource`] like every family's, so the runtime's SSD slot cache and the
+//! calibration observers work unchanged. The KV cache of a layer is [`KvRows`] (every position's
+//! keys and values; no window).
+
+use keep_checkpoint::naming::ExpertMat;
+use keep_checkpoint::qwen3::{self as names, Qwen3MoeConfig};
+use keep_checkpoint::Checkpoint;
+use keep_kernels::ops;
+use keep_kernels::simd::{matmul_many_with, Job};
+use keep_kernels::WeightView;
+
+use crate::config::ModelConfig;
+use crate::experts::ExpertSource;
+use crate::layer::{lin, route};
+use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use crate::weights::{vec_f32, weight};
+use crate::{ModelError, Result};
+
+/// One layer's keys and values for every position so far (`[rows × kv_heads·head_dim]` each,
+/// after the key norm and RoPE).
+#[derive(Debug, Clone, Default)]
+pub struct KvRows {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub rows: usize,
+}
+
+impl KvRows {
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+    /// Bytes reserved.
+    pub fn capacity_bytes(&self) -> usize {
+        4 * (self.k.capacity() + self.v.capacity())
+    }
+}
+
+/// The family config of a Qwen3-MoE model config (an error for another family).
+pub fn family_config(cfg: &ModelConfig) -> Result<&Qwen3MoeConfig> {
+    cfg.raw
+        .qwen3
+        .as_ref()
+        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
+}
+
+/// The FFN of a layer.
+pub enum Ffn<'a> {
+    /// The sparse block: the router `mlp.gate` `[num_experts × hidden]`; experts from the
+    /// model's [`ExpertSource`].
+    Moe { gate: WeightView<'a> },
+    /// The dense MLP: gate, up `[intermediate × hidden]`, down `[hidden × intermediate]`.
+    Dense {
+        gate: WeightView<'a>,
+        up: WeightView<'a>,
+        down: WeightView<'a>,
+    },
+}
+
+/// One decoder layer's weights (views of the checkpoint).
+pub struct Qwen3Layer<'a> {
+    pub layer: usize,
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    pub q: WeightView<'a>,
+    pub k: WeightView<'a>,
+    pub v: WeightView<'a>,
+    pub o: WeightView<'a>,
+    pub ffn: Ffn<'a>,
+    /// RoPE's `1 / period` per rotated pair (`base^(-i / (head_dim/2))`, as MLX's `fast.rope`).
+    inv_freq: Vec<f32>,
+}
+
+/// RoPE frequencies of MLX's `fast.rope(dims, traditional=False, base)`: pair `i` (features `i`
+/// and `i + dims/2`) turns by `pos · base^(-2i/dims)`.
+pub fn rope_inv_freq(dims: usize, base: f64) -> Vec<f32> {
+    let half = dims / 2;
+    (0..half)
+        .map(|i| (-(i as f64) * base.ln() / half as f64).exp() as f32)
+        .collect()
+}
+
+/// Rotate one head `x` (`dims` features) by position `pos`: the first half against the second.
+pub fn rope_halves(x: &mut [f32], inv_freq: &[f32], pos: usize) {
+    let half = inv_freq.len();
+    for (i, &f) in inv_freq.iter().enumerate() {
+        let theta = pos as f32 * f;
+        let (s, c) = theta.sin_cos();
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * c - b * s;
+        x[i + half] = a * s + b * c;
+    }
+}
+
+/// Name of a routed expert's linear whose input an observer is told: keep's role names (as
+/// every family reports them: calibration keys its importance matrix and its REAP cross-check
+/// on `ffn.experts.{e}.w1` …), not the checkpoint's.
+fn mat_label(mat: ExpertMat) -> &'static str {
+    match mat {
+        ExpertMat::W1 => "ffn.experts.w1",
+        ExpertMat::W2 => "ffn.experts.w2",
+        ExpertMat::W3 => "ffn.experts.w3",
+    }
+}
+
+fn note_input(
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) {
+    if let Some(o) = obs.as_deref_mut() {
+        if o.wants_linear_inputs() {
+            o.on_linear_input(&LinearInputEvent {
+                layer,
+                name,
+                expert,
+                rows,
+                cols,
+                x,
+            });
+        }
+    }
+}
+
+impl<'a> Qwen3Layer<'a> {
+    /// Resolve layer `layer`'s weights (shapes and layouts checked).
+    pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let q3 = family_config(cfg)?;
+        let hint = cfg.raw.weight_block_size();
+        let (d, hd, h, kv) = (
+            cfg.dim,
+            q3.head_dim,
+            q3.num_attention_heads,
+            q3.num_key_value_heads,
+        );
+        let p = names::layer_prefix(layer);
+        let w = |n: &str, r, c| weight(ck, &format!("{p}{n}"), r, c, hint);
+        let ffn = if q3.is_moe_layer(layer) {
+            Ffn::Moe {
+                gate: w("mlp.gate", q3.num_experts, d)?,
+            }
+        } else {
+            let i = q3.intermediate_size;
+            Ffn::Dense {
+                gate: w("mlp.gate_proj", i, d)?,
+                up: w("mlp.up_proj", i, d)?,
+                down: w("mlp.down_proj", d, i)?,
+            }
+        };
+        Ok(Qwen3Layer {
+            layer,
+            input_norm: vec_f32(ck, &format!("{p}input_layernorm.weight"), d)?,
+            post_norm: vec_f32(ck, &format!("{p}post_attention_layernorm.weight"), d)?,
+            q_norm: vec_f32(ck, &format!("{p}self_attn.q_norm.weight"), hd)?,
+            k_norm: vec_f32(ck, &format!("{p}self_attn.k_norm.weight"), hd)?,
+            q: w("self_attn.q_proj", h * hd, d)?,
+            k: w("self_attn.k_proj", kv * hd, d)?,
+            v: w("self_attn.v_proj", kv * hd, d)?,
+            o: w("self_attn.o_proj", d, h * hd)?,
+            ffn,
+            inv_freq: rope_inv_freq(hd, q3.rope_theta),
+        })
+    }
+
+    /// `Qwen3MoeDecoderLayer.__call__` on `x` (`[t × hidden]`, in place) at positions
+    /// `start_pos..start_pos + t`, appending this layer's keys and values to `kv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let d = cfg.dim;
+        let t = x.len() / d;
+        let mut hn = x.to_vec();
+        ops::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
+        let a = self.attention(cfg, &hn, t, start_pos, kv, &mut obs)?;
+        for (xi, ai) in x.iter_mut().zip(&a) {
+            *xi += ai;
+        }
+        let mut hn = x.to_vec();
+        ops::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
+        let f = match &self.ffn {
+            Ffn::Moe { gate } => self.moe(cfg, gate, experts, mask, &hn, t, start_pos, &mut obs)?,
+            Ffn::Dense { gate, up, down } => {
+                let l = self.layer;
+                let g = lin(&hn, t, gate, &mut obs, l, "mlp.gate_proj", None)?;
+                let u = lin(&hn, t, up, &mut obs, l, "mlp.up_proj", None)?;
+                let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::silu(g) * u).collect();
+                lin(&act, t, down, &mut obs, l, "mlp.down_proj", None)?
+            }
+        };
+        for (xi, fi) in x.iter_mut().zip(&f) {
+            *xi += fi;
+        }
+        Ok(())
+    }
+
+    /// `Attention.__call__`: returns `o_proj` of the attention output `[t × hidden]`.
+    fn attention(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let hd = self.q_norm.len();
+        let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
+        let mut q = lin(x, t, &self.q, obs, l, "self_attn.q_proj", None)?;
+        let mut k = lin(x, t, &self.k, obs, l, "self_attn.k_proj", None)?;
+        let v = lin(x, t, &self.v, obs, l, "self_attn.v_proj", None)?;
+        ops::rms_norm(&mut q, hd, Some(&self.q_norm), cfg.eps);
+        ops::rms_norm(&mut k, hd, Some(&self.k_norm), cfg.eps);
+        for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
+            for head in row.chunks_exact_mut(hd) {
+                rope_halves(head, &self.inv_freq, start_pos + i);
+            }
+        }
+        for (i, row) in k.chunks_exact_mut(kvh * hd).enumerate() {
+            for head in row.chunks_exact_mut(hd) {
+                rope_halves(head, &self.inv_freq, start_pos + i);
+            }
+        }
+        if kv.rows != start_pos {
+            return Err(ModelError::Cache(format!(
+                "layer {l} holds {} positions, the forward starts at {start_pos}",
+                kv.rows
+            )));
+        }
+        kv.k.extend_from_slice(&k);
+        kv.v.extend_from_slice(&v);
+        kv.rows += t;
+        let scale = (hd as f32).powf(-0.5);
+        let group = h / kvh;
+        let kw = kvh * hd;
+        let mut out = vec![0f32; t * h * hd];
+        let mut scores = Vec::with_capacity(kv.rows);
+        let mut qs = vec![0f32; hd];
+        for i in 0..t {
+            let visible = start_pos + i + 1;
+            for head in 0..h {
+                let g = head / group;
+                for (a, b) in qs
+                    .iter_mut()
+                    .zip(&q[(i * h + head) * hd..(i * h + head + 1) * hd])
+                {
+                    *a = b * scale;
+                }
+                scores.clear();
+                for r in 0..visible {
+                    let krow = &kv.k[r * kw + g * hd..r * kw + (g + 1) * hd];
+                    scores.push(keep_kernels::matmul::dot(&qs, krow));
+                }
+                ops::softmax(&mut scores);
+                let o = &mut out[(i * h + head) * hd..(i * h + head + 1) * hd];
+                for (r, &p) in scores.iter().enumerate() {
+                    let vrow = &kv.v[r * kw + g * hd..r * kw + (g + 1) * hd];
+                    for (a, b) in o.iter_mut().zip(vrow) {
+                        *a += p * b;
+                    }
+                }
+            }
+        }
+        lin(&out, t, &self.o, obs, l, "self_attn.o_proj", None)
+    }
+
+    /// `Qwen3MoeSparseMoeBlock.__call__`: softmax router, top-k (experts in `mask` never
+    /// chosen), renormalised weights, each chosen expert's SwiGLU, weighted sum.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        cfg: &ModelConfig,
+        gate: &WeightView,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &[f32],
+        t: usize,
+        start_pos: usize,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+        let mut logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
+        let mut chosen = vec![0u32; t * k];
+        let mut weights = vec![0f32; t * k];
+        let mut scores = vec![0f32; t * e];
+        let no_bias = vec![0f32; e];
+        for i in 0..t {
+            // keep's router with `softmax` scoring, no bias, temperature 1, scale 1 is exactly
+            // the reference's; only its renormalisation skips k = 1, where the reference's
+            // `scores / sum(scores)` is 1.
+            route(
+                cfg,
+                &mut logits[i * e..(i + 1) * e],
+                &no_bias,
+                mask,
+                &mut chosen[i * k..(i + 1) * k],
+                &mut weights[i * k..(i + 1) * k],
+                &mut scores[i * e..(i + 1) * e],
+            );
+            if k == 1 && cfg.norm_topk_prob {
+                weights[i] = 1.0;
+            }
+        }
+        if let Some(o) = obs.as_deref_mut() {
+            o.on_route(&RouteEvent {
+                layer: l,
+                start_pos,
+                tokens: t,
+                top_k: k,
+                experts: &chosen,
+                weights: &weights,
+                scores: &scores,
+            });
+        }
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
+        for i in 0..t {
+            for s in 0..k {
+                by_expert[chosen[i * k + s] as usize].push((i, s));
+            }
+        }
+        let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
+        experts.prefetch(l, &used);
+        let mut ys = vec![0f32; t * k * d];
+        let inter = cfg.inter;
+        // As the DeepSeek layer: the experts of a chunk are multiplied together, one kernel
+        // pass for all gate and up projections, one for all down projections.
+        for chunk in used.chunks(experts.max_batch().max(1)) {
+            let views = experts.experts(l, chunk)?;
+            if views.len() != chunk.len() {
+                return Err(ModelError::Expert {
+                    layer: l,
+                    expert: chunk[0],
+                    msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
+                });
+            }
+            let xins: Vec<Vec<f32>> = chunk
+                .iter()
+                .map(|&j| {
+                    let mut xin = Vec::with_capacity(by_expert[j].len() * d);
+                    for &(i, _) in &by_expert[j] {
+                        xin.extend_from_slice(&x[i * d..(i + 1) * d]);
+                    }
+                    xin
+                })
+                .collect();
+            for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
+                let m = by_expert[j].len();
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W1),
+                    Some(j),
+                    xin,
+                    m,
+                    ew.w1.cols,
+                );
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W3),
+                    Some(j),
+                    xin,
+                    m,
+                    ew.w3.cols,
+                );
+            }
+            let mut gs: Vec<Vec<f32>> = chunk
+                .iter()
+                .map(|&j| vec![0f32; by_expert[j].len() * inter])
+                .collect();
+            let mut us = gs.clone();
+            {
+                let mut jobs = Vec::with_capacity(2 * chunk.len());
+                for ((((&j, ew), xin), g), u) in chunk
+                    .iter()
+                    .zip(&views)
+                    .zip(&xins)
+                    .zip(gs.iter_mut())
+                    .zip(us.iter_mut())
+                {
+                    let m = by_expert[j].len();
+                    jobs.push(Job::view(&ew.w1, xin, m, g)?);
+                    jobs.push(Job::view(&ew.w3, xin, m, u)?);
+                }
+                matmul_many_with(cfg.kernels, &mut jobs)?;
+            }
+            let acts: Vec<Vec<f32>> = gs
+                .iter()
+                .zip(&us)
+                .map(|(g, u)| g.iter().zip(u).map(|(&g, &u)| ops::silu(g) * u).collect())
+                .collect();
+            for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
+                let m = by_expert[j].len();
+                note_input(
+                    obs,
+                    l,
+                    mat_label(ExpertMat::W2),
+                    Some(j),
+                    act,
+                    m,
+                    ew.w2.cols,
+                );
+            }
+            let mut outs: Vec<Vec<f32>> = chunk
+                .iter()
+                .map(|&j| vec![0f32; by_expert[j].len() * d])
+                .collect();
+            {
+                let mut jobs = Vec::with_capacity(chunk.len());
+                for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut())
+                {
+                    jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
+                }
+                matmul_many_with(cfg.kernels, &mut jobs)?;
+            }
+            for (&j, y) in chunk.iter().zip(&outs) {
+                let routes = &by_expert[j];
+                if let Some(o) = obs.as_deref_mut() {
+                    if o.wants_expert_outputs() {
+                        let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
+                        let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
+                        let ws: Vec<f32> =
+                            routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
+                        o.on_expert_output(&ExpertOutputEvent {
+                            layer: l,
+                            expert: j,
+                            token_rows: &rows,
+                            slots: &slots,
+                            weights: &ws,
+                            outputs: y,
+                        });
+                    }
+                }
+                for (r, &(i, s)) in routes.iter().enumerate() {
+                    ys[(i * k + s) * d..(i * k + s + 1) * d]
+                        .copy_from_slice(&y[r * d..(r + 1) * d]);
+                }
+            }
+        }
+        let mut out = vec![0f32; t * d];
+        for i in 0..t {
+            let o = &mut out[i * d..(i + 1) * d];
+            for s in 0..k {
+                let w = weights[i * k + s];
+                for (a, b) in o.iter_mut().zip(&ys[(i * k + s) * d..(i * k + s + 1) * d]) {
+                    *a += b * w;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The checkpoint names of routed expert `expert` of `layer` (gate, down, up bases without
+/// `.weight`).
+pub fn expert_bases(layer: usize, expert: usize) -> [String; 3] {
+    ExpertMat::ALL.map(|m| {
+        names::expert_tensor(layer, expert, m, "weight")
+            .trim_end_matches(".weight")
+            .to_string()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 rotation vs the f64 formula over a few turns.
+    const TOL: f64 = 1e-5;
+
+    #[test]
+    fn rope_rotates_halves_like_the_formula() {
+        let dims = 8;
+        let inv = rope_inv_freq(dims, 10000.0);
+        let x: Vec<f32> = (0..dims).map(|i| (i as f32 * 0.7).sin()).collect();
+        for pos in [0usize, 1, 5, 37] {
+            let mut y = x.clone();
+            rope_halves(&mut y, &inv, pos);
+            for i in 0..dims / 2 {
+                let f = 10000f64.powf(-(2.0 * i as f64) / dims as f64);
+                let th = pos as f64 * f;
+                let (a, b) = (x[i] as f64, x[i + dims / 2] as f64);
+                let want = [a * th.cos() - b * th.sin(), a * th.sin() + b * th.cos()];
+                assert!((y[i] as f64 - want[0]).abs() < TOL, "pos {pos} pair {i}");
+                assert!((y[i + dims / 2] as f64 - want[1]).abs() < TOL);
+            }
+        }
+    }
+}
