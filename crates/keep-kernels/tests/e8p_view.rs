@@ -60,7 +60,7 @@ fn e8p_views_decode_and_multiply() {
         let mut row = vec![0f32; cols];
         for r in 0..rows {
             w.decode_row(r, &mut row);
-            for c in 0..cols {
+            for (c, &got) in row.iter().enumerate() {
                 let k = (r * cols + c) / 8;
                 let q = decode_e8p_ref(u16::from_le_bytes([codes[2 * k], codes[2 * k + 1]]))[c % 8];
                 let mut want = scales[r] * q;
@@ -73,7 +73,7 @@ fn e8p_views_decode_and_multiply() {
                     want += rs[r] * q2;
                 }
                 assert_eq!(
-                    row[c].to_bits(),
+                    got.to_bits(),
                     want.to_bits(),
                     "{} {r} {c}",
                     w.format_name()

@@ -39,7 +39,7 @@ fn imatrix(dir: &Path) -> PathBuf {
                     Dtype::F32,
                     &[cols as u64],
                 ));
-                data.push(vec![0x00, 0x00, 0x80, 0x3f].repeat(cols)); // 1.0
+                data.push(1.0f32.to_le_bytes().repeat(cols));
             }
         }
     }
