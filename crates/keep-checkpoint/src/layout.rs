@@ -13,6 +13,12 @@
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0 [rows, cols/32]` | MXFP8 (FP8 block 1×32, E8M0) |
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0` or `F32` `[ceil(rows/b), ceil(cols/b)]` | FP8 b×b blocks; b from `quantization_config.weight_block_size` when it fits, else 32, 64, 128 or 256 |
 //! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
+//! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
+//! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
+//!
+//! A `keep quant` weight's residual stage is a tensor of its own, `<base>.resid.weight` (E8P12
+//! or E81B codes) with `<base>.resid.scale`; [`residual_of`] finds it and the classification
+//! of both is checked together by [`classify_as`]'s callers.
 //!
 //! Refused, with the reason: an FP8 or I8 weight without a scale, a scale on any other weight
 //! dtype, a scale that is not 2-D, a scale grid no block shape fits, and `U8` scales or packed
@@ -63,6 +69,10 @@ pub enum Layout {
     /// FP4 E2M1, two per `I8` byte (element `2j` in the low nibble), one E8M0 scale per row and
     /// 32 columns.
     Mxfp4,
+    /// E8P12 lattice codes, one u16 per 8 weights, one f32 scale per row.
+    E8p,
+    /// E81B lattice codes (a residual stage only), one byte per 8 weights, one f32 scale per row.
+    E81,
 }
 
 impl Layout {
@@ -76,7 +86,8 @@ impl Layout {
 
     /// Whether keep's kernels multiply by a matrix stored this way.
     pub fn computable(self) -> bool {
-        !matches!(self, Layout::Plain(d) if !matches!(d, Dtype::F32 | Dtype::BF16))
+        !matches!(self, Layout::E81)
+            && !matches!(self, Layout::Plain(d) if !matches!(d, Dtype::F32 | Dtype::BF16))
     }
 
     /// Report label (`"mxfp8"`, `"fp8-block 128x128 e8m0"`, `"fp4 (mxfp4)"`, `"bf16"`).
@@ -88,6 +99,8 @@ impl Layout {
                 format!("fp8-block {}x{} {}", block.0, block.1, scale.label())
             }
             Layout::Mxfp4 => "fp4 (mxfp4)".into(),
+            Layout::E8p => "e8p2".into(),
+            Layout::E81 => "e81 (residual)".into(),
         }
     }
 }
@@ -113,6 +126,41 @@ impl WeightLayout<'_> {
     pub fn bytes(&self) -> u64 {
         self.weight.bytes.len() as u64 + self.scale.map_or(0, |s| s.bytes.len() as u64)
     }
+}
+
+/// How a residual stage's weight name ends (`<base>.resid.weight`).
+pub const RESIDUAL_SUFFIX: &str = ".resid.weight";
+
+/// The residual stage of weight `weight_name` (`<base>.weight`): `<base>.resid.weight` and its
+/// scale, if the checkpoint has them.
+pub fn residual_of<'a>(
+    ck: &'a Checkpoint,
+    weight_name: &str,
+) -> Option<(TensorRef<'a>, Option<TensorRef<'a>>)> {
+    let base = weight_name.strip_suffix(".weight")?;
+    let name = format!("{base}{RESIDUAL_SUFFIX}");
+    let t = ck.get(&name)?;
+    Some((t, scale_of(ck, &name)))
+}
+
+/// Classify a residual stage of a `[rows, cols]` E8P weight: E8P12 or E81B codes of that shape.
+pub fn classify_residual<'a>(
+    weight: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+    rows: usize,
+    cols: usize,
+) -> Result<WeightLayout<'a>, String> {
+    let l = classify(weight, scale, None)?;
+    if !matches!(l.layout, Layout::E8p | Layout::E81) || (l.rows, l.cols) != (rows, cols) {
+        return Err(format!(
+            "a residual stage must be E8P12 or E81B codes of a [{rows}, {cols}] matrix, \
+             this is {} {}x{}",
+            l.layout.label(),
+            l.rows,
+            l.cols
+        ));
+    }
+    Ok(l)
 }
 
 /// The scale partner of weight `weight_name`, if the checkpoint has one.
@@ -170,6 +218,16 @@ pub fn classify<'a>(
             s.name, s.shape
         ));
     };
+    // lattice codes: one f32 scale per row
+    if s.dtype == Dtype::F32 && sc == 1 && sr == rows {
+        match weight.dtype {
+            Dtype::U16 => return done(Layout::E8p, rows, cols * 8),
+            Dtype::U8 if weight.name.ends_with(RESIDUAL_SUFFIX) => {
+                return done(Layout::E81, rows, cols * 8)
+            }
+            _ => {}
+        }
+    }
     let scale_dtype = match s.dtype {
         Dtype::F8_E8M0 => ScaleDtype::E8m0,
         Dtype::F32 => ScaleDtype::F32,
@@ -293,8 +351,19 @@ pub fn weight_as<'a>(
     let w = ck
         .get(&name)
         .ok_or_else(|| format!("tensor `{name}` is missing"))?;
-    classify_as(w, scale_of(ck, &name), rows, cols, block_hint)
-        .map_err(|e| format!("tensor `{name}`: {e}"))
+    let l = classify_as(w, scale_of(ck, &name), rows, cols, block_hint)
+        .map_err(|e| format!("tensor `{name}`: {e}"))?;
+    if let Some((rw, rs)) = residual_of(ck, &name) {
+        if l.layout != Layout::E8p {
+            return Err(format!(
+                "tensor `{}`: a residual stage of a {} weight (only E8P12 weights take one)",
+                rw.name,
+                l.layout.label()
+            ));
+        }
+        classify_residual(rw, rs, rows, cols).map_err(|e| format!("tensor `{}`: {e}", rw.name))?;
+    }
+    Ok(l)
 }
 
 /// A vector the model reads whole: present, F32 or BF16, `len` values.

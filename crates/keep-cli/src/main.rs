@@ -34,6 +34,7 @@ enum Command {
     Calibrate(cmd::calibrate::CalibrateArgs),
     Finalize(cmd::finalize::FinalizeArgs),
     Select(cmd::select::SelectArgs),
+    Quant(cmd::quant::QuantArgs),
 }
 
 fn main() {
@@ -58,6 +59,7 @@ fn main() {
         Command::Pack(a) => cmd::pack::run(a),
         Command::Calibrate(a) => cmd::calibrate::run(a),
         Command::Finalize(a) => cmd::finalize::run(a),
+        Command::Quant(a) => cmd::quant::run(a),
         Command::Select(a) => cmd::select::run(a),
     };
     if let Err(e) = result {

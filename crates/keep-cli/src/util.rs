@@ -78,6 +78,18 @@ pub fn byte_bar(total: u64, what: &str) -> ProgressBar {
     pb
 }
 
+/// A progress bar counting items (tensors, records) with rate and ETA.
+pub fn count_bar(total: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {per_sec} ETA {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

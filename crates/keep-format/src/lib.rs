@@ -11,6 +11,7 @@
 
 pub mod affine;
 pub mod bf16;
+pub mod e81;
 pub mod e8m0;
 pub mod e8p;
 pub mod error;

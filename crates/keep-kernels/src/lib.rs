@@ -39,7 +39,7 @@ pub mod weight;
 
 pub use error::KernelError;
 pub use matmul::{matmul, matmul_ref, matmul_rows, matmul_with, Kernels};
-pub use weight::{BlockScales, WeightKind, WeightView};
+pub use weight::{BlockScales, E8pResidual, WeightKind, WeightView};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, KernelError>;

@@ -11,9 +11,15 @@
 //!   `w[i,j] = e4m3(q[i,j]) · 2^(s[i, j/32] − 127)`.
 //! - `Mxfp4`: packed E2M1 `[rows, cols/2]` (element 2k in the low nibble of byte k), E8M0 scales
 //!   `[rows, cols/32]`: `w[i,j] = e2m1(nibble) · 2^(s[i, j/32] − 127)`.
+//! - `E8p`: E8P12 codes `[rows, cols/8]` (u16 little-endian, `keep_format::e8p`) and f32 scales
+//!   `[rows]`: `w[i,j] = s[i] · e8p(code[i, j/8])[j%8]`; with a residual stage (codes `[rows,
+//!   cols/8]` of E81B bytes or E8P12 u16, f32 scales `[rows]`), `w[i,j] = s[i]·q₁ + s₂[i]·q₂`
+//!   (two f32 products and one f32 add, in that order).
 
 use crate::codec::{bf16_at, e8m0_to_f32, f32_at, E2M1};
 use crate::{KernelError, Result};
+use keep_format::e81::{decode_e81, decode_e81_ref};
+use keep_format::e8p::{decode_e8p, decode_e8p_ref};
 
 /// E4M3FN byte → f32 without a table (vectorises, and never touches an f32 subnormal, which
 /// would be slow): E>0 builds the f32 directly (exponent E+120, mantissa M at bit 20); E=0 is
@@ -62,6 +68,49 @@ pub enum BlockScales<'a> {
     Bf16(&'a [u8]),
 }
 
+/// The residual stage of an E8P weight: codes `[rows, cols/8]` and f32 scales `[rows]`.
+#[derive(Debug, Clone, Copy)]
+pub struct E8pResidual<'a> {
+    /// E81B bytes (`e81`) or E8P12 u16 little-endian codes.
+    pub codes: &'a [u8],
+    pub scales: &'a [u8],
+    /// Whether the codes are E81B (one byte per 8 weights) rather than E8P12.
+    pub e81: bool,
+}
+
+impl E8pResidual<'_> {
+    #[inline(always)]
+    fn decode(&self, k: usize) -> [f32; 8] {
+        if self.e81 {
+            decode_e81(self.codes[k])
+        } else {
+            decode_e8p(u16::from_le_bytes([
+                self.codes[2 * k],
+                self.codes[2 * k + 1],
+            ]))
+        }
+    }
+
+    fn decode_ref(&self, k: usize) -> [f32; 8] {
+        if self.e81 {
+            decode_e81_ref(self.codes[k])
+        } else {
+            decode_e8p_ref(u16::from_le_bytes([
+                self.codes[2 * k],
+                self.codes[2 * k + 1],
+            ]))
+        }
+    }
+
+    fn code_bytes(&self) -> usize {
+        if self.e81 {
+            1
+        } else {
+            2
+        }
+    }
+}
+
 /// The format-specific bytes of a [`WeightView`].
 #[derive(Debug, Clone, Copy)]
 pub enum WeightKind<'a> {
@@ -82,6 +131,11 @@ pub enum WeightKind<'a> {
     Mxfp4 {
         packed: &'a [u8],
         scales: &'a [u8],
+    },
+    E8p {
+        codes: &'a [u8],
+        scales: &'a [u8],
+        resid: Option<E8pResidual<'a>>,
     },
 }
 
@@ -197,6 +251,55 @@ impl<'a> WeightView<'a> {
         })
     }
 
+    /// E8P12: u16 codes `[rows, cols/8]` and f32 scales `[rows]` (little-endian bytes).
+    pub fn e8p(codes: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        if !cols.is_multiple_of(8) {
+            return Err(KernelError::Shape {
+                what: "e8p weight",
+                msg: format!("{cols} columns is not a multiple of 8"),
+            });
+        }
+        check("e8p codes", rows, cols, rows * cols / 8 * 2, codes.len())?;
+        check("e8p scales", rows, cols, rows * 4, scales.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::E8p {
+                codes,
+                scales,
+                resid: None,
+            },
+        })
+    }
+
+    /// This E8P weight with a residual stage added.
+    pub fn with_residual(self, r: E8pResidual<'a>) -> Result<Self> {
+        let (rows, cols) = (self.rows, self.cols);
+        let WeightKind::E8p { codes, scales, .. } = self.kind else {
+            return Err(KernelError::Shape {
+                what: "residual stage",
+                msg: format!("a {} weight takes no residual", self.format_name()),
+            });
+        };
+        check(
+            "residual codes",
+            rows,
+            cols,
+            rows * cols / 8 * r.code_bytes(),
+            r.codes.len(),
+        )?;
+        check("residual scales", rows, cols, rows * 4, r.scales.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::E8p {
+                codes,
+                scales,
+                resid: Some(r),
+            },
+        })
+    }
+
     /// Rows `r0..r1` as a view of their own.
     pub fn slice_rows(&self, r0: usize, r1: usize) -> Result<Self> {
         if r0 > r1 || r1 > self.rows {
@@ -230,6 +333,22 @@ impl<'a> WeightView<'a> {
                 packed: &packed[r0 * c / 2..r1 * c / 2],
                 scales: &scales[r0 * c / 32..r1 * c / 32],
             },
+            WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            } => WeightKind::E8p {
+                codes: &codes[r0 * c / 4..r1 * c / 4],
+                scales: &scales[r0 * 4..r1 * 4],
+                resid: resid.map(|r| {
+                    let b = r.code_bytes();
+                    E8pResidual {
+                        codes: &r.codes[r0 * c / 8 * b..r1 * c / 8 * b],
+                        scales: &r.scales[r0 * 4..r1 * 4],
+                        e81: r.e81,
+                    }
+                }),
+            },
         };
         Ok(WeightView {
             rows: r1 - r0,
@@ -245,6 +364,11 @@ impl<'a> WeightView<'a> {
             WeightKind::Fp8Block { q, .. } => q.len(),
             WeightKind::Mxfp8 { q, scales } => q.len() + scales.len(),
             WeightKind::Mxfp4 { packed, scales } => packed.len() + scales.len(),
+            WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            } => codes.len() + scales.len() + resid.map_or(0, |r| r.codes.len() + r.scales.len()),
         }
     }
 
@@ -256,6 +380,14 @@ impl<'a> WeightView<'a> {
             WeightKind::Fp8Block { .. } => "fp8-block",
             WeightKind::Mxfp8 { .. } => "mxfp8",
             WeightKind::Mxfp4 { .. } => "mxfp4",
+            WeightKind::E8p { resid: None, .. } => "e8p2",
+            WeightKind::E8p { resid: Some(r), .. } => {
+                if r.e81 {
+                    "e8p2+e81"
+                } else {
+                    "e8p2+e8p2"
+                }
+            }
         }
     }
 
@@ -293,6 +425,19 @@ impl<'a> WeightView<'a> {
                     byte >> 4
                 };
                 E2M1[nib as usize] * e8m0_to_f32(scales[r * cols / 32 + c / 32])
+            }
+            WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            } => {
+                let k = (r * cols + c) / 8;
+                let code = u16::from_le_bytes([codes[2 * k], codes[2 * k + 1]]);
+                let v = f32_at(scales, r) * decode_e8p_ref(code)[c % 8];
+                match resid {
+                    Some(rs) => v + f32_at(rs.scales, r) * rs.decode_ref(k)[c % 8],
+                    None => v,
+                }
             }
         }
     }
@@ -375,6 +520,32 @@ impl<'a> WeightView<'a> {
                     for (d2, &b) in dch.chunks_exact_mut(2).zip(pch) {
                         d2[0] = e2m1_bits(b & 0xF) * s;
                         d2[1] = e2m1_bits(b >> 4) * s;
+                    }
+                }
+            }
+            WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            } => {
+                let kc = cols / 8;
+                let s1 = f32_at(scales, r);
+                for (g, d8) in dst.chunks_exact_mut(8).enumerate() {
+                    let k = r * kc + g;
+                    let q = decode_e8p(u16::from_le_bytes([codes[2 * k], codes[2 * k + 1]]));
+                    match resid {
+                        Some(rs) => {
+                            let s2 = f32_at(rs.scales, r);
+                            let q2 = rs.decode(k);
+                            for i in 0..8 {
+                                d8[i] = s1 * q[i] + s2 * q2[i];
+                            }
+                        }
+                        None => {
+                            for i in 0..8 {
+                                d8[i] = s1 * q[i];
+                            }
+                        }
                     }
                 }
             }

@@ -40,7 +40,37 @@ pub fn weight<'a>(
 ) -> Result<WeightView<'a>> {
     let wname = format!("{base}.weight");
     let w = tensor(ck, &wname)?;
-    view(w, layout::scale_of(ck, &wname), rows, cols, block_hint)
+    view_with_residual(
+        w,
+        layout::scale_of(ck, &wname),
+        layout::residual_of(ck, &wname),
+        rows,
+        cols,
+        block_hint,
+    )
+}
+
+/// [`view`], with the residual stage of an E8P weight (`<base>.resid.weight` and its scale,
+/// keep-checkpoint's [`layout::residual_of`]) attached when there is one.
+pub fn view_with_residual<'a>(
+    w: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+    resid: Option<(TensorRef<'a>, Option<TensorRef<'a>>)>,
+    rows: usize,
+    cols: usize,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightView<'a>> {
+    let v = view(w, scale, rows, cols, block_hint)?;
+    let Some((rw, rs)) = resid else {
+        return Ok(v);
+    };
+    let rl = layout::classify_residual(rw, rs, rows, cols).map_err(|e| fmt_err(rw.name, e))?;
+    v.with_residual(keep_kernels::E8pResidual {
+        codes: rw.bytes,
+        scales: rl.scale.map_or(&[][..], |s| s.bytes),
+        e81: rl.layout == Layout::E81,
+    })
+    .map_err(|e| fmt_err(rw.name, e.to_string()))
 }
 
 /// The view of a weight tensor and its optional scale tensor, as `[rows, cols]`: the layout is
@@ -75,6 +105,13 @@ pub fn view<'a>(
             WeightView::fp8_block(w.bytes, scales, rows, cols, block.0, block.1)
         }
         Layout::Mxfp4 => WeightView::mxfp4(w.bytes, sbytes(), rows, cols),
+        Layout::E8p => WeightView::e8p(w.bytes, sbytes(), rows, cols),
+        Layout::E81 => {
+            return Err(fmt_err(
+                name,
+                "E81B codes are a residual stage, not a weight",
+            ));
+        }
     }
     .map_err(kerr)
 }

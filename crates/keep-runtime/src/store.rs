@@ -59,6 +59,8 @@ pub struct ExpertLayout {
     pub tensors: Vec<TensorPart>,
     /// Index into `tensors` of each matrix's weight and optional scale (`w1`, `w2`, `w3`).
     pub mats: [(usize, Option<usize>); 3],
+    /// Per matrix, the residual stage of an E8P weight (code tensor, scale tensor), if any.
+    pub resid: [Option<(usize, Option<usize>)>; 3],
     pub runs: Vec<ReadRun>,
     /// Bytes of the tensors themselves.
     pub bytes: u64,
@@ -266,9 +268,11 @@ impl ExpertStore {
                         runs: vec![],
                         bytes: 0,
                         slot_bytes: 0,
+                        resid: [None; 3],
                     });
                     continue;
                 }
+                let mut resid = [None; 3];
                 for (m, (w, rows, cols)) in [("w1", i, d), ("w2", d, i), ("w3", i, d)]
                     .into_iter()
                     .enumerate()
@@ -284,8 +288,9 @@ impl ExpertStore {
                         msg: format!("no tensor `{wname}` in the checkpoint"),
                     })?;
                     let st = keep_checkpoint::layout::scale_of(ck, &wname);
+                    let rt = keep_checkpoint::layout::residual_of(ck, &wname);
                     // The same format and shape checks the model makes (views only).
-                    keep_model::weights::view(wt, st, rows, cols, hint)?;
+                    keep_model::weights::view_with_residual(wt, st, rt, rows, cols, hint)?;
                     let wi = tensors.len();
                     tensors.push(part_of(wt));
                     let si = st.map(|s| {
@@ -293,6 +298,15 @@ impl ExpertStore {
                         tensors.len() - 1
                     });
                     mats[m] = (wi, si);
+                    resid[m] = rt.map(|(r, rs)| {
+                        tensors.push(part_of(r));
+                        let ri = tensors.len() - 1;
+                        let rsi = rs.map(|s| {
+                            tensors.push(part_of(s));
+                            tensors.len() - 1
+                        });
+                        (ri, rsi)
+                    });
                 }
                 let (runs, sb) = plan_runs(&mut tensors);
                 let bytes: u64 = tensors.iter().map(|t| t.len).sum();
@@ -302,6 +316,7 @@ impl ExpertStore {
                 layouts.push(ExpertLayout {
                     tensors,
                     mats,
+                    resid,
                     runs,
                     bytes,
                     slot_bytes: sb,
@@ -427,9 +442,14 @@ impl ExpertStore {
             let (wi, si) = lay.mats[m];
             let w = tref(wi)?;
             let s = si.map(tref).transpose()?;
-            out.push(keep_model::weights::view(
+            let r = match lay.resid[m] {
+                Some((ri, rsi)) => Some((tref(ri)?, rsi.map(tref).transpose()?)),
+                None => None,
+            };
+            out.push(keep_model::weights::view_with_residual(
                 w,
                 s,
+                r,
                 rows,
                 cols,
                 self.block_hint,

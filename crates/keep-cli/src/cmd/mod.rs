@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod logits;
 pub mod pack;
 pub mod prune;
+pub mod quant;
 pub mod repack;
 pub mod residency;
 pub mod run;

@@ -25,7 +25,7 @@
 use rayon::prelude::*;
 
 use crate::affine::{Affine8View, AFFINE8_GROUP};
-use crate::weight::{BlockScales, WeightKind};
+use crate::weight::{BlockScales, E8pResidual, WeightKind};
 use crate::{Result, WeightView};
 
 #[cfg(target_arch = "x86_64")]
@@ -62,6 +62,12 @@ pub enum Src<'a> {
         scales: &'a [u8],
         biases: &'a [u8],
     },
+    /// E8P12 codes with an optional residual stage (the scalar path computes it).
+    E8p {
+        codes: &'a [u8],
+        scales: &'a [u8],
+        resid: Option<E8pResidual<'a>>,
+    },
 }
 
 impl<'a> Src<'a> {
@@ -72,6 +78,15 @@ impl<'a> Src<'a> {
             WeightKind::Bf16(b) => Src::Bf16(b),
             WeightKind::Mxfp8 { q, scales } => Src::Mxfp8 { q, scales },
             WeightKind::Mxfp4 { packed, scales } => Src::Mxfp4 { packed, scales },
+            WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            } => Src::E8p {
+                codes,
+                scales,
+                resid,
+            },
             WeightKind::Fp8Block {
                 q,
                 scales,
@@ -101,6 +116,7 @@ impl<'a> Src<'a> {
     fn simd_ok(&self, cols: usize) -> bool {
         match *self {
             Src::Fp8Block { block_cols, .. } => block_cols % 16 == 0 || block_cols >= cols,
+            Src::E8p { .. } => false,
             _ => true,
         }
     }
@@ -147,6 +163,15 @@ impl<'a> Src<'a> {
             Src::Bf16(b) => WeightKind::Bf16(b),
             Src::Mxfp8 { q, scales } => WeightKind::Mxfp8 { q, scales },
             Src::Mxfp4 { packed, scales } => WeightKind::Mxfp4 { packed, scales },
+            Src::E8p {
+                codes,
+                scales,
+                resid,
+            } => WeightKind::E8p {
+                codes,
+                scales,
+                resid,
+            },
             Src::Fp8Block {
                 q,
                 scales,

@@ -1,0 +1,135 @@
+//! `keep quant`: fit lattice codes (E8P12, with an optional E81B or E8P12 residual stage) to
+//! the routed experts of a model, weighted by a calibration run's imatrix.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
+use keep_quant::QuantFormat;
+
+/// Quantize routed experts to 2-bit E8P12 lattice codes (plus a residual stage).
+///
+/// Every selected routed expert's w1/w2/w3 is coded as E8P12 (16 bits per 8 weights) with one
+/// scale per output row, each group of 8 rounded to the nearest codeword under the
+/// imatrix-weighted error (the per-input-channel second moments `keep finalize` wrote), the
+/// scale refitted by weighted least squares. `e8p2+e81` adds a 1-bit E8 residual stage (3 bits
+/// per weight), `e8p2+e8p2` a second E8P12 stage (4 bits), each stored as tensors of their own
+/// with their own scales. Everything else is copied byte for byte. A tensor without an imatrix
+/// entry is refused by name. Work is saved per layer: `--shard I/N` does layers L with
+/// L % N = I, a rerun resumes, and the output is joined (atomically) once every layer is done.
+/// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
+/// and per expert.
+///
+/// Example: keep quant --imatrix /tmp/run --format e8p2+e81 /tmp/keep-tiny-e8p3
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+pub struct QuantArgs {
+    /// [MODEL] OUT: the model to quantize (default: the bundled model) and the output directory.
+    #[arg(value_name = "[MODEL] OUT", num_args = 1..=2, required = true)]
+    paths: Vec<PathBuf>,
+    /// The calibration run directory (with imatrix.safetensors from `keep finalize`) or the file.
+    #[arg(long)]
+    imatrix: PathBuf,
+    /// Code format: e8p2, e8p2+e81 or e8p2+e8p2.
+    #[arg(long, default_value = "e8p2", value_parser = parse_format)]
+    format: QuantFormat,
+    /// `all`, or a plan (keep-prune-plan JSON from `keep select`): only the experts it keeps
+    /// are quantized, the rest stay as shipped.
+    #[arg(long, default_value = "all")]
+    experts: String,
+    /// Do only the layers L with L % N = I (0 ≤ I < N); the last shard to finish joins.
+    #[arg(long, value_parser = parse_shard, default_value = "0/1")]
+    shard: (usize, usize),
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_format(s: &str) -> Result<QuantFormat, String> {
+    QuantFormat::parse(s).ok_or_else(|| format!("unknown format {s}: e8p2, e8p2+e81 or e8p2+e8p2"))
+}
+
+fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+    let (i, n) = s.split_once('/').ok_or("--shard wants I/N")?;
+    let (i, n): (usize, usize) = (
+        i.parse().map_err(|_| format!("bad shard index {i}"))?,
+        n.parse().map_err(|_| format!("bad shard count {n}"))?,
+    );
+    if n == 0 || i >= n {
+        return Err(format!("--shard {i}/{n} is out of range: need 0 ≤ I < N"));
+    }
+    Ok((i, n))
+}
+
+pub fn run(a: QuantArgs) -> anyhow::Result<()> {
+    let (model, out) = match a.paths.as_slice() {
+        [out] => (crate::bundled::default_model_dir()?, out.clone()),
+        [model, out] => (model.clone(), out.clone()),
+        _ => anyhow::bail!("give [MODEL] OUT"),
+    };
+    crate::util::check_out_of_cache(&out)?;
+    keep_checkpoint::writer::check_dir_target(&out, a.force, &[model.clone(), a.imatrix.clone()])?;
+    let experts = if a.experts == "all" {
+        ExpertSelection::All
+    } else {
+        ExpertSelection::from_plan(std::path::Path::new(&a.experts))?
+    };
+    let opts = QuantOptions {
+        format: a.format,
+        experts,
+        shard: a.shard,
+        force: a.force,
+    };
+    let bar = crate::util::count_bar(0, "quant");
+    let r = quantize(&model, &a.imatrix, &out, &opts, &|d, t| {
+        bar.set_length(t as u64);
+        bar.set_position(d as u64);
+    })
+    .with_context(|| format!("quantizing {} into {}", model.display(), out.display()))?;
+    bar.finish_and_clear();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let mb = r.source_bytes_fitted as f64 / 1e6;
+    println!(
+        "{}: fitted {} layers ({:.1} MB of source expert weights in {:.1} s, {:.2} MB/s)",
+        r.method,
+        r.layers_fitted.len(),
+        mb,
+        r.fit_seconds,
+        mb / r.fit_seconds.max(1e-9)
+    );
+    if !r.joined {
+        println!(
+            "layers still to do: {:?}; run the other shards (or rerun without --shard) to join",
+            r.layers_missing
+        );
+        return Ok(());
+    }
+    let mut mean: std::collections::BTreeMap<&str, (f64, usize)> = Default::default();
+    for e in &r.experts {
+        for (k, v) in &e.rel_error {
+            let m = mean.entry(k.as_str()).or_default();
+            m.0 += v;
+            m.1 += 1;
+        }
+    }
+    println!(
+        "wrote {}: {} tensors at {:.3} bits/weight (scales included)",
+        out.display(),
+        r.tensors_quantized,
+        r.bits_per_weight
+    );
+    for (k, (s, n)) in mean {
+        println!(
+            "  mean imatrix-weighted relative error per expert, {k}: {:.5}",
+            s / n as f64
+        );
+    }
+    Ok(())
+}

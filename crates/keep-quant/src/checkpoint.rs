@@ -1,0 +1,582 @@
+//! The quantized checkpoint `keep quant` writes: every selected routed expert's w1/w2/w3 fitted
+//! with [`crate::fit`], everything else copied byte for byte.
+//!
+//! # Output tensors (for a quantized weight `<base>` = `layers.{L}.ffn.experts.{E}.w{1,2,3}`)
+//! | tensor | dtype, shape | meaning |
+//! |---|---|---|
+//! | `<base>.weight` | `U16 [rows, cols/8]` | E8P12 codes (keep's layout, `keep_format::e8p`) |
+//! | `<base>.scale` | `F32 [rows, 1]` | one scale per output row |
+//! | `<base>.resid.weight` | `U8 [rows, cols/8]` (E81B) or `U16` (E8P12) | residual stage codes |
+//! | `<base>.resid.scale` | `F32 [rows, 1]` | the residual stage's per-row scale |
+//!
+//! `w[r, 8g+i] = scale[r] · e8p(code[r, g])[i] + resid.scale[r] · resid(resid.code[r, g])[i]`.
+//! The residual is a tensor of its own so that a runtime can hold the base rung and read the
+//! residual separately. `config.json` gains a `keep_quantization` object (`format`
+//! `keep-quant`, `version` 1, the method and, per quantized base name, its code format), and
+//! every shard's metadata names the method. `quant-report.json` holds the imatrix-weighted
+//! reconstruction error of every rung of every quantized tensor (and per expert), the
+//! numbers the tier allocator reads.
+//!
+//! # Parts, shards, resume
+//! Work is done per decoder layer; each finished layer is written atomically as a part
+//! (`<out>.keep-quant-parts/layer-{L}`, a small checkpoint directory of its tensors plus
+//! `errors.json`). `shard = (I, N)` does the layers with `L % N == I`; a layer whose part
+//! exists is not redone (resume). When every layer's part exists the output is joined (source
+//! tensors in their order, quantized ones replaced) through keep-checkpoint's atomic writer,
+//! and the parts are removed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use keep_checkpoint::layout::{self, Layout, ScaleDtype};
+use keep_checkpoint::safetensors::ShardFile;
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
+use keep_kernels::{BlockScales, WeightView};
+
+use crate::fit::{fit_matrix, FittedMatrix, QuantFormat, ResidualCodes};
+use crate::{QuantError, Result};
+
+/// `format` of the checkpoint's `keep_quantization` entry and of `quant-report.json`.
+pub const QUANT_FORMAT: &str = "keep-quant";
+/// Their version.
+pub const QUANT_VERSION: u32 = 1;
+/// The report's file name in the output.
+pub const REPORT_FILE: &str = "quant-report.json";
+/// The config key describing the quantization.
+pub const CONFIG_KEY: &str = "keep_quantization";
+/// Expert projections that are quantized.
+pub const PARTS: [&str; 3] = ["w1", "w2", "w3"];
+
+/// Which experts to quantize.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertSelection {
+    /// Every routed expert of every decoder layer.
+    All,
+    /// Per layer, the experts to quantize; layers not named are quantized whole, experts of a
+    /// named layer that are not listed stay as shipped.
+    Only(BTreeMap<usize, BTreeSet<usize>>),
+}
+
+impl ExpertSelection {
+    /// The survivors of a prune plan (`keep select`'s output): the experts it keeps.
+    pub fn from_plan(path: &Path) -> Result<ExpertSelection> {
+        let plan = keep_artifacts::plan::PrunePlan::read(path)
+            .map_err(|e| QuantError::Input(format!("{}: {e}", path.display())))?;
+        Ok(ExpertSelection::Only(
+            plan.layers
+                .iter()
+                .filter_map(|l| {
+                    l.survivors
+                        .as_ref()
+                        .map(|s| (l.layer, s.iter().copied().collect()))
+                })
+                .collect(),
+        ))
+    }
+
+    fn wants(&self, layer: usize, expert: usize) -> bool {
+        match self {
+            ExpertSelection::All => true,
+            ExpertSelection::Only(m) => m.get(&layer).is_none_or(|s| s.contains(&expert)),
+        }
+    }
+}
+
+/// Options of [`quantize`].
+#[derive(Debug, Clone)]
+pub struct QuantOptions {
+    pub format: QuantFormat,
+    pub experts: ExpertSelection,
+    /// `(I, N)`: only layers with `L % N == I`.
+    pub shard: (usize, usize),
+    pub force: bool,
+}
+
+/// Errors of one quantized tensor, per rung (relative = imatrix-weighted squared error over
+/// the imatrix-weighted squared weight).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TensorErrors {
+    pub name: String,
+    pub layer: usize,
+    pub expert: usize,
+    pub part: String,
+    pub rows: usize,
+    pub cols: usize,
+    /// Rung label → relative weighted error.
+    pub rel_error: BTreeMap<String, f64>,
+    /// Rung label → weighted squared error.
+    pub error: BTreeMap<String, f64>,
+    /// Σ h w² (the denominator).
+    pub weight: f64,
+}
+
+/// One expert's errors per rung (its three projections summed).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExpertErrors {
+    pub layer: usize,
+    pub expert: usize,
+    pub rel_error: BTreeMap<String, f64>,
+}
+
+/// What [`quantize`] did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QuantReport {
+    pub format: String,
+    pub version: u32,
+    pub method: String,
+    pub source: String,
+    pub output: String,
+    /// Layers fitted by this call (others were done by earlier calls or other shards).
+    pub layers_fitted: Vec<usize>,
+    /// Layers whose part is still missing (empty once joined).
+    pub layers_missing: Vec<usize>,
+    /// Whether the output checkpoint was written by this call.
+    pub joined: bool,
+    pub tensors_quantized: usize,
+    /// Bytes of the source expert weights (and their scales) fitted by this call.
+    pub source_bytes_fitted: u64,
+    /// Seconds spent fitting in this call.
+    pub fit_seconds: f64,
+    /// Stored bits per weight of the quantized tensors, scales included.
+    pub bits_per_weight: f64,
+    pub experts: Vec<ExpertErrors>,
+    pub tensors: Vec<TensorErrors>,
+}
+
+/// The f32 values of a source weight in any layout keep computes with.
+fn decode_source(
+    w: TensorRef,
+    scale: Option<TensorRef>,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>> {
+    let l = layout::classify_as(w, scale, rows, cols, None)
+        .map_err(|e| QuantError::Input(format!("{}: {e}", w.name)))?;
+    let sb = l.scale.map_or(&[][..], |s| s.bytes);
+    let view = match l.layout {
+        Layout::Plain(Dtype::F32) => WeightView::f32(w.bytes, rows, cols)?,
+        Layout::Plain(Dtype::BF16) => WeightView::bf16(w.bytes, rows, cols)?,
+        Layout::Mxfp4 => WeightView::mxfp4(w.bytes, sb, rows, cols)?,
+        l @ Layout::Fp8Block { .. } if l.is_mxfp8() => WeightView::mxfp8(w.bytes, sb, rows, cols)?,
+        Layout::Fp8Block { block, scale } => {
+            let s = match scale {
+                ScaleDtype::E8m0 => BlockScales::E8m0(sb),
+                ScaleDtype::F32 => BlockScales::F32(sb),
+                ScaleDtype::Bf16 => BlockScales::Bf16(sb),
+            };
+            WeightView::fp8_block(w.bytes, s, rows, cols, block.0, block.1)?
+        }
+        other => {
+            return Err(QuantError::Input(format!(
+                "{}: cannot quantize a weight stored as {}",
+                w.name,
+                other.label()
+            )))
+        }
+    };
+    let mut out = vec![0f32; rows * cols];
+    for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+        view.decode_row(r, row);
+    }
+    Ok(out)
+}
+
+/// The imatrix file (`keep finalize`'s `imatrix.safetensors`, or a run directory holding it).
+pub struct Imatrix {
+    file: ShardFile,
+}
+
+impl Imatrix {
+    /// Open `path` (a file, or a directory with `imatrix.safetensors`); refuses a file whose
+    /// metadata `format` is not `keep-imatrix`.
+    pub fn open(path: &Path) -> Result<Imatrix> {
+        let p = if path.is_dir() {
+            path.join("imatrix.safetensors")
+        } else {
+            path.to_path_buf()
+        };
+        let file = ShardFile::open(&p)?;
+        match file.header().metadata.get("format").map(String::as_str) {
+            Some("keep-imatrix") => Ok(Imatrix { file }),
+            other => Err(QuantError::Input(format!(
+                "{}: format {other:?} is not keep-imatrix (run keep finalize on the calibration run)",
+                p.display()
+            ))),
+        }
+    }
+
+    /// The per-column second moments (Σ x² / count) for key `imatrix.{L}.{key}`, if present
+    /// with `cols` entries.
+    pub fn get(&self, layer: usize, key: &str, cols: usize) -> Option<Vec<f32>> {
+        let name = format!("imatrix.{layer}.{key}");
+        let h = self.file.header();
+        let t = h.tensors.iter().find(|t| t.name == name)?;
+        if t.dtype != Dtype::F32 || t.numel() != cols as u64 {
+            return None;
+        }
+        let b = self.file.data(t);
+        Some(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    }
+}
+
+struct Target {
+    layer: usize,
+    expert: usize,
+    part: &'static str,
+    base: String,
+    rows: usize,
+    cols: usize,
+}
+
+fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
+    let cfg = ck.require_config()?;
+    let (hidden, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let mut out = vec![];
+    for layer in 0..cfg.num_hidden_layers {
+        for expert in 0..cfg.experts_in_layer(layer) {
+            if !opts.experts.wants(layer, expert) {
+                continue;
+            }
+            for part in PARTS {
+                let base = format!("layers.{layer}.ffn.experts.{expert}.{part}");
+                if !ck.contains(&format!("{base}.weight")) {
+                    return Err(QuantError::Input(format!(
+                        "{base}.weight is missing from the checkpoint"
+                    )));
+                }
+                let (rows, cols) = if part == "w2" {
+                    (hidden, inter)
+                } else {
+                    (inter, hidden)
+                };
+                out.push(Target {
+                    layer,
+                    expert,
+                    part,
+                    base,
+                    rows,
+                    cols,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn parts_dir(out: &Path) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_else(|| "out".into());
+    out.with_file_name(format!(".{name}.keep-quant-parts"))
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn u16_bytes(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The tensors of one fitted weight, in write order.
+fn fitted_tensors(base: &str, f: &FittedMatrix) -> Vec<(TensorMeta, Vec<u8>)> {
+    let (r, kc) = (f.rows as u64, (f.cols / 8) as u64);
+    let mut v = vec![
+        (
+            TensorMeta::new(format!("{base}.weight"), Dtype::U16, &[r, kc]),
+            u16_bytes(&f.codes),
+        ),
+        (
+            TensorMeta::new(format!("{base}.scale"), Dtype::F32, &[r, 1]),
+            f32_bytes(&f.scales),
+        ),
+    ];
+    if let Some(st) = &f.residual {
+        let (dt, bytes) = match &st.codes {
+            ResidualCodes::E81(c) => (Dtype::U8, c.clone()),
+            ResidualCodes::E8p(c) => (Dtype::U16, u16_bytes(c)),
+        };
+        v.push((
+            TensorMeta::new(format!("{base}.resid.weight"), dt, &[r, kc]),
+            bytes,
+        ));
+        v.push((
+            TensorMeta::new(format!("{base}.resid.scale"), Dtype::F32, &[r, 1]),
+            f32_bytes(&st.scales),
+        ));
+    }
+    v
+}
+
+/// Progress callback: (tensors fitted so far in this call, tensors to fit in this call).
+pub type Progress<'a> = &'a dyn Fn(usize, usize);
+
+/// Quantize `model` into `out` (see the module docs). Checks everything it can before fitting:
+/// the imatrix has every tensor it must quantize (else [`QuantError::MissingImatrix`] naming
+/// the tensor), the output may be written, the shard is valid.
+pub fn quantize(
+    model: &Path,
+    imatrix: &Path,
+    out: &Path,
+    opts: &QuantOptions,
+    progress: Progress,
+) -> Result<QuantReport> {
+    let (si, sn) = opts.shard;
+    if sn == 0 || si >= sn {
+        return Err(QuantError::Input(format!(
+            "shard {si}/{sn} is out of range: need 0 ≤ I < N"
+        )));
+    }
+    let ck = Checkpoint::open(model)?;
+    let cfg = ck.require_config()?;
+    let im = Imatrix::open(imatrix)?;
+    let targets = targets(&ck, opts)?;
+    for t in &targets {
+        let key = format!("ffn.experts.{}.{}", t.expert, t.part);
+        if im.get(t.layer, &key, t.cols).is_none() {
+            return Err(QuantError::MissingImatrix {
+                tensor: format!("{}.weight", t.base),
+                key: format!("imatrix.{}.{key}", t.layer),
+            });
+        }
+    }
+    keep_checkpoint::writer::check_dir_target(out, opts.force, &[model.to_path_buf()])?;
+    let parts = parts_dir(out);
+    std::fs::create_dir_all(&parts).map_err(|e| QuantError::Io {
+        path: parts.display().to_string(),
+        source: e,
+    })?;
+    let layers: BTreeSet<usize> = targets.iter().map(|t| t.layer).collect();
+    let part_of = |l: usize| parts.join(format!("layer-{l:05}"));
+    let todo: Vec<usize> = layers
+        .iter()
+        .copied()
+        .filter(|l| l % sn == si && !part_of(*l).join("errors.json").is_file())
+        .collect();
+    let total: usize = targets.iter().filter(|t| todo.contains(&t.layer)).count();
+    let mut done = 0usize;
+    let mut source_bytes = 0u64;
+    let t0 = std::time::Instant::now();
+    progress(0, total);
+    for &l in &todo {
+        let mut tensors: Vec<(TensorMeta, Vec<u8>)> = vec![];
+        let mut errs: Vec<TensorErrors> = vec![];
+        for t in targets.iter().filter(|t| t.layer == l) {
+            let wname = format!("{}.weight", t.base);
+            let w = ck.tensor(&wname)?;
+            let s = layout::scale_of(&ck, &wname);
+            source_bytes += w.bytes.len() as u64 + s.map_or(0, |s| s.bytes.len() as u64);
+            let vals = decode_source(w, s, t.rows, t.cols)?;
+            let key = format!("ffn.experts.{}.{}", t.expert, t.part);
+            let h = im.get(l, &key, t.cols).expect("checked above");
+            let f = fit_matrix(&vals, t.rows, t.cols, &h, opts.format)
+                .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
+            let mut rel = BTreeMap::new();
+            let mut abs = BTreeMap::new();
+            abs.insert(QuantFormat::E8p2.label().to_string(), f.errors.base);
+            if let Some(e) = f.errors.full {
+                abs.insert(opts.format.label().to_string(), e);
+            }
+            for (k, v) in &abs {
+                rel.insert(k.clone(), v / f.errors.weight.max(f64::MIN_POSITIVE));
+            }
+            errs.push(TensorErrors {
+                name: wname,
+                layer: l,
+                expert: t.expert,
+                part: t.part.to_string(),
+                rows: t.rows,
+                cols: t.cols,
+                rel_error: rel,
+                error: abs,
+                weight: f.errors.weight,
+            });
+            tensors.extend(fitted_tensors(&t.base, &f));
+            done += 1;
+            progress(done, total);
+        }
+        let metas = tensors.iter().map(|(m, _)| m.clone()).collect();
+        let mut w = CheckpointWriter::create(
+            &part_of(l),
+            metas,
+            WriterOptions {
+                force: true,
+                ..WriterOptions::default()
+            },
+        )?;
+        for (m, b) in &tensors {
+            w.write_tensor(&m.name, b)?;
+        }
+        w.add_file(
+            "errors.json",
+            serde_json::to_string(&errs).expect("JSON").as_bytes(),
+        )?;
+        w.finish()?;
+    }
+    let fit_seconds = t0.elapsed().as_secs_f64();
+    let missing: Vec<usize> = layers
+        .iter()
+        .copied()
+        .filter(|l| !part_of(*l).join("errors.json").is_file())
+        .collect();
+    let bits = {
+        let (mut bits, mut n) = (0f64, 0f64);
+        for t in &targets {
+            let k = (t.rows * t.cols) as f64;
+            bits += opts.format.bits_per_weight(t.rows, t.cols) * k;
+            n += k;
+        }
+        if n > 0.0 {
+            bits / n
+        } else {
+            0.0
+        }
+    };
+    let mut report = QuantReport {
+        format: QUANT_FORMAT.into(),
+        version: QUANT_VERSION,
+        method: opts.format.label().into(),
+        source: model.display().to_string(),
+        output: out.display().to_string(),
+        layers_fitted: todo.clone(),
+        layers_missing: missing.clone(),
+        joined: false,
+        tensors_quantized: targets.len(),
+        source_bytes_fitted: source_bytes,
+        fit_seconds,
+        bits_per_weight: bits,
+        experts: vec![],
+        tensors: vec![],
+    };
+    if !missing.is_empty() {
+        return Ok(report);
+    }
+    // join
+    let mut part_cks = BTreeMap::new();
+    for &l in &layers {
+        let p = part_of(l);
+        let text = keep_checkpoint::small_file::read_text(
+            &p.join("errors.json"),
+            keep_checkpoint::small_file::MAX_SMALL_FILE,
+        )?;
+        let e: Vec<TensorErrors> = serde_json::from_str(&text)
+            .map_err(|e| QuantError::Input(format!("{}: {e}", p.display())))?;
+        report.tensors.extend(e);
+        part_cks.insert(l, Checkpoint::open(&p)?);
+    }
+    let quantized: BTreeSet<String> = targets.iter().map(|t| t.base.clone()).collect();
+    let base_of = |name: &str| -> Option<String> {
+        let b = name
+            .strip_suffix(".weight")
+            .or_else(|| name.strip_suffix(".scale"))?;
+        quantized.contains(b).then(|| b.to_string())
+    };
+    let layer_of = |b: &str| -> usize {
+        b.split('.')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    };
+    // output order: the source's, each quantized weight's tensors where its weight was
+    let mut plan: Vec<(TensorMeta, Option<(usize, String)>)> = vec![];
+    for t in ck.tensors() {
+        match base_of(t.name) {
+            Some(b) if t.name.ends_with(".weight") => {
+                let l = layer_of(&b);
+                let pck = &part_cks[&l];
+                for suffix in [".weight", ".scale", ".resid.weight", ".resid.scale"] {
+                    let n = format!("{b}{suffix}");
+                    if let Some(pt) = pck.get(&n) {
+                        plan.push((TensorMeta::new(n.clone(), pt.dtype, pt.shape), Some((l, n))));
+                    }
+                }
+            }
+            Some(_) => {} // the source scale is replaced
+            None => plan.push((TensorMeta::new(t.name, t.dtype, t.shape), None)),
+        }
+    }
+    let mut shard_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    shard_meta.insert(CONFIG_KEY.into(), opts.format.label().into());
+    let mut w = CheckpointWriter::create(
+        out,
+        plan.iter().map(|(m, _)| m.clone()).collect(),
+        WriterOptions {
+            force: opts.force,
+            shard_metadata: shard_meta,
+            protect: vec![model.to_path_buf()],
+            ..WriterOptions::default()
+        },
+    )?;
+    for (m, src) in &plan {
+        let bytes = match src {
+            Some((l, n)) => part_cks[l].tensor(n)?.bytes,
+            None => ck.tensor(&m.name)?.bytes,
+        };
+        w.write_tensor(&m.name, bytes)?;
+    }
+    let per_tensor: BTreeMap<&String, &str> =
+        quantized.iter().map(|b| (b, opts.format.label())).collect();
+    let raw = cfg.raw_with(&[(
+        CONFIG_KEY,
+        json!({
+            "format": QUANT_FORMAT,
+            "version": QUANT_VERSION,
+            "method": opts.format.label(),
+            "tensors": per_tensor,
+        }),
+    )]);
+    w.add_file(
+        "config.json",
+        serde_json::to_string_pretty(&raw).expect("JSON").as_bytes(),
+    )?;
+    for f in ck.aux_files()? {
+        let name = f.file_name().expect("a file").to_string_lossy().to_string();
+        if name == REPORT_FILE {
+            continue;
+        }
+        w.copy_file(&name, &f)?;
+    }
+    // per-expert errors: the three projections' sums
+    let mut by_expert: BTreeMap<(usize, usize), (BTreeMap<String, f64>, f64)> = BTreeMap::new();
+    for t in &report.tensors {
+        let e = by_expert.entry((t.layer, t.expert)).or_default();
+        for (k, v) in &t.error {
+            *e.0.entry(k.clone()).or_default() += v;
+        }
+        e.1 += t.weight;
+    }
+    report.experts = by_expert
+        .into_iter()
+        .map(|((layer, expert), (err, wsum))| ExpertErrors {
+            layer,
+            expert,
+            rel_error: err
+                .into_iter()
+                .map(|(k, v)| (k, v / wsum.max(f64::MIN_POSITIVE)))
+                .collect(),
+        })
+        .collect();
+    report.joined = true;
+    w.add_file(
+        REPORT_FILE,
+        serde_json::to_string_pretty(&report)
+            .expect("JSON")
+            .as_bytes(),
+    )?;
+    w.finish()?;
+    drop(part_cks);
+    let _ = std::fs::remove_dir_all(&parts);
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,192 @@
+//! End-to-end tests of the quantized checkpoint on the bundled model: a few experts per
+//! layer (the plan selection), a synthetic imatrix, refusal naming a tensor without an
+//! imatrix, shards joined, and the written codes decoding to the reported errors.
+
+use super::*;
+use crate::fit::{column_weights, dequantize_ref};
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+
+fn bundled() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
+}
+
+/// An imatrix file for the bundled model: entries `1 + (j % 7)` for every routed expert
+/// projection, leaving out `skip` (a key).
+fn write_imatrix(dir: &Path, skip: Option<&str>) -> PathBuf {
+    let ck = Checkpoint::open(&bundled()).unwrap();
+    let cfg = ck.require_config().unwrap();
+    let mut metas = vec![];
+    let mut data = vec![];
+    for l in 0..cfg.num_hidden_layers {
+        for e in 0..cfg.experts_in_layer(l) {
+            for p in PARTS {
+                let name = format!("imatrix.{l}.ffn.experts.{e}.{p}");
+                if Some(name.as_str()) == skip {
+                    continue;
+                }
+                let cols = if p == "w2" {
+                    cfg.moe_intermediate_size
+                } else {
+                    cfg.hidden_size
+                };
+                let v: Vec<f32> = (0..cols).map(|j| 1.0 + (j % 7) as f32).collect();
+                metas.push(TensorMeta::new(name, Dtype::F32, &[cols as u64]));
+                data.push(f32_bytes(&v));
+            }
+        }
+    }
+    let out = dir.join("im");
+    let mut w = CheckpointWriter::create(
+        &out,
+        metas.clone(),
+        WriterOptions {
+            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
+            ..WriterOptions::default()
+        },
+    )
+    .unwrap();
+    for (m, d) in metas.iter().zip(&data) {
+        w.write_tensor(&m.name, d).unwrap();
+    }
+    w.finish().unwrap();
+    out.join("model.safetensors")
+}
+
+/// Two experts in every layer, so the test stays small.
+fn few_experts() -> ExpertSelection {
+    ExpertSelection::Only((0..8).map(|l| (l, BTreeSet::from([1, 30]))).collect())
+}
+
+#[test]
+fn quantize_refuse_shard_join_and_decode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = write_imatrix(tmp.path(), Some("imatrix.3.ffn.experts.30.w2"));
+    let out = tmp.path().join("q");
+    let opts = QuantOptions {
+        format: QuantFormat::E8p2E81,
+        experts: few_experts(),
+        shard: (0, 1),
+        force: false,
+    };
+    let err = quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("layers.3.ffn.experts.30.w2.weight")
+            && msg.contains("imatrix.3.ffn.experts.30.w2"),
+        "{msg}"
+    );
+    assert!(!out.exists());
+
+    let im = write_imatrix(&tmp.path().join("full"), None);
+    // shard 1/2 first: odd layers only, nothing joined yet
+    let r = quantize(
+        &bundled(),
+        &im,
+        &out,
+        &QuantOptions {
+            shard: (1, 2),
+            ..opts.clone()
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    assert_eq!(r.layers_fitted, vec![1, 3, 5, 7]);
+    assert_eq!(r.layers_missing, vec![0, 2, 4, 6]);
+    assert!(!r.joined && !out.exists());
+    // rerun of the same shard: resumed, nothing redone
+    let r = quantize(
+        &bundled(),
+        &im,
+        &out,
+        &QuantOptions {
+            shard: (1, 2),
+            ..opts.clone()
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    assert!(r.layers_fitted.is_empty());
+    // the other shard joins
+    let r = quantize(
+        &bundled(),
+        &im,
+        &out,
+        &QuantOptions {
+            shard: (0, 2),
+            ..opts.clone()
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    assert!(r.joined && r.layers_missing.is_empty());
+    assert_eq!(r.tensors.len(), 8 * 2 * 3);
+    assert_eq!(r.experts.len(), 16);
+    assert!(!parts_dir(&out).exists());
+    // an existing output is refused without force
+    assert!(quantize(&bundled(), &im, &out, &opts, &|_, _| {}).is_err());
+
+    let q = Checkpoint::open(&out).unwrap();
+    let src = Checkpoint::open(&bundled()).unwrap();
+    let cfg = q.require_config().unwrap();
+    let entry = &cfg.raw_with(&[])[CONFIG_KEY];
+    assert_eq!(entry["method"], "e8p2+e81");
+    assert_eq!(entry["tensors"]["layers.2.ffn.experts.30.w1"], "e8p2+e81");
+    // an unselected expert is byte-identical, a selected one is coded
+    let a = q.tensor("layers.2.ffn.experts.0.w1.weight").unwrap();
+    assert_eq!(
+        a.bytes,
+        src.tensor("layers.2.ffn.experts.0.w1.weight")
+            .unwrap()
+            .bytes
+    );
+    let c = q.tensor("layers.2.ffn.experts.1.w2.weight").unwrap();
+    assert_eq!((c.dtype, c.shape), (Dtype::U16, &[256u64, 16][..]));
+    let rc = q.tensor("layers.2.ffn.experts.1.w2.resid.weight").unwrap();
+    assert_eq!((rc.dtype, rc.shape), (Dtype::U8, &[256u64, 16][..]));
+    // decode the stored tensors and recompute the reported error
+    let t = r
+        .tensors
+        .iter()
+        .find(|t| t.name == "layers.2.ffn.experts.1.w2.weight")
+        .unwrap();
+    let rd = |n: &str| -> Vec<f32> {
+        q.tensor(n)
+            .unwrap()
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let f = FittedMatrix {
+        rows: 256,
+        cols: 128,
+        codes: c
+            .bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect(),
+        scales: rd("layers.2.ffn.experts.1.w2.scale"),
+        residual: Some(crate::fit::ResidualStage {
+            codes: ResidualCodes::E81(rc.bytes.to_vec()),
+            scales: rd("layers.2.ffn.experts.1.w2.resid.scale"),
+        }),
+        errors: Default::default(),
+    };
+    let w = src.tensor("layers.2.ffn.experts.1.w2.weight").unwrap();
+    let s = layout::scale_of(&src, "layers.2.ffn.experts.1.w2.weight");
+    let orig = decode_source(w, s, 256, 128).unwrap();
+    let imv: Vec<f32> = (0..128).map(|j| 1.0 + (j % 7) as f32).collect();
+    let h = column_weights(&imv).unwrap();
+    let mean = imv.iter().map(|&v| v as f64).sum::<f64>() / 128.0;
+    let hat = dequantize_ref(&f);
+    let err: f64 = orig
+        .iter()
+        .zip(&hat)
+        .enumerate()
+        .map(|(j, (&a, &b))| h[j % 128] as f64 * mean * (a as f64 - b).powi(2))
+        .sum();
+    let reported = t.error["e8p2+e81"];
+    assert!((err - reported).abs() <= 1e-9 * err, "{err} vs {reported}");
+    assert!(t.rel_error["e8p2+e81"] < t.rel_error["e8p2"]);
+    assert!(q.dir().join(REPORT_FILE).is_file());
+}
