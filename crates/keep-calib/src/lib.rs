@@ -12,7 +12,8 @@
 //! no pruning (keep-convert's `prune` applies the plan).
 //!
 //! Depends on: keep-model (forward, observers), keep-checkpoint (safetensors reading, atomic
-//! writer), keep-artifacts (the prune plan), `tokenizers`, `safetensors`, `plotters`.
+//! writer), keep-artifacts (prune plans, REAP statistics, typed safetensors reads), `tokenizers`,
+//! `plotters`.
 //!
 //! # Files
 //!

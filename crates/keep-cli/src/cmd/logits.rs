@@ -1,18 +1,15 @@
 //! `keep logits`: run one prefill of the model on token ids (or a prompt) and write the f32
 //! logits `[T, vocab]` (`logits`) and the token ids (`tokens`, int32) to a safetensors file, the
 //! layout `tools/oracle/model_ref.py` writes for the reference, so the two compare directly.
+//! The forward is keep-model's `logits::logits`, the file keep-artifacts' `logits`.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
-use keep_model::observer::{
-    KvFp8Event, KvFp8Recorder, RouteEvent, RouteObserver, RouteRecorder, KV_FP8_BLOCK,
-};
-use keep_model::{Logits, Model};
-use safetensors::tensor::{Dtype, TensorView};
+use keep_model::logits::{logits, LogitsOptions};
+use keep_model::Model;
 
 /// Write the model's logits for a token sequence to a safetensors file.
 ///
@@ -51,26 +48,6 @@ pub struct LogitsArgs {
     /// head_dim/32], the scale's power of two). For comparing with a reference's own rounding.
     #[arg(long)]
     fp8_kv: bool,
-}
-
-/// The observer of one `keep logits` run: routes always, FP8 KV codes when asked.
-struct Observer {
-    routes: RouteRecorder,
-    kv: Option<KvFp8Recorder>,
-}
-
-impl RouteObserver for Observer {
-    fn wants_kv_fp8(&self) -> bool {
-        self.kv.is_some()
-    }
-    fn on_route(&mut self, ev: &RouteEvent) {
-        self.routes.on_route(ev);
-    }
-    fn on_kv_fp8(&mut self, ev: &KvFp8Event) {
-        if let Some(k) = &mut self.kv {
-            k.on_kv_fp8(ev);
-        }
-    }
 }
 
 /// The model directory: the argument, or the bundled model.
@@ -115,105 +92,18 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
-    let mut cache = model.new_cache();
-    let mut rec = Observer {
-        routes: RouteRecorder::default(),
-        kv: a.fp8_kv.then(KvFp8Recorder::default),
+    let opts = LogitsOptions {
+        decode: a.decode,
+        routes: a.routes,
+        fp8_kv: a.fp8_kv,
     };
-    let logits = if a.decode {
-        let mut all = Vec::with_capacity(tokens.len() * model.cfg.vocab);
-        for &t in &tokens {
-            all.extend(model.forward(&[t], &mut cache, Logits::All, Some(&mut rec))?);
-        }
-        all
-    } else {
-        model.forward(&tokens, &mut cache, Logits::All, Some(&mut rec))?
-    };
-    // Routes as [layers, T, top_k], each row sorted.
-    let (nl, t, k) = (model.cfg.n_layers, tokens.len(), model.cfg.top_k);
-    let mut routes = vec![-1i32; nl * t * k];
-    for (layer, start, ex) in &rec.routes.calls {
-        for (i, row) in ex.chunks_exact(k).enumerate() {
-            let mut r: Vec<i32> = row.iter().map(|&v| v as i32).collect();
-            r.sort_unstable();
-            let o = (layer * t + start + i) * k;
-            routes[o..o + k].copy_from_slice(&r);
-        }
-    }
-    // FP8 KV codes as [layers, T, head_dim] and scale exponents as [layers, T, head_dim/32].
-    let hd = model.cfg.head_dim;
-    let (mut kv_codes, mut kv_exp) = (vec![], vec![]);
-    if let Some(kv) = &rec.kv {
-        anyhow::ensure!(
-            !kv.calls.is_empty(),
-            "--fp8-kv: this model rounds no KV rows to FP8 (only DeepSeek-V4.1 attention does)"
-        );
-        kv_codes = vec![0u8; nl * t * hd];
-        kv_exp = vec![0i32; nl * t * (hd / KV_FP8_BLOCK)];
-        for c in &kv.calls {
-            anyhow::ensure!(
-                c.cols == hd && c.layer < nl && c.start_pos + c.rows <= t,
-                "--fp8-kv: layer {} reported {} rows of {} at position {}, outside [{nl}, {t}, {hd}]",
-                c.layer,
-                c.rows,
-                c.cols,
-                c.start_pos
-            );
-            let o = (c.layer * t + c.start_pos) * hd;
-            kv_codes[o..o + c.codes.len()].copy_from_slice(&c.codes);
-            let o = (c.layer * t + c.start_pos) * (hd / KV_FP8_BLOCK);
-            kv_exp[o..o + c.scale_exp.len()].copy_from_slice(&c.scale_exp);
-        }
-    }
-    let eb: Vec<u8> = kv_exp.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let rb: Vec<u8> = routes.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let tb: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&v| (v as i32).to_le_bytes())
-        .collect();
-    let mut m = HashMap::new();
-    m.insert(
-        "logits".to_string(),
-        TensorView::new(Dtype::F32, vec![tokens.len(), model.cfg.vocab], &lb)?,
-    );
-    m.insert(
-        "tokens".to_string(),
-        TensorView::new(Dtype::I32, vec![tokens.len()], &tb)?,
-    );
-    if a.routes {
-        m.insert(
-            "routes".to_string(),
-            TensorView::new(Dtype::I32, vec![nl, t, k], &rb)?,
-        );
-    }
-    if a.fp8_kv {
-        m.insert(
-            "kv_fp8_codes".to_string(),
-            TensorView::new(Dtype::U8, vec![nl, t, hd], &kv_codes)?,
-        );
-        m.insert(
-            "kv_fp8_scale_exp".to_string(),
-            TensorView::new(Dtype::I32, vec![nl, t, hd / KV_FP8_BLOCK], &eb)?,
-        );
-    }
-    let meta: HashMap<String, String> = [
-        ("format".to_string(), "keep-logits".to_string()),
-        ("version".to_string(), "1".to_string()),
-        ("model".to_string(), dir.display().to_string()),
-        (
-            "mode".to_string(),
-            if a.decode { "decode" } else { "prefill" }.to_string(),
-        ),
-    ]
-    .into();
-    let bytes = safetensors::serialize(m, Some(meta))?;
-    keep_checkpoint::atomic::write_file(&a.out, &bytes, a.force)?;
+    let file = logits(&model, &dir.display().to_string(), &tokens, &opts)?;
+    file.write(&a.out, a.force)?;
     eprintln!(
         "wrote {} ({} tokens × {} logits)",
         a.out.display(),
         tokens.len(),
-        model.cfg.vocab
+        file.vocab
     );
     Ok(())
 }
