@@ -3,11 +3,12 @@
 //! layout `tools/oracle/model_ref.py` writes for the reference, so the two compare directly.
 //! The forward is keep-model's `logits::logits`, the file keep-artifacts' `logits`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
+use keep_model::generate::{encode_prompt, load_tokenizer, Prompt};
 use keep_model::logits::{logits, LogitsOptions};
 use keep_model::Model;
 
@@ -58,40 +59,40 @@ pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// The model's tokenizer (`tokenizer.json` in its directory).
-pub fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
-    Ok(keep_model::generate::load_tokenizer(dir)?)
-}
-
-/// Token ids of `text` (with the tokenizer's special tokens, as the reference tools encode).
-pub fn encode(dir: &Path, text: &str) -> anyhow::Result<Vec<u32>> {
-    let tok = tokenizer(dir)?;
-    let enc = tok
-        .encode(text, true)
-        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-    Ok(enc.get_ids().to_vec())
-}
-
 pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     let dir = model_dir(a.model)?;
     crate::util::check_out_file(&a.out, a.force, &[&dir])?;
-    let tokens: Vec<u32> = match (&a.tokens, &a.prompt) {
-        (Some(t), None) => t
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .map(|s| {
-                s.trim()
-                    .parse::<u32>()
-                    .with_context(|| format!("`{s}` is not a token id"))
-            })
-            .collect::<anyhow::Result<_>>()?,
-        (None, Some(p)) => encode(&dir, p)?,
+    let ids: Option<Vec<u32>> = match (&a.tokens, &a.prompt) {
+        (Some(t), None) => Some(
+            t.split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| {
+                    s.trim()
+                        .parse::<u32>()
+                        .with_context(|| format!("`{s}` is not a token id"))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        (None, Some(p)) => {
+            anyhow::ensure!(!p.is_empty(), "no tokens to run");
+            None
+        }
         _ => anyhow::bail!("give --tokens 1,2,3 or --prompt TEXT"),
     };
-    anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
+    // A prompt is encoded as the reference tools encode it (the tokenizer's special tokens
+    // added), by keep-model's one prompt encoder.
+    let tokens = match ids {
+        Some(ids) => ids,
+        None => {
+            let text = a.prompt.as_deref().unwrap_or_default();
+            let tok = load_tokenizer(&dir)?;
+            encode_prompt(&model.cfg, Some(&tok), Prompt::Text(text), 0)?
+        }
+    };
+    anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
     let opts = LogitsOptions {
         decode: a.decode,
         routes: a.routes,
