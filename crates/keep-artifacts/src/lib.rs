@@ -4,9 +4,17 @@
 //!
 //! What it is: route traces ([`routes`], `keep-routes` v1: written by calibration, by the
 //! residency simulator's synthetic traces and by `keep run --record-routes`; read by `keep
-//! residency` and the runtime's warm start) and prune plans ([`plan`], `keep-prune-plan` v1
+//! residency` and the runtime's warm start); prune plans ([`plan`], `keep-prune-plan` v1
 //! JSON: written by `keep select`, read by `keep prune`, `keep eval` and `keep bench prune`; with
-//! [`hashremap`], how a pruned hash-routed layer's `tid2eid` replaces its removed experts).
+//! [`hashremap`], how a pruned hash-routed layer's `tid2eid` replaces its removed experts);
+//! REAP statistics ([`reap`], `keep-reap-stats` v1: the per-layer sums calibration sessions
+//! carry and `keep finalize` writes; read by `keep select`, `keep residency --warm-start reap`
+//! and the runtime's warm start); calibration sessions ([`session`], `keep-calib-session` v1,
+//! and the summed `keep-imatrix`: written by `keep calibrate` and `keep finalize`, read by
+//! `keep finalize` and `keep eval`); `keep logits`' file ([`logits`], `keep-logits` v1); and
+//! `keep run --stats-json` ([`run_stats`], `keep-run-stats` v1). [`st`] holds the typed reads
+//! the safetensors artifacts share; every one of them is written by keep-checkpoint's
+//! `tensor_file`.
 //!
 //! What it is not: no model, no simulation, no printing; it never panics on input — every
 //! problem is a typed [`ArtifactError`] naming the file and tensor.
@@ -17,9 +25,13 @@
 pub mod error;
 pub mod fuzzing;
 pub mod hashremap;
+pub mod logits;
 pub mod plan;
+pub mod reap;
 pub mod routes;
 pub mod run_stats;
+pub mod session;
+pub mod st;
 
 pub use error::ArtifactError;
 

@@ -25,7 +25,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use keep_checkpoint::{CheckpointWriter, Dtype, ShardFile, TensorMeta, WriterOptions};
+use keep_checkpoint::tensor_file;
+use keep_checkpoint::{Dtype, ShardFile, TensorMeta};
 
 use crate::{ArtifactError, Result};
 
@@ -313,8 +314,9 @@ pub fn session_tensors(s: &Session) -> Result<Vec<(TensorMeta, Vec<u8>)>> {
     Ok(out)
 }
 
-/// Write `s` to the single file `path`, atomically: the file is built by keep-checkpoint's
-/// writer in a hidden sibling directory, synced, and renamed into place only when complete.
+/// Write `s` to the single file `path`, atomically: keep-checkpoint's single-file writer
+/// (`tensor_file`) builds it in a hidden temporary sibling, syncs it, and renames it into place
+/// only when complete.
 /// `extra_metadata` is added to the header (it may not redefine the keys of
 /// [`session_metadata`]). An existing `path` is refused unless `force`.
 pub fn write_session(
@@ -333,40 +335,18 @@ pub fn write_session(
         }
         meta.insert(k.clone(), v.clone());
     }
-    let tensors = session_tensors(s)?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| ArtifactError::Trace {
-            path: path.to_path_buf(),
-            msg: "has no file name".into(),
-        })?
-        .to_string_lossy()
-        .to_string();
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let stage = parent.join(format!(".{name}.keep-routes-{}", std::process::id()));
-    let opts = WriterOptions {
-        max_shard_bytes: u64::MAX,
-        force: true,
-        shard_metadata: meta,
-        sync: true,
-        protect: vec![],
-    };
-    let mut w = CheckpointWriter::create(
-        &stage,
-        tensors.iter().map(|(m, _)| m.clone()).collect(),
-        opts,
+    let tensors: Vec<tensor_file::Tensor> = session_tensors(s)?
+        .into_iter()
+        .map(|(meta, data)| tensor_file::Tensor { meta, data })
+        .collect();
+    // Route traces have always had the checkpoint shards' header (every key in byte order).
+    tensor_file::write(
+        path,
+        &tensors,
+        &tensor_file::pairs(&meta),
+        tensor_file::KeyOrder::Sorted,
+        force,
     )?;
-    for (m, bytes) in &tensors {
-        w.write_tensor(&m.name, bytes)?;
-    }
-    let dir = w.finish()?;
-    let built = dir.join("model.safetensors");
-    let moved = keep_checkpoint::atomic::place_file(&built, path, force);
-    let _ = std::fs::remove_dir_all(&dir);
-    moved?;
     Ok(path.to_path_buf())
 }
 
@@ -755,17 +735,14 @@ mod tests {
         .unwrap();
         // A safetensors file without routes (like imatrix.safetensors).
         let other = dir.path().join("imatrix.safetensors");
-        let w = CheckpointWriter::create(
-            &dir.path().join("tmpdir"),
-            vec![TensorMeta::new("imatrix.0", Dtype::F32, &[1])],
-            WriterOptions::default(),
-        )
-        .unwrap();
-        let mut w = w;
-        w.write_tensor("imatrix.0", &1f32.to_le_bytes()).unwrap();
-        let d = w.finish().unwrap();
-        std::fs::rename(d.join("model.safetensors"), &other).unwrap();
-        std::fs::remove_dir_all(d).unwrap();
+        raw(
+            &other,
+            &[],
+            vec![(
+                TensorMeta::new("imatrix.0", Dtype::F32, &[1]),
+                1f32.to_le_bytes().to_vec(),
+            )],
+        );
         let t = read_run(dir.path()).unwrap();
         let ids: Vec<_> = t.sessions.iter().map(|s| s.id.as_str()).collect();
         assert_eq!(ids, ["first", "second"]);
@@ -784,23 +761,15 @@ mod tests {
 
     /// Write raw tensors with arbitrary metadata (for bad-input tests).
     fn raw(path: &Path, meta: &[(&str, &str)], tensors: Vec<(TensorMeta, Vec<u8>)>) {
-        let stage = path.with_extension("stage");
-        let opts = WriterOptions {
-            shard_metadata: meta
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            ..WriterOptions::default()
-        };
-        let mut w =
-            CheckpointWriter::create(&stage, tensors.iter().map(|t| t.0.clone()).collect(), opts)
-                .unwrap();
-        for (m, b) in &tensors {
-            w.write_tensor(&m.name, b).unwrap();
-        }
-        let d = w.finish().unwrap();
-        std::fs::rename(d.join("model.safetensors"), path).unwrap();
-        std::fs::remove_dir_all(d).unwrap();
+        let meta: Vec<(String, String)> = meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let tensors: Vec<tensor_file::Tensor> = tensors
+            .into_iter()
+            .map(|(meta, data)| tensor_file::Tensor { meta, data })
+            .collect();
+        tensor_file::write(path, &tensors, &meta, tensor_file::KeyOrder::Sorted, true).unwrap();
     }
 
     fn ids(name: &str, shape: &[u64], v: &[i16]) -> (TensorMeta, Vec<u8>) {

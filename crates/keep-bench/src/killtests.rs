@@ -1751,13 +1751,8 @@ fn write_row(dir: &Path, row: &Row) -> Result<()> {
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let p = dir.join(format!("{}.json", row.test));
-    let json = serde_json::to_string_pretty(row).map_err(|e| BenchError::Invalid(e.to_string()))?;
     // Rows are replaced on a rerun: the directory is the kill tests' own evidence.
-    Ok(keep_checkpoint::atomic::write_file(
-        &p,
-        json.as_bytes(),
-        true,
-    )?)
+    crate::evidence::write_json(&p, row, true)
 }
 
 /// Run the kill tests; `on_row` sees each row as it completes (to print its verdict line).

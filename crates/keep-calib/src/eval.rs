@@ -102,21 +102,14 @@ fn load_teacher(run: &Path, pack: &Pack) -> Result<Vec<TeacherRecord>> {
                 "session is not complete; rerun keep calibrate on this run",
             ));
         }
-        let ids: Vec<&str> = f
-            .meta("records")?
-            .split(',')
-            .filter(|x| !x.is_empty())
-            .collect();
+        let ids = crate::session::read_records(&f)?;
         for (i, rid) in ids.iter().enumerate() {
             let rec = pack.records.iter().find(|r| r.id == *rid).ok_or_else(|| {
                 CalibError::invalid(&path, format!("record {rid} is not in the pack"))
             })?;
-            let shape = f.shape(&format!("teacher.{i}.topk_ids"))?;
-            let k = shape.get(1).copied().unwrap_or(0);
-            let topk_ids = read_i32(&f, &format!("teacher.{i}.topk_ids"))?;
-            let lps = f.f32s(&format!("teacher.{i}.topk_logprobs"))?;
-            let next = f.f32s(&format!("teacher.{i}.next_logprob"))?;
-            if topk_ids.len() != rec.tokens.len() * k || next.len() + 1 != rec.tokens.len() {
+            let t = crate::session::read_teacher(&f, i)?;
+            let (k, topk_ids, lps, next) = (t.k, t.topk_ids, t.topk_logprobs, t.next_logprob);
+            if t.tokens != rec.tokens.len() || next.len() + 1 != rec.tokens.len() {
                 return Err(CalibError::invalid(
                     &path,
                     format!(
@@ -141,23 +134,6 @@ fn load_teacher(run: &Path, pack: &Pack) -> Result<Vec<TeacherRecord>> {
         )));
     }
     Ok(out)
-}
-
-fn read_i32(f: &StFile, name: &str) -> Result<Vec<i32>> {
-    let info = f
-        .info(name)
-        .ok_or_else(|| CalibError::invalid(f.path(), format!("no tensor `{name}`")))?;
-    if info.dtype != keep_checkpoint::Dtype::I32 {
-        return Err(CalibError::invalid(
-            f.path(),
-            format!("tensor `{name}` is {}, expected I32", info.dtype),
-        ));
-    }
-    let bytes = f.file.data(info);
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
 }
 
 /// The `tid2eid` tables a plan gives the model's pruned hash-routed layers (its remap applied,

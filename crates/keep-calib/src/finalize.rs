@@ -24,15 +24,16 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::calibrate::RunManifest;
-use crate::session::{imatrix_tensors_of, read_sums, reap_tensors, session_path, SESSION_FORMAT};
+use crate::session::{imatrix_tensors_of, read_sums, session_path, IMATRIX_FORMAT, SESSION_FORMAT};
 use crate::st::{write_atomic, StFile};
 use crate::stats::{ImEntry, LayerReap};
 use crate::{CalibError, Result};
+pub use keep_artifacts::reap::ReapStats;
 
 /// The imatrix output file name.
 pub const IMATRIX_FILE: &str = "imatrix.safetensors";
-/// The REAP output file name.
-pub const REAP_FILE: &str = "reap-stats.safetensors";
+/// The REAP output file name (keep-artifacts' `reap::FILE`).
+pub const REAP_FILE: &str = keep_artifacts::reap::FILE;
 
 /// What [`finalize`] wrote.
 #[derive(Debug, Clone, Serialize)]
@@ -211,27 +212,28 @@ pub fn finalize(run: &Path) -> Result<FinalizeReport> {
             }
         }
     }
-    let mut meta = BTreeMap::new();
-    meta.insert("version".to_string(), "1".to_string());
-    meta.insert("n_layers".into(), nl.to_string());
-    meta.insert("n_experts".into(), ne.to_string());
-    meta.insert("top_k".into(), m.top_k.to_string());
-    meta.insert("hidden".into(), hidden.to_string());
-    meta.insert("hash_layers".into(), comma(&m.hash_layers));
-    meta.insert("model_fingerprint".into(), m.model_fingerprint.clone());
-    meta.insert("pack_fingerprint".into(), m.pack_fingerprint.clone());
-    meta.insert("split".into(), m.split.name().into());
-    meta.insert("sessions".into(), files.len().to_string());
-    meta.insert("tokens".into(), tokens.to_string());
-    let mut im_meta = meta.clone();
-    im_meta.insert("format".into(), "keep-imatrix".into());
+    let stats = ReapStats {
+        n_layers: nl,
+        n_experts: ne,
+        top_k: m.top_k,
+        hidden,
+        hash_layers: m.hash_layers.clone(),
+        model_fingerprint: m.model_fingerprint.clone(),
+        pack_fingerprint: m.pack_fingerprint.clone(),
+        split: m.split.name().into(),
+        sessions: files.len(),
+        tokens,
+        scores: reap.iter().map(LayerReap::score).collect(),
+        layers: reap,
+    };
+    // The imatrix file carries the same description of the run, under its own format.
+    let mut im_meta = stats.metadata();
+    im_meta.insert("format".into(), IMATRIX_FORMAT.into());
     let ip = run.join(IMATRIX_FILE);
     // The run directory's own statistics: a rerun of finalize replaces them.
-    write_atomic(&ip, &imatrix_tensors_of(&imatrix), &im_meta, true)?;
-    let mut rp_meta = meta;
-    rp_meta.insert("format".into(), "keep-reap-stats".into());
+    write_atomic(&ip, imatrix_tensors_of(&imatrix), &im_meta, true)?;
     let rp = run.join(REAP_FILE);
-    write_atomic(&rp, &reap_tensors(&reap, true), &rp_meta, true)?;
+    stats.write(&rp, true)?;
     Ok(FinalizeReport {
         run: run.to_path_buf(),
         sessions: files.len(),
@@ -242,75 +244,8 @@ pub fn finalize(run: &Path) -> Result<FinalizeReport> {
     })
 }
 
-/// REAP statistics read back from `reap-stats.safetensors`.
-#[derive(Debug, Clone)]
-pub struct ReapStats {
-    pub n_layers: usize,
-    pub n_experts: usize,
-    pub top_k: usize,
-    pub hidden: usize,
-    pub hash_layers: Vec<usize>,
-    pub model_fingerprint: String,
-    pub pack_fingerprint: String,
-    pub tokens: u64,
-    pub layers: Vec<LayerReap>,
-    pub scores: Vec<Vec<f64>>,
-}
-
-/// Read `reap-stats.safetensors` (a run directory or the file itself).
+/// Read `reap-stats.safetensors` (a run directory or the file itself): keep-artifacts'
+/// [`ReapStats::read`].
 pub fn read_reap_stats(path: &Path) -> Result<ReapStats> {
-    let p = if path.is_dir() {
-        path.join(REAP_FILE)
-    } else {
-        path.to_path_buf()
-    };
-    if !p.exists() {
-        return Err(CalibError::invalid(
-            &p,
-            "no REAP statistics here: run `keep finalize RUN` first",
-        ));
-    }
-    let f = StFile::open(&p)?;
-    if f.meta("format")? != "keep-reap-stats" || f.meta("version")? != "1" {
-        return Err(CalibError::invalid(&p, "not keep-reap-stats version 1"));
-    }
-    let nl = f.meta_usize("n_layers")?;
-    let ne = f.meta_usize("n_experts")?;
-    let hidden = f.meta_usize("hidden")?;
-    let top_k = f.meta_usize("top_k")?;
-    let hash_layers = f
-        .meta("hash_layers")?
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| s.trim().parse::<usize>())
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| CalibError::invalid(&p, "metadata hash_layers is not a comma list"))?;
-    let s = read_sums(&f, nl, ne, hidden)?;
-    let mut layers = vec![];
-    let mut scores = vec![];
-    for (l, r) in s.reap.into_iter().enumerate() {
-        let r =
-            r.ok_or_else(|| CalibError::invalid(&p, format!("layer {l} has no reap arrays")))?;
-        let sc = f.f64s(&format!("reap.{l}.score"))?;
-        if sc.len() != ne {
-            return Err(CalibError::invalid(
-                &p,
-                format!("reap.{l}.score has {} entries", sc.len()),
-            ));
-        }
-        layers.push(r);
-        scores.push(sc);
-    }
-    Ok(ReapStats {
-        n_layers: nl,
-        n_experts: ne,
-        top_k,
-        hidden,
-        hash_layers,
-        model_fingerprint: f.meta("model_fingerprint")?.to_string(),
-        pack_fingerprint: f.meta("pack_fingerprint")?.to_string(),
-        tokens: f.meta("tokens")?.parse().unwrap_or(0),
-        layers,
-        scores,
-    })
+    Ok(ReapStats::read(path)?)
 }

@@ -12,7 +12,9 @@
 //! no pruning (keep-convert's `prune` applies the plan).
 //!
 //! Depends on: keep-model (forward, observers), keep-checkpoint (safetensors reading, atomic
-//! writer), keep-artifacts (the prune plan), `tokenizers`, `safetensors`, `plotters`.
+//! writer), keep-artifacts (the session files, REAP statistics and prune plans — their formats,
+//! readers and writers; this crate gathers and sums what goes in them), `tokenizers`,
+//! `plotters`.
 //!
 //! # Files
 //!

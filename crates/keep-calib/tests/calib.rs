@@ -451,28 +451,18 @@ fn finalize_refuses_sessions_without_reap_or_with_unequal_counts() {
         let mut ts: Vec<Tensor> = s
             .tensors()
             .iter()
-            .map(|t| Tensor {
-                name: t.name.clone(),
-                dtype: match t.dtype {
-                    keep_checkpoint::Dtype::F32 => safetensors::Dtype::F32,
-                    keep_checkpoint::Dtype::F64 => safetensors::Dtype::F64,
-                    keep_checkpoint::Dtype::I64 => safetensors::Dtype::I64,
-                    keep_checkpoint::Dtype::I16 => safetensors::Dtype::I16,
-                    keep_checkpoint::Dtype::F16 => safetensors::Dtype::F16,
-                    keep_checkpoint::Dtype::I32 => safetensors::Dtype::I32,
-                    d => panic!("{d}"),
-                },
-                shape: t.shape.iter().map(|&d| d as usize).collect(),
-                data: s.file.data(t).to_vec(),
+            .map(|t| {
+                let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+                Tensor::new(t.name.clone(), t.dtype, &shape, s.file.data(t).to_vec())
             })
             .collect();
         edit(&mut ts);
         let meta = s.metadata().clone();
         drop(s);
-        write_atomic(&p, &ts, &meta, true).unwrap();
+        write_atomic(&p, ts, &meta, true).unwrap();
     };
     let a = r.sessions_run[0].clone();
-    rewrite(&a, &|ts| ts.retain(|t| !t.name.starts_with("reap.3.")));
+    rewrite(&a, &|ts| ts.retain(|t| !t.name().starts_with("reap.3.")));
     let e = finalize(&out).unwrap_err().to_string();
     assert!(e.contains("without REAP") && e.contains(&a), "{e}");
     assert!(!out.join(REAP_FILE).exists());
@@ -480,7 +470,7 @@ fn finalize_refuses_sessions_without_reap_or_with_unequal_counts() {
     run(&f.model, &pack, &out, &opts(Split::Calibration)).unwrap();
     let b = r.sessions_run[1].clone();
     rewrite(&b, &|ts| {
-        let t = ts.iter_mut().find(|t| t.name == "reap.2.count").unwrap();
+        let t = ts.iter_mut().find(|t| t.name() == "reap.2.count").unwrap();
         t.data[0] = t.data[0].wrapping_add(1);
     });
     let e = finalize(&out).unwrap_err().to_string();

@@ -7,13 +7,15 @@
 //! ([`layout`], shared by inspect, repack, the model's loader and the runtime's budget), and an
 //! atomic writer that shards, writes the index and a `SHA256SUMS` file, building the output in a
 //! sibling temporary directory and renaming it into place only when complete, and single files
-//! written the same way ([`atomic`]).
+//! written the same way ([`atomic`]; single safetensors files: [`tensor_file`], whose header
+//! builder the shard writer shares).
 //!
 //! What it is not: it never decodes weights (bytes are copied, never interpreted: that is
 //! `keep-format`'s job), it never prints, and it never panics on input: every problem is a typed
 //! [`CheckpointError`] naming the file and tensor.
 //!
-//! Depends on: nothing of keep's (not even `keep-format`); `memmap2`, `serde_json`, `sha2`.
+//! Depends on: nothing of keep's (not even `keep-format`); `memmap2`, `serde_json`, `sha2`, `half`
+//! (f16 tensors of single files).
 
 pub mod atomic;
 pub mod checkpoint;
@@ -29,6 +31,7 @@ pub mod qwen3;
 pub mod safetensors;
 pub mod small_file;
 pub mod sums;
+pub mod tensor_file;
 pub mod writer;
 
 pub use checkpoint::{Checkpoint, TensorRef};

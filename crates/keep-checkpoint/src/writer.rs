@@ -336,29 +336,13 @@ impl CheckpointWriter {
         let Some(shard) = self.shards.get(self.shard) else {
             return Ok(());
         };
-        let mut header = serde_json::Map::new();
-        if !self.opts.shard_metadata.is_empty() {
-            header.insert(
-                "__metadata__".into(),
-                serde_json::to_value(&self.opts.shard_metadata).expect("string map"),
-            );
-        }
-        let mut off = 0u64;
-        for t in &shard.tensors {
-            let end = off + t.nbytes();
-            header.insert(
-                t.name.clone(),
-                serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [off, end]}),
-            );
-            off = end;
-        }
-        let mut json = serde_json::to_vec(&header).expect("JSON of strings and numbers");
-        while !json.len().is_multiple_of(8) {
-            json.push(b' ');
-        }
+        let head = crate::tensor_file::header(
+            &crate::tensor_file::pairs(&self.opts.shard_metadata),
+            &shard.tensors,
+            crate::tensor_file::KeyOrder::Sorted,
+        )?;
         let mut f = HashingFile::create(self.tmp.join(&shard.file))?;
-        f.write(&(json.len() as u64).to_le_bytes())?;
-        f.write(&json)?;
+        f.write(&head)?;
         self.file = Some(f);
         self.tensor = 0;
         self.written = 0;

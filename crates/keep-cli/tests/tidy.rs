@@ -37,8 +37,8 @@ fn every_rust_file_opens_with_a_module_doc() {
 const TEXT_EXTENSIONS: &[&str] = &["rs", "md", "py", "sh", "toml", "txt", "json", "yml", "yaml"];
 
 /// Phrases that speak of how keep was made rather than what it is. Matched case-insensitively
-/// on each line; `issue`/`session` only when a number follows, because a calibration session is
-/// a product concept.
+/// on each line; `issue`/`session`/`PR` only when a number follows, because a calibration
+/// session is a product concept.
 fn history_phrase(line: &str) -> Option<&'static str> {
     let l = line.to_ascii_lowercase();
     for (needle, what) in [
@@ -48,12 +48,15 @@ fn history_phrase(line: &str) -> Option<&'static str> {
         (concat!("second", " session"), "development history"),
         (concat!("this", " session"), "development history"),
         ("guide §", "a guide that is not in the repository"),
+        ("pull request", "development history"),
+        ("fixes #", "a tracker number"),
+        ("closes #", "a tracker number"),
     ] {
         if l.contains(needle) {
             return Some(what);
         }
     }
-    for word in ["issue", "issues", "session"] {
+    for word in ["issue", "issues", "session", "pr"] {
         let mut rest = l.as_str();
         while let Some(i) = rest.find(word) {
             let before_ok = i == 0 || !rest.as_bytes()[i - 1].is_ascii_alphanumeric();
@@ -131,4 +134,8 @@ fn history_phrases_are_recognised() {
     assert!(history_phrase("one calibration session per group").is_none());
     assert!(history_phrase("sessions 0..4").is_none());
     assert!(history_phrase("tissue 3").is_none());
+    assert!(history_phrase("merged in PR #12").is_some());
+    assert!(history_phrase("see the pull request").is_some());
+    assert!(history_phrase("closes #4").is_some());
+    assert!(history_phrase("prefill 3 tokens").is_none());
 }

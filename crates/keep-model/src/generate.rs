@@ -206,17 +206,17 @@ pub enum Prompt<'a> {
     Synthetic(usize),
 }
 
-/// `n` deterministic token ids below `vocab` (a 64-bit LCG, Knuth's MMIX constants, upper
-/// bits): the prompt of a model without a tokenizer, the same for every run.
+/// The state keep-rng's [`keep_rng::Lcg64`] stream starts from for [`synthetic_prompt`].
+pub const SYNTHETIC_PROMPT_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// `n` deterministic token ids below `vocab` (keep-rng's 64-bit LCG stream, Knuth's MMIX
+/// constants, from [`SYNTHETIC_PROMPT_SEED`]; bits 33.. of each output modulo `vocab`): the
+/// prompt of a model without a tokenizer, the same for every run.
 pub fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    use keep_rng::RngCore;
+    let mut r = keep_rng::lcg(SYNTHETIC_PROMPT_SEED);
     (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab.max(1) as u64) as u32
-        })
+        .map(|_| ((r.next_u64() >> 33) % vocab.max(1) as u64) as u32)
         .collect()
 }
 
@@ -510,6 +510,12 @@ mod tests {
         assert_eq!(p, synthetic_prompt(6, 100));
         assert!(p.iter().all(|&t| t < 100));
         assert_eq!(synthetic_prompt(3, 1), vec![0, 0, 0]);
+        // The ids every earlier run drew (the LCG written out: s ← s·A + C, (s >> 33) % vocab).
+        assert_eq!(p, vec![44, 78, 29, 73, 26, 87]);
+        assert_eq!(
+            synthetic_prompt(6, 129280),
+            vec![75024, 48038, 79909, 77473, 2026, 62447]
+        );
     }
 
     #[test]

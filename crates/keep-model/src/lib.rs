@@ -11,7 +11,8 @@
 //! forward), [`RouteObserver`] hooks for calibration (no cost when none is attached), a router
 //! mask hook, and keep's one [`generate()`] (prompt encoding with the model's tokenizer,
 //! sampling, end-of-sequence stops, the streaming detokenizer, timings) over the [`Generate`]
-//! trait. The specification is mlx-lm 0.32.2's
+//! trait, and `keep logits`' forward ([`logits::logits`], gathered into keep-artifacts'
+//! logits file). The specification is mlx-lm 0.32.2's
 //! `mlx_lm/models/deepseek_v41.py` for V4.1 and transformers 5.23's `modeling_deepseek_v4.py`
 //! for V4 (`docs/v4flash.md` lists every difference); each module names the reference function
 //! it follows.
@@ -20,7 +21,8 @@
 //! come from: the MoE layer asks an [`ExpertSource`] (the default reads the checkpoint mapping;
 //! keep-runtime's SSD slot cache plugs in the same way).
 //!
-//! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic).
+//! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic),
+//! `keep-artifacts` (the logits file), `keep-rng` (sampling, synthetic prompts).
 
 pub mod cache;
 pub mod config;
@@ -33,6 +35,7 @@ pub mod fuzzing;
 pub mod generate;
 pub mod hash;
 pub mod layer;
+pub mod logits;
 pub mod memory;
 pub mod model;
 pub mod observer;

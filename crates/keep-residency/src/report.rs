@@ -9,7 +9,6 @@
 
 use std::path::{Path, PathBuf};
 
-use keep_checkpoint::{Dtype, ShardFile};
 use serde::Serialize;
 
 use crate::cost::{CostModel, TokenCost};
@@ -28,8 +27,8 @@ pub const KILL_MISS_RATE: f64 = 0.05;
 pub const VERDICT_RULE: &str = "per hot-set size: KILL if the best realizable policy that fetches every miss \
 (static, lru or decay; belady is the offline ceiling, not a candidate) misses more than 5% of routed \
 slots (misses / (tokens x top_k), pooled over layers and sessions, residency reset per session); else PASS";
-/// The REAP statistics file of a run.
-pub const REAP_FILE: &str = "reap-stats.safetensors";
+/// The REAP statistics file of a run (keep-artifacts' `reap::FILE`).
+pub const REAP_FILE: &str = keep_artifacts::reap::FILE;
 
 /// Hot-set sizes: absolute, or fractions of each layer's experts.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -148,7 +147,8 @@ pub struct Report {
 }
 
 /// Read `reap.{layer}.score` (F64 `[n_experts]`) for every recorded layer from
-/// `reap-stats.safetensors` in the run directory (or beside a single trace file).
+/// `reap-stats.safetensors` in the run directory (or beside a single trace file), through
+/// keep-artifacts' [`ReapScores`](keep_artifacts::reap::ReapScores) reader.
 pub fn read_reap(run: &Path, trace: &RouteTrace) -> Result<Vec<Vec<f64>>> {
     let dir = if run.is_dir() {
         run.to_path_buf()
@@ -166,14 +166,14 @@ pub fn read_reap(run: &Path, trace: &RouteTrace) -> Result<Vec<Vec<f64>>> {
             ),
         });
     }
-    let f = ShardFile::open(&path)?;
     let Some(first) = trace.sessions.first() else {
         return Ok(vec![]);
     };
+    let file = keep_artifacts::reap::ReapScores::read(&path)?;
     let mut out = Vec::with_capacity(first.layers.len());
     for l in &first.layers {
         let name = format!("reap.{}.score", l.layer);
-        let Some(t) = f.header().tensors.iter().find(|t| t.name == name) else {
+        let Some(v) = file.scores.get(l.layer) else {
             return Err(ResidencyError::tensor(
                 &path,
                 &name,
@@ -184,29 +184,14 @@ pub fn read_reap(run: &Path, trace: &RouteTrace) -> Result<Vec<Vec<f64>>> {
                 ),
             ));
         };
-        if t.dtype != Dtype::F64 || t.shape != [l.n_experts as u64] {
+        if v.len() != l.n_experts {
             return Err(ResidencyError::tensor(
                 &path,
                 &name,
-                format!(
-                    "expected F64 [{}], found {} {:?}",
-                    l.n_experts, t.dtype, t.shape
-                ),
+                format!("expected F64 [{}], found F64 [{}]", l.n_experts, v.len()),
             ));
         }
-        let v: Vec<f64> = f
-            .data(t)
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        if let Some(i) = v.iter().position(|x| x.is_nan()) {
-            return Err(ResidencyError::tensor(
-                &path,
-                &name,
-                format!("score of expert {i} is NaN"),
-            ));
-        }
-        out.push(v);
+        out.push(v.clone());
     }
     Ok(out)
 }
@@ -597,31 +582,36 @@ mod tests {
         assert!(simulate(&bad, &opts(HotSizes::Experts(vec![4]))).is_err());
     }
 
-    fn write_reap(dir: &Path, layers: &[(usize, Vec<f64>)]) {
-        let stage = dir.join("stage");
-        let metas = layers
+    /// `reap-stats.safetensors` in `dir` whose layer `l` scores are `scores[l]` (sums made so
+    /// that Σ g·‖f‖ / count is the score: one route of weight 1 and norm `score`).
+    fn write_reap(dir: &Path, ne: usize, scores: &[Vec<f64>]) {
+        use keep_artifacts::reap::{LayerReap, ReapStats};
+        let layers: Vec<LayerReap> = scores
             .iter()
-            .map(|(l, v)| {
-                keep_checkpoint::TensorMeta::new(
-                    format!("reap.{l}.score"),
-                    Dtype::F64,
-                    &[v.len() as u64],
-                )
+            .map(|v| {
+                let mut r = LayerReap::new(ne, 1);
+                for (e, &x) in v.iter().enumerate() {
+                    r.add_outputs(e, &[1.0], &[x as f32]);
+                }
+                r
             })
             .collect();
-        let mut w = keep_checkpoint::CheckpointWriter::create(
-            &stage,
-            metas,
-            keep_checkpoint::WriterOptions::default(),
-        )
-        .unwrap();
-        for (l, v) in layers {
-            let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            w.write_tensor(&format!("reap.{l}.score"), &b).unwrap();
+        ReapStats {
+            n_layers: scores.len(),
+            n_experts: ne,
+            top_k: 1,
+            hidden: 1,
+            hash_layers: vec![],
+            model_fingerprint: String::new(),
+            pack_fingerprint: String::new(),
+            split: "calib".into(),
+            sessions: 1,
+            tokens: 1,
+            scores: scores.to_vec(),
+            layers,
         }
-        let d = w.finish().unwrap();
-        std::fs::rename(d.join("model.safetensors"), dir.join(REAP_FILE)).unwrap();
-        std::fs::remove_dir_all(d).unwrap();
+        .write(&dir.join(REAP_FILE), true)
+        .unwrap();
     }
 
     #[test]
@@ -645,7 +635,9 @@ mod tests {
             ..RouteTrace::default()
         };
         let dir = tempfile::tempdir().unwrap();
-        write_reap(dir.path(), &[(5, vec![0.1, 0.9, 0.2, 0.3])]);
+        let mut scores = vec![vec![0.0; 4]; 6];
+        scores[5] = vec![0.1, 0.9, 0.2, 0.3];
+        write_reap(dir.path(), 4, &scores);
         let scores = read_reap(dir.path(), &t).unwrap();
         assert_eq!(scores, vec![vec![0.1, 0.9, 0.2, 0.3]]);
         let mut o = opts(HotSizes::Experts(vec![1]));
@@ -684,8 +676,12 @@ mod tests {
         // Right file, wrong shape.
         let layer = t.sessions[0].layers[0].layer;
         let name = format!("reap.{layer}.score");
-        write_reap(dir.path(), &[(layer, vec![0.0; 3])]);
+        write_reap(dir.path(), 3, &vec![vec![0.0; 3]; layer + 1]);
         let e = read_reap(dir.path(), &t).unwrap_err().to_string();
         assert!(e.contains(&name) && e.contains("F64 [4]"), "{e}");
+        // Right shape, the trace's layer not in the statistics.
+        write_reap(dir.path(), 4, &vec![vec![0.0; 4]; layer]);
+        let e = read_reap(dir.path(), &t).unwrap_err().to_string();
+        assert!(e.contains(&name) && e.contains("missing"), "{e}");
     }
 }

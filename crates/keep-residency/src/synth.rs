@@ -113,6 +113,30 @@ pub const MAX_SYNTH_SLOTS: u64 = 1 << 30;
 /// traces have always drawn from, so a seed makes the same trace).
 type Rng = keep_rng::SplitMix64;
 
+/// Write [`synthetic`]'s trace of `spec` into `dir` as a run directory: one `keep-routes` file
+/// per session (`{id}.safetensors`, keep-artifacts' writer, metadata `synthetic` = the spec).
+/// `dir` must be new or empty (it is created).
+pub fn write_run(dir: &std::path::Path, spec: &SynthSpec) -> crate::Result<RouteTrace> {
+    let io = |err| crate::ResidencyError::Io {
+        path: dir.to_path_buf(),
+        err,
+    };
+    if dir.exists() && std::fs::read_dir(dir).map_err(io)?.next().is_some() {
+        return Err(crate::ResidencyError::Trace {
+            path: dir.to_path_buf(),
+            msg: "exists and is not empty; --make-synthetic writes a new run directory".into(),
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let t = synthetic(spec);
+    let meta = std::collections::BTreeMap::from([("synthetic".to_string(), format!("{spec:?}"))]);
+    for s in &t.sessions {
+        let p = dir.join(format!("{}.safetensors", s.id));
+        keep_artifacts::routes::write_session(&p, s, &meta, false)?;
+    }
+    Ok(t)
+}
+
 /// A synthetic trace (see the module doc). Layers are numbered `0..layers`.
 pub fn synthetic(spec: &SynthSpec) -> RouteTrace {
     let n = spec.n_experts.max(1);
@@ -224,6 +248,30 @@ pub fn synthetic(spec: &SynthSpec) -> RouteTrace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_written_run_reads_back_and_a_full_directory_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("run");
+        let s = SynthSpec {
+            layers: 2,
+            n_experts: 8,
+            top_k: 2,
+            tokens: 20,
+            sessions: 2,
+            ..SynthSpec::default()
+        };
+        let t = write_run(&dir, &s).unwrap();
+        let back = keep_artifacts::routes::read_run(&dir).unwrap();
+        assert_eq!(back.sessions.len(), 2);
+        for (a, b) in back.sessions.iter().zip(&t.sessions) {
+            for (x, y) in a.layers.iter().zip(&b.layers) {
+                assert_eq!((x.layer, &x.experts), (y.layer, &y.experts));
+            }
+        }
+        let e = write_run(&dir, &s).unwrap_err().to_string();
+        assert!(e.contains("not empty"), "{e}");
+    }
 
     #[test]
     fn deterministic_distinct_and_in_range() {

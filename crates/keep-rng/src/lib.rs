@@ -8,8 +8,11 @@
 //! its own for the two outputs that have always drawn from it (sampled text for a seed, `keep
 //! residency --make-synthetic` traces). Both come from `rand_xoshiro`, whose algorithms are fixed by
 //! their published definitions (Blackman and Vigna; Steele, Lea and Flood), unlike rand's
-//! `SmallRng`/`StdRng`, which may change algorithm between versions. [`Draw`] adds the few
-//! draws keep makes on either generator, each defined here once.
+//! `SmallRng`/`StdRng`, which may change algorithm between versions. [`Lcg64`] is a third,
+//! named stream for the one output that has always drawn from it: the fixed synthetic prompt
+//! of `keep run --prompt-tokens N` (keep-model's `generate::synthetic_prompt`), so runs of
+//! synthetic models stay comparable. [`Draw`] adds the few draws keep makes on any of them,
+//! each defined here once.
 //!
 //! What it is not: no distributions beyond those draws (keep-convert draws its normals with
 //! rand_distr over [`Rng`]), nothing cryptographic.
@@ -31,6 +34,39 @@ pub fn rng(seed: u64) -> Rng {
 /// A SplitMix64 stream whose state starts at `seed` (its first output mixes `seed + φ·2⁶⁴`).
 pub fn splitmix(seed: u64) -> SplitMix64 {
     SplitMix64::seed_from_u64(seed)
+}
+
+/// Knuth's 64-bit linear congruential generator (MMIX): `s ← s·6364136223846793005 +
+/// 1442695040888963407 (mod 2⁶⁴)`, each output the new state. A weak generator, kept as a
+/// named stream only because the synthetic prompt has always been drawn from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lcg64 {
+    state: u64,
+}
+
+impl Lcg64 {
+    /// The multiplier.
+    pub const A: u64 = 6364136223846793005;
+    /// The increment.
+    pub const C: u64 = 1442695040888963407;
+}
+
+impl RngCore for Lcg64 {
+    fn next_u32(&mut self) -> u32 {
+        (self.next_u64() >> 32) as u32
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_mul(Self::A).wrapping_add(Self::C);
+        self.state
+    }
+    fn fill_bytes(&mut self, dst: &mut [u8]) {
+        rand_core::impls::fill_bytes_via_next(self, dst)
+    }
+}
+
+/// The [`Lcg64`] stream whose state starts at `seed` (its first output is `seed·A + C`).
+pub fn lcg(seed: u64) -> Lcg64 {
+    Lcg64 { state: seed }
 }
 
 /// The draws keep makes, on any generator.
@@ -109,6 +145,20 @@ mod tests {
                 assert_eq!(r.next_u64(), xoshiro_ref(&mut s));
             }
         }
+    }
+
+    #[test]
+    fn the_lcg_is_its_definition() {
+        let mut r = lcg(0x9E37_79B9_7F4A_7C15);
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..100 {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            assert_eq!(r.next_u64(), s);
+        }
+        // From state 0 the first output is the increment.
+        assert_eq!(lcg(0).next_u64(), 1442695040888963407);
     }
 
     #[test]

@@ -1,14 +1,14 @@
 //! Recording routes during a run (`keep run --record-routes FILE`) as a `keep-routes` session
 //! (the format, its reader and its atomic writer are keep-artifacts' `routes`), and reading
 //! warm-start scores: `reap.{L}.score` F64 `[n_experts]` from `reap-stats.safetensors` (`keep
-//! finalize`), or route frequencies counted from a route file. Hash-routed layers are marked in
+//! finalize`; keep-artifacts' `reap::ReapScores` reader), or route frequencies counted from a route file. Hash-routed layers are marked in
 //! the file (`hash_layers`), and `keep residency` counts their reads as prefetched.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use keep_artifacts::reap::ReapScores;
 use keep_artifacts::routes::{self, SessionRecorder};
-use keep_checkpoint::{Dtype, ShardFile};
 use keep_model::{RouteEvent, RouteObserver};
 
 use crate::{Result, RuntimeError};
@@ -75,32 +75,18 @@ pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec
         path: path.to_path_buf(),
         msg,
     };
-    let sf = ShardFile::open(path)?;
     let mut out = vec![vec![0f64; n_experts]; n_layers];
     let mut found = false;
-    for t in &sf.header().tensors {
-        let parts: Vec<&str> = t.name.split('.').collect();
-        let (kind, layer, what) = match parts.as_slice() {
-            [k, l, w] => (*k, l.parse::<usize>().ok(), *w),
-            _ => continue,
-        };
-        let Some(l) = layer.filter(|&l| l < n_layers) else {
-            continue;
-        };
-        if (kind, what, t.dtype) != ("reap", "score", Dtype::F64) {
-            continue;
-        }
-        if t.numel() != n_experts as u64 {
+    if ReapScores::is_reap_file(path)? {
+        let file = ReapScores::read(path)?;
+        if file.n_experts != n_experts {
             return Err(file_err(format!(
-                "`{}` has {} scores for a model of {n_experts} experts",
-                t.name,
-                t.numel()
+                "`reap.0.score` and the other layers' scores have {} entries for a model of {n_experts} experts",
+                file.n_experts
             )));
         }
-        for (e, c) in sf.data(t).chunks_exact(8).enumerate() {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(c);
-            out[l][e] = f64::from_le_bytes(b);
+        for (o, v) in out.iter_mut().zip(file.scores) {
+            *o = v;
         }
         found = true;
     }
@@ -119,7 +105,7 @@ pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec
     }
     if !found {
         return Err(file_err(
-            "has neither `reap.{L}.score` (F64, from keep finalize) nor `routes.{L}.experts` (I16, from --record-routes)".into(),
+            "is neither REAP statistics (`keep-reap-stats`, from keep finalize) nor a route file (`routes.{L}.experts` I16, from --record-routes)".into(),
         ));
     }
     Ok(out)
@@ -128,6 +114,7 @@ pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keep_checkpoint::ShardFile;
 
     #[test]
     fn write_then_read_as_warm_start() {
@@ -161,20 +148,49 @@ mod tests {
 
     #[test]
     fn reap_scores_as_warm_start() {
+        use keep_artifacts::reap::{LayerReap, ReapStats};
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("reap-stats.safetensors");
-        let s0: Vec<u8> = [0.5f64, 2.0, 1.0]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let v =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![3], &s0).unwrap();
-        safetensors::tensor::serialize_to_file(vec![("reap.1.score", v)], None, &p).unwrap();
+        let scores = vec![vec![0.0; 3], vec![0.5, 2.0, 1.0]];
+        ReapStats {
+            n_layers: 2,
+            n_experts: 3,
+            top_k: 1,
+            hidden: 1,
+            hash_layers: vec![],
+            model_fingerprint: String::new(),
+            pack_fingerprint: String::new(),
+            split: "calib".into(),
+            sessions: 1,
+            tokens: 0,
+            layers: vec![LayerReap::new(3, 1); 2],
+            scores: scores.clone(),
+        }
+        .write(&p, false)
+        .unwrap();
         let w = warm_scores(&p, 2, 3).unwrap();
-        assert_eq!(w[0], vec![0.0; 3]);
-        assert_eq!(w[1], vec![0.5, 2.0, 1.0]);
+        assert_eq!(w, scores);
+        // A model with more layers keeps zeros where the statistics have none.
+        let w = warm_scores(&p, 3, 3).unwrap();
+        assert_eq!(w[2], vec![0.0; 3]);
         // The wrong expert count is refused, naming the tensor.
         let e = warm_scores(&p, 2, 4).unwrap_err().to_string();
-        assert!(e.contains("reap.1.score"), "{e}");
+        assert!(e.contains("reap.0.score"), "{e}");
+        // A safetensors file that is neither is refused, saying what it should be.
+        let other = dir.path().join("other.safetensors");
+        keep_checkpoint::tensor_file::write(
+            &other,
+            &[keep_checkpoint::tensor_file::Tensor::f64(
+                "reap.1.score",
+                &[3],
+                &[1.0; 3],
+            )],
+            &[],
+            keep_checkpoint::tensor_file::KeyOrder::Listed,
+            false,
+        )
+        .unwrap();
+        let e = warm_scores(&other, 2, 3).unwrap_err().to_string();
+        assert!(e.contains("keep-reap-stats"), "{e}");
     }
 }

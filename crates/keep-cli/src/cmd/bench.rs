@@ -292,9 +292,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             (r, row)
         }
     };
-    let json = serde_json::to_string_pretty(&row)?;
     if let Some(p) = &r.out {
-        keep_checkpoint::atomic::write_file(p, json.as_bytes(), r.force)?;
+        keep_bench::evidence::write_json(p, &row, r.force)?;
     }
     println!(
         "{} on {} ({}): {} {:.2} GB/s, {} {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",

@@ -1,18 +1,16 @@
 //! `keep logits`: run one prefill of the model on token ids (or a prompt) and write the f32
 //! logits `[T, vocab]` (`logits`) and the token ids (`tokens`, int32) to a safetensors file, the
 //! layout `tools/oracle/model_ref.py` writes for the reference, so the two compare directly.
+//! The forward is keep-model's `logits::logits`, the file keep-artifacts' `logits`.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
-use keep_model::observer::{
-    KvFp8Event, KvFp8Recorder, RouteEvent, RouteObserver, RouteRecorder, KV_FP8_BLOCK,
-};
-use keep_model::{Logits, Model};
-use safetensors::tensor::{Dtype, TensorView};
+use keep_model::generate::{encode_prompt, load_tokenizer, Prompt};
+use keep_model::logits::{logits, LogitsOptions};
+use keep_model::Model;
 
 /// Write the model's logits for a token sequence to a safetensors file.
 ///
@@ -53,26 +51,6 @@ pub struct LogitsArgs {
     fp8_kv: bool,
 }
 
-/// The observer of one `keep logits` run: routes always, FP8 KV codes when asked.
-struct Observer {
-    routes: RouteRecorder,
-    kv: Option<KvFp8Recorder>,
-}
-
-impl RouteObserver for Observer {
-    fn wants_kv_fp8(&self) -> bool {
-        self.kv.is_some()
-    }
-    fn on_route(&mut self, ev: &RouteEvent) {
-        self.routes.on_route(ev);
-    }
-    fn on_kv_fp8(&mut self, ev: &KvFp8Event) {
-        if let Some(k) = &mut self.kv {
-            k.on_kv_fp8(ev);
-        }
-    }
-}
-
 /// The model directory: the argument, or the bundled model.
 pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     match arg {
@@ -81,139 +59,52 @@ pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// The model's tokenizer (`tokenizer.json` in its directory).
-pub fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
-    Ok(keep_model::generate::load_tokenizer(dir)?)
-}
-
-/// Token ids of `text` (with the tokenizer's special tokens, as the reference tools encode).
-pub fn encode(dir: &Path, text: &str) -> anyhow::Result<Vec<u32>> {
-    let tok = tokenizer(dir)?;
-    let enc = tok
-        .encode(text, true)
-        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-    Ok(enc.get_ids().to_vec())
-}
-
 pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     let dir = model_dir(a.model)?;
     crate::util::check_out_file(&a.out, a.force, &[&dir])?;
-    let tokens: Vec<u32> = match (&a.tokens, &a.prompt) {
-        (Some(t), None) => t
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .map(|s| {
-                s.trim()
-                    .parse::<u32>()
-                    .with_context(|| format!("`{s}` is not a token id"))
-            })
-            .collect::<anyhow::Result<_>>()?,
-        (None, Some(p)) => encode(&dir, p)?,
+    let ids: Option<Vec<u32>> = match (&a.tokens, &a.prompt) {
+        (Some(t), None) => Some(
+            t.split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| {
+                    s.trim()
+                        .parse::<u32>()
+                        .with_context(|| format!("`{s}` is not a token id"))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        (None, Some(p)) => {
+            anyhow::ensure!(!p.is_empty(), "no tokens to run");
+            None
+        }
         _ => anyhow::bail!("give --tokens 1,2,3 or --prompt TEXT"),
     };
-    anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let model =
         Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
-    let mut cache = model.new_cache();
-    let mut rec = Observer {
-        routes: RouteRecorder::default(),
-        kv: a.fp8_kv.then(KvFp8Recorder::default),
+    // A prompt is encoded as the reference tools encode it (the tokenizer's special tokens
+    // added), by keep-model's one prompt encoder.
+    let tokens = match ids {
+        Some(ids) => ids,
+        None => {
+            let text = a.prompt.as_deref().unwrap_or_default();
+            let tok = load_tokenizer(&dir)?;
+            encode_prompt(&model.cfg, Some(&tok), Prompt::Text(text), 0)?
+        }
     };
-    let logits = if a.decode {
-        let mut all = Vec::with_capacity(tokens.len() * model.cfg.vocab);
-        for &t in &tokens {
-            all.extend(model.forward(&[t], &mut cache, Logits::All, Some(&mut rec))?);
-        }
-        all
-    } else {
-        model.forward(&tokens, &mut cache, Logits::All, Some(&mut rec))?
+    anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
+    let opts = LogitsOptions {
+        decode: a.decode,
+        routes: a.routes,
+        fp8_kv: a.fp8_kv,
     };
-    // Routes as [layers, T, top_k], each row sorted.
-    let (nl, t, k) = (model.cfg.n_layers, tokens.len(), model.cfg.top_k);
-    let mut routes = vec![-1i32; nl * t * k];
-    for (layer, start, ex) in &rec.routes.calls {
-        for (i, row) in ex.chunks_exact(k).enumerate() {
-            let mut r: Vec<i32> = row.iter().map(|&v| v as i32).collect();
-            r.sort_unstable();
-            let o = (layer * t + start + i) * k;
-            routes[o..o + k].copy_from_slice(&r);
-        }
-    }
-    // FP8 KV codes as [layers, T, head_dim] and scale exponents as [layers, T, head_dim/32].
-    let hd = model.cfg.head_dim;
-    let (mut kv_codes, mut kv_exp) = (vec![], vec![]);
-    if let Some(kv) = &rec.kv {
-        anyhow::ensure!(
-            !kv.calls.is_empty(),
-            "--fp8-kv: this model rounds no KV rows to FP8 (only DeepSeek-V4.1 attention does)"
-        );
-        kv_codes = vec![0u8; nl * t * hd];
-        kv_exp = vec![0i32; nl * t * (hd / KV_FP8_BLOCK)];
-        for c in &kv.calls {
-            anyhow::ensure!(
-                c.cols == hd && c.layer < nl && c.start_pos + c.rows <= t,
-                "--fp8-kv: layer {} reported {} rows of {} at position {}, outside [{nl}, {t}, {hd}]",
-                c.layer,
-                c.rows,
-                c.cols,
-                c.start_pos
-            );
-            let o = (c.layer * t + c.start_pos) * hd;
-            kv_codes[o..o + c.codes.len()].copy_from_slice(&c.codes);
-            let o = (c.layer * t + c.start_pos) * (hd / KV_FP8_BLOCK);
-            kv_exp[o..o + c.scale_exp.len()].copy_from_slice(&c.scale_exp);
-        }
-    }
-    let eb: Vec<u8> = kv_exp.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let rb: Vec<u8> = routes.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let tb: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&v| (v as i32).to_le_bytes())
-        .collect();
-    let mut m = HashMap::new();
-    m.insert(
-        "logits".to_string(),
-        TensorView::new(Dtype::F32, vec![tokens.len(), model.cfg.vocab], &lb)?,
-    );
-    m.insert(
-        "tokens".to_string(),
-        TensorView::new(Dtype::I32, vec![tokens.len()], &tb)?,
-    );
-    if a.routes {
-        m.insert(
-            "routes".to_string(),
-            TensorView::new(Dtype::I32, vec![nl, t, k], &rb)?,
-        );
-    }
-    if a.fp8_kv {
-        m.insert(
-            "kv_fp8_codes".to_string(),
-            TensorView::new(Dtype::U8, vec![nl, t, hd], &kv_codes)?,
-        );
-        m.insert(
-            "kv_fp8_scale_exp".to_string(),
-            TensorView::new(Dtype::I32, vec![nl, t, hd / KV_FP8_BLOCK], &eb)?,
-        );
-    }
-    let meta: HashMap<String, String> = [
-        ("format".to_string(), "keep-logits".to_string()),
-        ("version".to_string(), "1".to_string()),
-        ("model".to_string(), dir.display().to_string()),
-        (
-            "mode".to_string(),
-            if a.decode { "decode" } else { "prefill" }.to_string(),
-        ),
-    ]
-    .into();
-    let bytes = safetensors::serialize(m, Some(meta))?;
-    keep_checkpoint::atomic::write_file(&a.out, &bytes, a.force)?;
+    let file = logits(&model, &dir.display().to_string(), &tokens, &opts)?;
+    file.write(&a.out, a.force)?;
     eprintln!(
         "wrote {} ({} tokens × {} logits)",
         a.out.display(),
         tokens.len(),
-        model.cfg.vocab
+        file.vocab
     );
     Ok(())
 }

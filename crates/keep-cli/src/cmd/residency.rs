@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use keep_residency::cost::{model_bytes, CostModel};
 use keep_residency::report::{read_reap, Options, PolicyRow, Report, REAP_FILE};
-use keep_residency::synth::{synthetic, SynthSpec};
+use keep_residency::synth::SynthSpec;
 use keep_residency::{HotSizes, PolicyKind, WarmStart};
 
 use crate::util::{human, parse_bytes};
@@ -83,19 +83,7 @@ pub struct ResidencyArgs {
 
 fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
     let spec = SynthSpec::parse(spec).map_err(|e| anyhow::anyhow!("--make-synthetic: {e}"))?;
-    if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
-        bail!(
-            "{} exists and is not empty; --make-synthetic writes a new run directory",
-            dir.display()
-        );
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let t = synthetic(&spec);
-    let meta = std::collections::BTreeMap::from([("synthetic".to_string(), format!("{spec:?}"))]);
-    for s in &t.sessions {
-        let p = dir.join(format!("{}.safetensors", s.id));
-        keep_artifacts::routes::write_session(&p, s, &meta, false)?;
-    }
+    keep_residency::synth::write_run(dir, &spec)?;
     eprintln!(
         "wrote {} synthetic sessions ({} layers, {} experts, top-{}, {} tokens each) to {}",
         spec.sessions,
