@@ -32,7 +32,7 @@ const CONFIG: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"q
   "max_position_embeddings":2048,"norm_topk_prob":true,"bos_token_id":1,"eos_token_id":2}"#;
 
 /// The logits file of `keep logits` on fixed tokens.
-fn logits(cache: &Path, model: &Path, out: &Path) -> Vec<u8> {
+fn logits(cache: &Path, model: &Path, out: &Path) -> Vec<u32> {
     keep(cache)
         .arg("logits")
         .arg(model)
@@ -40,9 +40,8 @@ fn logits(cache: &Path, model: &Path, out: &Path) -> Vec<u8> {
         .arg(out)
         .assert()
         .success();
-    let b = std::fs::read(out).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&b).unwrap();
-    st.tensor("logits").unwrap().data().to_vec()
+    let f = keep_artifacts::logits::LogitsFile::read(out).unwrap();
+    f.logits.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]
