@@ -103,6 +103,118 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// Whether this sampler is greedy (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.temperature <= 0.0
+    }
+
+    /// The distribution [`Sampler::sample`] draws from for one row of logits: the
+    /// temperature softmax over the top-p nucleus (one-hot at the arg-max when greedy).
+    pub fn probs(&self, logits: &[f32]) -> Vec<f64> {
+        let mut out = vec![0f64; logits.len()];
+        if logits.is_empty() {
+            return out;
+        }
+        if self.is_greedy() {
+            out[argmax(logits) as usize] = 1.0;
+            return out;
+        }
+        let t = self.cfg.temperature;
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut p: Vec<(f64, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| ((((v - m) / t) as f64).exp(), i as u32))
+            .collect();
+        let z: f64 = p.iter().map(|x| x.0).sum();
+        p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut keep = p.len();
+        if self.cfg.top_p < 1.0 {
+            let mut c = 0.0;
+            for (i, x) in p.iter().enumerate() {
+                c += x.0 / z;
+                if c >= self.cfg.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        let mass: f64 = p[..keep].iter().map(|x| x.0).sum();
+        for x in &p[..keep] {
+            out[x.1 as usize] = x.0 / mass;
+        }
+        out
+    }
+
+    /// One draw from `probs` (arg-max without a draw when greedy).
+    pub fn draw(&mut self, probs: &[f64]) -> u32 {
+        if self.is_greedy() {
+            return argmax_f64(probs);
+        }
+        draw_from(probs, self.rng.unit())
+    }
+
+    /// The speculative-sampling decision for draft token `d` drawn from `q` where the target
+    /// distribution is `p`: `None` accepts it (with probability min(1, p(d)/q(d))), `Some(t)`
+    /// rejects it for `t` drawn from the normalised residual max(0, p − q). Greedy (one-hot
+    /// `p` and `q`) this accepts exactly when `d` is the target's arg-max and otherwise returns
+    /// the arg-max, drawing nothing.
+    pub fn verify(&mut self, p: &[f64], q: &[f64], d: u32) -> Option<u32> {
+        if self.is_greedy() {
+            let a = argmax_f64(p);
+            return (a != d).then_some(a);
+        }
+        let u = self.rng.unit();
+        let v = self.rng.unit();
+        speculative_step(p, q, d, u, v)
+    }
+}
+
+/// The speculative-sampling rule with its two uniform draws `u` (accept) and `v` (residual):
+/// accept `d` when `u · q(d) < p(d)`, else draw from max(0, p − q) normalised (from `p` if that
+/// has no mass, which only rounding can cause).
+pub fn speculative_step(p: &[f64], q: &[f64], d: u32, u: f64, v: f64) -> Option<u32> {
+    let di = d as usize;
+    if u * q[di] < p[di] {
+        return None;
+    }
+    let r: Vec<f64> = p.iter().zip(q).map(|(a, b)| (a - b).max(0.0)).collect();
+    if r.iter().sum::<f64>() > 0.0 {
+        Some(draw_from(&r, v))
+    } else {
+        Some(draw_from(p, v))
+    }
+}
+
+/// Inverse-CDF draw from unnormalised weights `w` with a uniform `u` in [0, 1).
+fn draw_from(w: &[f64], u: f64) -> u32 {
+    let total: f64 = w.iter().sum();
+    let mut x = u * total;
+    let mut last = 0;
+    for (i, &p) in w.iter().enumerate() {
+        if p > 0.0 {
+            last = i;
+            if x < p {
+                return i as u32;
+            }
+            x -= p;
+        }
+    }
+    last as u32
+}
+
+/// Index of the largest value (first on ties).
+fn argmax_f64(v: &[f64]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// Index of the largest logit (first on ties).
 pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
@@ -125,6 +237,49 @@ pub struct GenStats {
     /// Whether it stopped at an end-of-sequence token (rather than at its token limit or at
     /// the caller's request).
     pub stopped_at_eos: bool,
+    /// Speculative decoding counters (all zero without a drafter).
+    pub draft: DraftStats,
+}
+
+/// What speculative decoding did in one generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftStats {
+    /// Tokens drafted per verify forward (0: no drafting).
+    pub k: usize,
+    /// Verify forwards run (each feeds the last sampled token and its drafts).
+    pub verify_forwards: u64,
+    /// Rollbacks that restored the cache and replayed the kept rows (a draft was rejected).
+    pub replays: u64,
+    /// Drafts proposed and accepted at each draft position (position 0 = the first draft).
+    pub proposed: [u64; crate::mtp::MAX_DRAFT],
+    pub accepted: [u64; crate::mtp::MAX_DRAFT],
+    /// Tokens the verify forwards produced (accepted drafts plus the corrected or bonus
+    /// token of each).
+    pub tokens: u64,
+}
+
+impl DraftStats {
+    /// Acceptance rate at each draft position (of those proposed there).
+    pub fn acceptance(&self) -> Vec<f64> {
+        (0..self.k.min(crate::mtp::MAX_DRAFT))
+            .map(|i| {
+                if self.proposed[i] == 0 {
+                    0.0
+                } else {
+                    self.accepted[i] as f64 / self.proposed[i] as f64
+                }
+            })
+            .collect()
+    }
+
+    /// Tokens per verify forward (0 when none ran).
+    pub fn tokens_per_forward(&self) -> f64 {
+        if self.verify_forwards == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.verify_forwards as f64
+        }
+    }
 }
 
 impl GenStats {
@@ -162,6 +317,35 @@ pub trait Generate {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>>;
+    /// Tokens drafted per verify forward (0, the default: this model does not draft).
+    fn draft_tokens(&self) -> usize {
+        0
+    }
+    /// Draft up to `k` tokens after `last` (sampled, not yet fed), each with the drafter's
+    /// logits it was picked from by `pick`; empty when the model cannot draft now.
+    fn draft(
+        &mut self,
+        _last: u32,
+        _k: usize,
+        _pick: &mut dyn FnMut(&[f32]) -> u32,
+    ) -> Result<Vec<(u32, Vec<f32>)>> {
+        Ok(vec![])
+    }
+    /// Feed `tokens` (the last sampled token and its drafts) in one forward; the logits of
+    /// every row. Only called after a non-empty [`Generate::draft`].
+    fn forward_verify(
+        &mut self,
+        _tokens: &[u32],
+        _cache: &mut Cache,
+        _obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        Err(ModelError::Config("this model does not draft".into()))
+    }
+    /// Keep the first `keep` tokens of the last verify forward (roll the caches back past
+    /// the others).
+    fn accept_drafts(&mut self, _cache: &mut Cache, _keep: usize) -> Result<()> {
+        Ok(())
+    }
     /// Called once, right before the prompt's forward (a budgeted model zeroes its counters).
     fn starting(&mut self) {}
     /// Called once, right after the prompt's forward (a budgeted model takes its prefill
@@ -182,7 +366,29 @@ impl Generate for Model<'_> {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
-        self.forward(tokens, cache, Logits::Last, obs)
+        self.forward_drafting(tokens, cache, Logits::Last, obs)
+    }
+    fn draft_tokens(&self) -> usize {
+        Model::draft_tokens(self)
+    }
+    fn draft(
+        &mut self,
+        last: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> u32,
+    ) -> Result<Vec<(u32, Vec<f32>)>> {
+        Model::draft(self, last, k, pick)
+    }
+    fn forward_verify(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        Model::forward_verify(self, tokens, cache, obs)
+    }
+    fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
+        Model::accept_drafts(self, cache, keep)
     }
 }
 
@@ -363,12 +569,17 @@ pub fn generate<G: Generate + ?Sized>(
     model.prefilled();
     let t1 = Instant::now();
     let mut sampled = 0;
-    while sampled < opts.max_tokens {
-        let tok = sampler.sample(&logits);
-        sampled += 1;
+    let k = model.draft_tokens().min(crate::mtp::MAX_DRAFT);
+    stats.draft.k = k;
+    let vocab = model.cfg().vocab;
+    // The next token: drawn from `logits`, or already chosen (a rejected draft's correction).
+    let mut chosen: Option<u32> = None;
+    // Hand one token on; `true` when the generation ends here.
+    let mut emit = |tok: u32, sampled: &mut usize, stats: &mut GenStats| -> Result<bool> {
+        *sampled += 1;
         if eos.contains(&tok) {
             stats.stopped_at_eos = true;
-            break;
+            return Ok(true);
         }
         let flow = match text.as_mut() {
             Some(ts) => match ts.push(tok)? {
@@ -377,15 +588,74 @@ pub fn generate<G: Generate + ?Sized>(
             },
             None => on_piece(Piece::Token(tok)),
         };
-        if flow.is_break() || sampled == opts.max_tokens {
+        Ok(flow.is_break() || *sampled == opts.max_tokens)
+    };
+    'gen: while sampled < opts.max_tokens {
+        let tok = match chosen.take() {
+            Some(t) => t,
+            None => sampler.sample(&logits),
+        };
+        if emit(tok, &mut sampled, &mut stats)? {
             break;
         }
-        logits = model.forward_last(
-            &[tok],
+        // Drafts past the token limit could never be handed on.
+        let want = k.min(opts.max_tokens - sampled);
+        let drafts = if want > 0 {
+            let s = &mut sampler;
+            model.draft(tok, want, &mut |q| {
+                let pq = s.probs(q);
+                s.draw(&pq)
+            })?
+        } else {
+            vec![]
+        };
+        if drafts.is_empty() {
+            logits = model.forward_last(
+                &[tok],
+                &mut cache,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+            stats.generated += 1;
+            continue;
+        }
+        let mut fed = Vec::with_capacity(drafts.len() + 1);
+        fed.push(tok);
+        fed.extend(drafts.iter().map(|d| d.0));
+        let rows = model.forward_verify(
+            &fed,
             &mut cache,
             obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
         )?;
-        stats.generated += 1;
+        stats.draft.verify_forwards += 1;
+        let mut keep = 1;
+        for (i, (d, q)) in drafts.iter().enumerate() {
+            stats.draft.proposed[i] += 1;
+            let p = sampler.probs(&rows[i * vocab..(i + 1) * vocab]);
+            let pq = sampler.probs(q);
+            match sampler.verify(&p, &pq, *d) {
+                None => {
+                    stats.draft.accepted[i] += 1;
+                    stats.draft.tokens += 1;
+                    keep += 1;
+                    if emit(*d, &mut sampled, &mut stats)? {
+                        stats.generated += keep;
+                        break 'gen;
+                    }
+                }
+                Some(t) => {
+                    chosen = Some(t);
+                    break;
+                }
+            }
+        }
+        stats.draft.tokens += 1;
+        if keep < fed.len() {
+            stats.draft.replays += 1;
+        } else {
+            logits = rows[drafts.len() * vocab..].to_vec();
+        }
+        model.accept_drafts(&mut cache, keep)?;
+        stats.generated += keep;
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     Ok(stats)

@@ -35,6 +35,7 @@ pub mod hash;
 pub mod layer;
 pub mod memory;
 pub mod model;
+pub mod mtp;
 pub mod observer;
 pub mod streamed;
 pub mod v4;
@@ -53,6 +54,7 @@ pub use generate::{
 pub use keep_kernels::Kernels;
 pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
 pub use model::{Logits, Model};
+pub use mtp::{Mtp, MtpCache};
 pub use observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
 };
