@@ -774,6 +774,100 @@ mod tests {
         assert!(e.to_string().contains("top-p"), "{e}");
     }
 
+    /// Chi-square critical value for 5 degrees of freedom at false-failure probability 1e-6
+    /// (survival function of χ²₅ at 35.9 is 9.95e-7): a correct rule fails this test with a
+    /// fresh seed at most once in a million; the seed is fixed, so the run is reproducible.
+    const CHI2_5DF_P1E6: f64 = 35.9;
+
+    /// Pearson's χ² of `counts` against distribution `p`.
+    fn chi2(counts: &[u64], p: &[f64]) -> f64 {
+        let n: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(p)
+            .map(|(&c, &pi)| {
+                let e = pi * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    #[test]
+    fn speculative_sampling_keeps_the_target_distribution() {
+        // Six tokens; the draft distribution q puts mass where p has little and none where p
+        // has some, so acceptance, rejection and the residual all matter.
+        let p = [0.30, 0.25, 0.20, 0.12, 0.08, 0.05];
+        let q = [0.05, 0.40, 0.00, 0.25, 0.20, 0.10];
+        let n = 200_000;
+        let mut r = keep_rng::rng(2024);
+        let (mut out, mut drafted) = ([0u64; 6], [0u64; 6]);
+        let mut accepted = 0;
+        for _ in 0..n {
+            let d = draw_from(&q, r.unit());
+            drafted[d as usize] += 1;
+            let t = match speculative_step(&p, &q, d, r.unit(), r.unit()) {
+                None => {
+                    accepted += 1;
+                    d
+                }
+                Some(t) => t,
+            };
+            out[t as usize] += 1;
+        }
+        let got = chi2(&out, &p);
+        assert!(got < CHI2_5DF_P1E6, "output vs p: χ² = {got}");
+        // The test can fail: the drafts themselves follow q, not p.
+        let drafts = chi2(&drafted, &p);
+        assert!(drafts > CHI2_5DF_P1E6, "drafts vs p: χ² = {drafts}");
+        // Acceptance is Σ min(p, q) = 0.55 (binomial sd 0.0011 at n = 200k).
+        let rate = accepted as f64 / n as f64;
+        assert!((rate - 0.55).abs() < 0.006, "acceptance {rate}");
+    }
+
+    #[test]
+    fn greedy_verification_accepts_exactly_the_argmax() {
+        let mut s = Sampler::new(GREEDY);
+        let logits = [0.1f32, 2.0, -1.0, 1.5];
+        let p = s.probs(&logits);
+        assert_eq!(p, vec![0.0, 1.0, 0.0, 0.0]);
+        let q = s.probs(&[3.0, 0.0, 0.0, 0.0]);
+        assert_eq!(s.draw(&q), 0);
+        assert_eq!(s.verify(&p, &q, 0), Some(1));
+        let q1 = s.probs(&[0.0, 3.0, 0.0, 0.0]);
+        assert_eq!(s.verify(&p, &q1, 1), None);
+    }
+
+    #[test]
+    fn probs_is_the_distribution_sample_draws_from() {
+        let logits: Vec<f32> = (0..7).map(|i| (i as f32 * 0.9).cos() * 2.0).collect();
+        let cfg = SamplerConfig {
+            temperature: 0.7,
+            top_p: 0.8,
+            seed: 5,
+        };
+        let mut s = Sampler::new(cfg);
+        let p = s.probs(&logits);
+        assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        let n = 100_000;
+        let mut c = [0u64; 7];
+        for _ in 0..n {
+            c[s.sample(&logits) as usize] += 1;
+        }
+        // Tokens outside the nucleus are never drawn; the others match p (χ² over the kept
+        // tokens, fewer than 7 of them, so the 5-degree bound is conservative only when at
+        // most 6 are kept: checked).
+        let kept: Vec<usize> = (0..7).filter(|&i| p[i] > 0.0).collect();
+        assert!(kept.len() <= 6 && kept.len() >= 2, "{kept:?}");
+        for i in 0..7 {
+            if p[i] == 0.0 {
+                assert_eq!(c[i], 0);
+            }
+        }
+        let ck: Vec<u64> = kept.iter().map(|&i| c[i]).collect();
+        let pk: Vec<f64> = kept.iter().map(|&i| p[i]).collect();
+        assert!(chi2(&ck, &pk) < CHI2_5DF_P1E6);
+    }
+
     #[test]
     fn synthetic_prompts_are_fixed_and_in_the_vocabulary() {
         let p = synthetic_prompt(6, 100);
