@@ -134,6 +134,22 @@ impl<'a> Mtp<'a> {
         }))
     }
 
+    /// One prefill of `tokens` through `model` and then the module: row `i` of the result
+    /// (`[(T − 1) × vocab]`) is the module's logits at position `i` (main streams of token `i`,
+    /// embedding of token `i + 1`), the prediction of token `i + 2`.
+    pub fn prefill_logits(&self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Ok(vec![]);
+        }
+        let mut cache = model.new_cache();
+        let (_, s) = model.forward_streams(tokens, &mut cache, Logits::None, None)?;
+        let t = tokens.len();
+        let mut mc = self.new_cache();
+        Ok(self
+            .forward(&s.rows(0, t - 1), &tokens[1..], &mut mc, Logits::All)?
+            .0)
+    }
+
     /// An empty cache for the block.
     pub fn new_cache(&self) -> MtpCache {
         MtpCache {

@@ -8,7 +8,8 @@ use std::ops::ControlFlow;
 use std::time::Instant;
 
 use keep_artifacts::run_stats::{
-    self, CacheCounters, DraftNumbers, EngramCounters, GuessCounters, HashLayerCounters, PlanNumbers, RunStats,
+    self, CacheCounters, DraftNumbers, EngramCounters, GuessCounters, HashLayerCounters,
+    PlanNumbers, RunStats,
 };
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
@@ -86,16 +87,16 @@ impl<'a> RunModel<'a> {
                 Ok(m.draft_tokens())
             }
             _ if mode == DraftMode::Auto => Ok(0),
-            RunModel::Mapped(..) => Err(crate::RuntimeError::Model(
-                keep_model::ModelError::Config(
+            RunModel::Mapped(..) => {
+                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
                     "the checkpoint has no MTP module (mtp.0.*) to draft with".into(),
-                ),
-            )),
-            RunModel::Budgeted(_) => Err(crate::RuntimeError::Model(
-                keep_model::ModelError::Config(
+                )))
+            }
+            RunModel::Budgeted(_) => {
+                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
                     "drafting under a memory budget is not supported yet".into(),
-                ),
-            )),
+                )))
+            }
         }
     }
 

@@ -45,6 +45,11 @@ pub struct LogitsArgs {
     /// sorted ascending.
     #[arg(long)]
     routes: bool,
+    /// Also write `mtp_logits` (f32 [T − 1, vocab]): the checkpoint's MTP module (`mtp.0.*`)
+    /// after one prefill, row i from the main model's streams of token i and the embedding of
+    /// token i + 1 (its prediction of token i + 2).
+    #[arg(long)]
+    mtp: bool,
     /// Also write the FP8 codes of every layer's window KV rows (a DeepSeek-V4.1 model rounds
     /// each KV row to E4M3 with a power-of-two scale per 32 elements): `kv_fp8_codes` (uint8
     /// [layers, T, head_dim], E4M3 bytes) and `kv_fp8_scale_exp` (int32 [layers, T,
@@ -165,6 +170,15 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
             kv_exp[o..o + c.scale_exp.len()].copy_from_slice(&c.scale_exp);
         }
     }
+    let mtp_logits = if a.mtp {
+        let mtp = keep_model::Mtp::load(&ck, &model.cfg)?
+            .ok_or_else(|| anyhow::anyhow!("--mtp: the checkpoint has no MTP module (mtp.0.*)"))?;
+        anyhow::ensure!(tokens.len() >= 2, "--mtp needs at least two tokens");
+        mtp.prefill_logits(&model, &tokens)?
+    } else {
+        vec![]
+    };
+    let mb: Vec<u8> = mtp_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     let eb: Vec<u8> = kv_exp.iter().flat_map(|v| v.to_le_bytes()).collect();
     let rb: Vec<u8> = routes.iter().flat_map(|v| v.to_le_bytes()).collect();
     let lb: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -185,6 +199,12 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
         m.insert(
             "routes".to_string(),
             TensorView::new(Dtype::I32, vec![nl, t, k], &rb)?,
+        );
+    }
+    if a.mtp {
+        m.insert(
+            "mtp_logits".to_string(),
+            TensorView::new(Dtype::F32, vec![tokens.len() - 1, model.cfg.vocab], &mb)?,
         );
     }
     if a.fp8_kv {
