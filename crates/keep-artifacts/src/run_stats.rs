@@ -68,6 +68,8 @@ pub struct DraftNumbers {
     pub acceptance: Vec<f64>,
     /// Drafts accepted at each position.
     pub accepted: Vec<u64>,
+    /// `--draft auto` turned drafting off during the run (it did not pay).
+    pub auto_off: bool,
     /// Tokens drafted per verify forward.
     pub k: u64,
     /// Drafts proposed at each position.

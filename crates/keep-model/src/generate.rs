@@ -241,6 +241,16 @@ pub struct GenStats {
     pub draft: DraftStats,
 }
 
+/// `--draft auto`: verify forwards measured before deciding whether drafting pays.
+pub const AUTO_WINDOW: u64 = 16;
+/// `--draft auto`: drafting is turned off for the rest of a generation when, after
+/// [`AUTO_WINDOW`] verify forwards, they produced fewer tokens each than this. A verify forward
+/// of K + 1 rows costs more than a decode step (the MTP block, the extra rows, a cache
+/// snapshot, a replay on rejection: 3.4–4.4× one decode step on a synthetic V4-Flash with every
+/// draft rejected, `dev/bench-draft.sh`), so below 1.5 tokens per forward drafting loses on a
+/// CPU whatever K.
+pub const AUTO_MIN_TOKENS_PER_FORWARD: f64 = 1.5;
+
 /// What speculative decoding did in one generation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DraftStats {
@@ -256,6 +266,8 @@ pub struct DraftStats {
     /// Tokens the verify forwards produced (accepted drafts plus the corrected or bonus
     /// token of each).
     pub tokens: u64,
+    /// `--draft auto` turned drafting off (it did not pay).
+    pub auto_off: bool,
 }
 
 impl DraftStats {
@@ -321,6 +333,12 @@ pub trait Generate {
     fn draft_tokens(&self) -> usize {
         0
     }
+    /// Whether drafting may be turned off when it does not pay ([`AUTO_MIN_TOKENS_PER_FORWARD`]).
+    fn draft_auto(&self) -> bool {
+        false
+    }
+    /// Drafting is over for this generation (the drafter need not be kept in step any more).
+    fn stop_drafting(&mut self) {}
     /// Draft up to `k` tokens after `last` (sampled, not yet fed), each with the drafter's
     /// logits it was picked from by `pick`; empty when the model cannot draft now.
     fn draft(
@@ -370,6 +388,12 @@ impl Generate for Model<'_> {
     }
     fn draft_tokens(&self) -> usize {
         Model::draft_tokens(self)
+    }
+    fn draft_auto(&self) -> bool {
+        self.mtp_auto()
+    }
+    fn stop_drafting(&mut self) {
+        self.detach_mtp();
     }
     fn draft(
         &mut self,
@@ -598,8 +622,21 @@ pub fn generate<G: Generate + ?Sized>(
         if emit(tok, &mut sampled, &mut stats)? {
             break;
         }
+        if k > 0
+            && model.draft_auto()
+            && !stats.draft.auto_off
+            && stats.draft.verify_forwards >= AUTO_WINDOW
+            && stats.draft.tokens_per_forward() < AUTO_MIN_TOKENS_PER_FORWARD
+        {
+            stats.draft.auto_off = true;
+            model.stop_drafting();
+        }
         // Drafts past the token limit could never be handed on.
-        let want = k.min(opts.max_tokens - sampled);
+        let want = if stats.draft.auto_off {
+            0
+        } else {
+            k.min(opts.max_tokens - sampled)
+        };
         let drafts = if want > 0 {
             let s = &mut sampler;
             model.draft(tok, want, &mut |q| {

@@ -267,6 +267,8 @@ struct Verify {
 pub struct Drafter<'a> {
     mtp: Mtp<'a>,
     k: usize,
+    /// Drafting may be turned off when it does not pay.
+    auto: bool,
     cache: MtpCache,
     /// The main model's streams of the last token fed whose successor is not known yet.
     pending: Option<Streams>,
@@ -284,11 +286,29 @@ impl<'a> Model<'a> {
         self.mtp = Some(Box::new(Drafter {
             mtp,
             k: k.clamp(1, MAX_DRAFT),
+            auto: false,
             cache,
             pending: None,
             verify: None,
         }));
         Ok(true)
+    }
+
+    /// Drop the drafter (drafting off; forwards no longer feed the MTP module).
+    pub fn detach_mtp(&mut self) {
+        self.mtp = None;
+    }
+
+    /// Let generation turn drafting off when it does not pay (`--draft auto`).
+    pub fn set_mtp_auto(&mut self, auto: bool) {
+        if let Some(d) = self.mtp.as_mut() {
+            d.auto = auto;
+        }
+    }
+
+    /// Whether generation may turn drafting off ([`Model::set_mtp_auto`]).
+    pub fn mtp_auto(&self) -> bool {
+        self.mtp.as_ref().is_some_and(|d| d.auto)
     }
 
     /// Tokens drafted per verify forward (0: no drafter attached).

@@ -84,6 +84,7 @@ impl<'a> RunModel<'a> {
         match self {
             RunModel::Mapped(m, _) if has => {
                 m.attach_mtp(ck, k)?;
+                m.set_mtp_auto(mode == DraftMode::Auto);
                 Ok(m.draft_tokens())
             }
             _ if mode == DraftMode::Auto => Ok(0),
@@ -134,6 +135,17 @@ impl Generate for RunModel<'_> {
         match self {
             RunModel::Mapped(m, _) => m.draft_tokens(),
             RunModel::Budgeted(_) => 0,
+        }
+    }
+    fn draft_auto(&self) -> bool {
+        match self {
+            RunModel::Mapped(m, _) => m.mtp_auto(),
+            RunModel::Budgeted(_) => false,
+        }
+    }
+    fn stop_drafting(&mut self) {
+        if let RunModel::Mapped(m, _) = self {
+            m.detach_mtp();
         }
     }
     fn draft(
@@ -352,6 +364,7 @@ impl RunReport {
                     k: d.k as u64,
                     proposed: d.proposed[..k].to_vec(),
                     replays: d.replays,
+                    auto_off: d.auto_off,
                     tokens_per_forward: d.tokens_per_forward(),
                     verify_forwards: d.verify_forwards,
                 }

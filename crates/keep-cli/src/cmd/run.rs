@@ -58,7 +58,8 @@ pub struct RunArgs {
     /// Speculative decoding with the checkpoint's MTP module (`mtp.0.*`): mtp drafts
     /// --draft-tokens tokens and verifies them in one forward (greedy output is identical to
     /// none); auto does so when the checkpoint has an MTP module and the run has no
-    /// --memory-budget.
+    /// --memory-budget, and turns drafting off when after 16 verify forwards they produced
+    /// fewer than 1.5 tokens each.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
     /// Tokens drafted per verify forward (1..=8).
@@ -197,11 +198,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .map(|a| format!("{a:.3}"))
             .collect();
         eprintln!(
-            "draft: K = {}, {} verify forwards, {:.2} tokens per forward, acceptance by position [{}]",
+            "draft: K = {}, {} verify forwards, {:.2} tokens per forward, acceptance by position [{}]{}",
             g.draft.k,
             g.draft.verify_forwards,
             g.draft.tokens_per_forward(),
-            acc.join(", ")
+            acc.join(", "),
+            if g.draft.auto_off {
+                "; --draft auto turned drafting off (it did not pay)"
+            } else {
+                ""
+            }
         );
     }
     // A run without a budget still reads Engram tables above the threshold from SSD: its row
