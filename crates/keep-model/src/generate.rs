@@ -813,7 +813,8 @@ mod tests {
 
     /// Chi-square critical value for 5 degrees of freedom at false-failure probability 1e-6
     /// (survival function of χ²₅ at 35.9 is 9.95e-7): a correct rule fails this test with a
-    /// fresh seed at most once in a million; the seed is fixed, so the run is reproducible.
+    /// freshly seeded generator at most once in a million; this test seeds it with a fixed
+    /// value, so the run is reproducible.
     const CHI2_5DF_P1E6: f64 = 35.9;
 
     /// Pearson's χ² of `counts` against distribution `p`.
