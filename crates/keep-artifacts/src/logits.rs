@@ -58,6 +58,8 @@ pub struct LogitsFile {
     pub logits: Vec<f32>,
     pub routes: Option<LogitsRoutes>,
     pub kv_fp8: Option<LogitsKvFp8>,
+    /// The MTP module's logits, f32 `[T − 1, vocab]` (`mtp_logits`).
+    pub mtp_logits: Option<Vec<f32>>,
 }
 
 fn product(dims: &[usize]) -> Option<usize> {
@@ -73,6 +75,15 @@ impl LogitsFile {
                 self.logits.len(),
                 self.vocab
             )));
+        }
+        if let Some(m) = &self.mtp_logits {
+            if t < 2 || Some(m.len()) != product(&[t - 1, self.vocab]) {
+                return Err(ArtifactError::Config(format!(
+                    "logits: {} MTP values are not {t} − 1 tokens × vocab {}",
+                    m.len(),
+                    self.vocab
+                )));
+            }
         }
         if let Some(r) = &self.routes {
             if Some(r.experts.len()) != product(&[r.layers, t, r.top_k]) {
@@ -111,6 +122,9 @@ impl LogitsFile {
     fn tensors(&self) -> Vec<Tensor> {
         let t = self.tokens.len();
         let mut out = vec![Tensor::f32("logits", &[t, self.vocab], &self.logits)];
+        if let Some(m) = &self.mtp_logits {
+            out.push(Tensor::f32("mtp_logits", &[t - 1, self.vocab], m));
+        }
         if let Some(k) = &self.kv_fp8 {
             out.push(Tensor::i32(
                 "kv_fp8_scale_exp",
@@ -222,6 +236,11 @@ impl LogitsFile {
         } else {
             None
         };
+        let mtp_logits = if f.has("mtp_logits") {
+            Some(f.f32s("mtp_logits")?)
+        } else {
+            None
+        };
         let meta = |k: &str| f.metadata().get(k).cloned().unwrap_or_default();
         let out = LogitsFile {
             model: meta("model"),
@@ -231,6 +250,7 @@ impl LogitsFile {
             logits,
             routes,
             kv_fp8,
+            mtp_logits,
         };
         out.check()
             .map_err(|e| ArtifactError::invalid(path, e.to_string()))?;
@@ -261,6 +281,7 @@ mod tests {
                 codes: (0..16).map(|i| i * 13).collect(),
                 scale_exp: vec![-3, 0, 1, 2, -127, 5, 6, 7],
             }),
+            mtp_logits: kv.then(|| vec![1.0, -2.5, 0.25]),
         }
     }
 
@@ -285,13 +306,14 @@ mod tests {
             let names: Vec<_> = names.into_iter().map(|n| n.1).collect();
             let want: Vec<_> = [
                 "logits",
+                "mtp_logits",
                 "kv_fp8_scale_exp",
                 "routes",
                 "tokens",
                 "kv_fp8_codes",
             ]
             .into_iter()
-            .filter(|n| (r || *n != "routes") && (kv || !n.starts_with("kv")))
+            .filter(|n| (r || *n != "routes") && (kv || !n.starts_with("kv") && *n != "mtp_logits"))
             .collect();
             assert_eq!(names, want);
         }

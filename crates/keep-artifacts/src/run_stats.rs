@@ -35,6 +35,9 @@ pub struct RunStats {
     /// Decode forwards (sampled tokens fed back).
     pub decode_tokens: u64,
     pub decode_tps: f64,
+    /// Speculative decoding with the MTP module (`None`: the run did not draft).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftNumbers>,
     /// Memory a run may use beyond its budget (binary, stacks, activations, short KV cache).
     pub fixed_overhead_bytes: u64,
     /// [`FORMAT`].
@@ -56,6 +59,26 @@ pub struct RunStats {
     pub prompt_tokens: u64,
     /// [`VERSION`].
     pub version: u32,
+}
+
+/// What speculative decoding did in a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DraftNumbers {
+    /// Acceptance rate at each draft position (position 0 = the first drafted token).
+    pub acceptance: Vec<f64>,
+    /// Drafts accepted at each position.
+    pub accepted: Vec<u64>,
+    /// `--draft auto` turned drafting off during the run (it did not pay).
+    pub auto_off: bool,
+    /// Tokens drafted per verify forward.
+    pub k: u64,
+    /// Drafts proposed at each position.
+    pub proposed: Vec<u64>,
+    /// Verify forwards after which the cache was restored and the kept rows replayed.
+    pub replays: u64,
+    /// Tokens per verify forward (accepted drafts plus the corrected or bonus token).
+    pub tokens_per_forward: f64,
+    pub verify_forwards: u64,
 }
 
 /// How a memory budget was split.
@@ -243,6 +266,7 @@ mod tests {
             decode_secs: 1.25,
             decode_tokens: 10,
             decode_tps: 8.0,
+            draft: None,
             fixed_overhead_bytes: 64 << 20,
             format: FORMAT.into(),
             io_threads: 8,

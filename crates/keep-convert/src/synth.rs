@@ -308,7 +308,7 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
             },
         ));
     }
-    out.push(p("norm.weight".into(), &[h], norm));
+    out.push(p("norm.weight".into(), &[h], norm.clone()));
     out.push(p(
         "head.weight".into(),
         &[cfg.vocab_size, h],
@@ -316,6 +316,79 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
             std: (1.0 / h as f32).sqrt(),
         },
     ));
+    for k in 0..cfg.num_nextn_predict_layers {
+        out.extend(mtp_plan(cfg, st, k)?);
+    }
+    Ok(out)
+}
+
+/// The tensors of MTP module `k` as DeepSeek-V4 publishes them (`mtp.{k}.*`): one decoder block
+/// of the model's kind without a compressor (compress ratio 0, score-routed, no Engram) under
+/// `mtp.{k}.`, FP8 block-scaled `e_proj`/`h_proj` `[dim, dim]`, bf16 `enorm`/`hnorm`/`norm`, and
+/// f32 `hc_head_{fn,base,scale}` (the module's own stream collapse).
+fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>> {
+    let h = cfg.hidden_size;
+    let hc = cfg.hc_mult;
+    let mut one = cfg.clone();
+    one.num_hidden_layers = 1;
+    one.compress_ratios = vec![0];
+    one.kv_source_layer_ids = vec![];
+    one.index_source_layer_ids = vec![];
+    one.engram_layer_ids = vec![];
+    one.n_routed_experts_per_layer = None;
+    one.num_nextn_predict_layers = 0;
+    let st1 = Storage {
+        hash_layers: 0,
+        ..*st
+    };
+    let pre = format!("mtp.{k}.");
+    let mut out: Vec<Planned> = plan(&one, &st1)?
+        .into_iter()
+        .filter_map(|t| {
+            t.name.strip_prefix("layers.0.").map(|rest| Planned {
+                name: format!("{pre}{rest}"),
+                ..t
+            })
+        })
+        .collect();
+    let norm = Kind::Bf16Ones { std: 0.05 };
+    out.push(p(format!("{pre}enorm.weight"), &[h], norm.clone()));
+    out.push(p(format!("{pre}hnorm.weight"), &[h], norm.clone()));
+    out.push(p(
+        format!("{pre}e_proj.weight"),
+        &[h, h],
+        Kind::Fp8 { rows: h, cols: h },
+    ));
+    out.push(p(
+        format!("{pre}h_proj.weight"),
+        &[h, h],
+        Kind::Fp8 { rows: h, cols: h },
+    ));
+    out.push(p(
+        format!("{pre}hc_head_fn"),
+        &[hc, hc * h],
+        Kind::F32 {
+            mean: 0.0,
+            std: (1.0 / (hc * h) as f32).sqrt(),
+        },
+    ));
+    out.push(p(
+        format!("{pre}hc_head_base"),
+        &[hc],
+        Kind::F32 {
+            mean: 0.0,
+            std: 0.5,
+        },
+    ));
+    out.push(p(
+        format!("{pre}hc_head_scale"),
+        &[1],
+        Kind::F32 {
+            mean: 1.0,
+            std: 0.1,
+        },
+    ));
+    out.push(p(format!("{pre}norm.weight"), &[h], norm));
     Ok(out)
 }
 

@@ -95,7 +95,9 @@ fn repack_mxfp8_is_bit_exact_and_copies_the_rest() {
         } else {
             cfg.index_source_layer_ids.len()
         };
-        assert_eq!(rep.repacked.len(), 8 * cfg.num_hidden_layers + idx);
+        // Each MTP module: its window-only block's 8 and `e_proj`, `h_proj`.
+        let mtp = 10 * cfg.num_nextn_predict_layers;
+        assert_eq!(rep.repacked.len(), 8 * cfg.num_hidden_layers + idx + mtp);
         for r in &rep.repacked {
             let w = o.tensor(&r.name).unwrap();
             let sc = o.tensor(r.created_scale.as_ref().unwrap()).unwrap();

@@ -72,12 +72,7 @@ fn e8p_views_decode_and_multiply() {
                     };
                     want += rs[r] * q2;
                 }
-                assert_eq!(
-                    got.to_bits(),
-                    want.to_bits(),
-                    "{} {r} {c}",
-                    w.format_name()
-                );
+                assert_eq!(got.to_bits(), want.to_bits(), "{} {r} {c}", w.format_name());
                 assert_eq!(w.get_ref(r, c).to_bits(), want.to_bits());
             }
         }

@@ -176,7 +176,13 @@ fn hc_load<'a>(ck: &'a Checkpoint, p: &str, k: &str, cfg: &ModelConfig) -> Resul
 impl<'a> LayerWeights<'a> {
     /// Resolve and check the weights of `layer`.
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig, layer: usize) -> Result<Self> {
-        let p = format!("layers.{layer}.");
+        Self::load_at(ck, cfg, layer, &format!("layers.{layer}."))
+    }
+
+    /// Resolve the weights of a block stored under `p` (`"layers.3."`, `"mtp.0."`) that runs as
+    /// layer `layer` of `cfg` (its roles, RoPE and cache slot).
+    pub fn load_at(ck: &'a Checkpoint, cfg: &ModelConfig, layer: usize, p: &str) -> Result<Self> {
+        let p = p.to_string();
         let hint = cfg.raw.weight_block_size();
         let roles = cfg.roles[layer];
         let (d, h, hd) = (cfg.dim, cfg.heads, cfg.head_dim);

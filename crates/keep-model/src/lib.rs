@@ -38,6 +38,7 @@ pub mod layer;
 pub mod logits;
 pub mod memory;
 pub mod model;
+pub mod mtp;
 pub mod observer;
 pub mod qwen3;
 pub mod streamed;
@@ -57,6 +58,7 @@ pub use generate::{
 pub use keep_kernels::Kernels;
 pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
 pub use model::{Logits, Model};
+pub use mtp::{Mtp, MtpCache};
 pub use observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
 };

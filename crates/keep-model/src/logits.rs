@@ -10,6 +10,7 @@ use crate::observer::{
     KvFp8Event, KvFp8Recorder, RouteEvent, RouteObserver, RouteRecorder, KV_FP8_BLOCK,
 };
 use crate::{Logits, Model, ModelError};
+use keep_checkpoint::Checkpoint;
 
 /// What [`logits`] runs and gathers.
 #[derive(Debug, Clone, Copy, Default)]
@@ -142,5 +143,19 @@ pub fn logits(
         logits,
         routes,
         kv_fp8,
+        mtp_logits: None,
     })
+}
+
+/// The checkpoint's MTP module (`mtp.0.*`) after one prefill of `model` over `tokens`: f32
+/// `[T − 1, vocab]`, row i from the main model's streams of token i and the embedding of token
+/// i + 1. Refuses a checkpoint without the module and fewer than two tokens.
+pub fn mtp_logits(ck: &Checkpoint, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    let mtp = crate::Mtp::load(ck, &model.cfg)?.ok_or_else(|| {
+        ModelError::Config("--mtp: the checkpoint has no MTP module (mtp.0.*)".into())
+    })?;
+    if tokens.len() < 2 {
+        return Err(ModelError::Config("--mtp needs at least two tokens".into()));
+    }
+    mtp.prefill_logits(model, tokens)
 }

@@ -218,6 +218,8 @@ pub struct Model<'a> {
     pub engram: Option<Engram<'a>>,
     /// Qwen3-MoE's decoder layers (`layers` is then empty).
     pub qwen3: Vec<crate::qwen3::Qwen3Layer<'a>>,
+    /// The MTP drafter, once attached ([`Model::attach_mtp`]).
+    pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
 }
 
 impl<'a> Model<'a> {
@@ -256,6 +258,7 @@ impl<'a> Model<'a> {
             masks,
             engram,
             qwen3,
+            mtp: None,
         })
     }
 
@@ -335,14 +338,65 @@ impl<'a> Model<'a> {
         })
     }
 
+    /// [`Model::forward`] that also returns the last layer's streams of every token (the hidden
+    /// state the MTP module reads), in chunks as `forward` runs them.
+    pub fn forward_streams(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<(Vec<f32>, Streams)> {
+        if cache.layers.len() != self.cfg.n_layers {
+            return Err(ModelError::Cache(format!(
+                "{} layer caches for a {}-layer model",
+                cache.layers.len(),
+                self.cfg.n_layers
+            )));
+        }
+        check_context(&self.cfg, cache.pos, tokens.len())?;
+        let mut all = Streams {
+            t: 0,
+            x: vec![],
+            pre_mix: vec![],
+            tokens: vec![],
+        };
+        let chunk = self.cfg.prefill_chunk.max(1);
+        let logits = run_chunked(tokens, chunk, which, |part, w| {
+            let (l, s) = self.forward_chunk_streams(
+                part,
+                cache,
+                w,
+                obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            )?;
+            all.t += s.t;
+            all.x.extend_from_slice(&s.x);
+            all.pre_mix.extend_from_slice(&s.pre_mix);
+            all.tokens.extend_from_slice(&s.tokens);
+            Ok(l)
+        })?;
+        Ok((logits, all))
+    }
+
     /// One forward pass over `tokens` (at most a chunk) from the cache's position.
     fn forward_chunk(
         &self,
         tokens: &[u32],
         cache: &mut Cache,
         which: Logits,
-        mut obs: Option<&mut dyn RouteObserver>,
+        obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        Ok(self.forward_chunk_streams(tokens, cache, which, obs)?.0)
+    }
+
+    /// [`Model::forward_chunk`] with the last layer's streams.
+    fn forward_chunk_streams(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<(Vec<f32>, Streams)> {
         let mut s = self.globals.embed(&self.cfg, tokens)?;
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family == Family::Qwen3Moe {
@@ -359,7 +413,7 @@ impl<'a> Model<'a> {
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
             cache.pos += tokens.len();
-            return self.globals.finish(&self.cfg, &s, which);
+            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
         }
         let step = step_of(&self.cfg, cache);
         let mut shared = Shared::default();
@@ -384,6 +438,7 @@ impl<'a> Model<'a> {
             s.check_finite(|| format!("layer {}", lw.layer))?;
         }
         cache.pos += tokens.len();
-        self.globals.finish(&self.cfg, &s, which)
+        let logits = self.globals.finish(&self.cfg, &s, which)?;
+        Ok((logits, s))
     }
 }

@@ -8,7 +8,8 @@ use std::ops::ControlFlow;
 use std::time::Instant;
 
 use keep_artifacts::run_stats::{
-    self, CacheCounters, EngramCounters, GuessCounters, HashLayerCounters, PlanNumbers, RunStats,
+    self, CacheCounters, DraftNumbers, EngramCounters, GuessCounters, HashLayerCounters,
+    PlanNumbers, RunStats,
 };
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
@@ -71,6 +72,35 @@ impl<'a> RunModel<'a> {
         }
     }
 
+    /// Turn speculative decoding on or off for `mode` with `k` drafts per verify forward: the
+    /// drafts per verify forward in use (0: off). `Mtp` is refused when the checkpoint has no
+    /// MTP module or the run has a memory budget (the budgeted model does not draft yet);
+    /// `Auto` drafts when the checkpoint has one and the run has no budget.
+    pub fn set_draft(&mut self, ck: &'a Checkpoint, mode: DraftMode, k: usize) -> Result<usize> {
+        if mode == DraftMode::None {
+            return Ok(0);
+        }
+        let has = keep_model::mtp::present(ck);
+        match self {
+            RunModel::Mapped(m, _) if has => {
+                m.attach_mtp(ck, k)?;
+                m.set_mtp_auto(mode == DraftMode::Auto);
+                Ok(m.draft_tokens())
+            }
+            _ if mode == DraftMode::Auto => Ok(0),
+            RunModel::Mapped(..) => {
+                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
+                    "the checkpoint has no MTP module (mtp.0.*) to draft with".into(),
+                )))
+            }
+            RunModel::Budgeted(_) => {
+                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
+                    "drafting under a memory budget is not supported yet".into(),
+                )))
+            }
+        }
+    }
+
     /// The budgeted model, if this run has a budget.
     pub fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
         match self {
@@ -101,6 +131,51 @@ impl Generate for RunModel<'_> {
             RunModel::Budgeted(m) => m.forward_last(tokens, cache, obs),
         }
     }
+    fn draft_tokens(&self) -> usize {
+        match self {
+            RunModel::Mapped(m, _) => m.draft_tokens(),
+            RunModel::Budgeted(_) => 0,
+        }
+    }
+    fn draft_auto(&self) -> bool {
+        match self {
+            RunModel::Mapped(m, _) => m.mtp_auto(),
+            RunModel::Budgeted(_) => false,
+        }
+    }
+    fn stop_drafting(&mut self) {
+        if let RunModel::Mapped(m, _) = self {
+            m.detach_mtp();
+        }
+    }
+    fn draft(
+        &mut self,
+        last: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> u32,
+    ) -> keep_model::Result<Vec<(u32, Vec<f32>)>> {
+        match self {
+            RunModel::Mapped(m, _) => m.draft(last, k, pick),
+            RunModel::Budgeted(_) => Ok(vec![]),
+        }
+    }
+    fn forward_verify(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        match self {
+            RunModel::Mapped(m, _) => m.forward_verify(tokens, cache, obs),
+            RunModel::Budgeted(m) => m.forward_verify(tokens, cache, obs),
+        }
+    }
+    fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> keep_model::Result<()> {
+        match self {
+            RunModel::Mapped(m, _) => m.accept_drafts(cache, keep),
+            RunModel::Budgeted(m) => m.accept_drafts(cache, keep),
+        }
+    }
     fn starting(&mut self) {
         match self {
             RunModel::Budgeted(m) => m.starting(),
@@ -121,6 +196,14 @@ impl Generate for RunModel<'_> {
             RunModel::Mapped(_, None) => {}
         }
     }
+}
+
+/// Whether a run drafts with the checkpoint's MTP module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftMode {
+    None,
+    Mtp,
+    Auto,
 }
 
 /// What a run measured.
@@ -272,6 +355,20 @@ impl RunReport {
             decode_secs: g.decode_secs,
             decode_tokens: g.generated as u64,
             decode_tps: g.decode_tps(),
+            draft: (g.draft.k > 0).then(|| {
+                let d = &g.draft;
+                let k = d.k.min(d.proposed.len());
+                DraftNumbers {
+                    acceptance: d.acceptance(),
+                    accepted: d.accepted[..k].to_vec(),
+                    k: d.k as u64,
+                    proposed: d.proposed[..k].to_vec(),
+                    replays: d.replays,
+                    auto_off: d.auto_off,
+                    tokens_per_forward: d.tokens_per_forward(),
+                    verify_forwards: d.verify_forwards,
+                }
+            }),
             fixed_overhead_bytes: FIXED_OVERHEAD,
             format: run_stats::FORMAT.into(),
             io_threads: info.io_threads as u64,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{encode_prompt, load_tokenizer, Prompt};
-use keep_model::logits::{logits, LogitsOptions};
+use keep_model::logits::{logits, mtp_logits, LogitsOptions};
 use keep_model::Model;
 
 /// Write the model's logits for a token sequence to a safetensors file.
@@ -43,6 +43,11 @@ pub struct LogitsArgs {
     /// sorted ascending.
     #[arg(long)]
     routes: bool,
+    /// Also write `mtp_logits` (f32 [T − 1, vocab]): the checkpoint's MTP module (`mtp.0.*`)
+    /// after one prefill, row i from the main model's streams of token i and the embedding of
+    /// token i + 1 (its prediction of token i + 2).
+    #[arg(long)]
+    mtp: bool,
     /// Also write the FP8 codes of every layer's window KV rows (a DeepSeek-V4.1 model rounds
     /// each KV row to E4M3 with a power-of-two scale per 32 elements): `kv_fp8_codes` (uint8
     /// [layers, T, head_dim], E4M3 bytes) and `kv_fp8_scale_exp` (int32 [layers, T,
@@ -98,7 +103,10 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
         routes: a.routes,
         fp8_kv: a.fp8_kv,
     };
-    let file = logits(&model, &dir.display().to_string(), &tokens, &opts)?;
+    let mut file = logits(&model, &dir.display().to_string(), &tokens, &opts)?;
+    if a.mtp {
+        file.mtp_logits = Some(mtp_logits(&ck, &model, &tokens)?);
+    }
     file.write(&a.out, a.force)?;
     eprintln!(
         "wrote {} ({} tokens × {} logits)",

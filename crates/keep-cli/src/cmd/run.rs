@@ -55,8 +55,36 @@ pub struct RunArgs {
     /// exact model (`keep eval --kernels fast`; the rule is KL ≤ 1e-3 and top-1 ≥ 99%).
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
     kernels: super::KernelsArg,
+    /// Speculative decoding with the checkpoint's MTP module (`mtp.0.*`): mtp drafts
+    /// --draft-tokens tokens and verifies them in one forward (greedy output is identical to
+    /// none); auto does so when the checkpoint has an MTP module and the run has no
+    /// --memory-budget, and turns drafting off when after 16 verify forwards they produced
+    /// fewer than 1.5 tokens each.
+    #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
+    draft: DraftArg,
+    /// Tokens drafted per verify forward (1..=8).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=8))]
+    draft_tokens: u64,
     #[command(flatten)]
     budget: budget::BudgetArgs,
+}
+
+/// `--draft`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DraftArg {
+    Mtp,
+    None,
+    Auto,
+}
+
+impl From<DraftArg> for keep_runtime::run::DraftMode {
+    fn from(d: DraftArg) -> Self {
+        match d {
+            DraftArg::Mtp => Self::Mtp,
+            DraftArg::None => Self::None,
+            DraftArg::Auto => Self::Auto,
+        }
+    }
 }
 
 /// A refusal of the run, in the words of its flags where a flag is the cause.
@@ -121,6 +149,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if let Some(m) = model.budgeted() {
         budget::print_plan(m);
     }
+    model
+        .set_draft(&ck, a.draft.into(), a.draft_tokens as usize)
+        .with_context(|| format!("--draft {}", draft_name(a.draft)))?;
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
@@ -159,6 +190,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         g.decode_secs,
         g.decode_tps()
     );
+    if g.draft.k > 0 {
+        let acc: Vec<String> = g
+            .draft
+            .acceptance()
+            .iter()
+            .map(|a| format!("{a:.3}"))
+            .collect();
+        eprintln!(
+            "draft: K = {}, {} verify forwards, {:.2} tokens per forward, acceptance by position [{}]{}",
+            g.draft.k,
+            g.draft.verify_forwards,
+            g.draft.tokens_per_forward(),
+            acc.join(", "),
+            if g.draft.auto_off {
+                "; --draft auto turned drafting off (it did not pay)"
+            } else {
+                ""
+            }
+        );
+    }
     // A run without a budget still reads Engram tables above the threshold from SSD: its row
     // counters are printed the same way.
     if b.active() || report.decode_engram.is_some() {
@@ -185,4 +236,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing the run's numbers to {}", path.display()))?;
     }
     Ok(())
+}
+
+fn draft_name(d: DraftArg) -> &'static str {
+    match d {
+        DraftArg::Mtp => "mtp",
+        DraftArg::None => "none",
+        DraftArg::Auto => "auto",
+    }
 }
