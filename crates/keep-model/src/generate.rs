@@ -162,6 +162,24 @@ pub trait Generate {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>>;
+    /// Feed `tokens[i]` to the sequence of `caches[i]`, one token each; the logits
+    /// `[N × vocab]`, row `i` equal to `forward_last(&[tokens[i]], caches[i])`. The default runs
+    /// the sequences one by one; the whole and the budgeted model run one batched step
+    /// ([`Model::forward_batch`]).
+    fn forward_batch(&mut self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Vec<f32>> {
+        if tokens.len() != caches.len() {
+            return Err(ModelError::Cache(format!(
+                "{} tokens for {} caches in a batched step",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(tokens.len() * self.cfg().vocab);
+        for (&t, c) in tokens.iter().zip(caches.iter_mut()) {
+            out.extend(self.forward_last(&[t], c, None)?);
+        }
+        Ok(out)
+    }
     /// Called once, right before the prompt's forward (a budgeted model zeroes its counters).
     fn starting(&mut self) {}
     /// Called once, right after the prompt's forward (a budgeted model takes its prefill
@@ -183,6 +201,9 @@ impl Generate for Model<'_> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         self.forward(tokens, cache, Logits::Last, obs)
+    }
+    fn forward_batch(&mut self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Vec<f32>> {
+        Model::forward_batch(self, tokens, caches)
     }
 }
 
@@ -328,6 +349,68 @@ pub struct GenerateOptions<'a> {
     pub tokenizer: Option<&'a Tokenizer>,
 }
 
+/// What [`Decoder::next`] made of one row of logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampled<'a> {
+    /// An end-of-sequence token: the sequence is over (the token is neither handed on nor fed
+    /// back).
+    Eos(u32),
+    /// A token and the text it completes (empty while a character is incomplete, or without a
+    /// tokenizer); `last` when it was the last the token limit allows (not to be fed back).
+    Token { id: u32, text: &'a str, last: bool },
+}
+
+/// One sequence's sampling state: its [`Sampler`], end-of-sequence tokens, token limit and
+/// streaming detokenizer. [`generate`] drives one; a server that batches sequences drives one
+/// per sequence, so both sample and stop alike.
+pub struct Decoder<'t> {
+    sampler: Sampler,
+    text: Option<TextStream<'t>>,
+    eos: Vec<u32>,
+    max_tokens: usize,
+    sampled: usize,
+}
+
+impl<'t> Decoder<'t> {
+    /// A decoder for `cfg`'s end-of-sequence tokens with `opts`' limit, sampling and tokenizer;
+    /// refuses bad sampling settings ([`SamplerConfig::check`]).
+    pub fn new(cfg: &ModelConfig, opts: &GenerateOptions<'t>) -> Result<Decoder<'t>> {
+        opts.sampling.check()?;
+        Ok(Decoder {
+            sampler: Sampler::new(opts.sampling),
+            text: opts.tokenizer.map(TextStream::new),
+            eos: cfg.eos.clone(),
+            max_tokens: opts.max_tokens,
+            sampled: 0,
+        })
+    }
+
+    /// Tokens sampled so far (an end-of-sequence token included).
+    pub fn sampled(&self) -> usize {
+        self.sampled
+    }
+
+    /// Whether the token limit is reached.
+    pub fn done(&self) -> bool {
+        self.sampled >= self.max_tokens
+    }
+
+    /// Sample the next token from `logits` (the last position's row).
+    pub fn next(&mut self, logits: &[f32]) -> Result<Sampled<'_>> {
+        let id = self.sampler.sample(logits);
+        self.sampled += 1;
+        if self.eos.contains(&id) {
+            return Ok(Sampled::Eos(id));
+        }
+        let last = self.sampled >= self.max_tokens;
+        let text = match self.text.as_mut() {
+            Some(ts) => ts.push(id)?,
+            None => "",
+        };
+        Ok(Sampled::Token { id, text, last })
+    }
+}
+
 /// Encode `prompt`, prefill it, then sample up to `opts.max_tokens` tokens, handing each to
 /// `on_piece` (as text with a tokenizer, else as an id); stops early at one of the config's
 /// end-of-sequence tokens (neither handed on nor fed back) or when `on_piece` breaks. `obs`
@@ -339,11 +422,8 @@ pub fn generate<G: Generate + ?Sized>(
     mut obs: Option<&mut dyn RouteObserver>,
     mut on_piece: impl FnMut(Piece) -> ControlFlow<()>,
 ) -> Result<GenStats> {
-    opts.sampling.check()?;
+    let mut dec = Decoder::new(model.cfg(), opts)?;
     let prompt = encode_prompt(model.cfg(), opts.tokenizer, prompt, opts.max_tokens)?;
-    let eos = model.cfg().eos.clone();
-    let mut sampler = Sampler::new(opts.sampling);
-    let mut text = opts.tokenizer.map(TextStream::new);
     let mut stats = GenStats {
         prompt_tokens: prompt.len(),
         ..GenStats::default()
@@ -362,22 +442,22 @@ pub fn generate<G: Generate + ?Sized>(
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     model.prefilled();
     let t1 = Instant::now();
-    let mut sampled = 0;
-    while sampled < opts.max_tokens {
-        let tok = sampler.sample(&logits);
-        sampled += 1;
-        if eos.contains(&tok) {
-            stats.stopped_at_eos = true;
-            break;
-        }
-        let flow = match text.as_mut() {
-            Some(ts) => match ts.push(tok)? {
-                "" => ControlFlow::Continue(()),
-                s => on_piece(Piece::Text(s)),
-            },
-            None => on_piece(Piece::Token(tok)),
+    while !dec.done() {
+        let (tok, last, flow) = match dec.next(&logits)? {
+            Sampled::Eos(_) => {
+                stats.stopped_at_eos = true;
+                break;
+            }
+            Sampled::Token { id, text, last } => {
+                let flow = match (opts.tokenizer, text) {
+                    (Some(_), "") => ControlFlow::Continue(()),
+                    (Some(_), s) => on_piece(Piece::Text(s)),
+                    (None, _) => on_piece(Piece::Token(id)),
+                };
+                (id, last, flow)
+            }
         };
-        if flow.is_break() || sampled == opts.max_tokens {
+        if flow.is_break() || last {
             break;
         }
         logits = model.forward_last(

@@ -22,6 +22,7 @@
 //!
 //! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic).
 
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod engram;
@@ -47,8 +48,8 @@ pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{
-    generate, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampler, SamplerConfig,
-    TextStream,
+    generate, Decoder, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampled, Sampler,
+    SamplerConfig, TextStream,
 };
 pub use keep_kernels::Kernels;
 pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
