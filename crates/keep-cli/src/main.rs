@@ -34,6 +34,7 @@ enum Command {
     Calibrate(cmd::calibrate::CalibrateArgs),
     Finalize(cmd::finalize::FinalizeArgs),
     Select(cmd::select::SelectArgs),
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() {
@@ -59,6 +60,7 @@ fn main() {
         Command::Calibrate(a) => cmd::calibrate::run(a),
         Command::Finalize(a) => cmd::finalize::run(a),
         Command::Select(a) => cmd::select::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
