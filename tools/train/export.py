@@ -33,6 +33,12 @@ HERE = Path(__file__).resolve().parent
 DT_NAMES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4, "I32": 4, "U8": 1}
 
 
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n# {{ message['role'] }}:\n{{ message['content'] }}\n"
+    "{% endfor %}\n{%- if add_generation_prompt %}\n# assistant:\n{% endif %}"
+)
+
 def _round_fp4_idx(mag):
     idx = np.zeros(mag.shape, np.int32)
     for t in (0.25, 1.25, 2.5, 5.0):
@@ -281,6 +287,9 @@ def main():
         "unk_token": None, "pad_token": "<|endoftext|>",
         "add_bos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["max_position_embeddings"],
+        # A plain chat template of its own (the model never saw chat), so `keep serve` and
+        # transformers' apply_chat_template can format conversations for it.
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     write_sums(out)
     total = sum((out / p).stat().st_size for p in ("model.safetensors",))

@@ -35,6 +35,7 @@ enum Command {
     Finalize(cmd::finalize::FinalizeArgs),
     Select(cmd::select::SelectArgs),
     Quant(cmd::quant::QuantArgs),
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() {
@@ -61,6 +62,7 @@ fn main() {
         Command::Finalize(a) => cmd::finalize::run(a),
         Command::Quant(a) => cmd::quant::run(a),
         Command::Select(a) => cmd::select::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -364,6 +364,24 @@ pub trait Generate {
     fn accept_drafts(&mut self, _cache: &mut Cache, _keep: usize) -> Result<()> {
         Ok(())
     }
+    /// Feed `tokens[i]` to the sequence of `caches[i]`, one token each; the logits
+    /// `[N × vocab]`, row `i` equal to `forward_last(&[tokens[i]], caches[i])`. The default runs
+    /// the sequences one by one; the whole and the budgeted model run one batched step
+    /// ([`Model::forward_batch`]).
+    fn forward_batch(&mut self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Vec<f32>> {
+        if tokens.len() != caches.len() {
+            return Err(ModelError::Cache(format!(
+                "{} tokens for {} caches in a batched step",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(tokens.len() * self.cfg().vocab);
+        for (&t, c) in tokens.iter().zip(caches.iter_mut()) {
+            out.extend(self.forward_last(&[t], c, None)?);
+        }
+        Ok(out)
+    }
     /// Called once, right before the prompt's forward (a budgeted model zeroes its counters).
     fn starting(&mut self) {}
     /// Called once, right after the prompt's forward (a budgeted model takes its prefill
@@ -413,6 +431,9 @@ impl Generate for Model<'_> {
     }
     fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
         Model::accept_drafts(self, cache, keep)
+    }
+    fn forward_batch(&mut self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Vec<f32>> {
+        Model::forward_batch(self, tokens, caches)
     }
 }
 
@@ -558,6 +579,78 @@ pub struct GenerateOptions<'a> {
     pub tokenizer: Option<&'a Tokenizer>,
 }
 
+/// What [`Decoder::next`] made of one row of logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampled<'a> {
+    /// An end-of-sequence token: the sequence is over (the token is neither handed on nor fed
+    /// back).
+    Eos(u32),
+    /// A token and the text it completes (empty while a character is incomplete, or without a
+    /// tokenizer); `last` when it was the last the token limit allows (not to be fed back).
+    Token { id: u32, text: &'a str, last: bool },
+}
+
+/// One sequence's sampling state: its [`Sampler`], end-of-sequence tokens, token limit and
+/// streaming detokenizer. [`generate`] drives one; a server that batches sequences drives one
+/// per sequence, so both sample and stop alike.
+pub struct Decoder<'t> {
+    sampler: Sampler,
+    text: Option<TextStream<'t>>,
+    eos: Vec<u32>,
+    max_tokens: usize,
+    sampled: usize,
+}
+
+impl<'t> Decoder<'t> {
+    /// A decoder for `cfg`'s end-of-sequence tokens with `opts`' limit, sampling and tokenizer;
+    /// refuses bad sampling settings ([`SamplerConfig::check`]).
+    pub fn new(cfg: &ModelConfig, opts: &GenerateOptions<'t>) -> Result<Decoder<'t>> {
+        opts.sampling.check()?;
+        Ok(Decoder {
+            sampler: Sampler::new(opts.sampling),
+            text: opts.tokenizer.map(TextStream::new),
+            eos: cfg.eos.clone(),
+            max_tokens: opts.max_tokens,
+            sampled: 0,
+        })
+    }
+
+    /// Tokens sampled so far (an end-of-sequence token included).
+    pub fn sampled(&self) -> usize {
+        self.sampled
+    }
+
+    /// Whether the token limit is reached.
+    pub fn done(&self) -> bool {
+        self.sampled >= self.max_tokens
+    }
+
+    /// Sample the next token from `logits` (the last position's row).
+    pub fn next(&mut self, logits: &[f32]) -> Result<Sampled<'_>> {
+        let id = self.sampler.sample(logits);
+        self.push(id)
+    }
+
+    /// Tokens the limit still allows.
+    pub fn remaining(&self) -> usize {
+        self.max_tokens.saturating_sub(self.sampled)
+    }
+
+    /// Hand on `id`, chosen elsewhere (an accepted draft, or a rejected draft's correction).
+    pub fn push(&mut self, id: u32) -> Result<Sampled<'_>> {
+        self.sampled += 1;
+        if self.eos.contains(&id) {
+            return Ok(Sampled::Eos(id));
+        }
+        let last = self.sampled >= self.max_tokens;
+        let text = match self.text.as_mut() {
+            Some(ts) => ts.push(id)?,
+            None => "",
+        };
+        Ok(Sampled::Token { id, text, last })
+    }
+}
+
 /// Encode `prompt`, prefill it, then sample up to `opts.max_tokens` tokens, handing each to
 /// `on_piece` (as text with a tokenizer, else as an id); stops early at one of the config's
 /// end-of-sequence tokens (neither handed on nor fed back) or when `on_piece` breaks. `obs`
@@ -569,11 +662,8 @@ pub fn generate<G: Generate + ?Sized>(
     mut obs: Option<&mut dyn RouteObserver>,
     mut on_piece: impl FnMut(Piece) -> ControlFlow<()>,
 ) -> Result<GenStats> {
-    opts.sampling.check()?;
+    let mut dec = Decoder::new(model.cfg(), opts)?;
     let prompt = encode_prompt(model.cfg(), opts.tokenizer, prompt, opts.max_tokens)?;
-    let eos = model.cfg().eos.clone();
-    let mut sampler = Sampler::new(opts.sampling);
-    let mut text = opts.tokenizer.map(TextStream::new);
     let mut stats = GenStats {
         prompt_tokens: prompt.len(),
         ..GenStats::default()
@@ -592,34 +682,34 @@ pub fn generate<G: Generate + ?Sized>(
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     model.prefilled();
     let t1 = Instant::now();
-    let mut sampled = 0;
     let k = model.draft_tokens().min(crate::mtp::MAX_DRAFT);
     stats.draft.k = k;
     let vocab = model.cfg().vocab;
     // The next token: drawn from `logits`, or already chosen (a rejected draft's correction).
     let mut chosen: Option<u32> = None;
     // Hand one token on; `true` when the generation ends here.
-    let mut emit = |tok: u32, sampled: &mut usize, stats: &mut GenStats| -> Result<bool> {
-        *sampled += 1;
-        if eos.contains(&tok) {
-            stats.stopped_at_eos = true;
-            return Ok(true);
-        }
-        let flow = match text.as_mut() {
-            Some(ts) => match ts.push(tok)? {
-                "" => ControlFlow::Continue(()),
-                s => on_piece(Piece::Text(s)),
-            },
-            None => on_piece(Piece::Token(tok)),
-        };
-        Ok(flow.is_break() || *sampled == opts.max_tokens)
+    let mut emit = |dec: &mut Decoder, tok: u32, stats: &mut GenStats| -> Result<bool> {
+        Ok(match dec.push(tok)? {
+            Sampled::Eos(_) => {
+                stats.stopped_at_eos = true;
+                true
+            }
+            Sampled::Token { id, text, last } => {
+                let flow = match (opts.tokenizer, text) {
+                    (Some(_), "") => ControlFlow::Continue(()),
+                    (Some(_), s) => on_piece(Piece::Text(s)),
+                    (None, _) => on_piece(Piece::Token(id)),
+                };
+                flow.is_break() || last
+            }
+        })
     };
-    'gen: while sampled < opts.max_tokens {
+    'gen: while !dec.done() {
         let tok = match chosen.take() {
             Some(t) => t,
-            None => sampler.sample(&logits),
+            None => dec.sampler.sample(&logits),
         };
-        if emit(tok, &mut sampled, &mut stats)? {
+        if emit(&mut dec, tok, &mut stats)? {
             break;
         }
         if k > 0
@@ -635,10 +725,10 @@ pub fn generate<G: Generate + ?Sized>(
         let want = if stats.draft.auto_off {
             0
         } else {
-            k.min(opts.max_tokens - sampled)
+            k.min(dec.remaining())
         };
         let drafts = if want > 0 {
-            let s = &mut sampler;
+            let s = &mut dec.sampler;
             model.draft(tok, want, &mut |q| {
                 let pq = s.probs(q);
                 s.draw(&pq)
@@ -667,14 +757,14 @@ pub fn generate<G: Generate + ?Sized>(
         let mut keep = 1;
         for (i, (d, q)) in drafts.iter().enumerate() {
             stats.draft.proposed[i] += 1;
-            let p = sampler.probs(&rows[i * vocab..(i + 1) * vocab]);
-            let pq = sampler.probs(q);
-            match sampler.verify(&p, &pq, *d) {
+            let p = dec.sampler.probs(&rows[i * vocab..(i + 1) * vocab]);
+            let pq = dec.sampler.probs(q);
+            match dec.sampler.verify(&p, &pq, *d) {
                 None => {
                     stats.draft.accepted[i] += 1;
                     stats.draft.tokens += 1;
                     keep += 1;
-                    if emit(*d, &mut sampled, &mut stats)? {
+                    if emit(&mut dec, *d, &mut stats)? {
                         stats.generated += keep;
                         break 'gen;
                     }

@@ -340,7 +340,11 @@ fn note_input(
 }
 
 /// `HyperConnection.__call__`: (pre `[T×hc]`, post `[T×hc]`, comb `[T×hc×hc]`).
-fn hc_mix(hcw: &Hc, s: &Streams, cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+pub(crate) fn hc_mix(
+    hcw: &Hc,
+    s: &Streams,
+    cfg: &ModelConfig,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let (t, hc, d) = (s.t, cfg.hc, cfg.dim);
     let mut flat = s.x.clone();
     ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
@@ -380,7 +384,7 @@ fn hc_mix(hcw: &Hc, s: &Streams, cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<f32
 }
 
 /// `_collapse`: `Σ_k mix[k] · streams[k]` per token.
-fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
+pub(crate) fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0f32; s.t * d];
     for i in 0..s.t {
         let o = &mut out[i * d..(i + 1) * d];
@@ -396,7 +400,7 @@ fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
 }
 
 /// `_expand`: `streams'[j] = post[j] · x + Σ_i comb[i, j] · streams[i]` per token.
-fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: usize) {
+pub(crate) fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: usize) {
     let mut mixed = vec![0f32; hc * d];
     for i in 0..s.t {
         mixed.iter_mut().for_each(|v| *v = 0.0);
@@ -470,7 +474,7 @@ impl LayerWeights<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attention(
+    pub(crate) fn attention(
         &self,
         cfg: &ModelConfig,
         x: &[f32],
@@ -844,7 +848,7 @@ impl LayerWeights<'_> {
 
     /// `MoE.__call__`: router, routed experts (grouped by expert), shared expert.
     #[allow(clippy::too_many_arguments)]
-    fn moe(
+    pub(crate) fn moe(
         &self,
         cfg: &ModelConfig,
         experts: &dyn ExpertSource,

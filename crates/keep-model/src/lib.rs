@@ -24,6 +24,7 @@
 //! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic),
 //! `keep-artifacts` (the logits file), `keep-rng` (sampling, synthetic prompts).
 
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod engram;
@@ -52,8 +53,8 @@ pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
 pub use generate::{
-    generate, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampler, SamplerConfig,
-    TextStream,
+    generate, Decoder, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampled, Sampler,
+    SamplerConfig, TextStream,
 };
 pub use keep_kernels::Kernels;
 pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};

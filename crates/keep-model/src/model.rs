@@ -212,8 +212,8 @@ pub struct Model<'a> {
     pub cfg: ModelConfig,
     pub globals: Globals<'a>,
     pub layers: Vec<LayerWeights<'a>>,
-    experts: Box<dyn ExpertSource + 'a>,
-    masks: Vec<Option<Vec<bool>>>,
+    pub(crate) experts: Box<dyn ExpertSource + 'a>,
+    pub(crate) masks: Vec<Option<Vec<bool>>>,
     /// Engram layers (`None` without `engram_layer_ids`).
     pub engram: Option<Engram<'a>>,
     /// Qwen3-MoE's decoder layers (`layers` is then empty).

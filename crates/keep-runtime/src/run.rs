@@ -176,6 +176,16 @@ impl Generate for RunModel<'_> {
             RunModel::Budgeted(m) => m.accept_drafts(cache, keep),
         }
     }
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> keep_model::Result<Vec<f32>> {
+        match self {
+            RunModel::Mapped(m, _) => m.forward_batch(tokens, caches),
+            RunModel::Budgeted(m) => m.forward_batch(tokens, caches),
+        }
+    }
     fn starting(&mut self) {
         match self {
             RunModel::Budgeted(m) => m.starting(),

@@ -479,6 +479,20 @@ impl Generate for BudgetedModel<'_> {
     ) -> keep_model::Result<Vec<f32>> {
         self.forward_chunks(tokens, cache, Logits::Last, obs)
     }
+    /// One batched step: the batch's expert union goes through the slot cache (each layer
+    /// asks for the experts any of its rows routes to); hash-routed layers are prefetched for
+    /// all the batch's tokens first.
+    fn forward_batch(
+        &mut self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> keep_model::Result<Vec<f32>> {
+        for c in caches.iter() {
+            self.check_planned(c, 1)?;
+        }
+        self.prefetch_hash_layers(tokens);
+        self.model.forward_batch(tokens, caches)
+    }
     /// Zero the counters, so that the prompt's forward is counted alone.
     fn starting(&mut self) {
         self.cache.reset_stats();

@@ -79,3 +79,57 @@ fn bundled_model_logits_identical_under_a_small_budget() {
         assert!(s.misses > 0 && s.bytes_read > 0);
     }
 }
+
+/// A batched decode step under the smallest budget (fewer slots per layer than the batch's
+/// expert union: the union goes through the slot cache in chunks) gives every sequence the
+/// plain model's logits alone, bit for bit.
+#[test]
+fn bundled_model_batched_step_identical_under_a_small_budget() {
+    use keep_model::{Cache, Generate};
+    let Some(dir) = model_dir() else {
+        eprintln!("models/keep-tiny is not here: skipped");
+        return;
+    };
+    let ck = Checkpoint::open(&dir).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let probe = BudgetedModel::load(&ck, &RuntimeOptions::new(u64::MAX / 4)).unwrap();
+    let p = probe.plan().clone();
+    drop(probe);
+    let min = BudgetPlan::minimum(p.fixed(), p.slot_bytes, p.n_layers, p.top_k);
+    let mut m = BudgetedModel::load(&ck, &RuntimeOptions::new(min)).unwrap();
+    let lens = [3usize, 9, 20, 33, 70, 5];
+    let mut alone: Vec<Cache> = vec![];
+    let mut batched: Vec<Cache> = vec![];
+    let mut next = vec![];
+    for (s, &n) in lens.iter().enumerate() {
+        let prompt: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 97 + 13 + s as u32 * 31) % v as u32)
+            .collect();
+        let mut c = plain.new_cache();
+        let l = plain.forward(&prompt, &mut c, Logits::Last, None).unwrap();
+        next.push(argmax(&l));
+        alone.push(c);
+        let mut c = m.new_cache();
+        m.forward(&prompt, &mut c, Logits::None, None).unwrap();
+        batched.push(c);
+    }
+    for step in 0..6 {
+        let mut refs: Vec<&mut Cache> = batched.iter_mut().collect();
+        let got = m.forward_batch(&next, &mut refs).unwrap();
+        for i in 0..lens.len() {
+            let want = plain
+                .forward(&[next[i]], &mut alone[i], Logits::Last, None)
+                .unwrap();
+            assert!(
+                got[i * v..(i + 1) * v]
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "step {step}, sequence {i}: logits differ"
+            );
+            next[i] = argmax(&want);
+        }
+    }
+    assert!(m.cache().stats().misses > 0);
+}

@@ -13,6 +13,7 @@ pub mod repack;
 pub mod residency;
 pub mod run;
 pub mod select;
+pub mod serve;
 pub mod synth;
 pub mod verify;
 

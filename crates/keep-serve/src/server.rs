@@ -1,0 +1,895 @@
+//! The HTTP side: [`router`] (the endpoints over an [`AppState`]) and [`serve`] (open the
+//! model on its scheduler thread, bind, serve until SIGINT/SIGTERM, then let the streams in
+//! flight finish).
+//!
+//! Requests are parsed here, not by axum's extractors, so that every refusal is an OpenAI error
+//! body: a body over the limit is 413, malformed JSON or a field of the wrong type 400, a prompt
+//! longer than the context limit 400 naming both lengths, a missing or wrong API key 401. A
+//! panic in a handler becomes a 500 for that request only (the scheduler catches its own).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, Request as HttpRequest, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use keep_model::generate::SamplerConfig;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::api::{self, ChatRequest, Common, CompletionRequest, Content, PromptField};
+use crate::engine::{self, EngineHandle, EngineOptions, Event, Finish, Request, TokenLogprob};
+use crate::template::{ChatTemplate, Message};
+use crate::{Result, ServeError};
+
+/// The chat page: one static file, no external resources.
+pub const PAGE: &str = include_str!("page.html");
+
+/// Request bodies larger than this are refused with 413 (a prompt of the longest context
+/// the bundled tokenizer can make fits many times over).
+pub const DEFAULT_MAX_BODY: usize = 4 << 20;
+
+/// `max_tokens` of a completion that names none (OpenAI's default for completions).
+pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
+
+/// What the handlers know of the model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id `/v1/models` lists and responses carry.
+    pub name: String,
+    /// Beginning-of-sequence token (the prompt of an empty text).
+    pub bos: u32,
+}
+
+struct Inner {
+    engine: EngineHandle,
+    tok: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    model: ModelInfo,
+    api_key: Option<String>,
+    max_context: usize,
+    ids: AtomicU64,
+}
+
+/// Everything a handler needs (cheap to clone).
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+impl AppState {
+    /// A state over a running scheduler: requests are refused beyond `max_context` tokens of
+    /// prompt + completion; with `api_key`, `/v1/*`, `/tokenize` and `/detokenize` need
+    /// `Authorization: Bearer KEY`.
+    pub fn new(
+        engine: EngineHandle,
+        tok: Arc<Tokenizer>,
+        template: Option<ChatTemplate>,
+        model: ModelInfo,
+        api_key: Option<String>,
+        max_context: usize,
+    ) -> AppState {
+        AppState(Arc::new(Inner {
+            engine,
+            tok,
+            template,
+            model,
+            api_key,
+            max_context,
+            ids: AtomicU64::new(0),
+        }))
+    }
+}
+
+/// An error response in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        };
+        (
+            self.status,
+            Json(api::error_body(&self.message, kind, self.param)),
+        )
+            .into_response()
+    }
+}
+
+/// The body as `T`: 413 over the limit, 400 for anything that is not a JSON object of the
+/// right types.
+fn parse<T: DeserializeOwned>(
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<T, ApiError> {
+    let body = body.map_err(|r| ApiError {
+        status: r.status(),
+        message: match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                "the request body is larger than this server accepts".into()
+            }
+            _ => r.body_text(),
+        },
+        param: None,
+    })?;
+    serde_json::from_slice(&body).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "the body is not valid JSON"
+        } else {
+            "the request does not match the API"
+        };
+        ApiError::bad(format!("{what}: {e}"), None)
+    })
+}
+
+/// `Authorization: Bearer KEY` checked in time independent of where the keys differ.
+async fn auth(State(st): State<AppState>, req: HttpRequest<Body>, next: Next) -> Response {
+    if let Some(key) = &st.0.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        let same = given.len() == key.len()
+            && given
+                .bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if !same {
+            return ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: "a valid API key is needed: send `Authorization: Bearer KEY`".into(),
+                param: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// The app: every endpoint, the body limit, the API key check, the panic guard.
+pub fn router(state: AppState, max_body: usize) -> Router {
+    let guarded = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .merge(guarded)
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            |_: Box<dyn std::any::Any + Send>| {
+                ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "internal error: this request panicked; the server goes on".into(),
+                    param: None,
+                }
+                .into_response()
+            },
+        ))
+        .with_state(state)
+}
+
+async fn models(State(st): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.0.model.name,
+            "object": "model",
+            "created": api::now_secs(),
+            "owned_by": "keep",
+        }],
+    }))
+}
+
+async fn tokenize(
+    State(st): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Json<Value>, ApiError> {
+    let r: api::TokenizeRequest = parse(body)?;
+    let enc =
+        st.0.tok
+            .encode(r.prompt, r.add_special_tokens.unwrap_or(true))
+            .map_err(|e| ApiError::bad(format!("cannot tokenize: {e}"), Some("prompt")))?;
+    let ids = enc.get_ids();
+    Ok(Json(json!({"tokens": ids, "count": ids.len()})))
+}
+
+async fn detokenize(
+    State(st): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Json<Value>, ApiError> {
+    let r: api::DetokenizeRequest = parse(body)?;
+    let vocab = st.0.tok.get_vocab_size(true) as u32;
+    if let Some(&t) = r.tokens.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::bad(
+            format!("token {t} is outside the vocabulary of {vocab}"),
+            Some("tokens"),
+        ));
+    }
+    let text =
+        st.0.tok
+            .decode(&r.tokens, true)
+            .map_err(|e| ApiError::bad(format!("cannot detokenize: {e}"), Some("tokens")))?;
+    Ok(Json(json!({"prompt": text})))
+}
+
+/// Which endpoint a generation answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// A generation ready to submit, and how to answer it.
+struct Job {
+    kind: Kind,
+    id: String,
+    stream: bool,
+    include_usage: bool,
+    /// Top alternatives per token (`Some` when logprobs were asked for).
+    logprobs: Option<usize>,
+}
+
+/// Check the shared fields, queue the request; the event receiver.
+fn submit(
+    st: &AppState,
+    kind: Kind,
+    c: &Common,
+    prompt: Vec<u32>,
+    logprobs: Option<usize>,
+) -> std::result::Result<(Job, UnboundedReceiver<Event>), ApiError> {
+    let inner = &st.0;
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::bad(
+                format!("n = {n}: this server makes one choice per request (n = 1)"),
+                Some("n"),
+            ));
+        }
+    }
+    let max_ctx = inner.max_context;
+    if prompt.len() > max_ctx {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt is {} tokens, longer than this server's context limit of {max_ctx} tokens (--max-context)",
+                prompt.len()
+            ),
+            Some(if kind == Kind::Chat { "messages" } else { "prompt" }),
+        ));
+    }
+    let room = max_ctx - prompt.len();
+    let asked = c.max_completion_tokens.or(c.max_tokens);
+    let max_tokens = match (asked, kind) {
+        (Some(n), _) => (n.min(usize::MAX as u64) as usize).min(room),
+        (None, Kind::Completion) => DEFAULT_COMPLETION_TOKENS.min(room),
+        (None, Kind::Chat) => room,
+    };
+    let seed = match c.seed {
+        Some(s) => s as u64,
+        None => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            t ^ inner
+                .ids
+                .load(Ordering::Relaxed)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        }
+    };
+    let sampling = SamplerConfig {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_p: c.top_p.unwrap_or(1.0),
+        seed,
+    };
+    sampling.check().map_err(|e| {
+        ApiError::bad(
+            e.to_string(),
+            Some(
+                if sampling.temperature.is_finite() && sampling.temperature >= 0.0 {
+                    "top_p"
+                } else {
+                    "temperature"
+                },
+            ),
+        )
+    })?;
+    let stop = c.stop.clone().map(|s| s.list()).unwrap_or_default();
+    let (tx, rx) = unbounded_channel();
+    let n = inner.ids.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Completion => format!("cmpl-keep-{n}"),
+        Kind::Chat => format!("chatcmpl-keep-{n}"),
+    };
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        logprobs,
+        events: tx,
+    };
+    if !inner.engine.submit(req) {
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the server is shutting down".into(),
+            param: None,
+        });
+    }
+    let job = Job {
+        kind,
+        id,
+        stream: c.stream.unwrap_or(false),
+        include_usage: c
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        logprobs,
+    };
+    Ok((job, rx))
+}
+
+/// Prompt ids of a completion: text encoded as `keep run` encodes it (special tokens added),
+/// ids as given; empty → the beginning-of-sequence token.
+fn completion_prompt(st: &AppState, p: &PromptField) -> std::result::Result<Vec<u32>, ApiError> {
+    let text = match p {
+        PromptField::Text(t) => t.clone(),
+        PromptField::Texts(v) if v.len() == 1 => v[0].clone(),
+        PromptField::Texts(v) => {
+            return Err(ApiError::bad(
+                format!(
+                    "{} prompts: this server takes one prompt per request",
+                    v.len()
+                ),
+                Some("prompt"),
+            ))
+        }
+        PromptField::Ids(ids) => {
+            let vocab = st.0.tok.get_vocab_size(true) as u32;
+            if let Some(&t) = ids.iter().find(|&&t| t >= vocab) {
+                return Err(ApiError::bad(
+                    format!("token {t} is outside the vocabulary of {vocab}"),
+                    Some("prompt"),
+                ));
+            }
+            return Ok(if ids.is_empty() {
+                vec![st.0.model.bos]
+            } else {
+                ids.clone()
+            });
+        }
+    };
+    encode(st, &text, true)
+}
+
+fn encode(st: &AppState, text: &str, special: bool) -> std::result::Result<Vec<u32>, ApiError> {
+    let mut ids = if text.is_empty() {
+        vec![]
+    } else {
+        st.0.tok
+            .encode(text, special)
+            .map_err(|e| ApiError::bad(format!("cannot tokenize the prompt: {e}"), Some("prompt")))?
+            .get_ids()
+            .to_vec()
+    };
+    if ids.is_empty() {
+        ids.push(st.0.model.bos);
+    }
+    Ok(ids)
+}
+
+async fn completions(
+    State(st): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: CompletionRequest = match parse(body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if r.echo == Some(true) {
+        return ApiError::bad("echo is not supported", Some("echo")).into_response();
+    }
+    if let Some(n) = r.logprobs {
+        if n > 5 {
+            return ApiError::bad(format!("logprobs = {n}: at most 5"), Some("logprobs"))
+                .into_response();
+        }
+    }
+    let prompt = match completion_prompt(&st, &r.prompt) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let logprobs = r.logprobs.map(|n| n as usize);
+    match submit(&st, Kind::Completion, &r.common, prompt, logprobs) {
+        Ok((job, rx)) => respond(st, job, rx).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(
+    State(st): State<AppState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    let r: ChatRequest = match parse(body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let Some(template) = &st.0.template else {
+        return ApiError::bad(
+            "this model has no chat template (tokenizer_config.json `chat_template`); use /v1/completions",
+            Some("messages"),
+        )
+        .into_response();
+    };
+    if r.messages.is_empty() {
+        return ApiError::bad("messages is empty", Some("messages")).into_response();
+    }
+    let messages: Vec<Message> = r
+        .messages
+        .iter()
+        .map(|m| Message {
+            role: m.role.clone(),
+            content: match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(p)) => p
+                    .iter()
+                    .filter(|p| p.kind == "text")
+                    .filter_map(|p| p.text.clone())
+                    .collect::<Vec<_>>()
+                    .join(""),
+            },
+        })
+        .collect();
+    let text = match template.render(&messages) {
+        Ok(t) => t,
+        Err(e) => return ApiError::bad(e.to_string(), Some("messages")).into_response(),
+    };
+    if let Some(n) = r.top_logprobs {
+        if n > 20 {
+            return ApiError::bad(
+                format!("top_logprobs = {n}: at most 20"),
+                Some("top_logprobs"),
+            )
+            .into_response();
+        }
+    }
+    // The template writes the special tokens it wants (as transformers' apply_chat_template).
+    let prompt = match encode(&st, &text, false) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let logprobs = (r.logprobs == Some(true)).then(|| r.top_logprobs.unwrap_or(0) as usize);
+    match submit(&st, Kind::Chat, &r.common, prompt, logprobs) {
+        Ok((job, rx)) => respond(st, job, rx).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The text of one token on its own.
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+/// Completion-style logprobs of some tokens (`tokens`, `token_logprobs`, `top_logprobs`,
+/// `text_offset` from `offset`).
+fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], mut offset: usize) -> Value {
+    let mut tokens = vec![];
+    let mut values = vec![];
+    let mut tops = vec![];
+    let mut offsets = vec![];
+    for lp in lps {
+        let t = token_text(tok, lp.token);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        values.push(lp.logprob);
+        let mut m = serde_json::Map::new();
+        for &(id, v) in &lp.top {
+            m.insert(token_text(tok, id), json!(v));
+        }
+        tops.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// Chat-style logprobs (`content`: token, logprob, bytes, top_logprobs).
+fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
+    let entry = |id: u32, v: f32| {
+        let t = token_text(tok, id);
+        json!({"token": t, "logprob": v, "bytes": t.as_bytes()})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|lp| {
+            let mut e = entry(lp.token, lp.logprob);
+            e["top_logprobs"] = Value::Array(lp.top.iter().map(|&(i, v)| entry(i, v)).collect());
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// Answer a queued generation: one JSON body, or server-sent events.
+async fn respond(st: AppState, job: Job, rx: UnboundedReceiver<Event>) -> Response {
+    if job.stream {
+        let stream = futures_util::stream::unfold(
+            StreamState {
+                st,
+                job,
+                rx,
+                pending: VecDeque::new(),
+                started: false,
+                ended: false,
+                offset: 0,
+            },
+            |mut s| async move {
+                loop {
+                    if let Some(data) = s.pending.pop_front() {
+                        return Some((Ok::<_, Infallible>(SseEvent::default().data(data)), s));
+                    }
+                    if s.ended {
+                        return None;
+                    }
+                    s.advance().await;
+                }
+            },
+        );
+        return Sse::new(stream).into_response();
+    }
+    let mut rx = rx;
+    let mut text = String::new();
+    let mut lps = vec![];
+    loop {
+        match rx.recv().await {
+            Some(Event::Token { text: t, logprob }) => {
+                text.push_str(&t);
+                lps.extend(logprob);
+            }
+            Some(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+                ..
+            }) => {
+                return Json(final_body(
+                    &st,
+                    &job,
+                    &text,
+                    &lps,
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                ))
+                .into_response();
+            }
+            Some(Event::Error(m)) => {
+                return ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: m,
+                    param: None,
+                }
+                .into_response()
+            }
+            None => {
+                return ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "the generation ended without a result".into(),
+                    param: None,
+                }
+                .into_response()
+            }
+        }
+    }
+}
+
+/// The whole (non-streamed) response.
+fn final_body(
+    st: &AppState,
+    job: &Job,
+    text: &str,
+    lps: &[TokenLogprob],
+    finish: Finish,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+) -> Value {
+    let tok = &st.0.tok;
+    let (object, choice) = match job.kind {
+        Kind::Completion => (
+            "text_completion",
+            json!({
+                "index": 0,
+                "text": text,
+                "logprobs": job.logprobs.map(|_| completion_logprobs(tok, lps, 0)),
+                "finish_reason": finish.as_str(),
+            }),
+        ),
+        Kind::Chat => (
+            "chat.completion",
+            json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": job.logprobs.map(|_| chat_logprobs(tok, lps)),
+                "finish_reason": finish.as_str(),
+            }),
+        ),
+    };
+    json!({
+        "id": job.id,
+        "object": object,
+        "created": api::now_secs(),
+        "model": st.0.model.name,
+        "choices": [choice],
+        "usage": api::usage(prompt_tokens, completion_tokens),
+    })
+}
+
+/// The state of one event stream.
+struct StreamState {
+    st: AppState,
+    job: Job,
+    rx: UnboundedReceiver<Event>,
+    /// `data:` payloads ready to send.
+    pending: VecDeque<String>,
+    started: bool,
+    ended: bool,
+    /// Bytes of text sent so far (completion logprobs' `text_offset`).
+    offset: usize,
+}
+
+impl StreamState {
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
+        let object = match self.job.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let mut v = json!({
+            "id": self.job.id,
+            "object": object,
+            "created": api::now_secs(),
+            "model": self.st.0.model.name,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v.to_string()
+    }
+
+    fn choice(&self, text: &str, lps: &[TokenLogprob], finish: Option<Finish>) -> Value {
+        let tok = &self.st.0.tok;
+        match self.job.kind {
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": self.job.logprobs.map(|_| completion_logprobs(tok, lps, self.offset)),
+                "finish_reason": finish.map(Finish::as_str),
+            }),
+            Kind::Chat => json!({
+                "index": 0,
+                "delta": if finish.is_some() && text.is_empty() { json!({}) } else { json!({"content": text}) },
+                "logprobs": self.job.logprobs.map(|_| chat_logprobs(tok, lps)),
+                "finish_reason": finish.map(Finish::as_str),
+            }),
+        }
+    }
+
+    /// Wait for the next event and queue what it sends.
+    async fn advance(&mut self) {
+        if !self.started && self.job.kind == Kind::Chat {
+            self.started = true;
+            let c = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+            let data = self.chunk(c, None);
+            self.pending.push_back(data);
+            return;
+        }
+        self.started = true;
+        match self.rx.recv().await {
+            Some(Event::Token { text, logprob }) => {
+                if text.is_empty() && logprob.is_none() {
+                    return;
+                }
+                let lps: Vec<TokenLogprob> = logprob.into_iter().collect();
+                let c = self.choice(&text, &lps, None);
+                self.offset += text.len();
+                let data = self.chunk(json!([c]), None);
+                self.pending.push_back(data);
+            }
+            Some(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+                ..
+            }) => {
+                let c = self.choice("", &[], Some(finish));
+                let data = self.chunk(json!([c]), None);
+                self.pending.push_back(data);
+                if self.job.include_usage {
+                    let u = api::usage(prompt_tokens, completion_tokens);
+                    let data = self.chunk(json!([]), Some(u));
+                    self.pending.push_back(data);
+                }
+                self.pending.push_back("[DONE]".into());
+                self.ended = true;
+            }
+            Some(Event::Error(m)) => {
+                self.pending
+                    .push_back(api::error_body(&m, "server_error", None).to_string());
+                self.pending.push_back("[DONE]".into());
+                self.ended = true;
+            }
+            None => {
+                self.pending.push_back(
+                    api::error_body(
+                        "the generation ended without a result",
+                        "server_error",
+                        None,
+                    )
+                    .to_string(),
+                );
+                self.pending.push_back("[DONE]".into());
+                self.ended = true;
+            }
+        }
+    }
+}
+
+/// How to serve.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The model directory.
+    pub dir: PathBuf,
+    /// The id the model is listed as.
+    pub name: String,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub max_batch: usize,
+    /// Most prompt + completion tokens of one request (at most the model's context).
+    pub max_context: usize,
+    pub max_body: usize,
+    pub kernels: keep_model::Kernels,
+    /// Routed experts in budgeted slots (`None`: the model mapped whole).
+    pub budget: Option<keep_runtime::RuntimeOptions>,
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Open the model, bind, call `on_ready` with the address, serve until SIGINT/SIGTERM, then
+/// stop accepting, let the requests in flight finish, and stop the scheduler.
+pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()> {
+    let tok = Arc::new(keep_model::generate::load_tokenizer(&opts.dir)?);
+    let template = ChatTemplate::from_model_dir(&opts.dir)?;
+    let (handle, rx) = engine::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(u32, usize)>>();
+    let (dir, kernels, budget, max_batch) = (
+        opts.dir.clone(),
+        opts.kernels,
+        opts.budget.clone(),
+        opts.max_batch,
+    );
+    let engine_tok = tok.clone();
+    let thread = std::thread::Builder::new()
+        .name("keep-serve-model".into())
+        .spawn(move || {
+            let ck = match keep_checkpoint::Checkpoint::open(&dir) {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(ServeError::Startup(format!(
+                        "opening {}: {e}",
+                        dir.display()
+                    ))));
+                    return;
+                }
+            };
+            let mut model = match keep_runtime::RunModel::load(&ck, kernels, budget.as_ref()) {
+                Ok(m) => m,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.into()));
+                    return;
+                }
+            };
+            let cfg = model.cfg();
+            let _ = ready_tx.send(Ok((cfg.bos, cfg.raw.max_position_embeddings)));
+            engine::run(&mut model, &engine_tok, rx, EngineOptions { max_batch });
+        })
+        .map_err(|e| ServeError::Io("starting the model thread".into(), e))?;
+    let (bos, limit) = ready_rx
+        .recv()
+        .map_err(|_| ServeError::Startup("the model thread stopped while loading".into()))??;
+    if opts.max_context > limit {
+        return Err(ServeError::Startup(format!(
+            "--max-context {} is more than the model's {limit} positions (max_position_embeddings)",
+            opts.max_context
+        )));
+    }
+    let state = AppState::new(
+        handle,
+        tok,
+        template,
+        ModelInfo {
+            name: opts.name.clone(),
+            bos,
+        },
+        opts.api_key.clone(),
+        opts.max_context,
+    );
+    let app = router(state, opts.max_body);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| ServeError::Io("starting the async runtime".into(), e))?;
+    let addr = format!("{}:{}", opts.host, opts.port);
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
+        on_ready(local);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .map_err(|e| ServeError::Io("serving".into(), e))
+    })?;
+    // Every handle is gone with the app: the scheduler finishes what is in flight and returns.
+    let _ = thread.join();
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Chat templates: the `chat_template` of a model's `tokenizer_config.json` rendered with
+//! minijinja in the dialect Hugging Face's `apply_chat_template` uses (blocks trimmed and
+//! left-stripped, loop controls, `tojson`, `raise_exception`, `strftime_now`, Python string and
+//! dict methods), with `messages`, `add_generation_prompt`, `bos_token` and `eos_token`.
+
+use std::path::Path;
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::Serialize;
+
+use crate::{Result, ServeError};
+
+/// One chat message as the template sees it (content flattened to text).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+/// A token entry of tokenizer_config.json: a string or `{"content": "..."}`.
+fn token_text(v: Option<&serde_json::Value>) -> String {
+    match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+impl ChatTemplate {
+    /// Compile `source` with the special tokens it may name.
+    pub fn new(source: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<Value, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            // No clock formatting library: the date is the one thing templates ask for.
+            let _ = fmt;
+            String::new()
+        });
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| ServeError::Template(format!("compiling the chat template: {e:#}")))?;
+        Ok(ChatTemplate {
+            env,
+            bos: bos.to_string(),
+            eos: eos.to_string(),
+        })
+    }
+
+    /// The template of `dir/tokenizer_config.json` (`chat_template`: a string, or a list of
+    /// named templates of which `default` is used); `None` when the file or the key is absent.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
+        let p = dir.join("tokenizer_config.json");
+        if !p.is_file() {
+            return Ok(None);
+        }
+        let text =
+            keep_checkpoint::small_file::read_text(&p, keep_checkpoint::small_file::MAX_SMALL_FILE)
+                .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))?;
+        let source = match v.get("chat_template") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => {
+                let named = |want: &str| {
+                    list.iter().find_map(|t| {
+                        (t.get("name")?.as_str()? == want)
+                            .then(|| t.get("template")?.as_str().map(String::from))
+                            .flatten()
+                    })
+                };
+                match named("default") {
+                    Some(s) => s,
+                    None => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        let bos = token_text(v.get("bos_token"));
+        let eos = token_text(v.get("eos_token"));
+        ChatTemplate::new(&source, &bos, &eos).map(Some)
+    }
+
+    /// The prompt text for `messages`, ending with the assistant's turn opened
+    /// (`add_generation_prompt`).
+    pub fn render(&self, messages: &[Message]) -> Result<String> {
+        let t = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ServeError::Template(e.to_string()))?;
+        t.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        })
+        .map_err(|e| ServeError::BadRequest(format!("the chat template refused the messages: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(v: &[(&str, &str)]) -> Vec<Message> {
+        v.iter()
+            .map(|(r, c)| Message {
+                role: r.to_string(),
+                content: c.to_string(),
+            })
+            .collect()
+    }
+
+    /// A Hugging Face style template (ChatML with a system-message check, loop controls,
+    /// Python methods and raise_exception), as such templates are written.
+    const CHATML: &str = "{%- if messages[0]['role'] == 'system' -%}\n    {%- set system = messages[0]['content'] -%}\n{%- endif -%}\n{%- for message in messages -%}\n    {%- if message.role not in ['system', 'user', 'assistant'] -%}\n        {{ raise_exception('Unknown role: ' + message.role) }}\n    {%- endif -%}\n    {%- if loop.first and message.role == 'assistant' %}{% continue %}{% endif -%}\n    {{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>' + '\\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{ '<|im_start|>assistant\\n' }}\n{%- endif -%}";
+
+    #[test]
+    fn renders_a_hugging_face_style_template() {
+        let t = ChatTemplate::new(CHATML, "<s>", "</s>").unwrap();
+        let out = t
+            .render(&msgs(&[("system", "Be brief."), ("user", "  Hi  ")]))
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let e = t.render(&msgs(&[("robot", "x")])).unwrap_err();
+        assert!(e.to_string().contains("Unknown role: robot"), "{e}");
+    }
+
+    #[test]
+    fn tojson_and_special_tokens_are_there() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{{ messages | tojson }}{{ eos_token }}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let out = t.render(&msgs(&[("user", "a\"b")])).unwrap();
+        // Keys in the order the message gives them, as Python's json.dumps writes a dict.
+        assert_eq!(out, r#"<s>[{"role":"user","content":"a\"b"}]</s>"#);
+    }
+
+    #[test]
+    fn the_bundled_model_has_a_template_of_its_own() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+        let t = ChatTemplate::from_model_dir(&dir).unwrap().unwrap();
+        let out = t.render(&msgs(&[("user", "sort a list")])).unwrap();
+        // What transformers 5.23's apply_chat_template(add_generation_prompt=True) renders.
+        assert_eq!(out, "# user:\nsort a list\n# assistant:\n");
+    }
+
+    #[test]
+    fn a_broken_template_is_refused_when_loaded() {
+        assert!(ChatTemplate::new("{% for %}", "", "").is_err());
+    }
+}

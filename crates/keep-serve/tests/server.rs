@@ -1,0 +1,404 @@
+//! The server's router over a live scheduler, without a socket (tower's `oneshot`): on the
+//! bundled keep-tiny, greedy completions equal keep-model's `generate` alone and with eight
+//! requests at once, streams end with the usage chunk and `[DONE]`, stop strings cut the text,
+//! logprobs are log-probabilities; every refusal is its 4xx with an OpenAI error body; and on a
+//! model that panics for one prompt, that request gets a 500 and the next one is answered.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::{generate, GenerateOptions, Piece, Prompt, SamplerConfig};
+use keep_model::{Cache, Generate, Model, ModelConfig, RouteObserver};
+use keep_serve::engine::{self, EngineOptions};
+use keep_serve::server::{router, AppState, ModelInfo};
+use keep_serve::template::ChatTemplate;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+/// Body limit of the test router (small, so that 413 is cheap to reach).
+const MAX_BODY: usize = 64 << 10;
+/// Context limit of the test router.
+const MAX_CONTEXT: usize = 256;
+/// Log-probabilities are log-softmax in f64 then rounded to f32: their exponentials sum to 1
+/// within this.
+const LOGPROB_SUM_TOL: f64 = 1e-3;
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
+}
+
+fn tokenizer() -> Arc<tokenizers::Tokenizer> {
+    Arc::new(keep_model::generate::load_tokenizer(&tiny()).unwrap())
+}
+
+/// A router over keep-tiny on its own scheduler thread.
+fn tiny_app(api_key: Option<&str>) -> Router {
+    let tok = tokenizer();
+    let (handle, rx) = engine::channel();
+    let t = tok.clone();
+    std::thread::spawn(move || {
+        let ck = Checkpoint::open(&tiny()).unwrap();
+        let mut m = Model::load(&ck).unwrap();
+        engine::run(&mut m, &t, rx, EngineOptions { max_batch: 8 });
+    });
+    let template = ChatTemplate::from_model_dir(&tiny()).unwrap();
+    let state = AppState::new(
+        handle,
+        tok,
+        template,
+        ModelInfo {
+            name: "keep-tiny".into(),
+            bos: 0,
+        },
+        api_key.map(String::from),
+        MAX_CONTEXT,
+    );
+    router(state, MAX_BODY)
+}
+
+async fn post(
+    app: &Router,
+    path: &str,
+    body: impl Into<Body>,
+    key: Option<&str>,
+) -> (StatusCode, Vec<u8>) {
+    let mut b = Request::post(path).header("content-type", "application/json");
+    if let Some(k) = key {
+        b = b.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(body.into()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, bytes.to_vec())
+}
+
+async fn post_json(app: &Router, path: &str, v: Value) -> (StatusCode, Value) {
+    let (s, b) = post(app, path, v.to_string(), None).await;
+    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// keep-model's greedy text for `prompt` (what `keep run --temperature 0` prints after it).
+fn greedy_alone(prompt: &str, max_tokens: usize) -> String {
+    let tok = tokenizer();
+    let ck = Checkpoint::open(&tiny()).unwrap();
+    let mut m = Model::load(&ck).unwrap();
+    let opts = GenerateOptions {
+        max_tokens,
+        sampling: SamplerConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        },
+        tokenizer: Some(&tok),
+    };
+    let mut out = String::new();
+    generate(&mut m, Prompt::Text(prompt), &opts, None, |p| {
+        if let Piece::Text(s) = p {
+            out.push_str(s);
+        }
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    out
+}
+
+const PROMPTS: [&str; 8] = [
+    "def main(",
+    "import os\n",
+    "class Foo:\n    def",
+    "# Copyright",
+    "for i in range(",
+    "return self.",
+    "if __name__ ==",
+    "x = [",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_completions_equal_generate_alone_and_eight_at_once() {
+    let app = tiny_app(None);
+    let want: Vec<String> = PROMPTS.iter().map(|p| greedy_alone(p, 24)).collect();
+    let req = |p: &str| json!({"prompt": p, "max_tokens": 24, "temperature": 0});
+    let (s, v) = post_json(&app, "/v1/completions", req(PROMPTS[0])).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], want[0]);
+    assert_eq!(v["object"], "text_completion");
+    let u = &v["usage"];
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+    let all = futures_util::future::join_all(
+        PROMPTS
+            .iter()
+            .map(|p| post_json(&app, "/v1/completions", req(p))),
+    )
+    .await;
+    for ((s, v), w) in all.iter().zip(&want) {
+        assert_eq!(*s, StatusCode::OK, "{v}");
+        assert_eq!(v["choices"][0]["text"].as_str().unwrap(), w);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_stops_logprobs_and_chat() {
+    let app = tiny_app(None);
+    // A stream: text chunks, the finish chunk, the usage chunk, [DONE].
+    let (s, body) = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "def main(", "max_tokens": 12, "temperature": 0, "stream": true,
+               "stream_options": {"include_usage": true}})
+        .to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let text = String::from_utf8(body).unwrap();
+    let datas: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*datas.last().unwrap(), "[DONE]");
+    let usage: Value = serde_json::from_str(datas[datas.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+    let streamed: String = datas[..datas.len() - 2]
+        .iter()
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(streamed, greedy_alone("def main(", 12));
+
+    // A stop string cuts the text before it, whatever tokens it spans.
+    let full = greedy_alone("import os\n", 32);
+    let cut = full.len() / 2;
+    let stop: String = full[cut..].chars().take(3).collect();
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "import os\n", "max_tokens": 32, "temperature": 0, "stop": [stop]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let got = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(got, &full[..full.find(&stop).unwrap()]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Logprobs: the greedy token is the most likely, and the top list is a distribution's head.
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "def ", "max_tokens": 4, "temperature": 0, "logprobs": 5}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 5);
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert_eq!(best, lp["token_logprobs"][i].as_f64().unwrap());
+        let mass: f64 = top.values().map(|x| x.as_f64().unwrap().exp()).sum();
+        assert!(mass <= 1.0 + LOGPROB_SUM_TOL, "{mass}");
+    }
+
+    // Chat through the bundled model's template, streamed, with a seed: twice the same.
+    let chat = json!({"messages": [{"role": "user", "content": "sort a list"}], "max_tokens": 8,
+                      "temperature": 0.9, "seed": 7});
+    let (s, a) = post_json(&app, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{a}");
+    let (_, b) = post_json(&app, "/v1/chat/completions", chat).await;
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    assert_eq!(a["choices"][0]["message"]["role"], "assistant");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_their_4xx_with_an_openai_error_body() {
+    let app = tiny_app(Some("sesame"));
+    let ok = json!({"prompt": "x", "max_tokens": 1}).to_string();
+    let (s, _) = post(&app, "/v1/completions", ok.clone(), None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = post(&app, "/v1/completions", ok.clone(), Some("wrong!")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = post(&app, "/v1/completions", ok, Some("sesame")).await;
+    assert_eq!(s, StatusCode::OK);
+    let key = Some("sesame");
+    let cases: Vec<(String, StatusCode, &str)> = vec![
+        (
+            "{not json".into(),
+            StatusCode::BAD_REQUEST,
+            "not valid JSON",
+        ),
+        (
+            json!({"prompt": 3}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "match",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": "9"}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "match",
+        ),
+        (
+            json!({"prompt": "x", "temperature": -1}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "temperature",
+        ),
+        (
+            json!({"prompt": "x", "top_p": 0}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "top-p",
+        ),
+        (
+            json!({"prompt": "x", "n": 2}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "n = 2",
+        ),
+        (
+            json!({"prompt": "x ".repeat(MAX_CONTEXT + 10)}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "256",
+        ),
+        (
+            json!({"prompt": "x".repeat(MAX_BODY + 1)}).to_string(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "larger",
+        ),
+    ];
+    for (body, status, says) in cases {
+        let (s, b) = post(&app, "/v1/completions", body.clone(), key).await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(s, status, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{msg}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let (s, b) = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": []}).to_string(),
+        key,
+    )
+    .await;
+    assert_eq!(
+        s,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    let resp = app
+        .clone()
+        .oneshot(Request::get("/health").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = app
+        .clone()
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+}
+
+/// A model whose logits favour `(last token + 1) % vocab`, and that panics on token 7.
+struct Panicky {
+    cfg: ModelConfig,
+}
+
+impl Generate for Panicky {
+    fn cfg(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn new_cache(&self) -> Cache {
+        Cache::new(0)
+    }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        _: &mut Cache,
+        _: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        assert!(!tokens.contains(&7), "token 7 breaks this model");
+        let mut l = vec![0f32; self.cfg.vocab];
+        l[(*tokens.last().unwrap() as usize + 1) % self.cfg.vocab] = 1.0;
+        Ok(l)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_one_request_leaves_the_server_up() {
+    let json = r#"{"vocab_size":4096,"bos_token_id":0,"eos_token_id":[4095]}"#;
+    let c = keep_checkpoint::DeepSeekConfig::from_json(Path::new("config.json"), json).unwrap();
+    let cfg = ModelConfig::from_deepseek(&c).unwrap();
+    let tok = tokenizer();
+    let (handle, rx) = engine::channel();
+    let t = tok.clone();
+    std::thread::spawn(move || {
+        engine::run(&mut Panicky { cfg }, &t, rx, EngineOptions { max_batch: 4 })
+    });
+    let state = AppState::new(
+        handle,
+        tok,
+        None,
+        ModelInfo {
+            name: "panicky".into(),
+            bos: 0,
+        },
+        None,
+        MAX_CONTEXT,
+    );
+    let app = router(state, MAX_BODY);
+    // Prefill panics.
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [1, 7], "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("panicked"));
+    // A decode step panics (the model's next token after 6 is 7).
+    let (s, _) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [5], "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    // And the server still answers.
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [100], "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    // No chat template: refused, not guessed.
+    let (s, _) = post_json(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}
