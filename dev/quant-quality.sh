@@ -11,7 +11,7 @@ mkdir -p "$W"
 [ -f "$W/eval/run.json" ] || "$KEEP" calibrate --split eval --out "$W/eval"
 for f in e8p2 e8p2+e81 e8p2+e8p2; do
   cat /proc/loadavg > "$W/load-$f.txt"
-  "$KEEP" quant --imatrix "$W/run" --format "$f" --force "$W/tiny-$f"
+  "$KEEP" quant --imatrix "$W/run" --format "$f" --force --out "$W/tiny-$f"
   "$KEEP" eval --teacher "$W/eval" --json "$W/tiny-$f" > "$W/eval-$f.json"
   python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['students'][0]; print(sys.argv[2], 'KL', s['mean_kl'], 'dNLL', s['mean_dnll'], 'top1', s['top1'])" "$W/eval-$f.json" "$f"
 done

@@ -21,13 +21,16 @@ use keep_quant::QuantFormat;
 /// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
 /// and per expert.
 ///
-/// Example: keep quant --imatrix /tmp/run --format e8p2+e81 /tmp/keep-tiny-e8p3
+/// Example: keep quant --imatrix /tmp/run --format e8p2+e81 --out /tmp/keep-tiny-e8p3
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct QuantArgs {
-    /// [MODEL] OUT: the model to quantize (default: the bundled model) and the output directory.
-    #[arg(value_name = "[MODEL] OUT", num_args = 1..=2, required = true)]
-    paths: Vec<PathBuf>,
+    /// The model to quantize (default: the bundled model).
+    model: Option<PathBuf>,
+    /// Output directory (refused if it exists, unless --force; a rerun with the same
+    /// arguments resumes an unfinished one).
+    #[arg(long)]
+    out: PathBuf,
     /// The calibration run directory (with imatrix.safetensors from `keep finalize`) or the file.
     #[arg(long)]
     imatrix: PathBuf,
@@ -66,11 +69,11 @@ fn parse_shard(s: &str) -> Result<(usize, usize), String> {
 }
 
 pub fn run(a: QuantArgs) -> anyhow::Result<()> {
-    let (model, out) = match a.paths.as_slice() {
-        [out] => (crate::bundled::default_model_dir()?, out.clone()),
-        [model, out] => (model.clone(), out.clone()),
-        _ => anyhow::bail!("give [MODEL] OUT"),
+    let model = match a.model {
+        Some(m) => m,
+        None => crate::bundled::default_model_dir()?,
     };
+    let out = a.out;
     crate::util::check_out_of_cache(&out)?;
     keep_checkpoint::writer::check_dir_target(&out, a.force, &[model.clone(), a.imatrix.clone()])?;
     let experts = if a.experts == "all" {
