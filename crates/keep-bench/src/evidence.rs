@@ -2,26 +2,10 @@
 //! and the gates every timed verdict passes through: a row whose memory-pressure gate failed,
 //! whose pressure counters could not be read, or that ran on a busy machine (1-minute load
 //! average above the core count, or a load average that could not be read) cannot say PASS
-//! ([`gated_verdict`]). Rows are written by [`write_json`].
-
-use std::path::Path;
+//! ([`gated_verdict`]). The rows' types, their reader and their one writer are
+//! `keep_artifacts::bench`'s.
 
 use serde::Serialize;
-
-use crate::{BenchError, Result};
-
-/// Write an evidence row (or any evidence value) to `path` as pretty-printed JSON, atomically
-/// (keep-checkpoint's `atomic::write_file`: an existing `path` only with `force`, a `path` that
-/// is not a regular file never). The one writer of keep-bench's JSON evidence files.
-pub fn write_json(path: &Path, value: &impl Serialize, force: bool) -> Result<()> {
-    let json =
-        serde_json::to_string_pretty(value).map_err(|e| BenchError::Invalid(e.to_string()))?;
-    Ok(keep_checkpoint::atomic::write_file(
-        path,
-        json.as_bytes(),
-        force,
-    )?)
-}
 
 /// The machine a benchmark ran on.
 #[derive(Debug, Clone, Serialize)]

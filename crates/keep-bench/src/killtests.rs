@@ -45,7 +45,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 
 use keep_format::fp8block::{
     decode_fp8_block, encode_fp8_block, repack_scales_to_mx, BlockScales, BlockShape,
@@ -61,9 +60,9 @@ use crate::pressure::{self, Quiet};
 use crate::{median, BenchError, Result};
 
 /// The `format` field of every row.
-pub const ROW_FORMAT: &str = "keep-killtest";
+pub const ROW_FORMAT: &str = keep_artifacts::bench::KILLTEST_FORMAT;
 /// The row schema (2: rows carry an inbound quiet gate).
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = keep_artifacts::bench::KILLTEST_VERSION;
 /// Dependent calls per chain (one per V4.1-Flash layer).
 pub const CHAIN: usize = 43;
 
@@ -105,86 +104,59 @@ pub const TESTS: [&str; 7] = [
     "fast-residents",
 ];
 
-/// One evidence row.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Row {
-    pub format: String,
-    pub schema_version: u32,
-    pub test: String,
-    pub command: String,
-    pub machine: serde_json::Value,
-    pub versions: BTreeMap<String, String>,
-    /// The weight formats this row measures (the summary refuses rows that disagree on the
-    /// resident format).
-    pub formats: Vec<String>,
-    pub resident_format: String,
-    pub params: serde_json::Value,
-    /// Seconds per rep and variant (a rep is one whole chain or batch of calls).
-    pub raw_seconds: BTreeMap<String, Vec<f64>>,
-    /// Median seconds per rep and variant (reps interleaved across variants).
-    pub median_seconds: BTreeMap<String, f64>,
-    /// Derived numbers (ratios, GB/s, bit counts).
-    pub metrics: BTreeMap<String, f64>,
-    /// The read bandwidth every ratio in this row is against (GB/s).
-    pub bandwidth_gbps: Option<f64>,
-    pub verdict: String,
-    pub rule: String,
-    pub quiet: Quiet,
-    pub notes: Vec<String>,
+/// One evidence row (defined with its reader and writer in `keep_artifacts::bench`).
+pub use keep_artifacts::bench::Row;
+
+/// The one-line verdict printed for a row.
+pub fn line(row: &Row) -> String {
+    let q = if row.quiet.clean {
+        "quiet"
+    } else {
+        "NOT QUIET (rerun)"
+    };
+    format!(
+        "{:<17} {:<5} {} [{}] ({q})",
+        row.test,
+        row.verdict,
+        summary(row),
+        row.rule
+    )
 }
 
-impl Row {
-    /// The one-line verdict printed for this row.
-    pub fn line(&self) -> String {
-        let q = if self.quiet.clean {
-            "quiet"
-        } else {
-            "NOT QUIET (rerun)"
-        };
-        format!(
-            "{:<17} {:<5} {} [{}] ({q})",
-            self.test,
-            self.verdict,
-            self.summary(),
-            self.rule
-        )
-    }
-
-    fn summary(&self) -> String {
-        let m = |k: &str| self.metrics.get(k).copied().unwrap_or(f64::NAN);
-        match self.test.as_str() {
-            "memory-bandwidth" => format!("{:.1} GB/s read", m("gbps")),
-            "mxfp8-residents" => format!(
-                "{} differing bits at {} shapes; mxfp8 {:.2}x bf16 speed, {:.2}x affine-8 time",
-                m("differing_bits"),
-                m("shapes"),
-                m("speedup_vs_bf16"),
-                m("time_vs_affine8")
-            ),
-            "fused-sinkhorn" => format!(
-                "{:.2}x at decode shape, {:.2}x at 1024 rows, max rel diff {:.1e}",
-                m("speedup_decode"),
-                m("speedup_1024"),
-                m("max_rel_diff")
-            ),
-            "fast-kernels" => format!(
-                "M=1 fast: mxfp4 {:.2} GB/s = {:.2} of bandwidth ({:.2}x exact), e8p {:.2} GB/s = {:.2} ({:.2}x exact); M=32 fast/exact: mxfp4 {:.2}x, e8p {:.2}x",
-                m("gbps.mxfp4.m1.fast"),
-                m("ratio.mxfp4.m1.fast"),
-                m("speedup.mxfp4.m1"),
-                m("gbps.e8p.m1.fast"),
-                m("ratio.e8p.m1.fast"),
-                m("speedup.e8p.m1"),
-                m("speedup.mxfp4.m32"),
-                m("speedup.e8p.m32")
-            ),
-            _ => format!(
-                "{:.2} GB/s effective = {:.2} of {:.1} GB/s",
-                m("gbps"),
-                m("ratio_to_bandwidth"),
-                self.bandwidth_gbps.unwrap_or(f64::NAN)
-            ),
-        }
+fn summary(row: &Row) -> String {
+    let m = |k: &str| row.metrics.get(k).copied().unwrap_or(f64::NAN);
+    match row.test.as_str() {
+        "memory-bandwidth" => format!("{:.1} GB/s read", m("gbps")),
+        "mxfp8-residents" => format!(
+            "{} differing bits at {} shapes; mxfp8 {:.2}x bf16 speed, {:.2}x affine-8 time",
+            m("differing_bits"),
+            m("shapes"),
+            m("speedup_vs_bf16"),
+            m("time_vs_affine8")
+        ),
+        "fused-sinkhorn" => format!(
+            "{:.2}x at decode shape, {:.2}x at 1024 rows, max rel diff {:.1e}",
+            m("speedup_decode"),
+            m("speedup_1024"),
+            m("max_rel_diff")
+        ),
+        "fast-kernels" => format!(
+            "M=1 fast: mxfp4 {:.2} GB/s = {:.2} of bandwidth ({:.2}x exact), e8p {:.2} GB/s = {:.2} ({:.2}x exact); M=32 fast/exact: mxfp4 {:.2}x, e8p {:.2}x",
+            m("gbps.mxfp4.m1.fast"),
+            m("ratio.mxfp4.m1.fast"),
+            m("speedup.mxfp4.m1"),
+            m("gbps.e8p.m1.fast"),
+            m("ratio.e8p.m1.fast"),
+            m("speedup.e8p.m1"),
+            m("speedup.mxfp4.m32"),
+            m("speedup.e8p.m32")
+        ),
+        _ => format!(
+            "{:.2} GB/s effective = {:.2} of {:.1} GB/s",
+            m("gbps"),
+            m("ratio_to_bandwidth"),
+            row.bandwidth_gbps.unwrap_or(f64::NAN)
+        ),
     }
 }
 
@@ -1752,7 +1724,7 @@ fn write_row(dir: &Path, row: &Row) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let p = dir.join(format!("{}.json", row.test));
     // Rows are replaced on a rerun: the directory is the kill tests' own evidence.
-    crate::evidence::write_json(&p, row, true)
+    Ok(keep_artifacts::bench::write(&p, &row.clone().into(), true)?)
 }
 
 /// Run the kill tests; `on_row` sees each row as it completes (to print its verdict line).

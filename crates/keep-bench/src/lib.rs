@@ -30,6 +30,8 @@ pub enum BenchError {
     Convert(#[from] keep_convert::ConvertError),
     #[error(transparent)]
     Checkpoint(#[from] keep_checkpoint::CheckpointError),
+    #[error(transparent)]
+    Artifact(#[from] keep_artifacts::ArtifactError),
     #[error("{0}")]
     Invalid(String),
 }

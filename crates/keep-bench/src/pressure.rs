@@ -26,23 +26,19 @@
 //! Under every version a window whose counters could not be read (no `/proc/vmstat` or
 //! `vm_stat`, or a gated counter missing before or after) is not clean: zero deltas of counters
 //! that were never read prove nothing ([`counters_complete`]).
+//!
+//! The records themselves ([`Counters`], [`Classes`], [`InboundGate`], [`Quiet`]) are
+//! defined with the rows that carry them, in `keep_artifacts::bench`; this module reads the
+//! counters and judges them.
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+pub use keep_artifacts::bench::{Classes, Counters, InboundGate, Quiet};
 
 use crate::{BenchError, Result};
 
 /// The gate version of rows this harness writes.
 pub const GATE_VERSION: u32 = 2;
-
-/// One reading of the counters: name → value (pages, or KiB for Linux `pgpg*`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Counters {
-    /// `"linux-vmstat"`, `"macos-vm_stat"` or `"none"`.
-    pub source: String,
-    pub values: BTreeMap<String, u64>,
-}
 
 /// Counter names read on Linux.
 pub const LINUX_KEYS: [&str; 7] = [
@@ -155,15 +151,6 @@ pub fn counters_complete(before: &Counters, after: &Counters) -> bool {
             .all(|k| before.values.contains_key(*k) && after.values.contains_key(*k))
 }
 
-/// Counter deltas mapped onto the gate's classes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Classes {
-    pub outbound: u64,
-    pub pageins: u64,
-    pub swapins: u64,
-    pub decompressions: u64,
-}
-
 /// `after − before` per counter (saturating; a counter missing from either side is left out).
 pub fn deltas(before: &Counters, after: &Counters) -> BTreeMap<String, u64> {
     before
@@ -195,65 +182,6 @@ pub fn classes(source: &str, d: &BTreeMap<String, u64>) -> Classes {
             decompressions: g("zswpin"),
         },
     }
-}
-
-/// The inbound half of the gate (schema_version 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InboundGate {
-    /// Clean only if page-ins < this.
-    pub pageins_below: u64,
-    /// Clean only if decompressions < this.
-    pub decompressions_below: u64,
-    /// Clean only if swap-ins ≤ this.
-    pub swapins_at_most: u64,
-}
-
-impl InboundGate {
-    /// The harness's gate: 4,096 page-ins, 4,096 decompressions (64 MiB each at 16 KiB
-    /// pages), zero swap-ins.
-    pub const HARNESS: InboundGate = InboundGate {
-        pageins_below: 4096,
-        decompressions_below: 4096,
-        swapins_at_most: 0,
-    };
-
-    /// Whether this gate lets through anything the harness's would not.
-    pub fn laxer_than(&self, h: &InboundGate) -> bool {
-        self.pageins_below > h.pageins_below
-            || self.decompressions_below > h.decompressions_below
-            || self.swapins_at_most > h.swapins_at_most
-    }
-
-    fn admits(&self, c: &Classes) -> bool {
-        c.pageins < self.pageins_below
-            && c.decompressions < self.decompressions_below
-            && c.swapins <= self.swapins_at_most
-    }
-}
-
-/// The quiet record of one timed window.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Quiet {
-    /// 1 (outbound only) or 2 (outbound + inbound gate).
-    pub gate_version: u32,
-    pub before: Counters,
-    pub after: Counters,
-    pub deltas: BTreeMap<String, u64>,
-    pub classes: Classes,
-    /// Present on version 2.
-    pub inbound_gate: Option<InboundGate>,
-    pub outbound_clean: bool,
-    pub inbound_clean: bool,
-    /// Whether the counters could be read before and after ([`counters_complete`]); rows
-    /// written before this field existed read as `true` and are re-checked by [`replay`].
-    #[serde(default = "read_by_default")]
-    pub counters_read: bool,
-    pub clean: bool,
-    pub rule: String,
-}
-
-fn read_by_default() -> bool {
-    true
 }
 
 /// The rule text of a gate version.

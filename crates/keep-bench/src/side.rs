@@ -11,60 +11,17 @@
 use std::path::Path;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-
 use crate::cache::{evict_dir, EVICTS};
 use crate::evidence::{command_line, cores, gated_verdict, load_average, machine};
-use crate::pressure::{self, Quiet};
+use crate::pressure;
 use crate::{median, BenchError, Result};
 
 /// The row schema (2: rows carry the cold-read quiet gate and the load average).
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = keep_artifacts::bench::SIDE_VERSION;
 
-/// The evidence row of a side-by-side benchmark (baseline time / subject time).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SideBySide {
-    pub schema_version: u32,
-    pub bench: String,
-    pub command: String,
-    pub machine: serde_json::Value,
-    pub keep_version: String,
-    pub source: String,
-    pub baseline: String,
-    pub subject: String,
-    /// Bytes the baseline moves (for its GB/s).
-    pub baseline_bytes: u64,
-    /// Bytes the subject reads (for its GB/s).
-    pub subject_bytes: u64,
-    pub cold_reads: bool,
-    pub rounds: usize,
-    pub baseline_seconds: Vec<f64>,
-    pub subject_seconds: Vec<f64>,
-    pub ratios: Vec<f64>,
-    pub median_ratio: f64,
-    pub baseline_gbps_median: f64,
-    pub subject_gbps_median: f64,
-    pub goal: f64,
-    pub verdict: String,
-    pub rule: String,
-    /// The pressure counters around all rounds (absent from schema 1 rows, which therefore
-    /// cannot PASS when recomputed).
-    #[serde(default)]
-    pub quiet: Option<Quiet>,
-    /// [`pressure::cold_read_clean`] of `quiet`.
-    #[serde(default)]
-    pub quiet_clean: bool,
-    #[serde(default)]
-    pub quiet_rule: String,
-    /// The 1-minute load average when the rounds ended (`None`: not read).
-    #[serde(default)]
-    pub load_average_1m: Option<f64>,
-    #[serde(default)]
-    pub cores: Option<f64>,
-    /// What the gates changed.
-    #[serde(default)]
-    pub notes: Vec<String>,
-}
+/// The evidence row of a side-by-side benchmark (baseline time / subject time; defined with
+/// its reader and writer in `keep_artifacts::bench`).
+pub use keep_artifacts::bench::SideBySide;
 
 /// The verdict of the raw seconds alone: PASS if the median of baseline / subject over the
 /// rounds reaches the goal, else KILL. Refuses rows whose timings are missing, unequal in
@@ -140,6 +97,7 @@ pub fn run(src: &Path, rounds: usize, spec: Spec) -> Result<SideBySide> {
     let ratios: Vec<f64> = tb.iter().zip(&ts).map(|(b, s)| b / s).collect();
     let m = median(&ratios);
     let mut row = SideBySide {
+        format: keep_artifacts::bench::SIDE_FORMAT.into(),
         schema_version: SCHEMA_VERSION,
         bench: spec.bench.into(),
         command: command_line(),
@@ -188,6 +146,7 @@ mod tests {
         *after.values.get_mut("pgmajfault").unwrap() += 100_000;
         let quiet = pressure::judge(c(0), after);
         SideBySide {
+            format: keep_artifacts::bench::SIDE_FORMAT.into(),
             schema_version: SCHEMA_VERSION,
             bench: "repack-vs-copy".into(),
             command: String::new(),
@@ -254,8 +213,11 @@ mod tests {
             if !(name.starts_with("repack-bench") || name.starts_with("prune-bench")) {
                 continue;
             }
-            let r: SideBySide =
-                serde_json::from_str(&std::fs::read_to_string(e.path()).unwrap()).unwrap();
+            let keep_artifacts::bench::Evidence::SideBySide(r) =
+                keep_artifacts::bench::read(&e.path()).unwrap()
+            else {
+                panic!("{name} is not a side-by-side row");
+            };
             assert_eq!(judge_numbers(&r).unwrap(), r.verdict, "{name}");
             if r.quiet.is_none() {
                 assert_ne!(recompute(&r).unwrap().0, "PASS", "{name}");

@@ -16,7 +16,9 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::killtests::{Row, ROW_FORMAT};
+use keep_artifacts::bench::Evidence;
+
+use crate::killtests::Row;
 use crate::pressure;
 use crate::{BenchError, Result};
 
@@ -66,8 +68,8 @@ pub struct Summary {
     pub bandwidth_gbps: Option<f64>,
 }
 
-/// Read every `*.json` row in `dir` (hidden files skipped) and check they can be summarised
-/// together.
+/// Read every `*.json` row in `dir` (hidden files skipped; each through
+/// `keep_artifacts::bench::read`) and check they can be summarised together.
 pub fn load(dir: &Path) -> Result<Summary> {
     let io = |p: &Path, e| BenchError::Io {
         path: p.to_path_buf(),
@@ -95,30 +97,17 @@ pub fn load(dir: &Path) -> Result<Summary> {
     let mut rows = vec![];
     let mut sides = vec![];
     for p in files {
-        let text = std::fs::read_to_string(&p).map_err(|e| io(&p, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| BenchError::Invalid(format!("{}: not JSON ({e})", p.display())))?;
-        if value.get("format").is_none() && value.get("bench").is_some() {
-            let mut side: crate::side::SideBySide = serde_json::from_value(value).map_err(|e| {
-                BenchError::Invalid(format!("{}: not a side-by-side row ({e})", p.display()))
-            })?;
-            let (verdict, note) = crate::side::recompute(&side)
-                .map_err(|e| BenchError::Invalid(format!("{}: {e}", p.display())))?;
-            let stored = std::mem::replace(&mut side.verdict, verdict);
-            side.notes.extend(note.filter(|n| !side.notes.contains(n)));
-            sides.push((p, side, stored));
-            continue;
-        }
-        let row: Row = serde_json::from_value(value).map_err(|e| {
-            BenchError::Invalid(format!("{}: not a kill-test row ({e})", p.display()))
-        })?;
-        if row.format != ROW_FORMAT {
-            return Err(BenchError::Invalid(format!(
-                "{}: format `{}` is not `{ROW_FORMAT}`",
-                p.display(),
-                row.format
-            )));
-        }
+        let row = match keep_artifacts::bench::read(&p)? {
+            Evidence::SideBySide(mut side) => {
+                let (verdict, note) = crate::side::recompute(&side)
+                    .map_err(|e| BenchError::Invalid(format!("{}: {e}", p.display())))?;
+                let stored = std::mem::replace(&mut side.verdict, verdict);
+                side.notes.extend(note.filter(|n| !side.notes.contains(n)));
+                sides.push((p, side, stored));
+                continue;
+            }
+            Evidence::KillTest(row) => row,
+        };
         let clean = pressure::replay(&row.quiet)
             .map_err(|e| BenchError::Invalid(format!("{}: {e}", p.display())))?;
         let stored_verdict = row.verdict.clone();
@@ -205,7 +194,7 @@ impl Summary {
         let _ = writeln!(s, "{:<17} {:<7} {:<6} details", "test", "verdict", "quiet");
         for sr in &self.rows {
             let r = &sr.row;
-            let line = r.line();
+            let line = crate::killtests::line(r);
             // `line` starts with the test and verdict; keep its details part.
             let details = line
                 .split_once(&r.verdict)
@@ -348,6 +337,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::killtests::ROW_FORMAT;
     use crate::pressure::{judge, parse_vmstat};
 
     /// A routed-ffn row whose raw timings give `ratio` of the interleaved bandwidth (chain 43

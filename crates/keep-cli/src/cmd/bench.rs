@@ -221,8 +221,10 @@ fn kill_tests(a: KillArgs) -> anyhow::Result<()> {
         quiet: std::time::Duration::from_millis(a.quiet_ms),
         only: a.only,
     };
-    let rows = keep_bench::killtests::run(&opts, &mut |row| println!("{}", row.line()))
-        .context("running the kill tests")?;
+    let rows = keep_bench::killtests::run(&opts, &mut |row| {
+        println!("{}", keep_bench::killtests::line(row))
+    })
+    .context("running the kill tests")?;
     if let Some(d) = &a.out {
         eprintln!("{} rows written to {}", rows.len(), d.display());
     }
@@ -293,7 +295,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
     };
     if let Some(p) = &r.out {
-        keep_bench::evidence::write_json(p, &row, r.force)?;
+        keep_artifacts::bench::write(p, &row.clone().into(), r.force)?;
     }
     println!(
         "{} on {} ({}): {} {:.2} GB/s, {} {:.2} GB/s, ratio {:.3} (median of {}) → {} [{}]",
