@@ -565,7 +565,7 @@ fn residents(opts: &Options) -> Result<Row> {
         let call_af = |v: &Affine8View, x: &[f32], y: &mut [f32]| {
             for k in 0..g {
                 let sub = v.slice_rows(k * rows, (k + 1) * rows).expect("in range");
-                keep_kernels::affine::affine8_matmul(
+                keep_kernels::simd::affine8_matmul(
                     &x[k * cols..(k + 1) * cols],
                     1,
                     &sub,
@@ -1265,13 +1265,13 @@ fn ffn_m(
                 jobs.push(Job::view(&v[0], x, m, gi).expect("sized"));
                 jobs.push(Job::view(&v[1], x, m, ui).expect("sized"));
             }
-            simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+            keep_kernels::matmul::matmul_many_with(kernels, &mut jobs).expect("sized");
             swiglu_all(&mut h, &g, &u);
             let mut jobs: Vec<Job> = vec![];
             for ((v, hi), yi) in views.iter().zip(h.iter()).zip(y.iter_mut()) {
                 jobs.push(Job::view(&v[2], hi, m, yi).expect("sized"));
             }
-            simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+            keep_kernels::matmul::matmul_many_with(kernels, &mut jobs).expect("sized");
         }
         ExpertFmt::E8p => {
             let views: Vec<[E8pView; 3]> = route
@@ -1618,7 +1618,7 @@ fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
                     m,
                     out: &mut y,
                 }];
-                simd::matmul_many_with(kernels, &mut jobs).expect("sized");
+                keep_kernels::matmul::matmul_many_with(kernels, &mut jobs).expect("sized");
                 for (xr, yr) in x.chunks_exact_mut(n).zip(y.chunks_exact(n)) {
                     let ms = yr.iter().map(|v| v * v).sum::<f32>() / n as f32;
                     let inv = 1.0 / (ms + 1e-6).sqrt();

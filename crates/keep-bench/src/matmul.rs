@@ -240,7 +240,7 @@ fn call(case: &Case, w: &Weight, x: &[f32], out: &mut [f32]) -> Result<()> {
                 m,
                 out,
             }];
-            simd::matmul_many_with(case.kernels, &mut jobs).map_err(invalid)
+            keep_kernels::matmul::matmul_many_with(case.kernels, &mut jobs).map_err(invalid)
         }
     }
 }

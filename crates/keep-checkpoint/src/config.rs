@@ -12,6 +12,8 @@ use serde_json::Value;
 
 use crate::{CheckpointError, Result};
 
+pub(crate) mod qwen3;
+
 /// `quantization_config` of a published checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct QuantizationConfig {
@@ -201,9 +203,9 @@ pub struct DeepSeekConfig {
     #[serde(default)]
     pub quantization_config: Option<QuantizationConfig>,
     /// A Qwen3-MoE checkpoint's own config (`model_type` `qwen3_moe`): this struct is then its
-    /// role view (`crate::qwen3::Qwen3MoeConfig::role_view`).
+    /// role view (`qwen3::Qwen3MoeConfig::role_view`).
     #[serde(skip)]
-    pub qwen3: Option<crate::qwen3::Qwen3MoeConfig>,
+    pub qwen3: Option<qwen3::Qwen3MoeConfig>,
     /// The file as read (after `text_config` flattening is *not* applied), for writers.
     #[serde(skip)]
     pub raw: Value,
@@ -238,8 +240,8 @@ impl DeepSeekConfig {
             _ => raw.clone(),
         };
         // Another family's config is read by its own module and described in keep's roles.
-        if flat.get("model_type").and_then(Value::as_str) == Some(crate::qwen3::MODEL_TYPE) {
-            let q = crate::qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
+        if flat.get("model_type").and_then(Value::as_str) == Some(qwen3::MODEL_TYPE) {
+            let q = qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
             return Ok(q.role_view(raw));
         }
         let mut cfg: DeepSeekConfig =
@@ -260,7 +262,7 @@ impl DeepSeekConfig {
     /// and internal consistency that does not need the tensors. Bounds are far above any
     /// published model and far below what would make an allocation or a loop run away.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.model_type == crate::qwen3::MODEL_TYPE {
+        if self.model_type == qwen3::MODEL_TYPE {
             // The role view of a Qwen3-MoE config: the family's own validation.
             return match &self.qwen3 {
                 Some(q) => q.validate(),

@@ -27,6 +27,8 @@
 //! then `<base>.weight_scale_inv` (V3 naming) ([`scale_of`]).
 
 use crate::naming;
+
+pub(crate) mod qwen3;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
 
 /// Block sides tried, smallest first, when the config declares none that fits. For powers of
@@ -417,7 +419,7 @@ pub const MAX_PROBLEMS: usize = 64;
 /// these and the model's loader refuses a checkpoint that has any, so the two always agree.
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     if let Some(q) = &cfg.qwen3 {
-        return crate::qwen3::model_problems(ck, q);
+        return qwen3::model_problems(ck, q);
     }
     let mut out = vec![];
     let hint = cfg.weight_block_size();

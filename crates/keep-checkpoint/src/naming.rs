@@ -6,6 +6,8 @@
 //! projection, engram, vision), whether it is a weight, a block scale or something else, and its
 //! scale partner. Names have no `model.` prefix (DeepSeek's own tree, not mlx-lm's).
 
+pub(crate) mod qwen3;
+
 /// Where a tensor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Scope {
@@ -139,12 +141,12 @@ impl TensorName {
 }
 
 /// Parse any tensor name, DeepSeek's or (under `model.` / `lm_head.`) a Qwen3-MoE
-/// checkpoint's through [`crate::qwen3::parse`] (never fails: unrecognised names get [`Role::Unknown`]).
+/// checkpoint's through [`qwen3::parse`] (never fails: unrecognised names get [`Role::Unknown`]).
 pub fn parse(name: &str) -> TensorName {
     // Hugging Face's `model.`-rooted tree (Qwen3-MoE) is its family module's to name; DeepSeek's
     // own names never start so.
     if name.starts_with("model.") || name.starts_with("lm_head.") {
-        return crate::qwen3::parse(name);
+        return qwen3::parse(name);
     }
     let part = if name.ends_with(".weight") {
         Part::Weight

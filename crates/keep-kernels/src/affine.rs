@@ -1,6 +1,6 @@
 //! MLX affine-8 weights (`mx.quantize(w, mode="affine", bits=8, group_size=64)`) as a kernel
 //! operand: [`Affine8View`], its scalar element decoder and `_ref` matmul, and the fast
-//! `out[M×rows] = x[M×cols] · Wᵀ` ([`affine8_matmul`], through [`crate::simd`]).
+//! `out[M×rows] = x[M×cols] · Wᵀ` ([`crate::simd::affine8_matmul`]).
 //!
 //! Layout (row-major, little-endian): `q` is `rows × cols` code bytes (MLX's `uint32 [rows,
 //! cols/4]` words are exactly these bytes); `scales` and `biases` are `rows × cols/64` bf16
@@ -134,15 +134,6 @@ pub fn affine8_matmul_ref(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32])
     Ok(())
 }
 
-/// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (SIMD where the CPU has it, threaded over output
-/// rows when big); each output equals [`crate::simd::dot`] of the input row with the
-/// decoded weight row, bit for bit.
-pub fn affine8_matmul(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32]) -> Result<()> {
-    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
-    crate::simd::run(crate::simd::Src::affine8(w), w.rows, w.cols, x, m, out);
-    Ok(())
-}
-
 /// An affine-8 weight built from f32 values with MLX's rule (scales and biases rounded to
 /// bf16, codes from the unrounded f32 parameters), for tests and benchmarks.
 pub fn quantize_affine8(w: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
@@ -214,7 +205,7 @@ mod tests {
                 let mut a = vec![0f32; m * rows];
                 let mut f = vec![0f32; m * rows];
                 affine8_matmul_ref(&x, m, &v, &mut a).unwrap();
-                affine8_matmul(&x, m, &v, &mut f).unwrap();
+                crate::simd::affine8_matmul(&x, m, &v, &mut f).unwrap();
                 let mut row = vec![0f32; cols];
                 for r in 0..rows {
                     v.decode_row(r, &mut row);
@@ -241,6 +232,6 @@ mod tests {
         assert!(Affine8View::new(&[0; 64], &[0; 2], &[0; 2], 1, 63).is_err());
         assert!(Affine8View::new(&[0; 64], &[0; 1], &[0; 2], 1, 64).is_err());
         let v = Affine8View::new(&[0; 64], &[0; 2], &[0; 2], 1, 64).unwrap();
-        assert!(affine8_matmul(&[0.0; 3], 1, &v, &mut [0.0]).is_err());
+        assert!(crate::simd::affine8_matmul(&[0.0; 3], 1, &v, &mut [0.0]).is_err());
     }
 }

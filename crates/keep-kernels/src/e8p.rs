@@ -183,7 +183,7 @@ unsafe fn rows(w: &E8pView, x: &[f32], m: usize, r0: usize, r1: usize, out: *mut
     }
 }
 
-use crate::simd::{row_tasks, SyncPtr};
+use crate::rows::{row_tasks, SyncPtr};
 
 /// `out[M×rows] = x[M×cols] · Wᵀ`, threaded over output rows when big (see the module doc).
 pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<()> {

@@ -17,8 +17,9 @@
 //! E4M3 weights through AVX-512 BF16), chosen per call with [`Kernels`].
 //!
 //! What it is not: no I/O, no tensor naming, no model logic, no printing. The element decode
-//! tables are keep-format's ([`codec`] re-exports them); [`cpu`] is the leaf module of CPU
-//! features and operand checks every kernel shares.
+//! tables are keep-format's ([`codec`] re-exports them); [`cpu`] (CPU features and operand
+//! checks) and `rows` (the row-threading helpers) are the leaf modules every kernel shares, and
+//! [`matmul`] is the dispatch on top of the kernels.
 //!
 //! Depends on: `keep-format` (element tables, E8P decode), `rayon`, `thiserror`.
 
@@ -31,6 +32,7 @@ pub mod error;
 pub mod intdot;
 pub mod matmul;
 pub mod ops;
+pub(crate) mod rows;
 pub mod simd;
 pub mod sinkhorn_fused;
 #[cfg(test)]
@@ -38,7 +40,7 @@ mod test_rng;
 pub mod weight;
 
 pub use error::KernelError;
-pub use matmul::{matmul, matmul_ref, matmul_rows, matmul_with, Kernels};
+pub use matmul::{matmul, matmul_many_with, matmul_ref, matmul_rows, matmul_with, Kernels};
 pub use weight::{BlockScales, E8pResidual, WeightKind, WeightView};
 
 /// Result type of this crate.

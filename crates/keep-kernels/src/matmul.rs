@@ -256,6 +256,76 @@ pub fn matmul_rows(
     matmul(x, m, &sub, out)
 }
 
+/// [`crate::simd::matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
+/// weight has an integer kernel (MXFP4, affine-8) run through [`crate::intdot::int_matmul_many`] (activations
+/// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
+/// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
+/// to bf16 once per distinct input), the rest as [`crate::simd::matmul_many`].
+pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) -> Result<()> {
+    if kernels == crate::Kernels::Exact {
+        crate::simd::matmul_many(jobs);
+        return Ok(());
+    }
+    let bf = crate::bf16dot::bf_level();
+    let (mut int_jobs, mut bf_jobs, mut rest): (
+        Vec<crate::intdot::IntJob>,
+        Vec<crate::bf16dot::BfJob>,
+        Vec<crate::simd::Job>,
+    ) = (vec![], vec![], vec![]);
+    for j in jobs.iter_mut() {
+        let int = match j.w {
+            crate::simd::Src::Mxfp4 { packed, scales }
+                if j.cols.is_multiple_of(crate::intdot::QBLOCK) =>
+            {
+                Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
+            }
+            crate::simd::Src::Affine8 { q, scales, biases } => {
+                Some(crate::intdot::IntSrc::Affine8 { q, scales, biases })
+            }
+            _ => None,
+        };
+        let bfw = bf.and(crate::bf16dot::BfSrc::from_src(&j.w, j.cols));
+        if let Some(w) = int {
+            int_jobs.push(crate::intdot::IntJob {
+                w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            });
+        } else if let Some(w) = bfw {
+            bf_jobs.push(crate::bf16dot::BfJob {
+                w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            });
+        } else {
+            rest.push(crate::simd::Job {
+                w: j.w,
+                rows: j.rows,
+                cols: j.cols,
+                x: j.x,
+                m: j.m,
+                out: &mut *j.out,
+            });
+        }
+    }
+    if let (Some(level), false) = (bf, bf_jobs.is_empty()) {
+        crate::bf16dot::bf_matmul_many_at(level, &mut bf_jobs)?;
+    }
+    if !int_jobs.is_empty() {
+        crate::intdot::int_matmul_many(&mut int_jobs)?;
+    }
+    if !rest.is_empty() {
+        crate::simd::matmul_many(&mut rest);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

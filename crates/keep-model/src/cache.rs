@@ -19,9 +19,9 @@ pub struct LayerCache {
     pub pending_gate: Vec<f32>,
     pub n_pending: usize,
     /// DeepSeek-V4: the layer's own compressor and indexer state.
-    pub v4: crate::v4::V4Cache,
+    pub v4: V4Cache,
     /// Qwen3-MoE: every position's keys and values.
-    pub qwen3: crate::qwen3::KvRows,
+    pub qwen3: KvRows,
 }
 
 impl LayerCache {
@@ -71,5 +71,77 @@ impl Cache {
     /// Bytes held by all layers.
     pub fn nbytes(&self) -> usize {
         self.layers.iter().map(LayerCache::nbytes).sum()
+    }
+}
+
+/// State of one pool in a layer's cache.
+#[derive(Debug, Clone, Default)]
+pub struct PoolState {
+    /// Projections of the open window `[n_pending × width·dim_out]` (kv, gate).
+    pub pending_kv: Vec<f32>,
+    pub pending_gate: Vec<f32>,
+    pub n_pending: usize,
+    /// The last closed window's projections (CSA's Ca slots of the next entry).
+    pub prev_kv: Vec<f32>,
+    pub prev_gate: Vec<f32>,
+    /// Pooled, normalised, RoPE'd entries `[n × dim_out]`.
+    pub entries: Vec<f32>,
+    pub n: usize,
+}
+
+impl PoolState {
+    fn nbytes(&self) -> usize {
+        4 * (self.pending_kv.len()
+            + self.pending_gate.len()
+            + self.prev_kv.len()
+            + self.prev_gate.len()
+            + self.entries.len())
+    }
+
+    fn capacity_bytes(&self) -> usize {
+        4 * (self.pending_kv.capacity()
+            + self.pending_gate.capacity()
+            + self.prev_kv.capacity()
+            + self.prev_gate.capacity()
+            + self.entries.capacity())
+    }
+}
+
+/// A V4 layer's compressor and indexer state.
+#[derive(Debug, Clone, Default)]
+pub struct V4Cache {
+    pub kv: PoolState,
+    pub index: PoolState,
+}
+
+impl V4Cache {
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.kv.nbytes() + self.index.nbytes()
+    }
+
+    /// Bytes reserved.
+    pub fn capacity_bytes(&self) -> usize {
+        self.kv.capacity_bytes() + self.index.capacity_bytes()
+    }
+}
+
+/// One layer's keys and values for every position so far (`[rows × kv_heads·head_dim]` each,
+/// after the key norm and RoPE).
+#[derive(Debug, Clone, Default)]
+pub struct KvRows {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub rows: usize,
+}
+
+impl KvRows {
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+    /// Bytes reserved.
+    pub fn capacity_bytes(&self) -> usize {
+        4 * (self.k.capacity() + self.v.capacity())
     }
 }

@@ -105,11 +105,18 @@ pub struct ModelConfig {
     /// generation then runs to its token limit). Generation stops at the first of them.
     pub eos: Vec<u32>,
     /// Most tokens one forward pass computes at once (not part of the checkpoint:
-    /// [`crate::memory::DEFAULT_PREFILL_CHUNK`] unless a caller picks another). Longer prompts
+    /// [`DEFAULT_PREFILL_CHUNK`] unless a caller picks another). Longer prompts
     /// run as consecutive chunks, which gives the same logits bit for bit and bounds the
     /// activations (see [`crate::memory`]).
     pub prefill_chunk: usize,
 }
+
+/// Tokens per forward pass of a long prompt. At 128 the largest per-pass buffer on the bundled
+/// model at a 16k context, the indexer's scores and candidate mask (128 × 16k keys × 5 bytes),
+/// is 10 MiB, against 1.3 GiB for one 16k pass, while each weight row decoded is still reused
+/// for 128 rows; `keep run --prefill-chunk N` compares sizes (the speed of other sizes has not
+/// been measured yet).
+pub const DEFAULT_PREFILL_CHUNK: usize = 128;
 
 /// The beginning-of-sequence token of a config without `bos_token_id`: 0 (DeepSeek's
 /// `<｜begin▁of▁sentence｜>` and the bundled model's `<|endoftext|>` are both id 0).
@@ -296,7 +303,7 @@ impl ModelConfig {
                 }
             },
             eos: token_ids(&c.raw, "eos_token_id", c.vocab_size)?,
-            prefill_chunk: crate::memory::DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         })
     }
 
@@ -318,6 +325,14 @@ impl ModelConfig {
             keep_kernels::ops::Rope::plain(self.rope_dim, self.rope_theta)
         }
     }
+}
+
+/// The family config of a Qwen3-MoE model config (an error for another family).
+pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3MoeConfig> {
+    cfg.raw
+        .qwen3
+        .as_ref()
+        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ impl<'a> CheckpointExperts<'a> {
                     continue;
                 }
                 if cfg.family == Family::Qwen3Moe {
-                    if !crate::qwen3::family_config(cfg)?.is_moe_layer(l) {
+                    if !crate::config::family_config(cfg)?.is_moe_layer(l) {
                         // A dense layer has no routed experts.
                         experts.push(ExpertWeights {
                             w1: WeightView::f32(&[], 0, 0)?,
@@ -87,7 +87,7 @@ impl<'a> CheckpointExperts<'a> {
                         });
                         continue;
                     }
-                    let [g, dn, u] = crate::qwen3::expert_bases(l, x);
+                    let [g, dn, u] = expert_bases(l, x);
                     experts.push(ExpertWeights {
                         w1: weight(ck, &g, i, d, hint)?,
                         w2: weight(ck, &dn, d, i, hint)?,
@@ -130,4 +130,14 @@ impl ExpertSource for CheckpointExperts<'_> {
         }
         Ok(*w)
     }
+}
+
+/// The checkpoint names of routed expert `expert` of `layer` (gate, down, up bases without
+/// `.weight`).
+pub fn expert_bases(layer: usize, expert: usize) -> [String; 3] {
+    keep_checkpoint::naming::ExpertMat::ALL.map(|m| {
+        keep_checkpoint::qwen3::expert_tensor(layer, expert, m, "weight")
+            .trim_end_matches(".weight")
+            .to_string()
+    })
 }

@@ -16,8 +16,9 @@
 //! what makes them bit-identical.
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops::{self, Rope};
-use keep_kernels::simd::{matmul_many_with, Job};
+use keep_kernels::simd::Job;
 use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;

@@ -21,12 +21,9 @@ use crate::cache::{Cache, LayerCache};
 use crate::config::{Family, ModelConfig};
 use crate::model::Logits;
 
-/// Tokens per forward pass of a long prompt. At 128 the largest per-pass buffer on the bundled
-/// model at a 16k context, the indexer's scores and candidate mask (128 × 16k keys × 5 bytes),
-/// is 10 MiB, against 1.3 GiB for one 16k pass, while each weight row decoded is still reused
-/// for 128 rows; `keep run --prefill-chunk N` compares sizes (the speed of other sizes has not
-/// been measured yet).
-pub const DEFAULT_PREFILL_CHUNK: usize = 128;
+/// The chunk size lives with the config that carries it (re-exported here, where the memory it
+/// bounds is estimated).
+pub use crate::config::DEFAULT_PREFILL_CHUNK;
 
 /// The small buffers of a pass that do not scale with the chunk (routing lists, kernel task
 /// lists, per-query row lists, error-free formatting of layer names): measured at under 16 KiB

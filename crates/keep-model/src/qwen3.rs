@@ -13,46 +13,22 @@
 //! keys and values; no window).
 
 use keep_checkpoint::naming::ExpertMat;
-use keep_checkpoint::qwen3::{self as names, Qwen3MoeConfig};
+use keep_checkpoint::qwen3 as names;
 use keep_checkpoint::Checkpoint;
+use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops;
-use keep_kernels::simd::{matmul_many_with, Job};
+use keep_kernels::simd::Job;
 use keep_kernels::WeightView;
 
+pub use crate::cache::KvRows;
+pub use crate::config::family_config;
 use crate::config::ModelConfig;
+pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
 use crate::layer::{lin, route};
 use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
-
-/// One layer's keys and values for every position so far (`[rows × kv_heads·head_dim]` each,
-/// after the key norm and RoPE).
-#[derive(Debug, Clone, Default)]
-pub struct KvRows {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub rows: usize,
-}
-
-impl KvRows {
-    /// Bytes held.
-    pub fn nbytes(&self) -> usize {
-        4 * (self.k.len() + self.v.len())
-    }
-    /// Bytes reserved.
-    pub fn capacity_bytes(&self) -> usize {
-        4 * (self.k.capacity() + self.v.capacity())
-    }
-}
-
-/// The family config of a Qwen3-MoE model config (an error for another family).
-pub fn family_config(cfg: &ModelConfig) -> Result<&Qwen3MoeConfig> {
-    cfg.raw
-        .qwen3
-        .as_ref()
-        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
-}
 
 /// The FFN of a layer.
 pub enum Ffn<'a> {
@@ -474,16 +450,6 @@ impl<'a> Qwen3Layer<'a> {
         }
         Ok(out)
     }
-}
-
-/// The checkpoint names of routed expert `expert` of `layer` (gate, down, up bases without
-/// `.weight`).
-pub fn expert_bases(layer: usize, expert: usize) -> [String; 3] {
-    ExpertMat::ALL.map(|m| {
-        names::expert_tensor(layer, expert, m, "weight")
-            .trim_end_matches(".weight")
-            .to_string()
-    })
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use keep_checkpoint::Checkpoint;
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::WeightView;
 
+pub use crate::cache::{PoolState, V4Cache};
 use crate::config::ModelConfig;
 use crate::layer::lin;
 use crate::observer::RouteObserver;
@@ -52,58 +53,6 @@ pub struct Indexer<'a> {
 pub struct V4Attn<'a> {
     pub pool: Pool<'a>,
     pub indexer: Option<Indexer<'a>>,
-}
-
-/// State of one pool in a layer's cache.
-#[derive(Debug, Clone, Default)]
-pub struct PoolState {
-    /// Projections of the open window `[n_pending × width·dim_out]` (kv, gate).
-    pub pending_kv: Vec<f32>,
-    pub pending_gate: Vec<f32>,
-    pub n_pending: usize,
-    /// The last closed window's projections (CSA's Ca slots of the next entry).
-    pub prev_kv: Vec<f32>,
-    pub prev_gate: Vec<f32>,
-    /// Pooled, normalised, RoPE'd entries `[n × dim_out]`.
-    pub entries: Vec<f32>,
-    pub n: usize,
-}
-
-impl PoolState {
-    fn nbytes(&self) -> usize {
-        4 * (self.pending_kv.len()
-            + self.pending_gate.len()
-            + self.prev_kv.len()
-            + self.prev_gate.len()
-            + self.entries.len())
-    }
-
-    fn capacity_bytes(&self) -> usize {
-        4 * (self.pending_kv.capacity()
-            + self.pending_gate.capacity()
-            + self.prev_kv.capacity()
-            + self.prev_gate.capacity()
-            + self.entries.capacity())
-    }
-}
-
-/// A V4 layer's compressor and indexer state.
-#[derive(Debug, Clone, Default)]
-pub struct V4Cache {
-    pub kv: PoolState,
-    pub index: PoolState,
-}
-
-impl V4Cache {
-    /// Bytes held.
-    pub fn nbytes(&self) -> usize {
-        self.kv.nbytes() + self.index.nbytes()
-    }
-
-    /// Bytes reserved.
-    pub fn capacity_bytes(&self) -> usize {
-        self.kv.capacity_bytes() + self.index.capacity_bytes()
-    }
 }
 
 fn load_pool<'a>(

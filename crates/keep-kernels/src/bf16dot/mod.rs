@@ -43,7 +43,7 @@ use std::sync::LazyLock;
 
 use crate::codec::{e4m3_to_f32_ref, e8m0_to_f32};
 use crate::cpu::{check_operands, PAR_MIN_MACS};
-use crate::simd::{block_scale, prepare_per_input, run_row_jobs, SyncPtr};
+use crate::rows::{block_scale, prepare_per_input, run_row_jobs, SyncPtr};
 use crate::weight::{BlockScales, WeightView};
 use crate::{KernelError, Result};
 

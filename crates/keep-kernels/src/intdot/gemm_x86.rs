@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{hsum256, tail_blocks, Row};
+use super::x86::{bias_avx512, hsum256, tail_blocks, Row};
 use super::{IntSrc, Q8Acts, GEMM_PANEL, MXFP4_I8, QBLOCK};
 
 /// Activation rows per register tile.
@@ -41,31 +41,6 @@ struct Panel {
 
 thread_local! {
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
-}
-
-/// Step 5 of the contract (sixteen FMA lanes over the blocks, then the fixed tree).
-///
-/// # Safety
-/// AVX-512 F; `bb` and `ds` hold `nb` floats.
-#[inline(always)]
-pub(super) unsafe fn bias_avx512(bb: *const f32, ds: *const f32, nb: usize) -> f32 {
-    let mut l = _mm512_setzero_ps();
-    let mut b = 0;
-    while b + 16 <= nb {
-        l = _mm512_fmadd_ps(_mm512_loadu_ps(bb.add(b)), _mm512_loadu_ps(ds.add(b)), l);
-        b += 16;
-    }
-    if b < nb {
-        let k: __mmask16 = (1u32 << (nb - b)) as u16 - 1;
-        let x = _mm512_maskz_loadu_ps(k, bb.add(b));
-        let y = _mm512_maskz_loadu_ps(k, ds.add(b));
-        l = _mm512_mask3_fmadd_ps(x, y, l, k);
-    }
-    let v = _mm256_add_ps(
-        _mm512_castps512_ps256(l),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
-    );
-    hsum256(v)
 }
 
 /// Rows `r0..r1` of the product (see [`super::rows_at`]).

@@ -59,7 +59,7 @@ use crate::affine::AFFINE8_GROUP;
 use crate::codec::bf16_at;
 use crate::cpu::{check_operands, PAR_MIN_MACS};
 use crate::e8p::E8pView;
-use crate::simd::{prepare_per_input, run_row_jobs, SyncPtr};
+use crate::rows::{prepare_per_input, run_row_jobs, SyncPtr};
 use crate::weight::{WeightKind, WeightView};
 use crate::{KernelError, Result};
 

@@ -343,7 +343,7 @@ fn threaded_and_many_equal_one_thread() {
                 out: &mut via,
             }];
             pool.install(|| {
-                crate::simd::matmul_many_with(crate::Kernels::Fast, &mut jobs).unwrap()
+                crate::matmul::matmul_many_with(crate::Kernels::Fast, &mut jobs).unwrap()
             });
         }
         assert_eq!(via, serial, "affine-8 through matmul_many_with");

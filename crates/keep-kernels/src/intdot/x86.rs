@@ -287,8 +287,7 @@ unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld
     bb.resize(nb, 0.0);
     bias_blocks_avx512(src, r, a.cols, &mut bb);
     for i in 0..a.m {
-        *out.add(i * ld + r) +=
-            super::gemm_x86::bias_avx512(bb.as_ptr(), a.ds.as_ptr().add(i * nb), nb);
+        *out.add(i * ld + r) += bias_avx512(bb.as_ptr(), a.ds.as_ptr().add(i * nb), nb);
     }
     super::BIAS.with(|c| c.replace(bb));
 }
@@ -503,4 +502,29 @@ unsafe fn group256<const MR: usize>(
         };
         *out.add((i + j) * ld + r) = post.map_or(s, |p| s * p);
     }
+}
+
+/// Step 5 of the contract (sixteen FMA lanes over the blocks, then the fixed tree).
+///
+/// # Safety
+/// AVX-512 F; `bb` and `ds` hold `nb` floats.
+#[inline(always)]
+pub(super) unsafe fn bias_avx512(bb: *const f32, ds: *const f32, nb: usize) -> f32 {
+    let mut l = _mm512_setzero_ps();
+    let mut b = 0;
+    while b + 16 <= nb {
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(bb.add(b)), _mm512_loadu_ps(ds.add(b)), l);
+        b += 16;
+    }
+    if b < nb {
+        let k: __mmask16 = (1u32 << (nb - b)) as u16 - 1;
+        let x = _mm512_maskz_loadu_ps(k, bb.add(b));
+        let y = _mm512_maskz_loadu_ps(k, ds.add(b));
+        l = _mm512_mask3_fmadd_ps(x, y, l, k);
+    }
+    let v = _mm256_add_ps(
+        _mm512_castps512_ps256(l),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
+    );
+    hsum256(v)
 }

@@ -11,8 +11,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{affine_groups, affine_param, block_scale, e8m0_x256, scale_x256, Src};
+use super::{affine_groups, affine_param, e8m0_x256, scale_x256, Src};
 use crate::codec::e8m0_to_f32;
+use crate::rows::block_scale;
 use crate::weight::BlockScales;
 
 /// Decodes 16 consecutive weights of row `r` starting at column `k` (`k % 16 == 0`).

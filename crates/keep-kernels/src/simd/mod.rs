@@ -25,6 +25,7 @@
 use rayon::prelude::*;
 
 use crate::affine::{Affine8View, AFFINE8_GROUP};
+use crate::rows::{row_tasks, SyncPtr};
 use crate::weight::{BlockScales, E8pResidual, WeightKind};
 use crate::{Result, WeightView};
 
@@ -191,17 +192,6 @@ impl<'a> Src<'a> {
     }
 }
 
-/// Scale of an FP8 block (helper for the SIMD paths).
-#[inline(always)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn block_scale(scales: BlockScales, i: usize) -> f32 {
-    match scales {
-        BlockScales::E8m0(s) => crate::codec::e8m0_to_f32(s[i]),
-        BlockScales::F32(s) => crate::codec::f32_at(s, i),
-        BlockScales::Bf16(s) => crate::codec::bf16_at(s, i),
-    }
-}
-
 /// `s · 2^8` when that product is exact and finite (it always is for E8M0 scales up to
 /// byte 246 and for f32 scales below 2^119), for the E4M3-through-fp16 decode.
 #[inline(always)]
@@ -324,79 +314,6 @@ pub unsafe fn rows_at(
     }
 }
 
-/// An output pointer shared by threads that write disjoint rows.
-pub(crate) struct SyncPtr(pub(crate) *mut f32);
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-
-/// Cut the output rows of several products (each `(m, rows, cols)`) into `(job, r0, r1)`
-/// tasks of about `total MACs / (threads * 4)` multiply-adds each, for one parallel pass.
-pub(crate) fn row_tasks(
-    shapes: impl Iterator<Item = (usize, usize, usize)> + Clone,
-    threads: usize,
-) -> Vec<(usize, usize, usize)> {
-    let total: usize = shapes.clone().map(|(m, rows, cols)| m * rows * cols).sum();
-    let target = (total / (threads.max(1) * 4)).max(1);
-    let mut tasks = vec![];
-    for (ji, (m, rows, cols)) in shapes.enumerate() {
-        let rows_per = (target / (m * cols).max(1)).clamp(1, rows.max(1));
-        let mut r0 = 0;
-        while r0 < rows {
-            let r1 = (r0 + rows_per).min(rows);
-            tasks.push((ji, r0, r1));
-            r0 = r1;
-        }
-    }
-    tasks
-}
-
-/// Prepare one activation form per distinct input of a batch: jobs whose input is the same
-/// slice (same pointer, length and width) share it. Returns the prepared forms and, per job,
-/// the index of its form. `jobs` yields `(x, m, cols)`.
-pub(crate) fn prepare_per_input<'x, A, E>(
-    jobs: impl Iterator<Item = (&'x [f32], usize, usize)>,
-    mut prepare: impl FnMut(&'x [f32], usize, usize) -> std::result::Result<A, E>,
-) -> std::result::Result<(Vec<A>, Vec<usize>), E> {
-    let mut acts: Vec<A> = vec![];
-    let mut which = vec![];
-    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
-    for (x, m, cols) in jobs {
-        let key = (x.as_ptr(), x.len(), cols);
-        match keys.iter().position(|k| *k == key) {
-            Some(p) => which.push(p),
-            None => {
-                keys.push(key);
-                acts.push(prepare(x, m, cols)?);
-                which.push(acts.len() - 1);
-            }
-        }
-    }
-    Ok((acts, which))
-}
-
-/// Run a batch of products given as `(m, rows, cols)` shapes and output pointers: on this
-/// thread when small, else as [`row_tasks`] over rayon. `run(job, r0, r1, out)` computes output
-/// rows `r0..r1` of job `job` into `out` (the job's `m × rows` output, leading dimension
-/// `rows`); tasks of one job cover disjoint row ranges.
-pub(crate) fn run_row_jobs(
-    shapes: &[(usize, usize, usize)],
-    outs: &[SyncPtr],
-    run: impl Fn(usize, usize, usize, *mut f32) + Sync,
-) {
-    let threads = rayon::current_num_threads();
-    let total: usize = shapes.iter().map(|&(m, rows, cols)| m * rows * cols).sum();
-    if threads < 2 || total < crate::cpu::PAR_MIN_MACS {
-        for (ji, &(_, rows, _)) in shapes.iter().enumerate() {
-            run(ji, 0, rows, outs[ji].0);
-        }
-        return;
-    }
-    let tasks = row_tasks(shapes.iter().copied(), threads);
-    tasks
-        .par_iter()
-        .for_each(|&(ji, r0, r1)| run(ji, r0, r1, outs[ji].0));
-}
-
 /// The whole product at a given level, threaded over output rows when big. Operand lengths
 /// must already be checked (`x`: `m*cols`, `out`: `m*rows`).
 pub(crate) fn run_at(
@@ -457,6 +374,15 @@ pub fn matmul_at(level: Level, x: &[f32], m: usize, w: &WeightView, out: &mut [f
     Ok(())
 }
 
+/// `out[M×rows] = x[M×cols] · Wᵀ`, fast path (SIMD where the CPU has it, threaded over output
+/// rows when big); each output equals [`dot`] of the input row with the
+/// decoded weight row, bit for bit.
+pub fn affine8_matmul(x: &[f32], m: usize, w: &Affine8View, out: &mut [f32]) -> Result<()> {
+    crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
+    run(Src::affine8(w), w.rows, w.cols, x, m, out);
+    Ok(())
+}
+
 /// One product of a [`matmul_many`] batch: `out[m×w.rows] = x[m×w.cols] · wᵀ`.
 pub struct Job<'a, 'b> {
     pub w: Src<'a>,
@@ -506,74 +432,6 @@ pub fn matmul_many(jobs: &mut [Job]) {
         // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
         unsafe { rows_at(level, &j.w, j.cols, j.x, j.m, r0, r1, ptrs[ji].0, j.rows) };
     });
-}
-
-/// [`matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
-/// weight has an integer kernel (MXFP4, affine-8) run through [`crate::intdot::int_matmul_many`] (activations
-/// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
-/// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
-/// to bf16 once per distinct input), the rest as [`matmul_many`].
-pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [Job]) -> Result<()> {
-    if kernels == crate::Kernels::Exact {
-        matmul_many(jobs);
-        return Ok(());
-    }
-    let bf = crate::bf16dot::bf_level();
-    let (mut int_jobs, mut bf_jobs, mut rest): (
-        Vec<crate::intdot::IntJob>,
-        Vec<crate::bf16dot::BfJob>,
-        Vec<Job>,
-    ) = (vec![], vec![], vec![]);
-    for j in jobs.iter_mut() {
-        let int = match j.w {
-            Src::Mxfp4 { packed, scales } if j.cols.is_multiple_of(crate::intdot::QBLOCK) => {
-                Some(crate::intdot::IntSrc::Mxfp4 { packed, scales })
-            }
-            Src::Affine8 { q, scales, biases } => {
-                Some(crate::intdot::IntSrc::Affine8 { q, scales, biases })
-            }
-            _ => None,
-        };
-        let bfw = bf.and(crate::bf16dot::BfSrc::from_src(&j.w, j.cols));
-        if let Some(w) = int {
-            int_jobs.push(crate::intdot::IntJob {
-                w,
-                rows: j.rows,
-                cols: j.cols,
-                x: j.x,
-                m: j.m,
-                out: &mut *j.out,
-            });
-        } else if let Some(w) = bfw {
-            bf_jobs.push(crate::bf16dot::BfJob {
-                w,
-                rows: j.rows,
-                cols: j.cols,
-                x: j.x,
-                m: j.m,
-                out: &mut *j.out,
-            });
-        } else {
-            rest.push(Job {
-                w: j.w,
-                rows: j.rows,
-                cols: j.cols,
-                x: j.x,
-                m: j.m,
-                out: &mut *j.out,
-            });
-        }
-    }
-    if let (Some(level), false) = (bf, bf_jobs.is_empty()) {
-        crate::bf16dot::bf_matmul_many_at(level, &mut bf_jobs)?;
-    }
-    if !int_jobs.is_empty() {
-        crate::intdot::int_matmul_many(&mut int_jobs)?;
-    }
-    if !rest.is_empty() {
-        matmul_many(&mut rest);
-    }
-    Ok(())
 }
 
 #[cfg(test)]
