@@ -8,7 +8,7 @@
 #
 # Usage: dev/bench-gemm.sh [THREADS] [OUT.jsonl]
 #   defaults: 1 thread, dev/evidence/prefill-gemm-vs-peak.jsonl
-#   env: MS='32 64 128 512' (32: the row kernels, the last M below the GEMM) FORMATS=mxfp4,e8p,affine8,mxfp8,bf16 SHAPE=2304x5120 SECONDS=1
+#   env: KEEP=path/to/keep (else target/release/keep, built first) MS='32 64 128 512' (32: the row kernels, the last M below the GEMM) FORMATS=mxfp4,e8p,affine8,mxfp8,bf16 SHAPE=2304x5120 SECONDS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS="${1:-1}"
@@ -17,8 +17,10 @@ MS="${MS:-32 64 128 512}"
 FORMATS="${FORMATS:-mxfp4,e8p,affine8,mxfp8,bf16}"
 SHAPE="${SHAPE:-2304x5120}"
 SECONDS_PER="${SECONDS:-1}"
-cargo build --release -q -p keep-cli
-KEEP=target/release/keep
+if [ -z "${KEEP:-}" ]; then
+  cargo build --release -q -p keep-cli
+  KEEP=target/release/keep
+fi
 tmp="$(mktemp)"
 {
   echo "{\"bench\":\"load\",\"when\":\"before\",\"loadavg\":\"$(cut -d' ' -f1-3 /proc/loadavg)\",\"cores\":$(nproc),\"command\":\"dev/bench-gemm.sh $THREADS\",\"git\":\"$(git rev-parse --short HEAD)\"}"
