@@ -68,9 +68,23 @@ impl Sampler {
 
     /// Pick a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.cfg.temperature <= 0.0 {
+        if self.is_greedy() {
             return argmax(logits);
         }
+        let (p, mass) = self.nucleus(logits);
+        let mut u = self.rng.unit() * mass;
+        for x in &p {
+            u -= x.0;
+            if u <= 0.0 {
+                return x.1;
+            }
+        }
+        p[p.len() - 1].1
+    }
+
+    /// The temperature-scaled weights of the top-p nucleus, largest first (ties by id), and
+    /// their sum: what [`Sampler::sample`] draws from and [`Sampler::probs`] normalises.
+    fn nucleus(&self, logits: &[f32]) -> (Vec<(f64, u32)>, f64) {
         let t = self.cfg.temperature;
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut p: Vec<(f64, u32)> = logits
@@ -92,14 +106,8 @@ impl Sampler {
             }
         }
         let mass: f64 = p[..keep].iter().map(|x| x.0).sum();
-        let mut u = self.rng.unit() * mass;
-        for x in &p[..keep] {
-            u -= x.0;
-            if u <= 0.0 {
-                return x.1;
-            }
-        }
-        p[keep - 1].1
+        p.truncate(keep);
+        (p, mass)
     }
 }
 
@@ -120,28 +128,8 @@ impl Sampler {
             out[argmax(logits) as usize] = 1.0;
             return out;
         }
-        let t = self.cfg.temperature;
-        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut p: Vec<(f64, u32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| ((((v - m) / t) as f64).exp(), i as u32))
-            .collect();
-        let z: f64 = p.iter().map(|x| x.0).sum();
-        p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut keep = p.len();
-        if self.cfg.top_p < 1.0 {
-            let mut c = 0.0;
-            for (i, x) in p.iter().enumerate() {
-                c += x.0 / z;
-                if c >= self.cfg.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        let mass: f64 = p[..keep].iter().map(|x| x.0).sum();
-        for x in &p[..keep] {
+        let (p, mass) = self.nucleus(logits);
+        for x in &p {
             out[x.1 as usize] = x.0 / mass;
         }
         out
