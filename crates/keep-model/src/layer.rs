@@ -913,115 +913,19 @@ impl LayerWeights<'_> {
             });
         }
 
-        // Routed experts, grouped by expert: per expert, the (token, slot) routes to it.
-        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
-        for i in 0..t {
-            for s in 0..k {
-                by_expert[chosen[i * k + s] as usize].push((i, s));
-            }
-        }
-        let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
-        experts.prefetch(l, &used);
-        let mut ys = vec![0f32; t * k * d];
+        // Routed experts, grouped by expert.
         let limit = cfg.swiglu_limit;
-        let inter = cfg.inter;
-        // The experts of a chunk are multiplied together: one parallel kernel pass for all
-        // their gate and up projections, one for all their down projections (a decode token's
-        // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
-        for chunk in used.chunks(experts.max_batch().max(1)) {
-            let views = experts.experts(l, chunk)?;
-            if views.len() != chunk.len() {
-                return Err(ModelError::Expert {
-                    layer: l,
-                    expert: chunk[0],
-                    msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
-                });
-            }
-            let xins: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| {
-                    let mut xin = Vec::with_capacity(by_expert[j].len() * d);
-                    for &(i, _) in &by_expert[j] {
-                        xin.extend_from_slice(&x[i * d..(i + 1) * d]);
-                    }
-                    xin
-                })
-                .collect();
-            for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
-                let m = by_expert[j].len();
-                note_input(obs, l, "ffn.experts.w1", Some(j), xin, m, ew.w1.cols);
-                note_input(obs, l, "ffn.experts.w3", Some(j), xin, m, ew.w3.cols);
-            }
-            let mut gs: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| vec![0f32; by_expert[j].len() * inter])
-                .collect();
-            let mut us = gs.clone();
-            {
-                let mut jobs = Vec::with_capacity(2 * chunk.len());
-                for ((((&j, ew), xin), g), u) in chunk
-                    .iter()
-                    .zip(&views)
-                    .zip(&xins)
-                    .zip(gs.iter_mut())
-                    .zip(us.iter_mut())
-                {
-                    let m = by_expert[j].len();
-                    jobs.push(Job::view(&ew.w1, xin, m, g)?);
-                    jobs.push(Job::view(&ew.w3, xin, m, u)?);
-                }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
-            }
-            let acts: Vec<Vec<f32>> = gs
-                .iter()
-                .zip(&us)
-                .map(|(g, u)| {
-                    g.iter()
-                        .zip(u)
-                        .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
-                        .collect()
-                })
-                .collect();
-            for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
-                let m = by_expert[j].len();
-                note_input(obs, l, "ffn.experts.w2", Some(j), act, m, ew.w2.cols);
-            }
-            let mut outs: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| vec![0f32; by_expert[j].len() * d])
-                .collect();
-            {
-                let mut jobs = Vec::with_capacity(chunk.len());
-                for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut())
-                {
-                    jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
-                }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
-            }
-            for (&j, y) in chunk.iter().zip(&outs) {
-                let routes = &by_expert[j];
-                if let Some(o) = obs.as_deref_mut() {
-                    if o.wants_expert_outputs() {
-                        let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
-                        let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
-                        let ws: Vec<f32> =
-                            routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
-                        o.on_expert_output(&ExpertOutputEvent {
-                            layer: l,
-                            expert: j,
-                            token_rows: &rows,
-                            slots: &slots,
-                            weights: &ws,
-                            outputs: y,
-                        });
-                    }
-                }
-                for (r, &(i, s)) in routes.iter().enumerate() {
-                    ys[(i * k + s) * d..(i * k + s + 1) * d]
-                        .copy_from_slice(&y[r * d..(r + 1) * d]);
-                }
-            }
-        }
+        let ys = routed_experts(
+            cfg,
+            experts,
+            l,
+            x,
+            t,
+            &chosen,
+            &weights,
+            |g, u| ops::swiglu_clamped(g, u, limit),
+            obs,
+        )?;
         if self.hash.is_some() {
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_candidate_outputs(l) {
@@ -1255,6 +1159,127 @@ pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
     }
     let kk = k.min(v.len());
     v[..kk].sort_by(cmp);
+}
+
+/// The routed experts of layer `l` over `t` rows of `x` (`chosen`/`weights`: `[t × top_k]`):
+/// grouped by expert, each expert's chunk multiplied together (one kernel pass for all gate and
+/// up projections, one for all down projections), `act(gate, up)` between them, the observer
+/// told every expert input and output. Returns each route's output, `[t × top_k × dim]`
+/// (row i, slot s), unweighted. Every family's MoE layer runs its experts through this.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn routed_experts(
+    cfg: &ModelConfig,
+    experts: &dyn ExpertSource,
+    l: usize,
+    x: &[f32],
+    t: usize,
+    chosen: &[u32],
+    weights: &[f32],
+    act: impl Fn(f32, f32) -> f32,
+    obs: &mut Option<&mut dyn RouteObserver>,
+) -> Result<Vec<f32>> {
+    let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+    // Routed experts, grouped by expert: per expert, the (token, slot) routes to it.
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
+    for i in 0..t {
+        for s in 0..k {
+            by_expert[chosen[i * k + s] as usize].push((i, s));
+        }
+    }
+    let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
+    experts.prefetch(l, &used);
+    let mut ys = vec![0f32; t * k * d];
+    let inter = cfg.inter;
+    // The experts of a chunk are multiplied together: one parallel kernel pass for all
+    // their gate and up projections, one for all their down projections (a decode token's
+    // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
+    for chunk in used.chunks(experts.max_batch().max(1)) {
+        let views = experts.experts(l, chunk)?;
+        if views.len() != chunk.len() {
+            return Err(ModelError::Expert {
+                layer: l,
+                expert: chunk[0],
+                msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
+            });
+        }
+        let xins: Vec<Vec<f32>> = chunk
+            .iter()
+            .map(|&j| {
+                let mut xin = Vec::with_capacity(by_expert[j].len() * d);
+                for &(i, _) in &by_expert[j] {
+                    xin.extend_from_slice(&x[i * d..(i + 1) * d]);
+                }
+                xin
+            })
+            .collect();
+        for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
+            let m = by_expert[j].len();
+            note_input(obs, l, "ffn.experts.w1", Some(j), xin, m, ew.w1.cols);
+            note_input(obs, l, "ffn.experts.w3", Some(j), xin, m, ew.w3.cols);
+        }
+        let mut gs: Vec<Vec<f32>> = chunk
+            .iter()
+            .map(|&j| vec![0f32; by_expert[j].len() * inter])
+            .collect();
+        let mut us = gs.clone();
+        {
+            let mut jobs = Vec::with_capacity(2 * chunk.len());
+            for ((((&j, ew), xin), g), u) in chunk
+                .iter()
+                .zip(&views)
+                .zip(&xins)
+                .zip(gs.iter_mut())
+                .zip(us.iter_mut())
+            {
+                let m = by_expert[j].len();
+                jobs.push(Job::view(&ew.w1, xin, m, g)?);
+                jobs.push(Job::view(&ew.w3, xin, m, u)?);
+            }
+            matmul_many_with(cfg.kernels, &mut jobs)?;
+        }
+        let acts: Vec<Vec<f32>> = gs
+            .iter()
+            .zip(&us)
+            .map(|(g, u)| g.iter().zip(u).map(|(&g, &u)| act(g, u)).collect())
+            .collect();
+        for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
+            let m = by_expert[j].len();
+            note_input(obs, l, "ffn.experts.w2", Some(j), act, m, ew.w2.cols);
+        }
+        let mut outs: Vec<Vec<f32>> = chunk
+            .iter()
+            .map(|&j| vec![0f32; by_expert[j].len() * d])
+            .collect();
+        {
+            let mut jobs = Vec::with_capacity(chunk.len());
+            for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut()) {
+                jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
+            }
+            matmul_many_with(cfg.kernels, &mut jobs)?;
+        }
+        for (&j, y) in chunk.iter().zip(&outs) {
+            let routes = &by_expert[j];
+            if let Some(o) = obs.as_deref_mut() {
+                if o.wants_expert_outputs() {
+                    let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
+                    let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
+                    let ws: Vec<f32> = routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
+                    o.on_expert_output(&ExpertOutputEvent {
+                        layer: l,
+                        expert: j,
+                        token_rows: &rows,
+                        slots: &slots,
+                        weights: &ws,
+                        outputs: y,
+                    });
+                }
+            }
+            for (r, &(i, s)) in routes.iter().enumerate() {
+                ys[(i * k + s) * d..(i * k + s + 1) * d].copy_from_slice(&y[r * d..(r + 1) * d]);
+            }
+        }
+    }
+    Ok(ys)
 }
 
 #[cfg(test)]

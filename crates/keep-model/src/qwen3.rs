@@ -12,12 +12,9 @@
 //! calibration observers work unchanged. The KV cache of a layer is [`KvRows`] (every position's
 //! keys and values; no window).
 
-use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::qwen3 as names;
 use keep_checkpoint::Checkpoint;
-use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops;
-use keep_kernels::simd::Job;
 use keep_kernels::WeightView;
 
 pub use crate::cache::KvRows;
@@ -26,7 +23,7 @@ use crate::config::ModelConfig;
 pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
 use crate::layer::{lin, route};
-use crate::observer::{ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver};
+use crate::observer::{RouteEvent, RouteObserver};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -77,40 +74,6 @@ pub fn rope_halves(x: &mut [f32], inv_freq: &[f32], pos: usize) {
         let (a, b) = (x[i], x[i + half]);
         x[i] = a * c - b * s;
         x[i + half] = a * s + b * c;
-    }
-}
-
-/// Name of a routed expert's linear whose input an observer is told: keep's role names (as
-/// every family reports them: calibration keys its importance matrix and its REAP cross-check
-/// on `ffn.experts.{e}.w1` …), not the checkpoint's.
-fn mat_label(mat: ExpertMat) -> &'static str {
-    match mat {
-        ExpertMat::W1 => "ffn.experts.w1",
-        ExpertMat::W2 => "ffn.experts.w2",
-        ExpertMat::W3 => "ffn.experts.w3",
-    }
-}
-
-fn note_input(
-    obs: &mut Option<&mut dyn RouteObserver>,
-    layer: usize,
-    name: &'static str,
-    expert: Option<usize>,
-    x: &[f32],
-    rows: usize,
-    cols: usize,
-) {
-    if let Some(o) = obs.as_deref_mut() {
-        if o.wants_linear_inputs() {
-            o.on_linear_input(&LinearInputEvent {
-                layer,
-                name,
-                expert,
-                rows,
-                cols,
-                x,
-            });
-        }
     }
 }
 
@@ -313,131 +276,17 @@ impl<'a> Qwen3Layer<'a> {
                 scores: &scores,
             });
         }
-        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
-        for i in 0..t {
-            for s in 0..k {
-                by_expert[chosen[i * k + s] as usize].push((i, s));
-            }
-        }
-        let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
-        experts.prefetch(l, &used);
-        let mut ys = vec![0f32; t * k * d];
-        let inter = cfg.inter;
-        // As the DeepSeek layer: the experts of a chunk are multiplied together, one kernel
-        // pass for all gate and up projections, one for all down projections.
-        for chunk in used.chunks(experts.max_batch().max(1)) {
-            let views = experts.experts(l, chunk)?;
-            if views.len() != chunk.len() {
-                return Err(ModelError::Expert {
-                    layer: l,
-                    expert: chunk[0],
-                    msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
-                });
-            }
-            let xins: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| {
-                    let mut xin = Vec::with_capacity(by_expert[j].len() * d);
-                    for &(i, _) in &by_expert[j] {
-                        xin.extend_from_slice(&x[i * d..(i + 1) * d]);
-                    }
-                    xin
-                })
-                .collect();
-            for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
-                let m = by_expert[j].len();
-                note_input(
-                    obs,
-                    l,
-                    mat_label(ExpertMat::W1),
-                    Some(j),
-                    xin,
-                    m,
-                    ew.w1.cols,
-                );
-                note_input(
-                    obs,
-                    l,
-                    mat_label(ExpertMat::W3),
-                    Some(j),
-                    xin,
-                    m,
-                    ew.w3.cols,
-                );
-            }
-            let mut gs: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| vec![0f32; by_expert[j].len() * inter])
-                .collect();
-            let mut us = gs.clone();
-            {
-                let mut jobs = Vec::with_capacity(2 * chunk.len());
-                for ((((&j, ew), xin), g), u) in chunk
-                    .iter()
-                    .zip(&views)
-                    .zip(&xins)
-                    .zip(gs.iter_mut())
-                    .zip(us.iter_mut())
-                {
-                    let m = by_expert[j].len();
-                    jobs.push(Job::view(&ew.w1, xin, m, g)?);
-                    jobs.push(Job::view(&ew.w3, xin, m, u)?);
-                }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
-            }
-            let acts: Vec<Vec<f32>> = gs
-                .iter()
-                .zip(&us)
-                .map(|(g, u)| g.iter().zip(u).map(|(&g, &u)| ops::silu(g) * u).collect())
-                .collect();
-            for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
-                let m = by_expert[j].len();
-                note_input(
-                    obs,
-                    l,
-                    mat_label(ExpertMat::W2),
-                    Some(j),
-                    act,
-                    m,
-                    ew.w2.cols,
-                );
-            }
-            let mut outs: Vec<Vec<f32>> = chunk
-                .iter()
-                .map(|&j| vec![0f32; by_expert[j].len() * d])
-                .collect();
-            {
-                let mut jobs = Vec::with_capacity(chunk.len());
-                for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut())
-                {
-                    jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
-                }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
-            }
-            for (&j, y) in chunk.iter().zip(&outs) {
-                let routes = &by_expert[j];
-                if let Some(o) = obs.as_deref_mut() {
-                    if o.wants_expert_outputs() {
-                        let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
-                        let slots: Vec<usize> = routes.iter().map(|r| r.1).collect();
-                        let ws: Vec<f32> =
-                            routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
-                        o.on_expert_output(&ExpertOutputEvent {
-                            layer: l,
-                            expert: j,
-                            token_rows: &rows,
-                            slots: &slots,
-                            weights: &ws,
-                            outputs: y,
-                        });
-                    }
-                }
-                for (r, &(i, s)) in routes.iter().enumerate() {
-                    ys[(i * k + s) * d..(i * k + s + 1) * d]
-                        .copy_from_slice(&y[r * d..(r + 1) * d]);
-                }
-            }
-        }
+        let ys = crate::layer::routed_experts(
+            cfg,
+            experts,
+            l,
+            x,
+            t,
+            &chosen,
+            &weights,
+            |g, u| ops::silu(g) * u,
+            obs,
+        )?;
         let mut out = vec![0f32; t * d];
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
