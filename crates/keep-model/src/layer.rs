@@ -25,10 +25,12 @@ use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::ExpertSource;
 use crate::hash::{route_hash, HashTable};
+pub use crate::linear::top_k_by;
+use crate::linear::{lin, note_input};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
 };
-use crate::v4::V4Attn;
+use crate::v4::{head_norm, index_topk, pool_step, V4Attn};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -297,46 +299,6 @@ impl LayerWeights<'_> {
         }
         self.hash = Some(table);
         Ok(())
-    }
-}
-
-/// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
-pub(crate) fn lin(
-    x: &[f32],
-    m: usize,
-    w: &WeightView,
-    obs: &mut Option<&mut dyn RouteObserver>,
-    layer: usize,
-    name: &'static str,
-    expert: Option<usize>,
-) -> Result<Vec<f32>> {
-    note_input(obs, layer, name, expert, x, m, w.cols);
-    let mut y = vec![0f32; m * w.rows];
-    matmul(x, m, w, &mut y)?;
-    Ok(y)
-}
-
-/// Tell the observer (if it wants them) the input of a linear layer.
-fn note_input(
-    obs: &mut Option<&mut dyn RouteObserver>,
-    layer: usize,
-    name: &'static str,
-    expert: Option<usize>,
-    x: &[f32],
-    rows: usize,
-    cols: usize,
-) {
-    if let Some(o) = obs.as_deref_mut() {
-        if o.wants_linear_inputs() {
-            o.on_linear_input(&LinearInputEvent {
-                layer,
-                name,
-                expert,
-                rows,
-                cols,
-                x,
-            });
-        }
     }
 }
 
@@ -1138,29 +1100,6 @@ pub fn route(
     }
 }
 
-/// Put the `k` largest `(score, id)` first, ordered by score descending then id ascending
-/// (so ties and -inf picks are deterministic and match the reference).
-pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
-    // Equal values (including -0 and +0, which mlx's comparison also treats as equal) go by
-    // ascending index: mlx's `argpartition` picks the lowest indices among ties (checked on
-    // random tie-heavy inputs). NaN, never expected, sorts last.
-    let cmp = |a: &(f32, usize), b: &(f32, usize)| {
-        let by_value = match b.0.partial_cmp(&a.0) {
-            Some(o) => o,
-            None => a.0.is_nan().cmp(&b.0.is_nan()),
-        };
-        by_value.then(a.1.cmp(&b.1))
-    };
-    if k == 0 {
-        return;
-    }
-    if k < v.len() {
-        v.select_nth_unstable_by(k - 1, cmp);
-    }
-    let kk = k.min(v.len());
-    v[..kk].sort_by(cmp);
-}
-
 /// The routed experts of layer `l` over `t` rows of `x` (`chosen`/`weights`: `[t × top_k]`):
 /// grouped by expert, each expert's chunk multiplied together (one kernel pass for all gate and
 /// up projections, one for all down projections), `act(gate, up)` between them, the observer
@@ -1280,6 +1219,149 @@ pub(crate) fn routed_experts(
         }
     }
     Ok(ys)
+}
+
+impl LayerWeights<'_> {
+    /// `DeepseekV4Attention.forward` for `t` new rows `x` (normalised block input).
+    pub(crate) fn attention_v4(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [crate::cache::LayerCache],
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let l = self.layer;
+        let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
+        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
+        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        head_norm(&mut q, hd, cfg.eps);
+        for i in 0..t {
+            let pos = (step.start_pos + i) as f32;
+            for hh in 0..h {
+                let o = (i * h + hh) * hd;
+                self.rope.apply(&mut q[o..o + hd], pos, false);
+            }
+        }
+        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        for i in 0..t {
+            self.rope.apply(
+                &mut kv[i * hd..(i + 1) * hd],
+                (step.start_pos + i) as f32,
+                false,
+            );
+        }
+        let c = &mut caches[l];
+        if c.window_rows != step.previous {
+            return Err(crate::ModelError::Cache(format!(
+                "layer {l} holds {} window rows, the model expects {}",
+                c.window_rows, step.previous
+            )));
+        }
+        c.window.extend_from_slice(&kv);
+        c.window_rows += t;
+
+        // Compressed rows and, for CSA, the indexer's pick per query.
+        let mut picks: Option<(Vec<i32>, usize)> = None;
+        if let Some(va) = &self.v4 {
+            pool_step(
+                cfg,
+                &va.pool,
+                &mut c.v4.kv,
+                x,
+                t,
+                &self.rope,
+                obs,
+                l,
+                ["attn.compressor.wkv", "attn.compressor.wgate"],
+            )?;
+            if let Some(ix) = &va.indexer {
+                pool_step(
+                    cfg,
+                    &ix.pool,
+                    &mut c.v4.index,
+                    x,
+                    t,
+                    &self.rope,
+                    obs,
+                    l,
+                    [
+                        "attn.indexer.compressor.wkv",
+                        "attn.indexer.compressor.wgate",
+                    ],
+                )?;
+                let st = &c.v4.index;
+                picks = Some(index_topk(
+                    cfg,
+                    ix,
+                    &st.entries,
+                    st.n,
+                    x,
+                    &qr,
+                    t,
+                    step.start_pos,
+                    &self.rope,
+                    obs,
+                    l,
+                )?);
+            }
+        }
+
+        let scale = (hd as f32).powf(-0.5);
+        let comp = &c.v4.kv;
+        let ratio = self.roles.ratio.max(1);
+        let mut out = vec![0f32; t * h * hd];
+        let mut scores: Vec<f32> = Vec::new();
+        let mut rows: Vec<&[f32]> = Vec::new();
+        for i in 0..t {
+            let end = step.previous + i;
+            let start = (end + 1).saturating_sub(cfg.window);
+            rows.clear();
+            for key in start..=end {
+                rows.push(&c.window[key * hd..(key + 1) * hd]);
+            }
+            if self.v4.is_some() {
+                let visible = ((step.start_pos + 1 + i) / ratio).min(comp.n);
+                match &picks {
+                    Some((idx, k)) => {
+                        for &j in &idx[i * k..(i + 1) * k] {
+                            if j >= 0 && (j as usize) < visible {
+                                let j = j as usize;
+                                rows.push(&comp.entries[j * hd..(j + 1) * hd]);
+                            }
+                        }
+                    }
+                    None => {
+                        for j in 0..visible {
+                            rows.push(&comp.entries[j * hd..(j + 1) * hd]);
+                        }
+                    }
+                }
+            }
+            for hh in 0..h {
+                let qo = (i * h + hh) * hd;
+                let o = &mut out[qo..qo + hd];
+                attend(
+                    &q[qo..qo + hd],
+                    scale,
+                    &rows,
+                    self.sinks[hh],
+                    o,
+                    &mut scores,
+                );
+                self.rope.apply(o, (step.start_pos + i) as f32, true);
+            }
+        }
+        if c.window_rows > cfg.window {
+            let drop = c.window_rows - cfg.window;
+            c.window.drain(..drop * hd);
+            c.window_rows = cfg.window;
+        }
+        self.grouped_out(cfg, &out, t, obs)
+    }
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ pub mod fuzzing;
 pub mod generate;
 pub mod hash;
 pub mod layer;
+pub mod linear;
 pub mod logits;
 pub mod memory;
 pub mod model;

@@ -24,7 +24,7 @@ use keep_kernels::WeightView;
 
 pub use crate::cache::{PoolState, V4Cache};
 use crate::config::ModelConfig;
-use crate::layer::lin;
+use crate::linear::{lin, top_k_by};
 use crate::observer::RouteObserver;
 use crate::weights::{vec_f32, weight};
 use crate::Result;
@@ -241,7 +241,7 @@ pub fn index_topk(
             row.push((acc, j));
         }
         let kk = k.min(visible);
-        crate::layer::top_k_by(&mut row, kk);
+        top_k_by(&mut row, kk);
         for (slot, &(_, j)) in row[..kk].iter().enumerate() {
             out[i * k + slot] = j as i32;
         }
@@ -252,147 +252,4 @@ pub fn index_topk(
 /// The unweighted per-head RMSNorm transformers applies to V4's queries (`q_b_norm`).
 pub fn head_norm(q: &mut [f32], hd: usize, eps: f32) {
     ops::rms_norm(q, hd, None, eps);
-}
-
-impl crate::layer::LayerWeights<'_> {
-    /// `DeepseekV4Attention.forward` for `t` new rows `x` (normalised block input).
-    pub(crate) fn attention_v4(
-        &self,
-        cfg: &ModelConfig,
-        x: &[f32],
-        t: usize,
-        step: crate::layer::Step,
-        caches: &mut [crate::cache::LayerCache],
-        obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
-        let l = self.layer;
-        let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
-        head_norm(&mut q, hd, cfg.eps);
-        for i in 0..t {
-            let pos = (step.start_pos + i) as f32;
-            for hh in 0..h {
-                let o = (i * h + hh) * hd;
-                self.rope.apply(&mut q[o..o + hd], pos, false);
-            }
-        }
-        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
-        for i in 0..t {
-            self.rope.apply(
-                &mut kv[i * hd..(i + 1) * hd],
-                (step.start_pos + i) as f32,
-                false,
-            );
-        }
-        let c = &mut caches[l];
-        if c.window_rows != step.previous {
-            return Err(crate::ModelError::Cache(format!(
-                "layer {l} holds {} window rows, the model expects {}",
-                c.window_rows, step.previous
-            )));
-        }
-        c.window.extend_from_slice(&kv);
-        c.window_rows += t;
-
-        // Compressed rows and, for CSA, the indexer's pick per query.
-        let mut picks: Option<(Vec<i32>, usize)> = None;
-        if let Some(va) = &self.v4 {
-            pool_step(
-                cfg,
-                &va.pool,
-                &mut c.v4.kv,
-                x,
-                t,
-                &self.rope,
-                obs,
-                l,
-                ["attn.compressor.wkv", "attn.compressor.wgate"],
-            )?;
-            if let Some(ix) = &va.indexer {
-                pool_step(
-                    cfg,
-                    &ix.pool,
-                    &mut c.v4.index,
-                    x,
-                    t,
-                    &self.rope,
-                    obs,
-                    l,
-                    [
-                        "attn.indexer.compressor.wkv",
-                        "attn.indexer.compressor.wgate",
-                    ],
-                )?;
-                let st = &c.v4.index;
-                picks = Some(index_topk(
-                    cfg,
-                    ix,
-                    &st.entries,
-                    st.n,
-                    x,
-                    &qr,
-                    t,
-                    step.start_pos,
-                    &self.rope,
-                    obs,
-                    l,
-                )?);
-            }
-        }
-
-        let scale = (hd as f32).powf(-0.5);
-        let comp = &c.v4.kv;
-        let ratio = self.roles.ratio.max(1);
-        let mut out = vec![0f32; t * h * hd];
-        let mut scores: Vec<f32> = Vec::new();
-        let mut rows: Vec<&[f32]> = Vec::new();
-        for i in 0..t {
-            let end = step.previous + i;
-            let start = (end + 1).saturating_sub(cfg.window);
-            rows.clear();
-            for key in start..=end {
-                rows.push(&c.window[key * hd..(key + 1) * hd]);
-            }
-            if self.v4.is_some() {
-                let visible = ((step.start_pos + 1 + i) / ratio).min(comp.n);
-                match &picks {
-                    Some((idx, k)) => {
-                        for &j in &idx[i * k..(i + 1) * k] {
-                            if j >= 0 && (j as usize) < visible {
-                                let j = j as usize;
-                                rows.push(&comp.entries[j * hd..(j + 1) * hd]);
-                            }
-                        }
-                    }
-                    None => {
-                        for j in 0..visible {
-                            rows.push(&comp.entries[j * hd..(j + 1) * hd]);
-                        }
-                    }
-                }
-            }
-            for hh in 0..h {
-                let qo = (i * h + hh) * hd;
-                let o = &mut out[qo..qo + hd];
-                crate::layer::attend(
-                    &q[qo..qo + hd],
-                    scale,
-                    &rows,
-                    self.sinks[hh],
-                    o,
-                    &mut scores,
-                );
-                self.rope.apply(o, (step.start_pos + i) as f32, true);
-            }
-        }
-        if c.window_rows > cfg.window {
-            let drop = c.window_rows - cfg.window;
-            c.window.drain(..drop * hd);
-            c.window_rows = cfg.window;
-        }
-        self.grouped_out(cfg, &out, t, obs)
-    }
 }

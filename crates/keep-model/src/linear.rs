@@ -1,0 +1,72 @@
+//! Linear layers as the model calls them, and top-k selection: `y = x · Wᵀ` with the observer
+//! told the input (calibration's imatrix and REAP read it there), and the deterministic
+//! top-k order the routers and the V4 indexer share. A leaf: it knows the kernels and the
+//! observer, nothing of layers.
+
+use keep_kernels::{matmul, WeightView};
+
+use crate::observer::{LinearInputEvent, RouteObserver};
+use crate::Result;
+
+/// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
+pub(crate) fn lin(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+) -> Result<Vec<f32>> {
+    note_input(obs, layer, name, expert, x, m, w.cols);
+    let mut y = vec![0f32; m * w.rows];
+    matmul(x, m, w, &mut y)?;
+    Ok(y)
+}
+
+/// Tell the observer (if it wants them) the input of a linear layer.
+pub(crate) fn note_input(
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) {
+    if let Some(o) = obs.as_deref_mut() {
+        if o.wants_linear_inputs() {
+            o.on_linear_input(&LinearInputEvent {
+                layer,
+                name,
+                expert,
+                rows,
+                cols,
+                x,
+            });
+        }
+    }
+}
+
+/// Put the `k` largest `(score, id)` first, ordered by score descending then id ascending
+/// (so ties and -inf picks are deterministic and match the reference).
+pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
+    // Equal values (including -0 and +0, which mlx's comparison also treats as equal) go by
+    // ascending index: mlx's `argpartition` picks the lowest indices among ties (checked on
+    // random tie-heavy inputs). NaN, never expected, sorts last.
+    let cmp = |a: &(f32, usize), b: &(f32, usize)| {
+        let by_value = match b.0.partial_cmp(&a.0) {
+            Some(o) => o,
+            None => a.0.is_nan().cmp(&b.0.is_nan()),
+        };
+        by_value.then(a.1.cmp(&b.1))
+    };
+    if k == 0 {
+        return;
+    }
+    if k < v.len() {
+        v.select_nth_unstable_by(k - 1, cmp);
+    }
+    let kk = k.min(v.len());
+    v[..kk].sort_by(cmp);
+}
