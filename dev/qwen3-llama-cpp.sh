@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Qwen3-MoE decode and prefill, keep against llama.cpp on the same checkpoint, same threads,
+# interleaved rounds, one run.
+#
+# 1. llama.cpp's sources come from the pinned, sha256-checked llama-cpp-python sdist that
+#    dev/llama-cpp-side-by-side.sh fetches (run with BUILD_ONLY=1); `llama-bench` and
+#    `llama-quantize` are built from them (CPU backend, GGML_NATIVE=ON).
+# 2. `keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers LAYERS` writes random
+#    weights at Qwen3-30B-A3B's real shapes (hidden 2048, 128 experts, top-8, moe_inter 768,
+#    32 heads / 4 KV heads, vocab 151936), once as bf16 and once in Qwen's FP8 layout; keep runs
+#    the FP8 one with its residents repacked to MXFP8 (`keep repack`, lossless; the routed
+#    experts stay in Qwen's 128x128 FP8 blocks).
+# 3. llama.cpp's own converter (`convert_hf_to_gguf.py`) turns the bf16 checkpoint into a bf16
+#    GGUF; `llama-quantize` makes q8_0 from it. The synthetic checkpoint carries the bundled
+#    model's tokenizer, whose pre-tokenizer llama.cpp does not know; the converter is run with
+#    that one check answered "qwen2" (the vocabulary plays no part in the timings).
+# 4. ROUNDS rounds, interleaved per pair: `llama-bench -t THREADS -p P -n N` (its own prompt
+#    and generation timings), then `keep run --prompt-tokens P --max-tokens N --temperature 0
+#    --kernels fast --stats-json` with RAYON_NUM_THREADS=THREADS. The files are read into the
+#    page cache first (resident comparison: the whole model must fit in memory).
+#    Pairs: bf16 vs keep bf16; q8_0 vs keep FP8 (8 bits per weight on both sides).
+# 5. OUT.json: command, machine, load averages, every round's tokens/s and the median ratios
+#    keep / llama.cpp for prefill and decode.
+#
+# Usage: dev/qwen3-llama-cpp.sh [ROUNDS] [OUT.json]
+#   ROUNDS default 3; OUT default dev/evidence/qwen3-llama-cpp.json (refused if it exists unless
+#   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit copy under $W/qwen3),
+#   THREADS (1), P (64), N (32), PAIRS ("bf16 q8"), KEEP (target/release/keep), PY (a Python
+#   with torch, transformers, numpy, pyyaml, tqdm: default tools/oracle/.venv's).
+#   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run. CONFIG=FILE synthesises that
+#   Qwen3-MoE config.json instead of the preset (a quick check of the script at small shapes).
+# Not part of .ci/run: it compiles llama.cpp for several minutes and writes several GiB.
+set -euo pipefail
+
+ROUNDS="${1:-3}"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${2:-$REPO/dev/evidence/qwen3-llama-cpp.json}"
+W="${LLAMA_SIDE_DIR:-/tmp/keep-llama-cpp}"
+KEEP="${KEEP:-$REPO/target/release/keep}"
+LAYERS="${LAYERS:-4}" THREADS="${THREADS:-1}" P="${P:-64}" N="${N:-32}"
+PAIRS="${PAIRS:-bf16 q8}"
+PY="${PY:-$REPO/tools/oracle/.venv/bin/python}"
+LCP_VERSION=0.3.36
+
+if [[ -e "$OUT" && "${FORCE:-0}" != 1 ]]; then
+  echo "refusing to replace $OUT (FORCE=1 to replace)" >&2
+  exit 1
+fi
+[[ -x "$PY" ]] || { echo "no Python at $PY (set PY, or run .ci/run once to make tools/oracle/.venv)" >&2; exit 1; }
+"$PY" -c 'import torch, transformers, numpy, yaml, tqdm' || {
+  echo "$PY lacks torch/transformers/numpy/pyyaml/tqdm" >&2; exit 1; }
+
+# --- llama.cpp -------------------------------------------------------------------------------
+BUILD_ONLY=1 LLAMA_SIDE_DIR="$W" "$REPO/dev/llama-cpp-side-by-side.sh" >&2
+SRC="$W/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
+CMAKE="$(command -v cmake || echo "$W/venv/bin/cmake")"
+B="$W/full"
+if [[ ! -f "$B/build/CMakeCache.txt" ]]; then
+  mkdir -p "$B"
+  nice -n 10 "$CMAKE" -S "$SRC" -B "$B/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DGGML_BACKEND_DL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$B/configure.log"
+fi
+nice -n 10 "$CMAKE" --build "$B/build" --target llama-bench llama-quantize -j "$(nproc)" >"$B/build.log"
+LB="$B/build/bin/llama-bench" LQ="$B/build/bin/llama-quantize"
+[[ -x "$LB" && -x "$LQ" ]] || { echo "llama-bench/llama-quantize missing (see $B/build.log)" >&2; exit 1; }
+
+# --- keep ------------------------------------------------------------------------------------
+if [[ ! -x "$KEEP" ]]; then
+  (cd "$REPO" && nice -n 10 cargo build --release -p keep-cli >&2)
+fi
+
+# --- checkpoints -----------------------------------------------------------------------------
+SHAPE=(--preset qwen3-30b-a3b)
+[[ -n "${CONFIG:-}" ]] && SHAPE=(--config "$CONFIG")
+Q="$W/qwen3-L$LAYERS${CONFIG:+-$(basename "$CONFIG" .json)}"
+mkdir -p "$Q"
+if [[ ! -f "$Q/bf16/config.json" ]]; then
+  "$KEEP" synth --family qwen3_moe "${SHAPE[@]}" --layers "$LAYERS" --format bf16 \
+    --out "$Q/bf16" --force >&2
+  cp "$REPO/models/keep-tiny/tokenizer.json" "$Q/bf16/"
+  [[ -f "$REPO/models/keep-tiny/tokenizer_config.json" ]] && cp "$REPO/models/keep-tiny/tokenizer_config.json" "$Q/bf16/"
+fi
+if [[ ! -f "$Q/bf16.gguf" ]]; then
+  PYTHONPATH="$SRC/gguf-py:$SRC" nice -n 10 "$PY" - "$SRC" "$Q/bf16" "$Q/bf16.gguf" >&2 <<'PYEOF'
+import runpy, sys
+src, model, out = sys.argv[1:4]
+sys.path.insert(0, src)
+import conversion.base as base
+# The synthetic checkpoint carries the bundled model's tokenizer; the converter only needs a
+# known pre-tokenizer name for it.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "bf16", "--outfile", out + ".part"]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+PYEOF
+  mv "$Q/bf16.gguf.part" "$Q/bf16.gguf"
+fi
+if [[ " $PAIRS " == *" q8 "* ]]; then
+  if [[ ! -f "$Q/q8_0.gguf" ]]; then
+    nice -n 10 "$LQ" "$Q/bf16.gguf" "$Q/q8_0.gguf.part" Q8_0 "$(nproc)" >"$Q/quantize.log" 2>&1
+    mv "$Q/q8_0.gguf.part" "$Q/q8_0.gguf"
+  fi
+  if [[ ! -f "$Q/mxfp8/config.json" ]]; then
+    "$KEEP" synth --family qwen3_moe "${SHAPE[@]}" --layers "$LAYERS" --format fp8 \
+      --out "$Q/fp8" --force >&2
+    "$KEEP" repack --resident-format mxfp8 "$Q/fp8" "$Q/mxfp8" --force >&2
+    rm -rf "$Q/fp8"
+  fi
+fi
+
+# --- rounds ----------------------------------------------------------------------------------
+RAW="$W/qwen3-raw.$$"
+rm -rf "$RAW"; mkdir -p "$RAW"
+load1() { cut -d' ' -f1 /proc/loadavg; }
+page_in() { cat "$@" >/dev/null; cat "$@" >/dev/null; }
+for r in $(seq 1 "$ROUNDS"); do
+  for pair in $PAIRS; do
+    case "$pair" in
+      bf16) g="$Q/bf16.gguf"; k="$Q/bf16" ;;
+      q8) g="$Q/q8_0.gguf"; k="$Q/mxfp8" ;;
+      *) echo "unknown pair $pair" >&2; exit 1 ;;
+    esac
+    page_in "$g"
+    echo "$(load1)" >"$RAW/$pair-$r.llama.load"
+    "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 -o json >"$RAW/$pair-$r.llama.json" 2>"$RAW/$pair-$r.llama.err"
+    page_in "$k"/*.safetensors
+    echo "$(load1)" >"$RAW/$pair-$r.keep.load"
+    RAYON_NUM_THREADS="$THREADS" "$KEEP" run "$k" --prompt-tokens "$P" --max-tokens "$N" \
+      --temperature 0 --kernels fast --stats-json "$RAW/$pair-$r.keep.json" --force \
+      >"$RAW/$pair-$r.keep.out" 2>&1
+  done
+done
+
+python3 - "$RAW" "$OUT" "$ROUNDS" "$PAIRS" "$LAYERS" "$THREADS" "$P" "$N" "$*" "${CONFIG:-qwen3-30b-a3b}" <<'PYEOF'
+import json, os, platform, statistics, subprocess, sys, time
+raw, out, rounds, pairs, layers, threads, p, n, args, shape = sys.argv[1:11]
+rounds = int(rounds)
+def lscpu():
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+res = {"format": "keep-side-by-side-qwen3", "version": 1,
+       "command": f"dev/qwen3-llama-cpp.sh {args}".strip(),
+       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+       "machine": {"uname": platform.uname()._asdict(), "nproc": os.cpu_count(),
+                   "lscpu_model": next((l.split(":", 1)[1].strip() for l in lscpu().splitlines()
+                                        if l.startswith("Model name")), None)},
+       "shape": {"preset_or_config": shape, "layers": int(layers), "threads": int(threads),
+                 "prompt_tokens": int(p), "decode_tokens": int(n)},
+       "pairs": {}}
+for pair in pairs.split():
+    rows = []
+    for r in range(1, rounds + 1):
+        lj = json.load(open(f"{raw}/{pair}-{r}.llama.json"))
+        pp = next(x for x in lj if x["n_prompt"] > 0)
+        tg = next(x for x in lj if x["n_gen"] > 0)
+        kj = json.load(open(f"{raw}/{pair}-{r}.keep.json"))
+        rows.append({"round": r,
+                     "llama_load": float(open(f"{raw}/{pair}-{r}.llama.load").read()),
+                     "keep_load": float(open(f"{raw}/{pair}-{r}.keep.load").read()),
+                     "llama_type": pp.get("model_type"),
+                     "llama_prefill_tps": pp["avg_ts"], "llama_decode_tps": tg["avg_ts"],
+                     "keep_prefill_tps": kj["prefill_tps"], "keep_decode_tps": kj["decode_tps"]})
+    med = lambda key: statistics.median(x[key] for x in rows)
+    res["pairs"][pair] = {
+        "llama": {"bf16": "bf16 GGUF", "q8": "q8_0 GGUF"}[pair],
+        "keep": {"bf16": "bf16 (fast kernels)",
+                 "q8": "Qwen FP8 128x128 experts, MXFP8 residents (fast kernels)"}[pair],
+        "rounds": rows,
+        "median": {k: med(k) for k in ("llama_prefill_tps", "llama_decode_tps",
+                                        "keep_prefill_tps", "keep_decode_tps")},
+        "ratio_keep_over_llama": {"prefill": med("keep_prefill_tps") / med("llama_prefill_tps"),
+                                  "decode": med("keep_decode_tps") / med("llama_decode_tps")},
+    }
+tmp = out + ".part"
+with open(tmp, "w") as f:
+    json.dump(res, f, indent=1)
+    f.write("\n")
+os.replace(tmp, out)
+for pair, v in res["pairs"].items():
+    print(f"{pair}: keep/llama.cpp prefill {v['ratio_keep_over_llama']['prefill']:.2f}x "
+          f"decode {v['ratio_keep_over_llama']['decode']:.2f}x  ({v['median']})")
+PYEOF
+[[ "${KEEP_FILES:-0}" == 1 ]] || rm -rf "$Q"
+rm -rf "$RAW"
