@@ -5,12 +5,10 @@
 //! always takes it gives exactly the untiered E8P2+E81 model's; a threshold between gives
 //! something else, and the observer sees both rungs.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
-use keep_checkpoint::{Checkpoint, Dtype};
+use keep_checkpoint::Checkpoint;
 use keep_model::{
     CheckpointExperts, ExpertTiers, Logits, Model, ModelConfig, RouteObserver, RungEvent, Tiered,
     UpperChoice,
@@ -18,49 +16,8 @@ use keep_model::{
 use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
 use keep_quant::QuantFormat;
 
-fn bundled() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
-}
-
-/// A flat importance matrix for every routed expert of the bundled model.
-fn imatrix(dir: &Path) -> PathBuf {
-    let ck = Checkpoint::open(&bundled()).unwrap();
-    let cfg = ck.require_config().unwrap();
-    let mut metas = vec![];
-    for l in 0..cfg.num_hidden_layers {
-        for e in 0..cfg.experts_in_layer(l) {
-            for p in ["w1", "w2", "w3"] {
-                let cols = if p == "w2" {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                metas.push(TensorMeta::new(
-                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
-                    Dtype::F32,
-                    &[cols as u64],
-                ));
-            }
-        }
-    }
-    let out = dir.join("im");
-    let mut w = CheckpointWriter::create(
-        &out,
-        metas.clone(),
-        WriterOptions {
-            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
-            ..WriterOptions::default()
-        },
-    )
-    .unwrap();
-    for m in &metas {
-        let cols = m.shape[0] as usize;
-        w.write_tensor(&m.name, &1.0f32.to_le_bytes().repeat(cols))
-            .unwrap();
-    }
-    w.finish().unwrap();
-    out.join("model.safetensors")
-}
+mod common;
+use common::{bundled, imatrix};
 
 /// Upper rung for gate weights at or above `tau`; counts the slots asked about.
 struct Threshold {
