@@ -265,7 +265,7 @@ pub fn eval_tiers(
     let mut upper = Vec::with_capacity(nl * ne);
     let mut upper_bytes = Vec::with_capacity(nl * ne);
     let mut masks: Vec<Option<Vec<bool>>> = vec![None; nl];
-    for l in 0..nl {
+    for (l, mask) in masks.iter_mut().enumerate() {
         for j in 0..ne {
             let s = shipped.expert(l, j)?;
             let mut have: BTreeMap<&str, ExpertWeights> = BTreeMap::new();
@@ -288,7 +288,7 @@ pub fn eval_tiers(
                 ))
             })?;
             if rung == PRUNED {
-                masks[l].get_or_insert_with(|| vec![false; ne])[j] = true;
+                mask.get_or_insert_with(|| vec![false; ne])[j] = true;
                 base.push(s);
                 upper.push(None);
                 upper_bytes.push(0);
