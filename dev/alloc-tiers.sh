@@ -3,7 +3,7 @@
 # (keep alloc) against a uniform rung (keep quant) and against REAP pruning to fit (keep select
 # + keep eval --mask), then the per-token tiers (keep eval --tiers) over a τ sweep.
 # Usage: dev/alloc-tiers.sh [WORKDIR]  (KEEP=path/to/keep to skip the build; a WORKDIR that
-# already holds the calibration runs reuses them). Writes dev/evidence/alloc-tiers-bundled.json
+# already holds the calibration runs reuses them; ROWS, TAUS, CACHE narrow the sweep). Writes dev/evidence/alloc-tiers-bundled.json
 # with every number, the commands and the load averages.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,7 +34,7 @@ CACHE=${CACHE:-2M}
 echo "{\"load_start\": \"$(cat /proc/loadavg)\", \"rows\": [" > "$W/rows.json"
 first=1
 row() { if [ $first = 0 ]; then echo "," >> "$W/rows.json"; fi; first=0; cat >> "$W/rows.json"; }
-for uni in e8p2 e8p2+e81; do
+for uni in ${ROWS:-e8p2 e8p2+e81}; do
   B=$([ $uni = e8p2 ] && echo $((N * E2)) || echo $((N * E3)))
   KEEPN=$((B / LAYERS / SH))
   "$KEEP" eval --teacher "$W/teacher" --json "$W/q-$uni" > "$W/eval-uniform-$uni.json"

@@ -78,7 +78,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.plot {
         crate::util::check_out_file(p, a.force, &[])?;
     }
-    let model = match a.model {
+    let model = match a.model.clone() {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,
     };
