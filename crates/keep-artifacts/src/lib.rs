@@ -12,7 +12,9 @@
 //! and the runtime's warm start); calibration sessions ([`session`], `keep-calib-session` v1,
 //! and the summed `keep-imatrix`: written by `keep calibrate` and `keep finalize`, read by
 //! `keep finalize` and `keep eval`); `keep logits`' file ([`logits`], `keep-logits` v1); and
-//! `keep run --stats-json` ([`run_stats`], `keep-run-stats` v1); bench evidence rows
+//! `keep run --stats-json` ([`run_stats`], `keep-run-stats` v1); precision-tier allocations
+//! ([`alloc`], `keep-alloc` v1 JSON: written by `keep alloc`, read by `keep quant --alloc` and
+//! `keep eval --alloc`/`--tiers`); bench evidence rows
 //! ([`bench`], `keep-killtest` and `keep-side-by-side`: written by `keep bench kill-tests`,
 //! `repack` and `prune`, read by `keep bench summary`). [`st`] holds the typed reads
 //! the safetensors artifacts share; every one of them is written by keep-checkpoint's
@@ -24,6 +26,7 @@
 //! Depends on: keep-checkpoint (safetensors reading and writing, the atomic writer), thiserror,
 //! half (f16 gate weights), serde and serde_json (the JSON artifacts).
 
+pub mod alloc;
 pub mod bench;
 pub mod error;
 pub mod fuzzing;

@@ -66,15 +66,15 @@ pub struct EvalReport {
 }
 
 /// One teacher record: tokens and the stored teacher arrays.
-struct TeacherRecord {
-    tokens: Vec<u32>,
-    ids: Vec<i32>,
-    lps: Vec<f32>,
-    next: Vec<f32>,
-    k: usize,
+pub(crate) struct TeacherRecord {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) ids: Vec<i32>,
+    pub(crate) lps: Vec<f32>,
+    pub(crate) next: Vec<f32>,
+    pub(crate) k: usize,
 }
 
-fn load_teacher(run: &Path, pack: &Pack) -> Result<Vec<TeacherRecord>> {
+pub(crate) fn load_teacher(run: &Path, pack: &Pack) -> Result<Vec<TeacherRecord>> {
     let m = RunManifest::read(run)?;
     if m.split != Split::Eval {
         return Err(CalibError::Mismatch(format!(

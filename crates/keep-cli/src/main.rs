@@ -36,6 +36,7 @@ enum Command {
     Select(cmd::select::SelectArgs),
     Quant(cmd::quant::QuantArgs),
     Serve(cmd::serve::ServeArgs),
+    Alloc(cmd::alloc::AllocArgs),
 }
 
 fn main() {
@@ -63,6 +64,7 @@ fn main() {
         Command::Quant(a) => cmd::quant::run(a),
         Command::Select(a) => cmd::select::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Alloc(a) => cmd::alloc::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

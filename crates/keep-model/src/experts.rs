@@ -3,6 +3,16 @@
 //! mmap'd or read from an SSD slot (keep-runtime's slot cache implements this trait).
 //! [`CheckpointExperts`] is the default: views of the mmap'd checkpoint, resolved and
 //! shape-checked once at load.
+//!
+//! Precision tiers: a source may serve each expert at two rungs, its *base* (an E8P weight's
+//! codes alone) and its *upper* rung (base plus the residual stage, or any higher-precision
+//! copy the source holds). A source that does ([`ExpertSource::tiers`] returns an
+//! [`ExpertTiers`]) is asked per routed slot which rung to compute it at
+//! ([`ExpertTiers::choose`]), and the MoE layer then groups the routes by (expert, rung) and
+//! asks for both kinds of views at once ([`ExpertSource::experts_at`]). A source without tiers
+//! (the default) is used exactly as before, bit for bit. [`Tiered`] attaches a policy to any
+//! source whose views carry the residual (the checkpoint's, for evaluation); the base view of
+//! such an expert is [`ExpertWeights::base`], the same bytes with the residual ignored.
 
 use keep_checkpoint::Checkpoint;
 use keep_kernels::WeightView;
@@ -18,6 +28,86 @@ pub struct ExpertWeights<'a> {
     pub w1: WeightView<'a>,
     pub w2: WeightView<'a>,
     pub w3: WeightView<'a>,
+}
+
+impl ExpertWeights<'_> {
+    /// These weights at their base rung: each E8P view without its residual stage (other
+    /// formats have one rung and are returned as they are).
+    pub fn base(&self) -> Self {
+        ExpertWeights {
+            w1: base_view(self.w1),
+            w2: base_view(self.w2),
+            w3: base_view(self.w3),
+        }
+    }
+
+    /// Whether any of the three matrices carries an upper stage (an E8P residual).
+    pub fn has_upper(&self) -> bool {
+        [self.w1, self.w2, self.w3].iter().any(|w| {
+            matches!(
+                w.kind,
+                keep_kernels::weight::WeightKind::E8p { resid: Some(_), .. }
+            )
+        })
+    }
+}
+
+/// `w` without an E8P residual stage.
+fn base_view(w: WeightView<'_>) -> WeightView<'_> {
+    match w.kind {
+        keep_kernels::weight::WeightKind::E8p { codes, scales, .. } => WeightView {
+            rows: w.rows,
+            cols: w.cols,
+            kind: keep_kernels::weight::WeightKind::E8p {
+                codes,
+                scales,
+                resid: None,
+            },
+        },
+        _ => w,
+    }
+}
+
+/// The rung a routed slot is computed at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rung {
+    /// The expert's base stage (an E8P weight's codes without the residual).
+    Base,
+    /// The expert's upper stage (base plus residual, or the source's higher-precision copy).
+    Upper,
+}
+
+/// A tier policy's answer for one routed slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UpperChoice {
+    /// Compute this slot at the upper rung: its views are in memory now and the source will
+    /// hand them out from [`ExpertSource::experts_at`] for this layer's call.
+    Use,
+    /// Compute this slot at the base rung.
+    Base,
+    /// Compute this slot at the base rung now; the policy wants the upper stage (for example
+    /// queued for admission into a residual cache). The layer treats it exactly as `Base`.
+    BaseAndWant,
+}
+
+impl UpperChoice {
+    /// The rung the slot is computed at.
+    pub fn rung(self) -> Rung {
+        match self {
+            UpperChoice::Use => Rung::Upper,
+            UpperChoice::Base | UpperChoice::BaseAndWant => Rung::Base,
+        }
+    }
+}
+
+/// The per-slot rung policy of a tiered source (runtime: gate ≥ τ and the upper stage cached).
+pub trait ExpertTiers: Send + Sync {
+    /// The rung for routed slot (`token` row of this call, expert `expert` of `layer`, gate
+    /// weight `gate` — the weight the expert's output is multiplied by, after renormalisation
+    /// and scaling). The MoE layer calls it once for every slot of a forward's layer, in token
+    /// order then slot order, before it asks the source for any view of that layer; it never
+    /// waits on anything.
+    fn choose(&self, layer: usize, token: usize, expert: usize, gate: f32) -> UpperChoice;
 }
 
 /// A provider of routed-expert weights.
@@ -42,6 +132,60 @@ pub trait ExpertSource: Send + Sync {
     /// (at least 1). Default: no limit.
     fn max_batch(&self) -> usize {
         usize::MAX
+    }
+
+    /// The per-slot rung policy, when this source serves two rungs. Default: none (every slot
+    /// is computed from [`ExpertSource::experts`], as a source without tiers always was).
+    fn tiers(&self) -> Option<&dyn ExpertTiers> {
+        None
+    }
+
+    /// Experts of `layer` at the given rungs, one view per entry and in the same order (an
+    /// expert may appear twice, once per rung; at most [`ExpertSource::max_batch`] entries per
+    /// call; views valid until the next call into `self` for `layer`). Asked only of sources
+    /// whose [`ExpertSource::tiers`] is `Some`, with `Upper` only for experts the policy
+    /// answered [`UpperChoice::Use`] in this layer's pass. The default asks
+    /// [`ExpertSource::experts`] for the experts and strips the residual from the `Base`
+    /// entries ([`ExpertWeights::base`]): right for sources whose views carry both stages.
+    fn experts_at(&self, layer: usize, picks: &[(usize, Rung)]) -> Result<Vec<ExpertWeights<'_>>> {
+        let ids: Vec<usize> = picks.iter().map(|p| p.0).collect();
+        let full = self.experts(layer, &ids)?;
+        Ok(full
+            .into_iter()
+            .zip(picks)
+            .map(|(w, &(_, r))| match r {
+                Rung::Upper => w,
+                Rung::Base => w.base(),
+            })
+            .collect())
+    }
+}
+
+/// A source with a tier policy attached: views from `source` (which carry both stages), rungs
+/// from `tiers`. Everything else is delegated.
+pub struct Tiered<S, T> {
+    pub source: S,
+    pub tiers: T,
+}
+
+impl<S: ExpertSource, T: ExpertTiers> ExpertSource for Tiered<S, T> {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights<'_>> {
+        self.source.expert(layer, expert)
+    }
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.source.prefetch(layer, experts)
+    }
+    fn experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertWeights<'_>>> {
+        self.source.experts(layer, experts)
+    }
+    fn max_batch(&self) -> usize {
+        self.source.max_batch()
+    }
+    fn tiers(&self) -> Option<&dyn ExpertTiers> {
+        Some(&self.tiers)
+    }
+    fn experts_at(&self, layer: usize, picks: &[(usize, Rung)]) -> Result<Vec<ExpertWeights<'_>>> {
+        self.source.experts_at(layer, picks)
     }
 }
 

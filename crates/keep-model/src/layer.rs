@@ -23,12 +23,12 @@ use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
-use crate::experts::ExpertSource;
+use crate::experts::{ExpertSource, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
 use crate::linear::{lin, note_input};
 use crate::observer::{
-    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
+    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
 use crate::v4::{head_norm, index_topk, pool_step, V4Attn};
 use crate::weights::{vec_f32, weight};
@@ -1105,6 +1105,9 @@ pub fn route(
 /// up projections, one for all down projections), `act(gate, up)` between them, the observer
 /// told every expert input and output. Returns each route's output, `[t × top_k × dim]`
 /// (row i, slot s), unweighted. Every family's MoE layer runs its experts through this.
+/// With a tiered source ([`ExpertSource::tiers`]) each slot's rung is chosen first (in token
+/// then slot order), the routes are grouped by (expert, rung), base before upper, the views come
+/// from [`ExpertSource::experts_at`] and the observer is told the rungs ([`RungEvent`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn routed_experts(
     cfg: &ModelConfig,
@@ -1118,29 +1121,63 @@ pub(crate) fn routed_experts(
     obs: &mut Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<f32>> {
     let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
-    // Routed experts, grouped by expert: per expert, the (token, slot) routes to it.
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
+    // Routed experts, grouped by (expert, rung): per group, the (token, slot) routes to it.
+    // Without tiers every slot is at the base rung and the groups are the experts.
+    let tiers = experts.tiers();
+    let mut by_key: Vec<Vec<(usize, usize)>> = vec![Vec::new(); 2 * e];
+    let mut upper = vec![false; if tiers.is_some() { t * k } else { 0 }];
     for i in 0..t {
         for s in 0..k {
-            by_expert[chosen[i * k + s] as usize].push((i, s));
+            let j = chosen[i * k + s] as usize;
+            let rung = match tiers {
+                Some(p) => p.choose(l, i, j, weights[i * k + s]).rung(),
+                None => Rung::Base,
+            };
+            if rung == Rung::Upper {
+                upper[i * k + s] = true;
+            }
+            by_key[2 * j + (rung == Rung::Upper) as usize].push((i, s));
         }
     }
-    let used: Vec<usize> = (0..e).filter(|&j| !by_expert[j].is_empty()).collect();
+    if let (Some(o), Some(_)) = (obs.as_deref_mut(), tiers) {
+        o.on_rungs(&RungEvent {
+            layer: l,
+            tokens: t,
+            top_k: k,
+            experts: chosen,
+            upper: &upper,
+        });
+    }
+    let keys: Vec<(usize, Rung)> = (0..2 * e)
+        .filter(|&q| !by_key[q].is_empty())
+        .map(|q| (q / 2, if q % 2 == 1 { Rung::Upper } else { Rung::Base }))
+        .collect();
+    let key = |&(j, r): &(usize, Rung)| 2 * j + (r == Rung::Upper) as usize;
+    let mut used: Vec<usize> = keys.iter().map(|p| p.0).collect();
+    used.dedup();
     experts.prefetch(l, &used);
     let mut ys = vec![0f32; t * k * d];
     let inter = cfg.inter;
     // The experts of a chunk are multiplied together: one parallel kernel pass for all
     // their gate and up projections, one for all their down projections (a decode token's
     // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
-    for chunk in used.chunks(experts.max_batch().max(1)) {
-        let views = experts.experts(l, chunk)?;
+    for chunk_keys in keys.chunks(experts.max_batch().max(1)) {
+        let views = match tiers {
+            None => {
+                let ids: Vec<usize> = chunk_keys.iter().map(|p| p.0).collect();
+                experts.experts(l, &ids)?
+            }
+            Some(_) => experts.experts_at(l, chunk_keys)?,
+        };
+        let chunk: Vec<usize> = chunk_keys.iter().map(key).collect();
         if views.len() != chunk.len() {
             return Err(ModelError::Expert {
                 layer: l,
-                expert: chunk[0],
+                expert: chunk_keys[0].0,
                 msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
             });
         }
+        let by_expert = &by_key;
         let xins: Vec<Vec<f32>> = chunk
             .iter()
             .map(|&j| {
@@ -1153,8 +1190,8 @@ pub(crate) fn routed_experts(
             .collect();
         for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
             let m = by_expert[j].len();
-            note_input(obs, l, "ffn.experts.w1", Some(j), xin, m, ew.w1.cols);
-            note_input(obs, l, "ffn.experts.w3", Some(j), xin, m, ew.w3.cols);
+            note_input(obs, l, "ffn.experts.w1", Some(j / 2), xin, m, ew.w1.cols);
+            note_input(obs, l, "ffn.experts.w3", Some(j / 2), xin, m, ew.w3.cols);
         }
         let mut gs: Vec<Vec<f32>> = chunk
             .iter()
@@ -1183,7 +1220,7 @@ pub(crate) fn routed_experts(
             .collect();
         for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
             let m = by_expert[j].len();
-            note_input(obs, l, "ffn.experts.w2", Some(j), act, m, ew.w2.cols);
+            note_input(obs, l, "ffn.experts.w2", Some(j / 2), act, m, ew.w2.cols);
         }
         let mut outs: Vec<Vec<f32>> = chunk
             .iter()
@@ -1205,7 +1242,7 @@ pub(crate) fn routed_experts(
                     let ws: Vec<f32> = routes.iter().map(|&(i, s)| weights[i * k + s]).collect();
                     o.on_expert_output(&ExpertOutputEvent {
                         layer: l,
-                        expert: j,
+                        expert: j / 2,
                         token_rows: &rows,
                         slots: &slots,
                         weights: &ws,

@@ -52,7 +52,9 @@ pub use config::ModelConfig;
 pub use engram::{Engram, EngramRows, TableRows};
 pub use engram_hash::EngramLayout;
 pub use error::ModelError;
-pub use experts::{CheckpointExperts, ExpertSource, ExpertWeights};
+pub use experts::{
+    CheckpointExperts, ExpertSource, ExpertTiers, ExpertWeights, Rung, Tiered, UpperChoice,
+};
 pub use generate::{
     generate, Decoder, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampled, Sampler,
     SamplerConfig, TextStream,
@@ -62,7 +64,7 @@ pub use memory::{MemoryEstimate, DEFAULT_PREFILL_CHUNK};
 pub use model::{Logits, Model};
 pub use mtp::{Mtp, MtpCache};
 pub use observer::{
-    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver,
+    CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
 
 /// Result type of this crate.

@@ -84,6 +84,19 @@ pub struct KvFp8Event<'a> {
     pub after: &'a [f32],
 }
 
+/// The rung each routed slot of one layer was computed at (delivered only when the expert
+/// source has tiers, before the layer's experts run).
+#[derive(Debug)]
+pub struct RungEvent<'a> {
+    pub layer: usize,
+    pub tokens: usize,
+    pub top_k: usize,
+    /// Chosen experts `[tokens × top_k]`, in the router's order.
+    pub experts: &'a [u32],
+    /// Whether each slot `[tokens × top_k]` was computed at the upper rung.
+    pub upper: &'a [bool],
+}
+
 /// A hook the model calls during the forward. Every method has an empty default.
 pub trait RouteObserver {
     /// Whether to deliver [`ExpertOutputEvent`]s.
@@ -107,6 +120,7 @@ pub trait RouteObserver {
     fn on_expert_output(&mut self, _ev: &ExpertOutputEvent) {}
     fn on_linear_input(&mut self, _ev: &LinearInputEvent) {}
     fn on_kv_fp8(&mut self, _ev: &KvFp8Event) {}
+    fn on_rungs(&mut self, _ev: &RungEvent) {}
 }
 
 /// An observer that records routes (experts per token per layer) — used by tests and `keep`

@@ -59,6 +59,9 @@ pub enum ExpertSelection {
     /// Per layer, the experts to quantize; layers not named are quantized whole, experts of a
     /// named layer that are not listed stay as shipped.
     Only(BTreeMap<usize, BTreeSet<usize>>),
+    /// Each listed (layer, expert) at its own format (a precision-tier allocation, `keep quant
+    /// --alloc`); experts not listed stay as shipped. [`QuantOptions::format`] is unused.
+    PerExpert(BTreeMap<(usize, usize), QuantFormat>),
 }
 
 impl ExpertSelection {
@@ -78,10 +81,54 @@ impl ExpertSelection {
         ))
     }
 
-    fn wants(&self, layer: usize, expert: usize) -> bool {
+    /// The experts of a tier allocation (keep-artifacts' `alloc`): every expert at an E8P
+    /// rung gets that format, `shipped` ones stay as they are. An allocation that prunes is
+    /// refused: removing experts is `keep prune`'s (with a plan), and an allocation's pruned
+    /// counts differ per layer, which a prune plan cannot express.
+    pub fn from_alloc(a: &keep_artifacts::alloc::Alloc) -> Result<ExpertSelection> {
+        let mut m = BTreeMap::new();
+        let mut pruned = 0usize;
+        for l in &a.layers {
+            for (e, r) in l.rungs.iter().enumerate() {
+                match r.as_str() {
+                    keep_artifacts::alloc::SHIPPED => {}
+                    keep_artifacts::alloc::PRUNED => pruned += 1,
+                    q => {
+                        let f = QuantFormat::parse(q).ok_or_else(|| {
+                            QuantError::Input(format!("unknown rung `{q}` in the allocation"))
+                        })?;
+                        m.insert((l.layer, e), f);
+                    }
+                }
+            }
+        }
+        if pruned > 0 {
+            return Err(QuantError::Input(format!(
+                "the allocation prunes {pruned} experts; keep quant --alloc writes rungs, it does \
+                 not remove experts: solve it again without `pruned` (keep alloc --rungs \
+                 e8p2,e8p2+e81,e8p2+e8p2,shipped), or score it in memory (keep eval --alloc)"
+            )));
+        }
+        Ok(ExpertSelection::PerExpert(m))
+    }
+
+    /// The format expert `expert` of `layer` is coded at (`None`: left as shipped).
+    fn format_of(&self, layer: usize, expert: usize, format: QuantFormat) -> Option<QuantFormat> {
         match self {
-            ExpertSelection::All => true,
-            ExpertSelection::Only(m) => m.get(&layer).is_none_or(|s| s.contains(&expert)),
+            ExpertSelection::All => Some(format),
+            ExpertSelection::Only(m) => m
+                .get(&layer)
+                .is_none_or(|s| s.contains(&expert))
+                .then_some(format),
+            ExpertSelection::PerExpert(m) => m.get(&(layer, expert)).copied(),
+        }
+    }
+
+    /// The method label written into the checkpoint: the format, or `mixed` for an allocation.
+    fn method(&self, format: QuantFormat) -> &'static str {
+        match self {
+            ExpertSelection::PerExpert(_) => "mixed",
+            _ => format.label(),
         }
     }
 }
@@ -228,6 +275,7 @@ impl Imatrix {
 }
 
 struct Target {
+    format: QuantFormat,
     layer: usize,
     expert: usize,
     part: &'static str,
@@ -242,9 +290,9 @@ fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
     let mut out = vec![];
     for layer in 0..cfg.num_hidden_layers {
         for expert in 0..cfg.experts_in_layer(layer) {
-            if !opts.experts.wants(layer, expert) {
+            let Some(format) = opts.experts.format_of(layer, expert, opts.format) else {
                 continue;
-            }
+            };
             for part in PARTS {
                 let base = format!("layers.{layer}.ffn.experts.{expert}.{part}");
                 if !ck.contains(&format!("{base}.weight")) {
@@ -258,6 +306,7 @@ fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
                     (inter, hidden)
                 };
                 out.push(Target {
+                    format,
                     layer,
                     expert,
                     part,
@@ -378,13 +427,13 @@ pub fn quantize(
             let vals = decode_source(w, s, t.rows, t.cols)?;
             let key = format!("ffn.experts.{}.{}", t.expert, t.part);
             let h = im.get(l, &key, t.cols).expect("checked above");
-            let f = fit_matrix(&vals, t.rows, t.cols, &h, opts.format)
+            let f = fit_matrix(&vals, t.rows, t.cols, &h, t.format)
                 .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
             let mut rel = BTreeMap::new();
             let mut abs = BTreeMap::new();
             abs.insert(QuantFormat::E8p2.label().to_string(), f.errors.base);
             if let Some(e) = f.errors.full {
-                abs.insert(opts.format.label().to_string(), e);
+                abs.insert(t.format.label().to_string(), e);
             }
             for (k, v) in &abs {
                 rel.insert(k.clone(), v / f.errors.weight.max(f64::MIN_POSITIVE));
@@ -432,7 +481,7 @@ pub fn quantize(
         let (mut bits, mut n) = (0f64, 0f64);
         for t in &targets {
             let k = (t.rows * t.cols) as f64;
-            bits += opts.format.bits_per_weight(t.rows, t.cols) * k;
+            bits += t.format.bits_per_weight(t.rows, t.cols) * k;
             n += k;
         }
         if n > 0.0 {
@@ -444,7 +493,7 @@ pub fn quantize(
     let mut report = QuantReport {
         format: QUANT_FORMAT.into(),
         version: QUANT_VERSION,
-        method: opts.format.label().into(),
+        method: opts.experts.method(opts.format).into(),
         source: model.display().to_string(),
         output: out.display().to_string(),
         layers_fitted: todo.clone(),
@@ -505,7 +554,7 @@ pub fn quantize(
         }
     }
     let mut shard_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    shard_meta.insert(CONFIG_KEY.into(), opts.format.label().into());
+    shard_meta.insert(CONFIG_KEY.into(), opts.experts.method(opts.format).into());
     let mut w = CheckpointWriter::create(
         out,
         plan.iter().map(|(m, _)| m.clone()).collect(),
@@ -523,14 +572,16 @@ pub fn quantize(
         };
         w.write_tensor(&m.name, bytes)?;
     }
-    let per_tensor: BTreeMap<&String, &str> =
-        quantized.iter().map(|b| (b, opts.format.label())).collect();
+    let per_tensor: BTreeMap<&String, &str> = targets
+        .iter()
+        .map(|t| (&t.base, t.format.label()))
+        .collect();
     let raw = cfg.raw_with(&[(
         CONFIG_KEY,
         json!({
             "format": QUANT_FORMAT,
             "version": QUANT_VERSION,
-            "method": opts.format.label(),
+            "method": opts.experts.method(opts.format),
             "tensors": per_tensor,
         }),
     )]);

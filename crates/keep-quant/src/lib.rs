@@ -4,10 +4,12 @@
 //! (1 bit per weight) codebooks, structured and exact, tested against exhaustive search
 //! ([`lattice`]); imatrix-weighted fitting of one matrix with per-row scales and a nested
 //! residual stage, with the weighted reconstruction error of every rung ([`fit`]); and the
-//! quantized checkpoint `keep quant` writes ([`checkpoint`]). What it is not: the decoders
+//! quantized checkpoint `keep quant` writes ([`checkpoint`]); the precision-tier allocation
+//! `keep alloc` solves, a multiple-choice knapsack over bytes ([`alloc`]). What it is not: the decoders
 //! (keep-format's `e8p`, `e81`), the products (keep-kernels), flags or printing (keep-cli).
 //! Depends on keep-format, keep-checkpoint, keep-kernels, keep-artifacts, rayon, serde.
 
+pub mod alloc;
 pub mod checkpoint;
 pub mod error;
 pub mod fit;

@@ -1,6 +1,6 @@
 //! `keep eval`: score the model and router-masked students against a teacher run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
@@ -42,9 +42,30 @@ pub struct EvalArgs {
     /// `model --kernels fast`, KL / ΔNLL / top-1 against the teacher) and the masks run on them.
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Exact)]
     kernels: super::KernelsArg,
-    /// Draw KL against experts kept (PNG or SVG by extension).
+    /// Draw KL against experts kept (PNG or SVG by extension); with --tiers, KL against the
+    /// upper-stage bytes read per token.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Score a precision-tier allocation (ALLOC.json from `keep alloc`) in memory: each expert
+    /// at its rung from the model (shipped) or a --quant checkpoint, pruned ones masked.
+    #[arg(long, conflicts_with = "tiers")]
+    alloc: Option<PathBuf>,
+    /// Score the allocation and the runtime's per-token tiers simulated in token order, one
+    /// student per --tau (gate weight ≥ τ takes the upper stage when it is in the cache).
+    #[arg(long)]
+    tiers: Option<PathBuf>,
+    /// `keep quant` outputs holding the allocation's E8P rungs.
+    #[arg(long, num_args = 1..)]
+    quant: Vec<PathBuf>,
+    /// Gate thresholds for --tiers, comma-separated (e.g. 0.2,0.4,0.6).
+    #[arg(long, value_delimiter = ',')]
+    tau: Vec<f64>,
+    /// Bytes of the residual cache for --tiers (e.g. 2M).
+    #[arg(long, value_parser = crate::util::parse_bytes, default_value = "0")]
+    residual_cache: u64,
+    /// Tokens between an upper stage's admission and its first use (--tiers).
+    #[arg(long, default_value_t = keep_calib::tiers::DEFAULT_ADMIT_DELAY)]
+    admit_delay: u64,
     /// Replace an existing --plot file.
     #[arg(long)]
     force: bool,
@@ -57,7 +78,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.plot {
         crate::util::check_out_file(p, a.force, &[])?;
     }
-    let model = match a.model {
+    let model = match a.model.clone() {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,
     };
@@ -67,6 +88,9 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     };
     let pack =
         Pack::open(&pack_dir).with_context(|| format!("reading pack {}", pack_dir.display()))?;
+    if let Some(alloc) = a.alloc.as_ref().or(a.tiers.as_ref()) {
+        return run_tiers(&a, &model, &pack, alloc);
+    }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("eval [{bar:30}] {pos}/{len} records ETA {eta}")
@@ -121,6 +145,74 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     }
     if let Some(e) = &r.engram {
         println!("{}", super::calibrate::engram_line(e));
+    }
+    Ok(())
+}
+
+fn run_tiers(a: &EvalArgs, model: &Path, pack: &Pack, alloc: &Path) -> anyhow::Result<()> {
+    if a.tiers.is_some() && a.tau.is_empty() {
+        anyhow::bail!("--tiers needs at least one --tau");
+    }
+    let opts = keep_calib::tiers::TierOptions {
+        taus: if a.tiers.is_some() {
+            a.tau.clone()
+        } else {
+            vec![]
+        },
+        cache_bytes: a.residual_cache,
+        admit_delay: a.admit_delay,
+    };
+    let bar = crate::util::count_bar(0, "eval");
+    let r = keep_calib::tiers::eval_tiers(
+        model,
+        alloc,
+        &a.quant,
+        &a.teacher,
+        pack,
+        &opts,
+        &mut |d, t| {
+            bar.set_length(t as u64);
+            bar.set_position(d as u64);
+        },
+    )
+    .with_context(|| {
+        format!(
+            "scoring {} against {}",
+            alloc.display(),
+            a.teacher.display()
+        )
+    })?;
+    bar.finish_and_clear();
+    if let Some(p) = &a.plot {
+        keep_calib::tiers::plot_tiers(&r, p)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    println!(
+        "allocation {} ({} records; rungs {:?})",
+        r.alloc, r.records, r.rung_mix
+    );
+    println!(
+        "{:<16} {:>10} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10}",
+        "student", "KL", "ΔNLL", "top-1", "base", "upper", "hits", "misses", "admits", "B/token"
+    );
+    for s in &r.students {
+        let m = s.mix.clone().unwrap_or_default();
+        println!(
+            "{:<16} {:>10.5} {:>+10.4} {:>7.2}% {:>9} {:>9} {:>7} {:>7} {:>7} {:>10.0}",
+            s.label,
+            s.mean_kl,
+            s.mean_dnll,
+            s.top1 * 100.0,
+            m.slots_base,
+            m.slots_upper,
+            m.hits,
+            m.misses,
+            m.admissions,
+            m.bytes_read_per_token
+        );
     }
     Ok(())
 }

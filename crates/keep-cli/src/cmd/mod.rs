@@ -1,5 +1,6 @@
 //! One module per verb; each exposes `XArgs` (clap) and `run(XArgs) -> anyhow::Result<()>`.
 
+pub mod alloc;
 pub mod bench;
 pub mod calibrate;
 pub mod eval;

@@ -41,6 +41,11 @@ pub struct QuantArgs {
     /// are quantized, the rest stay as shipped.
     #[arg(long, default_value = "all")]
     experts: String,
+    /// A precision-tier allocation (ALLOC.json from `keep alloc`): each expert at its own
+    /// rung, `shipped` ones copied; --format and --experts are then ignored. An allocation
+    /// that prunes is refused (solve it without `pruned`).
+    #[arg(long)]
+    alloc: Option<PathBuf>,
     /// Do only the layers L with L % N = I (0 ≤ I < N); the last shard to finish joins.
     #[arg(long, value_parser = parse_shard, default_value = "0/1")]
     shard: (usize, usize),
@@ -76,7 +81,19 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
     let out = a.out;
     crate::util::check_out_of_cache(&out)?;
     keep_checkpoint::writer::check_dir_target(&out, a.force, &[model.clone(), a.imatrix.clone()])?;
-    let experts = if a.experts == "all" {
+    let experts = if let Some(p) = &a.alloc {
+        let al = keep_artifacts::alloc::Alloc::read(p)?;
+        let fp = keep_checkpoint::fingerprint::model_fingerprint(&model)?;
+        if al.model_fingerprint != fp {
+            anyhow::bail!(
+                "{}: the allocation is for another model (fingerprint {}, {} has {fp})",
+                p.display(),
+                al.model_fingerprint,
+                model.display()
+            );
+        }
+        ExpertSelection::from_alloc(&al)?
+    } else if a.experts == "all" {
         ExpertSelection::All
     } else {
         ExpertSelection::from_plan(std::path::Path::new(&a.experts))?

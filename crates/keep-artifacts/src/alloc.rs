@@ -1,0 +1,256 @@
+//! Precision-tier allocations: which rung every routed expert is stored at under a byte budget.
+//! Written by `keep alloc`, read by `keep quant --alloc` (the checkpoint it describes), `keep
+//! eval --alloc` / `--tiers` and the runtime's tiers.
+//!
+//! JSON, `format` = `keep-alloc`, `version` = 1:
+//! ```json
+//! {"format": "keep-alloc", "version": 1,
+//!  "model": "/path/to/model", "model_fingerprint": "…",
+//!  "budget_bytes": 123456789, "bytes": 123400000,
+//!  "rungs": [{"label": "pruned", "bytes_per_expert": 0},
+//!            {"label": "e8p2", "bytes_per_expert": 24576}, …],
+//!  "solver": "exact-mckp", "grain_bytes": 4096,
+//!  "predicted_loss": 0.0123, "saliency": "reap",
+//!  "layers": [{"layer": 0, "rungs": ["e8p2", "shipped", "pruned", …]}, …]}
+//! ```
+//! Rung labels are [`PRUNED`], `e8p2`, `e8p2+e81`, `e8p2+e8p2` (keep quant's method labels)
+//! and [`SHIPPED`] (the expert as the model stores it). `bytes_per_expert` is one expert's
+//! three projections at that rung, codes and scales included, from the model's real tensor
+//! shapes; `bytes` is the sum over the allocation (at most `budget_bytes`); `predicted_loss` is
+//! the solver's objective (Σ saliency × relative error of the chosen rung). `layers[i].rungs`
+//! has one label per expert of that layer, each one of `rungs`' labels. Any other top-level
+//! field is kept in [`Alloc::extra`]. [`Alloc::write`] validates and writes atomically.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ArtifactError, Result};
+
+/// The rung of an expert that is removed.
+pub const PRUNED: &str = "pruned";
+/// The rung of an expert kept as the model stores it.
+pub const SHIPPED: &str = "shipped";
+/// The rung labels a file may use.
+pub const LABELS: [&str; 5] = [PRUNED, "e8p2", "e8p2+e81", "e8p2+e8p2", SHIPPED];
+
+/// One rung and what one expert costs at it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RungBytes {
+    pub label: String,
+    pub bytes_per_expert: u64,
+}
+
+/// One layer's rungs, one label per expert.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerAlloc {
+    pub layer: usize,
+    pub rungs: Vec<String>,
+}
+
+/// An allocation (see the module doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Alloc {
+    pub format: String,
+    pub version: u32,
+    pub model: String,
+    pub model_fingerprint: String,
+    pub budget_bytes: u64,
+    pub bytes: u64,
+    pub rungs: Vec<RungBytes>,
+    pub solver: String,
+    pub grain_bytes: u64,
+    pub predicted_loss: f64,
+    pub saliency: String,
+    pub layers: Vec<LayerAlloc>,
+    #[serde(default, flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl Alloc {
+    /// The format tag.
+    pub const FORMAT: &'static str = "keep-alloc";
+    /// The version this crate reads and writes.
+    pub const VERSION: u32 = 1;
+
+    /// Read and validate an allocation file (a regular file of at most
+    /// [`keep_checkpoint::small_file::MAX_SMALL_FILE`] bytes).
+    pub fn read(path: &Path) -> Result<Alloc> {
+        let text = keep_checkpoint::small_file::read_text(
+            path,
+            keep_checkpoint::small_file::MAX_SMALL_FILE,
+        )?;
+        Self::parse(path, &text)
+    }
+
+    /// Parse and validate the text of an allocation; `path` only names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Alloc> {
+        let a: Alloc = serde_json::from_str(text)
+            .map_err(|e| ArtifactError::invalid(path, format!("not an allocation: {e}")))?;
+        a.validate().map_err(|e| ArtifactError::invalid(path, e))?;
+        Ok(a)
+    }
+
+    /// Validate and write atomically (temporary sibling, fsync, rename); an existing `path` is
+    /// refused unless `force`, a non-regular one always. Pretty JSON, no trailing newline.
+    pub fn write(&self, path: &Path, force: bool) -> Result<()> {
+        self.validate()
+            .map_err(|e| ArtifactError::Config(format!("invalid allocation: {e}")))?;
+        let bytes = serde_json::to_vec_pretty(self)
+            .map_err(|e| ArtifactError::Config(format!("allocation: {e}")))?;
+        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
+    }
+
+    /// Check the format tag, the rung labels, the layers (ascending, unique) and the byte sum.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.format != Self::FORMAT || self.version != Self::VERSION {
+            return Err(format!(
+                "format `{}` version {} is not {} version {}",
+                self.format,
+                self.version,
+                Self::FORMAT,
+                Self::VERSION
+            ));
+        }
+        let mut costs = BTreeMap::new();
+        for r in &self.rungs {
+            if !LABELS.contains(&r.label.as_str()) {
+                return Err(format!(
+                    "unknown rung `{}` (known: {})",
+                    r.label,
+                    LABELS.join(", ")
+                ));
+            }
+            if costs.insert(r.label.as_str(), r.bytes_per_expert).is_some() {
+                return Err(format!("rung `{}` listed twice", r.label));
+            }
+        }
+        if !self.predicted_loss.is_finite() || self.predicted_loss < 0.0 {
+            return Err(format!("predicted_loss {} is not ≥ 0", self.predicted_loss));
+        }
+        let mut total = 0u64;
+        let mut last: Option<usize> = None;
+        for l in &self.layers {
+            if last.is_some_and(|p| p >= l.layer) {
+                return Err(format!("layer {} is out of order or repeated", l.layer));
+            }
+            last = Some(l.layer);
+            if l.rungs.len() > keep_checkpoint::config::MAX_EXPERTS {
+                return Err(format!("layer {} lists {} experts", l.layer, l.rungs.len()));
+            }
+            for (e, r) in l.rungs.iter().enumerate() {
+                let c = costs.get(r.as_str()).ok_or_else(|| {
+                    format!(
+                        "layer {} expert {e}: rung `{r}` is not among the file's rungs",
+                        l.layer
+                    )
+                })?;
+                total = total.saturating_add(*c);
+            }
+        }
+        if total != self.bytes {
+            return Err(format!(
+                "the experts' rungs add up to {total} bytes, the file says {}",
+                self.bytes
+            ));
+        }
+        if self.bytes > self.budget_bytes {
+            return Err(format!(
+                "{} bytes is over the budget of {} bytes",
+                self.bytes, self.budget_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rung label of expert `expert` of `layer` (`None` for a layer or expert the file
+    /// does not list).
+    pub fn rung(&self, layer: usize, expert: usize) -> Option<&str> {
+        self.layers
+            .iter()
+            .find(|l| l.layer == layer)
+            .and_then(|l| l.rungs.get(expert))
+            .map(String::as_str)
+    }
+
+    /// Experts per rung label over the whole allocation.
+    pub fn mix(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for l in &self.layers {
+            for r in &l.rungs {
+                *m.entry(r.clone()).or_default() += 1;
+            }
+        }
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Alloc {
+        Alloc {
+            format: Alloc::FORMAT.into(),
+            version: Alloc::VERSION,
+            model: "m".into(),
+            model_fingerprint: "fp".into(),
+            budget_bytes: 100,
+            bytes: 40,
+            rungs: vec![
+                RungBytes {
+                    label: PRUNED.into(),
+                    bytes_per_expert: 0,
+                },
+                RungBytes {
+                    label: "e8p2".into(),
+                    bytes_per_expert: 10,
+                },
+                RungBytes {
+                    label: SHIPPED.into(),
+                    bytes_per_expert: 30,
+                },
+            ],
+            solver: "exact-mckp".into(),
+            grain_bytes: 1,
+            predicted_loss: 0.5,
+            saliency: "reap".into(),
+            layers: vec![LayerAlloc {
+                layer: 0,
+                rungs: vec!["e8p2".into(), PRUNED.into(), SHIPPED.into()],
+            }],
+            extra: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.json");
+        let a = sample();
+        a.write(&p, false).unwrap();
+        assert_eq!(Alloc::read(&p).unwrap(), a);
+        assert!(a.write(&p, false).is_err(), "existing output refused");
+        a.write(&p, true).unwrap();
+        assert_eq!(a.rung(0, 2), Some(SHIPPED));
+        assert_eq!(a.mix()["e8p2"], 1);
+
+        let mut bad = a.clone();
+        bad.bytes = 41;
+        assert!(bad.validate().unwrap_err().contains("add up to 40"));
+        let mut bad = a.clone();
+        bad.budget_bytes = 39;
+        assert!(bad.validate().unwrap_err().contains("over the budget"));
+        let mut bad = a.clone();
+        bad.layers[0].rungs[0] = "e8p2+e81".into();
+        assert!(bad.validate().unwrap_err().contains("not among"));
+        let mut bad = a.clone();
+        bad.rungs[0].label = "fp3".into();
+        assert!(bad.validate().unwrap_err().contains("unknown rung"));
+        let text = String::from_utf8(serde_json::to_vec(&a).unwrap())
+            .unwrap()
+            .replace("keep-alloc", "keep-prune-plan");
+        assert!(Alloc::parse(&p, &text).is_err());
+    }
+}
