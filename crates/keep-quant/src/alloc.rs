@@ -69,7 +69,12 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-fn evaluate(costs: &[u64], losses: &[Vec<Option<f64>>], choice: Vec<usize>, grain: u64) -> Solution {
+fn evaluate(
+    costs: &[u64],
+    losses: &[Vec<Option<f64>>],
+    choice: Vec<usize>,
+    grain: u64,
+) -> Solution {
     let bytes = choice.iter().map(|&r| costs[r]).sum();
     let loss = choice
         .iter()
@@ -97,7 +102,9 @@ fn check_problem(costs: &[u64], losses: &[Vec<Option<f64>>]) -> Result<()> {
             return Err(QuantError::Input(format!("item {i} has no available rung")));
         }
         if l.iter().flatten().any(|v| !v.is_finite() || *v < 0.0) {
-            return Err(QuantError::Input(format!("item {i} has a loss that is not ≥ 0")));
+            return Err(QuantError::Input(format!(
+                "item {i} has a loss that is not ≥ 0"
+            )));
         }
     }
     Ok(())
@@ -136,7 +143,9 @@ pub fn solve_exact(
     let need = |g: u64| n.max(1).saturating_mul(budget / g + 1);
     if need(g) > MAX_DP_CELLS {
         // the smallest multiple of the exact grain that fits the table
-        let min_g = (n.max(1).saturating_mul(budget)).div_ceil(MAX_DP_CELLS - n.max(1)).max(1);
+        let min_g = (n.max(1).saturating_mul(budget))
+            .div_ceil(MAX_DP_CELLS - n.max(1))
+            .max(1);
         g = min_g.div_ceil(g0) * g0;
         while need(g) > MAX_DP_CELLS {
             g += g0;
@@ -562,7 +571,11 @@ mod tests {
                 Some(w) => {
                     let e = exact.unwrap();
                     assert!(e.bytes <= budget, "case {case}");
-                    assert!((e.loss - w).abs() <= SUM_TOL, "case {case}: {} vs {w}", e.loss);
+                    assert!(
+                        (e.loss - w).abs() <= SUM_TOL,
+                        "case {case}: {} vs {w}",
+                        e.loss
+                    );
                     let g = greedy.unwrap();
                     assert!(g.bytes <= budget, "case {case}");
                     assert!(g.loss >= w - SUM_TOL, "case {case}");

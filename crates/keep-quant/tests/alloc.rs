@@ -24,11 +24,7 @@ const CODED: usize = 4;
 fn reap_run(dir: &Path) -> std::path::PathBuf {
     let ck = Checkpoint::open(&bundled()).unwrap();
     let cfg = ck.require_config().unwrap();
-    let (nl, ne, d) = (
-        cfg.num_hidden_layers,
-        cfg.n_routed_experts,
-        cfg.hidden_size,
-    );
+    let (nl, ne, d) = (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.hidden_size);
     let mut layers = vec![];
     let mut scores = vec![];
     for l in 0..nl {
@@ -61,7 +57,8 @@ fn reap_run(dir: &Path) -> std::path::PathBuf {
     };
     let run = dir.join("run");
     std::fs::create_dir_all(&run).unwrap();
-    s.write(&run.join(keep_artifacts::reap::FILE), false).unwrap();
+    s.write(&run.join(keep_artifacts::reap::FILE), false)
+        .unwrap();
     run
 }
 
@@ -155,7 +152,10 @@ fn allocation_fits_and_quant_writes_its_rungs() {
             }
         }
     }
-    assert_eq!(stored, a.bytes, "the allocation's bytes are the checkpoint's expert bytes");
+    assert_eq!(
+        stored, a.bytes,
+        "the allocation's bytes are the checkpoint's expert bytes"
+    );
 
     // with pruning allowed and a budget below every coded rung, experts are pruned, and
     // keep quant --alloc refuses the allocation

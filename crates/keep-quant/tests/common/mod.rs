@@ -50,4 +50,3 @@ pub fn imatrix(dir: &Path) -> PathBuf {
     w.finish().unwrap();
     out.join("model.safetensors")
 }
-
