@@ -123,8 +123,42 @@ pub struct CacheCounters {
     pub io_busy_secs: f64,
     pub misses: u64,
     pub read_gbps: f64,
+    /// Precision tiers (`None`: the run had no `--tiers`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<TierCounters>,
     pub wait_secs: f64,
     pub warm_bytes: u64,
+}
+
+/// Precision tiers over one phase: routed slots per rung and the residual cache's traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TierCounters {
+    /// Residual reads issued.
+    pub admissions: u64,
+    /// Routed slots with gate weight ≥ τ.
+    pub above_tau: u64,
+    /// Routed slots computed at the base rung.
+    pub base: u64,
+    /// Residual bytes read.
+    pub bytes_read: u64,
+    /// Bytes of the residual cache (inside the budget).
+    pub cache_bytes: u64,
+    pub evictions: u64,
+    /// Residual reads that failed (their slots stayed at the base rung).
+    pub failed: u64,
+    /// Wanted-upper slots whose stage was already being read.
+    pub in_flight: u64,
+    /// Wanted-upper slots not admitted for lack of room.
+    pub no_room: u64,
+    pub tau: f32,
+    /// Routed slots computed at the upper rung.
+    pub upper: u64,
+    /// `upper / (upper + upper_misses)`.
+    pub upper_hit_rate: f64,
+    /// Slots with gate ≥ τ whose expert has an upper stage not in memory (served at base).
+    pub upper_misses: u64,
+    /// Seconds a forward waited for a residual read (none ever does).
+    pub wait_secs: f64,
 }
 
 /// Next-layer guesses (all zero unless the run prefetched the next layer).
@@ -221,6 +255,7 @@ mod tests {
 
     fn cache(k: u64) -> CacheCounters {
         CacheCounters {
+            tiers: None,
             bytes_read: 4096 * k,
             experts_read: k,
             guess: GuessCounters {

@@ -7,7 +7,8 @@
 //! policies, so a prediction is about what `keep run --memory-budget` does) —, a single-threaded replay loop over flat per-layer
 //! arrays ([`sim`]), a bytes and tokens/s cost model ([`cost`]), the report with its verdict
 //! per hot-set size ([`report`]), its plot ([`plot`]), and synthetic traces with temporal
-//! locality for tests and demos ([`synth`]).
+//! locality for tests and demos ([`synth`]), and precision tiers (base rungs in the hot set,
+//! upper stages in a residual LRU cache admitted without waiting: [`tiers`]).
 //!
 //! What it is not: it never runs the model or reads weights (only tensor byte sizes, through
 //! keep-checkpoint); it never prints; it never panics on input — every problem is a typed
@@ -24,6 +25,7 @@ pub mod policy;
 pub mod report;
 pub mod sim;
 pub mod synth;
+pub mod tiers;
 
 pub use error::ResidencyError;
 pub use policy::PolicyKind;

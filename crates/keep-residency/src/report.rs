@@ -144,6 +144,9 @@ pub struct Report {
     pub verdict_rule: String,
     pub replay: ReplaySpeed,
     pub notes: Vec<String>,
+    /// Precision tiers replayed beside the slots ([`crate::tiers::attach`]); absent without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<crate::tiers::TierReport>,
 }
 
 /// Read `reap.{layer}.score` (F64 `[n_experts]`) for every recorded layer from
@@ -485,6 +488,7 @@ pub fn simulate(trace: &RouteTrace, opts: &Options) -> Result<Report> {
                 .into(),
         },
         notes,
+        tiers: None,
     })
 }
 

@@ -38,12 +38,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use keep_model::{ExpertSource, ExpertWeights, ModelError};
+use keep_model::{ExpertSource, ExpertTiers, ExpertWeights, ModelError, Rung, UpperChoice};
 
 use crate::aligned::AlignedBuf;
 use crate::io::IoPool;
 use keep_residency::policy::{SlotPolicy, Start, Stream};
 use keep_residency::sim::order_by;
+use keep_residency::tiers::{Admit, Entry, ResidualLru};
 
 use crate::policy::Policy;
 use crate::store::ExpertStore;
@@ -138,6 +139,87 @@ struct Inner {
     warm_bytes: AtomicU64,
     /// A guess of the next layer's experts, issued after the current layer's own reads.
     next_guess: Mutex<Option<(usize, Vec<usize>)>>,
+    /// Precision tiers (`None`: every slot at the store's one rung).
+    tiers: Option<Tiers>,
+}
+
+/// One residual stage's buffer: written only by its read job while the entry is loading, read
+/// only through views handed out while it is ready and held (see [`Tiers`]).
+struct UpperBuf(UnsafeCell<AlignedBuf>);
+
+// SAFETY: as for `SlotBuf`: a loading entry has one writer (its read job) and no views; a ready
+// one has no writer; an entry is freed only when ready and not held.
+unsafe impl Sync for UpperBuf {}
+unsafe impl Send for UpperBuf {}
+
+/// Precision tiers: per routed slot, the upper stage if it is in memory, else the base now and
+/// the stage read in the background (never waited for) into an LRU residual cache of a fixed
+/// number of bytes (keep-residency's [`ResidualLru`], the simulator's own admission rule).
+///
+/// Keys are `layer · n_experts + expert`. An entry answered [`UpperChoice::Use`] in a layer's
+/// pass is *held* until that layer's next pass begins (its views stay valid until the next call
+/// for the layer, as slots' do); held and loading entries are never evicted.
+struct Tiers {
+    tau: f32,
+    n_experts: usize,
+    st: Mutex<TierState>,
+}
+
+#[derive(Default)]
+struct TierState {
+    lru: ResidualLru,
+    bufs: std::collections::HashMap<u64, Arc<UpperBuf>>,
+    /// Keys answered `Use` in the pass of each layer being chosen now.
+    current: Vec<Vec<u64>>,
+    /// Keys handed out in each layer's previous pass.
+    held: Vec<Vec<u64>>,
+    stats: TierStats,
+}
+
+/// What the precision tiers did (zero without tiers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TierStats {
+    /// Routed slots computed at the upper rung (stage in memory).
+    pub upper: u64,
+    /// Routed slots computed at the base rung.
+    pub base: u64,
+    /// Of `base`: slots with gate ≥ τ whose expert has an upper stage not in memory.
+    pub upper_misses: u64,
+    /// Of `upper_misses`: the stage's read was already in flight.
+    pub in_flight: u64,
+    /// Residual reads issued (admissions).
+    pub admissions: u64,
+    /// Entries evicted to make room.
+    pub evictions: u64,
+    /// Misses not admitted: every entry that could go was loading or held.
+    pub no_room: u64,
+    /// Residual reads that failed (the entry is dropped; its slots stay at the base rung).
+    pub failed: u64,
+    /// Slots with gate ≥ τ.
+    pub above_tau: u64,
+    /// Residual bytes read (aligned reads).
+    pub bytes_read: u64,
+    /// Residual reads finished.
+    pub reads_done: u64,
+    /// Seconds a forward waited for a residual read: none ever does (the rule this cache
+    /// implements); kept as a counter so that the report states it.
+    pub wait_secs: f64,
+    /// Bytes of the residual cache and of the entries in it now.
+    pub cache_bytes: u64,
+    pub cached_bytes: u64,
+    pub tau: f32,
+}
+
+impl TierStats {
+    /// `upper / (upper + upper_misses)` (1 when no slot wanted its upper stage).
+    pub fn upper_hit_rate(&self) -> f64 {
+        let n = self.upper + self.upper_misses;
+        if n == 0 {
+            1.0
+        } else {
+            self.upper as f64 / n as f64
+        }
+    }
 }
 
 /// Hits and misses of one layer.
@@ -179,6 +261,8 @@ pub struct CacheStats {
     /// Hits and misses of the hash-routed layers (part of `hits` / `misses`).
     pub hash_hits: u64,
     pub hash_misses: u64,
+    /// Precision tiers' counters (`None` without tiers).
+    pub tiers: Option<TierStats>,
 }
 
 impl CacheStats {
@@ -238,6 +322,9 @@ fn start_policy(
 pub struct SlotCache {
     inner: Arc<Inner>,
     pool: IoPool,
+    /// The residual stages' reader threads (apart from the slots', so that a background
+    /// residual read never queues ahead of a read a forward waits for).
+    upper_pool: Option<IoPool>,
 }
 
 fn poisoned<T>(_: T) -> ModelError {
@@ -341,6 +428,19 @@ impl SlotCache {
         policy: Policy,
         io_threads: usize,
     ) -> Result<SlotCache> {
+        Self::with_tiers(store, slots, policy, io_threads, None)
+    }
+
+    /// [`Self::new`] with precision tiers: `tiers` = (τ, residual cache bytes, residual reader
+    /// threads). The store should be [`ExpertStore::open_tiered`] (experts without a residual
+    /// stage there are always at their one rung).
+    pub fn with_tiers(
+        store: ExpertStore,
+        slots: usize,
+        policy: Policy,
+        io_threads: usize,
+        tiers: Option<(f32, u64, usize)>,
+    ) -> Result<SlotCache> {
         let (n_layers, n_experts) = (store.n_layers(), store.n_experts());
         if n_experts > u16::MAX as usize + 1 {
             return Err(RuntimeError::Invalid(format!(
@@ -387,6 +487,31 @@ impl SlotCache {
         }
         let pool = IoPool::new(io_threads)
             .map_err(|e| RuntimeError::Invalid(format!("starting the I/O threads: {e}")))?;
+        let (tier_state, upper_pool) = match tiers {
+            None => (None, None),
+            Some((tau, bytes, threads)) => {
+                if tau.is_nan() {
+                    return Err(RuntimeError::Invalid("τ is not a number".into()));
+                }
+                let p = IoPool::new(threads).map_err(|e| {
+                    RuntimeError::Invalid(format!("starting the residual I/O threads: {e}"))
+                })?;
+                let st = TierState {
+                    lru: ResidualLru::new(bytes),
+                    current: vec![vec![]; n_layers],
+                    held: vec![vec![]; n_layers],
+                    ..TierState::default()
+                };
+                (
+                    Some(Tiers {
+                        tau,
+                        n_experts,
+                        st: Mutex::new(st),
+                    }),
+                    Some(p),
+                )
+            }
+        };
         Ok(SlotCache {
             inner: Arc::new(Inner {
                 store,
@@ -397,8 +522,10 @@ impl SlotCache {
                 experts_read: AtomicU64::new(0),
                 warm_bytes: AtomicU64::new(0),
                 next_guess: Mutex::new(None),
+                tiers: tier_state,
             }),
             pool,
+            upper_pool,
         })
     }
 
@@ -497,11 +624,29 @@ impl SlotCache {
                 });
             }
         }
+        s.tiers = self.tier_stats();
         s
+    }
+
+    /// The precision tiers' counters (`None` without tiers).
+    pub fn tier_stats(&self) -> Option<TierStats> {
+        let t = self.inner.tiers.as_ref()?;
+        let st = t.st.lock().ok()?;
+        Some(TierStats {
+            cache_bytes: st.lru.capacity(),
+            cached_bytes: st.lru.used(),
+            tau: t.tau,
+            ..st.stats
+        })
     }
 
     /// Zero the counters (the slots keep their experts), e.g. between prefill and decode.
     pub fn reset_stats(&self) {
+        if let Some(t) = &self.inner.tiers {
+            if let Ok(mut st) = t.st.lock() {
+                st.stats = TierStats::default();
+            }
+        }
         self.inner.bytes_read.store(0, Ordering::Relaxed);
         self.inner.experts_read.store(0, Ordering::Relaxed);
         if let Ok(mut c) = self.inner.clock.lock() {
@@ -666,6 +811,25 @@ impl SlotCache {
         l: usize,
         es: &[usize],
     ) -> std::result::Result<Vec<ExpertWeights<'_>>, ModelError> {
+        let picks: Vec<(usize, Rung)> = es.iter().map(|&e| (e, Rung::Base)).collect();
+        self.expert_views_at(l, &picks)
+    }
+
+    /// Views of `picks` of layer `l` at their rungs (an expert may come twice, once per rung),
+    /// all valid together until the next call for `l`. A base view is the slot's; an upper view
+    /// is the slot's base with the residual stage of the residual cache, which the tier policy
+    /// answered `Use` for in this pass (so it is in memory and held: never waited for).
+    pub(crate) fn expert_views_at(
+        &self,
+        l: usize,
+        picks: &[(usize, Rung)],
+    ) -> std::result::Result<Vec<ExpertWeights<'_>>, ModelError> {
+        let mut es: Vec<usize> = vec![];
+        for &(e, _) in picks {
+            if !es.contains(&e) {
+                es.push(e);
+            }
+        }
         let layer = self.layer(l)?;
         let mut st = layer.st.lock().map_err(poisoned)?;
         st.held.iter_mut().for_each(|h| *h = false);
@@ -681,7 +845,7 @@ impl SlotCache {
             });
         }
         let mut slots = Vec::with_capacity(es.len());
-        for &e in es {
+        for &e in &es {
             let (g, s) = self.acquire(layer, l, st, e)?;
             st = g;
             st.held[s] = true;
@@ -690,24 +854,176 @@ impl SlotCache {
         // Keep the disk busy: read queued experts into slots already served in this pass.
         self.inner.issue(&self.pool, l, &mut st);
         drop(st);
-        slots
+        let upper: Vec<Option<Arc<UpperBuf>>> = picks
             .iter()
-            .zip(es)
-            .map(|(&s, &e)| {
+            .map(|&(e, r)| match r {
+                Rung::Base => Ok(None),
+                Rung::Upper => self.held_upper(l, e).map(Some),
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        picks
+            .iter()
+            .zip(upper)
+            .map(|(&(e, _), up)| {
+                let s = slots[es.iter().position(|&x| x == e).unwrap_or(0)];
                 // SAFETY: slot `s` is `Ready` (no writer) and `held`: `find_slot` never hands it
                 // to a new read before the next call for this layer, by which time the caller
                 // has dropped these views (module doc, "Validity of views").
                 let bytes = unsafe { (*layer.bufs[s].0.get()).as_slice() };
-                self.inner
-                    .store
-                    .views(l, e, bytes)
-                    .map_err(|x| ModelError::Expert {
-                        layer: l,
-                        expert: e,
-                        msg: x.to_string(),
-                    })
+                let v = match up {
+                    None => self.inner.store.views(l, e, bytes),
+                    Some(buf) => {
+                        // SAFETY: the entry is ready (its read job is done: no writer) and held
+                        // for this layer's pass, so it is not evicted (and its buffer, also kept
+                        // by the cache's map, not freed) before the next call for this layer.
+                        let ub: &[u8] = unsafe { (*buf.0.get()).as_slice() };
+                        let ub: &[u8] =
+                            unsafe { std::slice::from_raw_parts(ub.as_ptr(), ub.len()) };
+                        self.inner.store.views_upper(l, e, bytes, ub)
+                    }
+                };
+                v.map_err(|x| ModelError::Expert {
+                    layer: l,
+                    expert: e,
+                    msg: x.to_string(),
+                })
             })
             .collect()
+    }
+
+    /// The residual buffer of expert `e` of layer `l`, which this layer's pass chose `Use` for.
+    fn held_upper(&self, l: usize, e: usize) -> std::result::Result<Arc<UpperBuf>, ModelError> {
+        let err = |msg: &str| ModelError::Expert {
+            layer: l,
+            expert: e,
+            msg: msg.to_string(),
+        };
+        let t = self
+            .inner
+            .tiers
+            .as_ref()
+            .ok_or_else(|| err("the upper rung was asked for, but this cache has no tiers"))?;
+        let key = (l * t.n_experts + e) as u64;
+        let st = t.st.lock().map_err(poisoned)?;
+        let held = st.held.get(l).is_some_and(|h| h.contains(&key));
+        match (held, st.lru.state(key), st.bufs.get(&key)) {
+            (true, Entry::Ready, Some(b)) => Ok(b.clone()),
+            _ => Err(err(
+                "the upper rung was asked for without the tier policy answering Use in this pass",
+            )),
+        }
+    }
+
+    /// A layer's pass begins its view requests: the entries chosen `Use` for it become the held
+    /// ones (see [`Tiers`]). Called once per pass, after every slot's choice.
+    pub(crate) fn tiers_pass(&self, l: usize) {
+        let Some(t) = &self.inner.tiers else { return };
+        let Ok(mut st) = t.st.lock() else { return };
+        if l < st.current.len() {
+            let cur = std::mem::take(&mut st.current[l]);
+            st.held[l] = cur;
+        }
+    }
+
+    /// The tier policy's answer for one routed slot (see [`Tiers`]): never waits.
+    pub(crate) fn choose(&self, l: usize, expert: usize, gate: f32) -> UpperChoice {
+        let Some(t) = &self.inner.tiers else {
+            return UpperChoice::Base;
+        };
+        let Ok(mut st) = t.st.lock() else {
+            return UpperChoice::Base;
+        };
+        let above = gate >= t.tau;
+        if above {
+            st.stats.above_tau += 1;
+        }
+        let ub = self.inner.store.upper_bytes(l, expert);
+        let (Some(ub), true) = (ub, above) else {
+            st.stats.base += 1;
+            return UpperChoice::Base;
+        };
+        let key = (l * t.n_experts + expert) as u64;
+        match st.lru.state(key) {
+            Entry::Ready => {
+                st.stats.upper += 1;
+                st.lru.touch(key);
+                if let Some(c) = st.current.get_mut(l) {
+                    if !c.contains(&key) {
+                        c.push(key);
+                    }
+                }
+                UpperChoice::Use
+            }
+            Entry::Loading => {
+                st.stats.base += 1;
+                st.stats.upper_misses += 1;
+                st.stats.in_flight += 1;
+                UpperChoice::BaseAndWant
+            }
+            Entry::Absent => {
+                st.stats.base += 1;
+                st.stats.upper_misses += 1;
+                let busy: Vec<u64> = st
+                    .current
+                    .iter()
+                    .chain(st.held.iter())
+                    .flatten()
+                    .copied()
+                    .collect();
+                match st.lru.admit(key, ub, &|k| busy.contains(&k)) {
+                    Admit::NoRoom => st.stats.no_room += 1,
+                    Admit::Admitted(victims) => {
+                        st.stats.evictions += victims.len() as u64;
+                        for v in victims {
+                            st.bufs.remove(&v);
+                        }
+                        self.read_upper(&mut st, l, expert, key, ub);
+                    }
+                }
+                UpperChoice::BaseAndWant
+            }
+        }
+    }
+
+    /// Queue the read of an admitted residual stage on the residual reader threads.
+    fn read_upper(&self, st: &mut TierState, l: usize, e: usize, key: u64, bytes: u64) {
+        let Some(buf) = AlignedBuf::new(bytes as usize) else {
+            st.lru.remove(key);
+            st.stats.failed += 1;
+            return;
+        };
+        let buf = Arc::new(UpperBuf(UnsafeCell::new(buf)));
+        st.bufs.insert(key, buf.clone());
+        st.stats.admissions += 1;
+        let inner = self.inner.clone();
+        let job = move || {
+            // SAFETY: the entry is loading: this job is the buffer's only user (no views are
+            // made of a loading entry, and a loading entry is never evicted).
+            let dst = unsafe { (*buf.0.get()).as_mut_slice() };
+            let r = inner.store.read_upper_into(l, e, dst);
+            let Some(t) = &inner.tiers else { return };
+            if let Ok(mut st) = t.st.lock() {
+                match r {
+                    Ok(n) => {
+                        st.lru.mark_ready(key);
+                        st.stats.bytes_read += n;
+                        st.stats.reads_done += 1;
+                    }
+                    Err(_) => {
+                        st.lru.remove(key);
+                        st.bufs.remove(&key);
+                        st.stats.failed += 1;
+                    }
+                }
+            }
+        };
+        let submitted = self.upper_pool.as_ref().is_some_and(|p| p.submit(job));
+        if !submitted {
+            st.lru.remove(key);
+            st.bufs.remove(&key);
+            st.stats.admissions -= 1;
+            st.stats.failed += 1;
+        }
     }
 
     /// The slot of expert `e` of layer `l` once it is `Ready`: assigned and read if it is
@@ -805,6 +1121,29 @@ impl ExpertSource for CacheSource {
     }
 
     fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.0.tiers_pass(layer);
         self.0.prefetch_layer(layer, experts)
+    }
+
+    fn tiers(&self) -> Option<&dyn ExpertTiers> {
+        self.0
+            .inner
+            .tiers
+            .as_ref()
+            .map(|_| self as &dyn ExpertTiers)
+    }
+
+    fn experts_at(
+        &self,
+        layer: usize,
+        picks: &[(usize, Rung)],
+    ) -> keep_model::Result<Vec<ExpertWeights<'_>>> {
+        self.0.expert_views_at(layer, picks)
+    }
+}
+
+impl ExpertTiers for CacheSource {
+    fn choose(&self, layer: usize, _token: usize, expert: usize, gate: f32) -> UpperChoice {
+        self.0.choose(layer, expert, gate)
     }
 }

@@ -33,7 +33,7 @@ pub mod runtime;
 pub mod store;
 
 pub use budget::{check_machine, machine_memory_bytes, resident_bytes, BudgetPlan, FIXED_OVERHEAD};
-pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache};
+pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache, TierStats};
 pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
@@ -42,9 +42,10 @@ pub use routes::{warm_scores, RouteLog};
 pub use run::{RunInfo, RunModel, RunReport};
 pub use runtime::{
     engram_rows_above, engram_rows_from_store, peak_rss_bytes, reset_peak_rss, rss_bytes,
-    BudgetedModel, RuntimeOptions, DEFAULT_ENGRAM_CACHE, ENGRAM_SSD_THRESHOLD,
+    BudgetedModel, RuntimeOptions, TierOptions, DEFAULT_ENGRAM_CACHE, DEFAULT_RESIDUAL_IO_THREADS,
+    ENGRAM_SSD_THRESHOLD,
 };
-pub use store::ExpertStore;
+pub use store::{ExpertStore, ReadGate};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, RuntimeError>;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use keep_artifacts::run_stats::{
     self, CacheCounters, DraftNumbers, EngramCounters, GuessCounters, HashLayerCounters,
-    PlanNumbers, RunStats,
+    PlanNumbers, RunStats, TierCounters,
 };
 use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
@@ -312,6 +312,22 @@ fn cache_counters(s: &CacheStats) -> CacheCounters {
         io_busy_secs: s.io_busy_secs,
         misses: s.misses,
         read_gbps: s.read_gbps(),
+        tiers: s.tiers.as_ref().map(|t| TierCounters {
+            admissions: t.admissions,
+            above_tau: t.above_tau,
+            base: t.base,
+            bytes_read: t.bytes_read,
+            cache_bytes: t.cache_bytes,
+            evictions: t.evictions,
+            failed: t.failed,
+            in_flight: t.in_flight,
+            no_room: t.no_room,
+            tau: t.tau,
+            upper: t.upper,
+            upper_hit_rate: t.upper_hit_rate(),
+            upper_misses: t.upper_misses,
+            wait_secs: t.wait_secs,
+        }),
         wait_secs: s.wait_secs,
         warm_bytes: s.warm_bytes,
     }

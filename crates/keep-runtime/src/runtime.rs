@@ -68,7 +68,26 @@ pub struct RuntimeOptions {
     /// Tokens per forward pass of a long prompt (`None`: keep-model's
     /// [`DEFAULT_PREFILL_CHUNK`](keep_model::DEFAULT_PREFILL_CHUNK)).
     pub prefill_chunk: Option<usize>,
+    /// Precision tiers (`None`: every expert at its stored rung, residual stages included).
+    pub tiers: Option<TierOptions>,
 }
+
+/// Precision tiers at run time: each routed expert's base rung in the slots, its residual
+/// stage (E8P `.resid.*`) read apart from SSD into an LRU residual cache whose bytes come out
+/// of the budget; a routed slot with gate weight ≥ `tau` is computed at the upper rung only if
+/// the stage is in memory, else at the base now with the stage's read queued (never waited
+/// for).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierOptions {
+    pub tau: f32,
+    /// Bytes of the residual cache.
+    pub residual_cache: u64,
+    /// Threads reading residual stages (apart from the slots' readers).
+    pub io_threads: usize,
+}
+
+/// Default residual reader threads: background reads, a few in flight are enough.
+pub const DEFAULT_RESIDUAL_IO_THREADS: usize = 2;
 
 /// Default Engram row cache: 256 MiB holds V4.1-Flash's rows (2 × 24 × 264 bytes a token) for
 /// about 20,000 distinct tokens.
@@ -139,6 +158,7 @@ impl RuntimeOptions {
             engram_cache: None,
             context: None,
             prefill_chunk: None,
+            tiers: None,
         }
     }
 }
@@ -286,7 +306,11 @@ impl<'a> BudgetedModel<'a> {
             )));
         }
         let memory = cfg.memory_estimate(context);
-        let store = ExpertStore::open(ck, &cfg, opts.direct_io)?;
+        let store = match opts.tiers {
+            Some(_) => ExpertStore::open_tiered(ck, &cfg, opts.direct_io)?,
+            None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
+        };
+        let residual_cache = opts.tiers.map_or(0, |t| t.residual_cache);
         let engram_cache = match &cfg.engram {
             Some(_) => opts
                 .engram_cache
@@ -295,7 +319,7 @@ impl<'a> BudgetedModel<'a> {
         };
         let plan = BudgetPlan::with_memory(
             opts.budget,
-            resident_bytes(ck) + engram_cache,
+            resident_bytes(ck) + engram_cache + residual_cache,
             memory,
             store.slot_bytes(),
             cfg.n_layers,
@@ -303,11 +327,12 @@ impl<'a> BudgetedModel<'a> {
             cfg.n_experts,
         )?;
         check_machine(plan.planned(), "this budgeted run")?;
-        let cache = Arc::new(SlotCache::new(
+        let cache = Arc::new(SlotCache::with_tiers(
             store,
             plan.slots_per_layer,
             opts.policy,
             opts.io_threads,
+            opts.tiers.map(|t| (t.tau, t.residual_cache, t.io_threads)),
         )?);
         if let Some(p) = &opts.warm_start {
             let scores = warm_scores(p, cfg.n_layers, cfg.n_experts)?;
@@ -362,6 +387,23 @@ impl<'a> BudgetedModel<'a> {
     /// The slot replacement policy.
     pub fn policy(&self) -> Policy {
         self.policy
+    }
+
+    /// Check that `alloc` describes this model's upper stages (keep-residency's
+    /// [`check_alloc`](keep_residency::tiers::check_alloc) over the store's residual stages).
+    pub fn check_alloc(&self, alloc: &keep_artifacts::alloc::Alloc) -> Result<()> {
+        let st = self.cache.store();
+        let layers: Vec<usize> = (0..st.n_layers()).collect();
+        let upper: Vec<Vec<u64>> = layers
+            .iter()
+            .map(|&l| {
+                (0..st.n_experts())
+                    .map(|e| st.upper_bytes(l, e).unwrap_or(0))
+                    .collect()
+            })
+            .collect();
+        keep_residency::tiers::check_alloc(alloc, &layers, &upper)
+            .map_err(|e| RuntimeError::Invalid(e.to_string()))
     }
 
     /// The slot cache (counters, residency).

@@ -66,6 +66,23 @@ pub struct ExpertLayout {
     pub bytes: u64,
     /// Bytes of the slot this layout needs (sum of the aligned runs).
     pub slot_bytes: u64,
+    /// With the residual stages read apart ([`ExpertStore::open_tiered`]): where they are and
+    /// how they land in a residual buffer (`resid` is then empty: the slot holds the base).
+    pub upper: Option<UpperLayout>,
+}
+
+/// The residual stages of one expert, read apart from its base into a buffer of their own.
+#[derive(Debug, Clone)]
+pub struct UpperLayout {
+    /// The residual code and scale tensors.
+    pub tensors: Vec<TensorPart>,
+    /// Per matrix (`w1`, `w2`, `w3`), the residual stage's (code, scale) index into `tensors`.
+    pub mats: [Option<(usize, Option<usize>)>; 3],
+    pub runs: Vec<ReadRun>,
+    /// Bytes of the tensors themselves.
+    pub bytes: u64,
+    /// Bytes of the buffer it needs (sum of the aligned runs).
+    pub buf_bytes: u64,
 }
 
 /// A shard opened for positional reads: a direct descriptor when the filesystem allows one,
@@ -175,6 +192,37 @@ fn drop_cached(f: &File, offset: u64, len: u64) {
 #[cfg(not(target_os = "linux"))]
 fn drop_cached(_f: &File, _offset: u64, _len: u64) {}
 
+/// Holds residual-stage reads until opened: a store whose upper stages arrive late, for tests of
+/// the rule that a forward never waits for one ([`ExpertStore::hold_upper_reads`]).
+#[derive(Debug, Default)]
+pub struct ReadGate {
+    open: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl ReadGate {
+    /// A closed gate.
+    pub fn new() -> ReadGate {
+        ReadGate::default()
+    }
+    /// Let every held read (and every later one) through.
+    pub fn open(&self) {
+        if let Ok(mut o) = self.open.lock() {
+            *o = true;
+        }
+        self.cv.notify_all();
+    }
+    fn wait(&self) {
+        let Ok(mut o) = self.open.lock() else { return };
+        while !*o {
+            match self.cv.wait(o) {
+                Ok(g) => o = g,
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// The routed experts of a checkpoint, addressed by (layer, expert).
 #[derive(Debug)]
 pub struct ExpertStore {
@@ -188,6 +236,10 @@ pub struct ExpertStore {
     slot_bytes: u64,
     expert_bytes: u64,
     total_bytes: u64,
+    /// Largest residual buffer and bytes of all residual stages (0 unless tiered).
+    upper_buf_bytes: u64,
+    upper_total_bytes: u64,
+    upper_gate: std::sync::Mutex<Option<std::sync::Arc<ReadGate>>>,
 }
 
 fn part_of(t: TensorRef<'_>) -> TensorPart {
@@ -246,6 +298,23 @@ impl ExpertStore {
     /// read) and open the shards for reading, with direct I/O when `direct` and the filesystem
     /// allow it.
     pub fn open(ck: &Checkpoint, cfg: &ModelConfig, direct: bool) -> Result<ExpertStore> {
+        Self::open_with(ck, cfg, direct, false)
+    }
+
+    /// [`Self::open`] with every expert's residual stages (E8P `.resid.*` tensors) read apart
+    /// from its base: a slot holds the base rung only ([`Self::views`]: base views), and
+    /// [`Self::read_upper_into`] reads the residual stages into a buffer of their own
+    /// ([`Self::views_upper`]: base plus residual). For precision tiers.
+    pub fn open_tiered(ck: &Checkpoint, cfg: &ModelConfig, direct: bool) -> Result<ExpertStore> {
+        Self::open_with(ck, cfg, direct, true)
+    }
+
+    fn open_with(
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        direct: bool,
+        split: bool,
+    ) -> Result<ExpertStore> {
         let shards = ck
             .shards()
             .iter()
@@ -255,6 +324,7 @@ impl ExpertStore {
         let (d, i) = (cfg.dim, cfg.inter);
         let mut layouts = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
         let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
+        let (mut upper_buf, mut upper_total) = (0u64, 0u64);
         let q3 = cfg.raw.qwen3.as_ref();
         for l in 0..cfg.n_layers {
             for x in 0..cfg.n_experts {
@@ -269,10 +339,13 @@ impl ExpertStore {
                         bytes: 0,
                         slot_bytes: 0,
                         resid: [None; 3],
+                        upper: None,
                     });
                     continue;
                 }
                 let mut resid = [None; 3];
+                let mut up_tensors: Vec<TensorPart> = vec![];
+                let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];
                 for (m, (w, rows, cols)) in [("w1", i, d), ("w2", d, i), ("w3", i, d)]
                     .into_iter()
                     .enumerate()
@@ -298,6 +371,18 @@ impl ExpertStore {
                         tensors.len() - 1
                     });
                     mats[m] = (wi, si);
+                    if split {
+                        up_mats[m] = rt.map(|(r, rs)| {
+                            up_tensors.push(part_of(r));
+                            let ri = up_tensors.len() - 1;
+                            let rsi = rs.map(|s| {
+                                up_tensors.push(part_of(s));
+                                up_tensors.len() - 1
+                            });
+                            (ri, rsi)
+                        });
+                        continue;
+                    }
                     resid[m] = rt.map(|(r, rs)| {
                         tensors.push(part_of(r));
                         let ri = tensors.len() - 1;
@@ -313,6 +398,19 @@ impl ExpertStore {
                 slot_bytes = slot_bytes.max(sb);
                 expert_bytes = expert_bytes.max(bytes);
                 total += bytes;
+                let upper = (!up_tensors.is_empty()).then(|| {
+                    let (runs, bb) = plan_runs(&mut up_tensors);
+                    let bytes: u64 = up_tensors.iter().map(|t| t.len).sum();
+                    upper_buf = upper_buf.max(bb);
+                    upper_total += bytes;
+                    UpperLayout {
+                        tensors: std::mem::take(&mut up_tensors),
+                        mats: up_mats,
+                        runs,
+                        bytes,
+                        buf_bytes: bb,
+                    }
+                });
                 layouts.push(ExpertLayout {
                     tensors,
                     mats,
@@ -320,6 +418,7 @@ impl ExpertStore {
                     runs,
                     bytes,
                     slot_bytes: sb,
+                    upper,
                 });
             }
         }
@@ -334,7 +433,90 @@ impl ExpertStore {
             slot_bytes: slot_bytes.max(ALIGN as u64),
             expert_bytes,
             total_bytes: total,
+            upper_buf_bytes: upper_buf,
+            upper_total_bytes: upper_total,
+            upper_gate: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Bytes of the largest residual buffer (0 unless [`Self::open_tiered`] found residual
+    /// stages).
+    pub fn upper_buf_bytes(&self) -> u64 {
+        self.upper_buf_bytes
+    }
+    /// Bytes of all residual stages of all layers (0 unless tiered).
+    pub fn upper_total_bytes(&self) -> u64 {
+        self.upper_total_bytes
+    }
+    /// Experts with a residual stage read apart (0 unless tiered).
+    pub fn experts_with_upper(&self) -> usize {
+        self.layouts.iter().filter(|l| l.upper.is_some()).count()
+    }
+
+    /// Bytes of the residual buffer of an expert (`None`: it has no upper stage here).
+    pub fn upper_bytes(&self, layer: usize, expert: usize) -> Option<u64> {
+        self.layout(layer, expert)
+            .and_then(|l| l.upper.as_ref())
+            .map(|u| u.buf_bytes)
+    }
+
+    /// Hold every later residual-stage read until `gate` opens (tests of the never-wait rule).
+    pub fn hold_upper_reads(&self, gate: std::sync::Arc<ReadGate>) {
+        if let Ok(mut g) = self.upper_gate.lock() {
+            *g = Some(gate);
+        }
+    }
+
+    /// Read the residual stages of an expert into `buf` (at least its
+    /// [`Self::upper_bytes`] long and [`ALIGN`]-aligned). Returns the bytes read.
+    pub fn read_upper_into(&self, layer: usize, expert: usize, buf: &mut [u8]) -> Result<u64> {
+        let gate = self.upper_gate.lock().ok().and_then(|g| g.clone());
+        if let Some(g) = gate {
+            g.wait();
+        }
+        let up = self
+            .layout_or_err(layer, expert)?
+            .upper
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Layout {
+                layer,
+                expert,
+                msg: "no residual stage to read".into(),
+            })?;
+        self.read_runs(layer, expert, &up.runs, up.buf_bytes, buf)
+    }
+
+    fn read_runs(
+        &self,
+        layer: usize,
+        expert: usize,
+        runs: &[ReadRun],
+        need: u64,
+        slot: &mut [u8],
+    ) -> Result<u64> {
+        if slot.len() < need as usize || !(slot.as_ptr() as usize).is_multiple_of(ALIGN) {
+            return Err(RuntimeError::Invalid(format!(
+                "buffer of {} bytes at alignment {} cannot take {} bytes",
+                slot.len(),
+                slot.as_ptr() as usize % ALIGN,
+                need
+            )));
+        }
+        let mut n = 0;
+        for r in runs {
+            let sh = self
+                .shards
+                .get(r.shard)
+                .ok_or_else(|| RuntimeError::Layout {
+                    layer,
+                    expert,
+                    msg: format!("shard {} does not exist", r.shard),
+                })?;
+            let dst = &mut slot[r.slot_offset as usize..(r.slot_offset + r.len) as usize];
+            sh.read(dst, r.file_start, r.need as usize)?;
+            n += r.len;
+        }
+        Ok(n)
     }
 
     pub fn n_layers(&self) -> usize {
@@ -387,29 +569,7 @@ impl ExpertStore {
     /// [`ALIGN`]-aligned). Returns the bytes read from the file.
     pub fn read_into(&self, layer: usize, expert: usize, slot: &mut [u8]) -> Result<u64> {
         let lay = self.layout_or_err(layer, expert)?;
-        if slot.len() < lay.slot_bytes as usize || !(slot.as_ptr() as usize).is_multiple_of(ALIGN) {
-            return Err(RuntimeError::Invalid(format!(
-                "slot of {} bytes at alignment {} cannot take {} bytes",
-                slot.len(),
-                slot.as_ptr() as usize % ALIGN,
-                lay.slot_bytes
-            )));
-        }
-        let mut n = 0;
-        for r in &lay.runs {
-            let sh = self
-                .shards
-                .get(r.shard)
-                .ok_or_else(|| RuntimeError::Layout {
-                    layer,
-                    expert,
-                    msg: format!("shard {} does not exist", r.shard),
-                })?;
-            let dst = &mut slot[r.slot_offset as usize..(r.slot_offset + r.len) as usize];
-            sh.read(dst, r.file_start, r.need as usize)?;
-            n += r.len;
-        }
-        Ok(n)
+        self.read_runs(layer, expert, &lay.runs, lay.slot_bytes, slot)
     }
 
     /// The three matrices of an expert whose bytes are in `slot` (as [`Self::read_into`] put
@@ -420,7 +580,59 @@ impl ExpertStore {
         expert: usize,
         slot: &'a [u8],
     ) -> Result<ExpertWeights<'a>> {
+        self.views_with(layer, expert, slot, None)
+    }
+
+    /// The three matrices of an expert at its upper rung: the base in `slot` (as
+    /// [`Self::read_into`] put it) with the residual stages in `upper` (as
+    /// [`Self::read_upper_into`] put them).
+    pub fn views_upper<'a>(
+        &'a self,
+        layer: usize,
+        expert: usize,
+        slot: &'a [u8],
+        upper: &'a [u8],
+    ) -> Result<ExpertWeights<'a>> {
+        self.views_with(layer, expert, slot, Some(upper))
+    }
+
+    fn views_with<'a>(
+        &'a self,
+        layer: usize,
+        expert: usize,
+        slot: &'a [u8],
+        upper: Option<&'a [u8]>,
+    ) -> Result<ExpertWeights<'a>> {
         let lay = self.layout_or_err(layer, expert)?;
+        let up = match upper {
+            Some(buf) => Some((
+                lay.upper.as_ref().ok_or_else(|| RuntimeError::Layout {
+                    layer,
+                    expert,
+                    msg: "no residual stage".into(),
+                })?,
+                buf,
+            )),
+            None => None,
+        };
+        let uref = |i: usize| -> Result<TensorRef<'a>> {
+            let Some((u, buf)) = up else {
+                return Err(RuntimeError::Invalid("no residual buffer".into()));
+            };
+            let t = &u.tensors[i];
+            let a = t.slot_offset as usize;
+            let bytes = buf.get(a..a + t.len as usize).ok_or_else(|| {
+                RuntimeError::Invalid(format!("`{}` lies past the residual buffer", t.name))
+            })?;
+            Ok(TensorRef {
+                name: &t.name,
+                dtype: t.dtype,
+                shape: &t.shape,
+                bytes,
+                shard: t.shard,
+                file_offset: t.file_offset,
+            })
+        };
         let tref = |i: usize| -> Result<TensorRef<'a>> {
             let t = &lay.tensors[i];
             let a = t.slot_offset as usize;
@@ -442,9 +654,10 @@ impl ExpertStore {
             let (wi, si) = lay.mats[m];
             let w = tref(wi)?;
             let s = si.map(tref).transpose()?;
-            let r = match lay.resid[m] {
-                Some((ri, rsi)) => Some((tref(ri)?, rsi.map(tref).transpose()?)),
-                None => None,
+            let r = match (lay.resid[m], up.and_then(|(u, _)| u.mats[m])) {
+                (Some((ri, rsi)), _) => Some((tref(ri)?, rsi.map(tref).transpose()?)),
+                (None, Some((ri, rsi))) => Some((uref(ri)?, rsi.map(uref).transpose()?)),
+                (None, None) => None,
             };
             out.push(keep_model::weights::view_with_residual(
                 w,

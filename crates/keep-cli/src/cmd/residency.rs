@@ -79,6 +79,22 @@ pub struct ResidencyArgs {
     /// working_set, locality, drift, zipf ("" for the defaults).
     #[arg(long, value_name = "SPEC", num_args = 0..=1, default_missing_value = "")]
     make_synthetic: Option<String>,
+    /// Precision tiers: a routed slot with gate weight ≥ TAU wants its expert's upper stage
+    /// (the residual codes of a mixed-rung checkpoint, sizes from --model); it gets it only
+    /// if it is in the residual cache, else it is served at the base rung and the stage is
+    /// admitted, usable --admit-delay tokens later. Adds a tier row per policy row.
+    #[arg(long, value_name = "TAU", requires = "model")]
+    tau: Option<f32>,
+    /// The precision allocation the model was quantized with (ALLOC.json); its upper stages
+    /// are the checkpoint's residual tensors, checked against it.
+    #[arg(long, value_name = "FILE", requires = "tau")]
+    alloc: Option<PathBuf>,
+    /// Bytes of the residual cache (what `keep run --tiers` reports as its residual cache).
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES", default_value = "256MiB")]
+    residual_cache: u64,
+    /// Tokens after a residual miss from which the admitted stage serves (≥ 1).
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    admit_delay: usize,
 }
 
 fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
@@ -197,6 +213,22 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     };
     let mut report = keep_residency::simulate(&trace, &opts)?;
     report.command = std::env::args().collect::<Vec<_>>().join(" ");
+    if let (Some(tau), Some(dir)) = (a.tau, &a.model) {
+        anyhow::ensure!(!tau.is_nan(), "--tau must be a number");
+        let upper_bytes = keep_residency::tiers::upper_bytes(dir, &layers)?;
+        if let Some(f) = &a.alloc {
+            let alloc = keep_artifacts::alloc::Alloc::read(f)?;
+            keep_residency::tiers::check_alloc(&alloc, &layers, &upper_bytes)
+                .with_context(|| format!("--alloc {}", f.display()))?;
+        }
+        let spec = keep_residency::tiers::TierSpec {
+            tau,
+            cache_bytes: a.residual_cache,
+            admit_delay: a.admit_delay,
+            upper_bytes,
+        };
+        keep_residency::tiers::attach(&mut report, &trace, &spec)?;
+    }
     if let Some(p) = &a.plot {
         keep_residency::plot::plot(&report, p)?;
     }
@@ -347,5 +379,43 @@ fn print_table(r: &Report, bytes_from: &str) {
     );
     for n in &r.notes {
         println!("  note: {n}");
+    }
+    if let Some(t) = &r.tiers {
+        println!();
+        println!(
+            "  tiers: τ {}, residual cache {}, admit delay {} token(s); {} of {} experts have an upper stage",
+            t.tau,
+            human(t.residual_cache_bytes),
+            t.admit_delay_tokens,
+            t.experts_with_upper,
+            t.experts
+        );
+        let c = &t.counts;
+        println!(
+            "  routed slots: {} upper, {} base ({} wanted upper: {} in flight, {} admitted, {} no room); upper hit rate {}; {} evictions",
+            c.upper,
+            c.base,
+            c.upper_misses,
+            c.in_flight,
+            c.admissions,
+            c.no_room,
+            pct(t.upper_hit_rate),
+            c.evictions
+        );
+        println!(
+            "  residual bytes per token: {} from SSD, {} from memory",
+            human(t.residual_ssd_bytes_per_token.round() as u64),
+            human(t.residual_mem_bytes_per_token.round() as u64)
+        );
+        for row in &t.rows {
+            println!(
+                "  {:>6} {:<11} {:>12} {:>12} {:>9.2} tok/s with tiers",
+                row.hot,
+                row.policy,
+                human(row.ssd_bytes_per_token.round() as u64),
+                human(row.mem_bytes_per_token.round() as u64),
+                row.tokens_per_sec
+            );
+        }
     }
 }

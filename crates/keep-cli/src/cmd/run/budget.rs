@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use keep_runtime::{
-    BudgetedModel, Policy, RunReport, RuntimeOptions, DEFAULT_IO_THREADS, FIXED_OVERHEAD,
+    BudgetedModel, Policy, RunReport, RuntimeOptions, TierOptions, DEFAULT_IO_THREADS,
+    DEFAULT_RESIDUAL_IO_THREADS, FIXED_OVERHEAD,
 };
 
 use crate::util::{human, parse_bytes};
@@ -63,6 +64,21 @@ pub struct BudgetArgs {
     /// the logits do not depend on it, the activations grow with it.
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
+    /// Precision tiers, with the allocation the checkpoint was quantized with (`keep quant
+    /// --alloc`; checked to be one): each expert's base rung in the slots, its residual stage
+    /// (the checkpoint's `.resid.*` tensors) read apart from SSD into a residual cache inside
+    /// the budget. A routed slot with gate weight ≥ --tau uses the upper rung only if its stage
+    /// is in memory, else the base now while the stage is read in the background; a forward
+    /// never waits for a residual read.
+    #[arg(long, value_name = "ALLOC.json", requires_all = ["memory_budget", "tau"])]
+    pub tiers: Option<PathBuf>,
+    /// Gate weight from which a routed slot wants its expert's upper rung: turns the tiers on
+    /// (with or without --tiers).
+    #[arg(long, value_name = "T", requires = "memory_budget")]
+    pub tau: Option<f32>,
+    /// Bytes of the residual cache, taken out of the budget (with --tiers).
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES", default_value = "256MiB")]
+    pub residual_cache: u64,
 }
 
 impl BudgetArgs {
@@ -100,6 +116,9 @@ impl BudgetArgs {
             self.prefill_chunk != Some(0),
             "--prefill-chunk must be at least 1"
         );
+        if let Some(t) = self.tau {
+            anyhow::ensure!(!t.is_nan(), "--tau must be a number");
+        }
         Ok(())
     }
 
@@ -138,9 +157,24 @@ impl BudgetArgs {
             engram_cache: self.engram_cache,
             context: Some(context),
             prefill_chunk: self.prefill_chunk,
+            tiers: self.tau.map(|tau| TierOptions {
+                tau,
+                residual_cache: self.residual_cache,
+                io_threads: DEFAULT_RESIDUAL_IO_THREADS,
+            }),
             ..RuntimeOptions::new(budget)
         }))
     }
+}
+
+/// With `--tiers`: the allocation must describe the checkpoint's upper stages.
+pub fn check_tiers(a: &BudgetArgs, m: &BudgetedModel) -> anyhow::Result<()> {
+    if let Some(f) = &a.tiers {
+        let alloc = keep_artifacts::alloc::Alloc::read(f)?;
+        m.check_alloc(&alloc)
+            .map_err(|e| anyhow::anyhow!("--tiers {}: {e}", f.display()))?;
+    }
+    Ok(())
 }
 
 /// The budget split, before the run.
@@ -167,6 +201,15 @@ pub fn print_plan(m: &BudgetedModel) {
         m.cache().stats().io_threads,
         if st.direct_io() { "O_DIRECT" } else { "buffered reads + fadvise(DONTNEED): direct I/O unavailable or off" }
     );
+    if let Some(t) = m.cache().tier_stats() {
+        eprintln!(
+            "tiers: τ {}, residual cache {} inside the budget; {} experts have a residual stage ({} on SSD)",
+            t.tau,
+            human(t.cache_bytes),
+            st.experts_with_upper(),
+            human(st.upper_total_bytes())
+        );
+    }
 }
 
 /// The caches' counters per phase and the peak resident memory, after the run.
@@ -191,6 +234,24 @@ pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
                     s.hash_misses,
                     s.hash_wait_secs,
                     s.wait_secs
+                );
+            }
+            if let Some(t) = &s.tiers {
+                eprintln!(
+                    "{phase} tiers: {} routed slots upper, {} base ({} with gate ≥ τ {}); residual {} hits, {} misses ({} in flight, {} admitted, {} no room, {} failed), {} evictions; read {}; waited {:.3} s",
+                    t.upper,
+                    t.base,
+                    t.above_tau,
+                    t.tau,
+                    t.upper,
+                    t.upper_misses,
+                    t.in_flight,
+                    t.admissions,
+                    t.no_room,
+                    t.failed,
+                    t.evictions,
+                    human(t.bytes_read),
+                    t.wait_secs
                 );
             }
             if s.guess.passes > 0 {
