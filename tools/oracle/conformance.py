@@ -19,6 +19,9 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
              (tools/oracle/v4flash_conformance.py)
   model-qwen3  keep's Qwen3-MoE forward, pipeline and synth against mlx-lm's qwen3_moe
              (tools/oracle/qwen3_conformance.py)
+  quant-mlx  keep quant --format mlx2|mlx3|mlx4 on the bundled model: every quantized routed
+             expert's codes, scales and biases equal mx.quantize(bits=B, group_size=64) of the
+             same weights (the shipped FP4 decoded, in bf16) byte for byte
   fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
 """
 import argparse
@@ -289,6 +292,59 @@ def section_mtp(args):
                   f"top-1 {top1:.4f}, max |diff| {diff:.2e}")
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def fp4_decode(packed, scale_bytes, rows, cols):
+    """MXFP4 (I8 pairs, element 2k in the low nibble; E8M0 scale per 32 columns) to f32."""
+    p = packed.reshape(rows, cols // 2)
+    codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(rows, cols)
+    s = scale_bytes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32).reshape(rows, cols // 32)
+    return E2M1[codes] * np.repeat(s, 32, axis=1)
+
+
+def section_quant_mlx(args):
+    keep = Path(args.keep)
+    model = ROOT / "models/keep-tiny"
+    cfg = json.loads((model / "config.json").read_text())
+    d, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # an all-ones imatrix (MLX's rule does not read it; keep quant wants one per tensor)
+        im = {}
+        for l in range(cfg["num_hidden_layers"]):
+            for e in range(cfg["n_routed_experts"]):
+                for part in ("w1", "w2", "w3"):
+                    im[f"imatrix.{l}.ffn.experts.{e}.{part}"] = mx.ones(inter if part == "w2" else d)
+        mx.save_safetensors(str(tmp / "imatrix.safetensors"), im, metadata={"format": "keep-imatrix"})
+        src = read_dir(model)
+        for bits in (2, 3, 4):
+            out = tmp / f"mlx{bits}"
+            run([keep, "quant", model, "--imatrix", tmp / "imatrix.safetensors", "--format",
+                 f"mlx{bits}", "--out", out], stdout=subprocess.DEVNULL)
+            got = read_dir(out)
+            bad, n = [], 0
+            for name in sorted(k for k in src if ".ffn.experts." in k and k.endswith(".weight")):
+                base = name[: -len(".weight")]
+                _, shape, packed = raw_tensor(src[name], name)
+                _, _, sb = raw_tensor(src[base + ".scale"], base + ".scale")
+                rows, cols = shape[0], shape[1] * 2
+                w = mx.array(fp4_decode(packed, sb, rows, cols)).astype(mx.bfloat16)
+                q, s, b = mx.quantize(w, group_size=64, bits=bits)
+                kq = raw_tensor(got[name], name)
+                ks = raw_tensor(got[base + ".scales"], base + ".scales")
+                kb = raw_tensor(got[base + ".biases"], base + ".biases")
+                ok = (kq[0] == "U32" and list(kq[1]) == list(q.shape)
+                      and np.array_equal(kq[2], np.array(q).view(np.uint8).ravel())
+                      and ks[0] == "BF16" and np.array_equal(ks[2], np.array(s.view(mx.uint16)).view(np.uint8).ravel())
+                      and np.array_equal(kb[2], np.array(b.view(mx.uint16)).view(np.uint8).ravel()))
+                n += 1
+                if not ok:
+                    bad.append(name)
+            check(f"quant-mlx: keep quant --format mlx{bits} equals mx.quantize on {n} expert matrices",
+                  n > 0 and not bad, f"{len(bad)} differ, first {bad[:3]}" if bad else "")
+
+
 def section_fixtures(args):
     script = ROOT / "tools/oracle/make_fixtures.py"
     fixtures = ROOT / "fixtures/keep-tiny"
@@ -302,7 +358,8 @@ def section_fixtures(args):
 
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
             "model": section_model, "model-v4": section_model_v4,
-            "model-qwen3": section_model_qwen3, "mtp": section_mtp, "fixtures": section_fixtures}
+            "model-qwen3": section_model_qwen3, "mtp": section_mtp, "quant-mlx": section_quant_mlx,
+            "fixtures": section_fixtures}
 
 
 def main():

@@ -15,6 +15,11 @@
 //! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
 //! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
 //! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
+//! | `U32 [rows, cols·bits/32]` | `BF16 [rows, cols/64]` named `*.scales` | MLX affine, `bits` ∈ {2, 3, 4, 8}, group 64 (mlx-lm's files, `keep quant --format mlxN`) |
+//!
+//! An MLX affine weight also has `<base>.biases` (the scales' dtype and shape; [`biases_of`]),
+//! checked by [`weight_as`]. Its width follows from the two shapes at group 64; other group
+//! sizes (and F16/F32 parameters) are refused.
 //!
 //! A `keep quant` weight's residual stage is a tensor of its own, `<base>.resid.weight` (E8P12
 //! or E81B codes) with `<base>.resid.scale`; [`residual_of`] finds it and the classification
@@ -75,6 +80,9 @@ pub enum Layout {
     E8p,
     /// E81B lattice codes (a residual stage only), one byte per 8 weights, one f32 scale per row.
     E81,
+    /// MLX affine codes of `bits` bits packed in `uint32` words, a bf16 scale and a bf16 bias
+    /// per row and 64 columns.
+    MlxAffine { bits: u32 },
 }
 
 impl Layout {
@@ -103,6 +111,7 @@ impl Layout {
             Layout::Mxfp4 => "fp4 (mxfp4)".into(),
             Layout::E8p => "e8p2".into(),
             Layout::E81 => "e81 (residual)".into(),
+            Layout::MlxAffine { bits } => format!("mlx-affine{bits} g64"),
         }
     }
 }
@@ -165,6 +174,23 @@ pub fn classify_residual<'a>(
     Ok(l)
 }
 
+/// The MLX affine biases of weight `weight_name` (`<base>.biases`), if the checkpoint has them.
+pub fn biases_of<'a>(ck: &'a Checkpoint, weight_name: &str) -> Option<TensorRef<'a>> {
+    ck.get(&naming::biases_name(weight_name)?)
+}
+
+/// Check an MLX affine weight's biases against its scales: present, same dtype and shape.
+pub fn check_biases(scale: Option<TensorRef>, biases: Option<TensorRef>) -> Result<(), String> {
+    match (scale, biases) {
+        (Some(s), Some(b)) if s.dtype == b.dtype && s.shape == b.shape => Ok(()),
+        (Some(s), Some(b)) => Err(format!(
+            "its biases `{}` ({} {:?}) do not match its scales `{}` ({} {:?})",
+            b.name, b.dtype, b.shape, s.name, s.dtype, s.shape
+        )),
+        _ => Err("an MLX affine weight needs its `.biases` tensor".into()),
+    }
+}
+
 /// The scale partner of weight `weight_name`, if the checkpoint has one.
 pub fn scale_of<'a>(ck: &'a Checkpoint, weight_name: &str) -> Option<TensorRef<'a>> {
     naming::scale_candidates(weight_name)
@@ -220,6 +246,23 @@ pub fn classify<'a>(
             s.name, s.shape
         ));
     };
+    // MLX affine: uint32 words of packed codes, bf16 scales per 64 columns
+    if weight.dtype == Dtype::U32 {
+        let logical = sc * 64;
+        let bits = (cols * 32).checked_div(logical).unwrap_or(0);
+        let ok = sr == rows
+            && s.dtype == Dtype::BF16
+            && bits * logical == cols * 32
+            && matches!(bits, 2 | 3 | 4 | 8);
+        if !ok {
+            return Err(format!(
+                "U32 weight [{rows}, {cols}] with scale `{}` {} {:?}: not MLX affine codes of \
+                 2, 3, 4 or 8 bits in groups of 64 with BF16 scales [{rows}, columns/64]",
+                s.name, s.dtype, s.shape
+            ));
+        }
+        return done(Layout::MlxAffine { bits: bits as u32 }, rows, logical);
+    }
     // lattice codes: one f32 scale per row
     if s.dtype == Dtype::F32 && sc == 1 && sr == rows {
         match weight.dtype {
@@ -364,6 +407,9 @@ pub fn weight_as<'a>(
             ));
         }
         classify_residual(rw, rs, rows, cols).map_err(|e| format!("tensor `{}`: {e}", rw.name))?;
+    }
+    if matches!(l.layout, Layout::MlxAffine { .. }) {
+        check_biases(l.scale, biases_of(ck, &name)).map_err(|e| format!("tensor `{name}`: {e}"))?;
     }
     Ok(l)
 }
@@ -606,6 +652,38 @@ mod tests {
             classify(plain, None, None).unwrap().layout,
             Layout::Plain(Dtype::BF16)
         );
+    }
+
+    #[test]
+    fn mlx_affine_widths_from_the_two_shapes() {
+        let b = [0u8; 0];
+        for (bits, words) in [(2u64, 16u64), (3, 24), (4, 32), (8, 64)] {
+            let shape = [8, words];
+            let w = t("m.weight", Dtype::U32, &shape, &b);
+            let s = t("m.scales", Dtype::BF16, &[8, 4], &b);
+            let l = classify(w, Some(s), None).unwrap();
+            assert_eq!(
+                (l.layout, l.rows, l.cols),
+                (Layout::MlxAffine { bits: bits as u32 }, 8, 256)
+            );
+            assert!(classify_as(w, Some(s), 8, 256, None).is_ok());
+        }
+        // 5 bits, F16 scales, a row count that differs: refused with the reason.
+        let w = t("m.weight", Dtype::U32, &[8, 40], &b);
+        let s = t("m.scales", Dtype::BF16, &[8, 4], &b);
+        assert!(classify(w, Some(s), None)
+            .unwrap_err()
+            .contains("2, 3, 4 or 8"));
+        let w = t("m.weight", Dtype::U32, &[8, 32], &b);
+        let s = t("m.scales", Dtype::F16, &[8, 4], &b);
+        assert!(classify(w, Some(s), None).is_err());
+        let s = t("m.scales", Dtype::BF16, &[4, 4], &b);
+        assert!(classify(w, Some(s), None).is_err());
+        // Biases must match the scales.
+        let s = t("m.scales", Dtype::BF16, &[8, 4], &b);
+        assert!(check_biases(Some(s), Some(t("m.biases", Dtype::BF16, &[8, 4], &b))).is_ok());
+        assert!(check_biases(Some(s), Some(t("m.biases", Dtype::F32, &[8, 4], &b))).is_err());
+        assert!(check_biases(Some(s), None).unwrap_err().contains("biases"));
     }
 
     #[test]

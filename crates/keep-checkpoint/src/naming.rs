@@ -150,7 +150,12 @@ pub fn parse(name: &str) -> TensorName {
     }
     let part = if name.ends_with(".weight") {
         Part::Weight
-    } else if name.ends_with(".scale") || name.ends_with(".weight_scale_inv") {
+    } else if name.ends_with(".scale")
+        || name.ends_with(".weight_scale_inv")
+        || name.ends_with(MLX_SCALES)
+        || name.ends_with(MLX_BIASES)
+    {
+        // MLX affine weights' `.scales` and `.biases` are their scale partners.
         Part::Scale
     } else {
         Part::Other
@@ -189,6 +194,8 @@ fn stem(rest: &str) -> &str {
     rest.strip_suffix(".weight_scale_inv")
         .or_else(|| rest.strip_suffix(".weight"))
         .or_else(|| rest.strip_suffix(".scale"))
+        .or_else(|| rest.strip_suffix(MLX_SCALES))
+        .or_else(|| rest.strip_suffix(MLX_BIASES))
         .unwrap_or(rest)
 }
 
@@ -271,21 +278,39 @@ pub fn engram_table(layer: usize, part: &str) -> String {
     format!("layers.{layer}.engram.embed.{part}")
 }
 
+/// How an MLX affine weight's scales are named (`<base>.scales`, as mlx-lm writes them).
+pub const MLX_SCALES: &str = ".scales";
+/// How an MLX affine weight's biases are named (`<base>.biases`).
+pub const MLX_BIASES: &str = ".biases";
+
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
-/// `.weight_scale_inv`); empty for a name that is not a `.weight`.
+/// `.weight_scale_inv`, then MLX's `.scales`); empty for a name that is not a `.weight`.
 pub fn scale_candidates(name: &str) -> Vec<String> {
     match name.strip_suffix(".weight") {
-        Some(s) => vec![format!("{s}.scale"), format!("{name}_scale_inv")],
+        Some(s) => vec![
+            format!("{s}.scale"),
+            format!("{name}_scale_inv"),
+            format!("{s}{MLX_SCALES}"),
+        ],
         None => vec![],
     }
 }
 
-/// The weight a scale tensor belongs to.
+/// The MLX affine biases of weight `name` (`<base>.biases`), if `name` is a `.weight`.
+pub fn biases_name(name: &str) -> Option<String> {
+    name.strip_suffix(".weight")
+        .map(|s| format!("{s}{MLX_BIASES}"))
+}
+
+/// The weight a scale tensor (or MLX biases tensor) belongs to.
 pub fn weight_of_scale(name: &str) -> Option<String> {
     if let Some(s) = name.strip_suffix(".weight_scale_inv") {
         return Some(format!("{s}.weight"));
     }
-    name.strip_suffix(".scale").map(|s| format!("{s}.weight"))
+    name.strip_suffix(".scale")
+        .or_else(|| name.strip_suffix(MLX_SCALES))
+        .or_else(|| name.strip_suffix(MLX_BIASES))
+        .map(|s| format!("{s}.weight"))
 }
 
 /// `layers.{layer}.ffn.experts.{expert}.{w}.{part}` (`part` is `"weight"` or `"scale"`).
@@ -368,8 +393,16 @@ mod tests {
         );
         assert_eq!(
             scale_candidates("a.weight"),
-            vec!["a.scale".to_string(), "a.weight_scale_inv".to_string()]
+            vec![
+                "a.scale".to_string(),
+                "a.weight_scale_inv".to_string(),
+                "a.scales".to_string()
+            ]
         );
+        assert_eq!(weight_of_scale("a.b.biases").as_deref(), Some("a.b.weight"));
+        assert_eq!(weight_of_scale("a.b.scales").as_deref(), Some("a.b.weight"));
+        assert_eq!(biases_name("a.b.weight").as_deref(), Some("a.b.biases"));
+        assert_eq!(parse("layers.1.ffn.experts.2.w1.biases").part, Part::Scale);
         assert_eq!(
             expert_tensor(2, 5, ExpertMat::W3, "scale"),
             "layers.2.ffn.experts.5.w3.scale"

@@ -61,6 +61,12 @@ pub enum FormatError {
         /// Scale rows available.
         scale_rows: usize,
     },
+    /// A code width the format does not offer (MLX affine: 2, 3, 4 or 8 bits).
+    #[error("{bits}-bit codes are not supported (2, 3, 4 or 8)")]
+    UnsupportedBits {
+        /// The width that was passed.
+        bits: u32,
+    },
     /// `rows * cols` (or a derived size) does not fit in `usize`.
     #[error("{what}: size overflows usize")]
     Overflow {

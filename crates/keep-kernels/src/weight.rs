@@ -15,11 +15,19 @@
 //!   `[rows]`: `w[i,j] = s[i] · e8p(code[i, j/8])[j%8]`; with a residual stage (codes `[rows,
 //!   cols/8]` of E81B bytes or E8P12 u16, f32 scales `[rows]`), `w[i,j] = s[i]·q₁ + s₂[i]·q₂`
 //!   (two f32 products and one f32 add, in that order).
+//! - `MlxAffine`: MLX affine codes at 2, 3, 4 or 8 bits, `[rows, cols·bits/8]` bytes (MLX's
+//!   `uint32` words read little-endian: one bit stream per row, code `j` in bits
+//!   `j·bits..(j+1)·bits`, `keep_format::mlx_affine`), bf16 scales and biases `[rows, cols/64]`:
+//!   `w[i,j] = s[i, j/64] · q[i,j] + b[i, j/64]` (an f32 product, then an f32 add).
 
 use crate::codec::{bf16_at, e8m0_to_f32, f32_at, E2M1};
 use crate::{KernelError, Result};
 use keep_format::e81::{decode_e81, decode_e81_ref};
 use keep_format::e8p::{decode_e8p, decode_e8p_ref};
+use keep_format::mlx_affine::{code_ref, unpack_unchecked};
+
+/// Columns per MLX affine group (MLX's default; the only one keep computes with).
+pub const MLX_AFFINE_GROUP: usize = 64;
 
 /// E4M3FN byte → f32 without a table (vectorises, and never touches an f32 subnormal, which
 /// would be slow): E>0 builds the f32 directly (exponent E+120, mantissa M at bit 20); E=0 is
@@ -136,6 +144,13 @@ pub enum WeightKind<'a> {
         codes: &'a [u8],
         scales: &'a [u8],
         resid: Option<E8pResidual<'a>>,
+    },
+    /// MLX affine codes (`bits` ∈ {2, 3, 4, 8}, group 64) with bf16 scales and biases.
+    MlxAffine {
+        bits: u32,
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
     },
 }
 
@@ -272,6 +287,51 @@ impl<'a> WeightView<'a> {
         })
     }
 
+    /// MLX affine (`mx.quantize(mode="affine", group_size=64)`): packed codes
+    /// `[rows, cols·bits/8]` bytes and bf16 scales and biases `[rows, cols/64]` (little-endian
+    /// bytes), `bits` ∈ {2, 3, 4, 8}.
+    pub fn mlx_affine(
+        bits: u32,
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        if !keep_format::mlx_affine::supported_bits(bits) {
+            return Err(KernelError::Shape {
+                what: "mlx affine weight",
+                msg: format!("{bits}-bit codes (MLX affine weights are 2, 3, 4 or 8 bits)"),
+            });
+        }
+        if !cols.is_multiple_of(MLX_AFFINE_GROUP) {
+            return Err(KernelError::Shape {
+                what: "mlx affine weight",
+                msg: format!("{cols} columns is not a multiple of {MLX_AFFINE_GROUP}"),
+            });
+        }
+        let ng = rows * cols / MLX_AFFINE_GROUP;
+        check(
+            "mlx affine codes",
+            rows,
+            cols,
+            rows * cols * bits as usize / 8,
+            q.len(),
+        )?;
+        check("mlx affine scales (bf16)", rows, cols, ng * 2, scales.len())?;
+        check("mlx affine biases (bf16)", rows, cols, ng * 2, biases.len())?;
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            },
+        })
+    }
+
     /// This E8P weight with a residual stage added.
     pub fn with_residual(self, r: E8pResidual<'a>) -> Result<Self> {
         let (rows, cols) = (self.rows, self.cols);
@@ -349,6 +409,20 @@ impl<'a> WeightView<'a> {
                     }
                 }),
             },
+            WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            } => {
+                let (pb, g) = (c * bits as usize / 8, c / MLX_AFFINE_GROUP * 2);
+                WeightKind::MlxAffine {
+                    bits,
+                    q: &q[r0 * pb..r1 * pb],
+                    scales: &scales[r0 * g..r1 * g],
+                    biases: &biases[r0 * g..r1 * g],
+                }
+            }
         };
         Ok(WeightView {
             rows: r1 - r0,
@@ -369,6 +443,9 @@ impl<'a> WeightView<'a> {
                 scales,
                 resid,
             } => codes.len() + scales.len() + resid.map_or(0, |r| r.codes.len() + r.scales.len()),
+            WeightKind::MlxAffine {
+                q, scales, biases, ..
+            } => q.len() + scales.len() + biases.len(),
         }
     }
 
@@ -388,6 +465,12 @@ impl<'a> WeightView<'a> {
                     "e8p2+e8p2"
                 }
             }
+            WeightKind::MlxAffine { bits, .. } => match bits {
+                2 => "mlx-affine2",
+                3 => "mlx-affine3",
+                4 => "mlx-affine4",
+                _ => "mlx-affine8",
+            },
         }
     }
 
@@ -438,6 +521,18 @@ impl<'a> WeightView<'a> {
                     Some(rs) => v + f32_at(rs.scales, r) * rs.decode_ref(k)[c % 8],
                     None => v,
                 }
+            }
+            WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            } => {
+                let pb = cols * bits as usize / 8;
+                let code = code_ref(&q[r * pb..(r + 1) * pb], bits, c);
+                let gi = r * (cols / MLX_AFFINE_GROUP) + c / MLX_AFFINE_GROUP;
+                let prod = bf16_at(scales, gi) * f32::from(code);
+                prod + bf16_at(biases, gi)
             }
         }
     }
@@ -546,6 +641,29 @@ impl<'a> WeightView<'a> {
                                 d8[i] = s1 * q[i];
                             }
                         }
+                    }
+                }
+            }
+            WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            } => {
+                let pb = cols * bits as usize / 8;
+                let gb = MLX_AFFINE_GROUP * bits as usize / 8;
+                let ng = cols / MLX_AFFINE_GROUP;
+                let row = &q[r * pb..(r + 1) * pb];
+                let mut codes = [0u8; MLX_AFFINE_GROUP];
+                for (g, (d, p)) in dst
+                    .chunks_exact_mut(MLX_AFFINE_GROUP)
+                    .zip(row.chunks_exact(gb))
+                    .enumerate()
+                {
+                    unpack_unchecked(bits, p, &mut codes);
+                    let (s, b) = (bf16_at(scales, r * ng + g), bf16_at(biases, r * ng + g));
+                    for (o, &c) in d.iter_mut().zip(&codes) {
+                        *o = s * f32::from(c) + b;
                     }
                 }
             }

@@ -40,6 +40,9 @@ pub fn weight<'a>(
 ) -> Result<WeightView<'a>> {
     let wname = format!("{base}.weight");
     let w = tensor(ck, &wname)?;
+    if let Some(b) = layout::biases_of(ck, &wname) {
+        return view_mlx_affine(w, layout::scale_of(ck, &wname), b, rows, cols);
+    }
     view_with_residual(
         w,
         layout::scale_of(ck, &wname),
@@ -71,6 +74,31 @@ pub fn view_with_residual<'a>(
         e81: rl.layout == Layout::E81,
     })
     .map_err(|e| fmt_err(rw.name, e.to_string()))
+}
+
+/// The view of an MLX affine weight (`U32` packed codes, `.scales`, `.biases`) as `[rows, cols]`.
+pub fn view_mlx_affine<'a>(
+    w: TensorRef<'a>,
+    scales: Option<TensorRef<'a>>,
+    biases: TensorRef<'a>,
+    rows: usize,
+    cols: usize,
+) -> Result<WeightView<'a>> {
+    let name = w.name;
+    let l = layout::classify_as(w, scales, rows, cols, None).map_err(|e| fmt_err(name, e))?;
+    let Layout::MlxAffine { bits } = l.layout else {
+        return Err(fmt_err(
+            biases.name,
+            format!(
+                "biases belong to MLX affine weights, this one is {}",
+                l.layout.label()
+            ),
+        ));
+    };
+    layout::check_biases(l.scale, Some(biases)).map_err(|e| fmt_err(name, e))?;
+    let sb = l.scale.map_or(&[][..], |s| s.bytes);
+    WeightView::mlx_affine(bits, w.bytes, sb, biases.bytes, rows, cols)
+        .map_err(|e| fmt_err(name, e.to_string()))
 }
 
 /// The view of a weight tensor and its optional scale tensor, as `[rows, cols]`: the layout is
@@ -110,6 +138,12 @@ pub fn view<'a>(
             return Err(fmt_err(
                 name,
                 "E81B codes are a residual stage, not a weight",
+            ));
+        }
+        Layout::MlxAffine { .. } => {
+            return Err(fmt_err(
+                name,
+                "an MLX affine weight is read with its `.biases` (weights::weight)",
             ));
         }
     }

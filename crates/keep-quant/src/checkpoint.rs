@@ -9,6 +9,10 @@
 //! | `<base>.resid.weight` | `U8 [rows, cols/8]` (E81B) or `U16` (E8P12) | residual stage codes |
 //! | `<base>.resid.scale` | `F32 [rows, 1]` | the residual stage's per-row scale |
 //!
+//! With `mlx_bits` set (`keep quant --format mlx2|mlx3|mlx4|mlx8`) a weight is written in
+//! mlx-lm's affine layout instead ([`crate::mlx`]): `<base>.weight` `U32 [rows, cols·bits/32]`,
+//! `<base>.scales` and `<base>.biases` `BF16 [rows, cols/64]`, exactly `mx.quantize`'s output.
+//!
 //! `w[r, 8g+i] = scale[r] · e8p(code[r, g])[i] + resid.scale[r] · resid(resid.code[r, g])[i]`.
 //! The residual is a tensor of its own so that a runtime can hold the base rung and read the
 //! residual separately. `config.json` gains a `keep_quantization` object (`format`
@@ -141,6 +145,48 @@ pub struct QuantOptions {
     /// `(I, N)`: only layers with `L % N == I`.
     pub shard: (usize, usize),
     pub force: bool,
+    /// MLX affine codes of this width (2, 3, 4 or 8, group 64) instead of `format`'s lattice
+    /// codes.
+    pub mlx_bits: Option<u32>,
+}
+
+impl QuantOptions {
+    /// The method's name in reports and the checkpoint (`e8p2+e81`, `mlx4`, ...).
+    pub fn method(&self) -> String {
+        match self.mlx_bits {
+            Some(b) => format!("mlx{b}"),
+            None => self.experts.method(self.format).to_string(),
+        }
+    }
+
+    /// Stored bits per weight of a quantized `[rows, cols]` matrix, scales (and biases) included.
+    /// `format` is the matrix's own rung (an allocation gives each expert its own).
+    pub fn bits_per_weight(&self, format: QuantFormat, rows: usize, cols: usize) -> f64 {
+        match self.mlx_bits {
+            Some(b) => crate::mlx::bits_per_weight(b),
+            None => format.bits_per_weight(rows, cols),
+        }
+    }
+}
+
+/// The tensors of one MLX affine weight, in write order.
+fn mlx_tensors(base: &str, m: &crate::mlx::MlxMatrix) -> Vec<(TensorMeta, Vec<u8>)> {
+    let (r, g) = (m.rows as u64, (m.cols / crate::mlx::MLX_GROUP) as u64);
+    let words = (m.cols * m.bits as usize / 32) as u64;
+    vec![
+        (
+            TensorMeta::new(format!("{base}.weight"), Dtype::U32, &[r, words]),
+            m.packed.clone(),
+        ),
+        (
+            TensorMeta::new(format!("{base}.scales"), Dtype::BF16, &[r, g]),
+            u16_bytes(&m.scales),
+        ),
+        (
+            TensorMeta::new(format!("{base}.biases"), Dtype::BF16, &[r, g]),
+            u16_bytes(&m.biases),
+        ),
+    ]
 }
 
 /// Errors of one quantized tensor, per rung (relative = imatrix-weighted squared error over
@@ -427,6 +473,29 @@ pub fn quantize(
             let vals = decode_source(w, s, t.rows, t.cols)?;
             let key = format!("ffn.experts.{}.{}", t.expert, t.part);
             let h = im.get(l, &key, t.cols).expect("checked above");
+            if let Some(bits) = opts.mlx_bits {
+                let m = crate::mlx::quantize_matrix(&vals, t.rows, t.cols, &h, bits)
+                    .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
+                let label = opts.method();
+                errs.push(TensorErrors {
+                    name: wname,
+                    layer: l,
+                    expert: t.expert,
+                    part: t.part.to_string(),
+                    rows: t.rows,
+                    cols: t.cols,
+                    rel_error: BTreeMap::from([(
+                        label.clone(),
+                        m.error / m.weight.max(f64::MIN_POSITIVE),
+                    )]),
+                    error: BTreeMap::from([(label, m.error)]),
+                    weight: m.weight,
+                });
+                tensors.extend(mlx_tensors(&t.base, &m));
+                done += 1;
+                progress(done, total);
+                continue;
+            }
             let f = fit_matrix(&vals, t.rows, t.cols, &h, t.format)
                 .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
             let mut rel = BTreeMap::new();
@@ -481,7 +550,7 @@ pub fn quantize(
         let (mut bits, mut n) = (0f64, 0f64);
         for t in &targets {
             let k = (t.rows * t.cols) as f64;
-            bits += t.format.bits_per_weight(t.rows, t.cols) * k;
+            bits += opts.bits_per_weight(t.format, t.rows, t.cols) * k;
             n += k;
         }
         if n > 0.0 {
@@ -493,7 +562,7 @@ pub fn quantize(
     let mut report = QuantReport {
         format: QUANT_FORMAT.into(),
         version: QUANT_VERSION,
-        method: opts.experts.method(opts.format).into(),
+        method: opts.method(),
         source: model.display().to_string(),
         output: out.display().to_string(),
         layers_fitted: todo.clone(),
@@ -542,7 +611,14 @@ pub fn quantize(
             Some(b) if t.name.ends_with(".weight") => {
                 let l = layer_of(&b);
                 let pck = &part_cks[&l];
-                for suffix in [".weight", ".scale", ".resid.weight", ".resid.scale"] {
+                for suffix in [
+                    ".weight",
+                    ".scale",
+                    ".resid.weight",
+                    ".resid.scale",
+                    ".scales",
+                    ".biases",
+                ] {
                     let n = format!("{b}{suffix}");
                     if let Some(pt) = pck.get(&n) {
                         plan.push((TensorMeta::new(n.clone(), pt.dtype, pt.shape), Some((l, n))));
@@ -554,7 +630,7 @@ pub fn quantize(
         }
     }
     let mut shard_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    shard_meta.insert(CONFIG_KEY.into(), opts.experts.method(opts.format).into());
+    shard_meta.insert(CONFIG_KEY.into(), opts.method());
     let mut w = CheckpointWriter::create(
         out,
         plan.iter().map(|(m, _)| m.clone()).collect(),
@@ -572,16 +648,23 @@ pub fn quantize(
         };
         w.write_tensor(&m.name, bytes)?;
     }
+    let method = opts.method();
     let per_tensor: BTreeMap<&String, &str> = targets
         .iter()
-        .map(|t| (&t.base, t.format.label()))
+        .map(|t| {
+            let label = match opts.mlx_bits {
+                Some(_) => method.as_str(),
+                None => t.format.label(),
+            };
+            (&t.base, label)
+        })
         .collect();
     let raw = cfg.raw_with(&[(
         CONFIG_KEY,
         json!({
             "format": QUANT_FORMAT,
             "version": QUANT_VERSION,
-            "method": opts.experts.method(opts.format),
+            "method": method,
             "tensors": per_tensor,
         }),
     )]);

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod fit;
 pub mod lattice;
+pub mod mlx;
 
 pub use error::{QuantError, Result};
 pub use fit::{fit_matrix, FittedMatrix, QuantFormat, RungErrors};

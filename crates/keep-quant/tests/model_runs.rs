@@ -96,6 +96,7 @@ fn quantized_experts_run_in_the_model() {
             experts: sel.clone(),
             shard: (0, 1),
             force: false,
+            mlx_bits: None,
         };
         quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap();
         let ck = Checkpoint::open(&out).unwrap();
@@ -120,5 +121,70 @@ fn quantized_experts_run_in_the_model() {
         kls.push(kl);
     }
     // more bits, closer to the source
+    assert!(kls[1] < kls[0] && kls[2] < kls[1], "{kls:?}");
+}
+
+#[test]
+fn mlx_affine_experts_run_in_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = imatrix(tmp.path());
+    let toks: Vec<u32> = (0..24).map(|i| ((i * 41 + 7) % 4000) as u32).collect();
+    let (src, vocab) = logits(&bundled(), &toks);
+    let sel = ExpertSelection::Only(
+        (0..8)
+            .map(|l| (l, (0..4).collect::<BTreeSet<_>>()))
+            .collect(),
+    );
+    let srck = Checkpoint::open(&bundled()).unwrap();
+    let sv =
+        keep_model::weights::weight(&srck, "layers.4.ffn.experts.3.w2", 256, 128, None).unwrap();
+    let mut kls = vec![];
+    for bits in [2u32, 3, 4] {
+        let out = tmp.path().join(format!("mlx{bits}"));
+        let opts = QuantOptions {
+            format: QuantFormat::E8p2,
+            experts: sel.clone(),
+            shard: (0, 1),
+            force: false,
+            mlx_bits: Some(bits),
+        };
+        let r = quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap();
+        assert_eq!(r.method, format!("mlx{bits}"));
+        assert_eq!(r.bits_per_weight, bits as f64 + 0.5);
+        let ck = Checkpoint::open(&out).unwrap();
+        let v =
+            keep_model::weights::weight(&ck, "layers.4.ffn.experts.3.w2", 256, 128, None).unwrap();
+        assert_eq!(v.format_name(), format!("mlx-affine{bits}"));
+        // The stored bytes are keep-format's mx.quantize rule applied to the source rows.
+        let t = ck.tensor("layers.4.ffn.experts.3.w2.weight").unwrap();
+        assert_eq!(t.dtype, Dtype::U32);
+        let mut row = vec![0f32; 128];
+        let pb = 128 * bits as usize / 8;
+        for r in [0usize, 17, 255] {
+            sv.decode_row(r, &mut row);
+            let mut p = vec![0u8; pb];
+            let (mut s, mut b) = (vec![0u16; 2], vec![0u16; 2]);
+            keep_format::mlx_affine::quantize_row_bf16(bits, &row, &mut p, &mut s, &mut b).unwrap();
+            assert_eq!(p, t.bytes[r * pb..(r + 1) * pb], "bits {bits} row {r}");
+        }
+        // An expert outside the selection stays as shipped.
+        let untouched = ck.tensor("layers.4.ffn.experts.9.w2.weight").unwrap();
+        assert_eq!(untouched.dtype, Dtype::I8);
+        let (q, _) = logits(&out, &toks);
+        assert!(q.iter().all(|v| v.is_finite()));
+        let mut kl = 0f64;
+        for p in 0..toks.len() {
+            let a = log_softmax(&src[p * vocab..(p + 1) * vocab]);
+            let b = log_softmax(&q[p * vocab..(p + 1) * vocab]);
+            kl += a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| x.exp() * (x - y))
+                .sum::<f64>();
+        }
+        kl /= toks.len() as f64;
+        assert!(kl < KL_MAX, "mlx{bits}: KL {kl}");
+        kls.push(kl);
+    }
     assert!(kls[1] < kls[0] && kls[2] < kls[1], "{kls:?}");
 }

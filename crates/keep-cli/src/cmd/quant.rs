@@ -1,5 +1,6 @@
 //! `keep quant`: fit lattice codes (E8P12, with an optional E81B or E8P12 residual stage) to
-//! the routed experts of a model, weighted by a calibration run's imatrix.
+//! the routed experts of a model, weighted by a calibration run's imatrix, or write them in
+//! MLX's affine 2/3/4/8-bit layout (`--format mlxN`).
 
 use std::path::PathBuf;
 
@@ -18,6 +19,9 @@ use keep_quant::QuantFormat;
 /// with their own scales. Everything else is copied byte for byte. A tensor without an imatrix
 /// entry is refused by name. Work is saved per layer: `--shard I/N` does layers L with
 /// L % N = I, a rerun resumes, and the output is joined (atomically) once every layer is done.
+/// `mlx2`, `mlx3`, `mlx4` and `mlx8` write MLX affine codes instead (group 64, bf16 scale and
+/// bias per group: `mx.quantize`'s exact output, bits + 0.5 per weight), for comparison at
+/// equal bits; the imatrix then only weights the reported error.
 /// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
 /// and per expert.
 ///
@@ -34,9 +38,9 @@ pub struct QuantArgs {
     /// The calibration run directory (with imatrix.safetensors from `keep finalize`) or the file.
     #[arg(long)]
     imatrix: PathBuf,
-    /// Code format: e8p2, e8p2+e81 or e8p2+e8p2.
+    /// Code format: e8p2, e8p2+e81, e8p2+e8p2, or MLX affine mlx2, mlx3, mlx4, mlx8.
     #[arg(long, default_value = "e8p2", value_parser = parse_format)]
-    format: QuantFormat,
+    format: (QuantFormat, Option<u32>),
     /// `all`, or a plan (keep-prune-plan JSON from `keep select`): only the experts it keeps
     /// are quantized, the rest stay as shipped.
     #[arg(long, default_value = "all")]
@@ -57,8 +61,20 @@ pub struct QuantArgs {
     json: bool,
 }
 
-fn parse_format(s: &str) -> Result<QuantFormat, String> {
-    QuantFormat::parse(s).ok_or_else(|| format!("unknown format {s}: e8p2, e8p2+e81 or e8p2+e8p2"))
+fn parse_format(s: &str) -> Result<(QuantFormat, Option<u32>), String> {
+    let mlx = match s {
+        "mlx2" => Some(2),
+        "mlx3" => Some(3),
+        "mlx4" => Some(4),
+        "mlx8" => Some(8),
+        _ => None,
+    };
+    if mlx.is_some() {
+        return Ok((QuantFormat::E8p2, mlx));
+    }
+    QuantFormat::parse(s).map(|f| (f, None)).ok_or_else(|| {
+        format!("unknown format {s}: e8p2, e8p2+e81, e8p2+e8p2, mlx2, mlx3, mlx4 or mlx8")
+    })
 }
 
 fn parse_shard(s: &str) -> Result<(usize, usize), String> {
@@ -99,10 +115,11 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
         ExpertSelection::from_plan(std::path::Path::new(&a.experts))?
     };
     let opts = QuantOptions {
-        format: a.format,
+        format: a.format.0,
         experts,
         shard: a.shard,
         force: a.force,
+        mlx_bits: a.format.1,
     };
     let bar = crate::util::count_bar(0, "quant");
     let r = quantize(&model, &a.imatrix, &out, &opts, &|d, t| {

@@ -204,12 +204,20 @@ pub enum IntSrc<'a> {
 }
 
 impl<'a> IntSrc<'a> {
-    /// The integer form of a [`WeightView`], when it has one (MXFP4) and `cols % 32 == 0`.
+    /// The integer form of a [`WeightView`], when it has one (MXFP4 with `cols % 32 == 0`,
+    /// MLX affine 8-bit).
     pub fn from_view(w: &WeightView<'a>) -> Option<Self> {
         match w.kind {
             WeightKind::Mxfp4 { packed, scales } if w.cols.is_multiple_of(QBLOCK) => {
                 Some(IntSrc::Mxfp4 { packed, scales })
             }
+            // MLX affine 8-bit codes are affine-8's bytes.
+            WeightKind::MlxAffine {
+                bits: 8,
+                q,
+                scales,
+                biases,
+            } => Some(IntSrc::Affine8 { q, scales, biases }),
             _ => None,
         }
     }

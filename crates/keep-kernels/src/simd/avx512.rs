@@ -543,6 +543,26 @@ impl Dec for Affine8D<'_> {
     }
 }
 
+/// MLX affine 4-bit: codes `(ptr, scales, biases, cols)`, two per byte (element 2k in the low
+/// nibble), split into 16 bytes in column order and widened.
+struct MlxAffine4D<'a>(*const u8, &'a [u8], &'a [u8], usize);
+impl Dec for MlxAffine4D<'_> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn dec(&self, r: usize, k: usize) -> __m512 {
+        let g = r * affine_groups(self.3) + k / 64;
+        let s = _mm512_set1_ps(affine_param(self.1, g));
+        let b = _mm512_set1_ps(affine_param(self.2, g));
+        let v = _mm_loadl_epi64(self.0.add((r * self.3 + k) / 2) as *const __m128i);
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(v, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+        let c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+        // A multiply then an add (two roundings), as the definition says.
+        _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), s), b)
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
@@ -738,5 +758,23 @@ pub unsafe fn rows(
             out,
             ld,
         ),
+        Src::MlxAffine {
+            bits: 4,
+            q,
+            scales,
+            biases,
+        } => rows_g(
+            &MlxAffine4D(q.as_ptr(), scales, biases, cols),
+            src,
+            cols,
+            x,
+            m,
+            r0,
+            r1,
+            out,
+            ld,
+        ),
+        // never taken: `simd_ok` sends 2- and 3-bit codes to the scalar path
+        Src::MlxAffine { .. } => super::rows_scalar(src, cols, x, m, r0, r1, out, ld),
     }
 }

@@ -69,6 +69,13 @@ pub enum Src<'a> {
         scales: &'a [u8],
         resid: Option<E8pResidual<'a>>,
     },
+    /// MLX affine codes at 2, 3 or 4 bits (8-bit weights are [`Src::Affine8`]).
+    MlxAffine {
+        bits: u32,
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+    },
 }
 
 impl<'a> Src<'a> {
@@ -101,6 +108,24 @@ impl<'a> Src<'a> {
                 block_cols,
                 row0,
             },
+            // 8-bit codes are one byte each, exactly affine-8's layout: its kernels serve them.
+            WeightKind::MlxAffine {
+                bits: 8,
+                q,
+                scales,
+                biases,
+            } => Src::Affine8 { q, scales, biases },
+            WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            } => Src::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            },
         }
     }
 
@@ -118,6 +143,7 @@ impl<'a> Src<'a> {
         match *self {
             Src::Fp8Block { block_cols, .. } => block_cols % 16 == 0 || block_cols >= cols,
             Src::E8p { .. } => false,
+            Src::MlxAffine { bits, .. } => mlx_simd_ok(bits),
             _ => true,
         }
     }
@@ -186,10 +212,28 @@ impl<'a> Src<'a> {
                 block_cols,
                 row0,
             },
+            Src::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            } => WeightKind::MlxAffine {
+                bits,
+                q,
+                scales,
+                biases,
+            },
             Src::Affine8 { .. } => unreachable!("affine8 has its own view"),
         };
         WeightView { rows, cols, kind }
     }
+}
+
+/// Whether the SIMD levels decode MLX affine codes of this width in registers (AVX2 and
+/// AVX-512 take 4 bits; 2 and 3 bits go through the scalar path: decode the row, then [`dot`]).
+#[inline(always)]
+fn mlx_simd_ok(bits: u32) -> bool {
+    cfg!(target_arch = "x86_64") && bits == 4
 }
 
 /// `s · 2^8` when that product is exact and finite (it always is for E8M0 scales up to
@@ -508,6 +552,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn mlx_affine_every_width_every_level() {
+        let mut rng = Rng::new(0x6d6c_7861_6666_696e);
+        for bits in [2u32, 3, 4, 8] {
+            for &(rows, cols) in &[(1, 64), (5, 128), (19, 192), (33, 640)] {
+                let q = rng.bytes(rows * cols * bits as usize / 8);
+                let bf = |rng: &mut Rng, n: usize| -> Vec<u8> {
+                    (0..n)
+                        .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
+                        .collect()
+                };
+                let (sc, bi) = (
+                    bf(&mut rng, rows * cols / 64),
+                    bf(&mut rng, rows * cols / 64),
+                );
+                let w = WeightView::mlx_affine(bits, &q, &sc, &bi, rows, cols).unwrap();
+                // The element reference is keep-format's row reference; the row decoder and a
+                // row slice agree with it bit for bit.
+                let mut row = vec![0f32; cols];
+                let mut fmt = vec![0f32; cols];
+                let pb = cols * bits as usize / 8;
+                let half = w.slice_rows(rows / 2, rows).unwrap();
+                for r in 0..rows {
+                    w.decode_row(r, &mut row);
+                    keep_format::mlx_affine::decode_row_ref(
+                        bits,
+                        &q[r * pb..(r + 1) * pb],
+                        keep_format::affine::ParamSlice::Bf16Le(
+                            &sc[r * cols / 32..(r + 1) * cols / 32],
+                        ),
+                        keep_format::affine::ParamSlice::Bf16Le(
+                            &bi[r * cols / 32..(r + 1) * cols / 32],
+                        ),
+                        &mut fmt,
+                    )
+                    .unwrap();
+                    for c in 0..cols {
+                        assert_eq!(row[c].to_bits(), w.get_ref(r, c).to_bits(), "bits {bits}");
+                        assert_eq!(row[c].to_bits(), fmt[c].to_bits(), "bits {bits}");
+                        if r >= rows / 2 {
+                            assert_eq!(half.get_ref(r - rows / 2, c).to_bits(), row[c].to_bits());
+                        }
+                    }
+                }
+                compare(&w, &mut rng);
+            }
+        }
+        assert!(WeightView::mlx_affine(5, &[0; 40], &[0; 2], &[0; 2], 1, 64).is_err());
+        assert!(WeightView::mlx_affine(4, &[0; 31], &[0; 2], &[0; 2], 1, 64).is_err());
+        assert!(WeightView::mlx_affine(3, &[0; 24], &[0; 2], &[0; 1], 1, 64).is_err());
+        assert!(WeightView::mlx_affine(2, &[0; 8], &[0; 2], &[0; 2], 1, 32).is_err());
     }
 
     #[test]

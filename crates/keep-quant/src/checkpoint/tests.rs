@@ -67,6 +67,7 @@ fn quantize_refuse_shard_join_and_decode() {
         experts: few_experts(),
         shard: (0, 1),
         force: false,
+        mlx_bits: None,
     };
     let err = quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap_err();
     let msg = err.to_string();
