@@ -89,7 +89,8 @@ pub const QMAX: f32 = 127.0;
 
 /// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
 /// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` and `ds` the
-/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term), and `nsum4`
+/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term), `dx` the
+/// block scales spread over the lanes (E8P's coefficients), and `nsum4`
 /// the `m × cols/4` values `−128 · Σ` of every four int8 (the start of the VNNI level's
 /// affine-8 sums, which multiply the stored bytes `q` as unsigned).
 #[derive(Debug, Clone, Default)]
@@ -101,6 +102,9 @@ pub struct Q8Acts {
     pub sums: Vec<i32>,
     pub ds: Vec<f32>,
     pub nsum4: Vec<i32>,
+    /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
+    /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
+    pub dx: Vec<f32>,
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -173,6 +177,8 @@ impl Q8Acts {
         self.ds.clear();
         self.ds
             .extend(self.d.iter().zip(&self.sums).map(|(&d, &s)| d * s as f32));
+        self.dx.clear();
+        self.dx.extend(self.d.iter().flat_map(|&d| [d; QBLOCK / 4]));
         self.nsum4.clear();
         self.nsum4.extend(
             self.q

@@ -343,15 +343,22 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
             let mut i = 0;
             while i < a.m {
                 let mr = (a.m - i).min(4);
-                match (mr, VNNI && matches!(row, Row::U8(_))) {
-                    (4, false) => group512::<VNNI, 4, false>(row, a, f, i, post, r, out, ld),
-                    (3, false) => group512::<VNNI, 3, false>(row, a, f, i, post, r, out, ld),
-                    (2, false) => group512::<VNNI, 2, false>(row, a, f, i, post, r, out, ld),
-                    (_, false) => group512::<VNNI, 1, false>(row, a, f, i, post, r, out, ld),
-                    (4, true) => group512::<VNNI, 4, true>(row, a, f, i, post, r, out, ld),
-                    (3, true) => group512::<VNNI, 3, true>(row, a, f, i, post, r, out, ld),
-                    (2, true) => group512::<VNNI, 2, true>(row, a, f, i, post, r, out, ld),
-                    (_, true) => group512::<VNNI, 1, true>(row, a, f, i, post, r, out, ld),
+                // E8P rows have block factor 1: their coefficients are the activations'
+                // block scales as they lie (`Q8Acts::dx`), no multiply or permute.
+                let unit = matches!(src, IntSrc::E8p { .. });
+                match (VNNI && matches!(row, Row::U8(_)), unit) {
+                    (false, false) => {
+                        group_mr::<VNNI, false, false>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (false, true) => {
+                        group_mr::<VNNI, false, true>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (true, false) => {
+                        group_mr::<VNNI, true, false>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (true, true) => {
+                        group_mr::<VNNI, true, true>(mr, row, a, f, i, post, r, out, ld)
+                    }
                 }
                 i += mr;
             }
@@ -377,12 +384,35 @@ unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld
     super::BIAS.with(|c| c.replace(bb));
 }
 
-/// Input rows `i..i+MR` against one weight row (`DIRECT`: an affine-8 row on the VNNI level,
-/// `Σ q·x` from the stored bytes started at the activations' `−128·Σx`, which is exactly
-/// the contract's `Σ (q − 128)·x`).
+/// [`group512`] for `mr` (1..=4) input rows.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
+unsafe fn group_mr<const VNNI: bool, const DIRECT: bool, const UNIT: bool>(
+    mr: usize,
+    row: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    post: Option<f32>,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    match mr {
+        4 => group512::<VNNI, 4, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        3 => group512::<VNNI, 3, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        2 => group512::<VNNI, 2, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        _ => group512::<VNNI, 1, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+    }
+}
+
+/// Input rows `i..i+MR` against one weight row (`DIRECT`: an affine-8 row on the VNNI level,
+/// `Σ q·x` from the stored bytes started at the activations' `−128·Σx`, which is exactly
+/// the contract's `Σ (q − 128)·x`; `UNIT`: every block factor is 1, so `c_b = 1 · d_b` is
+/// `d_b` and is loaded from [`Q8Acts::dx`] as it lies).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool, const UNIT: bool>(
     row: Row,
     a: &Q8Acts,
     f: *const f32,
@@ -413,7 +443,6 @@ unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
         let (n0, n1) = (_mm512_movepi8_mask(w0), _mm512_movepi8_mask(w1));
         let f4 = _mm_loadu_ps(f.add(b));
         for j in 0..MR {
-            let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
             let qa = _mm512_loadu_si512(q[j].add(k) as *const __m512i);
             let qb = _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i);
             let (p0, p1) = if DIRECT {
@@ -425,16 +454,18 @@ unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
             } else {
                 (dot64::<VNNI>(a0, n0, qa), dot64::<VNNI>(a1, n1, qb))
             };
-            acc[j][0] = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(idx_a, c4),
-                _mm512_cvtepi32_ps(p0),
-                acc[j][0],
-            );
-            acc[j][1] = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(idx_b, c4),
-                _mm512_cvtepi32_ps(p1),
-                acc[j][1],
-            );
+            let (ca, cb) = if UNIT {
+                let dx = a.dx.as_ptr().add((i + j) * cols / 4 + k / 4);
+                (_mm512_loadu_ps(dx), _mm512_loadu_ps(dx.add(16)))
+            } else {
+                let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
+                (
+                    _mm512_permutexvar_ps(idx_a, c4),
+                    _mm512_permutexvar_ps(idx_b, c4),
+                )
+            };
+            acc[j][0] = _mm512_fmadd_ps(ca, _mm512_cvtepi32_ps(p0), acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(cb, _mm512_cvtepi32_ps(p1), acc[j][1]);
         }
         b += 4;
     }
