@@ -211,6 +211,44 @@ impl Kernels {
     }
 }
 
+/// The integer forms of an E8P weight's stages (`codes`/`scales` as stored, little-endian u16
+/// and f32): the main stage, and the residual when it is E8P12. `None` when the integer
+/// kernels cannot take it (columns not a multiple of 32, bytes not aligned for u16 / f32, a
+/// big-endian target, or an E81 residual), and the exact kernel runs. The fast product of a
+/// weight with a residual is the main stage's contract result plus the residual's (one f32
+/// add per output), so it too does not depend on M or on the threading.
+pub fn e8p_int_stages<'a>(
+    codes: &'a [u8],
+    scales: &'a [u8],
+    resid: Option<crate::weight::E8pResidual<'a>>,
+    cols: usize,
+) -> Option<(crate::intdot::IntSrc<'a>, Option<crate::intdot::IntSrc<'a>>)> {
+    fn stage<'a>(codes: &'a [u8], scales: &'a [u8]) -> Option<crate::intdot::IntSrc<'a>> {
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        // SAFETY: every bit pattern is a valid u16 / f32; only the aligned middle is used,
+        // and only when it is the whole slice.
+        let (p0, c, s0) = unsafe { codes.align_to::<u16>() };
+        let (p1, sc, s1) = unsafe { scales.align_to::<f32>() };
+        (p0.is_empty() && s0.is_empty() && p1.is_empty() && s1.is_empty()).then_some(
+            crate::intdot::IntSrc::E8p {
+                codes: c,
+                scales: sc,
+            },
+        )
+    }
+    if !cols.is_multiple_of(crate::intdot::QBLOCK) {
+        return None;
+    }
+    let main = stage(codes, scales)?;
+    match resid {
+        None => Some((main, None)),
+        Some(r) if !r.e81 => Some((main, Some(stage(r.codes, r.scales)?))),
+        Some(_) => None,
+    }
+}
+
 /// [`matmul`] on the chosen [`Kernels`].
 pub fn matmul_with(
     kernels: Kernels,
@@ -222,6 +260,25 @@ pub fn matmul_with(
     if kernels == Kernels::Fast {
         if let Some(src) = crate::intdot::IntSrc::from_view(w) {
             return crate::intdot::int_matmul(x, m, &src, w.rows, w.cols, out);
+        }
+        if let crate::weight::WeightKind::E8p {
+            codes,
+            scales,
+            resid,
+        } = w.kind
+        {
+            if e8p_int_stages(codes, scales, resid, w.cols).is_some() {
+                // One batch of one job: its main and residual stages share the activations.
+                let mut jobs = vec![crate::simd::Job {
+                    w: crate::simd::Src::view(w),
+                    rows: w.rows,
+                    cols: w.cols,
+                    x,
+                    m,
+                    out,
+                }];
+                return matmul_many_with(kernels, &mut jobs);
+            }
         }
         if let Some(src) = crate::bf16dot::BfSrc::from_view(w) {
             // `false`: no AVX-512 BF16 here, so the exact kernel runs below.
@@ -267,6 +324,23 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
         return Ok(());
     }
     let bf = crate::bf16dot::bf_level();
+    // E8P residual stages run as jobs of their own into these buffers, added afterwards.
+    let mut resid_out: Vec<(usize, Vec<f32>)> = jobs
+        .iter()
+        .enumerate()
+        .filter_map(|(k, j)| match j.w {
+            crate::simd::Src::E8p {
+                codes,
+                scales,
+                resid,
+            } => match e8p_int_stages(codes, scales, resid, j.cols) {
+                Some((_, Some(_))) => Some((k, vec![0f32; j.out.len()])),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    let mut resid_bufs = resid_out.iter_mut().map(|(_, b)| b);
     let (mut int_jobs, mut bf_jobs, mut rest): (
         Vec<crate::intdot::IntJob>,
         Vec<crate::bf16dot::BfJob>,
@@ -282,6 +356,27 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
             crate::simd::Src::Affine8 { q, scales, biases } => {
                 Some(crate::intdot::IntSrc::Affine8 { q, scales, biases })
             }
+            crate::simd::Src::E8p {
+                codes,
+                scales,
+                resid,
+            } => match e8p_int_stages(codes, scales, resid, j.cols) {
+                Some((main, res)) => {
+                    if let Some(rw) = res {
+                        let buf = resid_bufs.next().expect("one buffer per residual");
+                        int_jobs.push(crate::intdot::IntJob {
+                            w: rw,
+                            rows: j.rows,
+                            cols: j.cols,
+                            x: j.x,
+                            m: j.m,
+                            out: buf,
+                        });
+                    }
+                    Some(main)
+                }
+                None => None,
+            },
             _ => None,
         };
         let bfw = bf.and(crate::bf16dot::BfSrc::from_src(&j.w, j.cols));
@@ -322,6 +417,10 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
     }
     if !rest.is_empty() {
         crate::simd::matmul_many(&mut rest);
+    }
+    drop((int_jobs, bf_jobs, rest));
+    for (k, b) in &resid_out {
+        jobs[*k].out.iter_mut().zip(b).for_each(|(o, r)| *o += r);
     }
     Ok(())
 }
@@ -507,4 +606,122 @@ mod tests {
         let mut o = [0f32; 1];
         assert!(matmul(&[1.0; 3], 1, &w, &mut o).is_err());
     }
+
+    /// E8P weights (with no residual, an E8P12 residual, an E81 residual) through
+    /// `matmul_with` / `matmul_many_with` on the fast kernels: the integer kernels' result of
+    /// the main stage plus the residual's, bit for bit at every M and in a batch; E81
+    /// residuals and unaligned bytes run the exact kernel.
+    #[test]
+    fn e8p_weights_take_the_integer_kernels_in_fast_mode() {
+        use crate::intdot::{int_matmul, IntSrc};
+        let mut rng = Rng::new(77);
+        let (rows, cols) = (9usize, 96usize);
+        let kc = rows * cols / 8;
+        // u16 / f32 storage, viewed as bytes (aligned).
+        let codes: Vec<u16> = (0..kc).map(|_| rng.next() as u16).collect();
+        let rcodes: Vec<u16> = (0..kc).map(|_| rng.next() as u16).collect();
+        let scales: Vec<f32> = (0..rows).map(|_| 0.01 + rng.f().abs()).collect();
+        let rscales: Vec<f32> = (0..rows).map(|_| 0.001 + rng.f().abs() * 0.1).collect();
+        let e81: Vec<u8> = (0..kc).map(|_| rng.next() as u8).collect();
+        fn bytes<T>(v: &[T]) -> &[u8] {
+            // SAFETY: plain numbers; the byte view covers exactly the slice.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        }
+        let plain = WeightView::e8p(bytes(&codes), bytes(&scales), rows, cols).unwrap();
+        let with_e8p = plain
+            .with_residual(crate::E8pResidual {
+                codes: bytes(&rcodes),
+                scales: bytes(&rscales),
+                e81: false,
+            })
+            .unwrap();
+        let with_e81 = plain
+            .with_residual(crate::E8pResidual {
+                codes: &e81,
+                scales: bytes(&rscales),
+                e81: true,
+            })
+            .unwrap();
+        let main = IntSrc::E8p {
+            codes: &codes,
+            scales: &scales,
+        };
+        let res = IntSrc::E8p {
+            codes: &rcodes,
+            scales: &rscales,
+        };
+        for m in [1usize, 3, 8, 33] {
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+            let mut want = vec![0f32; m * rows];
+            int_matmul(&x, m, &main, rows, cols, &mut want).unwrap();
+            let mut got = vec![f32::NAN; m * rows];
+            matmul_with(Kernels::Fast, &x, m, &plain, &mut got).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m}"
+            );
+            let mut r = vec![0f32; m * rows];
+            int_matmul(&x, m, &res, rows, cols, &mut r).unwrap();
+            want.iter_mut().zip(&r).for_each(|(a, b)| *a += b);
+            matmul_with(Kernels::Fast, &x, m, &with_e8p, &mut got).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m}"
+            );
+            // In a batch beside other jobs, the same bits.
+            let mut o1 = vec![f32::NAN; m * rows];
+            let mut o2 = vec![f32::NAN; m * rows];
+            let mut o3 = vec![f32::NAN; m * rows];
+            let mut jobs = [
+                crate::simd::Job::view(&with_e81, &x, m, &mut o1).unwrap(),
+                crate::simd::Job::view(&with_e8p, &x, m, &mut o2).unwrap(),
+                crate::simd::Job::view(&plain, &x, m, &mut o3).unwrap(),
+            ];
+            matmul_many_with(Kernels::Fast, &mut jobs).unwrap();
+            assert!(
+                o2.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m}"
+            );
+            // E81 residual: the exact kernel.
+            let mut e = vec![0f32; m * rows];
+            matmul(&x, m, &with_e81, &mut e).unwrap();
+            assert!(
+                o1.iter().zip(&e).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m}"
+            );
+            matmul_with(Kernels::Fast, &x, m, &with_e81, &mut got).unwrap();
+            assert!(
+                got.iter().zip(&e).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m}"
+            );
+            // Near the exact product (the int8 activations' rounding: 2^-8 of a block's max).
+            matmul(&x, m, &with_e8p, &mut e).unwrap();
+            let scale = e.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (a, b) in o2.iter().zip(&e) {
+                assert!(
+                    (a - b).abs() <= ACT_Q8_TOL * scale * cols as f32,
+                    "{a} vs {b}"
+                );
+            }
+        }
+        // Unaligned bytes: the exact kernel (no copy, no error).
+        let mut shifted = vec![0u8; bytes(&codes).len() + 1];
+        shifted[1..].copy_from_slice(bytes(&codes));
+        let un = WeightView::e8p(&shifted[1..], bytes(&scales), rows, cols).unwrap();
+        let x: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+        let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+        matmul_with(Kernels::Fast, &x, 1, &un, &mut a).unwrap();
+        matmul(&x, 1, &un, &mut b).unwrap();
+        assert_eq!(a, b);
+    }
+
+    /// Per-element error bound of the int8 activations relative to the output's scale: half a
+    /// quantization step (1/254 of a block's largest value) per term.
+    const ACT_Q8_TOL: f32 = 1.0 / 254.0;
 }

@@ -195,6 +195,15 @@ unsafe fn rows_impl<const VBMI: bool>(
     s.w.resize(cols, 0);
     s.s.resize(nc, 0.0);
     for r in r0..r1 {
+        if VBMI && a.m == 1 {
+            if let BfSrc::Mxfp8 { q, .. } | BfSrc::Fp8Block { q, .. } = *src {
+                if chunk_scales_avx512(src, r, cols, &mut s.s) {
+                    let v = row_m1_fused(q.as_ptr().add(r * cols), a.x.as_ptr(), s.s.as_ptr(), nc);
+                    *out.add(r) = v;
+                    continue;
+                }
+            }
+        }
         let wp: *const u16 = match *src {
             BfSrc::Bf16(b) => b.as_ptr().add(2 * r * cols) as *const u16,
             BfSrc::Mxfp8 { q, .. } | BfSrc::Fp8Block { q, .. } => {
@@ -238,6 +247,37 @@ unsafe fn rows_impl<const VBMI: bool>(
         }
     }
     SCRATCH.with(|c| c.replace(s));
+}
+
+/// One input row against one scaled E4M3 row (`nc` chunks), decoded in registers 64 bytes
+/// at a time ([`decode64_vbmi`]) and dotted at once, without the row buffer: the contract's
+/// scaled form, operation for operation as the buffered loop (so the same bits).
+///
+/// # Safety
+/// AVX-512 F/BW/BF16/VBMI; `qp` holds `32·nc` bytes, `xp` `32·nc` bf16, `sp` `nc` scales.
+#[inline(always)]
+unsafe fn row_m1_fused(qp: *const u8, xp: *const u16, sp: *const f32, nc: usize) -> f32 {
+    let bt = byte_tables();
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let full = nc / 4 * 4;
+    let mut c = 0;
+    while c < full {
+        for h in [0, 2] {
+            let [w0, w1] = decode64_vbmi(&bt, qp.add(CHUNK * (c + h)));
+            for (k, w) in [(h, w0), (h + 1, w1)] {
+                let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(w), ld16(xp, c + k));
+                acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c + k)), blk, acc[k]);
+            }
+        }
+        c += 4;
+    }
+    let t = tables();
+    for c in full..nc {
+        let w = decode32(&t, qp.add(CHUNK * c));
+        let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(w), ld16(xp, c));
+        acc[c % 4] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c)), blk, acc[c % 4]);
+    }
+    finish(acc)
 }
 
 /// One `vdpbf16ps` on 16 lanes (for the tests of [`super::dpbf16_ref`]).

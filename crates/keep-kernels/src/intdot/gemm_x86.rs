@@ -146,6 +146,10 @@ unsafe fn decode_row(src: &IntSrc, r: usize, cols: usize, p: &mut Panel, k: usiz
                 c += 2;
             }
         }
+        IntSrc::E8p { codes, .. } => {
+            let kc = cols / 8;
+            super::x86::decode_e8p_avx512::<false>(codes.as_ptr().add(r * kc), kc, w.as_mut_ptr())
+        }
         _ => src.decode_row_fast(r, cols, w),
     }
     super::x86::block_factors_avx512(src, r, cols, &mut p.f[k * nb..(k + 1) * nb]);

@@ -12,8 +12,12 @@
 //!   weight factor is `2^(e−128)` (exact: `w = 2·e2m1 · 2^(e−128)`).
 //! - E8P (one 16-bit code per 8 weights, one f32 scale per row): `4·codeword` is an integer in
 //!   [−11, 11] (pattern × 4, signs, ±1 for the ¼ shift), looked up in a 65,536-entry table of
-//!   8 int8 each (512 KiB, built once from `keep_format::e8p::decode_e8p`); the block factor
-//!   is 1 and the row's result is multiplied by `scale / 4` at the end.
+//!   8 int8 each (512 KiB, built once from `keep_format::e8p::decode_e8p`) on the scalar and
+//!   AVX2 levels; the AVX-512 levels decode eight codes at a time in registers instead (the
+//!   base patterns gathered from a 2 KiB table, the sign bytes as one 64-bit mask with the
+//!   parity fix, one masked negate and a ±1 add) and hand the row to the kernels as `w + 128`
+//!   bytes, the form affine-8 rows are stored in (so VNNI multiplies them as they lie); the
+//!   block factor is 1 and the row's result is multiplied by `scale / 4` at the end.
 //! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
 //!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
 //!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is
@@ -85,7 +89,8 @@ pub const QMAX: f32 = 127.0;
 
 /// Activation rows quantized to int8 blocks: `q` is `m × cols` int8, `d` is `m × cols/32`
 /// block scales (`x ≈ q · d`), `sums` the `m × cols/32` exact block sums of `q` and `ds` the
-/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term), and `nsum4`
+/// products `d · sums` (one f32 multiply each; both for the affine-8 bias term), `dx` the
+/// block scales spread over the lanes (E8P's coefficients), and `nsum4`
 /// the `m × cols/4` values `−128 · Σ` of every four int8 (the start of the VNNI level's
 /// affine-8 sums, which multiply the stored bytes `q` as unsigned).
 #[derive(Debug, Clone, Default)]
@@ -97,6 +102,9 @@ pub struct Q8Acts {
     pub sums: Vec<i32>,
     pub ds: Vec<f32>,
     pub nsum4: Vec<i32>,
+    /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
+    /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
+    pub dx: Vec<f32>,
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -169,6 +177,8 @@ impl Q8Acts {
         self.ds.clear();
         self.ds
             .extend(self.d.iter().zip(&self.sums).map(|(&d, &s)| d * s as f32));
+        self.dx.clear();
+        self.dx.extend(self.d.iter().flat_map(|&d| [d; QBLOCK / 4]));
         self.nsum4.clear();
         self.nsum4.extend(
             self.q
@@ -343,6 +353,30 @@ pub static E8P_I8: LazyLock<Vec<u64>> = LazyLock::new(|| {
         })
         .collect()
 });
+
+/// `4 · e8p_base(g)` as 8 int8 for the 256 patterns (index = the code's high byte),
+/// little-endian in a u64: the 2 KiB table the vector E8P decoder gathers from (it stays in
+/// L1, where [`E8P_I8`]'s 512 KiB cannot).
+pub static E8P_BASE4: LazyLock<[u64; 256]> = LazyLock::new(|| {
+    std::array::from_fn(|g| {
+        u64::from_le_bytes(keep_format::e8p::e8p_base(g as u8).map(|v| (v * 4.0) as i8 as u8))
+    })
+});
+
+/// The per-byte sign flips and shift signs of eight E8P sign bytes packed little-endian in
+/// `s` (byte `c` = code `c`'s low byte): bit `8c + i` of the first value negates coordinate
+/// `i` of code `c` (the sign byte with bit 0 toggled when its parity is odd), and byte `c` of
+/// the second is 0xFF when code `c`'s shift is −¼ (odd parity), else 0. A SWAR parity: after
+/// `s ^ s>>4`, `^ >>2`, `^ >>1`, bit 0 of each byte is the parity of that byte (the bits
+/// shifted in from the byte above reach only bits 4..7, which the later steps never read).
+#[inline(always)]
+pub fn e8p_sign_masks(s: u64) -> (u64, u64) {
+    let mut p = s ^ (s >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    p &= 0x0101_0101_0101_0101;
+    (s ^ p, p * 0xFF)
+}
 
 /// Step 1–2 of the contract for blocks `b0..b1` (see the module doc), on the scalar level.
 #[inline]

@@ -92,6 +92,23 @@ fn integer_decoders_equal_definitions_on_every_code() {
         assert_eq!(v as f32, exact, "code {:#06x}", codes[j / 8]);
         assert!((-11..=11).contains(&v));
     }
+    // The vector E8P decoder: every code, at several alignments (the scalar tail included).
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::detected() >= crate::cpu::Level::Avx512 {
+        for skip in [0usize, 3, 13] {
+            let cs = &codes[skip..];
+            let mut v = vec![0i8; cs.len() * 8];
+            // SAFETY: AVX-512 checked above; `v` has room for every code.
+            unsafe { x86::decode_e8p_test(false, cs, &mut v) };
+            assert_eq!(v, a[skip * 8..], "offset {skip}");
+            // SAFETY: as above.
+            unsafe { x86::decode_e8p_test(true, cs, &mut v) };
+            assert!(v
+                .iter()
+                .zip(&a[skip * 8..])
+                .all(|(b, w)| (*b as u8 ^ 0x80) as i8 == *w));
+        }
+    }
     // E8M0 halves.
     for e in 0..=255u8 {
         let h = e8m0_half(e);
@@ -491,4 +508,129 @@ fn vector_row_factors_equal_scalar_on_every_scale_byte() {
     unsafe { x86::bias_blocks_avx512(&src, 0, cols, &mut b) };
     let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
     assert!(a.iter().zip(&b).all(|(x, y)| same(*x, *y)));
+}
+
+/// CPU time of the calling thread in seconds (`CLOCK_THREAD_CPUTIME_ID`): on a shared,
+/// loaded machine it counts only the cycles this thread ran, unlike wall time.
+#[cfg(target_os = "linux")]
+fn thread_cpu_s() -> f64 {
+    extern "C" {
+        fn clock_gettime(clk: i32, tp: *mut [i64; 2]) -> i32;
+    }
+    let mut t = [0i64; 2];
+    // SAFETY: `t` is a valid timespec-sized buffer; clock 3 is CLOCK_THREAD_CPUTIME_ID.
+    unsafe { clock_gettime(3, &mut t) };
+    t[0] as f64 + t[1] as f64 * 1e-9
+}
+
+/// Where one thread's time goes at decode shapes, timed by thread CPU time (so it means
+/// something on a busy machine; the caches are still shared): `KEEP_PRINT_M=1,8,32 cargo
+/// test --release -p keep-kernels intdot::tests::print_cpu -- --ignored --nocapture`. E8P:
+/// the row decode alone (the 512 KiB table and the vector decoder), the activation
+/// quantization, and whole products per level; MXFP8: the bf16 kernels. Asserts nothing.
+#[cfg(target_os = "linux")]
+#[test]
+#[ignore]
+fn print_cpu_time_breakdown() {
+    // One pool thread runs everything (nested rayon work stays on it), timed from inside.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    pool.install(cpu_time_breakdown);
+}
+
+#[cfg(target_os = "linux")]
+fn cpu_time_breakdown() {
+    use crate::bf16dot::{bf_levels_available, bf_matmul_at, Bf16Acts, BfSrc};
+    let (rows, cols) = (2048usize, 4096usize);
+    let mut rng = Rng::new(9);
+    let codes: Vec<u16> = (0..rows * cols / 8).map(|_| rng.next() as u16).collect();
+    let escales: Vec<f32> = (0..rows).map(|_| rng.f()).collect();
+    let e = E8pView::new(&codes, &escales, rows, cols).unwrap();
+    let esrc = IntSrc::from_e8p(&e).unwrap();
+    let q8: Vec<u8> = (0..rows * cols)
+        .map(|_| {
+            let b = rng.next() as u8;
+            if b & 0x7F == 0x7F {
+                b ^ 1
+            } else {
+                b
+            }
+        })
+        .collect();
+    let mx: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 117 + (rng.next() % 4) as u8)
+        .collect();
+    let mv = WeightView::mxfp8(&q8, &mx, rows, cols).unwrap();
+    let msrc = BfSrc::from_view(&mv).unwrap();
+    let reps: usize = std::env::var("KEEP_PRINT_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(31);
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let t = thread_cpu_s();
+            f();
+            best = best.min(thread_cpu_s() - t);
+        }
+        best
+    };
+    let ns_w = |t: f64| t * 1e9 / (rows * cols) as f64;
+    let mut buf = vec![0i8; cols];
+    let t = time(&mut || {
+        for r in 0..rows {
+            esrc.decode_row_fast(r, cols, &mut buf);
+            std::hint::black_box(&buf);
+        }
+    });
+    println!("e8p decode, 512 KiB table: {:.4} ns/weight", ns_w(t));
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::detected() >= crate::cpu::Level::Avx512 {
+        let t = time(&mut || {
+            for r in 0..rows {
+                let kc = cols / 8;
+                // SAFETY: AVX-512 checked; `buf` holds a row.
+                unsafe { x86::decode_e8p_test(true, &codes[r * kc..(r + 1) * kc], &mut buf) };
+                std::hint::black_box(&buf);
+            }
+        });
+        println!("e8p decode, vector (gather): {:.4} ns/weight", ns_w(t));
+    }
+    let m_list: Vec<usize> = std::env::var("KEEP_PRINT_M")
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or_else(|_| vec![1, 8, 32]);
+    for m in m_list {
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut out = vec![0f32; m * rows];
+        let t = time(&mut || {
+            std::hint::black_box(Q8Acts::quantize(&x, m, cols).unwrap());
+        });
+        println!("m={m} int8 activation quantization: {:.1} us", t * 1e6);
+        let a = Q8Acts::quantize(&x, m, cols).unwrap();
+        for lv in int_levels_available()
+            .into_iter()
+            .filter(|&l| l >= IntLevel::Avx2)
+        {
+            let t = time(&mut || int_matmul_at(lv, &esrc, rows, &a, &mut out).unwrap());
+            println!(
+                "m={m} e8p {}: {:.4} ns/weight/row-of-M, {:.2} GB/s of codes at one core",
+                lv.name(),
+                ns_w(t) / m as f64,
+                (rows * cols / 4) as f64 / t / 1e9
+            );
+        }
+        let ba = Bf16Acts::round(&x, m, cols).unwrap();
+        for lv in bf_levels_available().into_iter().skip(1) {
+            let t = time(&mut || bf_matmul_at(lv, &msrc, rows, &ba, &mut out).unwrap());
+            println!(
+                "m={m} mxfp8 {:?}: {:.4} ns/weight, {:.2} GB/s at one core",
+                lv,
+                ns_w(t) / m as f64,
+                mv.nbytes() as f64 / t / 1e9
+            );
+        }
+    }
 }

@@ -7,10 +7,11 @@
 //! the last whole group of four run the contract in scalar code on the same accumulators.
 //!
 //! MXFP4 weights are decoded in registers (nibbles widened to 16 bits, then a 16-entry
-//! `vpshufb` table); E8P rows are first looked up into an int8 row buffer (one table load per
-//! code), which then serves every input row; affine-8 bytes are read as stored (`q − 128` is
-//! one xor in registers, and VNNI multiplies `q` itself as unsigned bytes from the
-//! activations' `−128·Σx`). Row factors (E8M0, bf16 scales, `128·s + b`) are computed 16
+//! `vpshufb` table); E8P rows are first decoded into a row buffer, which then serves every
+//! input row (AVX-512: eight codes per step in registers, stored as `w + 128` bytes and then
+//! treated as an affine-8 row; AVX2: one load per code from the 512 KiB table); affine-8
+//! bytes are read as stored (`q − 128` is one xor in registers, and VNNI multiplies `q`
+//! itself as unsigned bytes from the activations' `−128·Σx`). Row factors (E8M0, bf16 scales, `128·s + b`) are computed 16
 //! blocks at a time.
 #![allow(clippy::incompatible_msrv)]
 // Indexed loops mirror the contract's lane and accumulator numbering.
@@ -29,7 +30,8 @@ pub(super) enum Row {
     Mx4(*const u8),
     /// Decoded int8 weights of the row.
     Buf(*const i8),
-    /// Affine-8 bytes `q` of the row as stored: the integer weight `q − 128` is one xor in
+    /// Affine-8 bytes `q` of the row as stored (or an E8P row decoded to `w + 128`, the same
+    /// form): the integer weight `q − 128` is one xor in
     /// registers, and the VNNI level multiplies `q` itself as unsigned bytes, starting from
     /// the activations' `−128·Σq` ([`Q8Acts::nsum4`]).
     U8(*const u8),
@@ -201,13 +203,96 @@ pub(super) unsafe fn bias_blocks_avx512(src: &IntSrc, r: usize, cols: usize, dst
     }
 }
 
-/// Prepare row `r`: the weight source and the block factors in `s.f`.
+/// E8P codes `codes[..kc]` decoded to `4 · codeword` int8 at `dst` (the same bytes as
+/// [`super::E8P_I8`], tested on every code; `BIASED`: each byte xor 0x80, i.e. the weight
+/// plus 128 as an unsigned byte, the form affine-8 rows are stored in, so the row takes the
+/// same `vpdpbusd` path from the activations' `−128·Σq`), eight codes (64 weights) per step: the base
+/// patterns gathered from the 2 KiB [`super::E8P_BASE4`] (one `vpgatherqq`), the eight sign
+/// bytes narrowed into one 64-bit mask (`vpmovwb`) whose parity fix and shift signs come from
+/// [`super::e8p_sign_masks`], then one masked negate and one ±1 add. Codes past the last
+/// group of eight go through the same masks in scalar code.
+///
+/// # Safety
+/// AVX-512 F/BW/VL; `codes` holds `kc` codes and `dst` room for `8·kc` bytes.
 #[inline(always)]
-unsafe fn prep_row(src: &IntSrc, r: usize, cols: usize, s: &mut Scratch) -> Row {
-    block_factors_avx512(src, r, cols, &mut s.f);
+pub(super) unsafe fn decode_e8p_avx512<const BIASED: bool>(
+    codes: *const u16,
+    kc: usize,
+    dst: *mut i8,
+) {
+    let t = super::E8P_BASE4.as_ptr() as *const i64;
+    // The ±1 shift, plus 128 (mod 256) when biased.
+    let bias: i8 = if BIASED { -128 } else { 0 };
+    let (one, mone) = (
+        _mm512_set1_epi8(1i8.wrapping_add(bias)),
+        _mm512_set1_epi8((-1i8).wrapping_add(bias)),
+    );
+    let zero = _mm512_setzero_si512();
+    let mut c = 0;
+    while c + 8 <= kc {
+        let v = _mm_loadu_si128(codes.add(c) as *const __m128i);
+        let idx = _mm512_srli_epi64(_mm512_cvtepu16_epi64(v), 8);
+        // One gather (8 loads from L1); eight scalar loads and inserts measured slower.
+        let base = _mm512_i64gather_epi64::<8>(idx, t);
+        let s = _mm_cvtsi128_si64(_mm_cvtepi16_epi8(v)) as u64;
+        let (neg, odd) = super::e8p_sign_masks(s);
+        let w = _mm512_mask_sub_epi8(base, neg, zero, base);
+        let sh = _mm512_mask_blend_epi8(odd, one, mone);
+        _mm512_storeu_si512(dst.add(8 * c) as *mut __m512i, _mm512_add_epi8(w, sh));
+        c += 8;
+    }
+    while c < kc {
+        let code = *codes.add(c);
+        let (neg, odd) = super::e8p_sign_masks(code as u8 as u64);
+        let base = super::E8P_BASE4[(code >> 8) as usize].to_le_bytes();
+        for i in 0..8 {
+            let b = base[i] as i8;
+            let w = if (neg >> i) & 1 == 1 { -b } else { b };
+            *dst.add(8 * c + i) = (w + if odd & 1 == 1 { -1 } else { 1 }).wrapping_add(bias);
+        }
+        c += 1;
+    }
+}
+
+/// [`decode_e8p_avx512`] (for the tests).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL; as [`decode_e8p_avx512`].
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+pub(super) unsafe fn decode_e8p_test(biased: bool, codes: &[u16], dst: &mut [i8]) {
+    assert!(dst.len() >= 8 * codes.len());
+    if biased {
+        decode_e8p_avx512::<true>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    } else {
+        decode_e8p_avx512::<false>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    }
+}
+
+/// Prepare row `r`: the weight source and the block factors in `s.f` (`AVX512`: the
+/// vector row factors and E8P decoder; the AVX2 level uses the scalar ones, since AVX-512
+/// code must not run inside it).
+#[inline(always)]
+unsafe fn prep_row<const AVX512: bool>(
+    src: &IntSrc,
+    r: usize,
+    cols: usize,
+    s: &mut Scratch,
+) -> Row {
+    if AVX512 {
+        block_factors_avx512(src, r, cols, &mut s.f);
+    } else {
+        src.block_factors(r, cols, &mut s.f);
+    }
     match *src {
         IntSrc::Mxfp4 { packed, .. } => Row::Mx4(packed.as_ptr().add(r * cols / 2)),
         IntSrc::Affine8 { q, .. } => Row::U8(q.as_ptr().add(r * cols)),
+        IntSrc::E8p { codes, .. } if AVX512 => {
+            // Stored as `w + 128` bytes: on VNNI the row multiplies them as they lie.
+            let kc = cols / 8;
+            decode_e8p_avx512::<true>(codes.as_ptr().add(r * kc), kc, s.w.as_mut_ptr());
+            Row::U8(s.w.as_ptr() as *const u8)
+        }
         IntSrc::E8p { .. } => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
@@ -252,21 +337,28 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
         s.w.resize(cols, 0);
         s.f.resize(nb, 0.0);
         for r in r0..r1 {
-            let row = prep_row(src, r, cols, s);
+            let row = prep_row::<true>(src, r, cols, s);
             let post = src.post(r);
             let f = s.f.as_ptr();
             let mut i = 0;
             while i < a.m {
                 let mr = (a.m - i).min(4);
-                match (mr, VNNI && matches!(row, Row::U8(_))) {
-                    (4, false) => group512::<VNNI, 4, false>(row, a, f, i, post, r, out, ld),
-                    (3, false) => group512::<VNNI, 3, false>(row, a, f, i, post, r, out, ld),
-                    (2, false) => group512::<VNNI, 2, false>(row, a, f, i, post, r, out, ld),
-                    (_, false) => group512::<VNNI, 1, false>(row, a, f, i, post, r, out, ld),
-                    (4, true) => group512::<VNNI, 4, true>(row, a, f, i, post, r, out, ld),
-                    (3, true) => group512::<VNNI, 3, true>(row, a, f, i, post, r, out, ld),
-                    (2, true) => group512::<VNNI, 2, true>(row, a, f, i, post, r, out, ld),
-                    (_, true) => group512::<VNNI, 1, true>(row, a, f, i, post, r, out, ld),
+                // E8P rows have block factor 1: their coefficients are the activations'
+                // block scales as they lie (`Q8Acts::dx`), no multiply or permute.
+                let unit = matches!(src, IntSrc::E8p { .. });
+                match (VNNI && matches!(row, Row::U8(_)), unit) {
+                    (false, false) => {
+                        group_mr::<VNNI, false, false>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (false, true) => {
+                        group_mr::<VNNI, false, true>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (true, false) => {
+                        group_mr::<VNNI, true, false>(mr, row, a, f, i, post, r, out, ld)
+                    }
+                    (true, true) => {
+                        group_mr::<VNNI, true, true>(mr, row, a, f, i, post, r, out, ld)
+                    }
                 }
                 i += mr;
             }
@@ -292,12 +384,35 @@ unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld
     super::BIAS.with(|c| c.replace(bb));
 }
 
-/// Input rows `i..i+MR` against one weight row (`DIRECT`: an affine-8 row on the VNNI level,
-/// `Σ q·x` from the stored bytes started at the activations' `−128·Σx`, which is exactly
-/// the contract's `Σ (q − 128)·x`).
+/// [`group512`] for `mr` (1..=4) input rows.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
+unsafe fn group_mr<const VNNI: bool, const DIRECT: bool, const UNIT: bool>(
+    mr: usize,
+    row: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    post: Option<f32>,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    match mr {
+        4 => group512::<VNNI, 4, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        3 => group512::<VNNI, 3, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        2 => group512::<VNNI, 2, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+        _ => group512::<VNNI, 1, DIRECT, UNIT>(row, a, f, i, post, r, out, ld),
+    }
+}
+
+/// Input rows `i..i+MR` against one weight row (`DIRECT`: an affine-8 row on the VNNI level,
+/// `Σ q·x` from the stored bytes started at the activations' `−128·Σx`, which is exactly
+/// the contract's `Σ (q − 128)·x`; `UNIT`: every block factor is 1, so `c_b = 1 · d_b` is
+/// `d_b` and is loaded from [`Q8Acts::dx`] as it lies).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool, const UNIT: bool>(
     row: Row,
     a: &Q8Acts,
     f: *const f32,
@@ -328,7 +443,6 @@ unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
         let (n0, n1) = (_mm512_movepi8_mask(w0), _mm512_movepi8_mask(w1));
         let f4 = _mm_loadu_ps(f.add(b));
         for j in 0..MR {
-            let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
             let qa = _mm512_loadu_si512(q[j].add(k) as *const __m512i);
             let qb = _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i);
             let (p0, p1) = if DIRECT {
@@ -340,16 +454,18 @@ unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool>(
             } else {
                 (dot64::<VNNI>(a0, n0, qa), dot64::<VNNI>(a1, n1, qb))
             };
-            acc[j][0] = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(idx_a, c4),
-                _mm512_cvtepi32_ps(p0),
-                acc[j][0],
-            );
-            acc[j][1] = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(idx_b, c4),
-                _mm512_cvtepi32_ps(p1),
-                acc[j][1],
-            );
+            let (ca, cb) = if UNIT {
+                let dx = a.dx.as_ptr().add((i + j) * cols / 4 + k / 4);
+                (_mm512_loadu_ps(dx), _mm512_loadu_ps(dx.add(16)))
+            } else {
+                let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
+                (
+                    _mm512_permutexvar_ps(idx_a, c4),
+                    _mm512_permutexvar_ps(idx_b, c4),
+                )
+            };
+            acc[j][0] = _mm512_fmadd_ps(ca, _mm512_cvtepi32_ps(p0), acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(cb, _mm512_cvtepi32_ps(p1), acc[j][1]);
         }
         b += 4;
     }
@@ -433,7 +549,7 @@ pub(super) unsafe fn rows_avx2(
         s.w.resize(cols, 0);
         s.f.resize(nb, 0.0);
         for r in r0..r1 {
-            let row = prep_row(src, r, cols, s);
+            let row = prep_row::<false>(src, r, cols, s);
             let post = src.post(r);
             let f = s.f.as_ptr();
             let mut i = 0;
