@@ -14,7 +14,10 @@
 //! `keep finalize` and `keep eval`); `keep logits`' file ([`logits`], `keep-logits` v1); and
 //! `keep run --stats-json` ([`run_stats`], `keep-run-stats` v1); bench evidence rows
 //! ([`bench`], `keep-killtest` and `keep-side-by-side`: written by `keep bench kill-tests`,
-//! `repack` and `prune`, read by `keep bench summary`). [`st`] holds the typed reads
+//! `repack` and `prune`, read by `keep bench summary`); fit plans ([`fit_plan`], `keep-fit-plan`
+//! v1 JSON: written by `keep fit`, read by `keep run --plan`, `keep serve --plan` and `keep fit
+//! --check`) and route profiles ([`route_profile`], `keep-route-profile` v1: per layer and expert
+//! use counts and decayed scores the runtime keeps across runs beside a plan). [`st`] holds the typed reads
 //! the safetensors artifacts share; every one of them is written by keep-checkpoint's
 //! `tensor_file`.
 //!
@@ -26,11 +29,13 @@
 
 pub mod bench;
 pub mod error;
+pub mod fit_plan;
 pub mod fuzzing;
 pub mod hashremap;
 pub mod logits;
 pub mod plan;
 pub mod reap;
+pub mod route_profile;
 pub mod routes;
 pub mod run_stats;
 pub mod session;

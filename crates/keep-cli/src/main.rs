@@ -36,6 +36,7 @@ enum Command {
     Select(cmd::select::SelectArgs),
     Quant(cmd::quant::QuantArgs),
     Serve(cmd::serve::ServeArgs),
+    Fit(cmd::fit::FitArgs),
 }
 
 fn main() {
@@ -63,6 +64,7 @@ fn main() {
         Command::Quant(a) => cmd::quant::run(a),
         Command::Select(a) => cmd::select::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Fit(a) => cmd::fit::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
