@@ -16,7 +16,10 @@
 //! ([`alloc`], `keep-alloc` v1 JSON: written by `keep alloc`, read by `keep quant --alloc` and
 //! `keep eval --alloc`/`--tiers`); bench evidence rows
 //! ([`bench`], `keep-killtest` and `keep-side-by-side`: written by `keep bench kill-tests`,
-//! `repack` and `prune`, read by `keep bench summary`). [`st`] holds the typed reads
+//! `repack` and `prune`, read by `keep bench summary`); fit plans ([`fit_plan`], `keep-fit-plan`
+//! v1 JSON: written by `keep fit`, read by `keep run --plan`, `keep serve --plan` and `keep fit
+//! --check`) and route profiles ([`route_profile`], `keep-route-profile` v1: per layer and expert
+//! use counts and decayed scores the runtime keeps across runs beside a plan). [`st`] holds the typed reads
 //! the safetensors artifacts share; every one of them is written by keep-checkpoint's
 //! `tensor_file`.
 //!
@@ -29,11 +32,13 @@
 pub mod alloc;
 pub mod bench;
 pub mod error;
+pub mod fit_plan;
 pub mod fuzzing;
 pub mod hashremap;
 pub mod logits;
 pub mod plan;
 pub mod reap;
+pub mod route_profile;
 pub mod routes;
 pub mod run_stats;
 pub mod session;

@@ -37,6 +37,7 @@ enum Command {
     Quant(cmd::quant::QuantArgs),
     Serve(cmd::serve::ServeArgs),
     Alloc(cmd::alloc::AllocArgs),
+    Fit(cmd::fit::FitArgs),
 }
 
 fn main() {
@@ -65,6 +66,7 @@ fn main() {
         Command::Select(a) => cmd::select::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Alloc(a) => cmd::alloc::run(a),
+        Command::Fit(a) => cmd::fit::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -54,6 +54,15 @@ impl RouteLog {
     pub fn experts(&self, layer: usize) -> Option<&[u32]> {
         self.layers.get(&layer).map(|l| &l.0[..])
     }
+    /// Experts routed per token (0 before the first route).
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// Every recorded layer with its experts, token-major (`top_k` per token).
+    pub fn layer_routes(&self) -> impl Iterator<Item = (usize, &[u32])> {
+        self.layers.iter().map(|(&l, (e, _))| (l, e.as_slice()))
+    }
 
     /// Write the log to `path` as a `keep-routes` session `session` (keep-artifacts' writer;
     /// refused if it exists unless `force`).
@@ -69,7 +78,8 @@ impl RouteLog {
 }
 
 /// Warm-start scores per layer (`[layer][expert]`) from `reap-stats.safetensors`
-/// (`reap.{L}.score` F64) or a `keep-routes` file (route counts per expert).
+/// (`reap.{L}.score` F64), a `keep-routes` file (route counts per expert) or a
+/// `keep-route-profile` JSON file (its decayed scores).
 pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec<Vec<f64>>> {
     let file_err = |msg: String| RuntimeError::File {
         path: path.to_path_buf(),
@@ -77,6 +87,19 @@ pub fn warm_scores(path: &Path, n_layers: usize, n_experts: usize) -> Result<Vec
     };
     let mut out = vec![vec![0f64; n_experts]; n_layers];
     let mut found = false;
+    if keep_artifacts::route_profile::RouteProfile::is_profile_file(path) {
+        let p = keep_artifacts::route_profile::RouteProfile::read(path)?;
+        if p.n_experts != n_experts {
+            return Err(file_err(format!(
+                "the route profile has {} experts per layer for a model of {n_experts}",
+                p.n_experts
+            )));
+        }
+        for (o, v) in out.iter_mut().zip(p.warm_scores()) {
+            *o = v;
+        }
+        return Ok(out);
+    }
     if ReapScores::is_reap_file(path)? {
         let file = ReapScores::read(path)?;
         if file.n_experts != n_experts {
@@ -144,6 +167,21 @@ mod tests {
         let w = warm_scores(&p, 2, 4).unwrap();
         assert_eq!(w[0], vec![1.0, 2.0, 1.0, 0.0]);
         assert_eq!(w[1], vec![0.0, 0.0, 0.0, 2.0]);
+    }
+
+    #[test]
+    fn route_profile_as_warm_start() {
+        use keep_artifacts::route_profile::RouteProfile;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("plan.profile.json");
+        let mut prof = RouteProfile::new("fp", 2, 3, 4.0);
+        prof.fold([(1usize, &[2u32, 0][..])], 2).unwrap();
+        prof.write(&p, false).unwrap();
+        let w = warm_scores(&p, 2, 3).unwrap();
+        assert_eq!(w, prof.warm_scores());
+        assert!(w[1][2] > 0.0 && w[0][2] == 0.0);
+        let e = warm_scores(&p, 2, 4).unwrap_err().to_string();
+        assert!(e.contains("route profile"), "{e}");
     }
 
     #[test]

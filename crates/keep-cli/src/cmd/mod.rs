@@ -5,6 +5,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod eval;
 pub mod finalize;
+pub mod fit;
 pub mod inspect;
 pub mod logits;
 pub mod pack;

@@ -67,6 +67,15 @@ pub struct RunArgs {
     draft_tokens: u64,
     #[command(flatten)]
     budget: budget::BudgetArgs,
+    /// Apply a plan from `keep fit`: its checkpoint, budget, policy, warm start (the plan's
+    /// route profile once a run has written it) and kernels; at the end the run's routes are
+    /// folded into the route profile beside the plan.
+    #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "policy", "warm_start", "kernels"])]
+    plan: Option<PathBuf>,
+    /// With --plan: build the plan's derived checkpoint when it is missing (else the run is
+    /// refused with the command that builds it).
+    #[arg(long, requires = "plan")]
+    build: bool,
 }
 
 /// `--draft`.
@@ -114,7 +123,30 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     sampling
         .check()
         .map_err(|e| flag_error(RuntimeError::Model(e)))?;
-    let dir = model_dir(a.model.clone())?;
+    let plan = match &a.plan {
+        Some(p) => Some((
+            p.clone(),
+            keep_artifacts::fit_plan::FitPlan::read(p)
+                .with_context(|| format!("reading the plan {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let dir = match &plan {
+        Some((pp, plan)) => {
+            let bar = crate::util::byte_bar(0, "prune");
+            let d = keep_fit::apply::checkpoint(pp, plan, a.build, &|d, t| {
+                bar.set_length(t);
+                bar.set_position(d);
+            })?;
+            bar.finish_and_clear();
+            d
+        }
+        None => model_dir(a.model.clone())?,
+    };
+    let kernels: keep_model::Kernels = match &plan {
+        Some((_, p)) => keep_fit::apply::kernels(p),
+        None => a.kernels.into(),
+    };
     b.check(&dir)?;
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     // The prompt and the context first: the run's memory is planned for them (and refused when
@@ -136,13 +168,24 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         .map_err(|e| flag_error(RuntimeError::Model(e)))?;
     // Generation stops one token short of feeding the last sampled token back.
     let context = ids.len() + a.max_tokens.saturating_sub(1);
-    let opts = b.runtime_options(a.kernels.into(), context)?;
+    let opts = match &plan {
+        Some((pp, p)) => keep_fit::apply::runtime_options(pp, p, context)?.map(|o| {
+            keep_runtime::RuntimeOptions {
+                io_threads: b.io_threads,
+                direct_io: !b.buffered_io,
+                prefetch_next: b.prefetch_next,
+                engram_cache: b.engram_cache,
+                prefill_chunk: b.prefill_chunk,
+                ..o
+            }
+        }),
+        None => b.runtime_options(kernels, context)?,
+    };
     if opts.is_none() {
         keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
     }
-    let (mut model, load_secs) =
-        keep_runtime::run::load_timed(&ck, a.kernels.into(), opts.as_ref())
-            .with_context(|| format!("loading the model from {}", dir.display()))?;
+    let (mut model, load_secs) = keep_runtime::run::load_timed(&ck, kernels, opts.as_ref())
+        .with_context(|| format!("loading the model from {}", dir.display()))?;
     if let RunModel::Mapped(m, _) = &mut model {
         m.cfg.prefill_chunk = cfg.prefill_chunk;
     }
@@ -150,16 +193,21 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         budget::check_tiers(b, m)?;
         budget::print_plan(m);
     }
+    let draft = match &plan {
+        Some((_, p)) if p.draft == "mtp" => DraftArg::Mtp,
+        Some(_) => DraftArg::None,
+        None => a.draft,
+    };
     model
-        .set_draft(&ck, a.draft.into(), a.draft_tokens as usize)
-        .with_context(|| format!("--draft {}", draft_name(a.draft)))?;
+        .set_draft(&ck, draft.into(), a.draft_tokens as usize)
+        .with_context(|| format!("--draft {}", draft_name(draft)))?;
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
         sampling,
         tokenizer: tok.as_ref(),
     };
-    let mut log = b.record_routes.as_ref().map(|_| RouteLog::new());
+    let mut log = (b.record_routes.is_some() || plan.is_some()).then(RouteLog::new);
     // Each piece goes to stdout as it comes; the first output error stops the run.
     let mut out = std::io::stdout().lock();
     let mut printed: std::io::Result<()> = Ok(());
@@ -213,8 +261,18 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     }
     // A run without a budget still reads Engram tables above the threshold from SSD: its row
     // counters are printed the same way.
-    if b.active() || report.decode_engram.is_some() {
-        budget::print_report(&report, b.memory_budget);
+    if b.active() || plan.is_some() || report.decode_engram.is_some() {
+        budget::print_report(&report, opts.as_ref().map(|o| o.budget));
+    }
+    if let (Some((pp, p)), Some(l)) = (&plan, &log) {
+        let cfg = model.cfg();
+        let path = keep_fit::apply::save_profile(pp, p, l, cfg.n_layers, cfg.n_experts)
+            .with_context(|| format!("saving the route profile of {}", pp.display()))?;
+        eprintln!(
+            "route profile: {} tokens folded into {}",
+            l.tokens(),
+            path.display()
+        );
     }
     if let (Some(path), Some(l)) = (&b.record_routes, &log) {
         let session = format!("keep-run-{}", std::process::id());

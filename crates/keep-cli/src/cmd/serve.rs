@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// Kernels: fast (the default, as `keep run`) or exact.
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
     kernels: super::KernelsArg,
+    /// Apply a plan from `keep fit`: its checkpoint, budget (planned for --max-context),
+    /// policy, warm start (the plan's route profile when a run has written it) and kernels.
+    #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "kernels"])]
+    plan: Option<PathBuf>,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -63,8 +67,19 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         keep_serve::engine::MAX_BATCH,
         a.max_batch
     );
-    let bundled = a.model.is_none();
-    let dir = model_dir(a.model.clone())?;
+    let bundled = a.model.is_none() && a.plan.is_none();
+    let plan = match &a.plan {
+        Some(p) => Some((
+            p.clone(),
+            keep_artifacts::fit_plan::FitPlan::read(p)
+                .with_context(|| format!("reading the plan {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let dir = match &plan {
+        Some((pp, p)) => keep_fit::apply::checkpoint(pp, p, false, &|_, _| {})?,
+        None => model_dir(a.model.clone())?,
+    };
     let ck = keep_checkpoint::Checkpoint::open(&dir)
         .with_context(|| format!("opening {}", dir.display()))?;
     let cfg = keep_model::ModelConfig::from_checkpoint(&ck)
@@ -76,12 +91,23 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         (1..=limit).contains(&max_context),
         "--max-context must be 1 to the model's {limit} positions, not {max_context}"
     );
-    let kernels: keep_model::Kernels = a.kernels.into();
-    let budget = a.memory_budget.map(|b| keep_runtime::RuntimeOptions {
-        kernels,
-        context: Some(max_context),
-        ..keep_runtime::RuntimeOptions::new(b)
-    });
+    let (kernels, budget) = match &plan {
+        Some((pp, p)) => (
+            keep_fit::apply::kernels(p),
+            keep_fit::apply::runtime_options(pp, p, max_context)?,
+        ),
+        None => {
+            let kernels: keep_model::Kernels = a.kernels.into();
+            (
+                kernels,
+                a.memory_budget.map(|b| keep_runtime::RuntimeOptions {
+                    kernels,
+                    context: Some(max_context),
+                    ..keep_runtime::RuntimeOptions::new(b)
+                }),
+            )
+        }
+    };
     if budget.is_none() {
         keep_runtime::check_machine(
             cfg.memory_estimate(max_context).total(),

@@ -1,0 +1,172 @@
+//! `keep fit --check`: run a plan and set what it measured beside what it predicted — decode
+//! tok/s, hit rate, peak resident memory and, with a teacher run, the KL of the plan's
+//! checkpoint on its kernels — as a `keep-fit-check` report. The run folds its routes into the
+//! plan's route profile like any `keep run --plan`.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use keep_artifacts::fit_plan::FitPlan;
+use keep_checkpoint::Checkpoint;
+use keep_model::generate::{encode_prompt, GenerateOptions, Prompt, SamplerConfig};
+use keep_runtime::{RouteLog, RunModel};
+use serde::Serialize;
+
+use crate::apply;
+use crate::{FitError, Result};
+
+/// Measured tok/s within this fraction of the prediction passes (the planning goal).
+pub const TPS_TOLERANCE: f64 = 0.20;
+/// Measured KL within this fraction of the prediction, or within [`KL_ABS_TOLERANCE`], passes.
+pub const KL_REL_TOLERANCE: f64 = 0.30;
+pub const KL_ABS_TOLERANCE: f64 = 0.01;
+
+/// How to run the check.
+#[derive(Debug, Clone)]
+pub struct CheckOptions {
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    /// An eval-split calibration run and its pack, for the KL.
+    pub teacher: Option<(PathBuf, PathBuf)>,
+    pub build: bool,
+}
+
+/// What the check measured (`format` = `keep-fit-check`, version 1).
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckReport {
+    pub format: &'static str,
+    pub version: u32,
+    pub plan: String,
+    pub checkpoint: String,
+    pub candidate: String,
+    pub budget: Option<u64>,
+    pub policy: String,
+    pub hot_set: usize,
+    pub slots_per_layer: Option<usize>,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub predicted_tps: Option<f64>,
+    pub tps_provenance: String,
+    pub measured_tps: f64,
+    /// measured / predicted − 1.
+    pub tps_error: Option<f64>,
+    pub tps_within: Option<bool>,
+    pub predicted_hit_rate: f64,
+    pub measured_hit_rate: Option<f64>,
+    pub peak_rss: Option<u64>,
+    /// The budget plus the runtime's documented fixed overhead (what the process adds).
+    pub predicted_peak_rss: Option<u64>,
+    pub predicted_kl: Option<f64>,
+    pub kl_provenance: String,
+    pub measured_kl: Option<f64>,
+    pub kl_within: Option<bool>,
+    pub profile: String,
+    /// /proc/loadavg when the run ended.
+    pub loadavg: Option<String>,
+    pub rule: String,
+}
+
+/// Run `plan_path`'s plan and compare.
+pub fn check(plan_path: &Path, o: &CheckOptions) -> Result<CheckReport> {
+    let plan = FitPlan::read(plan_path)?;
+    let dir = apply::checkpoint(plan_path, &plan, o.build, &|_, _| {})?;
+    let ck = Checkpoint::open(&dir)?;
+    let context = o.prompt_tokens + o.decode_tokens;
+    let ro = apply::runtime_options(plan_path, &plan, context)?;
+    keep_runtime::reset_peak_rss();
+    let mut model = RunModel::load(&ck, apply::kernels(&plan), ro.as_ref())?;
+    let cfg = model.cfg().clone();
+    let slots = model.budgeted().map(|m| m.plan().slots_per_layer);
+    let ids = encode_prompt(
+        &cfg,
+        None,
+        Prompt::Synthetic(o.prompt_tokens.max(1)),
+        o.decode_tokens,
+    )?;
+    let gen = GenerateOptions {
+        max_tokens: o.decode_tokens.max(2),
+        sampling: SamplerConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        },
+        tokenizer: None,
+    };
+    let mut log = RouteLog::new();
+    let r = keep_runtime::run::run(&mut model, Prompt::Ids(&ids), &gen, Some(&mut log), |_| {
+        ControlFlow::Continue(())
+    })?;
+    drop(model);
+    let profile = apply::save_profile(plan_path, &plan, &log, cfg.n_layers, cfg.n_experts)?;
+    let measured_tps = r.gen.decode_tps();
+    let predicted_tps = plan.prediction.tokens_per_sec.value;
+    let tps_error = predicted_tps.map(|p| measured_tps / p - 1.0);
+    let measured_kl = match &o.teacher {
+        Some((teacher, pack_dir)) => {
+            let pack = keep_calib::pack::Pack::open(pack_dir)?;
+            let rep = keep_calib::eval::eval(
+                &dir,
+                teacher,
+                &pack,
+                &[],
+                4096,
+                apply::kernels(&plan),
+                &mut |_, _| {},
+            )?;
+            let s = rep
+                .students
+                .iter()
+                .find(|s| s.kernels == plan.kernels && s.plan.is_none())
+                .ok_or_else(|| {
+                    FitError::Invalid(format!(
+                        "the eval reported no student on the {} kernels",
+                        plan.kernels
+                    ))
+                })?;
+            Some(s.mean_kl)
+        }
+        None => None,
+    };
+    let predicted_kl = plan.prediction.kl.value;
+    let kl_within = match (predicted_kl, measured_kl) {
+        (Some(p), Some(m)) => {
+            Some((m - p).abs() <= KL_ABS_TOLERANCE || (m - p).abs() <= KL_REL_TOLERANCE * p.abs())
+        }
+        _ => None,
+    };
+    Ok(CheckReport {
+        format: "keep-fit-check",
+        version: 1,
+        plan: plan_path.display().to_string(),
+        checkpoint: dir.display().to_string(),
+        candidate: plan.prediction.name.clone(),
+        budget: plan.budget,
+        policy: plan.policy.clone(),
+        hot_set: plan.hot_set,
+        slots_per_layer: slots,
+        prompt_tokens: o.prompt_tokens,
+        decode_tokens: r.gen.generated,
+        predicted_tps,
+        tps_provenance: plan.prediction.tokens_per_sec.provenance.clone(),
+        measured_tps,
+        tps_error,
+        tps_within: tps_error.map(|e| e.abs() <= TPS_TOLERANCE),
+        predicted_hit_rate: plan.prediction.hit_rate,
+        measured_hit_rate: r.decode_cache.as_ref().map(|c| c.hit_rate()),
+        peak_rss: r.peak_rss,
+        predicted_peak_rss: plan.budget.map(|b| b + keep_runtime::FIXED_OVERHEAD),
+        predicted_kl,
+        kl_provenance: plan.prediction.kl.provenance.clone(),
+        measured_kl,
+        kl_within,
+        profile: profile.display().to_string(),
+        loadavg: std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .map(|s| s.trim().to_string()),
+        rule: format!(
+            "tok/s within ±{:.0}% of the prediction; KL within ±{:.0}% or ±{KL_ABS_TOLERANCE}",
+            TPS_TOLERANCE * 100.0,
+            KL_REL_TOLERANCE * 100.0
+        ),
+    })
+}

@@ -1,0 +1,199 @@
+//! keep-fit on a synthetic tiny checkpoint (`keep synth`'s tiny preset): planning with and
+//! without a route trace, writing the plan beside its profile, the refusal and the build of a
+//! derived checkpoint, the check run and the route profile it folds in and warm-starts from.
+
+use std::path::{Path, PathBuf};
+
+use keep_artifacts::fit_plan::{Derived, FitPlan, Memory};
+use keep_artifacts::plan::{LayerPlan, PrunePlan};
+use keep_artifacts::route_profile::RouteProfile;
+use keep_checkpoint::Checkpoint;
+use keep_convert::presets;
+use keep_convert::synth::{synth, SynthOptions};
+use keep_fit::check::{check, CheckOptions};
+use keep_fit::probe::{minimum_budget, ProbeOptions};
+use keep_fit::{apply, fit, FitError, FitOptions};
+use keep_model::{Kernels, ModelConfig};
+use keep_residency::synth::SynthSpec;
+
+fn tiny(dir: &Path) -> PathBuf {
+    let (cfg, storage) = presets::preset("tiny").unwrap();
+    let opts = SynthOptions {
+        seed: 7,
+        storage,
+        force: true,
+        max_shard_bytes: 64 << 20,
+    };
+    synth(&cfg, &dir.join("tiny"), &opts, &|_, _| {}).unwrap()
+}
+
+fn probe_opts() -> ProbeOptions {
+    ProbeOptions {
+        kernels: Kernels::Fast,
+        prompt_tokens: 4,
+        decode_tokens: 4,
+        context: 16,
+        io_threads: 2,
+    }
+}
+
+/// The least budget plus `extra` expert slots per layer.
+fn budget(model: &Path, extra: u64) -> u64 {
+    let ck = Checkpoint::open(model).unwrap();
+    let cfg = ModelConfig::from_checkpoint(&ck).unwrap();
+    let slot = keep_runtime::ExpertStore::open(&ck, &cfg, true)
+        .unwrap()
+        .slot_bytes();
+    minimum_budget(&ck, &probe_opts()).unwrap() + extra * slot * cfg.n_layers as u64
+}
+
+fn options(model: &Path, bytes: u64, run: Option<PathBuf>, out: PathBuf) -> FitOptions {
+    FitOptions {
+        model: model.to_path_buf(),
+        memory: Memory {
+            bytes,
+            auto: false,
+            available: None,
+            margin: 0,
+        },
+        run,
+        evals: vec![],
+        min_quality: None,
+        kernels: Kernels::Fast,
+        probe: probe_opts(),
+        out,
+        derived_dir: None,
+        command: "keep fit (test)".into(),
+        levels: vec![],
+        knob: keep_fit::search::Knob::All,
+    }
+}
+
+#[test]
+fn fit_write_check_and_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let run = dir.path().join("run");
+    keep_residency::synth::write_run(
+        &run,
+        &SynthSpec {
+            layers: 8,
+            n_experts: 16,
+            top_k: 4,
+            tokens: 64,
+            sessions: 1,
+            working_set: 6,
+            ..SynthSpec::default()
+        },
+    )
+    .unwrap();
+    let out = dir.path().join("plan.json");
+    let bytes = budget(&model, 4);
+    let o = fit(&options(&model, bytes, Some(run), out.clone())).unwrap();
+    let p = &o.plan;
+    // No REAP statistics: every expert kept, offloaded with the slots the memory leaves.
+    assert!(p.derived.is_none());
+    assert_eq!(p.budget, Some(bytes));
+    assert_eq!(p.hot_set, 8);
+    assert_eq!(p.prediction.tokens_per_sec.provenance, "simulated");
+    assert!(p.prediction.tokens_per_sec.value.unwrap() > 0.0);
+    assert!(p.prediction.meets_quality);
+    assert!(o.notes.iter().any(|n| n.contains("REAP")), "{:?}", o.notes);
+    assert!(p.probes.compute_probe_tokens > 0);
+    keep_fit::search::write(&o, &out, false).unwrap();
+    assert!(
+        keep_fit::search::write(&o, &out, false).is_err(),
+        "existing plan refused"
+    );
+    // JSON keeps every field (floats to serde_json's shortest round trip, not always the last bit).
+    let back = FitPlan::read(&out).unwrap();
+    assert_eq!(
+        (
+            back.budget,
+            back.hot_set,
+            &back.policy,
+            &back.prediction.name
+        ),
+        (p.budget, p.hot_set, &p.policy, &p.prediction.name)
+    );
+    let prof_path = apply::profile_path(&out, p);
+    assert_eq!(RouteProfile::read(&prof_path).unwrap().runs, 1);
+
+    // The runtime warm-starts from the profile.
+    let ro = apply::runtime_options(&out, p, 16).unwrap().unwrap();
+    assert_eq!(ro.warm_start.as_deref(), Some(prof_path.as_path()));
+    assert_eq!(ro.budget, bytes);
+
+    let r = check(
+        &out,
+        &CheckOptions {
+            prompt_tokens: 4,
+            decode_tokens: 4,
+            teacher: None,
+            build: false,
+        },
+    )
+    .unwrap();
+    assert!(r.measured_tps > 0.0);
+    assert_eq!(r.slots_per_layer, Some(8));
+    assert!(r.tps_error.is_some());
+    let prof = RouteProfile::read(&prof_path).unwrap();
+    assert_eq!(prof.runs, 2, "the check folded its routes in");
+    assert!(prof.tokens > 64);
+}
+
+#[test]
+fn without_a_run_plans_offload_on_a_synthetic_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = dir.path().join("plan.json");
+    let o = fit(&options(&model, budget(&model, 2), None, out)).unwrap();
+    assert_eq!(o.plan.prediction.tokens_per_sec.provenance, "synthetic");
+    assert_eq!(o.plan.hot_set, 6);
+    assert!(o.profile.is_none());
+    assert!(o.notes.iter().any(|n| n.contains("no calibration run")));
+    // Too little memory for top-k slots is refused, saying why.
+    let e = fit(&options(&model, 4096, None, dir.path().join("p2.json"))).unwrap_err();
+    assert!(matches!(e, FitError::NoFit(_)), "{e}");
+}
+
+#[test]
+fn derived_checkpoint_is_refused_with_its_command_then_built() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = dir.path().join("plan.json");
+    let mut o = fit(&options(&model, budget(&model, 2), None, out.clone())).unwrap();
+    let mut pp = PrunePlan::new(16, 8, "reap");
+    pp.layers = (0..8)
+        .map(|l| LayerPlan {
+            layer: l,
+            survivors: Some((0..8).collect()),
+            hash_routed: false,
+            hash_remap: None,
+        })
+        .collect();
+    pp.bind_to(&model).unwrap();
+    let pp_path = dir.path().join("plan.prune.json");
+    pp.write(&pp_path, false).unwrap();
+    let derived = dir.path().join("tiny-keep8");
+    o.plan.derived = Some(Derived {
+        dir: derived.display().to_string(),
+        experts_kept: 8,
+        experts_total: 16,
+        rung: None,
+        prune_plan: Some("plan.prune.json".into()),
+        commands: vec![format!(
+            "keep prune {} {} --plan {}",
+            model.display(),
+            derived.display(),
+            pp_path.display()
+        )],
+    });
+    let e = apply::checkpoint(&out, &o.plan, false, &|_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("keep prune") && e.contains("--build"), "{e}");
+    let built = apply::checkpoint(&out, &o.plan, true, &|_, _| {}).unwrap();
+    let ck = Checkpoint::open(&built).unwrap();
+    assert_eq!(ck.require_config().unwrap().n_routed_experts, 8);
+}
