@@ -232,8 +232,7 @@ mod tests {
         assert!(!a.drafting());
         assert_eq!(a.offs, u64::from(GIVE_UP));
         assert_eq!(a.ons, u64::from(GIVE_UP) - 1);
-        // Measured plain decoding only when drafting kept more than one token a forward.
-        assert_eq!(a.plain_spt, None);
+        // Drafting that accepts some drafts is compared with plain decoding, and still loses.
         let mut b = AutoDraft::new();
         let mut n = 0;
         while !b.stopped() && n < 2000 {
@@ -246,7 +245,7 @@ mod tests {
             n += 1;
         }
         assert!(b.stopped());
-        assert!(b.plain_spt.is_some());
+        assert!(b.draft_spt.unwrap() > b.plain_spt.unwrap());
     }
 
     #[test]
