@@ -68,10 +68,21 @@ pub struct DraftNumbers {
     pub acceptance: Vec<f64>,
     /// Drafts accepted at each position.
     pub accepted: Vec<u64>,
-    /// `--draft auto` turned drafting off during the run (it did not pay).
+    /// `--draft auto` turned drafting off during the run (it did not pay then).
     pub auto_off: bool,
+    /// `--draft auto`: times drafting was switched off, and back on.
+    #[serde(default)]
+    pub auto_offs: u64,
+    #[serde(default)]
+    pub auto_ons: u64,
+    /// `--draft auto` stopped drafting for the rest of the run.
+    #[serde(default)]
+    pub auto_stopped: bool,
     /// Tokens drafted per verify forward.
     pub k: u64,
+    /// Tokens decoded without drafts while `--draft auto` had drafting off.
+    #[serde(default)]
+    pub plain_tokens: u64,
     /// Drafts proposed at each position.
     pub proposed: Vec<u64>,
     /// Verify forwards after which the cache was restored and the kept rows replayed.
@@ -79,6 +90,10 @@ pub struct DraftNumbers {
     /// Tokens per verify forward (accepted drafts plus the corrected or bonus token).
     pub tokens_per_forward: f64,
     pub verify_forwards: u64,
+    /// Distinct routed experts per MoE layer per verify forward, on average (the window's
+    /// expert union; one decode step asks for `top_k`).
+    #[serde(default)]
+    pub window_experts: f64,
 }
 
 /// How a memory budget was split.

@@ -194,6 +194,12 @@ pub struct DeepSeekConfig {
     /// the routed experts of each decoder layer (overrides `n_routed_experts` per layer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n_routed_experts_per_layer: Option<Vec<usize>>,
+    /// Written by `keep prune` when an MTP module (`mtp.N.*`) keeps a different number of
+    /// routed experts than the decoder layers (its block has a router and experts of its own;
+    /// a plan without `mtp_layers` leaves them whole): the routed experts of each module
+    /// (overrides `n_routed_experts` for `mtp.N`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_routed_experts_mtp: Option<Vec<usize>>,
     /// V4-Flash: the first this-many layers are hash-routed (`gate.tid2eid`).
     #[serde(default)]
     pub num_hash_layers: usize,
@@ -393,6 +399,24 @@ impl DeepSeekConfig {
                 ));
             }
         }
+        if let Some(per) = &self.n_routed_experts_mtp {
+            if per.len() != self.num_nextn_predict_layers {
+                return Err(format!(
+                    "n_routed_experts_mtp has {} entries but num_nextn_predict_layers is {}",
+                    per.len(),
+                    self.num_nextn_predict_layers
+                ));
+            }
+            if let Some(n) = per
+                .iter()
+                .find(|&&n| n < self.num_experts_per_tok || n > MAX_EXPERTS)
+            {
+                return Err(format!(
+                    "n_routed_experts_mtp holds {n}: each must be in num_experts_per_tok ({})..={MAX_EXPERTS}",
+                    self.num_experts_per_tok
+                ));
+            }
+        }
         if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.n_routed_experts {
             return Err(format!(
                 "num_experts_per_tok = {} must be in 1..=n_routed_experts ({})",
@@ -571,6 +595,15 @@ impl DeepSeekConfig {
         self.n_routed_experts_per_layer
             .as_ref()
             .and_then(|v| v.get(layer).copied())
+            .unwrap_or(self.n_routed_experts)
+    }
+
+    /// Routed experts in MTP module `mtp.N` (`n_routed_experts` unless pruning left it another
+    /// count, `n_routed_experts_mtp`).
+    pub fn experts_in_mtp(&self, n: usize) -> usize {
+        self.n_routed_experts_mtp
+            .as_ref()
+            .and_then(|v| v.get(n).copied())
             .unwrap_or(self.n_routed_experts)
     }
 

@@ -266,7 +266,8 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Some(c) = cfg {
             let want = match scope {
                 Scope::Layer(l) => c.experts_in_layer(*l),
-                _ => c.n_routed_experts,
+                Scope::Mtp(n) => c.experts_in_mtp(*n),
+                Scope::Model => c.n_routed_experts,
             };
             if set.len() != want {
                 problems.push(format!(

@@ -195,6 +195,22 @@ pub fn prune(
             cfg.num_experts_per_tok
         )));
     }
+    // An MTP module's block has its own router and experts: pruned by its own survivors when
+    // the plan has them, else left whole (calibration runs the main model only, so there is no
+    // saliency to prune it by, and the last layer's survivors say nothing about its experts).
+    let mut per_mtp = vec![];
+    for n in 0..cfg.num_nextn_predict_layers {
+        let k = plan
+            .mtp_survivors(n)
+            .map_or(cfg.experts_in_mtp(n), <[usize]>::len);
+        if k < cfg.num_experts_per_tok {
+            return Err(ConvertError::Invalid(format!(
+                "the plan keeps {k} experts of MTP module mtp.{n}, fewer than num_experts_per_tok = {}",
+                cfg.num_experts_per_tok
+            )));
+        }
+        per_mtp.push(k);
+    }
     let no_remap: Vec<&String> = hash_pruned
         .iter()
         .filter(|l| {
@@ -366,6 +382,11 @@ pub fn prune(
     let mut edits = vec![(experts_key, json!(e_after))];
     if cfg.qwen3.is_none() && per_layer.iter().any(|&n| n != e_after) {
         edits.push(("n_routed_experts_per_layer", json!(per_layer)));
+    }
+    if cfg.qwen3.is_none()
+        && (per_mtp.iter().any(|&n| n != e_after) || cfg.n_routed_experts_mtp.is_some())
+    {
+        edits.push(("n_routed_experts_mtp", json!(per_mtp)));
     }
     let raw = cfg.raw_with(&edits);
     w.add_file(

@@ -336,6 +336,8 @@ fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>
     one.index_source_layer_ids = vec![];
     one.engram_layer_ids = vec![];
     one.n_routed_experts_per_layer = None;
+    one.n_routed_experts = cfg.experts_in_mtp(k);
+    one.n_routed_experts_mtp = None;
     one.num_nextn_predict_layers = 0;
     let st1 = Storage {
         hash_layers: 0,

@@ -16,7 +16,7 @@ use tokenizers::Tokenizer;
 use crate::cache::Cache;
 use crate::config::ModelConfig;
 use crate::model::{Logits, Model};
-use crate::observer::RouteObserver;
+use crate::observer::{RouteEvent, RouteObserver};
 use crate::{ModelError, Result};
 
 /// Sampling settings.
@@ -229,16 +229,6 @@ pub struct GenStats {
     pub draft: DraftStats,
 }
 
-/// `--draft auto`: verify forwards measured before deciding whether drafting pays.
-pub const AUTO_WINDOW: u64 = 16;
-/// `--draft auto`: drafting is turned off for the rest of a generation when, after
-/// [`AUTO_WINDOW`] verify forwards, they produced fewer tokens each than this. A verify forward
-/// of K + 1 rows costs more than a decode step (the MTP block, the extra rows, a cache
-/// snapshot, a replay on rejection: 3.4–4.4× one decode step on a synthetic V4-Flash with every
-/// draft rejected, `dev/bench-draft.sh`), so below 1.5 tokens per forward drafting loses on a
-/// CPU whatever K.
-pub const AUTO_MIN_TOKENS_PER_FORWARD: f64 = 1.5;
-
 /// What speculative decoding did in one generation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DraftStats {
@@ -254,8 +244,22 @@ pub struct DraftStats {
     /// Tokens the verify forwards produced (accepted drafts plus the corrected or bonus
     /// token of each).
     pub tokens: u64,
-    /// `--draft auto` turned drafting off (it did not pay).
+    /// `--draft auto` turned drafting off at least once (it did not pay then).
     pub auto_off: bool,
+    /// `--draft auto`: times drafting was switched off, and back on
+    /// ([`crate::autodraft::AutoDraft`]).
+    pub auto_offs: u64,
+    pub auto_ons: u64,
+    /// `--draft auto` stopped drafting for the rest of the generation.
+    pub auto_stopped: bool,
+    /// Tokens decoded without drafts while `--draft auto` had drafting off.
+    pub plain_tokens: u64,
+    /// Distinct routed experts the verify forwards' MoE layers asked for, summed over
+    /// layers and forwards (each forward's union per layer; its mean per forward and layer
+    /// is what drafting multiplies the expert reads by, against `top_k` for one token).
+    pub window_experts: u64,
+    /// MoE layer passes of the verify forwards (what `window_experts` is summed over).
+    pub window_layers: u64,
 }
 
 impl DraftStats {
@@ -270,6 +274,15 @@ impl DraftStats {
                 }
             })
             .collect()
+    }
+
+    /// Distinct routed experts per MoE layer per verify forward, on average (0 when none ran).
+    pub fn window_experts_per_layer(&self) -> f64 {
+        if self.window_layers == 0 {
+            0.0
+        } else {
+            self.window_experts as f64 / self.window_layers as f64
+        }
     }
 
     /// Tokens per verify forward (0 when none ran).
@@ -321,7 +334,8 @@ pub trait Generate {
     fn draft_tokens(&self) -> usize {
         0
     }
-    /// Whether drafting may be turned off when it does not pay ([`AUTO_MIN_TOKENS_PER_FORWARD`]).
+    /// Whether drafting may be switched off and on by its running estimate of whether it pays
+    /// ([`crate::autodraft::AutoDraft`]).
     fn draft_auto(&self) -> bool {
         false
     }
@@ -672,6 +686,7 @@ pub fn generate<G: Generate + ?Sized>(
     let t1 = Instant::now();
     let k = model.draft_tokens().min(crate::mtp::MAX_DRAFT);
     stats.draft.k = k;
+    let mut auto = (k > 0 && model.draft_auto()).then(crate::autodraft::AutoDraft::new);
     let vocab = model.cfg().vocab;
     // The next token: drawn from `logits`, or already chosen (a rejected draft's correction).
     let mut chosen: Option<u32> = None;
@@ -700,17 +715,9 @@ pub fn generate<G: Generate + ?Sized>(
         if emit(&mut dec, tok, &mut stats)? {
             break;
         }
-        if k > 0
-            && model.draft_auto()
-            && !stats.draft.auto_off
-            && stats.draft.verify_forwards >= AUTO_WINDOW
-            && stats.draft.tokens_per_forward() < AUTO_MIN_TOKENS_PER_FORWARD
-        {
-            stats.draft.auto_off = true;
-            model.stop_drafting();
-        }
+        let step0 = Instant::now();
         // Drafts past the token limit could never be handed on.
-        let want = if stats.draft.auto_off {
+        let want = if auto.as_ref().is_some_and(|a| !a.drafting()) {
             0
         } else {
             k.min(dec.remaining())
@@ -731,16 +738,24 @@ pub fn generate<G: Generate + ?Sized>(
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
             )?;
             stats.generated += 1;
+            if let Some(a) = auto.as_mut() {
+                let sw = a.step(false, step0.elapsed().as_secs_f64(), 1);
+                auto_switched(model, a, sw, &mut stats.draft);
+            }
             continue;
         }
         let mut fed = Vec::with_capacity(drafts.len() + 1);
         fed.push(tok);
         fed.extend(drafts.iter().map(|d| d.0));
-        let rows = model.forward_verify(
-            &fed,
-            &mut cache,
-            obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-        )?;
+        let mut union = WindowUnion {
+            inner: obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+            experts: 0,
+            layers: 0,
+            seen: vec![],
+        };
+        let rows = model.forward_verify(&fed, &mut cache, Some(&mut union))?;
+        stats.draft.window_experts += union.experts;
+        stats.draft.window_layers += union.layers;
         stats.draft.verify_forwards += 1;
         let mut keep = 1;
         for (i, (d, q)) in drafts.iter().enumerate() {
@@ -771,9 +786,95 @@ pub fn generate<G: Generate + ?Sized>(
         }
         model.accept_drafts(&mut cache, keep)?;
         stats.generated += keep;
+        if let Some(a) = auto.as_mut() {
+            let sw = a.step(true, step0.elapsed().as_secs_f64(), keep as u64);
+            auto_switched(model, a, sw, &mut stats.draft);
+        }
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     Ok(stats)
+}
+
+/// The observer of a verify forward: counts the distinct experts each MoE layer routes the
+/// window's rows to, passing every event on.
+struct WindowUnion<'o> {
+    inner: Option<&'o mut dyn RouteObserver>,
+    experts: u64,
+    layers: u64,
+    seen: Vec<bool>,
+}
+
+impl RouteObserver for WindowUnion<'_> {
+    fn wants_expert_outputs(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_some_and(|o| o.wants_expert_outputs())
+    }
+    fn wants_linear_inputs(&self) -> bool {
+        self.inner.as_ref().is_some_and(|o| o.wants_linear_inputs())
+    }
+    fn wants_candidate_outputs(&self, layer: usize) -> bool {
+        self.inner
+            .as_ref()
+            .is_some_and(|o| o.wants_candidate_outputs(layer))
+    }
+    fn wants_kv_fp8(&self) -> bool {
+        self.inner.as_ref().is_some_and(|o| o.wants_kv_fp8())
+    }
+    fn on_route(&mut self, ev: &RouteEvent) {
+        self.layers += 1;
+        self.seen.clear();
+        for &e in ev.experts {
+            let e = e as usize;
+            if e >= self.seen.len() {
+                self.seen.resize(e + 1, false);
+            }
+            if !self.seen[e] {
+                self.seen[e] = true;
+                self.experts += 1;
+            }
+        }
+        if let Some(o) = self.inner.as_mut() {
+            o.on_route(ev);
+        }
+    }
+    fn on_candidate_output(&mut self, ev: &crate::observer::CandidateOutputEvent) {
+        if let Some(o) = self.inner.as_mut() {
+            o.on_candidate_output(ev);
+        }
+    }
+    fn on_expert_output(&mut self, ev: &crate::observer::ExpertOutputEvent) {
+        if let Some(o) = self.inner.as_mut() {
+            o.on_expert_output(ev);
+        }
+    }
+    fn on_linear_input(&mut self, ev: &crate::observer::LinearInputEvent) {
+        if let Some(o) = self.inner.as_mut() {
+            o.on_linear_input(ev);
+        }
+    }
+    fn on_kv_fp8(&mut self, ev: &crate::observer::KvFp8Event) {
+        if let Some(o) = self.inner.as_mut() {
+            o.on_kv_fp8(ev);
+        }
+    }
+}
+
+/// Carry out `--draft auto`'s switch `sw` and count it.
+fn auto_switched<G: Generate + ?Sized>(
+    model: &mut G,
+    a: &crate::autodraft::AutoDraft,
+    sw: crate::autodraft::Switch,
+    d: &mut DraftStats,
+) {
+    if sw == crate::autodraft::Switch::Stop {
+        model.stop_drafting();
+        d.auto_stopped = true;
+    }
+    d.auto_offs = a.offs;
+    d.auto_ons = a.ons;
+    d.auto_off = a.offs > 0;
+    d.plain_tokens = a.plain_tokens;
 }
 
 #[cfg(test)]

@@ -24,9 +24,11 @@
 //! Depends on: `keep-checkpoint` (tensors, config), `keep-kernels` (all arithmetic),
 //! `keep-artifacts` (the logits file), `keep-rng` (sampling, synthetic prompts).
 
+pub mod autodraft;
 pub mod batch;
 pub mod cache;
 pub mod config;
+pub mod drafting;
 pub mod engram;
 pub mod engram_hash;
 pub mod engram_tokens;
@@ -34,6 +36,7 @@ pub mod error;
 pub mod experts;
 pub mod fuzzing;
 pub mod generate;
+pub mod globals;
 pub mod hash;
 pub mod layer;
 pub mod linear;

@@ -5,7 +5,6 @@
 //! empty, decode when T = 1) and returns logits as asked ([`Logits`]).
 
 use keep_checkpoint::Checkpoint;
-use keep_kernels::{matmul, ops, WeightView};
 
 use crate::cache::Cache;
 use crate::config::{Family, ModelConfig};
@@ -13,159 +12,9 @@ use crate::engram::Engram;
 use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::layer::{LayerWeights, Shared, Step, Streams};
 use crate::observer::RouteObserver;
-use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
-/// Which logits a forward returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Logits {
-    /// `[T × vocab]`.
-    All,
-    /// `[vocab]` of the last token.
-    Last,
-    /// None (the cache is what is wanted).
-    None,
-}
-
-/// Embedding, final norm and head: what is not in a layer.
-pub struct Globals<'a> {
-    pub embed: WeightView<'a>,
-    pub head: WeightView<'a>,
-    pub norm: Vec<f32>,
-    /// DeepSeek-V4's final stream collapse (`hc_head_fn` `[hc × hc·dim]`, `hc_head_base`
-    /// `[hc]`, `hc_head_scale` `[1]`); V4.1 collapses with the last layer's pre-mix instead.
-    pub hc_head: Option<(WeightView<'a>, Vec<f32>, f32)>,
-}
-
-impl<'a> Globals<'a> {
-    /// Resolve `embed.weight`, `head.weight`, `norm.weight`.
-    pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
-        let hint = cfg.raw.weight_block_size();
-        if let Some(q) = &cfg.raw.qwen3 {
-            use keep_checkpoint::qwen3::{EMBED, HEAD, NORM};
-            // One stream (`hc` = 1): the embedding row itself; a tied head is the embedding.
-            let embed = weight(ck, EMBED, cfg.vocab, cfg.dim, hint)?;
-            return Ok(Globals {
-                embed,
-                head: if q.tie_word_embeddings {
-                    embed
-                } else {
-                    weight(ck, HEAD, cfg.vocab, cfg.dim, hint)?
-                },
-                norm: vec_f32(ck, NORM, cfg.dim)?,
-                hc_head: None,
-            });
-        }
-        Ok(Globals {
-            embed: weight(ck, "embed", cfg.vocab, cfg.dim, hint)?,
-            head: weight(ck, "head", cfg.vocab, cfg.dim, hint)?,
-            norm: vec_f32(ck, "norm.weight", cfg.dim)?,
-            hc_head: if cfg.family == Family::V4 {
-                let t = crate::weights::tensor(ck, "hc_head_fn")?;
-                Some((
-                    crate::weights::view(t, None, cfg.hc, cfg.hc * cfg.dim, None)?,
-                    vec_f32(ck, "hc_head_base", cfg.hc)?,
-                    vec_f32(ck, "hc_head_scale", 1)?[0],
-                ))
-            } else {
-                None
-            },
-        })
-    }
-
-    /// The initial streams: each token's embedding copied into all `hc` streams, pre-mix
-    /// `[1, 0, …]`.
-    pub fn embed(&self, cfg: &ModelConfig, tokens: &[u32]) -> Result<Streams> {
-        let (hc, d) = (cfg.hc, cfg.dim);
-        let t = tokens.len();
-        let mut x = vec![0f32; t * hc * d];
-        let mut row = vec![0f32; d];
-        for (i, &id) in tokens.iter().enumerate() {
-            if id as usize >= cfg.vocab {
-                return Err(ModelError::Token {
-                    id,
-                    vocab: cfg.vocab,
-                });
-            }
-            self.embed.decode_row(id as usize, &mut row);
-            for k in 0..hc {
-                x[(i * hc + k) * d..(i * hc + k + 1) * d].copy_from_slice(&row);
-            }
-        }
-        let mut pre_mix = vec![0f32; t * hc];
-        for i in 0..t {
-            pre_mix[i * hc] = 1.0;
-        }
-        Ok(Streams {
-            t,
-            x,
-            pre_mix,
-            tokens: tokens.to_vec(),
-        })
-    }
-
-    /// Final collapse, norm and head for the rows `which` asks for.
-    pub fn finish(&self, cfg: &ModelConfig, s: &Streams, which: Logits) -> Result<Vec<f32>> {
-        let (hc, d) = (cfg.hc, cfg.dim);
-        let rows: Vec<usize> = match which {
-            Logits::All => (0..s.t).collect(),
-            Logits::Last => s.t.checked_sub(1).into_iter().collect(),
-            Logits::None => return Ok(vec![]),
-        };
-        // V4: `DeepseekV4HyperHead`, pre = sigmoid(rms(streams)·fnᵀ·scale + base) + hc_eps.
-        let head_mix: Option<Vec<f32>> = match &self.hc_head {
-            Some((fn_, base, scale)) => {
-                let mut flat = Vec::with_capacity(rows.len() * hc * d);
-                for &i in &rows {
-                    flat.extend_from_slice(&s.x[i * hc * d..(i + 1) * hc * d]);
-                }
-                ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
-                let mut mix = vec![0f32; rows.len() * hc];
-                matmul(&flat, rows.len(), fn_, &mut mix)?;
-                for (j, v) in mix.iter_mut().enumerate() {
-                    *v = ops::sigmoid(*v * scale + base[j % hc]) + cfg.hc_eps;
-                }
-                Some(mix)
-            }
-            None => None,
-        };
-        let mut h = vec![0f32; rows.len() * d];
-        for (r, &i) in rows.iter().enumerate() {
-            let o = &mut h[r * d..(r + 1) * d];
-            for k in 0..hc {
-                let m = match &head_mix {
-                    Some(mix) => mix[r * hc + k],
-                    None => s.pre_mix[i * hc + k],
-                };
-                for (a, b) in o
-                    .iter_mut()
-                    .zip(&s.x[(i * hc + k) * d..(i * hc + k + 1) * d])
-                {
-                    *a += m * b;
-                }
-            }
-        }
-        ops::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
-        let mut out = vec![0f32; rows.len() * cfg.vocab];
-        matmul(&h, rows.len(), &self.head, &mut out)?;
-        if !out.iter().all(|v| v.is_finite()) {
-            return Err(ModelError::NonFinite("the output head".into()));
-        }
-        Ok(out)
-    }
-}
-
-/// Refuse a forward of `t` tokens after `pos` that would run past `max_position_embeddings`.
-pub fn check_context(cfg: &ModelConfig, pos: usize, t: usize) -> Result<()> {
-    let limit = cfg.raw.max_position_embeddings;
-    match pos.checked_add(t) {
-        Some(end) if end <= limit => Ok(()),
-        _ => Err(ModelError::Context(format!(
-            "{t} tokens after position {pos} run past the model's {limit} positions \
-             (max_position_embeddings)"
-        ))),
-    }
-}
+pub use crate::globals::{check_context, Globals, Logits};
 
 /// Run `tokens` as consecutive passes of at most `chunk` tokens through `pass` (tokens, which
 /// logits), asking every pass but the last for no logits when only the last position's are

@@ -25,9 +25,8 @@ use keep_kernels::{matmul, ops, WeightView};
 use crate::cache::{Cache, LayerCache};
 use crate::config::{LayerRoles, ModelConfig};
 use crate::experts::{ExpertSource, ExpertWeights};
+use crate::globals::{Globals, Logits};
 use crate::layer::{LayerWeights, Shared, Step, Streams};
-use crate::model::{Globals, Logits, Model};
-use crate::observer::RouteObserver;
 use crate::weights::{tensor, vec_f32, view, weight};
 use crate::{ModelError, Result};
 
@@ -90,6 +89,8 @@ impl<'a> Mtp<'a> {
             return Ok(None);
         }
         let mut c = cfg.clone();
+        // The block's own router and experts: a pruned module may keep another count.
+        c.n_experts = cfg.raw.experts_in_mtp(0);
         let layer = cfg.n_layers;
         c.roles.truncate(layer);
         c.roles.push(LayerRoles {
@@ -101,7 +102,7 @@ impl<'a> Mtp<'a> {
         let block = LayerWeights::load_at(ck, &c, layer, PREFIX)?;
         let hint = cfg.raw.weight_block_size();
         let (d, i) = (cfg.dim, cfg.inter);
-        let experts = (0..cfg.n_experts)
+        let experts = (0..c.n_experts)
             .map(|x| {
                 let p = format!("{PREFIX}ffn.experts.{x}");
                 Ok(ExpertWeights {
@@ -134,22 +135,6 @@ impl<'a> Mtp<'a> {
         }))
     }
 
-    /// One prefill of `tokens` through `model` and then the module: row `i` of the result
-    /// (`[(T − 1) × vocab]`) is the module's logits at position `i` (main streams of token `i`,
-    /// embedding of token `i + 1`), the prediction of token `i + 2`.
-    pub fn prefill_logits(&self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.len() < 2 {
-            return Ok(vec![]);
-        }
-        let mut cache = model.new_cache();
-        let (_, s) = model.forward_streams(tokens, &mut cache, Logits::None, None)?;
-        let t = tokens.len();
-        let mut mc = self.new_cache();
-        Ok(self
-            .forward(&s.rows(0, t - 1), &tokens[1..], &mut mc, Logits::All)?
-            .0)
-    }
-
     /// An empty cache for the block.
     pub fn new_cache(&self) -> MtpCache {
         MtpCache {
@@ -180,7 +165,7 @@ impl<'a> Mtp<'a> {
         if cache.layers.len() != cfg.n_layers + 1 {
             return Err(ModelError::Cache("not a cache of this MTP module".into()));
         }
-        crate::model::check_context(cfg, cache.pos, t)?;
+        crate::globals::check_context(cfg, cache.pos, t)?;
         // e = e_proj(enorm(embed(next))), once per token.
         let mut e = vec![0f32; t * d];
         for (i, &id) in next.iter().enumerate() {
@@ -257,180 +242,30 @@ fn join(first: Option<&Streams>, s: &Streams, a: usize, b: usize) -> Streams {
 }
 
 /// The last verify forward: the main cache before it, the tokens and their output streams.
-struct Verify {
-    before: Cache,
-    tokens: Vec<u32>,
-    streams: Streams,
+pub(crate) struct Verify {
+    pub(crate) before: Cache,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) streams: Streams,
 }
 
-/// Speculative decoding state attached to a [`Model`] ([`Model::attach_mtp`]).
+/// Speculative decoding state attached to a [`Model`](crate::Model)
+/// ([`Model::attach_mtp`](crate::Model::attach_mtp)).
 pub struct Drafter<'a> {
-    mtp: Mtp<'a>,
-    k: usize,
+    pub(crate) mtp: Mtp<'a>,
+    pub(crate) k: usize,
     /// Drafting may be turned off when it does not pay.
-    auto: bool,
-    cache: MtpCache,
+    pub(crate) auto: bool,
+    pub(crate) cache: MtpCache,
     /// The main model's streams of the last token fed whose successor is not known yet.
-    pending: Option<Streams>,
-    verify: Option<Verify>,
-}
-
-impl<'a> Model<'a> {
-    /// Draft `k` tokens per verify forward (clamped to 1..=[`MAX_DRAFT`]) with the MTP module of
-    /// `ck`; `false` (nothing attached) when the checkpoint has none.
-    pub fn attach_mtp(&mut self, ck: &'a Checkpoint, k: usize) -> Result<bool> {
-        let Some(mtp) = Mtp::load(ck, &self.cfg)? else {
-            return Ok(false);
-        };
-        let cache = mtp.new_cache();
-        self.mtp = Some(Box::new(Drafter {
-            mtp,
-            k: k.clamp(1, MAX_DRAFT),
-            auto: false,
-            cache,
-            pending: None,
-            verify: None,
-        }));
-        Ok(true)
-    }
-
-    /// Drop the drafter (drafting off; forwards no longer feed the MTP module).
-    pub fn detach_mtp(&mut self) {
-        self.mtp = None;
-    }
-
-    /// Let generation turn drafting off when it does not pay (`--draft auto`).
-    pub fn set_mtp_auto(&mut self, auto: bool) {
-        if let Some(d) = self.mtp.as_mut() {
-            d.auto = auto;
-        }
-    }
-
-    /// Whether generation may turn drafting off ([`Model::set_mtp_auto`]).
-    pub fn mtp_auto(&self) -> bool {
-        self.mtp.as_ref().is_some_and(|d| d.auto)
-    }
-
-    /// Tokens drafted per verify forward (0: no drafter attached).
-    pub fn draft_tokens(&self) -> usize {
-        self.mtp.as_ref().map_or(0, |m| m.k)
-    }
-
-    /// [`Model::forward`] that keeps an attached drafter in step: the MTP module is fed every
-    /// pair (hidden state, next token) these tokens complete. A forward from position 0 starts
-    /// the drafter afresh.
-    pub fn forward_drafting(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        which: Logits,
-        obs: Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
-        if self.mtp.is_none() || tokens.is_empty() {
-            return self.forward(tokens, cache, which, obs);
-        }
-        let fresh = cache.pos == 0;
-        let (logits, s) = self.forward_streams(tokens, cache, which, obs)?;
-        let dr = self.mtp.as_mut().expect("checked above");
-        if fresh {
-            dr.cache = dr.mtp.new_cache();
-            dr.pending = None;
-            dr.verify = None;
-        }
-        dr.feed(&s, tokens, tokens.len())?;
-        Ok(logits)
-    }
-
-    /// Draft up to the attached drafter's K tokens after `last` (sampled, not yet fed): each
-    /// drafted token with the MTP logits it was picked from by `pick`. Empty without a drafter
-    /// (or before the first forward).
-    pub fn draft(
-        &mut self,
-        last: u32,
-        k: usize,
-        pick: &mut dyn FnMut(&[f32]) -> u32,
-    ) -> Result<Vec<(u32, Vec<f32>)>> {
-        let Some(dr) = self.mtp.as_mut() else {
-            return Ok(vec![]);
-        };
-        let Some(h) = dr.pending.take() else {
-            return Ok(vec![]);
-        };
-        let k = k.min(dr.k);
-        let mut out = Vec::with_capacity(k);
-        if k == 0 {
-            dr.pending = Some(h);
-            return Ok(out);
-        }
-        // The first row pairs real hidden state with the real token: it stays in the cache.
-        let (q, mut s) = dr.mtp.forward(&h, &[last], &mut dr.cache, Logits::Last)?;
-        let d = pick(&q);
-        out.push((d, q));
-        if k > 1 {
-            let keep = dr.cache.clone();
-            let mut prev = d;
-            for _ in 1..k {
-                let (q, s2) = dr.mtp.forward(&s, &[prev], &mut dr.cache, Logits::Last)?;
-                prev = pick(&q);
-                out.push((prev, q));
-                s = s2;
-            }
-            dr.cache = keep;
-        }
-        Ok(out)
-    }
-
-    /// Feed `tokens` (the last sampled token and the drafts) in one forward: the logits of
-    /// every row; [`Model::accept_drafts`] then says how many stay.
-    pub fn forward_verify(
-        &mut self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        obs: Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
-        if self.mtp.is_none() {
-            return self.forward(tokens, cache, Logits::All, obs);
-        }
-        let before = cache.clone();
-        let (logits, streams) = self.forward_streams(tokens, cache, Logits::All, obs)?;
-        let dr = self.mtp.as_mut().expect("checked above");
-        dr.verify = Some(Verify {
-            before,
-            tokens: tokens.to_vec(),
-            streams,
-        });
-        Ok(logits)
-    }
-
-    /// Keep the first `keep` (≥ 1) tokens of the last verify forward: the main cache is rolled
-    /// back to them (snapshot restored, the kept rows replayed) when fewer than all stay, and
-    /// the MTP module is fed the kept pairs.
-    pub fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
-        let Some(v) = self.mtp.as_mut().and_then(|d| d.verify.take()) else {
-            return Ok(());
-        };
-        let n = v.tokens.len();
-        if keep == 0 || keep > n {
-            return Err(ModelError::Cache(format!(
-                "keeping {keep} of {n} verified tokens"
-            )));
-        }
-        if keep < n {
-            *cache = v.before;
-            self.forward(&v.tokens[..keep], cache, Logits::None, None)?;
-        }
-        let dr = self.mtp.as_mut().expect("checked above");
-        // The first token's pair went in while drafting.
-        dr.feed(&v.streams, &v.tokens, keep)?;
-        Ok(())
-    }
+    pub(crate) pending: Option<Streams>,
+    pub(crate) verify: Option<Verify>,
 }
 
 impl Drafter<'_> {
     /// Feed the pairs that the first `n` rows of a main forward (`s`, `tokens`) complete: the
     /// pending row with `tokens[0]` (unless drafting already fed it), each row `i < n − 1` with
     /// `tokens[i + 1]`; row `n − 1` becomes pending.
-    fn feed(&mut self, s: &Streams, tokens: &[u32], n: usize) -> Result<()> {
+    pub(crate) fn feed(&mut self, s: &Streams, tokens: &[u32], n: usize) -> Result<()> {
         let (hidden, next) = match self.pending.take() {
             Some(p) => (join(Some(&p), s, 0, n - 1), tokens[..n].to_vec()),
             None => (join(None, s, 0, n - 1), tokens[1..n].to_vec()),

@@ -19,6 +19,7 @@
 //! thiserror, half (f16 gate weights), plotters (PNG/SVG).
 
 pub mod cost;
+pub mod draft;
 pub mod error;
 pub mod plot;
 pub mod policy;

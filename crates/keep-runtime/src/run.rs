@@ -74,8 +74,10 @@ impl<'a> RunModel<'a> {
 
     /// Turn speculative decoding on or off for `mode` with `k` drafts per verify forward: the
     /// drafts per verify forward in use (0: off). `Mtp` is refused when the checkpoint has no
-    /// MTP module or the run has a memory budget (the budgeted model does not draft yet);
-    /// `Auto` drafts when the checkpoint has one and the run has no budget.
+    /// MTP module; `Auto` drafts when it has one and lets generation switch drafting off and
+    /// on by its running estimate of whether it pays. Under a memory budget the verify
+    /// window's experts go through the slots (plan the budget with
+    /// [`RuntimeOptions::draft_tokens`] so that it holds the module and the cache snapshot).
     pub fn set_draft(&mut self, ck: &'a Checkpoint, mode: DraftMode, k: usize) -> Result<usize> {
         if mode == DraftMode::None {
             return Ok(0);
@@ -87,17 +89,15 @@ impl<'a> RunModel<'a> {
                 m.set_mtp_auto(mode == DraftMode::Auto);
                 Ok(m.draft_tokens())
             }
+            RunModel::Budgeted(m) if has => {
+                m.attach_mtp(ck, k)?;
+                m.set_mtp_auto(mode == DraftMode::Auto);
+                Ok(Generate::draft_tokens(m))
+            }
             _ if mode == DraftMode::Auto => Ok(0),
-            RunModel::Mapped(..) => {
-                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
-                    "the checkpoint has no MTP module (mtp.0.*) to draft with".into(),
-                )))
-            }
-            RunModel::Budgeted(_) => {
-                Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
-                    "drafting under a memory budget is not supported yet".into(),
-                )))
-            }
+            _ => Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
+                "the checkpoint has no MTP module (mtp.0.*) to draft with".into(),
+            ))),
         }
     }
 
@@ -134,18 +134,19 @@ impl Generate for RunModel<'_> {
     fn draft_tokens(&self) -> usize {
         match self {
             RunModel::Mapped(m, _) => m.draft_tokens(),
-            RunModel::Budgeted(_) => 0,
+            RunModel::Budgeted(m) => Generate::draft_tokens(m),
         }
     }
     fn draft_auto(&self) -> bool {
         match self {
             RunModel::Mapped(m, _) => m.mtp_auto(),
-            RunModel::Budgeted(_) => false,
+            RunModel::Budgeted(m) => m.draft_auto(),
         }
     }
     fn stop_drafting(&mut self) {
-        if let RunModel::Mapped(m, _) = self {
-            m.detach_mtp();
+        match self {
+            RunModel::Mapped(m, _) => m.detach_mtp(),
+            RunModel::Budgeted(m) => m.stop_drafting(),
         }
     }
     fn draft(
@@ -156,7 +157,7 @@ impl Generate for RunModel<'_> {
     ) -> keep_model::Result<Vec<(u32, Vec<f32>)>> {
         match self {
             RunModel::Mapped(m, _) => m.draft(last, k, pick),
-            RunModel::Budgeted(_) => Ok(vec![]),
+            RunModel::Budgeted(m) => m.draft(last, k, pick),
         }
     }
     fn forward_verify(
@@ -391,8 +392,13 @@ impl RunReport {
                     proposed: d.proposed[..k].to_vec(),
                     replays: d.replays,
                     auto_off: d.auto_off,
+                    auto_offs: d.auto_offs,
+                    auto_ons: d.auto_ons,
+                    auto_stopped: d.auto_stopped,
+                    plain_tokens: d.plain_tokens,
                     tokens_per_forward: d.tokens_per_forward(),
                     verify_forwards: d.verify_forwards,
+                    window_experts: d.window_experts_per_layer(),
                 }
             }),
             fixed_overhead_bytes: FIXED_OVERHEAD,

@@ -29,8 +29,8 @@ use keep_model::generate::Generate;
 use keep_model::layer::top_k_by;
 use keep_model::weights::{vec_f32, weight};
 use keep_model::{
-    Cache, EngramRows, ExpertOutputEvent, LinearInputEvent, Logits, Model, ModelConfig, RouteEvent,
-    RouteObserver,
+    Cache, EngramRows, ExpertOutputEvent, LinearInputEvent, Logits, MemoryEstimate, Model,
+    ModelConfig, RouteEvent, RouteObserver,
 };
 
 use crate::budget::{check_machine, resident_bytes, BudgetPlan};
@@ -70,6 +70,26 @@ pub struct RuntimeOptions {
     pub prefill_chunk: Option<usize>,
     /// Precision tiers (`None`: every expert at its stored rung, residual stages included).
     pub tiers: Option<TierOptions>,
+    /// Tokens drafted per verify forward the run plans for (0: no drafting). When the
+    /// checkpoint has an MTP module, the budget then also holds the module (its tensors,
+    /// experts included, are mapped whole: [`draft_bytes`]) and the snapshot of the decoding
+    /// cache each verify forward takes.
+    pub draft_tokens: usize,
+}
+
+/// Bytes drafting adds to a budgeted run of `ck` planned with `memory`: the MTP module's
+/// tensors (`mtp.*`, mapped and read on every draft) plus one copy of the decoding cache (the
+/// snapshot a verify forward restores when a draft is rejected). 0 without an MTP module.
+pub fn draft_bytes(ck: &Checkpoint, memory: &MemoryEstimate) -> u64 {
+    if !keep_model::mtp::present(ck) {
+        return 0;
+    }
+    let mtp: u64 = ck
+        .tensors()
+        .filter(|t| t.name.starts_with(keep_model::mtp::PREFIX))
+        .map(|t| t.bytes.len() as u64)
+        .sum();
+    mtp.saturating_add(memory.cache)
 }
 
 /// Precision tiers at run time: each routed expert's base rung in the slots, its residual
@@ -159,6 +179,7 @@ impl RuntimeOptions {
             context: None,
             prefill_chunk: None,
             tiers: None,
+            draft_tokens: 0,
         }
     }
 }
@@ -317,9 +338,14 @@ impl<'a> BudgetedModel<'a> {
                 .unwrap_or_else(|| engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE)),
             None => 0,
         };
+        let drafting = if opts.draft_tokens > 0 {
+            draft_bytes(ck, &memory)
+        } else {
+            0
+        };
         let plan = BudgetPlan::with_memory(
             opts.budget,
-            resident_bytes(ck) + engram_cache + residual_cache,
+            resident_bytes(ck) + engram_cache + residual_cache + drafting,
             memory,
             store.slot_bytes(),
             cfg.n_layers,
@@ -463,7 +489,21 @@ impl<'a> BudgetedModel<'a> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> keep_model::Result<Vec<f32>> {
         if self.gates.is_empty() {
-            return self.model.forward(tokens, cache, which, obs);
+            return self.model.forward_drafting(tokens, cache, which, obs);
+        }
+        if self.model.draft_tokens() > 0 {
+            // The drafter is fed by a forward that needs the model mutably: the guesser
+            // reads a copy of the config.
+            let cfg = self.model.cfg.clone();
+            let mut g = Guesser {
+                inner: obs,
+                gates: &self.gates,
+                cfg: &cfg,
+                cache: &self.cache,
+            };
+            return self
+                .model
+                .forward_drafting(tokens, cache, which, Some(&mut g));
         }
         let mut g = Guesser {
             inner: obs,
@@ -472,6 +512,17 @@ impl<'a> BudgetedModel<'a> {
             cache: &self.cache,
         };
         self.model.forward(tokens, cache, which, Some(&mut g))
+    }
+
+    /// Attach the MTP drafter of `ck` (K drafts per verify forward); `false` when the
+    /// checkpoint has none. Its experts are the module's own, mapped (not the slots).
+    pub fn attach_mtp(&mut self, ck: &'a Checkpoint, k: usize) -> Result<bool> {
+        Ok(self.model.attach_mtp(ck, k)?)
+    }
+
+    /// Let generation switch drafting off and on by its running estimate (`--draft auto`).
+    pub fn set_mtp_auto(&mut self, auto: bool) {
+        self.model.set_mtp_auto(auto);
     }
 
     /// Start the reads of every hash-routed layer's experts for `tokens` (their union per
@@ -534,6 +585,39 @@ impl Generate for BudgetedModel<'_> {
         }
         self.prefetch_hash_layers(tokens);
         self.model.forward_batch(tokens, caches)
+    }
+    fn draft_tokens(&self) -> usize {
+        self.model.draft_tokens()
+    }
+    fn draft_auto(&self) -> bool {
+        self.model.mtp_auto()
+    }
+    fn stop_drafting(&mut self) {
+        self.model.detach_mtp();
+    }
+    fn draft(
+        &mut self,
+        last: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> u32,
+    ) -> keep_model::Result<Vec<(u32, Vec<f32>)>> {
+        self.model.draft(last, k, pick)
+    }
+    /// The verify window (K + 1 rows) in one forward through the slots: each layer asks the
+    /// cache for the union of the experts its rows route to; hash-routed layers are
+    /// prefetched for all the window's tokens first.
+    fn forward_verify(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        self.check_planned(cache, tokens.len())?;
+        self.prefetch_hash_layers(tokens);
+        self.model.forward_verify(tokens, cache, obs)
+    }
+    fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> keep_model::Result<()> {
+        self.model.accept_drafts(cache, keep)
     }
     /// Zero the counters, so that the prompt's forward is counted alone.
     fn starting(&mut self) {

@@ -95,6 +95,13 @@ pub struct ResidencyArgs {
     /// Tokens after a residual miss from which the admitted stage serves (≥ 1).
     #[arg(long, default_value_t = 1, value_name = "K")]
     admit_delay: usize,
+    /// Also predict the tokens/s of speculative decoding at each hot-set size: the acceptance
+    /// at each draft position (comma list, one per draft: `keep run --draft mtp` prints it),
+    /// K = its length. Each verify forward reads the union of its K + 1 rows' experts (LRU
+    /// slots), the MTP module (with --model) once per draft, and replays the kept rows on a
+    /// rejection; needs --model or --expert-bytes. Replay a trace recorded with --draft none.
+    #[arg(long, value_delimiter = ',', value_name = "A1,A2,..")]
+    draft_acceptance: Vec<f64>,
 }
 
 fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
@@ -211,6 +218,16 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         cost,
         reap_scores,
     };
+    anyhow::ensure!(
+        a.draft_acceptance.is_empty()
+            || (a.draft_acceptance.len() <= 8
+                && a.draft_acceptance.iter().all(|x| (0.0..=1.0).contains(x))),
+        "--draft-acceptance: 1 to 8 acceptance rates in [0, 1]"
+    );
+    anyhow::ensure!(
+        a.draft_acceptance.is_empty() || opts.cost.is_some(),
+        "--draft-acceptance needs byte sizes: give --model DIR or --expert-bytes B"
+    );
     let mut report = keep_residency::simulate(&trace, &opts)?;
     report.command = std::env::args().collect::<Vec<_>>().join(" ");
     if let (Some(tau), Some(dir)) = (a.tau, &a.model) {
@@ -229,13 +246,60 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         };
         keep_residency::tiers::attach(&mut report, &trace, &spec)?;
     }
+    let drafting = match (&opts.cost, a.draft_acceptance.is_empty()) {
+        (Some(cost), false) => {
+            let spec = keep_residency::draft::DraftSpec {
+                k: a.draft_acceptance.len(),
+                acceptance: a.draft_acceptance.clone(),
+                mtp_pass_bytes: match &a.model {
+                    Some(d) => keep_residency::draft::mtp_pass_bytes(d)?,
+                    None => 0,
+                },
+                seed: 0,
+            };
+            let hots: Vec<usize> = report.sizes.iter().map(|s| s.hot).collect();
+            Some((
+                spec.clone(),
+                keep_residency::draft::predict(&trace, &hots, cost, &spec),
+            ))
+        }
+        _ => None,
+    };
     if let Some(p) = &a.plot {
         keep_residency::plot::plot(&report, p)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        if let (Some((spec, rows)), Some(m)) = (&drafting, v.as_object_mut()) {
+            m.insert(
+                "drafting".into(),
+                serde_json::json!({"spec": spec, "sizes": rows}),
+            );
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print_table(&report, &bytes_from);
+        if let Some((spec, rows)) = &drafting {
+            println!(
+                "drafting (K = {}, acceptance {:?}, LRU slots, MTP pass {} bytes): predicted tokens/s",
+                spec.k, spec.acceptance, spec.mtp_pass_bytes
+            );
+            println!(
+                "  {:>6} {:>12} {:>12} {:>8} {:>14} {:>16}",
+                "hot", "none tok/s", "draft tok/s", "speedup", "tokens/forward", "experts/layer/fw"
+            );
+            for r in rows {
+                println!(
+                    "  {:>6} {:>12.2} {:>12.2} {:>8.3} {:>14.2} {:>16.2}",
+                    r.hot,
+                    r.plain.tokens_per_sec,
+                    r.drafting.tokens_per_sec,
+                    r.speedup,
+                    r.tokens_per_forward,
+                    r.drafting.experts_per_layer_forward
+                );
+            }
+        }
         if let Some(p) = &a.plot {
             println!("plot: {}", p.display());
         }

@@ -57,9 +57,11 @@ pub struct RunArgs {
     kernels: super::KernelsArg,
     /// Speculative decoding with the checkpoint's MTP module (`mtp.0.*`): mtp drafts
     /// --draft-tokens tokens and verifies them in one forward (greedy output is identical to
-    /// none); auto does so when the checkpoint has an MTP module and the run has no
-    /// --memory-budget, and turns drafting off when after 16 verify forwards they produced
-    /// fewer than 1.5 tokens each.
+    /// none); auto, the default, does so when the checkpoint has an MTP module and switches
+    /// drafting off and back on from a running measurement of the seconds per token with and
+    /// without it (it stops for good after losing three comparisons in a row). Under
+    /// --memory-budget the verify window's experts go through the slots, and the budget also
+    /// holds the MTP module and one copy of the decoding cache.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
     /// Tokens drafted per verify forward (1..=8).
@@ -167,8 +169,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let ids = encode_prompt(&cfg, tok.as_ref(), prompt, a.max_tokens)
         .map_err(|e| flag_error(RuntimeError::Model(e)))?;
     // Generation stops one token short of feeding the last sampled token back.
-    let context = ids.len() + a.max_tokens.saturating_sub(1);
-    let opts = match &plan {
+    // A drafting run's last verify forward may feed drafts past the last token handed on.
+    let draft_k = if a.draft != DraftArg::None && keep_model::mtp::present(&ck) {
+        a.draft_tokens as usize
+    } else {
+        0
+    };
+    let context = ids.len() + a.max_tokens.saturating_sub(1) + draft_k;
+    let mut opts = match &plan {
         Some((pp, p)) => keep_fit::apply::runtime_options(pp, p, context)?.map(|o| {
             keep_runtime::RuntimeOptions {
                 io_threads: b.io_threads,
@@ -181,6 +189,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }),
         None => b.runtime_options(kernels, context)?,
     };
+    if let Some(o) = opts.as_mut() {
+        o.draft_tokens = draft_k;
+    }
     if opts.is_none() {
         keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
     }
@@ -247,15 +258,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .map(|a| format!("{a:.3}"))
             .collect();
         eprintln!(
-            "draft: K = {}, {} verify forwards, {:.2} tokens per forward, acceptance by position [{}]{}",
+            "draft: K = {}, {} verify forwards, {:.2} tokens per forward, acceptance by position [{}], {:.2} experts per layer per verify forward{}",
             g.draft.k,
             g.draft.verify_forwards,
             g.draft.tokens_per_forward(),
             acc.join(", "),
+            g.draft.window_experts_per_layer(),
             if g.draft.auto_off {
-                "; --draft auto turned drafting off (it did not pay)"
+                format!(
+                    "; --draft auto switched drafting off {} and on {} times ({} tokens without drafts{})",
+                    g.draft.auto_offs,
+                    g.draft.auto_ons,
+                    g.draft.plain_tokens,
+                    if g.draft.auto_stopped {
+                        ", then stopped it"
+                    } else {
+                        ""
+                    }
+                )
             } else {
-                ""
+                String::new()
             }
         );
     }

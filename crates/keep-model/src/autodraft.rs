@@ -1,0 +1,261 @@
+//! `--draft auto`'s switch: whether drafting pays, decided from a running estimate of the
+//! seconds per generated token with and without it, measured on this run as it goes.
+//!
+//! Drafting wins where a verify forward of K + 1 rows costs little more than one decode step
+//! (a resident, memory-bound model) and loses where the drafted rows route to other experts
+//! that must be read (offloaded experts: the window's expert union multiplies the reads). No
+//! fixed rule knows which case a run is in, so [`AutoDraft`] measures both: it starts drafting
+//! for [`MEASURE_FORWARDS`] verify forwards, then decodes [`MEASURE_TOKENS`] tokens without
+//! drafts, and settles on the faster per generated token. Verify forwards that kept one token
+//! each (no draft accepted) lose without a comparison: a forward of K + 1 rows never costs
+//! less than one of a single row. A settled side is measured as it runs;
+//! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
+//! slot cache warms, acceptance drifts with the text). After [`GIVE_UP`] comparisons in a row
+//! that drafting lost, it is stopped for the rest of the generation (the drafter is then no
+//! longer fed, which saves its block's forward on every token).
+//!
+//! While drafting is switched off the drafter is still fed every token (so that it can be
+//! switched back on with its cache in step): that costs one forward of the MTP block per
+//! token, the price of being able to switch back. The decisions depend on wall-clock time, so
+//! with sampling (temperature > 0) the tokens a seed gives may differ from run to run under
+//! `--draft auto` (the output distribution does not: the speculative-sampling rule keeps it);
+//! greedy output is identical to no drafting whatever the switch does.
+
+/// Verify forwards measured in a drafting phase before comparing.
+pub const MEASURE_FORWARDS: u64 = 4;
+/// Tokens decoded without drafts in a measuring phase before comparing.
+pub const MEASURE_TOKENS: u64 = 4;
+/// Tokens a settled side runs before the other is measured again.
+pub const RECHECK_TOKENS: u64 = 128;
+/// Consecutive comparisons lost by drafting after which it is stopped for good.
+pub const GIVE_UP: u32 = 3;
+
+/// What the generation loop does after a step ([`AutoDraft::step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    /// Carry on as before.
+    Keep,
+    /// Stop drafting (for now).
+    Off,
+    /// Draft again.
+    On,
+    /// Stop drafting for the rest of the generation (drop the drafter).
+    Stop,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Measuring one side before a comparison.
+    Measure,
+    /// Running the side that won the last comparison.
+    Settled,
+    /// Drafting stopped for good.
+    Stopped,
+}
+
+/// The running estimate and the switch (see the module doc).
+#[derive(Debug, Clone)]
+pub struct AutoDraft {
+    drafting: bool,
+    phase: Phase,
+    /// Seconds, tokens and steps of the current phase.
+    secs: f64,
+    tokens: u64,
+    steps: u64,
+    /// Seconds per generated token last measured with and without drafting.
+    pub draft_spt: Option<f64>,
+    pub plain_spt: Option<f64>,
+    losses: u32,
+    /// Times drafting was switched off, and back on.
+    pub offs: u64,
+    pub ons: u64,
+    /// Tokens decoded while drafting was switched off.
+    pub plain_tokens: u64,
+}
+
+impl Default for AutoDraft {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AutoDraft {
+    /// Start drafting, measuring.
+    pub fn new() -> AutoDraft {
+        AutoDraft {
+            drafting: true,
+            phase: Phase::Measure,
+            secs: 0.0,
+            tokens: 0,
+            steps: 0,
+            draft_spt: None,
+            plain_spt: None,
+            losses: 0,
+            offs: 0,
+            ons: 0,
+            plain_tokens: 0,
+        }
+    }
+
+    /// Whether the next step drafts.
+    pub fn drafting(&self) -> bool {
+        self.drafting && self.phase != Phase::Stopped
+    }
+
+    /// Whether drafting was stopped for good.
+    pub fn stopped(&self) -> bool {
+        self.phase == Phase::Stopped
+    }
+
+    /// One step took `secs` and generated `tokens`; `drafted` says whether it was a verify
+    /// forward (a step of the other kind than the current side is not counted).
+    pub fn step(&mut self, drafted: bool, secs: f64, tokens: u64) -> Switch {
+        if self.phase == Phase::Stopped {
+            if !drafted {
+                self.plain_tokens += tokens;
+            }
+            return Switch::Keep;
+        }
+        if !drafted {
+            self.plain_tokens += tokens;
+        }
+        if drafted != self.drafting {
+            return Switch::Keep;
+        }
+        self.secs += secs;
+        self.tokens += tokens;
+        self.steps += 1;
+        let spt = self.secs / self.tokens.max(1) as f64;
+        let done = match self.phase {
+            Phase::Measure if self.drafting => self.steps >= MEASURE_FORWARDS,
+            Phase::Measure => self.tokens >= MEASURE_TOKENS,
+            Phase::Settled => self.tokens >= RECHECK_TOKENS,
+            Phase::Stopped => false,
+        };
+        if !done {
+            return Switch::Keep;
+        }
+        if self.drafting {
+            self.draft_spt = Some(spt);
+        } else {
+            self.plain_spt = Some(spt);
+        }
+        let was = self.drafting;
+        let none_accepted = self.drafting && self.tokens <= self.steps;
+        match (self.phase, self.draft_spt, self.plain_spt) {
+            // No draft accepted: drafting lost, whatever plain decoding costs.
+            _ if none_accepted => {
+                self.losses += 1;
+                self.drafting = false;
+                self.phase = Phase::Settled;
+            }
+            // Both sides measured after a measuring phase: settle on the faster.
+            (Phase::Measure, Some(d), Some(p)) => {
+                if d < p {
+                    self.losses = 0;
+                    self.drafting = true;
+                } else {
+                    self.losses += 1;
+                    self.drafting = false;
+                }
+                self.phase = Phase::Settled;
+            }
+            // One side measured, or a settled side ran its course: measure the other.
+            _ => {
+                self.drafting = !self.drafting;
+                self.phase = Phase::Measure;
+            }
+        }
+        self.secs = 0.0;
+        self.tokens = 0;
+        self.steps = 0;
+        if self.losses >= GIVE_UP {
+            self.phase = Phase::Stopped;
+            if was {
+                self.offs += 1;
+            }
+            return Switch::Stop;
+        }
+        match (was, self.drafting) {
+            (true, false) => {
+                self.offs += 1;
+                Switch::Off
+            }
+            (false, true) => {
+                self.ons += 1;
+                Switch::On
+            }
+            _ => Switch::Keep,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Run `n` steps where a verify forward takes `draft` seconds for `per_forward` tokens and a
+    /// plain step `plain` seconds for one token; the fraction of tokens drafted.
+    fn run(a: &mut AutoDraft, n: usize, draft: f64, per_forward: u64, plain: f64) -> f64 {
+        let (mut drafted, mut all) = (0u64, 0u64);
+        for _ in 0..n {
+            if a.drafting() {
+                a.step(true, draft, per_forward);
+                drafted += per_forward;
+                all += per_forward;
+            } else {
+                a.step(false, plain, 1);
+                all += 1;
+            }
+        }
+        drafted as f64 / all as f64
+    }
+
+    #[test]
+    fn drafting_that_pays_stays_on_and_is_rechecked() {
+        let mut a = AutoDraft::new();
+        // 2 tokens per 1.2 plain steps: drafting is 1.67x faster.
+        let f = run(&mut a, 2000, 1.2, 2, 1.0);
+        assert!(!a.stopped());
+        assert!(f > 0.9, "drafted fraction {f}");
+        // It measured plain decoding more than once (rechecks), and switched back each time.
+        assert!(a.offs >= 2 && a.ons >= 2, "offs {} ons {}", a.offs, a.ons);
+        assert!(a.offs - a.ons <= 1, "offs {} ons {}", a.offs, a.ons);
+    }
+
+    #[test]
+    fn drafting_that_loses_is_switched_off_then_stopped() {
+        let mut a = AutoDraft::new();
+        // One token a verify forward that costs three plain steps: no draft accepted.
+        run(&mut a, 2000, 3.0, 1, 1.0);
+        assert!(a.stopped());
+        assert!(!a.drafting());
+        assert_eq!(a.offs, u64::from(GIVE_UP));
+        assert_eq!(a.ons, u64::from(GIVE_UP) - 1);
+        // Drafting that accepts some drafts is compared with plain decoding, and still loses.
+        let mut b = AutoDraft::new();
+        let mut n = 0;
+        while !b.stopped() && n < 2000 {
+            if b.drafting() {
+                // Two forwards of three, one draft accepted: 4 tokens in 3 forwards.
+                b.step(true, 3.0, if n % 3 == 0 { 2 } else { 1 });
+            } else {
+                b.step(false, 1.0, 1);
+            }
+            n += 1;
+        }
+        assert!(b.stopped());
+        assert!(b.draft_spt.unwrap() > b.plain_spt.unwrap());
+    }
+
+    #[test]
+    fn steps_of_the_other_side_are_not_counted() {
+        let mut a = AutoDraft::new();
+        for _ in 0..100 {
+            assert_eq!(a.step(false, 9.0, 1), Switch::Keep);
+        }
+        assert!(a.drafting());
+        assert_eq!(a.plain_spt, None);
+        assert_eq!(a.plain_tokens, 100);
+    }
+}

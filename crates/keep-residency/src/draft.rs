@@ -1,0 +1,379 @@
+//! Drafting in a replay: the tokens/s of a budgeted decode with and without speculative
+//! decoding, predicted from a route trace recorded without drafting.
+//!
+//! Without drafting every token is one forward: each layer reads its `top_k` experts (misses
+//! from SSD, hits from memory) and the resident weights once. With K drafts a verify forward
+//! feeds K + 1 rows: each layer reads the **union** of the experts its rows route to, the
+//! resident weights once, and the MTP module once per draft plus once for the pairs it is fed;
+//! when a draft is rejected the kept rows are replayed (the resident weights again, their experts
+//! from memory). The rows of a window are the trace's next K + 1 tokens — exact for accepted
+//! drafts, a stand-in for rejected ones (their real routes are of tokens that were never kept).
+//! Each window keeps `1 + accepted` tokens, the accepted count drawn with the measured acceptance
+//! by draft position (each conditional on the previous being accepted, as `keep run` reports
+//! it), from a seeded generator, and the next window starts after the kept tokens.
+//!
+//! Both sides replay the same LRU slot cache per layer (the runtime's default policy: a
+//! forward's experts are taken together in ascending id and none is evicted for another of the
+//! same forward), cold at each session, and the same cost model as [`crate::cost`]: seconds =
+//! SSD bytes / SSD bandwidth + memory bytes / memory bandwidth, no compute time, no overlap — so
+//! the prediction is of a decode bound by reads, which is where drafting can lose.
+
+use keep_artifacts::routes::RouteTrace;
+use keep_rng::Draw;
+use serde::Serialize;
+
+use crate::cost::CostModel;
+
+/// What drafting does, for the replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct DraftSpec {
+    /// Drafts per verify forward.
+    pub k: usize,
+    /// Acceptance at each draft position (given the previous ones were accepted); missing
+    /// positions are never accepted.
+    pub acceptance: Vec<f64>,
+    /// Bytes one pass of the MTP module reads (its block's weights and `top_k` of its experts).
+    pub mtp_pass_bytes: u64,
+    /// Seed of the acceptance draws.
+    pub seed: u64,
+}
+
+/// One side of the prediction.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct SideCost {
+    /// Forwards replayed (verify forwards with drafting; tokens without).
+    pub forwards: u64,
+    pub tokens: u64,
+    pub ssd_bytes_per_token: f64,
+    pub mem_bytes_per_token: f64,
+    /// Distinct experts per layer per forward, on average.
+    pub experts_per_layer_forward: f64,
+    pub seconds_per_token: f64,
+    pub tokens_per_sec: f64,
+}
+
+/// The prediction at one hot-set size.
+#[derive(Debug, Clone, Serialize)]
+pub struct DraftPrediction {
+    /// Slots per layer (the layer with the most experts).
+    pub hot: usize,
+    pub plain: SideCost,
+    pub drafting: SideCost,
+    /// Tokens per verify forward in the replay.
+    pub tokens_per_forward: f64,
+    /// `drafting.tokens_per_sec / plain.tokens_per_sec`.
+    pub speedup: f64,
+}
+
+/// One layer's LRU slots: `stamp[e]` is the forward that last used expert `e` (0: not held).
+struct Slots {
+    cap: usize,
+    held: Vec<bool>,
+    stamp: Vec<u64>,
+    n_held: usize,
+}
+
+impl Slots {
+    fn new(n: usize, cap: usize) -> Slots {
+        Slots {
+            cap: cap.max(1),
+            held: vec![false; n],
+            stamp: vec![0; n],
+            n_held: 0,
+        }
+    }
+
+    /// One forward asks for `experts` (distinct, ascending): (hits, misses). A miss evicts the
+    /// least recently used expert not used by this forward; when every slot is in use by it,
+    /// the expert is read without being kept.
+    fn forward(&mut self, experts: &[u16], now: u64) -> (u64, u64) {
+        let (mut hits, mut misses) = (0, 0);
+        for &e in experts {
+            let e = e as usize;
+            if self.held[e] {
+                hits += 1;
+                self.stamp[e] = now;
+                continue;
+            }
+            misses += 1;
+            if self.n_held < self.cap {
+                self.held[e] = true;
+                self.stamp[e] = now;
+                self.n_held += 1;
+                continue;
+            }
+            let victim = (0..self.held.len())
+                .filter(|&j| self.held[j] && self.stamp[j] < now)
+                .min_by_key(|&j| self.stamp[j]);
+            if let Some(v) = victim {
+                self.held[v] = false;
+                self.held[e] = true;
+                self.stamp[e] = now;
+            }
+        }
+        (hits, misses)
+    }
+}
+
+/// The distinct experts of tokens `a..b` of a layer's `[T × top_k]` stream, ascending.
+fn union(experts: &[u16], top_k: usize, a: usize, b: usize, out: &mut Vec<u16>) {
+    out.clear();
+    out.extend_from_slice(&experts[a * top_k..b * top_k]);
+    out.sort_unstable();
+    out.dedup();
+}
+
+#[derive(Default)]
+struct Acc {
+    forwards: u64,
+    tokens: u64,
+    ssd: f64,
+    mem: f64,
+    experts: u64,
+    layer_passes: u64,
+}
+
+impl Acc {
+    fn side(&self, cost: &CostModel) -> SideCost {
+        let t = self.tokens.max(1) as f64;
+        let s = self.ssd / (cost.ssd_gbps * 1e9) + self.mem / (cost.mem_gbps * 1e9);
+        let spt = s / t;
+        SideCost {
+            forwards: self.forwards,
+            tokens: self.tokens,
+            ssd_bytes_per_token: self.ssd / t,
+            mem_bytes_per_token: self.mem / t,
+            experts_per_layer_forward: self.experts as f64 / self.layer_passes.max(1) as f64,
+            seconds_per_token: spt,
+            tokens_per_sec: if spt > 0.0 { 1.0 / spt } else { f64::INFINITY },
+        }
+    }
+}
+
+/// Replay one session's windows of `rows` tokens advancing by `kept(window)`, into `acc`.
+fn replay_session(
+    s: &keep_artifacts::routes::Session,
+    cap: &[usize],
+    cost: &CostModel,
+    mut window: impl FnMut(usize) -> (usize, usize),
+    extra_mem: impl Fn(usize, usize) -> f64,
+    acc: &mut Acc,
+) {
+    let t_all = s
+        .layers
+        .first()
+        .map_or(0, |l| l.experts.len() / l.top_k.max(1));
+    let mut slots: Vec<Slots> = s
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            Slots::new(
+                l.n_experts,
+                cap.get(i).copied().unwrap_or(0).min(l.n_experts),
+            )
+        })
+        .collect();
+    let mut u = vec![];
+    let mut t = 0;
+    let mut now = 0u64;
+    while t < t_all {
+        now += 1;
+        let (rows, kept) = window(t_all - t);
+        let (rows, kept) = (rows.min(t_all - t).max(1), kept.min(t_all - t).max(1));
+        for (li, l) in s.layers.iter().enumerate() {
+            let b = cost.expert_bytes.get(li).copied().unwrap_or(0) as f64;
+            union(&l.experts, l.top_k, t, t + rows, &mut u);
+            let (h, m) = slots[li].forward(&u, now);
+            acc.ssd += m as f64 * b;
+            acc.mem += h as f64 * b;
+            acc.experts += u.len() as u64;
+            acc.layer_passes += 1;
+            if kept < rows {
+                // The replay of the kept rows: their experts are in memory now.
+                union(&l.experts, l.top_k, t, t + kept, &mut u);
+                acc.mem += u.len() as f64 * b;
+            }
+        }
+        acc.mem += extra_mem(rows, kept);
+        acc.forwards += 1;
+        acc.tokens += kept as u64;
+        t += kept;
+    }
+}
+
+/// Predict the tokens/s with and without drafting at each of `hots` slots per layer (see the
+/// module doc); `cost` gives the expert and resident bytes and the bandwidths.
+pub fn predict(
+    trace: &RouteTrace,
+    hots: &[usize],
+    cost: &CostModel,
+    spec: &DraftSpec,
+) -> Vec<DraftPrediction> {
+    let k = spec.k.max(1);
+    let resident = cost.resident_bytes as f64;
+    let mtp = spec.mtp_pass_bytes as f64;
+    let engram: f64 = cost
+        .engram
+        .iter()
+        .map(crate::cost::EngramBytes::ssd_bytes_per_token)
+        .sum();
+    hots.iter()
+        .map(|&hot| {
+            let mut plain = Acc::default();
+            let mut draft = Acc::default();
+            let mut r = keep_rng::rng(spec.seed);
+            for s in &trace.sessions {
+                let cap: Vec<usize> = s.layers.iter().map(|l| hot.min(l.n_experts)).collect();
+                replay_session(s, &cap, cost, |_| (1, 1), |_, _| resident, &mut plain);
+                replay_session(
+                    s,
+                    &cap,
+                    cost,
+                    |left| {
+                        let rows = (k + 1).min(left);
+                        let mut acc = 0;
+                        while acc < rows - 1 {
+                            let a = spec.acceptance.get(acc).copied().unwrap_or(0.0);
+                            if r.unit() < a {
+                                acc += 1;
+                            } else {
+                                break;
+                            }
+                        }
+                        (rows, acc + 1)
+                    },
+                    |rows, kept| {
+                        // Resident weights once, again for a replay; the MTP module once per
+                        // draft and once for the pairs fed.
+                        let replay = if kept < rows { resident } else { 0.0 };
+                        resident + replay + mtp * rows as f64
+                    },
+                    &mut draft,
+                );
+            }
+            // Engram reads are per token on both sides.
+            plain.ssd += engram * plain.tokens as f64;
+            draft.ssd += engram * draft.tokens as f64;
+            let p = plain.side(cost);
+            let d = draft.side(cost);
+            DraftPrediction {
+                hot,
+                plain: p,
+                drafting: d,
+                tokens_per_forward: d.tokens as f64 / d.forwards.max(1) as f64,
+                speedup: d.tokens_per_sec / p.tokens_per_sec,
+            }
+        })
+        .collect()
+}
+
+/// Bytes one pass of MTP module `mtp.0` of the checkpoint at `dir` reads: every `mtp.0.*`
+/// tensor except its routed experts, plus `top_k` of them (expert 0's size). 0 without one.
+pub fn mtp_pass_bytes(dir: &std::path::Path) -> crate::Result<u64> {
+    use keep_checkpoint::naming::{self, Role, Scope};
+    let ck = keep_checkpoint::Checkpoint::open(dir)?;
+    let top_k = ck.config().map_or(0, |c| c.num_experts_per_tok) as u64;
+    let (mut block, mut expert0) = (0u64, 0u64);
+    for t in ck.tensors() {
+        let n = naming::parse(t.name);
+        if n.scope != Scope::Mtp(0) {
+            continue;
+        }
+        match n.role {
+            Role::RoutedExpert { expert: 0, .. } => expert0 += t.bytes.len() as u64,
+            Role::RoutedExpert { .. } => {}
+            _ => block += t.bytes.len() as u64,
+        }
+    }
+    Ok(block + top_k * expert0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keep_artifacts::routes::{LayerRoutes, Session};
+
+    fn trace(experts: Vec<u16>, top_k: usize, n: usize) -> RouteTrace {
+        let w = vec![1.0; experts.len()];
+        RouteTrace {
+            sessions: vec![Session {
+                id: "s".into(),
+                layers: vec![LayerRoutes {
+                    layer: 0,
+                    top_k,
+                    n_experts: n,
+                    hash: false,
+                    experts,
+                    weights: w,
+                }],
+                ..Session::default()
+            }],
+            ..RouteTrace::default()
+        }
+    }
+
+    fn cost() -> CostModel {
+        CostModel {
+            expert_bytes: vec![1_000_000],
+            resident_bytes: 0,
+            engram: vec![],
+            ssd_gbps: 1.0,
+            mem_gbps: 1000.0,
+        }
+    }
+
+    #[test]
+    fn lru_slots_keep_a_forwards_experts_together() {
+        let mut s = Slots::new(8, 2);
+        assert_eq!(s.forward(&[0, 1], 1), (0, 2));
+        assert_eq!(s.forward(&[1, 2], 2), (1, 1)); // 0 is the least recently used
+        assert_eq!(s.forward(&[0], 3), (0, 1)); // 0 was evicted, 1 goes now
+        assert_eq!(s.forward(&[2, 0], 4), (2, 0));
+        // A forward wider than the slots reads the rest without keeping it.
+        assert_eq!(s.forward(&[3, 4, 5], 5), (0, 3));
+    }
+
+    #[test]
+    fn drafting_pays_when_every_draft_is_accepted_and_routes_repeat() {
+        // Every token routes to experts {0, 1}: windows read nothing new, and with every draft
+        // accepted a forward keeps K + 1 tokens for one resident read.
+        let t = trace([0u16, 1].repeat(64), 2, 8);
+        let mut c = cost();
+        c.resident_bytes = 1_000_000;
+        // Reads from memory only (the two cold misses would otherwise dominate both sides).
+        c.ssd_gbps = 1000.0;
+        let spec = DraftSpec {
+            k: 3,
+            acceptance: vec![1.0; 3],
+            mtp_pass_bytes: 0,
+            seed: 1,
+        };
+        let p = &predict(&t, &[2], &c, &spec)[0];
+        assert_eq!(p.drafting.tokens, 64);
+        assert_eq!(p.tokens_per_forward, 4.0);
+        assert!(p.speedup > 3.5, "speedup {}", p.speedup);
+    }
+
+    #[test]
+    fn drafting_loses_when_drafts_are_rejected_and_windows_read_other_experts() {
+        // Each token routes to its own pair of 16 experts and the hot set holds one token's:
+        // a window of K + 1 rows reads K + 1 times the experts and keeps one token.
+        let e: Vec<u16> = (0..64u16)
+            .flat_map(|i| [(2 * i) % 16, (2 * i + 1) % 16])
+            .collect();
+        let t = trace(e, 2, 16);
+        let spec = DraftSpec {
+            k: 2,
+            acceptance: vec![0.0; 2],
+            mtp_pass_bytes: 0,
+            seed: 1,
+        };
+        let p = &predict(&t, &[2], &cost(), &spec)[0];
+        assert_eq!(p.tokens_per_forward, 1.0);
+        // Three tokens' distinct pairs per window (the last window of a session is shorter).
+        assert!(p.drafting.experts_per_layer_forward > 5.8);
+        assert_eq!(p.plain.experts_per_layer_forward, 2.0);
+        assert!(p.speedup < 0.5, "speedup {}", p.speedup);
+    }
+}
