@@ -240,8 +240,9 @@ pub struct QuantReport {
     pub tensors: Vec<TensorErrors>,
 }
 
-/// The f32 values of a source weight in any layout keep computes with.
-fn decode_source(
+/// The f32 values of a source weight (`[rows, cols]`, its scale tensor if any) in any layout
+/// keep computes with.
+pub fn decode_source(
     w: TensorRef,
     scale: Option<TensorRef>,
     rows: usize,

@@ -102,7 +102,7 @@ pub enum ResidualCodes {
     E8p(Vec<u16>),
 }
 
-/// A residual stage: codes `[rows, cols/8]` and one scale per row.
+/// A residual stage: codes `[rows, cols/8]` and one scale per row (or per group).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResidualStage {
     pub codes: ResidualCodes,
@@ -125,10 +125,13 @@ pub struct FittedMatrix {
     pub cols: usize,
     /// E8P12 codes `[rows, cols/8]` (keep's code layout, `keep_format::e8p`).
     pub codes: Vec<u16>,
-    /// One scale per row.
+    /// One scale per row (per group of [`FittedMatrix::group`] columns of each row when
+    /// fitted with [`fit_matrix_grouped`], row-major).
     pub scales: Vec<f32>,
     pub residual: Option<ResidualStage>,
     pub errors: RungErrors,
+    /// Columns per scale: `cols` for a scale per row.
+    pub group: usize,
 }
 
 /// The per-column weights a fit uses: the imatrix plus [`IMATRIX_FLOOR`] of its mean; all
@@ -269,6 +272,20 @@ pub fn fit_matrix(
     imatrix: &[f32],
     format: QuantFormat,
 ) -> Result<FittedMatrix> {
+    fit_matrix_grouped(w, rows, cols, imatrix, format, cols)
+}
+
+/// [`fit_matrix`] with one scale (per stage) for every `group` consecutive columns of a row
+/// instead of one per row: each group is fitted as a row of its own. `group` must be a
+/// positive multiple of 8 dividing `cols`.
+pub fn fit_matrix_grouped(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    imatrix: &[f32],
+    format: QuantFormat,
+    group: usize,
+) -> Result<FittedMatrix> {
     if !cols.is_multiple_of(8) || cols == 0 {
         return Err(QuantError::Input(format!(
             "{cols} columns is not a positive multiple of 8"
@@ -284,22 +301,33 @@ pub fn fit_matrix(
     if w.iter().any(|v| !v.is_finite()) {
         return Err(QuantError::Input("non-finite weight".into()));
     }
+    if group == 0 || !group.is_multiple_of(8) || !cols.is_multiple_of(group) {
+        return Err(QuantError::Input(format!(
+            "scale group {group} is not a positive multiple of 8 dividing {cols} columns"
+        )));
+    }
     let h = column_weights(imatrix)?;
+    let per_row = cols / group;
     let fits: Vec<RowFit> = w
-        .par_chunks_exact(cols)
-        .map(|row| fit_row(row, &h, format))
+        .par_chunks_exact(group)
+        .enumerate()
+        .map(|(k, part)| {
+            let c0 = (k % per_row) * group;
+            fit_row(part, &h[c0..c0 + group], format)
+        })
         .collect();
     let mut out = FittedMatrix {
         rows,
         cols,
         codes: Vec::with_capacity(rows * cols / 8),
-        scales: Vec::with_capacity(rows),
+        scales: Vec::with_capacity(rows * per_row),
+        group,
         residual: format.residual().map(|k| ResidualStage {
             codes: match k {
                 ResidualKind::E81 => ResidualCodes::E81(Vec::with_capacity(rows * cols / 8)),
                 ResidualKind::E8p => ResidualCodes::E8p(Vec::with_capacity(rows * cols / 8)),
             },
-            scales: Vec::with_capacity(rows),
+            scales: Vec::with_capacity(rows * per_row),
         }),
         errors: RungErrors {
             base: 0.0,
@@ -332,19 +360,21 @@ pub fn fit_matrix(
 /// Decode a fit to f32 the way a runtime does: `s₁ · q₁ (+ s₂ · q₂)`, each product in f32.
 pub fn dequantize(f: &FittedMatrix) -> Vec<f32> {
     let kc = f.cols / 8;
+    let gpr = f.cols / f.group.max(1);
     let mut out = vec![0f32; f.rows * f.cols];
     for r in 0..f.rows {
         for g in 0..kc {
+            let si = r * gpr + 8 * g / f.group.max(1);
             let q = decode_e8p(f.codes[r * kc + g]);
             let q2 = f.residual.as_ref().map(|st| {
                 let c = match &st.codes {
                     ResidualCodes::E81(v) => decode_e81(v[r * kc + g]),
                     ResidualCodes::E8p(v) => decode_e8p(v[r * kc + g]),
                 };
-                (c, st.scales[r])
+                (c, st.scales[si])
             });
             for i in 0..8 {
-                let mut v = f.scales[r] * q[i];
+                let mut v = f.scales[si] * q[i];
                 if let Some((c, s)) = q2 {
                     v += s * c[i];
                 }
@@ -362,13 +392,14 @@ pub fn dequantize_ref(f: &FittedMatrix) -> Vec<f64> {
     for (j, o) in out.iter_mut().enumerate() {
         let (r, c) = (j / f.cols, j % f.cols);
         let k = r * kc + c / 8;
-        let mut v = f.scales[r] as f64 * decode_e8p_ref(f.codes[k])[c % 8] as f64;
+        let si = r * (f.cols / f.group.max(1)) + c / f.group.max(1);
+        let mut v = f.scales[si] as f64 * decode_e8p_ref(f.codes[k])[c % 8] as f64;
         if let Some(st) = &f.residual {
             let q = match &st.codes {
                 ResidualCodes::E81(v) => decode_e81_ref(v[k])[c % 8],
                 ResidualCodes::E8p(v) => decode_e8p_ref(v[k])[c % 8],
             };
-            v += st.scales[r] as f64 * q as f64;
+            v += st.scales[si] as f64 * q as f64;
         }
         *o = v;
     }

@@ -172,6 +172,7 @@ fn quantize_refuse_shard_join_and_decode() {
             scales: rd("layers.2.ffn.experts.1.w2.resid.scale"),
         }),
         errors: Default::default(),
+        group: 128,
     };
     let w = src.tensor("layers.2.ffn.experts.1.w2.weight").unwrap();
     let s = layout::scale_of(&src, "layers.2.ffn.experts.1.w2.weight");

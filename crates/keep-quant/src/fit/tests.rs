@@ -125,3 +125,35 @@ fn formats_and_bits() {
     assert_eq!(QuantFormat::E8p2E81.bits_per_weight(128, 256), 3.25);
     assert_eq!(QuantFormat::E8p2E8p2.bits_per_weight(256, 128), 4.5);
 }
+
+#[test]
+fn grouped_scales_decode_and_match_per_row_at_full_width() {
+    let (rows, cols) = (6, 64);
+    let w = gauss_matrix(11, rows, cols);
+    let im = imatrix(12, cols);
+    let h = column_weights(&im).unwrap();
+    let mean = im.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
+    for format in QuantFormat::ALL {
+        // a group as wide as the row is the per-row fit
+        let row = fit_matrix(&w, rows, cols, &im, format).unwrap();
+        assert_eq!(
+            fit_matrix_grouped(&w, rows, cols, &im, format, cols).unwrap(),
+            row
+        );
+        let f = fit_matrix_grouped(&w, rows, cols, &im, format, 16).unwrap();
+        assert_eq!((f.group, f.scales.len()), (16, rows * cols / 16));
+        let exact = dequantize_ref(&f);
+        let fast = dequantize(&f);
+        let big = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for j in 0..exact.len() {
+            assert!((fast[j] as f64 - exact[j]).abs() <= DECODE_REL_TOL * big);
+        }
+        // the reported error is that of the grouped decode
+        let err = weighted_err(&w, &exact, &h, cols) * mean;
+        let reported = f.errors.full.unwrap_or(f.errors.base);
+        assert!((err - reported).abs() <= ERR_REL_TOL * err, "{format:?}");
+    }
+    for bad in [0, 12, 24, 128] {
+        assert!(fit_matrix_grouped(&w, rows, cols, &im, QuantFormat::E8p2, bad).is_err());
+    }
+}

@@ -129,6 +129,59 @@ fn weighted_scan_matches_brute_force() {
 }
 
 #[test]
+fn fast_weighted_search_matches_scan_and_brute_force() {
+    let mut rng = keep_rng::rng(0xE8E8_0006);
+    // against the scan: many inputs at the scales a fit sees
+    for n in 0..20000 {
+        let x = gauss8(&mut rng, [0.3, 1.03, 1.6, 3.0, 8.0][n % 5]);
+        let w = match n % 4 {
+            0 => [1.0; 8],
+            _ => weights8(&mut rng),
+        };
+        let got = nearest_e8p_weighted(x, w);
+        let want = nearest_e8p_weighted_scan(x, w);
+        assert_as_near(
+            &x,
+            Some(&w),
+            decode_e8p(got),
+            decode_e8p(want),
+            "fast vs scan",
+        );
+    }
+    // against brute force
+    for n in 0..48 {
+        let x = gauss8(&mut rng, [0.5, 1.03, 2.0, 5.0][n % 4]);
+        let w = weights8(&mut rng);
+        let got = nearest_e8p_weighted(x, w);
+        let want = nearest_e8p_brute_weighted(x, w);
+        assert_as_near(
+            &x,
+            Some(&w),
+            decode_e8p(got),
+            decode_e8p(want),
+            "fast vs brute",
+        );
+    }
+    // the grid's layout the search relies on: the first 227 patterns are exactly the digit
+    // vectors within 4 norm units, the rest have five 3/2 and three ½
+    let units = |dg: &[u8; 8]| dg.iter().map(|&d| DIGIT_UNITS[d as usize]).sum::<usize>();
+    for (g, (dg, _)) in PATTERN_DIGITS.iter().enumerate() {
+        if g < NORM12_FIRST {
+            assert!(units(dg) <= 4, "{g}");
+        } else {
+            assert!(dg.iter().all(|&d| d <= 1) && units(dg) == UNITS, "{g}");
+        }
+    }
+    let within4 = (0..6561usize)
+        .filter(|&k| {
+            let dg: [u8; 8] = std::array::from_fn(|i| ((k / 3usize.pow(7 - i as u32)) % 3) as u8);
+            units(&dg) <= 4
+        })
+        .count();
+    assert_eq!(within4, NORM12_FIRST);
+}
+
+#[test]
 fn adversarial_inputs() {
     let mut rng = keep_rng::rng(0xE8E8_0004);
     let mut cases: Vec<[f32; 8]> = vec![
@@ -163,12 +216,17 @@ fn adversarial_inputs() {
         let want = decode_e8p(nearest_e8p_brute_weighted(x, w));
         let got = decode_e8p(nearest_e8p_weighted(x, w));
         assert_as_near(&x, Some(&w), got, want, "weighted adversarial");
+        let got = decode_e8p(nearest_e8p_weighted_scan(x, w));
+        assert_as_near(&x, Some(&w), got, want, "scan adversarial");
         let got = decode_e8p(nearest_e8p_weighted(x, [0.0; 8]));
         assert_as_near(&x, Some(&[0.0; 8]), got, want, "zero weights");
     }
     // non-finite input: no panic
     let _ = nearest_e8p([f32::NAN; 8]);
     let _ = nearest_e8p_weighted([f32::INFINITY; 8], [1.0; 8]);
+    let _ = nearest_e8p_weighted([f32::NAN; 8], [1.0; 8]);
+    let _ = nearest_e8p_weighted([1.0; 8], [f32::NAN; 8]);
+    let _ = nearest_e8p_weighted_scan([f32::NAN; 8], [1.0; 8]);
     let _ = nearest_e81_weighted([f32::NAN; 8], [1.0; 8]);
 }
 
