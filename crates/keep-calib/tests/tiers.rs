@@ -72,6 +72,7 @@ fn allocation_and_tier_simulation_score_as_their_checkpoints() {
             experts: ExpertSelection::All,
             shard: (0, 1),
             force: false,
+            mlx_bits: None,
         };
         quantize(&model, &calib, &out, &qo, &|_, _| {}).unwrap();
         qs.push(out);

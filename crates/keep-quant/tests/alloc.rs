@@ -82,6 +82,7 @@ fn allocation_fits_and_quant_writes_its_rungs() {
         experts: sel,
         shard: (0, 1),
         force: false,
+        mlx_bits: None,
     };
     quantize(&bundled(), &im, &q, &opts, &|_, _| {}).unwrap();
 
@@ -123,6 +124,7 @@ fn allocation_fits_and_quant_writes_its_rungs() {
         experts: ExpertSelection::from_alloc(&a).unwrap(),
         shard: (0, 1),
         force: false,
+        mlx_bits: None,
     };
     let rep = quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap();
     assert_eq!(rep.method, "mixed");

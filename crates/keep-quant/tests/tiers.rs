@@ -82,6 +82,7 @@ fn base_rung_slots_equal_the_base_checkpoint_and_upper_slots_the_full_one() {
             experts: sel.clone(),
             shard: (0, 1),
             force: false,
+            mlx_bits: None,
         };
         quantize(&bundled(), &im, &out, &opts, &|_, _| {}).unwrap();
         dirs.push(out);

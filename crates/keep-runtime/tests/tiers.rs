@@ -89,6 +89,7 @@ fn models(dir: &Path) -> (PathBuf, PathBuf) {
         experts: ExpertSelection::All,
         shard: (0, 1),
         force: false,
+        mlx_bits: None,
     };
     quantize(&src, &im, &q, &opts, &|_, _| {}).unwrap();
     let base = strip_residuals(&q, &dir.join("base"));
