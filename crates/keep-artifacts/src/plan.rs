@@ -53,7 +53,7 @@ pub struct PrunePlan {
     #[serde(default)]
     pub saliency: String,
     pub layers: Vec<LayerPlan>,
-    /// MTP layers the plan prunes too (others stay whole).
+    /// MTP layers the plan prunes too (others stay whole); each may keep its own count.
     #[serde(default)]
     pub mtp_layers: Vec<LayerPlan>,
     /// Anything else `keep select` records (fingerprints, Jaccard...).
@@ -170,9 +170,12 @@ impl PrunePlan {
                 _ => {}
             }
         }
-        for l in self.layers.iter().chain(&self.mtp_layers) {
+        // An MTP module has its own router and its own expert count (`n_routed_experts_mtp`),
+        // so only the decoder layers must keep exactly `keep`.
+        let decoder = self.layers.iter().map(|l| (l, true));
+        for (l, counted) in decoder.chain(self.mtp_layers.iter().map(|l| (l, false))) {
             if let Some(s) = &l.survivors {
-                if s.len() != self.keep {
+                if counted && s.len() != self.keep {
                     return Err(format!(
                         "layer {} keeps {} experts but the plan's keep is {}",
                         l.layer,
