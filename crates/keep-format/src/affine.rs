@@ -37,7 +37,6 @@ pub const AFFINE_GROUP: usize = 64;
 /// MLX's lower bound on `(max - min) / 255`.
 pub const AFFINE_EPS: f32 = 1e-7;
 /// Number of quantization steps for 8 bits.
-const N_BINS: f32 = 255.0;
 
 /// A per-group parameter vector (scales or biases) in one of the dtypes MLX writes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -168,15 +167,18 @@ pub fn decode_affine8_row_gs(
     Ok(())
 }
 
-/// MLX's per-group rule (see the module doc): returns `(scale, bias)` in `f32` and writes codes.
-fn quantize_group(w: &[f32], q: &mut [u8]) -> (f32, f32) {
+/// MLX's per-group rule (see the module doc) for `n = 2^bits − 1` steps: returns
+/// `(scale, bias)` in `f32` and writes the codes to `q`. The 8-bit layout here and MLX's 2/3/4-bit
+/// packing ([`crate::mlx_affine`]) share it.
+pub fn quantize_group_bits(bits: u32, w: &[f32], q: &mut [u8]) -> (f32, f32) {
+    let n_bins = ((1u32 << bits) - 1) as f32;
     let (mut w_min, mut w_max) = (f32::INFINITY, f32::NEG_INFINITY);
     for &x in w {
         w_max = w_max.max(x);
         w_min = w_min.min(x);
     }
     let mask = w_min.abs() > w_max.abs();
-    let mut scale = ((w_max - w_min) / N_BINS).max(AFFINE_EPS);
+    let mut scale = ((w_max - w_min) / n_bins).max(AFFINE_EPS);
     if !mask {
         scale = -scale;
     }
@@ -190,9 +192,14 @@ fn quantize_group(w: &[f32], q: &mut [u8]) -> (f32, f32) {
     for (o, &x) in q.iter_mut().zip(w) {
         let v = ((x - bias) / scale).round_ties_even();
         // NaN -> 0 via the saturating float-to-int cast
-        *o = v.clamp(0.0, N_BINS) as u8;
+        *o = v.clamp(0.0, n_bins) as u8;
     }
     (scale, bias)
+}
+
+/// The 8-bit rule.
+fn quantize_group(w: &[f32], q: &mut [u8]) -> (f32, f32) {
+    quantize_group_bits(8, w, q)
 }
 
 /// Quantize one row with MLX's affine rule (group 64), scales and biases as `f32`
