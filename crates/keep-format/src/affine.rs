@@ -36,8 +36,6 @@ use crate::f16::f16_to_f32;
 pub const AFFINE_GROUP: usize = 64;
 /// MLX's lower bound on `(max - min) / 255`.
 pub const AFFINE_EPS: f32 = 1e-7;
-/// Number of quantization steps for 8 bits.
-
 /// A per-group parameter vector (scales or biases) in one of the dtypes MLX writes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ParamSlice<'a> {
