@@ -32,8 +32,9 @@ PY
 TAUS=${TAUS:-0.15,0.25,0.35,0.5,0.7}
 CACHE=${CACHE:-2M}
 echo "{\"load_start\": \"$(cat /proc/loadavg)\", \"rows\": [" > "$W/rows.json"
-first=1
-row() { if [ $first = 0 ]; then echo "," >> "$W/rows.json"; fi; first=0; cat >> "$W/rows.json"; }
+rm -f "$W/.row-written"
+# (`row` runs at the end of a pipe, in a subshell: the separator state lives in a file.)
+row() { if [ -e "$W/.row-written" ]; then echo "," >> "$W/rows.json"; fi; touch "$W/.row-written"; cat >> "$W/rows.json"; }
 for uni in ${ROWS:-e8p2 e8p2+e81}; do
   B=$([ $uni = e8p2 ] && echo $((N * E2)) || echo $((N * E3)))
   KEEPN=$((B / LAYERS / SH))

@@ -514,8 +514,8 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
         candidates: table,
     };
     notes.push(
-        "drafting: off (the budgeted runtime does not draft yet); tiers: none (uniform shipped \
-         weights)"
+        "drafting: off (plans do not choose drafting yet: `keep residency --draft-acceptance` \
+         predicts it); tiers: none (uniform shipped weights)"
             .into(),
     );
     Ok(FitOutcome {
