@@ -26,7 +26,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ArtifactError, Result};
+use crate::Result;
 
 /// The rung of an expert that is removed.
 pub const PRUNED: &str = "pruned";
@@ -68,6 +68,12 @@ pub struct Alloc {
     pub extra: BTreeMap<String, serde_json::Value>,
 }
 
+/// How an allocation file is named in errors.
+const KIND: crate::json::Kind = crate::json::Kind {
+    a: "an allocation",
+    name: "allocation",
+};
+
 impl Alloc {
     /// The format tag.
     pub const FORMAT: &'static str = "keep-alloc";
@@ -77,42 +83,23 @@ impl Alloc {
     /// Read and validate an allocation file (a regular file of at most
     /// [`keep_checkpoint::small_file::MAX_SMALL_FILE`] bytes).
     pub fn read(path: &Path) -> Result<Alloc> {
-        let text = keep_checkpoint::small_file::read_text(
-            path,
-            keep_checkpoint::small_file::MAX_SMALL_FILE,
-        )?;
-        Self::parse(path, &text)
+        crate::json::read(path, KIND, Alloc::validate)
     }
 
     /// Parse and validate the text of an allocation; `path` only names it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<Alloc> {
-        let a: Alloc = serde_json::from_str(text)
-            .map_err(|e| ArtifactError::invalid(path, format!("not an allocation: {e}")))?;
-        a.validate().map_err(|e| ArtifactError::invalid(path, e))?;
-        Ok(a)
+        crate::json::parse(path, text, KIND, Alloc::validate)
     }
 
     /// Validate and write atomically (temporary sibling, fsync, rename); an existing `path` is
     /// refused unless `force`, a non-regular one always. Pretty JSON, no trailing newline.
     pub fn write(&self, path: &Path, force: bool) -> Result<()> {
-        self.validate()
-            .map_err(|e| ArtifactError::Config(format!("invalid allocation: {e}")))?;
-        let bytes = serde_json::to_vec_pretty(self)
-            .map_err(|e| ArtifactError::Config(format!("allocation: {e}")))?;
-        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
+        crate::json::write(self, path, force, true, KIND, Alloc::validate)
     }
 
     /// Check the format tag, the rung labels, the layers (ascending, unique) and the byte sum.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format != Self::FORMAT || self.version != Self::VERSION {
-            return Err(format!(
-                "format `{}` version {} is not {} version {}",
-                self.format,
-                self.version,
-                Self::FORMAT,
-                Self::VERSION
-            ));
-        }
+        crate::json::check_format(&self.format, self.version, Self::FORMAT, Self::VERSION)?;
         let mut costs = BTreeMap::new();
         for r in &self.rungs {
             if !LABELS.contains(&r.label.as_str()) {

@@ -35,7 +35,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ArtifactError, Result};
+use crate::Result;
 
 /// The format tag.
 pub const FORMAT: &str = "keep-fit-plan";
@@ -158,15 +158,16 @@ const POLICIES: [&str; 3] = ["lru", "decay", "static"];
 const KERNELS: [&str; 2] = ["fast", "exact"];
 const DRAFTS: [&str; 2] = ["none", "mtp"];
 
+/// How a fit plan file is named in errors.
+const KIND: crate::json::Kind = crate::json::Kind {
+    a: "a fit plan",
+    name: "fit plan",
+};
+
 impl FitPlan {
     /// Check the format tag and every field's range.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format != FORMAT || self.version != VERSION {
-            return Err(format!(
-                "format `{}` version {} is not {FORMAT} version {VERSION}",
-                self.format, self.version
-            ));
-        }
+        crate::json::check_format(&self.format, self.version, FORMAT, VERSION)?;
         if !POLICIES.contains(&self.policy.as_str()) {
             return Err(format!(
                 "policy `{}` is not lru, decay or static",
@@ -216,29 +217,17 @@ impl FitPlan {
 
     /// Read and validate a plan file.
     pub fn read(path: &Path) -> Result<FitPlan> {
-        let text = keep_checkpoint::small_file::read_text(
-            path,
-            keep_checkpoint::small_file::MAX_SMALL_FILE,
-        )?;
-        Self::parse(path, &text)
+        crate::json::read(path, KIND, FitPlan::validate)
     }
 
     /// Parse and validate the text of a plan; `path` only names it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<FitPlan> {
-        let plan: FitPlan = serde_json::from_str(text)
-            .map_err(|e| ArtifactError::invalid(path, format!("not a fit plan: {e}")))?;
-        plan.validate()
-            .map_err(|e| ArtifactError::invalid(path, e))?;
-        Ok(plan)
+        crate::json::parse(path, text, KIND, FitPlan::validate)
     }
 
     /// Validate and write the plan atomically; an existing `path` is refused unless `force`.
     pub fn write(&self, path: &Path, force: bool) -> Result<()> {
-        self.validate()
-            .map_err(|e| ArtifactError::Config(format!("invalid fit plan: {e}")))?;
-        let bytes = serde_json::to_vec_pretty(self)
-            .map_err(|e| ArtifactError::Config(format!("fit plan: {e}")))?;
-        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
+        crate::json::write(self, path, force, true, KIND, FitPlan::validate)
     }
 
     /// The checkpoint directory the plan runs (derived, else the model).

@@ -35,6 +35,7 @@ pub mod error;
 pub mod fit_plan;
 pub mod fuzzing;
 pub mod hashremap;
+mod json;
 pub mod logits;
 pub mod plan;
 pub mod reap;

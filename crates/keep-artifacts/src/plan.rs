@@ -61,6 +61,12 @@ pub struct PrunePlan {
     pub extra: BTreeMap<String, serde_json::Value>,
 }
 
+/// How a prune plan file is named in errors.
+const KIND: crate::json::Kind = crate::json::Kind {
+    a: "a prune plan",
+    name: "prune plan",
+};
+
 impl PrunePlan {
     /// The format tag.
     pub const FORMAT: &'static str = "keep-prune-plan";
@@ -85,20 +91,12 @@ impl PrunePlan {
     /// Read and validate a plan file (a regular file of at most
     /// [`keep_checkpoint::small_file::MAX_SMALL_FILE`] bytes).
     pub fn read(path: &Path) -> Result<PrunePlan> {
-        let text = keep_checkpoint::small_file::read_text(
-            path,
-            keep_checkpoint::small_file::MAX_SMALL_FILE,
-        )?;
-        Self::parse(path, &text)
+        crate::json::read(path, KIND, PrunePlan::validate)
     }
 
     /// Parse and validate the text of a plan; `path` only names it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<PrunePlan> {
-        let plan: PrunePlan = serde_json::from_str(text)
-            .map_err(|e| ArtifactError::invalid(path, format!("not a prune plan: {e}")))?;
-        plan.validate()
-            .map_err(|e| ArtifactError::invalid(path, e))?;
-        Ok(plan)
+        crate::json::parse(path, text, KIND, PrunePlan::validate)
     }
 
     /// The bytes [`PrunePlan::write`] writes (pretty JSON, no trailing newline), after
@@ -120,15 +118,7 @@ impl PrunePlan {
     /// Check the format tag, ranges (`n_experts` at most the config bound, so a router mask of
     /// that size is always small), order and uniqueness.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format != Self::FORMAT || self.version != Self::VERSION {
-            return Err(format!(
-                "format `{}` version {} is not {} version {}",
-                self.format,
-                self.version,
-                Self::FORMAT,
-                Self::VERSION
-            ));
-        }
+        crate::json::check_format(&self.format, self.version, Self::FORMAT, Self::VERSION)?;
         if self.n_experts > keep_checkpoint::config::MAX_EXPERTS {
             return Err(format!(
                 "n_experts = {} is more than any model keep reads ({})",

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ArtifactError, Result};
+use crate::Result;
 
 /// The format tag.
 pub const FORMAT: &str = "keep-route-profile";
@@ -49,6 +49,12 @@ pub struct RouteProfile {
     pub layers: Vec<LayerProfile>,
 }
 
+/// How a route profile file is named in errors.
+const KIND: crate::json::Kind = crate::json::Kind {
+    a: "a route profile",
+    name: "route profile",
+};
+
 impl RouteProfile {
     /// An empty profile.
     pub fn new(
@@ -78,12 +84,7 @@ impl RouteProfile {
 
     /// Check the format tag, the bounds and the shapes.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.format != FORMAT || self.version != VERSION {
-            return Err(format!(
-                "format `{}` version {} is not {FORMAT} version {VERSION}",
-                self.format, self.version
-            ));
-        }
+        crate::json::check_format(&self.format, self.version, FORMAT, VERSION)?;
         if self.n_layers > MAX_LAYERS || self.n_experts > MAX_EXPERTS || self.n_experts == 0 {
             return Err(format!(
                 "{} layers of {} experts is outside 0..={MAX_LAYERS} layers of 1..={MAX_EXPERTS} experts",
@@ -177,24 +178,13 @@ impl RouteProfile {
 
     /// Read and validate a profile.
     pub fn read(path: &Path) -> Result<RouteProfile> {
-        let text = keep_checkpoint::small_file::read_text(
-            path,
-            keep_checkpoint::small_file::MAX_SMALL_FILE,
-        )?;
-        let p: RouteProfile = serde_json::from_str(&text)
-            .map_err(|e| ArtifactError::invalid(path, format!("not a route profile: {e}")))?;
-        p.validate().map_err(|e| ArtifactError::invalid(path, e))?;
-        Ok(p)
+        crate::json::read(path, KIND, RouteProfile::validate)
     }
 
     /// Validate and write atomically (a profile is replaced on every run, so `force` is the
     /// caller's choice).
     pub fn write(&self, path: &Path, force: bool) -> Result<()> {
-        self.validate()
-            .map_err(|e| ArtifactError::Config(format!("invalid route profile: {e}")))?;
-        let bytes = serde_json::to_vec(self)
-            .map_err(|e| ArtifactError::Config(format!("route profile: {e}")))?;
-        Ok(keep_checkpoint::atomic::write_file(path, &bytes, force)?)
+        crate::json::write(self, path, force, false, KIND, RouteProfile::validate)
     }
 }
 
