@@ -14,12 +14,19 @@ Checkpoints (in a temporary directory), written by tools/oracle/qwen3_ref.py:
   - odd-fp8: the first shapes in Qwen's FP8 layout (128x128 bfloat16 `weight_scale_inv`
     blocks, partial blocks at every edge); the reference decodes them itself (ml_dtypes);
   - odd-fp8-f32-tied-step2: the second shapes with float32 `amax / 448` scales;
+  - mlx4-odd, mlx8-odd, mlx4-tied-step2: mlx-lm's own quantization of a bf16 checkpoint
+    (`quantize_model` as `mlx_lm.convert --quantize` runs it, group 64, routers at 8 bits):
+    experts stacked in `switch_mlp`, MLX affine `.scales`/`.biases`, a quantized embedding;
+    hidden 192 quantizes every projection but the 72-wide experts' `down_proj`, which mlx-lm
+    leaves bfloat16 (72 is not a multiple of 64) — mixed layouts in one model; the tied case
+    multiplies by the quantized embedding;
 For each: a pseudo-random sequence through `keep logits --routes` (one prefill) and the
 reference (one forward without cache); top-1 agreement >= 99.5%, mean KL(ref||keep) <= 1e-4
 nats per position, routed experts equal on >= 99.9% of (token, MoE layer) pairs; the
 reference's 16 greedy tokens (mlx-lm's prompt cache) equal keep's argmax when keep decodes the
 prompt and those tokens one at a time with its cache (`keep logits --decode`); keep's decode
 logits equal its prefill logits bit for bit.
+keep's own `keep synth --format mlx4` of the tiny preset runs against mlx-lm loading it too.
 Then the pipeline: `keep synth --family qwen3_moe --preset qwen3-tiny --format fp8` (bf16
 power-of-two block scales), `keep repack --resident-format mxfp8` of it (compared with the
 reference on its source: the repack is lossless), and a checkpoint calibrated, selected (REAP,
@@ -62,6 +69,12 @@ TIED_STEP2 = {
     "decoder_sparse_step": 2, "mlp_only_layers": [], "tie_word_embeddings": True,
     "norm_topk_prob": False, "rope_theta": 10000.0,
 }
+
+# Hidden 192 (a multiple of the group, 64): every projection reading the hidden state is
+# quantized; the experts' 72-wide down_proj is not.
+MLX_ODD = {**ODD, "hidden_size": 192}
+MLX_TIED = {**TIED_STEP2, "hidden_size": 128, "moe_intermediate_size": 64,
+            "intermediate_size": 128}
 
 
 def check(name, ok, detail=""):
@@ -116,6 +129,39 @@ def case(keep, d, tag, seed, n_tokens, tmp, ref_dir=None):
     return c
 
 
+def raw_tensors(d):
+    """name -> (dtype, shape, bytes) of every tensor of a checkpoint directory."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            data = fh.read()
+        for name, meta in header.items():
+            if name != "__metadata__":
+                a, b = meta["data_offsets"]
+                out[name] = (meta["dtype"], meta["shape"], data[a:b])
+    return out
+
+
+def mlx_bytes_case(keep, tmp, bits):
+    """`keep synth --format mlxN` against mlx-lm quantizing `keep synth --format bf16` of the
+    same seed: the same tensor names, dtypes, shapes and bytes, and the same `quantization`."""
+    src, mine, theirs = tmp / f"bytes-bf16-{bits}", tmp / f"bytes-keep-mlx{bits}", tmp / f"bytes-mlx-lm-{bits}"
+    for d, fmt in [(src, "bf16"), (mine, f"mlx{bits}")]:
+        run([keep, "synth", "--family", "qwen3_moe", "--preset", "qwen3-tiny", "--format", fmt,
+             "--out", d, "--seed", "11"])
+    run([PY, REF, "quantize", src, theirs, "--bits", bits])
+    a, b = raw_tensors(mine), raw_tensors(theirs)
+    differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    check(f"qwen3 keep synth --format mlx{bits}: every tensor byte-equal to mlx-lm's quantization "
+          f"of keep's bf16 synth ({len(b)} tensors)", not differ, f"differ: {differ[:5]}")
+    qa = json.loads((mine / "config.json").read_text())["quantization"]
+    qb = json.loads((theirs / "config.json").read_text())["quantization"]
+    check(f"qwen3 keep synth --format mlx{bits}: config.json quantization equals mlx-lm's",
+          qa == qb, f"{qa} vs {qb}")
+
+
 def pruned_case(keep, tmp):
     """Calibrate a Qwen3-MoE checkpoint on a pack of this repository's docs (keep-tiny's
     tokenizer, so a 4096-token vocabulary), select 8 of 16 experts per MoE layer by REAP, prune;
@@ -158,7 +204,16 @@ def main():
             (synth(tmp, "odd-bf16-tied-step2", TIED_STEP2, 2, "bf16"), "odd-bf16-tied-step2", 150),
             (synth(tmp, "odd-fp8", ODD, 3, "fp8"), "odd-fp8", 150),
             (synth(tmp, "odd-fp8-f32", TIED_STEP2, 4, "fp8-f32"), "odd-fp8-f32-tied-step2", 150),
+            (synth(tmp, "mlx4-odd", MLX_ODD, 7, "mlx4"), "mlx4-odd", 150),
+            (synth(tmp, "mlx8-odd", MLX_ODD, 8, "mlx8"), "mlx8-odd", 150),
+            (synth(tmp, "mlx4-tied-step2", MLX_TIED, 9, "mlx4"), "mlx4-tied-step2", 150),
         ]
+        d = tmp / "synth-mlx4"
+        run([keep, "synth", "--family", "qwen3_moe", "--preset", "qwen3-tiny", "--format", "mlx4",
+             "--out", d, "--seed", "5"])
+        cases.append((d, "keep-synth-qwen3-tiny-mlx4", 150))
+        for bits in (4, 8):
+            mlx_bytes_case(keep, tmp, bits)
         # keep synth's own Qwen3-MoE checkpoints (FP8 with bf16 power-of-two block scales),
         # read by mlx-lm through the oracle's FP8 decode; the FP8 one repacked to MXFP8.
         d = tmp / "synth-fp8"

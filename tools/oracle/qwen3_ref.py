@@ -11,9 +11,17 @@ reference forward of mlx-lm 0.32.2's `qwen3_moe` on them.
               to bfloat16; Qwen's FP8 releases store these scales as BF16,
               `quantization_config` {quant_method fp8, fmt e4m3, weight_block_size
               [128, 128]}); embedding, head, norms and routers bfloat16;
-        fp8-f32  the same with float32 scales (`amax / 448`, DeepSeek-V3's scale_inv dtype).
+        fp8-f32  the same with float32 scales (`amax / 448`, DeepSeek-V3's scale_inv dtype);
+        mlx4, mlx8  the bf16 checkpoint quantized by mlx-lm itself, as `mlx_lm.convert
+              --quantize --q-bits 4|8` does it (`load_model`, `quantize_model` at group 64 with
+              the model's own `quant_predicate` — routers at 8 bits —, `save_model`,
+              `save_config`): experts stacked in `mlp.switch_mlp.*`, every linear layer and the
+              embedding whose input width is a multiple of 64 as uint32 codes with bfloat16
+              `.scales`/`.biases` (the others stay bfloat16), `quantization` in config.json.
       Weights are drawn from N(0, 1/fan_in) (routers 4x wider, so routes are decisive), norms
       from 1 + N(0, 0.1).
+  qwen3_ref.py quantize SRC OUT --bits 4|8
+      mlx-lm's quantization (as in the mlx4/mlx8 layouts) of the bf16 checkpoint SRC.
   qwen3_ref.py fixtures [--root fixtures]
       writes fixtures/qwen3-tiny-bf16 and fixtures/qwen3-tiny-fp8 (checkpoint + the reference's
       ref.safetensors on 48 tokens with routes and 8 greedy tokens) for keep-model's tests.
@@ -128,7 +136,27 @@ def fp8_decode(q, scale):
     return w * s
 
 
+def quantize(src, out, bits):
+    """What `mlx_lm.convert --quantize --q-bits BITS --q-group-size 64` writes for the bf16
+    checkpoint `src` (its steps without the tokenizer, which these random checkpoints do not
+    have)."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    model, config = load_model(src, lazy=True)
+    model, config = quantize_model(model, config, 64, bits, mode="affine")
+    save_model(out, model)
+    save_config(config, config_path=out / "config.json")
+
+
+def synth_mlx(out, cfg, seed, bits):
+    with tempfile.TemporaryDirectory() as td:
+        src = Path(td) / "bf16"
+        synth(src, cfg, seed, "bf16")
+        quantize(src, out, bits)
+
+
 def synth(out, cfg, seed, layout):
+    if layout.startswith("mlx"):
+        return synth_mlx(out, cfg, seed, int(layout[3:]))
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=False)
     st = {}
@@ -299,18 +327,24 @@ def main():
     s.add_argument("out", type=Path)
     s.add_argument("--config", type=Path, required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--layout", choices=["bf16", "fp8", "fp8-f32"], default="bf16")
+    s.add_argument("--layout", choices=["bf16", "fp8", "fp8-f32", "mlx4", "mlx8"], default="bf16")
     r = sub.add_parser("ref")
     r.add_argument("model", type=Path)
     r.add_argument("--tokens", required=True)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--routes", action="store_true")
     r.add_argument("--greedy", type=int, default=0)
+    q = sub.add_parser("quantize")
+    q.add_argument("src", type=Path)
+    q.add_argument("out", type=Path)
+    q.add_argument("--bits", type=int, choices=[4, 8], required=True)
     f = sub.add_parser("fixtures")
     f.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2] / "fixtures")
     a = ap.parse_args()
     if a.cmd == "fixtures":
         fixtures(a.root)
+    elif a.cmd == "quantize":
+        quantize(a.src, a.out, a.bits)
     elif a.cmd == "synth":
         synth(a.out, json.loads(a.config.read_text()), a.seed, a.layout)
     else:

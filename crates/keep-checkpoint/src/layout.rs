@@ -414,6 +414,112 @@ pub fn weight_as<'a>(
     Ok(l)
 }
 
+/// One routed expert's matrix as stored: its weight, its scale partner and (MLX affine) its
+/// biases, each a tensor of the checkpoint or expert `e`'s slice of the layer's stacked tensor
+/// (mlx-lm's `switch_mlp`, [`expert_slice`]): the same mapped bytes either way, nothing copied.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertMatrix<'a> {
+    pub weight: TensorRef<'a>,
+    pub scale: Option<TensorRef<'a>>,
+    pub biases: Option<TensorRef<'a>>,
+}
+
+impl ExpertMatrix<'_> {
+    /// Stored bytes of the weight, scale and biases.
+    pub fn bytes(&self) -> u64 {
+        [Some(self.weight), self.scale, self.biases]
+            .iter()
+            .flatten()
+            .map(|t| t.bytes.len() as u64)
+            .sum()
+    }
+}
+
+/// Slice `e` of a tensor whose first axis stacks `n` experts (`[n, ...]`): a tensor of shape
+/// `shape[1..]` over the `e`-th `1/n` of the bytes, at its own file offset (views only).
+pub fn expert_slice(t: TensorRef<'_>, e: usize, n: usize) -> Result<TensorRef<'_>, String> {
+    let stacked = t.shape.first().copied() == Some(n as u64) && t.shape.len() >= 2;
+    if !stacked || e >= n || !t.bytes.len().is_multiple_of(n) {
+        return Err(format!(
+            "tensor `{}` has shape {:?}; stacked experts are [num_experts = {n}, rows, columns]",
+            t.name, t.shape
+        ));
+    }
+    let per = t.bytes.len() / n;
+    Ok(TensorRef {
+        name: t.name,
+        dtype: t.dtype,
+        shape: &t.shape[1..],
+        bytes: &t.bytes[e * per..(e + 1) * per],
+        shard: t.shard,
+        file_offset: t.file_offset + (e * per) as u64,
+    })
+}
+
+/// Matrix `mat` of routed expert `expert` of `layer`, wherever the checkpoint keeps it:
+/// DeepSeek's `layers.L.ffn.experts.E.wN`, Hugging Face's Qwen3-MoE `mlp.experts.E.*_proj`, or
+/// the `E`-th slice of mlx-lm's stacked `mlp.switch_mlp.*_proj` (weight, `.scales` and
+/// `.biases` sliced alike). Names and shapes only; the layout is checked by the caller.
+pub fn expert_matrix<'a>(
+    ck: &'a Checkpoint,
+    cfg: &DeepSeekConfig,
+    layer: usize,
+    expert: usize,
+    mat: naming::ExpertMat,
+) -> Result<ExpertMatrix<'a>, String> {
+    let n = cfg.n_routed_experts;
+    if cfg.qwen3.is_some() {
+        let stacked = naming::qwen3::stacked_tensor(layer, mat, "weight");
+        if let Some(w) = ck.get(&stacked) {
+            let part = |t: Option<TensorRef<'a>>| t.map(|t| expert_slice(t, expert, n)).transpose();
+            return Ok(ExpertMatrix {
+                weight: expert_slice(w, expert, n)?,
+                scale: part(scale_of(ck, &stacked))?,
+                biases: part(biases_of(ck, &stacked))?,
+            });
+        }
+    }
+    let name = match cfg.qwen3 {
+        Some(_) => naming::qwen3::expert_tensor(layer, expert, mat, "weight"),
+        None => naming::expert_tensor(layer, expert, mat, "weight"),
+    };
+    let w = ck
+        .get(&name)
+        .ok_or_else(|| format!("tensor `{name}` is missing"))?;
+    Ok(ExpertMatrix {
+        weight: w,
+        scale: scale_of(ck, &name),
+        biases: biases_of(ck, &name),
+    })
+}
+
+/// [`expert_matrix`], classified as a `[rows, cols]` matrix keep computes with (an MLX affine
+/// one with biases matching its scales).
+pub fn expert_matrix_as<'a>(
+    m: &ExpertMatrix<'a>,
+    rows: usize,
+    cols: usize,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightLayout<'a>, String> {
+    let l = classify_as(m.weight, m.scale, rows, cols, block_hint)
+        .map_err(|e| format!("tensor `{}`: {e}", m.weight.name))?;
+    match (l.layout, m.biases) {
+        (Layout::MlxAffine { .. }, b) => {
+            check_biases(l.scale, b).map_err(|e| format!("tensor `{}`: {e}", m.weight.name))?
+        }
+        (other, Some(b)) => {
+            return Err(format!(
+                "tensor `{}`: biases belong to MLX affine weights, `{}` is {}",
+                b.name,
+                m.weight.name,
+                other.label()
+            ))
+        }
+        (_, None) => {}
+    }
+    Ok(l)
+}
+
 /// A vector the model reads whole: present, F32 or BF16, `len` values.
 pub(crate) fn vector_problem(ck: &Checkpoint, name: &str, len: usize) -> Option<String> {
     match ck.get(name) {

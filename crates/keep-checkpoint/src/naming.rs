@@ -78,6 +78,9 @@ pub enum Role {
         mat: ExpertMat,
     },
     SharedExpert(ExpertMat),
+    /// Matrix `mat` of every routed expert of a layer, stacked on a first axis of the layer's
+    /// expert count (mlx-lm's `switch_mlp`; expert `e` is the `e`-th slice).
+    StackedExperts(ExpertMat),
     /// MTP's `e_proj` / `h_proj` and other MTP-only tensors.
     MtpProj,
     Engram,
@@ -103,11 +106,19 @@ impl Role {
             Role::RouterTid2eid => "router_tid2eid",
             Role::RoutedExpert { .. } => "routed_expert",
             Role::SharedExpert(_) => "shared_expert",
+            Role::StackedExperts(_) => "routed_expert",
             Role::MtpProj => "mtp_proj",
             Role::Engram => "engram",
             Role::Vision => "vision",
             Role::Unknown => "unknown",
         }
+    }
+}
+
+impl Role {
+    /// Whether the tensor holds routed-expert bytes (one expert's, or a layer's stacked).
+    pub fn is_routed_expert(&self) -> bool {
+        matches!(self, Role::RoutedExpert { .. } | Role::StackedExperts(_))
     }
 }
 

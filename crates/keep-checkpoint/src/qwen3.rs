@@ -8,7 +8,9 @@
 
 pub use crate::config::qwen3::{Qwen3MoeConfig, MODEL_TYPE};
 pub use crate::layout::qwen3::model_problems;
-pub use crate::naming::qwen3::{expert_tensor, layer_prefix, mat_name, parse, EMBED, HEAD, NORM};
+pub use crate::naming::qwen3::{
+    expert_tensor, layer_prefix, mat_name, parse, stacked_tensor, EMBED, HEAD, NORM,
+};
 
 #[cfg(test)]
 mod tests {

@@ -193,6 +193,16 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Role::RoutedExpert { expert, .. } = name.role {
             experts.entry(name.scope).or_default().insert(expert);
         }
+        // mlx-lm's stacked `switch_mlp`: every slice of the first axis is an expert.
+        let stacked = match (name.role.clone(), t.shape.first()) {
+            (Role::StackedExperts(_), Some(&n))
+                if name.part == Part::Weight && t.shape.len() == 3 =>
+            {
+                experts.entry(name.scope).or_default().extend(0..n as usize);
+                Some(n as usize)
+            }
+            _ => None,
+        };
         if name.role == Role::Unknown {
             problems.push(format!("unknown tensor `{}`", t.name));
         }
@@ -213,16 +223,32 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Some(s) = scale {
             claimed_scales.insert(s.name.to_string());
         }
-        let (fmt, numel, bytes) = match classify(t, scale, hint) {
-            Ok(c) => {
+        let biases = keep_checkpoint::layout::biases_of(ck, t.name);
+        if let Some(b) = biases {
+            claimed_scales.insert(b.name.to_string());
+        }
+        let bias_bytes = biases.map_or(0, |b| b.bytes.len() as u64);
+        // A stacked tensor is classified by its first expert's slice (all have its shape).
+        let sliced = stacked.map(|n| {
+            let sl = |x| keep_checkpoint::layout::expert_slice(x, 0, n);
+            Ok::<_, String>((sl(t)?, scale.map(sl).transpose()?, n as u64))
+        });
+        let classified = match sliced {
+            Some(Ok((w, sc, n))) => classify(w, sc, hint).map(|c| (c, n)),
+            Some(Err(e)) => Err(e),
+            None => classify(t, scale, hint).map(|c| (c, 1)),
+        };
+        let (fmt, numel, bytes) = match classified {
+            Ok((c, n)) => {
+                let c = &c;
                 if let (keep_checkpoint::layout::Layout::Fp8Block { block, .. }, Some(k)) =
-                    (c.layout, scale_kind(&c))
+                    (c.layout, scale_kind(c))
                 {
                     *fp8_blocks
                         .entry(format!("{}x{} {}", block.0, block.1, k.label()))
-                        .or_default() += c.numel();
+                        .or_default() += c.numel() * n;
                 }
-                (label(&c), c.numel(), c.bytes())
+                (label(c), c.numel() * n, c.bytes() * n + bias_bytes)
             }
             Err(r) => {
                 problems.push(format!("`{}`: {r}", t.name));

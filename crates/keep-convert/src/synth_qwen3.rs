@@ -5,7 +5,15 @@
 //! (attention, expert and dense-MLP projections FP8 E4M3 in 128×128 blocks with a bfloat16
 //! `weight_scale_inv` per block, `quantization_config` {quant_method fp8, fmt e4m3,
 //! weight_block_size [128, 128]}, as Qwen/Qwen3-30B-A3B-FP8; embedding, head, norms and routers
-//! bfloat16). The FP8 encoder is keep-format's (DeepSeek's ceil rule: each block's scale is the
+//! bfloat16), and `mlx4` / `mlx8` (what `mlx_lm.convert --quantize --q-bits 4|8` writes, as the
+//! mlx-community releases: every routed expert's matrices stacked per layer as
+//! `mlp.switch_mlp.{gate,up,down}_proj` `[num_experts, rows, …]`, and every linear layer and the
+//! embedding whose input width is a multiple of 64 MLX affine in groups of 64 — `uint32` codes
+//! with bfloat16 `.scales` and `.biases` — the router `mlp.gate` at 8 bits as mlx-lm's
+//! `qwen3_moe` predicate asks; `quantization` {group_size 64, bits, mode affine, the routers'
+//! overrides} in `config.json`; norms bfloat16). The MLX codes are keep-format's `mx.quantize`
+//! (checked byte for byte against MLX's fixtures) of the bfloat16 weights the `bf16` layout
+//! holds for the same seed. The FP8 encoder is keep-format's (DeepSeek's ceil rule: each block's scale is the
 //! power of two that puts its largest magnitude at or under 448, exact in bfloat16), so a
 //! synthetic FP8 checkpoint repacks to MXFP8 losslessly; Qwen's own files carry
 //! `amax / 448` scales, which the oracle (`tools/oracle/qwen3_ref.py`) writes instead.
@@ -32,20 +40,30 @@ pub const QWEN_FP8_BLOCK: usize = 128;
 pub enum QwenFormat {
     Bf16,
     Fp8,
+    /// mlx-lm's affine layout at 4 or 8 bits (stacked `switch_mlp` experts).
+    Mlx(u32),
 }
 
 impl QwenFormat {
-    /// `bf16` or `fp8`.
+    /// `bf16`, `fp8`, `mlx4` or `mlx8`.
     pub fn parse(s: &str) -> Result<QwenFormat> {
         match s {
             "bf16" => Ok(QwenFormat::Bf16),
             "fp8" => Ok(QwenFormat::Fp8),
+            "mlx4" => Ok(QwenFormat::Mlx(4)),
+            "mlx8" => Ok(QwenFormat::Mlx(8)),
             _ => Err(ConvertError::Invalid(format!(
-                "format `{s}`: qwen3_moe checkpoints are written as bf16 or fp8"
+                "format `{s}`: qwen3_moe checkpoints are written as bf16, fp8, mlx4 or mlx8"
             ))),
         }
     }
 }
+
+/// The group size of the MLX affine layout (mlx-lm's default).
+pub const MLX_GROUP: usize = 64;
+
+/// Bits of the router `mlp.gate` in the MLX layout (mlx-lm's `qwen3_moe.quant_predicate`).
+pub const MLX_ROUTER_BITS: u32 = 8;
 
 /// The preset names of this family.
 pub const PRESETS: [&str; 2] = ["qwen3-30b-a3b", "qwen3-tiny"];
@@ -96,6 +114,13 @@ pub fn expert_bytes(cfg: &Qwen3MoeConfig, format: QwenFormat) -> u64 {
     match format {
         QwenFormat::Bf16 => 3 * d * i * 2,
         QwenFormat::Fp8 => 3 * d * i + 3 * 2 * d.div_ceil(b) * i.div_ceil(b),
+        QwenFormat::Mlx(bits) => [(i, d), (i, d), (d, i)]
+            .iter()
+            .map(|&(r, c)| match c.is_multiple_of(MLX_GROUP as u64) {
+                true => r * c * bits as u64 / 8 + 2 * 2 * r * (c / MLX_GROUP as u64),
+                false => r * c * 2,
+            })
+            .sum(),
     }
 }
 
@@ -118,30 +143,46 @@ struct Planned {
     norm: bool,
     /// Stored as FP8 blocks (in the fp8 layout).
     fp8: bool,
+    /// Stored as MLX affine codes of this many bits (in the mlx layouts).
+    mlx: Option<u32>,
+    /// The per-expert weights stacked on a first axis, in expert order (mlx-lm's
+    /// `switch_mlp`; each drawn as the bf16 layout draws that expert's tensor); empty: the
+    /// tensor is drawn under its own name.
+    stack: Vec<String>,
     /// A vector (1-D shape).
     vector: bool,
 }
 
 fn plan(cfg: &Qwen3MoeConfig, format: QwenFormat) -> Vec<Planned> {
     let fp8 = format == QwenFormat::Fp8;
+    let bits = match format {
+        QwenFormat::Mlx(b) => Some(b),
+        _ => None,
+    };
+    // mlx-lm quantizes a linear layer or embedding whose input width is a multiple of the group.
+    let mlx_at = |cols: usize, b: Option<u32>| b.filter(|_| cols.is_multiple_of(MLX_GROUP));
     let mut out = vec![];
-    let mut mat = |name: String, rows, cols, q: bool| {
+    // `q`: quantized in the fp8 layout; `b`: bits in the mlx layouts.
+    let mut mat = |name: String, rows, cols, q: bool, b: Option<u32>| {
         out.push(Planned {
             name,
             rows,
             cols,
             norm: false,
             fp8: fp8 && q,
+            mlx: mlx_at(cols, b),
+            stack: vec![],
             vector: false,
         })
     };
     let (d, hd, v) = (cfg.hidden_size, cfg.head_dim, cfg.vocab_size);
     let (h, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-    mat(format!("{}.weight", names::EMBED), v, d, false);
+    mat(format!("{}.weight", names::EMBED), v, d, false, bits);
     if !cfg.tie_word_embeddings {
-        mat(format!("{}.weight", names::HEAD), v, d, false);
+        mat(format!("{}.weight", names::HEAD), v, d, false, bits);
     }
     let mut norms = vec![(names::NORM.to_string(), d)];
+    let mut stacks = vec![];
     for l in 0..cfg.num_hidden_layers {
         let p = names::layer_prefix(l);
         for (n, len) in [
@@ -152,28 +193,68 @@ fn plan(cfg: &Qwen3MoeConfig, format: QwenFormat) -> Vec<Planned> {
         ] {
             norms.push((format!("{p}{n}.weight"), len));
         }
-        mat(format!("{p}self_attn.q_proj.weight"), h * hd, d, true);
-        mat(format!("{p}self_attn.k_proj.weight"), kv * hd, d, true);
-        mat(format!("{p}self_attn.v_proj.weight"), kv * hd, d, true);
-        mat(format!("{p}self_attn.o_proj.weight"), d, h * hd, true);
+        mat(format!("{p}self_attn.q_proj.weight"), h * hd, d, true, bits);
+        mat(
+            format!("{p}self_attn.k_proj.weight"),
+            kv * hd,
+            d,
+            true,
+            bits,
+        );
+        mat(
+            format!("{p}self_attn.v_proj.weight"),
+            kv * hd,
+            d,
+            true,
+            bits,
+        );
+        mat(format!("{p}self_attn.o_proj.weight"), d, h * hd, true, bits);
         if cfg.is_moe_layer(l) {
             let i = cfg.moe_intermediate_size;
-            mat(format!("{p}mlp.gate.weight"), cfg.num_experts, d, false);
+            let router_bits = bits.map(|_| MLX_ROUTER_BITS);
+            mat(
+                format!("{p}mlp.gate.weight"),
+                cfg.num_experts,
+                d,
+                false,
+                router_bits,
+            );
+            let shapes = [
+                (ExpertMat::W1, i, d),
+                (ExpertMat::W3, i, d),
+                (ExpertMat::W2, d, i),
+            ];
+            if bits.is_some() {
+                for (m, r, c) in shapes {
+                    stacks.push((l, m, r, c));
+                }
+                continue;
+            }
             for e in 0..cfg.num_experts {
-                for (m, r, c) in [
-                    (ExpertMat::W1, i, d),
-                    (ExpertMat::W3, i, d),
-                    (ExpertMat::W2, d, i),
-                ] {
-                    mat(names::expert_tensor(l, e, m, "weight"), r, c, true);
+                for (m, r, c) in shapes {
+                    mat(names::expert_tensor(l, e, m, "weight"), r, c, true, bits);
                 }
             }
         } else {
             let i = cfg.intermediate_size;
-            mat(format!("{p}mlp.gate_proj.weight"), i, d, true);
-            mat(format!("{p}mlp.up_proj.weight"), i, d, true);
-            mat(format!("{p}mlp.down_proj.weight"), d, i, true);
+            mat(format!("{p}mlp.gate_proj.weight"), i, d, true, bits);
+            mat(format!("{p}mlp.up_proj.weight"), i, d, true, bits);
+            mat(format!("{p}mlp.down_proj.weight"), d, i, true, bits);
         }
+    }
+    for (l, m, rows, cols) in stacks {
+        out.push(Planned {
+            name: names::stacked_tensor(l, m, "weight"),
+            rows,
+            cols,
+            norm: false,
+            fp8: false,
+            mlx: mlx_at(cols, bits),
+            stack: (0..cfg.num_experts)
+                .map(|e| names::expert_tensor(l, e, m, "weight"))
+                .collect(),
+            vector: false,
+        });
     }
     for (name, len) in norms {
         out.push(Planned {
@@ -182,6 +263,8 @@ fn plan(cfg: &Qwen3MoeConfig, format: QwenFormat) -> Vec<Planned> {
             cols: len,
             norm: true,
             fp8: false,
+            mlx: None,
+            stack: vec![],
             vector: true,
         });
     }
@@ -202,12 +285,36 @@ fn grid(t: &Planned) -> [u64; 2] {
 fn metas(plan: &[Planned]) -> Vec<TensorMeta> {
     let mut out = vec![];
     for t in plan {
+        let lead: Vec<u64> = match t.stack.len() {
+            0 => vec![],
+            n => vec![n as u64],
+        };
         let shape: Vec<u64> = if t.vector {
             vec![t.cols as u64]
         } else {
-            vec![t.rows as u64, t.cols as u64]
+            [lead.clone(), vec![t.rows as u64, t.cols as u64]].concat()
         };
-        if t.fp8 {
+        if let Some(bits) = t.mlx {
+            let words = (t.cols * bits as usize / 32) as u64;
+            let groups = (t.cols / MLX_GROUP) as u64;
+            let base = t.name.trim_end_matches(".weight");
+            let sshape = [lead.clone(), vec![t.rows as u64, groups]].concat();
+            out.push(TensorMeta::new(
+                &t.name,
+                Dtype::U32,
+                &[lead, vec![t.rows as u64, words]].concat(),
+            ));
+            out.push(TensorMeta::new(
+                format!("{base}.scales"),
+                Dtype::BF16,
+                &sshape,
+            ));
+            out.push(TensorMeta::new(
+                format!("{base}.biases"),
+                Dtype::BF16,
+                &sshape,
+            ));
+        } else if t.fp8 {
             out.push(TensorMeta::new(&t.name, Dtype::F8_E4M3, &shape));
             out.push(TensorMeta::new(scale_name(&t.name), Dtype::BF16, &grid(t)));
         } else {
@@ -237,6 +344,7 @@ pub fn synth_qwen3(
     let mut raw = raw.clone();
     if let Some(m) = raw.as_object_mut() {
         m.remove("quantization_config");
+        m.remove("quantization");
         if opts.format == QwenFormat::Fp8 {
             m.insert(
                 "quantization_config".into(),
@@ -247,6 +355,18 @@ pub fn synth_qwen3(
     }
     let cfg = Qwen3MoeConfig::from_value(raw.clone())
         .map_err(|e| ConvertError::Invalid(format!("config: {e}")))?;
+    if let (QwenFormat::Mlx(bits), Some(m)) = (opts.format, raw.as_object_mut()) {
+        // As `mlx_lm.utils.quantize_model` records it (and `save_config` copies it).
+        let mut q = json!({"group_size": MLX_GROUP, "bits": bits, "mode": "affine"});
+        for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
+            if cfg.hidden_size.is_multiple_of(MLX_GROUP) {
+                q[format!("{}mlp.gate", names::layer_prefix(l))] =
+                    json!({"group_size": MLX_GROUP, "bits": MLX_ROUTER_BITS});
+            }
+        }
+        m.insert("quantization".into(), q.clone());
+        m.insert("quantization_config".into(), q);
+    }
     let plan = plan(&cfg, opts.format);
     let metas = metas(&plan);
     let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
@@ -275,6 +395,47 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
         (0.0, (1.0 / cols as f32).sqrt())
     };
     let mut written = 0u64;
+    if let Some(bits) = t.mlx {
+        let own = [t.name.clone()];
+        let sources: &[String] = if t.stack.is_empty() { &own } else { &t.stack };
+        let (mut scales, mut biases) = (vec![], vec![]);
+        for src in sources {
+            let cr = chunk_rows(cols, 1);
+            let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+            for group in starts.chunks(8) {
+                let parts: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr);
+                        // The bf16 layout's values for this tensor, then `mx.quantize`.
+                        let v = normals(seed, src, r0 as u64, n * cols, mean, std);
+                        mlx_rows(bits, &v, n, cols)
+                    })
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|e| ConvertError::Format {
+                        tensor: t.name.clone(),
+                        err: e,
+                    })?;
+                for (q, s, b) in parts {
+                    written += q.len() as u64;
+                    w.write_chunk(&t.name, &q)?;
+                    scales.extend_from_slice(&s);
+                    biases.extend_from_slice(&b);
+                }
+            }
+        }
+        let base = t.name.trim_end_matches(".weight");
+        written += (scales.len() + biases.len()) as u64;
+        w.write_tensor(&format!("{base}.scales"), &scales)?;
+        w.write_tensor(&format!("{base}.biases"), &biases)?;
+        return Ok(written);
+    }
+    if !t.stack.is_empty() {
+        return Err(ConvertError::Invalid(format!(
+            "`{}`: stacked experts are written in the mlx layouts only",
+            t.name
+        )));
+    }
     if !t.fp8 {
         let cr = chunk_rows(cols, 1);
         let starts: Vec<usize> = (0..rows).step_by(cr).collect();
@@ -331,6 +492,36 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
     Ok(written)
 }
 
+/// `n` rows of `cols` values rounded to bfloat16 (what the bf16 layout stores) and quantized as
+/// `mx.quantize(w, group_size=64, bits)` quantizes a bfloat16 weight: packed little-endian
+/// `uint32` words, bfloat16 scales and biases.
+fn mlx_rows(
+    bits: u32,
+    v: &[f32],
+    n: usize,
+    cols: usize,
+) -> std::result::Result<(Vec<u8>, Vec<u8>, Vec<u8>), keep_format::FormatError> {
+    let row_bytes = cols * bits as usize / 8;
+    let g = cols / MLX_GROUP;
+    let mut q = vec![0u8; n * row_bytes];
+    let (mut s, mut b) = (vec![0u16; n * g], vec![0u16; n * g]);
+    let mut row = vec![0f32; cols];
+    for r in 0..n {
+        for (o, &x) in row.iter_mut().zip(&v[r * cols..(r + 1) * cols]) {
+            *o = keep_format::bf16::bf16_to_f32(keep_format::bf16::f32_to_bf16(x));
+        }
+        keep_format::mlx_affine::quantize_row_bf16(
+            bits,
+            &row,
+            &mut q[r * row_bytes..(r + 1) * row_bytes],
+            &mut s[r * g..(r + 1) * g],
+            &mut b[r * g..(r + 1) * g],
+        )?;
+    }
+    let le = |x: Vec<u16>| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+    Ok((q, le(s), le(b)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,6 +541,7 @@ mod tests {
             128
         );
         assert!(preset_json("qwen3-nope").is_err());
-        assert!(QwenFormat::parse("mlx4").is_err());
+        assert_eq!(QwenFormat::parse("mlx4").unwrap(), QwenFormat::Mlx(4));
+        assert!(QwenFormat::parse("mlx5").is_err());
     }
 }

@@ -231,11 +231,22 @@ impl<'a> CheckpointExperts<'a> {
                         });
                         continue;
                     }
-                    let [g, dn, u] = expert_bases(l, x);
+                    // One tensor per expert, or a slice of mlx-lm's stacked `switch_mlp`.
+                    let m = |mat, rows, cols| -> Result<WeightView<'a>> {
+                        let em = keep_checkpoint::layout::expert_matrix(ck, &cfg.raw, l, x, mat)
+                            .map_err(|msg| ModelError::Expert {
+                                layer: l,
+                                expert: x,
+                                msg,
+                            })?;
+                        let resid = keep_checkpoint::layout::residual_of(ck, em.weight.name);
+                        crate::weights::expert_view(&em, resid, rows, cols, hint)
+                    };
+                    use keep_checkpoint::naming::ExpertMat;
                     experts.push(ExpertWeights {
-                        w1: weight(ck, &g, i, d, hint)?,
-                        w2: weight(ck, &dn, d, i, hint)?,
-                        w3: weight(ck, &u, i, d, hint)?,
+                        w1: m(ExpertMat::W1, i, d)?,
+                        w2: m(ExpertMat::W2, d, i)?,
+                        w3: m(ExpertMat::W3, i, d)?,
                     });
                     continue;
                 }

@@ -76,6 +76,22 @@ pub fn view_with_residual<'a>(
     .map_err(|e| fmt_err(rw.name, e.to_string()))
 }
 
+/// The view of one routed expert's matrix wherever the checkpoint keeps it (its own tensors or
+/// a slice of mlx-lm's stacked `switch_mlp`; keep-checkpoint's [`layout::expert_matrix`]), with
+/// the residual stage of an E8P weight when `resid` has one.
+pub fn expert_view<'a>(
+    m: &layout::ExpertMatrix<'a>,
+    resid: Option<(TensorRef<'a>, Option<TensorRef<'a>>)>,
+    rows: usize,
+    cols: usize,
+    block_hint: Option<(usize, usize)>,
+) -> Result<WeightView<'a>> {
+    match m.biases {
+        Some(b) => view_mlx_affine(m.weight, m.scale, b, rows, cols),
+        None => view_with_residual(m.weight, m.scale, resid, rows, cols, block_hint),
+    }
+}
+
 /// The view of an MLX affine weight (`U32` packed codes, `.scales`, `.biases`) as `[rows, cols]`.
 pub fn view_mlx_affine<'a>(
     w: TensorRef<'a>,

@@ -169,33 +169,37 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
             continue;
         }
         for mat in ExpertMat::ALL {
-            let w = match &qwen3 {
-                Some(_) => keep_checkpoint::qwen3::expert_tensor(l, 0, mat, "weight"),
-                None => naming::expert_tensor(l, 0, mat, "weight"),
+            // The expert's own tensors or its slices of a stacked `switch_mlp` (MLX biases too).
+            let found = match ck.config() {
+                Some(cfg) => keep_checkpoint::layout::expert_matrix(&ck, cfg, l, 0, mat),
+                None => {
+                    let w = naming::expert_tensor(l, 0, mat, "weight");
+                    ck.get(&w)
+                        .map(|t| keep_checkpoint::layout::ExpertMatrix {
+                            weight: t,
+                            scale: keep_checkpoint::layout::scale_of(&ck, &w),
+                            biases: keep_checkpoint::layout::biases_of(&ck, &w),
+                        })
+                        .ok_or_else(|| format!("tensor `{w}` is missing"))
+                }
             };
-            let Some(t) = ck.get(&w) else {
-                return Err(ResidencyError::Model {
-                    msg: format!(
-                        "{}: tensor `{w}` not found; the trace records layer {l}, which this model \
-                         has no routed experts for (is the trace from this model?)",
-                        dir.display()
-                    ),
-                });
-            };
-            b += t.bytes.len() as u64;
-            if let Some(s) = keep_checkpoint::layout::scale_of(&ck, &w) {
-                b += s.bytes.len() as u64;
-            }
+            let m = found.map_err(|e| ResidencyError::Model {
+                msg: format!(
+                    "{}: {e}; the trace records layer {l}, which this model has no routed \
+                     experts for (is the trace from this model?)",
+                    dir.display()
+                ),
+            })?;
+            b += m.bytes();
         }
         expert_bytes.push(b);
     }
     let mut resident = 0u64;
     for t in ck.tensors() {
         let n = naming::parse(t.name);
-        let skip = matches!(
-            n.role,
-            Role::RoutedExpert { .. } | Role::Embedding | Role::Vision
-        ) || matches!(n.scope, Scope::Mtp(_))
+        let skip = n.role.is_routed_expert()
+            || matches!(n.role, Role::Embedding | Role::Vision)
+            || matches!(n.scope, Scope::Mtp(_))
             || naming::is_engram_table(t.name);
         if !skip {
             resident += t.bytes.len() as u64;

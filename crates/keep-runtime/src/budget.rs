@@ -24,7 +24,7 @@
 //! rows — none of which grows with the context.
 
 use keep_checkpoint::layout;
-use keep_checkpoint::naming::{self, Part, Role};
+use keep_checkpoint::naming::{self, Part};
 use keep_checkpoint::Checkpoint;
 use keep_model::MemoryEstimate;
 
@@ -38,7 +38,7 @@ pub const FIXED_OVERHEAD: u64 = 64 << 20;
 
 /// Whether a tensor (weight or scale) is a routed expert's, by keep-checkpoint's naming.
 pub fn is_routed_expert(name: &str) -> bool {
-    matches!(naming::parse(name).role, Role::RoutedExpert { .. })
+    naming::parse(name).role.is_routed_expert()
 }
 
 /// Whether a tensor counts as resident (see the module doc).

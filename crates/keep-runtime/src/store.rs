@@ -3,8 +3,11 @@
 //! the reads that bring one expert into a slot buffer.
 //!
 //! An expert is its three matrices `w1`, `w2`, `w3`, each a `.weight` and an optional `.scale`
-//! (or `.weight_scale_inv`): up to six tensors, each contiguous in its shard but not necessarily
-//! adjacent. Extents of one shard closer than [`COALESCE_GAP`] are merged into one read (a
+//! (or `.weight_scale_inv`, or MLX's `.scales` with its `.biases`): up to nine tensors, each
+//! contiguous in its shard but not necessarily adjacent. Experts that mlx-lm stacks per layer
+//! (`switch_mlp`) are the expert's slice of each stacked tensor: nine extents, each in its own
+//! stacked tensor, so nine reads (the layout puts them apart; a per-expert layout such as
+//! `keep synth`'s or `keep quant`'s is one). Extents of one shard closer than [`COALESCE_GAP`] are merged into one read (a
 //! `keep synth` expert, whose six tensors are consecutive, is one read). Each read covers the
 //! [`ALIGN`]ed superset of its extents, so it can be issued with `O_DIRECT` into an aligned
 //! buffer; a tensor is then the sub-range of the slot at its recorded offset.
@@ -18,6 +21,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
 use keep_model::{ExpertWeights, ModelConfig};
 
@@ -59,6 +63,8 @@ pub struct ExpertLayout {
     pub tensors: Vec<TensorPart>,
     /// Index into `tensors` of each matrix's weight and optional scale (`w1`, `w2`, `w3`).
     pub mats: [(usize, Option<usize>); 3],
+    /// Per matrix, the index into `tensors` of an MLX affine weight's `.biases`, if any.
+    pub biases: [Option<usize>; 3],
     /// Per matrix, the residual stage of an E8P weight (code tensor, scale tensor), if any.
     pub resid: [Option<(usize, Option<usize>)>; 3],
     pub runs: Vec<ReadRun>,
@@ -330,6 +336,7 @@ impl ExpertStore {
             for x in 0..cfg.n_experts {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
+                let mut biases = [None; 3];
                 if q3.is_some_and(|q| !q.is_moe_layer(l)) {
                     // A Qwen3-MoE dense layer: no routed experts, never asked for one.
                     layouts.push(ExpertLayout {
@@ -339,6 +346,7 @@ impl ExpertStore {
                         bytes: 0,
                         slot_bytes: 0,
                         resid: [None; 3],
+                        biases,
                         upper: None,
                     });
                     continue;
@@ -346,24 +354,26 @@ impl ExpertStore {
                 let mut resid = [None; 3];
                 let mut up_tensors: Vec<TensorPart> = vec![];
                 let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];
-                for (m, (w, rows, cols)) in [("w1", i, d), ("w2", d, i), ("w3", i, d)]
-                    .into_iter()
-                    .enumerate()
+                for (m, (mat, rows, cols)) in [
+                    (ExpertMat::W1, i, d),
+                    (ExpertMat::W2, d, i),
+                    (ExpertMat::W3, i, d),
+                ]
+                .into_iter()
+                .enumerate()
                 {
-                    let base = match q3 {
-                        Some(_) => keep_model::qwen3::expert_bases(l, x)[m].clone(),
-                        None => format!("layers.{l}.ffn.experts.{x}.{w}"),
-                    };
-                    let wname = format!("{base}.weight");
-                    let wt = ck.get(&wname).ok_or_else(|| RuntimeError::Layout {
-                        layer: l,
-                        expert: x,
-                        msg: format!("no tensor `{wname}` in the checkpoint"),
-                    })?;
-                    let st = keep_checkpoint::layout::scale_of(ck, &wname);
-                    let rt = keep_checkpoint::layout::residual_of(ck, &wname);
+                    // The expert's own tensors, or its slices of mlx-lm's stacked `switch_mlp`
+                    // (weight, scales and biases each one extent of its stacked tensor).
+                    let em = keep_checkpoint::layout::expert_matrix(ck, &cfg.raw, l, x, mat)
+                        .map_err(|msg| RuntimeError::Layout {
+                            layer: l,
+                            expert: x,
+                            msg: format!("{msg} in the checkpoint"),
+                        })?;
+                    let (wt, st) = (em.weight, em.scale);
+                    let rt = keep_checkpoint::layout::residual_of(ck, wt.name);
                     // The same format and shape checks the model makes (views only).
-                    keep_model::weights::view_with_residual(wt, st, rt, rows, cols, hint)?;
+                    keep_model::weights::expert_view(&em, rt, rows, cols, hint)?;
                     let wi = tensors.len();
                     tensors.push(part_of(wt));
                     let si = st.map(|s| {
@@ -371,6 +381,10 @@ impl ExpertStore {
                         tensors.len() - 1
                     });
                     mats[m] = (wi, si);
+                    biases[m] = em.biases.map(|b| {
+                        tensors.push(part_of(b));
+                        tensors.len() - 1
+                    });
                     if split {
                         up_mats[m] = rt.map(|(r, rs)| {
                             up_tensors.push(part_of(r));
@@ -414,6 +428,7 @@ impl ExpertStore {
                 layouts.push(ExpertLayout {
                     tensors,
                     mats,
+                    biases,
                     resid,
                     runs,
                     bytes,
@@ -659,9 +674,13 @@ impl ExpertStore {
                 (None, Some((ri, rsi))) => Some((uref(ri)?, rsi.map(uref).transpose()?)),
                 (None, None) => None,
             };
-            out.push(keep_model::weights::view_with_residual(
-                w,
-                s,
+            let em = keep_checkpoint::layout::ExpertMatrix {
+                weight: w,
+                scale: s,
+                biases: lay.biases[m].map(tref).transpose()?,
+            };
+            out.push(keep_model::weights::expert_view(
+                &em,
                 r,
                 rows,
                 cols,

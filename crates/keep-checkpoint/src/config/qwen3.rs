@@ -46,6 +46,49 @@ pub struct Qwen3MoeConfig {
     pub rope_scaling: Option<Value>,
     #[serde(default)]
     pub quantization_config: Option<crate::config::QuantizationConfig>,
+    /// mlx-lm's `quantization` (`{group_size, bits, mode}` and per-module overrides such as
+    /// `"model.layers.0.mlp.gate": {group_size, bits}`), as `mlx_lm.convert --quantize`
+    /// writes it; each weight's width is read from its own shapes, so only what the shapes
+    /// cannot say is checked here (group 64, mode `affine`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Value>,
+}
+
+/// The group size of MLX affine weights keep reads (mlx-lm's default).
+pub const MLX_GROUP: u64 = 64;
+
+/// Check an mlx-lm `quantization` entry (the top level or a per-module override).
+fn check_mlx_quantization(key: &str, q: &Value) -> std::result::Result<(), String> {
+    let Some(m) = q.as_object() else {
+        // `false` marks a module left unquantized; anything else is not mlx-lm's.
+        return match q {
+            Value::Bool(_) => Ok(()),
+            _ => Err(format!("{key} = {q} is neither an object nor a boolean")),
+        };
+    };
+    if let Some(g) = m.get("group_size") {
+        if g.as_u64() != Some(MLX_GROUP) {
+            return Err(format!(
+                "{key}.group_size = {g}: keep reads MLX affine weights in groups of {MLX_GROUP} \
+                 (mlx_lm.convert's default; convert again with --q-group-size {MLX_GROUP})"
+            ));
+        }
+    }
+    if let Some(b) = m.get("bits") {
+        if !matches!(b.as_u64(), Some(2 | 3 | 4 | 8)) {
+            return Err(format!(
+                "{key}.bits = {b}: MLX affine weights are 2, 3, 4 or 8 bits"
+            ));
+        }
+    }
+    if let Some(mode) = m.get("mode") {
+        if mode.as_str() != Some("affine") {
+            return Err(format!(
+                "{key}.mode = {mode}: keep reads mlx-lm's `affine` quantization only"
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Qwen3MoeConfig {
@@ -132,6 +175,14 @@ impl Qwen3MoeConfig {
                 "mlp_only_layers names layer {bad} but num_hidden_layers is {}",
                 self.num_hidden_layers
             ));
+        }
+        if let Some(q) = &self.quantization {
+            check_mlx_quantization("quantization", q)?;
+            if let Some(m) = q.as_object() {
+                for (k, v) in m.iter().filter(|(_, v)| v.is_object() || v.is_boolean()) {
+                    check_mlx_quantization(&format!("quantization.{k}"), v)?;
+                }
+            }
         }
         if let Some(q) = &self.quantization_config {
             match q.weight_block_size.as_deref() {

@@ -3,13 +3,16 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::config::qwen3::Qwen3MoeConfig;
-use crate::naming::qwen3::{layer_prefix, mat_name, EMBED, HEAD, NORM};
+use crate::naming::qwen3::{layer_prefix, mat_name, stacked_tensor, EMBED, HEAD, NORM};
 use crate::naming::ExpertMat;
 
 /// Everything about `ck`'s tensors that contradicts `cfg` or that the model cannot read (the
 /// family's part of [`crate::layout::model_problems`]): embedding, head (unless tied), final
 /// norm, and per layer the norms, the attention projections, and the router and every routed
-/// expert (MoE layers) or the dense MLP.
+/// expert (MoE layers: one tensor per expert, or mlx-lm's `switch_mlp` stacks of
+/// `[num_experts, rows, …]` with their `.scales`/`.biases` stacked alike) or the dense MLP.
+/// Any of these may be MLX affine (`.scales` + `.biases`), as `mlx_lm.convert --quantize`
+/// writes them.
 pub fn model_problems(ck: &Checkpoint, cfg: &Qwen3MoeConfig) -> Vec<String> {
     use crate::layout::{vector_problem, weight_as, MAX_PROBLEMS};
     let mut out = vec![];
@@ -56,6 +59,16 @@ pub fn model_problems(ck: &Checkpoint, cfg: &Qwen3MoeConfig) -> Vec<String> {
         if cfg.is_moe_layer(l) {
             mat(&mut out, &format!("{p}mlp.gate"), cfg.num_experts, d);
             let i = cfg.moe_intermediate_size;
+            if ck.contains(&stacked_tensor(l, ExpertMat::W1, "weight")) {
+                for (m, r, c) in [
+                    (ExpertMat::W1, i, d),
+                    (ExpertMat::W2, d, i),
+                    (ExpertMat::W3, i, d),
+                ] {
+                    out.extend(stacked_problem(ck, l, m, cfg.num_experts, r, c));
+                }
+                continue;
+            }
             for e in 0..cfg.num_experts {
                 if out.len() >= MAX_PROBLEMS {
                     break;
@@ -82,4 +95,33 @@ pub fn model_problems(ck: &Checkpoint, cfg: &Qwen3MoeConfig) -> Vec<String> {
     }
     out.truncate(MAX_PROBLEMS);
     out
+}
+
+/// The stacked matrix `mat` of layer `layer` (`[n, rows, …]`, its scales and biases stacked
+/// alike): every slice has the shape of the first, so the first is classified for all.
+fn stacked_problem<'a>(
+    ck: &'a Checkpoint,
+    layer: usize,
+    mat: ExpertMat,
+    n: usize,
+    rows: usize,
+    cols: usize,
+) -> Option<String> {
+    use crate::layout::{biases_of, expert_matrix_as, expert_slice, scale_of, ExpertMatrix};
+    let name = stacked_tensor(layer, mat, "weight");
+    let Some(w) = ck.get(&name) else {
+        return Some(format!("tensor `{name}` is missing"));
+    };
+    let part = |t: Option<crate::TensorRef<'a>>| t.map(|t| expert_slice(t, 0, n)).transpose();
+    let m = (|| {
+        Ok::<_, String>(ExpertMatrix {
+            weight: expert_slice(w, 0, n)?,
+            scale: part(scale_of(ck, &name))?,
+            biases: part(biases_of(ck, &name))?,
+        })
+    })();
+    match m.and_then(|m| expert_matrix_as(&m, rows, cols, None)) {
+        Ok(_) => None,
+        Err(e) => Some(e),
+    }
 }

@@ -2,10 +2,12 @@
 //! face is [`crate::qwen3`], which re-exports this.
 //!
 //! Names are Hugging Face's (`model.layers.N.mlp.experts.E.gate_proj.weight`, router
-//! `mlp.gate.weight`; FP8 block scales `*.weight_scale_inv`); [`parse`] turns them into keep's
-//! scope/role/part.
+//! `mlp.gate.weight`; FP8 block scales `*.weight_scale_inv`) or mlx-lm's
+//! (`mlx_lm.convert` stacks a layer's experts on a first axis of `num_experts` as
+//! `model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.weight`, and an MLX affine weight carries
+//! `<base>.scales` and `<base>.biases`); [`parse`] turns them into keep's scope/role/part.
 
-use crate::naming::{ExpertMat, Part, Role, Scope, TensorName};
+use crate::naming::{ExpertMat, Part, Role, Scope, TensorName, MLX_BIASES, MLX_SCALES};
 
 /// Hugging Face's name of an expert matrix (`gate_proj`, `down_proj`, `up_proj`).
 pub fn mat_name(mat: ExpertMat) -> &'static str {
@@ -34,6 +36,17 @@ pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) ->
     )
 }
 
+/// `model.layers.{layer}.mlp.switch_mlp.{gate,down,up}_proj.{part}`: every routed expert's
+/// matrix `mat` of `layer` stacked on a first axis of `num_experts`, as mlx-lm's `qwen3_moe`
+/// (`SwitchGLU`) holds them and `mlx_lm.convert` writes them (`part`: `weight`, `scales`,
+/// `biases`).
+pub fn stacked_tensor(layer: usize, mat: ExpertMat, part: &str) -> String {
+    format!(
+        "model.layers.{layer}.mlp.switch_mlp.{}.{part}",
+        mat_name(mat)
+    )
+}
+
 /// The weight base names (without `.weight`) of the model-level tensors.
 pub const EMBED: &str = "model.embed_tokens";
 /// The untied head (`lm_head.weight`; a tied model multiplies by the embedding).
@@ -47,7 +60,11 @@ pub const NORM: &str = "model.norm.weight";
 pub fn parse(name: &str) -> TensorName {
     let part = if name.ends_with(".weight") {
         Part::Weight
-    } else if name.ends_with(".weight_scale_inv") {
+    } else if name.ends_with(".weight_scale_inv")
+        || name.ends_with(MLX_SCALES)
+        || name.ends_with(MLX_BIASES)
+    {
+        // MLX affine weights' `.scales` and `.biases` are their scale partners.
         Part::Scale
     } else {
         Part::Other
@@ -55,6 +72,8 @@ pub fn parse(name: &str) -> TensorName {
     let stem = name
         .strip_suffix(".weight_scale_inv")
         .or_else(|| name.strip_suffix(".weight"))
+        .or_else(|| name.strip_suffix(MLX_SCALES))
+        .or_else(|| name.strip_suffix(MLX_BIASES))
         .unwrap_or(name);
     let layer = stem.strip_prefix("model.layers.").and_then(|r| {
         let dot = r.find('.')?;
@@ -96,6 +115,9 @@ fn layer_role(rest: &str) -> Role {
                 return Role::RoutedExpert { expert, mat };
             }
         }
+    }
+    if let Some(mat) = rest.strip_prefix("mlp.switch_mlp.").and_then(mat_parse) {
+        return Role::StackedExperts(mat);
     }
     if let Some(mat) = rest.strip_prefix("mlp.").and_then(mat_parse) {
         return Role::SharedExpert(mat);

@@ -20,8 +20,9 @@ use crate::util::{byte_bar, human, parse_bytes};
 /// 128×128 blocks), `flash` (real V4.1-Flash shapes, 4 layers), `v4flash` (real V4-Flash
 /// shapes, 4 layers). The output is the same for the same seed, whatever the thread count.
 ///
-/// With --family qwen3_moe: a Qwen3-MoE checkpoint with Hugging Face's names, in bf16 or
-/// Qwen's FP8 layout (--format), from a preset (qwen3-30b-a3b: real shapes; qwen3-tiny) or a
+/// With --family qwen3_moe: a Qwen3-MoE checkpoint with Hugging Face's names, in bf16,
+/// Qwen's FP8 layout or mlx-community's MLX affine 4/8-bit layout (--format mlx4|mlx8: experts
+/// stacked in `switch_mlp`, as `mlx_lm.convert --quantize` writes), from a preset (qwen3-30b-a3b: real shapes; qwen3-tiny) or a
 /// config; --layers N keeps the first N layers.
 ///
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
@@ -71,8 +72,8 @@ pub struct SynthArgs {
     /// Keep only the first N decoder layers (qwen3_moe).
     #[arg(long)]
     layers: Option<usize>,
-    /// Storage of a qwen3_moe checkpoint: bf16 (default) or fp8 (128×128 blocks, bf16
-    /// weight_scale_inv).
+    /// Storage of a qwen3_moe checkpoint: bf16 (default), fp8 (128×128 blocks, bf16
+    /// weight_scale_inv), mlx4 or mlx8 (mlx-lm's affine layout, group 64, stacked experts).
     #[arg(long)]
     format: Option<String>,
 }
