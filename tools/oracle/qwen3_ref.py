@@ -22,8 +22,9 @@ reference forward of mlx-lm 0.32.2's `qwen3_moe` on them.
       from 1 + N(0, 0.1).
   qwen3_ref.py quantize SRC OUT --bits 4|8
       mlx-lm's quantization (as in the mlx4/mlx8 layouts) of the bf16 checkpoint SRC.
-  qwen3_ref.py fixtures [--root fixtures]
-      writes fixtures/qwen3-tiny-bf16 and fixtures/qwen3-tiny-fp8 (checkpoint + the reference's
+  qwen3_ref.py fixtures [--root fixtures] [--only NAME]
+      writes fixtures/qwen3-tiny-bf16, fixtures/qwen3-tiny-fp8 and fixtures/qwen3-tiny-mlx4
+      (checkpoint + the reference's
       ref.safetensors on 48 tokens with routes and 8 greedy tokens) for keep-model's tests.
   qwen3_ref.py ref DIR --tokens 1,2,3 --out FILE [--routes] [--greedy N]
       loads DIR with `mlx_lm.utils.load_model` (an FP8 checkpoint, which mlx-lm's `qwen3_moe`
@@ -302,13 +303,27 @@ FIXTURE_CONFIGS = {
         "vocab_size": 128, "rope_theta": 10000.0, "tie_word_embeddings": True,
         "max_position_embeddings": 512, "norm_topk_prob": True,
         "bos_token_id": 1, "eos_token_id": 2}, "fp8", 22),
+    # mlx-lm's 4-bit quantization (`quantize_model`, group 64, routers at 8 bits): experts
+    # stacked in `switch_mlp`, quantized embedding used as the tied head; the dense MLP's
+    # 48-wide `down_proj` stays bfloat16 (48 is not a multiple of 64).
+    "qwen3-tiny-mlx4": ({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 48,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "rms_norm_eps": 1e-6,
+        "vocab_size": 128, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "max_position_embeddings": 512, "norm_topk_prob": True,
+        "bos_token_id": 1, "eos_token_id": 2}, "mlx4", 23),
 }
 
 
-def fixtures(root):
+def fixtures(root, only=None):
     """fixtures/qwen3-tiny-*: checkpoint + mlx-lm's `ref.safetensors` (48 tokens, routes, 8
-    greedy tokens), what keep-model's tests/qwen3.rs checks without Python."""
+    greedy tokens), what keep-model's tests/qwen3.rs checks without Python (`only`: that one)."""
     for name, (cfg, layout, seed) in FIXTURE_CONFIGS.items():
+        if only and name != only:
+            continue
         d = root / name
         if d.exists():
             for f in d.iterdir():
@@ -340,9 +355,10 @@ def main():
     q.add_argument("--bits", type=int, choices=[4, 8], required=True)
     f = sub.add_parser("fixtures")
     f.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2] / "fixtures")
+    f.add_argument("--only", choices=sorted(FIXTURE_CONFIGS), help="write this fixture only")
     a = ap.parse_args()
     if a.cmd == "fixtures":
-        fixtures(a.root)
+        fixtures(a.root, a.only)
     elif a.cmd == "quantize":
         quantize(a.src, a.out, a.bits)
     elif a.cmd == "synth":

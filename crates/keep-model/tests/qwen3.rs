@@ -1,6 +1,7 @@
 //! keep's Qwen3-MoE forward against mlx-lm 0.32.2's `qwen3_moe` through committed fixtures
-//! (`fixtures/qwen3-tiny-bf16`, `fixtures/qwen3-tiny-fp8`, written with their reference outputs
-//! by `tools/oracle/qwen3_ref.py fixtures`): logits of one prefill (top-1 agreement, mean KL),
+//! (`fixtures/qwen3-tiny-bf16`, `fixtures/qwen3-tiny-fp8`, and `fixtures/qwen3-tiny-mlx4` —
+//! mlx-lm's own 4-bit quantization, experts stacked in `switch_mlp` —, written with their
+//! reference outputs by `tools/oracle/qwen3_ref.py fixtures`): logits of one prefill (top-1 agreement, mean KL),
 //! the routed experts of every (token, MoE layer) pair, greedy tokens decoded one at a time
 //! with keep's cache against the reference's, decode logits equal to prefill logits bit for bit,
 //! a chunked prefill equal to one pass, and a router mask that removes experts.
@@ -205,6 +206,67 @@ fn chunked_prefill_equals_one_pass_and_masks_remove_experts() {
     // Only layer 0 routes (layer 1 is dense): one route call per chunk of 7.
     assert_eq!(rec.calls.len(), tokens.len().div_ceil(7));
     assert!(rec.calls.iter().all(|(l, ..)| *l == 0));
+}
+
+#[test]
+fn mlx_affine_checkpoint_matches_mlx_lm() {
+    check_fixture("qwen3-tiny-mlx4");
+}
+
+#[test]
+fn stacked_experts_are_slices_of_the_mapping() {
+    use keep_checkpoint::layout::{expert_matrix, ExpertMatrix};
+    use keep_checkpoint::naming::ExpertMat;
+    use keep_checkpoint::qwen3::stacked_tensor;
+    let ck = Checkpoint::open(&fixture("qwen3-tiny-mlx4")).unwrap();
+    let cfg = ck.config().unwrap().clone();
+    let n = cfg.n_routed_experts;
+    for mat in ExpertMat::ALL {
+        let stacked = ck.get(&stacked_tensor(0, mat, "weight")).unwrap();
+        let per = stacked.bytes.len() / n;
+        let mut seen = 0;
+        for e in 0..n {
+            let ExpertMatrix {
+                weight,
+                scale,
+                biases,
+            } = expert_matrix(&ck, &cfg, 0, e, mat).unwrap();
+            // The e-th slice of the mapped stacked tensor, at its own file offset: no copy.
+            assert_eq!(weight.bytes.as_ptr(), stacked.bytes[e * per..].as_ptr());
+            assert_eq!(weight.bytes.len(), per);
+            assert_eq!(weight.file_offset, stacked.file_offset + (e * per) as u64);
+            assert_eq!(weight.shape, &stacked.shape[1..]);
+            seen += usize::from(scale.is_some() && biases.is_some());
+        }
+        // gate/up (128 inputs) are MLX affine; down (64 inputs) too: every slice has both.
+        assert_eq!(seen, n, "{mat:?}");
+    }
+    // A slice past the stack, or of a tensor that is not stacked, is refused by name.
+    let e = expert_matrix(&ck, &cfg, 0, n, ExpertMat::W1).unwrap_err();
+    assert!(e.contains("switch_mlp.gate_proj.weight"), "{e}");
+    let flat = ck.get("model.layers.0.self_attn.q_proj.weight").unwrap();
+    assert!(keep_checkpoint::layout::expert_slice(flat, 0, n).is_err());
+}
+
+#[test]
+fn streamed_forward_equals_the_whole_model_mlx4() {
+    use keep_model::streamed::{forward_streamed, StreamOptions};
+    let ck = Checkpoint::open(&fixture("qwen3-tiny-mlx4")).unwrap();
+    let model = Model::load(&ck).unwrap();
+    let records: Vec<Vec<u32>> = vec![(0..13u32).map(|i| (i * 5 + 2) % 128).collect()];
+    let opts = StreamOptions {
+        release_pages: false,
+        prefill_chunk: Some(4),
+        ..Default::default()
+    };
+    let streamed = forward_streamed(&ck, &records, opts, None).unwrap();
+    let whole = model
+        .forward(&records[0], &mut model.new_cache(), Logits::All, None)
+        .unwrap();
+    assert!(whole
+        .iter()
+        .zip(&streamed[0])
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
 }
 
 #[test]
