@@ -7,7 +7,7 @@
 #    `llama-quantize` are built from them (CPU backend, GGML_NATIVE=ON).
 # 2. `keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers LAYERS` writes random
 #    weights at Qwen3-30B-A3B's real shapes (hidden 2048, 128 experts, top-8, moe_inter 768,
-#    32 heads / 4 KV heads, vocab 151936), once as bf16 and once in Qwen's FP8 layout; keep runs
+#    32 heads / 4 KV heads, vocab 151936), as bf16, in Qwen's FP8 layout and as MLX 4-bit; keep runs
 #    the FP8 one with its residents repacked to MXFP8 (`keep repack`, lossless; the routed
 #    experts stay in Qwen's 128x128 FP8 blocks).
 # 3. llama.cpp's own converter (`convert_hf_to_gguf.py`) turns the bf16 checkpoint into a bf16
@@ -18,14 +18,18 @@
 #    and generation timings), then `keep run --prompt-tokens P --max-tokens N --temperature 0
 #    --kernels fast --stats-json` with RAYON_NUM_THREADS=THREADS. The files are read into the
 #    page cache first (resident comparison: the whole model must fit in memory).
-#    Pairs: bf16 vs keep bf16; q8_0 vs keep FP8 (8 bits per weight on both sides).
+#    Pairs: bf16 vs keep bf16; q8_0 vs keep FP8 (8 bits per weight on both sides); q4_0 vs
+#    keep on mlx-community's MLX affine 4-bit layout (`keep synth --format mlx4` of the same seed:
+#    mlx-lm's quantization of the same bf16 weights, experts stacked in `switch_mlp`; 4.5 bits
+#    per weight on both sides: q4_0 is 4 bits + an f16 scale per 32, MLX 4 bits + bf16 scale
+#    and bias per 64).
 # 5. OUT.json: command, machine, load averages, every round's tokens/s and the median ratios
 #    keep / llama.cpp for prefill and decode.
 #
 # Usage: dev/qwen3-llama-cpp.sh [ROUNDS] [OUT.json]
 #   ROUNDS default 3; OUT default dev/evidence/qwen3-llama-cpp.json (refused if it exists unless
-#   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit copy under $W/qwen3),
-#   THREADS (1), P (64), N (32), PAIRS ("bf16 q8"), KEEP (target/release/keep), PY (a Python
+#   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit and 1.4 GiB per 4-bit copy),
+#   THREADS (1), P (64), N (32), PAIRS ("bf16 q8 q4"), KEEP (target/release/keep), PY (a Python
 #   with torch, transformers, numpy, pyyaml, tqdm: default tools/oracle/.venv's).
 #   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run. CONFIG=FILE synthesises that
 #   Qwen3-MoE config.json instead of the preset (a quick check of the script at small shapes).
@@ -38,7 +42,7 @@ OUT="${2:-$REPO/dev/evidence/qwen3-llama-cpp.json}"
 W="${LLAMA_SIDE_DIR:-/tmp/keep-llama-cpp}"
 KEEP="${KEEP:-$REPO/target/release/keep}"
 LAYERS="${LAYERS:-4}" THREADS="${THREADS:-1}" P="${P:-64}" N="${N:-32}"
-PAIRS="${PAIRS:-bf16 q8}"
+PAIRS="${PAIRS:-bf16 q8 q4}"
 PY="${PY:-$REPO/tools/oracle/.venv/bin/python}"
 LCP_VERSION=0.3.36
 
@@ -109,6 +113,17 @@ if [[ " $PAIRS " == *" q8 "* ]]; then
   fi
 fi
 
+if [[ " $PAIRS " == *" q4 "* ]]; then
+  if [[ ! -f "$Q/q4_0.gguf" ]]; then
+    nice -n 10 "$LQ" "$Q/bf16.gguf" "$Q/q4_0.gguf.part" Q4_0 "$(nproc)" >"$Q/quantize-q4.log" 2>&1
+    mv "$Q/q4_0.gguf.part" "$Q/q4_0.gguf"
+  fi
+  if [[ ! -f "$Q/mlx4/config.json" ]]; then
+    "$KEEP" synth --family qwen3_moe "${SHAPE[@]}" --layers "$LAYERS" --format mlx4 \
+      --out "$Q/mlx4" --force >&2
+  fi
+fi
+
 # --- rounds ----------------------------------------------------------------------------------
 RAW="$W/qwen3-raw.$$"
 rm -rf "$RAW"; mkdir -p "$RAW"
@@ -119,6 +134,7 @@ for r in $(seq 1 "$ROUNDS"); do
     case "$pair" in
       bf16) g="$Q/bf16.gguf"; k="$Q/bf16" ;;
       q8) g="$Q/q8_0.gguf"; k="$Q/mxfp8" ;;
+      q4) g="$Q/q4_0.gguf"; k="$Q/mlx4" ;;
       *) echo "unknown pair $pair" >&2; exit 1 ;;
     esac
     page_in "$g"
@@ -165,9 +181,11 @@ for pair in pairs.split():
                      "keep_prefill_tps": kj["prefill_tps"], "keep_decode_tps": kj["decode_tps"]})
     med = lambda key: statistics.median(x[key] for x in rows)
     res["pairs"][pair] = {
-        "llama": {"bf16": "bf16 GGUF", "q8": "q8_0 GGUF"}[pair],
+        "llama": {"bf16": "bf16 GGUF", "q8": "q8_0 GGUF", "q4": "q4_0 GGUF"}[pair],
         "keep": {"bf16": "bf16 (fast kernels)",
-                 "q8": "Qwen FP8 128x128 experts, MXFP8 residents (fast kernels)"}[pair],
+                 "q8": "Qwen FP8 128x128 experts, MXFP8 residents (fast kernels)",
+                 "q4": "mlx-community MLX affine 4-bit, group 64, stacked switch_mlp experts "
+                       "(fast kernels)"}[pair],
         "rounds": rows,
         "median": {k: med(k) for k in ("llama_prefill_tps", "llama_decode_tps",
                                         "keep_prefill_tps", "keep_decode_tps")},

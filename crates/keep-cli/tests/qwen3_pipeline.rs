@@ -204,3 +204,161 @@ fn qwen3_moe_through_the_pipeline() {
     );
     assert!(rep.contains("verdict"), "{rep}");
 }
+
+/// mlx-lm's 4-bit layout (`keep synth --format mlx4`: experts stacked in `switch_mlp`, every
+/// projection, the router and the embedding MLX affine with `.scales`/`.biases`).
+const MLX_CONFIG: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+  "hidden_size":128,"num_hidden_layers":3,"intermediate_size":128,"num_attention_heads":4,
+  "num_key_value_heads":2,"head_dim":32,"num_experts":16,"num_experts_per_tok":4,
+  "moe_intermediate_size":64,"decoder_sparse_step":1,"mlp_only_layers":[1],"rms_norm_eps":1e-6,
+  "vocab_size":4096,"rope_theta":1000000.0,"tie_word_embeddings":false,
+  "max_position_embeddings":2048,"norm_topk_prob":true,"bos_token_id":1,"eos_token_id":2}"#;
+
+#[test]
+fn qwen3_moe_mlx4_through_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = dir.path();
+    let cache = w.join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let cfg = w.join("config.json");
+    std::fs::write(&cfg, MLX_CONFIG).unwrap();
+    let src = w.join("src");
+    keep(&cache)
+        .args(["synth", "--format", "mlx4", "--seed", "4", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&src)
+        .assert()
+        .success();
+    let report = stdout(keep(&cache).arg("inspect").arg(&src));
+    assert!(report.contains("no problems found"), "{report}");
+    assert!(report.contains("16 in each of 2 layers"), "{report}");
+    assert!(report.contains("mlx-affine4"), "{report}");
+    assert!(report.contains("mlx-affine8"), "{report}");
+
+    let pack = w.join("pack");
+    keep(&cache)
+        .args(["pack", "--from"])
+        .arg(root().join("ARCHITECTURE.md"))
+        .arg(root().join("docs/v4flash.md"))
+        .arg("--tokenizer")
+        .arg(root().join("models/keep-tiny/tokenizer.json"))
+        .arg("--out")
+        .arg(&pack)
+        .args(["--max-tokens", "128", "--held-out-frac", "0.3"])
+        .assert()
+        .success();
+    let run = w.join("run");
+    keep(&cache)
+        .arg("calibrate")
+        .arg(&src)
+        .arg("--pack")
+        .arg(&pack)
+        .arg("--out")
+        .arg(&run)
+        .assert()
+        .success();
+    keep(&cache).arg("finalize").arg(&run).assert().success();
+    let plan = w.join("plan.json");
+    keep(&cache)
+        .arg("select")
+        .arg(&run)
+        .args(["--keep", "8", "--no-plot", "--out"])
+        .arg(&plan)
+        .assert()
+        .success();
+    // Prune slices the stacked experts, their scales and biases, and the quantized router.
+    let pruned = w.join("pruned");
+    keep(&cache)
+        .arg("prune")
+        .arg(&src)
+        .arg(&pruned)
+        .arg("--plan")
+        .arg(&plan)
+        .assert()
+        .success();
+    keep(&cache).arg("verify").arg(&pruned).assert().success();
+    let report = stdout(keep(&cache).arg("inspect").arg(&pruned));
+    assert!(report.contains("no problems found"), "{report}");
+    assert!(report.contains("8 in each of 2 layers"), "{report}");
+    let ck = keep_checkpoint::Checkpoint::open(&pruned).unwrap();
+    let g = ck
+        .get("model.layers.0.mlp.switch_mlp.gate_proj.biases")
+        .unwrap();
+    assert_eq!(g.shape, [8, 64, 2]);
+    assert_eq!(
+        ck.get("model.layers.0.mlp.gate.scales").unwrap().shape,
+        [8, 2]
+    );
+
+    // The plan as a router mask on the source scores as the pruned checkpoint does.
+    let ev = w.join("ev");
+    keep(&cache)
+        .arg("calibrate")
+        .arg(&src)
+        .arg("--pack")
+        .arg(&pack)
+        .args(["--split", "eval", "--out"])
+        .arg(&ev)
+        .assert()
+        .success();
+    let eval = |model: &Path, mask: Option<&Path>| {
+        let mut c = keep(&cache);
+        c.arg("eval")
+            .arg(model)
+            .arg("--teacher")
+            .arg(&ev)
+            .arg("--pack")
+            .arg(&pack);
+        if let Some(m) = mask {
+            c.arg("--mask").arg(m);
+        }
+        stdout(&mut c)
+    };
+    let kl = |s: &str, student: &str| -> String {
+        let line = s
+            .lines()
+            .find(|l| l.trim_start().starts_with(student))
+            .unwrap_or_else(|| panic!("{student} in {s}"));
+        line.split_whitespace().nth(2).unwrap().to_string()
+    };
+    assert_eq!(
+        kl(&eval(&src, Some(&plan)), "plan.json"),
+        kl(&eval(&pruned, None), "model")
+    );
+
+    // Whole and under a memory budget (the expert store reads each expert's slices of the
+    // stacked weight, scales and biases): the same greedy tokens; residency replays the routes.
+    let gen = |extra: &[&str]| -> String {
+        let out = stdout(
+            keep(&cache)
+                .arg("run")
+                .arg(&src)
+                .args([
+                    "--prompt-tokens",
+                    "16",
+                    "--max-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                ])
+                .args(extra),
+        );
+        out.lines()
+            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let routes = w.join("routes.safetensors");
+    let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
+    assert!(!plain.is_empty());
+    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
+    let rep = stdout(
+        keep(&cache)
+            .arg("residency")
+            .arg(&routes)
+            .arg("--model")
+            .arg(&src),
+    );
+    assert!(rep.contains("verdict"), "{rep}");
+}

@@ -2,7 +2,9 @@
 //!
 //! Pruned experts are dropped and survivors renumbered `0..E'-1` in their original order; the
 //! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries are sliced to the
-//! survivors; `n_routed_experts` in config.json becomes `E'`. FP8, FP4 and E8M0 bytes are never
+//! survivors; `n_routed_experts` in config.json becomes `E'`. Experts stacked on a first axis
+//! (mlx-lm's `switch_mlp` weight, `.scales` and `.biases`) are sliced to the survivors the same
+//! way. FP8, FP4 and E8M0 bytes are never
 //! decoded: every tensor is either copied whole or sliced along its first dimension. Tensors
 //! keep does not understand are copied untouched and listed in the report. A pruned hash-routed
 //! layer (`gate.tid2eid`) needs the plan's remap for it ([`keep_artifacts::hashremap`]): its table is
@@ -285,6 +287,24 @@ pub fn prune(
                 let bytes = rewrite_tid2eid(&t, cfg.num_experts_per_tok, plan.n_experts, s, remap)?;
                 hash_rewritten.push(l);
                 actions.push(Action::Write(t, bytes));
+            }
+            (Role::StackedExperts(_), Some(s)) => {
+                // mlx-lm's `switch_mlp`: the experts are the first axis (weight, scales and
+                // biases alike), so the survivors are its slices, in order.
+                if t.shape.first().copied() != Some(plan.n_experts as u64) || t.shape.len() < 2 {
+                    return Err(ConvertError::Refused {
+                        tensor: t.name.to_string(),
+                        reason: format!(
+                            "shape {:?} does not stack the {} experts of the plan on its first axis",
+                            t.shape, plan.n_experts
+                        ),
+                    });
+                }
+                let ids = id_map.entry(scope_label(n.scope)).or_default();
+                for (new, &old) in s.iter().enumerate() {
+                    ids.insert(old, new);
+                }
+                actions.push(Action::Slice(t, s));
             }
             (Role::RouterWeight | Role::RouterBias | Role::RouterBiasVl, Some(s)) => {
                 if t.shape.first().copied() != Some(plan.n_experts as u64) {
