@@ -21,7 +21,8 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
              (tools/oracle/qwen3_conformance.py)
   quant-mlx  keep quant --format mlx2|mlx3|mlx4 on the bundled model: every quantized routed
              expert's codes, scales and biases equal mx.quantize(bits=B, group_size=64) of the
-             same weights (the shipped FP4 decoded, in bf16) byte for byte
+             same weights (the shipped FP4 decoded, in bf16) byte for byte; the mlx4 model
+             under --memory-budget decodes the whole model's greedy tokens
   fixtures   (when fixtures/keep-tiny exists) regenerate the bundled model's fixtures and compare
 """
 import argparse
@@ -343,6 +344,16 @@ def section_quant_mlx(args):
                     bad.append(name)
             check(f"quant-mlx: keep quant --format mlx{bits} equals mx.quantize on {n} expert matrices",
                   n > 0 and not bad, f"{len(bad)} differ, first {bad[:3]}" if bad else "")
+            if bits == 4:
+                # The budgeted runtime reads each expert with its `.scales` and `.biases`.
+                gen = lambda *extra: [l for l in subprocess.run(
+                    [str(keep), "run", str(out), "--prompt-tokens", "16", "--max-tokens", "6",
+                     "--temperature", "0", *extra], check=True, capture_output=True,
+                    text=True).stdout.splitlines() if l[:1].isdigit()]
+                whole, budget = gen(), gen("--memory-budget", "16MiB")
+                check("quant-mlx: keep run --memory-budget on the mlx4 experts gives the whole "
+                      "model's greedy tokens", bool(whole) and whole == budget,
+                      f"{whole} vs {budget}")
 
 
 def section_fixtures(args):

@@ -30,7 +30,8 @@ keep's own `keep synth --format mlx4` of the tiny preset runs against mlx-lm loa
 Then the pipeline: `keep synth --family qwen3_moe --preset qwen3-tiny --format fp8` (bf16
 power-of-two block scales), `keep repack --resident-format mxfp8` of it (compared with the
 reference on its source: the repack is lossless), and a checkpoint calibrated, selected (REAP,
-8 of 16 experts) and pruned by keep, which mlx-lm then loads.
+8 of 16 experts) and pruned by keep, which mlx-lm then loads — in bf16, and in the MLX 4-bit
+layout (stacked experts, their scales and biases and the quantized router sliced).
 Prints PASS/FAIL lines; exit 1 on any failure.
 """
 import argparse
@@ -162,7 +163,7 @@ def mlx_bytes_case(keep, tmp, bits):
           qa == qb, f"{qa} vs {qb}")
 
 
-def pruned_case(keep, tmp):
+def pruned_case(keep, tmp, fmt="bf16"):
     """Calibrate a Qwen3-MoE checkpoint on a pack of this repository's docs (keep-tiny's
     tokenizer, so a 4096-token vocabulary), select 8 of 16 experts per MoE layer by REAP, prune;
     the pruned checkpoint (router rows sliced, experts renumbered, num_experts 8) is then
@@ -170,10 +171,15 @@ def pruned_case(keep, tmp):
     cfg = json.loads(json.dumps(ODD))
     cfg.update({"vocab_size": 4096, "num_experts": 16, "num_experts_per_tok": 4,
                 "num_hidden_layers": 3, "mlp_only_layers": [1]})
+    if fmt != "bf16":
+        # Hidden 192: the projections reading the hidden state are MLX affine.
+        cfg["hidden_size"] = 192
+    tmp = tmp / f"prune-{fmt}"
+    tmp.mkdir()
     c = tmp / "prune-src.json"
     c.write_text(json.dumps(cfg))
     d = tmp / "prune-src"
-    run([keep, "synth", "--config", c, "--out", d, "--seed", "6"])
+    run([keep, "synth", "--config", c, "--out", d, "--seed", "6", "--format", fmt])
     pack, calib = tmp / "prune-pack", tmp / "prune-run"
     run([keep, "pack", "--from", ROOT / "ARCHITECTURE.md", "--tokenizer",
          ROOT / "models/keep-tiny/tokenizer.json", "--out", pack, "--max-tokens", "256",
@@ -185,9 +191,10 @@ def pruned_case(keep, tmp):
     run([keep, "prune", d, pruned, "--plan", plan])
     run([keep, "verify", pruned])
     pc = json.loads((pruned / "config.json").read_text())
-    check("qwen3 pruned: the pruned checkpoint has num_experts 8", pc["num_experts"] == 8,
+    check(f"qwen3 pruned {fmt}: the pruned checkpoint has num_experts 8", pc["num_experts"] == 8,
           str(pc["num_experts"]))
-    return (pruned, "pruned-reap-8-of-16", 150)
+    tag = "pruned-reap-8-of-16" + ("" if fmt == "bf16" else f"-{fmt}")
+    return (pruned, tag, 150)
 
 
 def main():
@@ -223,6 +230,7 @@ def main():
         run([keep, "repack", d, tmp / "synth-mx", "--resident-format", "mxfp8", "--verify"])
         cases.append((tmp / "synth-mx", "keep-synth-qwen3-tiny-fp8-repacked-mxfp8", 150, d))
         cases.append(pruned_case(keep, tmp))
+        cases.append(pruned_case(keep, tmp, "mlx4"))
         for i, (d, tag, n, *ref_dir) in enumerate(cases):
             results[tag] = case(keep, d, tag, 100 + i, n, tmp, *ref_dir)
     if a.json:

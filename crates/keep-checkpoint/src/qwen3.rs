@@ -132,6 +132,58 @@ mod tests {
         for m in ExpertMat::ALL {
             let n = parse(&expert_tensor(4, 9, m, "weight"));
             assert_eq!(n.role, Role::RoutedExpert { expert: 9, mat: m });
+            // mlx-lm's stacked experts and MLX affine partners.
+            for (part, want) in [
+                ("weight", Part::Weight),
+                ("scales", Part::Scale),
+                ("biases", Part::Scale),
+            ] {
+                let n = parse(&stacked_tensor(4, m, part));
+                assert_eq!(
+                    (n.scope, &n.role, n.part),
+                    (Scope::Layer(4), &Role::StackedExperts(m), want)
+                );
+                assert!(n.role.is_routed_expert());
+            }
+        }
+        assert_eq!(
+            stacked_tensor(0, ExpertMat::W2, "scales"),
+            "model.layers.0.mlp.switch_mlp.down_proj.scales"
+        );
+        let r = parse("model.layers.3.mlp.gate.biases");
+        assert_eq!((r.role, r.part), (Role::RouterWeight, Part::Scale));
+        let e = parse("model.embed_tokens.scales");
+        assert_eq!((e.role, e.part), (Role::Embedding, Part::Scale));
+    }
+
+    #[test]
+    fn mlx_quantization_is_read_and_checked() {
+        let mut v: Value = serde_json::from_str(TINY).unwrap();
+        v["quantization"] = serde_json::json!({"group_size": 64, "bits": 4, "mode": "affine",
+            "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}});
+        let c = DeepSeekConfig::from_json(Path::new("config.json"), &v.to_string()).unwrap();
+        assert!(c.qwen3.unwrap().quantization.is_some());
+        for (q, want) in [
+            (
+                serde_json::json!({"group_size": 32, "bits": 4}),
+                "group_size",
+            ),
+            (serde_json::json!({"group_size": 64, "bits": 5}), "bits"),
+            (
+                serde_json::json!({"group_size": 64, "bits": 4, "mode": "mxfp4"}),
+                "mode",
+            ),
+            (
+                serde_json::json!({"group_size": 64, "bits": 4,
+                    "model.layers.0.mlp.gate": {"group_size": 128, "bits": 8}}),
+                "model.layers.0.mlp.gate.group_size",
+            ),
+        ] {
+            v["quantization"] = q;
+            let e = DeepSeekConfig::from_json(Path::new("config.json"), &v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{want}: {e}");
         }
     }
 }

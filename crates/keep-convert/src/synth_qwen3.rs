@@ -403,7 +403,7 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
             let cr = chunk_rows(cols, 1);
             let starts: Vec<usize> = (0..rows).step_by(cr).collect();
             for group in starts.chunks(8) {
-                let parts: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = group
+                let parts: Vec<MlxRows> = group
                     .par_iter()
                     .map(|&r0| {
                         let n = (rows - r0).min(cr);
@@ -430,29 +430,35 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
         w.write_tensor(&format!("{base}.biases"), &biases)?;
         return Ok(written);
     }
+    if !t.fp8 {
+        // bf16; a stack (mlx-lm leaves a stacked matrix whose input width is not a multiple of
+        // the group in bf16) is its experts' bf16 tensors one after the other.
+        let own = [t.name.clone()];
+        let sources: &[String] = if t.stack.is_empty() { &own } else { &t.stack };
+        let cr = chunk_rows(cols, 1);
+        let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+        for src in sources {
+            for group in starts.chunks(8) {
+                let parts: Vec<Vec<u8>> = group
+                    .par_iter()
+                    .map(|&r0| {
+                        let n = (rows - r0).min(cr) * cols;
+                        bf16_bytes(&normals(seed, src, r0 as u64, n, mean, std))
+                    })
+                    .collect();
+                for b in parts {
+                    written += b.len() as u64;
+                    w.write_chunk(&t.name, &b)?;
+                }
+            }
+        }
+        return Ok(written);
+    }
     if !t.stack.is_empty() {
         return Err(ConvertError::Invalid(format!(
             "`{}`: stacked experts are written in the mlx layouts only",
             t.name
         )));
-    }
-    if !t.fp8 {
-        let cr = chunk_rows(cols, 1);
-        let starts: Vec<usize> = (0..rows).step_by(cr).collect();
-        for group in starts.chunks(8) {
-            let parts: Vec<Vec<u8>> = group
-                .par_iter()
-                .map(|&r0| {
-                    let n = (rows - r0).min(cr) * cols;
-                    bf16_bytes(&normals(seed, &t.name, r0 as u64, n, mean, std))
-                })
-                .collect();
-            for b in parts {
-                written += b.len() as u64;
-                w.write_chunk(&t.name, &b)?;
-            }
-        }
-        return Ok(written);
     }
     let block = BlockShape {
         rows: QWEN_FP8_BLOCK,
@@ -492,6 +498,9 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
     Ok(written)
 }
 
+/// Packed codes, scales and biases (little-endian bytes) of some rows.
+type MlxRows = (Vec<u8>, Vec<u8>, Vec<u8>);
+
 /// `n` rows of `cols` values rounded to bfloat16 (what the bf16 layout stores) and quantized as
 /// `mx.quantize(w, group_size=64, bits)` quantizes a bfloat16 weight: packed little-endian
 /// `uint32` words, bfloat16 scales and biases.
@@ -500,7 +509,7 @@ fn mlx_rows(
     v: &[f32],
     n: usize,
     cols: usize,
-) -> std::result::Result<(Vec<u8>, Vec<u8>, Vec<u8>), keep_format::FormatError> {
+) -> std::result::Result<MlxRows, keep_format::FormatError> {
     let row_bytes = cols * bits as usize / 8;
     let g = cols / MLX_GROUP;
     let mut q = vec![0u8; n * row_bytes];

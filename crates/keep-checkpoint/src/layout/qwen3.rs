@@ -120,8 +120,5 @@ fn stacked_problem<'a>(
             biases: part(biases_of(ck, &name))?,
         })
     })();
-    match m.and_then(|m| expert_matrix_as(&m, rows, cols, None)) {
-        Ok(_) => None,
-        Err(e) => Some(e),
-    }
+    m.and_then(|m| expert_matrix_as(&m, rows, cols, None)).err()
 }
