@@ -17,7 +17,11 @@
 //!   base patterns gathered from a 2 KiB table, the sign bytes as one 64-bit mask with the
 //!   parity fix, one masked negate and a ±1 add) and hand the row to the kernels as `w + 128`
 //!   bytes, the form affine-8 rows are stored in (so VNNI multiplies them as they lie); the
-//!   block factor is 1 and the row's result is multiplied by `scale / 4` at the end.
+//!   block factor is 1 and the row's result is multiplied by `scale / 4` at the end. With
+//!   AVX-512 VBMI ([`IntLevel::Avx512VnniVbmi`]) 64 codes are decoded per step without a
+//!   gather, from byte planes of the pattern table held in registers ([`E8pPlanes`]), and at
+//!   M = 1 fed to the dot without the row buffer; from [`E8P_GEMM_MIN_M`] rows on, E8P
+//!   weights take the GEMM (Prefill below).
 //! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
 //!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
 //!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is

@@ -140,6 +140,10 @@ fn integer_decoders_equal_definitions_on_every_code() {
                 .all(|(b, w)| (*b as u8 ^ 0x80) as i8 == *w));
         }
     }
+    // A CPU with VNNI and VBMI runs (and these tests force) the VBMI level.
+    if crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() {
+        assert!(int_levels_available().contains(&IntLevel::Avx512VnniVbmi));
+    }
     // The VBMI decoder: every code, at alignments and lengths that leave every partial
     // group of 64 codes and of 8 (the masked loads and stores), bytes past the end untouched.
     #[cfg(target_arch = "x86_64")]
