@@ -119,6 +119,19 @@ pub fn has_avx512_vnni() -> bool {
     }
 }
 
+/// AVX-512 VBMI (`vpermb`, `vpermi2b`, `vpmultishiftqb`: byte tables in registers), on top
+/// of [`Level::Avx512`].
+pub fn has_avx512_vbmi() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        detected() >= Level::Avx512 && is_x86_feature_detected!("avx512vbmi")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// AVX-512 BF16 (`vdpbf16ps`), on top of [`Level::Avx512`].
 pub fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]

@@ -17,7 +17,11 @@
 //!   base patterns gathered from a 2 KiB table, the sign bytes as one 64-bit mask with the
 //!   parity fix, one masked negate and a ±1 add) and hand the row to the kernels as `w + 128`
 //!   bytes, the form affine-8 rows are stored in (so VNNI multiplies them as they lie); the
-//!   block factor is 1 and the row's result is multiplied by `scale / 4` at the end.
+//!   block factor is 1 and the row's result is multiplied by `scale / 4` at the end. With
+//!   AVX-512 VBMI ([`IntLevel::Avx512VnniVbmi`]) 64 codes are decoded per step without a
+//!   gather, from byte planes of the pattern table held in registers ([`E8pPlanes`]), and at
+//!   M = 1 fed to the dot without the row buffer; from [`E8P_GEMM_MIN_M`] rows on, E8P
+//!   weights take the GEMM (Prefill below).
 //! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
 //!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
 //!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is
@@ -77,6 +81,12 @@ mod x86;
 /// From this many activation rows on, the AVX-512 VNNI level runs the cache-blocked GEMM
 /// (the same results as the row kernels; see the module doc's Prefill section).
 pub const GEMM_MIN_M: usize = 33;
+
+/// From this many activation rows on, E8P weights take the GEMM on the AVX-512 VNNI levels
+/// (measured faster than the row kernels from here: the row kernel streams every
+/// activation row's int8, `−128·Σ` and scale arrays past each weight row, the GEMM's
+/// register tile keeps four of them per panel in L1).
+pub const E8P_GEMM_MIN_M: usize = 4;
 
 /// Weight rows per GEMM panel (decoded once, reused by every activation row).
 pub const GEMM_PANEL: usize = 16;
@@ -161,6 +171,21 @@ impl Q8Acts {
         self.q.resize(m * cols, 0);
         self.d.clear();
         self.d.resize(m * cols / QBLOCK, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::level() >= crate::cpu::Level::Avx512 {
+            // SAFETY: AVX-512 checked; `q` and `d` are sized for `x` above.
+            unsafe { x86::quantize_blocks_avx512(x, &mut self.q, &mut self.d) };
+            self.finish_sums();
+            return Ok(());
+        }
+        self.quantize_scalar(x);
+        self.finish_sums();
+        Ok(())
+    }
+
+    /// [`quantize_block`] over every block (the scalar level; the AVX-512 one is tested
+    /// against it).
+    fn quantize_scalar(&mut self, x: &[f32]) {
         for ((xb, qb), d) in x
             .chunks_exact(QBLOCK)
             .zip(self.q.chunks_exact_mut(QBLOCK))
@@ -168,6 +193,10 @@ impl Q8Acts {
         {
             *d = quantize_block(xb, qb);
         }
+    }
+
+    /// The sums, products and spread scales derived from `q` and `d`.
+    fn finish_sums(&mut self) {
         self.sums.clear();
         self.sums.extend(
             self.q
@@ -185,7 +214,14 @@ impl Q8Acts {
                 .chunks_exact(4)
                 .map(|v| -128 * v.iter().map(|&e| e as i32).sum::<i32>()),
         );
-        Ok(())
+    }
+
+    /// [`Q8Acts::quantize`] on the scalar level only (the reference of the vector one).
+    pub fn quantize_ref(x: &[f32], m: usize, cols: usize) -> Result<Self> {
+        let mut a = Q8Acts::quantize(x, m, cols)?;
+        a.quantize_scalar(x);
+        a.finish_sums();
+        Ok(a)
     }
 
     /// The values the int8 blocks stand for (`q · d`), for tests and error reports.
@@ -363,6 +399,36 @@ pub static E8P_BASE4: LazyLock<[u64; 256]> = LazyLock::new(|| {
     })
 });
 
+/// The byte planes the VBMI E8P decoder looks patterns up in (index = the code's high byte):
+/// `lo[g]` holds the magnitude indices `m_i` of coordinates 0..4 of pattern `g` (two bits
+/// each, coordinate `i` at bits `2i..2i+2`), `hi[g]` those of coordinates 4..8, where
+/// `|4 · e8p_base(g)[i]| = 2 + 4·m_i` (`m_i` ∈ {0, 1, 2}); `fix[g]` is 0x80 when the base
+/// pattern's coordinate 7 is negative (the sign fix of odd-sum patterns), else 0. Three
+/// 256-byte tables: each is four 64-byte registers that two `vpermi2b` and a blend read.
+#[derive(Debug)]
+pub struct E8pPlanes {
+    pub lo: [u8; 256],
+    pub hi: [u8; 256],
+    pub fix: [u8; 256],
+}
+
+/// [`E8pPlanes`] from [`E8P_BASE4`].
+pub static E8P_PLANES: LazyLock<E8pPlanes> = LazyLock::new(|| {
+    let mut p = E8pPlanes {
+        lo: [0; 256],
+        hi: [0; 256],
+        fix: [0; 256],
+    };
+    for g in 0..256 {
+        let b = E8P_BASE4[g].to_le_bytes().map(|v| v as i8);
+        let m: [u8; 8] = b.map(|v| ((v.unsigned_abs() - 2) / 4) & 3);
+        p.lo[g] = m[0] | m[1] << 2 | m[2] << 4 | m[3] << 6;
+        p.hi[g] = m[4] | m[5] << 2 | m[6] << 4 | m[7] << 6;
+        p.fix[g] = if b[7] < 0 { 0x80 } else { 0 };
+    }
+    p
+});
+
 /// The per-byte sign flips and shift signs of eight E8P sign bytes packed little-endian in
 /// `s` (byte `c` = code `c`'s low byte): bit `8c + i` of the first value negates coordinate
 /// `i` of code `c` (the sign byte with bit 0 toggled when its parity is odd), and byte `c` of
@@ -420,6 +486,10 @@ pub enum IntLevel {
     Avx512,
     /// AVX-512 VNNI `vpdpbusd`.
     Avx512Vnni,
+    /// AVX-512 VNNI with VBMI: E8P decoded without a gather (byte-plane tables in
+    /// registers, `vpermi2b` / `vpmultishiftqb` / `vpermb`); the other formats as
+    /// [`IntLevel::Avx512Vnni`].
+    Avx512VnniVbmi,
     /// aarch64 NEON with the dot-product extension (`sdot`).
     NeonDot,
 }
@@ -432,6 +502,7 @@ impl IntLevel {
             IntLevel::Avx2 => "avx2-maddubs",
             IntLevel::Avx512 => "avx512-maddubs",
             IntLevel::Avx512Vnni => "avx512-vnni",
+            IntLevel::Avx512VnniVbmi => "avx512-vnni-vbmi",
             IntLevel::NeonDot => "neon-sdot",
         }
     }
@@ -442,6 +513,9 @@ pub fn int_level() -> IntLevel {
     use crate::cpu::Level;
     static L: std::sync::OnceLock<IntLevel> = std::sync::OnceLock::new();
     *L.get_or_init(|| match crate::cpu::level() {
+        Level::Avx512 if crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() => {
+            IntLevel::Avx512VnniVbmi
+        }
         Level::Avx512 if crate::cpu::has_avx512_vnni() => IntLevel::Avx512Vnni,
         Level::Avx512 => IntLevel::Avx512,
         Level::Avx2 => IntLevel::Avx2,
@@ -452,7 +526,7 @@ pub fn int_level() -> IntLevel {
 
 /// The levels this CPU can run (for tests and benchmarks).
 pub fn int_levels_available() -> Vec<IntLevel> {
-    use crate::cpu::{detected, has_avx512_vnni, Level};
+    use crate::cpu::{detected, has_avx512_vbmi, has_avx512_vnni, Level};
     let d = detected();
     let mut v = vec![IntLevel::Scalar];
     if d == Level::Neon && has_neon_dotprod() {
@@ -465,6 +539,9 @@ pub fn int_levels_available() -> Vec<IntLevel> {
         v.push(IntLevel::Avx512);
         if has_avx512_vnni() {
             v.push(IntLevel::Avx512Vnni);
+            if has_avx512_vbmi() {
+                v.push(IntLevel::Avx512VnniVbmi);
+            }
         }
     }
     v
@@ -612,7 +689,14 @@ unsafe fn rows_at(
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
-        IntLevel::Avx512Vnni if a.m >= GEMM_MIN_M => gemm_x86::gemm_vnni(src, a, r0, r1, out, ld),
+        IntLevel::Avx512Vnni | IntLevel::Avx512VnniVbmi
+            if a.m >= GEMM_MIN_M
+                || (a.m >= E8P_GEMM_MIN_M && matches!(src, IntSrc::E8p { .. })) =>
+        {
+            gemm_x86::gemm_vnni(src, a, r0, r1, out, ld)
+        }
+        #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx512VnniVbmi => x86::rows_avx512_vbmi(src, a, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512Vnni => x86::rows_avx512::<true>(src, a, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]

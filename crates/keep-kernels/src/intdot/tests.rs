@@ -37,6 +37,37 @@ fn quantize_block_error_is_half_a_step() {
 }
 
 #[test]
+fn vector_quantization_equals_the_scalar_blocks() {
+    let mut rng = Rng::new(23);
+    let cols = 32 * 37;
+    let mut x: Vec<f32> = (0..3 * cols).map(|_| rng.f() * 3.0).collect();
+    // Zero, NaN, infinite, subnormal-only (127 / amax overflows), huge and tie blocks.
+    x[32..64].iter_mut().for_each(|v| *v = 0.0);
+    x[64 + 5] = f32::NAN;
+    x[96 + 31] = f32::NEG_INFINITY;
+    x[128..160]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(j, v)| *v = f32::from_bits(j as u32) * if j % 2 == 0 { 1.0 } else { -1.0 });
+    x[160..192].iter_mut().for_each(|v| *v *= 3e38 / 3.0);
+    x[192..224]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(j, v)| *v = (j as f32 - 15.5) * 127.0 / 16.0);
+    x[224 + 7] = -0.0;
+    let a = Q8Acts::quantize(&x, 3, cols).unwrap();
+    let r = Q8Acts::quantize_ref(&x, 3, cols).unwrap();
+    assert_eq!(a.q, r.q);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a.d), bits(&r.d));
+    assert_eq!(a.sums, r.sums);
+    assert_eq!(bits(&a.ds), bits(&r.ds));
+    assert_eq!(bits(&a.dx), bits(&r.dx));
+    assert_eq!(a.nsum4, r.nsum4);
+    assert!(r.d[1] == 0.0 && r.d[2].is_nan() && r.d[3].is_nan());
+}
+
+#[test]
 fn integer_decoders_equal_definitions_on_every_code() {
     // Affine-8: every byte is q − 128, and the block factors are the group scales.
     let q: Vec<u8> = (0..=255u8).collect();
@@ -107,6 +138,33 @@ fn integer_decoders_equal_definitions_on_every_code() {
                 .iter()
                 .zip(&a[skip * 8..])
                 .all(|(b, w)| (*b as u8 ^ 0x80) as i8 == *w));
+        }
+    }
+    // A CPU with VNNI and VBMI runs (and these tests force) the VBMI level.
+    if crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() {
+        assert!(int_levels_available().contains(&IntLevel::Avx512VnniVbmi));
+    }
+    // The VBMI decoder: every code, at alignments and lengths that leave every partial
+    // group of 64 codes and of 8 (the masked loads and stores), bytes past the end untouched.
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::has_avx512_vbmi() {
+        for (skip, len) in [(0usize, 65536usize), (3, 65533), (13, 70), (5, 1), (64, 63)] {
+            let cs = &codes[skip..skip + len];
+            for biased in [false, true] {
+                let mut v = vec![0x55i8; cs.len() * 8 + 64];
+                // SAFETY: VBMI checked above; `v` has room for every code.
+                unsafe { x86::decode_e8p_vbmi_test(biased, cs, &mut v) };
+                let flip = if biased { 0x80u8 } else { 0 };
+                let want: Vec<i8> = a[skip * 8..(skip + len) * 8]
+                    .iter()
+                    .map(|&w| (w as u8 ^ flip) as i8)
+                    .collect();
+                assert_eq!(v[..len * 8], want[..], "offset {skip} len {len} {biased}");
+                assert!(
+                    v[len * 8..].iter().all(|&b| b == 0x55),
+                    "wrote past the end"
+                );
+            }
         }
     }
     // E8M0 halves.
@@ -598,6 +656,18 @@ fn cpu_time_breakdown() {
             }
         });
         println!("e8p decode, vector (gather): {:.4} ns/weight", ns_w(t));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::has_avx512_vbmi() {
+        let t = time(&mut || {
+            for r in 0..rows {
+                let kc = cols / 8;
+                // SAFETY: VBMI checked; `buf` holds a row.
+                unsafe { x86::decode_e8p_vbmi_test(true, &codes[r * kc..(r + 1) * kc], &mut buf) };
+                std::hint::black_box(&buf);
+            }
+        });
+        println!("e8p decode, vector (VBMI planes): {:.4} ns/weight", ns_w(t));
     }
     let m_list: Vec<usize> = std::env::var("KEEP_PRINT_M")
         .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())

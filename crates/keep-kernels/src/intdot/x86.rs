@@ -254,6 +254,322 @@ pub(super) unsafe fn decode_e8p_avx512<const BIASED: bool>(
     }
 }
 
+/// Byte `j` of a 64-code group sits at byte `2j` (sign byte) and `2j + 1` (pattern) of the
+/// two registers holding the codes.
+const fn bytes_at(odd: u8) -> [u8; 64] {
+    let mut a = [0u8; 64];
+    let mut j = 0;
+    while j < 64 {
+        a[j] = 2 * j as u8 + odd;
+        j += 1;
+    }
+    a
+}
+static E8P_SIGN_BYTES: [u8; 64] = bytes_at(0);
+static E8P_PATTERN_BYTES: [u8; 64] = bytes_at(1);
+
+/// For output register `k` of a 64-code group (codes `8k..8k+8`): qword `c` takes plane
+/// byte `8k + c` of the low magnitudes (byte 0) and of the high ones (byte 1, the second
+/// `vpermi2b` table); the other bytes are never read.
+static E8P_QWORD_IDX: [[u8; 64]; 8] = {
+    let mut a = [[0u8; 64]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut c = 0;
+        while c < 8 {
+            a[k][8 * c] = (8 * k + c) as u8;
+            a[k][8 * c + 1] = (64 + 8 * k + c) as u8;
+            c += 1;
+        }
+        k += 1;
+    }
+    a
+};
+
+/// `vpmultishiftqb` controls: byte `i` of each qword starts at bit `2i` (coordinate `i`'s
+/// magnitude index in the low two bits).
+static E8P_SHIFTS: [u8; 64] = {
+    let mut a = [0u8; 64];
+    let mut j = 0;
+    while j < 64 {
+        a[j] = 2 * (j % 8) as u8;
+        j += 1;
+    }
+    a
+};
+
+/// `|4·base| + 1` by magnitude index (the low two bits of a `vpermb` index; 3 never occurs).
+static E8P_MAG1: [u8; 64] = {
+    let mut a = [0u8; 64];
+    let mut j = 0;
+    while j < 64 {
+        a[j] = [3, 7, 11, 0][j % 4];
+        j += 1;
+    }
+    a
+};
+
+#[inline(always)]
+unsafe fn ld64(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p as *const __m512i)
+}
+
+/// A 256-byte table as four registers.
+#[inline(always)]
+unsafe fn plane_regs(t: &[u8; 256]) -> [__m512i; 4] {
+    std::array::from_fn(|j| ld64(t.as_ptr().add(64 * j)))
+}
+
+/// `t[g]` for 64 bytes `g` (two `vpermi2b`, one per half of the table, and a blend on bit 7).
+#[inline(always)]
+unsafe fn lookup256(t: &[__m512i; 4], g: __m512i, hi: __mmask64) -> __m512i {
+    let a = _mm512_permutex2var_epi8(t[0], g, t[1]);
+    let b = _mm512_permutex2var_epi8(t[2], g, t[3]);
+    _mm512_mask_blend_epi8(hi, a, b)
+}
+
+/// One group of up to 64 E8P codes, decoded without a gather (AVX-512 VBMI): the integer
+/// weights `4 · codeword` of code `8k + c` are byte `8c + i` of `out[k]`, as `|w|` and a
+/// mask of the negative ones, so callers pick the form they multiply (`w`, `w + 128`, or
+/// `|w|` against sign-flipped activations).
+///
+/// The pattern bytes look up three planes ([`super::E8pPlanes`]): two bits of magnitude
+/// index per coordinate (16 bits a code) and the sign fix of coordinate 7. The sign bytes'
+/// parity `p` (SWAR, as [`super::e8p_sign_masks`]) gives the negation mask
+/// `t = s ^ p ^ fix` (bit `i` set: coordinate `i` is negative) and `t ^ (p ? 0xFF : 0)`.
+/// Per register: one `vpermi2b` gathers each code's 16 magnitude bits into its qword,
+/// `vpmultishiftqb` moves coordinate `i`'s two bits to byte `i`, and `vpermb` maps them to
+/// `a + 1` (`a = |4·base|` ∈ {2, 6, 10}). With `w = ±a + sh` (`sh` = +1 for even parity,
+/// −1 for odd), `|w| = a + 1` when `t_i == p` and `a − 1` otherwise (one masked subtract of
+/// 2), and `w < 0` exactly when `t_i` is set (`a ≥ 2 > 1`).
+///
+/// Returns the `|w|` registers and the negation masks; `n` (1..=64) codes are read from
+/// `codes` (masked loads past `n`; registers past `⌈n/8⌉` are left zero).
+#[inline(always)]
+pub(super) unsafe fn e8p_group_vbmi(
+    planes: &[[__m512i; 4]; 3],
+    codes: *const u16,
+    n: usize,
+) -> ([__m512i; 8], [u64; 8]) {
+    let (c0, c1) = if n == 64 {
+        (ld64(codes as *const u8), ld64(codes.add(32) as *const u8))
+    } else {
+        let k0 = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
+        let k1 = if n > 32 { (1u32 << (n - 32)) - 1 } else { 0 };
+        (
+            _mm512_maskz_loadu_epi16(k0, codes as *const i16),
+            _mm512_maskz_loadu_epi16(k1, codes.add(32) as *const i16),
+        )
+    };
+    let g = _mm512_permutex2var_epi8(c0, ld64(E8P_PATTERN_BYTES.as_ptr()), c1);
+    let s = _mm512_permutex2var_epi8(c0, ld64(E8P_SIGN_BYTES.as_ptr()), c1);
+    let kh = _mm512_movepi8_mask(g);
+    let lo = lookup256(&planes[0], g, kh);
+    let hi = lookup256(&planes[1], g, kh);
+    let fx = lookup256(&planes[2], g, kh);
+    // Byte parity within 16-bit lanes: bits shifted in from the byte above reach only bits
+    // 4..7, which the later steps never read into bit 0.
+    let mut p = _mm512_xor_si512(s, _mm512_srli_epi16(s, 4));
+    p = _mm512_xor_si512(p, _mm512_srli_epi16(p, 2));
+    p = _mm512_and_si512(
+        _mm512_xor_si512(p, _mm512_srli_epi16(p, 1)),
+        _mm512_set1_epi8(1),
+    );
+    let t = _mm512_ternarylogic_epi32(s, p, fx, 0x96);
+    let m1 = _mm512_xor_si512(t, _mm512_sub_epi8(_mm512_setzero_si512(), p));
+    let tm: [u64; 8] = std::mem::transmute(t);
+    let mm: [u64; 8] = std::mem::transmute(m1);
+    let shifts = ld64(E8P_SHIFTS.as_ptr());
+    let mag1 = ld64(E8P_MAG1.as_ptr());
+    let two = _mm512_set1_epi8(2);
+    let mut out = [_mm512_setzero_si512(); 8];
+    for k in 0..n.div_ceil(8) {
+        let q = _mm512_permutex2var_epi8(lo, ld64(E8P_QWORD_IDX[k].as_ptr()), hi);
+        let i = _mm512_multishift_epi64_epi8(shifts, q);
+        let a1 = _mm512_permutexvar_epi8(i, mag1);
+        out[k] = _mm512_mask_sub_epi8(a1, mm[k], a1, two);
+    }
+    (out, tm)
+}
+
+/// The three plane tables of [`e8p_group_vbmi`] as registers.
+#[inline(always)]
+pub(super) unsafe fn e8p_planes_vbmi() -> [[__m512i; 4]; 3] {
+    let pl = &*super::E8P_PLANES;
+    [plane_regs(&pl.lo), plane_regs(&pl.hi), plane_regs(&pl.fix)]
+}
+
+/// E8P codes `codes[..kc]` decoded as [`decode_e8p_avx512`] does (the same bytes, tested on
+/// every code), 64 codes per step by [`e8p_group_vbmi`] (no gather, no scalar tail).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VBMI; `codes` holds `kc` codes and `dst` room for `8·kc` bytes.
+#[inline(always)]
+pub(super) unsafe fn decode_e8p_vbmi<const BIASED: bool>(
+    codes: *const u16,
+    kc: usize,
+    dst: *mut i8,
+) {
+    let planes = e8p_planes_vbmi();
+    let zero = _mm512_setzero_si512();
+    let mut c = 0;
+    while c < kc {
+        let n = (kc - c).min(64);
+        let (aw, neg) = e8p_group_vbmi(&planes, codes.add(c), n);
+        for k in 0..n.div_ceil(8) {
+            let mut w = _mm512_mask_sub_epi8(aw[k], neg[k], zero, aw[k]);
+            if BIASED {
+                w = _mm512_xor_si512(w, _mm512_set1_epi8(-128));
+            }
+            let d = dst.add(8 * (c + 8 * k)) as *mut __m512i;
+            let left = n - 8 * k;
+            if left >= 8 {
+                _mm512_storeu_si512(d, w);
+            } else {
+                _mm512_mask_storeu_epi8(d as *mut i8, (1u64 << (8 * left)) - 1, w);
+            }
+        }
+        c += 64;
+    }
+}
+
+/// One E8P weight row (`kc` codes) against one activation row at M = 1, decoded in
+/// registers by [`e8p_group_vbmi`] and dotted at once, without the row buffer: `|w|` against
+/// the activations negated where `w < 0` (`vpdpbusd`, exact), the block coefficient `d_b`
+/// from [`Q8Acts::dx`], one FMA per two blocks into the contract's accumulators (block `b`
+/// in register `(b / 2) mod 2`, lanes `8·(b mod 2)..`), so the value is the contract's bit
+/// for bit. A last register holding one block (4 codes) takes lanes 0..8 only.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI/VBMI; `codes` holds `kc` codes (`kc % 4 == 0`), `q` `8·kc` int8 and
+/// `dx` `2·kc` floats.
+#[inline(always)]
+unsafe fn e8p_row_m1_vbmi(
+    planes: &[[__m512i; 4]; 3],
+    codes: *const u16,
+    kc: usize,
+    q: *const i8,
+    dx: *const f32,
+) -> f32 {
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut c = 0;
+    while c + 64 <= kc {
+        let (aw, neg) = e8p_group_vbmi(planes, codes.add(c), 64);
+        for k in 0..8 {
+            let o = 8 * (c + 8 * k);
+            let qv = _mm512_loadu_si512(q.add(o) as *const __m512i);
+            let sq = _mm512_mask_sub_epi8(qv, neg[k], zero, qv);
+            let p = _mm512_dpbusd_epi32(zero, aw[k], sq);
+            acc[k & 1] = _mm512_fmadd_ps(
+                _mm512_loadu_ps(dx.add(o / 4)),
+                _mm512_cvtepi32_ps(p),
+                acc[k & 1],
+            );
+        }
+        c += 64;
+    }
+    if c < kc {
+        let n = kc - c;
+        let (aw, neg) = e8p_group_vbmi(planes, codes.add(c), n);
+        for k in 0..n.div_ceil(8) {
+            let o = 8 * (c + 8 * k);
+            // A whole register is two blocks; a last one of 4 codes is one.
+            let (kb, kf): (__mmask64, __mmask16) = if n - 8 * k >= 8 {
+                (u64::MAX, 0xFFFF)
+            } else {
+                (u32::MAX as u64, 0x00FF)
+            };
+            let qv = _mm512_maskz_loadu_epi8(kb, q.add(o));
+            let sq = _mm512_mask_sub_epi8(qv, neg[k], zero, qv);
+            let p = _mm512_dpbusd_epi32(zero, aw[k], sq);
+            let cv = _mm512_maskz_loadu_ps(kf, dx.add(o / 4));
+            acc[k & 1] = _mm512_mask3_fmadd_ps(cv, _mm512_cvtepi32_ps(p), acc[k & 1], kf);
+        }
+    }
+    // u = (acc0 + acc2) + (acc1 + acc3), then the 8-lane tree (as `group512`).
+    let (lo0, hi0) = (
+        _mm512_castps512_ps256(acc[0]),
+        _mm512_extractf32x8_ps(acc[0], 1),
+    );
+    let (lo1, hi1) = (
+        _mm512_castps512_ps256(acc[1]),
+        _mm512_extractf32x8_ps(acc[1], 1),
+    );
+    hsum256(_mm256_add_ps(
+        _mm256_add_ps(lo0, lo1),
+        _mm256_add_ps(hi0, hi1),
+    ))
+}
+
+/// Sixteen activations times `id`, rounded to nearest even, clamped to ±127 (NaN → 0), as
+/// int8 (a function, not a closure: closures do not inherit the target features).
+#[inline(always)]
+unsafe fn q16(v: __m512, id: __m512) -> __m128i {
+    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(v, id),
+    );
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t, t);
+    let t = _mm512_min_ps(
+        _mm512_max_ps(t, _mm512_set1_ps(-super::QMAX)),
+        _mm512_set1_ps(super::QMAX),
+    );
+    let t = _mm512_mask_mov_ps(t, nan, _mm512_setzero_ps());
+    _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t))
+}
+
+/// [`super::quantize_block`] for every block of 32 in `x`, 16 lanes at a time, the same
+/// bits: the block maximum of `|x|` (exact in any order), `127 / amax` and `amax / 127` as
+/// scalar divisions, `x · (127 / amax)` rounded to nearest even (`vrndscaleps`), clamped to
+/// ±127 with NaN read as 0 (Rust's `clamp` then `as i8`), non-finite blocks 0 with `d` NaN.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL; `q` holds `x.len()` bytes and `d` `x.len() / 32` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+pub(super) unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let nb = x.len() / QBLOCK;
+    assert!(q.len() >= nb * QBLOCK && d.len() >= nb);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    for b in 0..nb {
+        let p = x.as_ptr().add(b * QBLOCK);
+        let (v0, v1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+        let (a0, a1) = (_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        // |v| < inf is false for infinities and NaN.
+        let fin =
+            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf);
+        let qo = q.as_mut_ptr().add(b * QBLOCK) as *mut __m256i;
+        if fin != 0xFFFF {
+            _mm256_storeu_si256(qo, _mm256_setzero_si256());
+            d[b] = f32::NAN;
+            continue;
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        if amax == 0.0 {
+            _mm256_storeu_si256(qo, _mm256_setzero_si256());
+            d[b] = 0.0;
+            continue;
+        }
+        let id = _mm512_set1_ps(super::QMAX / amax);
+        _mm256_storeu_si256(qo, _mm256_set_m128i(q16(v1, id), q16(v0, id)));
+        d[b] = amax / super::QMAX;
+    }
+}
+
+/// [`decode_e8p_vbmi`] (for the tests and the timing breakdown).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VBMI; as [`decode_e8p_vbmi`].
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma")]
+pub(super) unsafe fn decode_e8p_vbmi_test(biased: bool, codes: &[u16], dst: &mut [i8]) {
+    assert!(dst.len() >= 8 * codes.len());
+    if biased {
+        decode_e8p_vbmi::<true>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    } else {
+        decode_e8p_vbmi::<false>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    }
+}
+
 /// [`decode_e8p_avx512`] (for the tests).
 ///
 /// # Safety
@@ -273,7 +589,7 @@ pub(super) unsafe fn decode_e8p_test(biased: bool, codes: &[u16], dst: &mut [i8]
 /// vector row factors and E8P decoder; the AVX2 level uses the scalar ones, since AVX-512
 /// code must not run inside it).
 #[inline(always)]
-unsafe fn prep_row<const AVX512: bool>(
+unsafe fn prep_row<const AVX512: bool, const VBMI: bool>(
     src: &IntSrc,
     r: usize,
     cols: usize,
@@ -290,7 +606,11 @@ unsafe fn prep_row<const AVX512: bool>(
         IntSrc::E8p { codes, .. } if AVX512 => {
             // Stored as `w + 128` bytes: on VNNI the row multiplies them as they lie.
             let kc = cols / 8;
-            decode_e8p_avx512::<true>(codes.as_ptr().add(r * kc), kc, s.w.as_mut_ptr());
+            if VBMI {
+                decode_e8p_vbmi::<true>(codes.as_ptr().add(r * kc), kc, s.w.as_mut_ptr());
+            } else {
+                decode_e8p_avx512::<true>(codes.as_ptr().add(r * kc), kc, s.w.as_mut_ptr());
+            }
             Row::U8(s.w.as_ptr() as *const u8)
         }
         IntSrc::E8p { .. } => {
@@ -320,7 +640,7 @@ unsafe fn dot64<const VNNI: bool>(aw: __m512i, neg: __mmask64, q: __m512i) -> __
 }
 
 #[inline(always)]
-unsafe fn rows_avx512_impl<const VNNI: bool>(
+unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
     src: &IntSrc,
     a: &Q8Acts,
     r0: usize,
@@ -336,8 +656,25 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
         let s = &mut taken;
         s.w.resize(cols, 0);
         s.f.resize(nb, 0.0);
+        if let (true, true, 1, IntSrc::E8p { codes, scales }) = (VNNI, VBMI, a.m, *src) {
+            // M = 1: decoded in registers straight into the dot (no row buffer).
+            let planes = e8p_planes_vbmi();
+            let kc = cols / 8;
+            for r in r0..r1 {
+                let v = e8p_row_m1_vbmi(
+                    &planes,
+                    codes.as_ptr().add(r * kc),
+                    kc,
+                    a.q.as_ptr(),
+                    a.dx.as_ptr(),
+                );
+                *out.add(r) = v * (scales[r] * 0.25);
+            }
+            SCRATCH.with(|c| c.replace(taken));
+            return;
+        }
         for r in r0..r1 {
-            let row = prep_row::<true>(src, r, cols, s);
+            let row = prep_row::<true, VBMI>(src, r, cols, s);
             let post = src.post(r);
             let f = s.f.as_ptr();
             let mut i = 0;
@@ -519,12 +856,28 @@ pub(super) unsafe fn rows_avx512<const VNNI: bool>(
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")]
 unsafe fn vnni(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
-    rows_avx512_impl::<true>(src, a, r0, r1, out, ld)
+    rows_avx512_impl::<true, false>(src, a, r0, r1, out, ld)
+}
+
+/// AVX-512 VNNI rows `r0..r1` with the VBMI E8P decoder.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ/VNNI/VBMI; `out` as in `super::rows_scalar`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")]
+pub(super) unsafe fn rows_avx512_vbmi(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    rows_avx512_impl::<true, true>(src, a, r0, r1, out, ld)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
 unsafe fn bw(src: &IntSrc, a: &Q8Acts, r0: usize, r1: usize, out: *mut f32, ld: usize) {
-    rows_avx512_impl::<false>(src, a, r0, r1, out, ld)
+    rows_avx512_impl::<false, false>(src, a, r0, r1, out, ld)
 }
 
 /// AVX2 rows `r0..r1`.
@@ -549,7 +902,7 @@ pub(super) unsafe fn rows_avx2(
         s.w.resize(cols, 0);
         s.f.resize(nb, 0.0);
         for r in r0..r1 {
-            let row = prep_row::<false>(src, r, cols, s);
+            let row = prep_row::<false, false>(src, r, cols, s);
             let post = src.post(r);
             let f = s.f.as_ptr();
             let mut i = 0;
