@@ -11,13 +11,13 @@
 # --draft none, predicted speedups, and the load average before and after.
 #
 # Usage: dev/bench-draft-heldout.sh [MODEL_DIR] [BUDGET] [MAX_TOKENS] [PROMPTS] [OUT_JSON]
-#   defaults: models/keep-tiny, 8MiB, 64 tokens, 6 prompts,
+#   defaults: models/keep-tiny, 24MiB (about 12 of 32 slots per layer with K = 3), 64 tokens, 6 prompts,
 #   dev/evidence/draft-heldout-keep-tiny.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${KEEP:-target/release/keep}
 MODEL=${1:-models/keep-tiny}
-BUDGET=${2:-8MiB}
+BUDGET=${2:-24MiB}
 MAX=${3:-64}
 NP=${4:-6}
 OUT=${5:-dev/evidence/draft-heldout-keep-tiny.json}
