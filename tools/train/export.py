@@ -139,14 +139,9 @@ def _t(dt, arr):
     return (dt, arr.shape, np.ascontiguousarray(arr).tobytes())
 
 
-def checkpoint_tensors(cfg, params, gate_bias):
-    """The published tensors of a model: {name: (dtype, shape, bytes)}."""
-    P = {k: np.asarray(v, np.float32) for k, v in params.items() if k != "layers"}
-    out = {
-        "embed.weight": _t("BF16", P["embed"].astype(ml_dtypes.bfloat16)),
-        "head.weight": _t("BF16", P["head"].astype(ml_dtypes.bfloat16)),
-        "norm.weight": _t("BF16", P["norm"].astype(ml_dtypes.bfloat16)),
-    }
+def layer_tensors(prefix, lp, gate_bias, n_experts):
+    """The published tensors of one decoder block stored under `prefix` ("layers.3.", "mtp.0.")."""
+    out = {}
 
     def bf16(name, w):
         out[name] = _t("BF16", np.asarray(w, np.float32).astype(ml_dtypes.bfloat16))
@@ -159,44 +154,57 @@ def checkpoint_tensors(cfg, params, gate_bias):
         out[prefix + ".weight"] = _t("F8_E4M3", q)
         out[prefix + ".scale"] = _t("F8_E8M0", s)
 
-    E = cfg["n_routed_experts"]
+    E = n_experts
+    lp = {k: np.asarray(v, np.float32) for k, v in lp.items()}
+    L = prefix.rstrip(".")
+    bf16(f"{L}.attn_norm.weight", lp["attn_norm"])
+    bf16(f"{L}.ffn_norm.weight", lp["ffn_norm"])
+    for which in ("attn", "ffn"):
+        for part in ("fn", "base", "scale"):
+            f32(f"{L}.hc_{which}_{part}", lp[f"hc_{which}_{part}"])
+    fp8(f"{L}.attn.wq_a", lp["wq_a"])
+    bf16(f"{L}.attn.q_norm.weight", lp["q_norm"])
+    fp8(f"{L}.attn.wq_b", lp["wq_b"])
+    fp8(f"{L}.attn.wkv", lp["wkv"])
+    bf16(f"{L}.attn.kv_norm.weight", lp["kv_norm"])
+    fp8(f"{L}.attn.wo_a", lp["wo_a"])
+    fp8(f"{L}.attn.wo_b", lp["wo_b"])
+    f32(f"{L}.attn.attn_sink", lp["attn_sink"])
+    if "cmp_wkv" in lp:
+        f32(f"{L}.attn.compressor.wkv.weight", lp["cmp_wkv"])
+        if "cmp_wgate" in lp:
+            f32(f"{L}.attn.compressor.wgate.weight", lp["cmp_wgate"])
+        f32(f"{L}.attn.compressor.norm.weight", lp["cmp_norm"])
+    if "idx_wq_b" in lp:
+        fp8(f"{L}.attn.indexer.wq_b", lp["idx_wq_b"])
+        bf16(f"{L}.attn.indexer.weights_proj.weight", lp["idx_weights_proj"])
+        if "idx_wk" in lp:
+            bf16(f"{L}.attn.indexer.wk.weight", lp["idx_wk"])
+            bf16(f"{L}.attn.indexer.k_norm.weight", lp["idx_k_norm"])
+    bf16(f"{L}.ffn.gate.weight", lp["gate_w"])
+    f32(f"{L}.ffn.gate.bias", np.asarray(gate_bias, np.float32))
+    # Present as in V4.1 (routes image tokens); zero here: text only.
+    f32(f"{L}.ffn.gate.bias_vl", np.zeros(E, np.float32))
+    for w in ("w1", "w2", "w3"):
+        q, s = encode_fp4(lp[f"ex_{w}"])
+        for e in range(E):
+            out[f"{L}.ffn.experts.{e}.{w}.weight"] = _t("I8", q[e])
+            out[f"{L}.ffn.experts.{e}.{w}.scale"] = _t("F8_E8M0", s[e])
+        fp8(f"{L}.ffn.shared_experts.{w}", lp[f"sh_{w}"])
+    return out
+
+
+def checkpoint_tensors(cfg, params, gate_bias):
+    """The published tensors of a model: {name: (dtype, shape, bytes)}."""
+    P = {k: np.asarray(v, np.float32) for k, v in params.items() if k != "layers"}
+    out = {
+        "embed.weight": _t("BF16", P["embed"].astype(ml_dtypes.bfloat16)),
+        "head.weight": _t("BF16", P["head"].astype(ml_dtypes.bfloat16)),
+        "norm.weight": _t("BF16", P["norm"].astype(ml_dtypes.bfloat16)),
+    }
+
     for i, lp in enumerate(params["layers"]):
-        lp = {k: np.asarray(v, np.float32) for k, v in lp.items()}
-        L = f"layers.{i}"
-        bf16(f"{L}.attn_norm.weight", lp["attn_norm"])
-        bf16(f"{L}.ffn_norm.weight", lp["ffn_norm"])
-        for which in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                f32(f"{L}.hc_{which}_{part}", lp[f"hc_{which}_{part}"])
-        fp8(f"{L}.attn.wq_a", lp["wq_a"])
-        bf16(f"{L}.attn.q_norm.weight", lp["q_norm"])
-        fp8(f"{L}.attn.wq_b", lp["wq_b"])
-        fp8(f"{L}.attn.wkv", lp["wkv"])
-        bf16(f"{L}.attn.kv_norm.weight", lp["kv_norm"])
-        fp8(f"{L}.attn.wo_a", lp["wo_a"])
-        fp8(f"{L}.attn.wo_b", lp["wo_b"])
-        f32(f"{L}.attn.attn_sink", lp["attn_sink"])
-        if "cmp_wkv" in lp:
-            f32(f"{L}.attn.compressor.wkv.weight", lp["cmp_wkv"])
-            if "cmp_wgate" in lp:
-                f32(f"{L}.attn.compressor.wgate.weight", lp["cmp_wgate"])
-            f32(f"{L}.attn.compressor.norm.weight", lp["cmp_norm"])
-        if "idx_wq_b" in lp:
-            fp8(f"{L}.attn.indexer.wq_b", lp["idx_wq_b"])
-            bf16(f"{L}.attn.indexer.weights_proj.weight", lp["idx_weights_proj"])
-            if "idx_wk" in lp:
-                bf16(f"{L}.attn.indexer.wk.weight", lp["idx_wk"])
-                bf16(f"{L}.attn.indexer.k_norm.weight", lp["idx_k_norm"])
-        bf16(f"{L}.ffn.gate.weight", lp["gate_w"])
-        f32(f"{L}.ffn.gate.bias", np.asarray(gate_bias[i], np.float32))
-        # Present as in V4.1 (routes image tokens); zero here: text only.
-        f32(f"{L}.ffn.gate.bias_vl", np.zeros(E, np.float32))
-        for w in ("w1", "w2", "w3"):
-            q, s = encode_fp4(lp[f"ex_{w}"])
-            for e in range(E):
-                out[f"{L}.ffn.experts.{e}.{w}.weight"] = _t("I8", q[e])
-                out[f"{L}.ffn.experts.{e}.{w}.scale"] = _t("F8_E8M0", s[e])
-            fp8(f"{L}.ffn.shared_experts.{w}", lp[f"sh_{w}"])
+        out.update(layer_tensors(f"layers.{i}.", lp, gate_bias[i], cfg["n_routed_experts"]))
     return out
 
 

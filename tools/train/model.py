@@ -521,27 +521,48 @@ def moe(cfg, lp, bias, x, aux, capacity_factor):
     return (routed + sh).reshape(B, T, D)
 
 
-def forward(cfg, params, state, tokens, *, qat=False, capacity_factor=0.0):
-    """Logits [B, T, V] for tokens [B, T] from position 0, and aux outputs."""
-    p = quantize_params(params, qat)
+def block(cfg, lp, roles, bias, streams, pre_mix, shared, aux, capacity_factor):
+    """One V4.1 decoder block: streams [B, T, hc, D] and the pre-mix the previous block handed
+    on -> this block's output streams and the pre-mix it hands on (its FFN pre-mix)."""
     eps = cfg["rms_norm_eps"]
+    a_pre, a_post, a_comb = hyper(cfg, streams, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"])
+    x = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], eps)
+    x = attention(cfg, lp, roles, x, shared, aux)
+    streams = expand(x, streams, a_post, a_comb)
+    f_pre, f_post, f_comb = hyper(cfg, streams, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"])
+    x = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], eps)
+    x = moe(cfg, lp, bias, x, aux, capacity_factor)
+    return expand(x, streams, f_post, f_comb), f_pre
+
+
+def new_aux():
+    return {"load": [], "balance": [], "indexer_kl": [], "dropped": [], "routes": []}
+
+
+def trunk(cfg, p, state, tokens, *, capacity_factor=0.0):
+    """The decoder layers on tokens [B, T] from position 0 (weights already rounded): the last
+    layer's streams [B, T, hc, D] (before the final collapse), the pre-mix it hands on, aux."""
     hc = cfg["hc_mult"]
     h = p["embed"][tokens]
     B, T, D = h.shape
     streams = jnp.broadcast_to(h[:, :, None, :], (B, T, hc, D))
     pre_mix = jnp.zeros((B, T, hc), jnp.float32).at[..., 0].set(1.0)
     shared = {}
-    aux = {"load": [], "balance": [], "indexer_kl": [], "dropped": [], "routes": []}
+    aux = new_aux()
     for i, lp in enumerate(p["layers"]):
-        roles = layer_roles(cfg, i)
-        a_pre, a_post, a_comb = hyper(cfg, streams, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"])
-        x = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], eps)
-        x = attention(cfg, lp, roles, x, shared, aux)
-        streams = expand(x, streams, a_post, a_comb)
-        f_pre, f_post, f_comb = hyper(cfg, streams, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"])
-        x = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], eps)
-        x = moe(cfg, lp, state["gate_bias"][i], x, aux, capacity_factor)
-        streams = expand(x, streams, f_post, f_comb)
-        pre_mix = f_pre
-    out = rms_norm(collapse(streams, pre_mix), p["norm"], eps)
-    return out @ p["head"].T, aux
+        streams, pre_mix = block(cfg, lp, layer_roles(cfg, i), state["gate_bias"][i], streams,
+                                 pre_mix, shared, aux, capacity_factor)
+    return streams, pre_mix, aux
+
+
+def finish(cfg, p, streams, pre_mix):
+    """V4.1's output: collapse with the last pre-mix, final norm, head -> logits."""
+    out = rms_norm(collapse(streams, pre_mix), p["norm"], cfg["rms_norm_eps"])
+    return out @ p["head"].T
+
+
+def forward(cfg, params, state, tokens, *, qat=False, capacity_factor=0.0):
+    """Logits [B, T, V] for tokens [B, T] from position 0, and aux outputs."""
+    p = quantize_params(params, qat)
+    streams, pre_mix, aux = trunk(cfg, p, state, tokens, capacity_factor=capacity_factor)
+    return finish(cfg, p, streams, pre_mix), aux

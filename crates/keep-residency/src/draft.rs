@@ -15,8 +15,16 @@
 //! Both sides replay the same LRU slot cache per layer (the runtime's default policy: a
 //! forward's experts are taken together in ascending id and none is evicted for another of the
 //! same forward), cold at each session, and the same cost model as [`crate::cost`]: seconds =
-//! SSD bytes / SSD bandwidth + memory bytes / memory bandwidth, no compute time, no overlap — so
-//! the prediction is of a decode bound by reads, which is where drafting can lose.
+//! SSD bytes / SSD bandwidth + memory bytes / memory bandwidth, no overlap — a decode bound by
+//! reads, which is where drafting can lose.
+//!
+//! With a [`ComputeCost`] (seconds measured on the model with its weights in memory: a forward
+//! of each row count, the replay, the cache snapshot, the MTP module's passes) the memory term
+//! is replaced by that compute — it already includes reading the weights from memory — and each
+//! side costs SSD bytes / SSD bandwidth + its forwards' measured seconds
+//! ([`ComputeCost::plain_s`], [`ComputeCost::window_s`]). On a small model the verify window's
+//! rows, the MTP passes and the snapshot cost more than the reads drafting saves, which the
+//! reads-only model cannot see.
 
 use keep_artifacts::routes::RouteTrace;
 use keep_rng::Draw;
@@ -36,6 +44,65 @@ pub struct DraftSpec {
     pub mtp_pass_bytes: u64,
     /// Seed of the acceptance draws.
     pub seed: u64,
+    /// Measured compute of the forwards (`None`: reads only).
+    pub compute: Option<ComputeCost>,
+}
+
+/// Seconds of the forwards a decode runs, measured with the weights in memory (reading them
+/// from memory included): `keep_runtime::probe` measures them on a model.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ComputeCost {
+    /// One decode forward of one row (logits of the last row).
+    pub plain_s: f64,
+    /// A verify forward of `i + 1` rows (logits and last-layer streams of every row).
+    pub verify_s: Vec<f64>,
+    /// The replay of `i + 1` kept rows after a rejection (no logits).
+    pub replay_s: Vec<f64>,
+    /// Snapshot of the decoding cache before a verify forward.
+    pub snapshot_s: f64,
+    /// One MTP module pass of one row with its logits (a draft).
+    pub mtp_draft_s: f64,
+    /// An MTP module pass of `i + 1` rows without logits (feeding the kept pairs).
+    pub mtp_feed_s: Vec<f64>,
+    /// Snapshot of the MTP module's cache around the provisional rows (K > 1).
+    pub mtp_snapshot_s: f64,
+}
+
+/// Entry `n − 1` of per-row-count seconds (0 for `n = 0`); past the last entry, extended
+/// linearly from the last two (or proportionally from a single one).
+fn by_rows(v: &[f64], n: usize) -> f64 {
+    match (n, v.len()) {
+        (0, _) | (_, 0) => 0.0,
+        (n, len) if n <= len => v[n - 1],
+        (n, 1) => v[0] * n as f64,
+        (n, len) => v[len - 1] + (v[len - 1] - v[len - 2]) * (n - len) as f64,
+    }
+}
+
+impl ComputeCost {
+    /// Seconds of one token without drafting.
+    pub fn plain(&self) -> f64 {
+        self.plain_s
+    }
+
+    /// Seconds of one verify window of `rows` rows (the last token and `rows − 1` drafts) that
+    /// keeps `kept` tokens, as `keep_model`'s drafter runs it: the first draft (one MTP row
+    /// with logits), the other `rows − 2` chained on the module's own output (their cache
+    /// snapshot around them), the main cache's snapshot, the verify forward of `rows` rows, the
+    /// replay of the `kept` rows when a draft was rejected, and the MTP pass that feeds the
+    /// `kept − 1` pairs not fed while drafting.
+    pub fn window_s(&self, rows: usize, kept: usize) -> f64 {
+        let drafts = rows.saturating_sub(1);
+        let mut s = self.mtp_draft_s * drafts as f64;
+        if drafts > 1 {
+            s += self.mtp_snapshot_s;
+        }
+        s += self.snapshot_s + by_rows(&self.verify_s, rows);
+        if kept < rows {
+            s += by_rows(&self.replay_s, kept);
+        }
+        s + by_rows(&self.mtp_feed_s, kept.saturating_sub(1))
+    }
 }
 
 /// One side of the prediction.
@@ -131,12 +198,21 @@ struct Acc {
     mem: f64,
     experts: u64,
     layer_passes: u64,
+    /// Measured compute seconds (with a [`ComputeCost`]).
+    compute: f64,
 }
 
 impl Acc {
-    fn side(&self, cost: &CostModel) -> SideCost {
+    /// Seconds: SSD reads, plus the memory reads or (`measured`) the measured compute, which
+    /// includes them.
+    fn side(&self, cost: &CostModel, measured: bool) -> SideCost {
         let t = self.tokens.max(1) as f64;
-        let s = self.ssd / (cost.ssd_gbps * 1e9) + self.mem / (cost.mem_gbps * 1e9);
+        let mem = if measured {
+            self.compute
+        } else {
+            self.mem / (cost.mem_gbps * 1e9)
+        };
+        let s = self.ssd / (cost.ssd_gbps * 1e9) + mem;
         let spt = s / t;
         SideCost {
             forwards: self.forwards,
@@ -156,7 +232,7 @@ fn replay_session(
     cap: &[usize],
     cost: &CostModel,
     mut window: impl FnMut(usize) -> (usize, usize),
-    extra_mem: impl Fn(usize, usize) -> f64,
+    extra: impl Fn(usize, usize) -> (f64, f64),
     acc: &mut Acc,
 ) {
     let t_all = s
@@ -195,7 +271,9 @@ fn replay_session(
                 acc.mem += u.len() as f64 * b;
             }
         }
-        acc.mem += extra_mem(rows, kept);
+        let (mem, compute) = extra(rows, kept);
+        acc.mem += mem;
+        acc.compute += compute;
         acc.forwards += 1;
         acc.tokens += kept as u64;
         t += kept;
@@ -213,6 +291,7 @@ pub fn predict(
     let k = spec.k.max(1);
     let resident = cost.resident_bytes as f64;
     let mtp = spec.mtp_pass_bytes as f64;
+    let compute = spec.compute.as_ref();
     let engram: f64 = cost
         .engram
         .iter()
@@ -225,7 +304,14 @@ pub fn predict(
             let mut r = keep_rng::rng(spec.seed);
             for s in &trace.sessions {
                 let cap: Vec<usize> = s.layers.iter().map(|l| hot.min(l.n_experts)).collect();
-                replay_session(s, &cap, cost, |_| (1, 1), |_, _| resident, &mut plain);
+                replay_session(
+                    s,
+                    &cap,
+                    cost,
+                    |_| (1, 1),
+                    |_, _| (resident, compute.map_or(0.0, ComputeCost::plain)),
+                    &mut plain,
+                );
                 replay_session(
                     s,
                     &cap,
@@ -247,7 +333,8 @@ pub fn predict(
                         // Resident weights once, again for a replay; the MTP module once per
                         // draft and once for the pairs fed.
                         let replay = if kept < rows { resident } else { 0.0 };
-                        resident + replay + mtp * rows as f64
+                        let secs = compute.map_or(0.0, |c| c.window_s(rows, kept));
+                        (resident + replay + mtp * rows as f64, secs)
                     },
                     &mut draft,
                 );
@@ -255,8 +342,8 @@ pub fn predict(
             // Engram reads are per token on both sides.
             plain.ssd += engram * plain.tokens as f64;
             draft.ssd += engram * draft.tokens as f64;
-            let p = plain.side(cost);
-            let d = draft.side(cost);
+            let p = plain.side(cost, compute.is_some());
+            let d = draft.side(cost, compute.is_some());
             DraftPrediction {
                 hot,
                 plain: p,
@@ -348,6 +435,7 @@ mod tests {
             acceptance: vec![1.0; 3],
             mtp_pass_bytes: 0,
             seed: 1,
+            compute: None,
         };
         let p = &predict(&t, &[2], &c, &spec)[0];
         assert_eq!(p.drafting.tokens, 64);
@@ -368,6 +456,7 @@ mod tests {
             acceptance: vec![0.0; 2],
             mtp_pass_bytes: 0,
             seed: 1,
+            compute: None,
         };
         let p = &predict(&t, &[2], &cost(), &spec)[0];
         assert_eq!(p.tokens_per_forward, 1.0);
@@ -375,5 +464,71 @@ mod tests {
         assert!(p.drafting.experts_per_layer_forward > 5.8);
         assert_eq!(p.plain.experts_per_layer_forward, 2.0);
         assert!(p.speedup < 0.5, "speedup {}", p.speedup);
+    }
+
+    fn probe() -> ComputeCost {
+        ComputeCost {
+            plain_s: 1.0,
+            verify_s: vec![1.0, 1.5, 2.0],
+            replay_s: vec![0.9, 1.3],
+            snapshot_s: 0.1,
+            mtp_draft_s: 0.2,
+            mtp_feed_s: vec![0.15, 0.25],
+            mtp_snapshot_s: 0.01,
+        }
+    }
+
+    /// Seconds compared to ones summed by hand (float rounding of a few additions).
+    const SUM_TOL: f64 = 1e-12;
+
+    #[test]
+    fn a_verify_window_costs_its_drafts_forwards_snapshot_replay_and_feed() {
+        let c = probe();
+        // K = 2, nothing accepted: two drafts (chained: MTP snapshot), the main snapshot, the
+        // 3-row verify forward, the replay of the 1 kept row, nothing to feed.
+        assert!((c.window_s(3, 1) - (0.2 * 2.0 + 0.01 + 0.1 + 2.0 + 0.9)).abs() < SUM_TOL);
+        // K = 2, everything accepted: no replay; the 2 pairs not fed while drafting are fed.
+        assert!((c.window_s(3, 3) - (0.4 + 0.01 + 0.1 + 2.0 + 0.25)).abs() < SUM_TOL);
+        // K = 1, accepted: one draft, no MTP snapshot; feed one pair.
+        assert!((c.window_s(2, 2) - (0.2 + 0.1 + 1.5 + 0.15)).abs() < SUM_TOL);
+        // Past the measured row counts: extended linearly from the last two.
+        assert!((by_rows(&c.verify_s, 5) - 3.0).abs() < SUM_TOL);
+        assert!((by_rows(&[0.5], 3) - 1.5).abs() < SUM_TOL);
+        assert_eq!(by_rows(&c.verify_s, 0), 0.0);
+    }
+
+    #[test]
+    fn measured_compute_replaces_the_memory_term() {
+        // Every token routes to {0, 1} and the slots hold them: no SSD reads after the two cold
+        // misses (made negligible), so each side costs exactly its forwards' compute.
+        let t = trace([0u16, 1].repeat(64), 2, 8);
+        let mut c = cost();
+        c.ssd_gbps = 1e12;
+        c.resident_bytes = 1_000_000_000;
+        let mut spec = DraftSpec {
+            k: 2,
+            acceptance: vec![0.0; 2],
+            mtp_pass_bytes: 0,
+            seed: 1,
+            compute: Some(probe()),
+        };
+        let p = &predict(&t, &[2], &c, &spec)[0];
+        // 64 tokens without drafts: 1 s each.
+        assert!((p.plain.seconds_per_token - 1.0).abs() < 1e-9);
+        // Nothing accepted: 62 windows of 3 rows keeping 1, then 2 rows keeping 1 (0.2 + 0.1 +
+        // 1.5 + 0.9) and 1 row keeping 1 (0.1 + 1.0).
+        let secs = 62.0 * 3.41 + 2.7 + 1.1;
+        assert!((p.drafting.seconds_per_token - secs / 64.0).abs() < 1e-9);
+        assert!((p.speedup - 64.0 / secs).abs() < 1e-9);
+        // Everything accepted: 21 windows of 3 rows keeping 3 (2.76 s), then 1 row (1.1 s).
+        spec.acceptance = vec![1.0; 2];
+        let p = &predict(&t, &[2], &c, &spec)[0];
+        let secs = 21.0 * 2.76 + 1.1;
+        assert!((p.drafting.seconds_per_token - secs / 64.0).abs() < 1e-9);
+        // Without the measured compute the same replay is priced by its reads only.
+        spec.compute = None;
+        let reads = &predict(&t, &[2], &c, &spec)[0];
+        // (1e9 resident bytes at 1000 GB/s, plus the two experts' hits: 2e-6 s.)
+        assert!((reads.plain.seconds_per_token - 1e-3).abs() < 3e-6);
     }
 }

@@ -27,6 +27,7 @@ pub mod engram;
 pub mod error;
 pub mod io;
 pub mod policy;
+pub mod probe;
 pub mod routes;
 pub mod run;
 pub mod runtime;

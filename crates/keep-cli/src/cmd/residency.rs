@@ -102,6 +102,22 @@ pub struct ResidencyArgs {
     /// rejection; needs --model or --expert-bytes. Replay a trace recorded with --draft none.
     #[arg(long, value_delimiter = ',', value_name = "A1,A2,..")]
     draft_acceptance: Vec<f64>,
+    /// With --draft-acceptance: add the measured compute of drafting to the prediction. A short
+    /// probe on --model (weights in memory, after a prompt of --draft-probe-context tokens)
+    /// times a decode forward, verify forwards of 1..K + 1 rows, the replay, the cache snapshot
+    /// and the MTP module's passes; these seconds replace the memory-read term on both sides
+    /// (they include reading the weights from memory). Without it the prediction counts reads only.
+    #[arg(long, requires = "draft_acceptance")]
+    draft_probe: bool,
+    /// Prompt tokens before the probe's forwards (the context the decode runs at).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    draft_probe_context: usize,
+    /// Runs of each probed forward (the median is used).
+    #[arg(long, default_value_t = 9, value_name = "N")]
+    draft_probe_reps: usize,
+    /// Kernels the probe runs (as `keep run --kernels`, whose default is fast).
+    #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
+    draft_probe_kernels: super::KernelsArg,
 }
 
 fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
@@ -256,6 +272,24 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
                     None => 0,
                 },
                 seed: 0,
+                compute: if a.draft_probe {
+                    let Some(d) = &a.model else {
+                        bail!("--draft-probe needs --model DIR (the model to probe)");
+                    };
+                    let ck = keep_checkpoint::Checkpoint::open(d)?;
+                    Some(
+                        keep_runtime::probe::draft_compute(
+                            &ck,
+                            a.draft_probe_kernels.into(),
+                            a.draft_acceptance.len(),
+                            a.draft_probe_context,
+                            a.draft_probe_reps,
+                        )
+                        .context("--draft-probe")?,
+                    )
+                } else {
+                    None
+                },
             };
             let hots: Vec<usize> = report.sizes.iter().map(|s| s.hot).collect();
             Some((
@@ -281,8 +315,18 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         print_table(&report, &bytes_from);
         if let Some((spec, rows)) = &drafting {
             println!(
-                "drafting (K = {}, acceptance {:?}, LRU slots, MTP pass {} bytes): predicted tokens/s",
-                spec.k, spec.acceptance, spec.mtp_pass_bytes
+                "drafting (K = {}, acceptance {:?}, LRU slots, MTP pass {} bytes, {}): predicted tokens/s",
+                spec.k,
+                spec.acceptance,
+                spec.mtp_pass_bytes,
+                match &spec.compute {
+                    Some(c) => format!(
+                        "measured compute: decode {:.2} ms, verify {:?} ms",
+                        c.plain_s * 1e3,
+                        c.verify_s.iter().map(|v| (v * 1e5).round() / 1e2).collect::<Vec<_>>()
+                    ),
+                    None => "reads only".into(),
+                }
             );
             println!(
                 "  {:>6} {:>12} {:>12} {:>8} {:>14} {:>16}",
