@@ -4,14 +4,14 @@
 # EXPERTS_BYTES of routed experts), keep pack (a short text), keep calibrate + finalize (imatrix,
 # REAP), keep calibrate --split eval (teacher logits), keep quant --format e8p2+e81 (every
 # expert's error at E8P2 and E8P2+E81), keep alloc --budget (below the model's expert bytes),
-# keep quant --alloc, keep eval --alloc (and the written checkpoint, which must score the same),
-# keep eval --tiers --tau, then keep run --memory-budget --tiers --tau against keep residency
+# keep quant --alloc, keep eval --tiers --tau (its first student is the allocation in memory, as
+# keep eval --alloc scores it; the written checkpoint must score the same), then keep run --memory-budget --tiers --tau against keep residency
 # --alloc --tau on the run's own routes (dev/bench-tiers.sh).
 #
 #   dev/tiers-flash.sh [WORKDIR]    (default /tmp/keep-tiers-flash; steps whose output exists are
 #                                    reused, so a rerun after a fix redoes only what is missing)
 #
-# Knobs (environment): KEEP (a built keep; else cargo build --release), LAYERS (2),
+# Knobs (environment): CHECKPOINT_EVAL (1: also score the written checkpoint), KEEP (a built keep; else cargo build --release), LAYERS (2),
 # EXPERTS_BYTES (280MiB: 8 experts per layer at 2 layers), TAUS (0.25,0.5), TAU (the run's; 0.25),
 # CACHE (residual cache, 16MiB), BUDGET_FRAC (the allocation's budget as a share of the experts'
 # bytes at E8P2+E81 over shipped, 0.5: between the two), PROMPT / DECODE tokens for keep run (4, 16),
@@ -98,10 +98,14 @@ step alloc "$W/alloc.json" -- "$KEEP" alloc "$W/run" --model "$W/model" --budget
 step quant-alloc "$W/q-alloc/quant-report.json" -- "$KEEP" quant "$W/model" --imatrix "$W/run" --alloc "$W/alloc.json" --out "$W/q-alloc"
 
 # 6. quality against the teacher
-step eval-uniform "$W/eval-uniform.json" -- bash -c "'$KEEP' eval '$W/q-e8p2+e81' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-uniform.json'"
-step eval-alloc "$W/eval-alloc.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --alloc '$W/alloc.json' --quant '$W/q-e8p2+e81' --json > '$W/eval-alloc.json'"
-step eval-alloc-checkpoint "$W/eval-alloc-checkpoint.json" -- bash -c "'$KEEP' eval '$W/q-alloc' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-alloc-checkpoint.json'"
-step eval-tiers "$W/eval-tiers.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --plot '$W/tiers.svg' --force --json > '$W/eval-tiers.json'"
+step eval-uniform "$W/eval-uniform.json" -- bash -c "'$KEEP' eval '$W/q-e8p2+e81' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-uniform.json.tmp' && mv '$W/eval-uniform.json.tmp' '$W/eval-uniform.json'"
+# keep eval --tiers scores the allocation in memory first (the score `keep eval --alloc` gives),
+# then the per-token tiers at each τ
+step eval-tiers "$W/eval-tiers.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --plot '$W/tiers.svg' --force --json > '$W/eval-tiers.json.tmp' && mv '$W/eval-tiers.json.tmp' '$W/eval-tiers.json'"
+# the checkpoint keep quant --alloc wrote must score as the allocation in memory (CHECKPOINT_EVAL=0 skips)
+if [ "${CHECKPOINT_EVAL:-1}" = 1 ]; then
+  step eval-alloc-checkpoint "$W/eval-alloc-checkpoint.json" -- bash -c "'$KEEP' eval '$W/q-alloc' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-alloc-checkpoint.json.tmp' && mv '$W/eval-alloc-checkpoint.json.tmp' '$W/eval-alloc-checkpoint.json'"
+fi
 
 # 7. the budgeted runtime with tiers against the simulator, budget below the model's size
 MODEL_BYTES=$(du -sb "$W/q-alloc" | cut -f1)
@@ -121,7 +125,9 @@ j = lambda f: json.load(open(f"{w}/{f}"))
 cfg, alloc, probe = j("model/config.json"), j("alloc.json"), j("probe.json")
 rb = {r["label"]: r["bytes_per_expert"] for r in probe["rungs"]}
 n = sum(len(l["rungs"]) for l in alloc["layers"])
-uni, ea, ec, et = j("eval-uniform.json"), j("eval-alloc.json"), j("eval-alloc-checkpoint.json"), j("eval-tiers.json")
+uni, et = j("eval-uniform.json"), j("eval-tiers.json")
+ea = et
+ec = j("eval-alloc-checkpoint.json") if os.path.exists(f"{w}/eval-alloc-checkpoint.json") else None
 bench = j("bench/bench.json")
 mix = {}
 for l in alloc["layers"]:
@@ -140,7 +146,8 @@ d = {
   "alloc": {"budget_bytes": int(budget), "bytes": alloc["bytes"], "mix": mix,
             "predicted_loss": alloc["predicted_loss"], "solver": alloc["solver"],
             "kl_in_memory": s0(ea)["mean_kl"], "top1_in_memory": s0(ea)["top1"],
-            "kl_written_checkpoint": s0(ec)["mean_kl"], "top1_written_checkpoint": s0(ec)["top1"]},
+            "kl_written_checkpoint": s0(ec)["mean_kl"] if ec else None,
+            "top1_written_checkpoint": s0(ec)["top1"] if ec else None},
   "uniform_e8p2+e81": {"bytes": n * rb["e8p2+e81"], "kl": s0(uni)["mean_kl"], "top1": s0(uni)["top1"]},
   "tiers_eval": [{"label": s["label"], "kl": s["mean_kl"], "top1": s["top1"], "mix": s.get("mix")}
                  for s in et["students"][1:]],
@@ -161,7 +168,7 @@ a, u = d["alloc"], d["uniform_e8p2+e81"]
 print(f"model: {n} routed experts ({cfg['n_routed_experts']}/layer x {cfg['num_hidden_layers']}), "
       f"{d['model']['expert_bytes_shipped']/2**20:.0f} MiB shipped, checkpoint {int(model_bytes)/2**20:.0f} MiB")
 print(f"alloc: budget {a['budget_bytes']/2**20:.1f} MiB, mix {a['mix']}, KL {a['kl_in_memory']:.5f} "
-      f"(written checkpoint {a['kl_written_checkpoint']:.5f}); uniform e8p2+e81 {u['bytes']/2**20:.1f} MiB KL {u['kl']:.5f}")
+      f"(written checkpoint {a['kl_written_checkpoint']}); uniform e8p2+e81 {u['bytes']/2**20:.1f} MiB KL {u['kl']:.5f}")
 for t in d["tiers_eval"]:
     print(f"tiers {t['label']}: KL {t['kl']:.5f}, mix {t['mix']}")
 r = d["run"]

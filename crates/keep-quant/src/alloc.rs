@@ -615,6 +615,9 @@ pub fn fit_multipliers(points: &[(BTreeMap<String, f64>, f64)]) -> Result<BTreeM
     Ok(labels.into_iter().zip(m).collect())
 }
 
+/// A point's name, its loss terms per rung and its measured KL.
+type NamedTerms = (String, BTreeMap<String, f64>, f64);
+
 /// Fit a [`LossModel`] on measured allocations (`fitted`: name, allocation, measured KL) and
 /// report its predictions for `held_out` ones it never saw.
 pub fn fit_loss_model(
@@ -622,16 +625,15 @@ pub fn fit_loss_model(
     fitted: &[(String, Alloc, f64)],
     held_out: &[(String, Alloc, f64)],
 ) -> Result<LossModel> {
-    let terms =
-        |pts: &[(String, Alloc, f64)]| -> Result<Vec<(String, BTreeMap<String, f64>, f64)>> {
-            pts.iter()
-                .map(|(n, a, kl)| {
-                    loss_terms(table, a)
-                        .map(|t| (n.clone(), t, *kl))
-                        .map_err(|e| QuantError::Input(format!("{n}: {e}")))
-                })
-                .collect()
-        };
+    let terms = |pts: &[(String, Alloc, f64)]| -> Result<Vec<NamedTerms>> {
+        pts.iter()
+            .map(|(n, a, kl)| {
+                loss_terms(table, a)
+                    .map(|t| (n.clone(), t, *kl))
+                    .map_err(|e| QuantError::Input(format!("{n}: {e}")))
+            })
+            .collect()
+    };
     let fit = terms(fitted)?;
     let held = terms(held_out)?;
     let pairs: Vec<(BTreeMap<String, f64>, f64)> =

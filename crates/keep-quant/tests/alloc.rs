@@ -172,7 +172,8 @@ fn allocation_fits_and_quant_writes_its_rungs() {
     let err = ExpertSelection::from_alloc(&p).unwrap_err().to_string();
     assert!(err.contains("does not remove experts"), "{err}");
 
-    // a loss model: what pruning costs decides whether the solver prunes to pay for upgrades
+    // a loss model: what pruning costs decides whether the solver prunes to pay for better
+    // rungs elsewhere
     let table = expert_table(
         &bundled(),
         &run,
