@@ -4,7 +4,7 @@
 # + keep eval --mask), then the per-token tiers (keep eval --tiers) over a τ sweep.
 # Usage: dev/alloc-tiers.sh [WORKDIR]  (KEEP=path/to/keep to skip the build; a WORKDIR that
 # already holds the calibration runs reuses them, and the scores it holds; ROWS, TAUS, CACHE
-# narrow the sweep; TAUS= (empty) scores the allocations without tiers). Writes dev/evidence/alloc-tiers-bundled.json
+# narrow the sweep; TAUS= (empty) scores the allocations without tiers). Writes dev/evidence/alloc-tiers-bundled.json (or $EVIDENCE)
 # with every number, the commands and the load averages.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -128,9 +128,10 @@ done
 echo "], \"load_end\": \"$(cat /proc/loadavg)\", \"taus\": \"$TAUS\", \"residual_cache\": \"$CACHE\"," >> "$W/rows.json"
 echo "\"command\": \"dev/alloc-tiers.sh $W\"}" >> "$W/rows.json"
 mkdir -p "$ROOT/dev/evidence"
+EVIDENCE=${EVIDENCE:-$ROOT/dev/evidence/alloc-tiers-bundled.json}
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['format']='keep-alloc-tiers-evidence'; d['version']=2; d['loss_model']=json.load(open(sys.argv[3])); json.dump(d, open(sys.argv[2],'w'), indent=1)" \
-  "$W/rows.json" "$ROOT/dev/evidence/alloc-tiers-bundled.json" "$W/loss.json"
-python3 - "$ROOT/dev/evidence/alloc-tiers-bundled.json" <<'PY'
+  "$W/rows.json" "$EVIDENCE" "$W/loss.json"
+python3 - "$EVIDENCE" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 lm = d["loss_model"]
