@@ -21,7 +21,8 @@ KEEP=${KEEP:-target/release/keep}
 BW=${BW:-target/release/examples/bandwidth}
 mkdir -p "$OUT"
 tiers=(--tau "$TAU" --residual-cache "$RC")
-[ -n "$ALLOC" ] && tiers+=(--tiers "$ALLOC")
+res_alloc=()
+if [ -n "$ALLOC" ]; then tiers+=(--tiers "$ALLOC"); res_alloc=(--alloc "$ALLOC"); fi
 run_cmd=("$KEEP" run "$MODEL" --memory-budget "$BUDGET" "${tiers[@]}" --prompt-tokens "$P"
   --max-tokens "$((D + 1))" --temperature 0 --record-routes "$OUT/routes.safetensors"
   --stats-json "$OUT/run.json" --force)
@@ -36,7 +37,7 @@ MEM=$(python3 -c "import json;print(json.load(open('$OUT/bandwidth.json'))['mem_
 SLOTS=$(python3 -c "import json;print(json.load(open('$OUT/run.json'))['plan']['slots_per_layer'])")
 "$KEEP" residency "$OUT/routes.safetensors" --hot "$SLOTS" --policy lru --warm-start none \
   --model "$MODEL" --ssd-gbps "$SSD" --mem-gbps "$MEM" --tau "$TAU" --residual-cache "$RC" \
-  --admit-delay 1 --json >"$OUT/residency.json"
+  --admit-delay 1 "${res_alloc[@]}" --json >"$OUT/residency.json"
 python3 - "$OUT" "$*" "$load_before" "$load_after" <<'PY'
 import json, os, platform, sys
 out, args, lb, la = sys.argv[1:5]

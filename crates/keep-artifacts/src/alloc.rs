@@ -20,6 +20,19 @@
 //! the solver's objective (Σ saliency × relative error of the chosen rung). `layers[i].rungs`
 //! has one label per expert of that layer, each one of `rungs`' labels. Any other top-level
 //! field is kept in [`Alloc::extra`]. [`Alloc::write`] validates and writes atomically.
+//!
+//! A [`LossModel`] (`keep-alloc-loss-model` v1, written by `keep alloc-fit`, read by `keep
+//! alloc --loss-model`) calibrates the predicted loss on measured points: one multiplier per
+//! rung, so that an allocation's predicted KL is Σ over its rungs of multiplier × Σ saliency ×
+//! relative error (pruned: error 1). It keeps the points it was fitted on and the held-out
+//! ones it was checked on, each with its per-rung terms, measured KL and prediction:
+//! ```json
+//! {"format": "keep-alloc-loss-model", "version": 1, "model_fingerprint": "…",
+//!  "saliency": "reap-mass", "multipliers": {"pruned": 0.31, "e8p2": 0.12, …},
+//!  "fitted": [{"alloc": "u-e8p2.json", "terms": {"e8p2": 0.06}, "kl": 0.0077,
+//!              "predicted": 0.0075}, …],
+//!  "held_out": […]}
+//! ```
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -173,6 +186,97 @@ impl Alloc {
     }
 }
 
+/// One measured point of a [`LossModel`]: an allocation, its loss terms per rung (Σ saliency
+/// × relative error over the experts at that rung), its measured KL and the fitted model's
+/// prediction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LossPoint {
+    pub alloc: String,
+    pub terms: BTreeMap<String, f64>,
+    pub kl: f64,
+    pub predicted: f64,
+}
+
+/// A loss model fitted on measured points (see the module doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LossModel {
+    pub format: String,
+    pub version: u32,
+    pub model_fingerprint: String,
+    pub saliency: String,
+    /// KL per unit of saliency × relative error, per rung label.
+    pub multipliers: BTreeMap<String, f64>,
+    pub fitted: Vec<LossPoint>,
+    pub held_out: Vec<LossPoint>,
+    #[serde(default, flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+/// How a loss-model file is named in errors.
+const LOSS_KIND: crate::json::Kind = crate::json::Kind {
+    a: "a loss model",
+    name: "loss model",
+};
+
+impl LossModel {
+    /// The format tag.
+    pub const FORMAT: &'static str = "keep-alloc-loss-model";
+    /// The version this crate reads and writes.
+    pub const VERSION: u32 = 1;
+
+    /// Read and validate a loss-model file.
+    pub fn read(path: &Path) -> Result<LossModel> {
+        crate::json::read(path, LOSS_KIND, LossModel::validate)
+    }
+
+    /// Validate and write atomically (as [`Alloc::write`]).
+    pub fn write(&self, path: &Path, force: bool) -> Result<()> {
+        crate::json::write(self, path, force, true, LOSS_KIND, LossModel::validate)
+    }
+
+    /// Check the format tag, the labels and that every number is finite and ≥ 0.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        crate::json::check_format(&self.format, self.version, Self::FORMAT, Self::VERSION)?;
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        for (k, &v) in &self.multipliers {
+            if !LABELS.contains(&k.as_str()) {
+                return Err(format!("unknown rung `{k}` among the multipliers"));
+            }
+            if !ok(v) {
+                return Err(format!("multiplier of `{k}` is {v}, not ≥ 0"));
+            }
+        }
+        for p in self.fitted.iter().chain(&self.held_out) {
+            if !ok(p.kl) || !ok(p.predicted) || !p.terms.values().all(|&v| ok(v)) {
+                return Err(format!("point {}: a number that is not ≥ 0", p.alloc));
+            }
+            if let Some(k) = p.terms.keys().find(|k| !LABELS.contains(&k.as_str())) {
+                return Err(format!("point {}: unknown rung `{k}`", p.alloc));
+            }
+        }
+        if self.fitted.is_empty() {
+            return Err("no fitted points".into());
+        }
+        Ok(())
+    }
+
+    /// The predicted KL of per-rung terms: Σ multiplier × term (a rung without a multiplier
+    /// and a nonzero term is an error).
+    pub fn predict(&self, terms: &BTreeMap<String, f64>) -> std::result::Result<f64, String> {
+        let mut sum = 0.0;
+        for (k, &t) in terms {
+            if t == 0.0 {
+                continue;
+            }
+            let m = self.multipliers.get(k).ok_or_else(|| {
+                format!("the loss model has no multiplier for rung `{k}` (no fitted point used it)")
+            })?;
+            sum += m * t;
+        }
+        Ok(sum)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,5 +343,43 @@ mod tests {
             .unwrap()
             .replace("keep-alloc", "keep-prune-plan");
         assert!(Alloc::parse(&p, &text).is_err());
+    }
+
+    #[test]
+    fn loss_model_round_trip_and_refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("lm.json");
+        let point = LossPoint {
+            alloc: "a.json".into(),
+            terms: BTreeMap::from([("e8p2".into(), 2.0), (PRUNED.into(), 1.0)]),
+            kl: 0.5,
+            predicted: 0.5,
+        };
+        let m = LossModel {
+            format: LossModel::FORMAT.into(),
+            version: LossModel::VERSION,
+            model_fingerprint: "fp".into(),
+            saliency: "reap-mass".into(),
+            multipliers: BTreeMap::from([("e8p2".into(), 0.1), (PRUNED.into(), 0.3)]),
+            fitted: vec![point.clone()],
+            held_out: vec![],
+            extra: BTreeMap::new(),
+        };
+        m.write(&p, false).unwrap();
+        assert_eq!(LossModel::read(&p).unwrap(), m);
+        assert!(m.write(&p, false).is_err(), "existing output refused");
+        let got = m.predict(&point.terms).unwrap();
+        assert!((got - 0.5).abs() < 1e-12, "{got}");
+        let missing = BTreeMap::from([("e8p2+e81".to_string(), 1.0)]);
+        assert!(m.predict(&missing).unwrap_err().contains("no multiplier"));
+        let mut bad = m.clone();
+        bad.multipliers.insert("e8p2".into(), -1.0);
+        assert!(bad.validate().unwrap_err().contains("not ≥ 0"));
+        let mut bad = m.clone();
+        bad.fitted.clear();
+        assert!(bad.validate().unwrap_err().contains("no fitted"));
+        let mut bad = m.clone();
+        bad.multipliers.insert("fp3".into(), 1.0);
+        assert!(bad.validate().unwrap_err().contains("unknown rung"));
     }
 }

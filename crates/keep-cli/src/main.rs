@@ -37,6 +37,7 @@ enum Command {
     Quant(cmd::quant::QuantArgs),
     Serve(cmd::serve::ServeArgs),
     Alloc(cmd::alloc::AllocArgs),
+    AllocFit(cmd::alloc::AllocFitArgs),
     Fit(cmd::fit::FitArgs),
 }
 
@@ -66,6 +67,7 @@ fn main() {
         Command::Select(a) => cmd::select::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Alloc(a) => cmd::alloc::run(a),
+        Command::AllocFit(a) => cmd::alloc::run_fit(a),
         Command::Fit(a) => cmd::fit::run(a),
     };
     if let Err(e) = result {

@@ -29,7 +29,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use keep_artifacts::alloc::{Alloc, LayerAlloc, RungBytes, PRUNED, SHIPPED};
+use keep_artifacts::alloc::{Alloc, LayerAlloc, LossModel, LossPoint, RungBytes, PRUNED, SHIPPED};
 use keep_artifacts::reap::ReapStats;
 use keep_checkpoint::{layout, Checkpoint};
 
@@ -294,6 +294,9 @@ pub struct AllocOptions {
     pub budget: u64,
     pub solver: Solver,
     pub saliency: Saliency,
+    /// A loss model fitted on measured points ([`fit_loss_model`]): each rung's loss is scaled
+    /// by its multiplier, so the objective is a predicted KL. `None`: multipliers of 1.
+    pub loss_model: Option<LossModel>,
 }
 
 /// Bytes of one expert's three projections at `label`, from the checkpoint's shapes (shipped:
@@ -356,37 +359,65 @@ pub fn read_report(path: &Path) -> Result<QuantReport> {
     Ok(r)
 }
 
-/// Solve the allocation (see the module doc) and return the file `keep alloc` writes.
-/// Hash-routed layers never get `pruned` (their `tid2eid` table would need a remap), and a
-/// layer must keep at least `top_k` experts.
-pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
-    let ck = Checkpoint::open(&opts.model)?;
+/// One routed expert: what its predicted loss at a rung is made of.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertRow {
+    pub layer: usize,
+    pub expert: usize,
+    /// In a hash-routed layer (never pruned).
+    pub hash: bool,
+    pub saliency: f64,
+    /// Relative error per E8P rung label, from the quant reports.
+    pub rel_error: BTreeMap<String, f64>,
+}
+
+impl ExpertRow {
+    /// Saliency × relative error at `label` (pruned: error 1, shipped: 0); `None` where the
+    /// rung is not available (no report coded it, or pruning a hash-routed expert).
+    pub fn unit_loss(&self, label: &str) -> Option<f64> {
+        match label {
+            PRUNED => (!self.hash).then_some(self.saliency),
+            SHIPPED => Some(0.0),
+            q => self.rel_error.get(q).map(|e| self.saliency * e),
+        }
+    }
+}
+
+/// Every routed expert of a model with its saliency and errors, checked against the model.
+#[derive(Debug, Clone)]
+pub struct ExpertTable {
+    pub model_fingerprint: String,
+    pub saliency: Saliency,
+    pub n_layers: usize,
+    pub top_k: usize,
+    /// In (layer, expert) order.
+    pub experts: Vec<ExpertRow>,
+}
+
+/// Read the REAP statistics of `run` (which must be of `model`) and the relative errors of
+/// `reports` (the first report that has an expert's rung wins) into an [`ExpertTable`].
+pub fn expert_table(
+    model: &Path,
+    run: &Path,
+    reports: &[PathBuf],
+    saliency: Saliency,
+) -> Result<ExpertTable> {
+    let ck = Checkpoint::open(model)?;
     let cfg = ck.require_config()?;
-    let reap = ReapStats::read(&opts.run)
-        .map_err(|e| QuantError::Input(format!("{}: {e}", opts.run.display())))?;
-    let fp = keep_checkpoint::fingerprint::model_fingerprint(&opts.model)?;
+    let reap =
+        ReapStats::read(run).map_err(|e| QuantError::Input(format!("{}: {e}", run.display())))?;
+    let fp = keep_checkpoint::fingerprint::model_fingerprint(model)?;
     if reap.model_fingerprint != fp {
         return Err(QuantError::Input(format!(
             "{}: the calibration run is of another model (fingerprint {}, {} has {fp})",
-            opts.run.display(),
+            run.display(),
             reap.model_fingerprint,
-            opts.model.display()
+            model.display()
         )));
-    }
-    if opts.rungs.is_empty() {
-        return Err(QuantError::Input("no rungs to choose from".into()));
-    }
-    for r in &opts.rungs {
-        if !keep_artifacts::alloc::LABELS.contains(&r.as_str()) {
-            return Err(QuantError::Input(format!(
-                "unknown rung `{r}` (known: {})",
-                keep_artifacts::alloc::LABELS.join(", ")
-            )));
-        }
     }
     // relative errors: (layer, expert) → label → error, first report that has it
     let mut errs: BTreeMap<(usize, usize), BTreeMap<String, f64>> = BTreeMap::new();
-    for p in &opts.reports {
+    for p in reports {
         let r = read_report(p)?;
         for e in r.experts {
             let m = errs.entry((e.layer, e.expert)).or_default();
@@ -399,9 +430,294 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
     if reap.n_layers != n_layers {
         return Err(QuantError::Input(format!(
             "{}: {} layers of REAP statistics, the model has {n_layers}",
-            opts.run.display(),
+            run.display(),
             reap.n_layers
         )));
+    }
+    let mut experts = vec![];
+    for l in 0..n_layers {
+        let ne = cfg.experts_in_layer(l);
+        if reap.scores[l].len() < ne {
+            return Err(QuantError::Input(format!(
+                "{}: layer {l} has REAP scores for {} experts, the model {ne}",
+                run.display(),
+                reap.scores[l].len()
+            )));
+        }
+        let hash = reap.hash_layers.contains(&l);
+        for j in 0..ne {
+            let s = match saliency {
+                Saliency::Reap => reap.scores[l][j],
+                Saliency::ReapMass => reap.layers[l].sum_g_norm[j] / (reap.tokens.max(1) as f64),
+            };
+            experts.push(ExpertRow {
+                layer: l,
+                expert: j,
+                hash,
+                saliency: s,
+                rel_error: errs.remove(&(l, j)).unwrap_or_default(),
+            });
+        }
+    }
+    Ok(ExpertTable {
+        model_fingerprint: fp,
+        saliency,
+        n_layers,
+        top_k: cfg.num_experts_per_tok,
+        experts,
+    })
+}
+
+/// An allocation's loss terms per rung label: Σ saliency × relative error over the experts it
+/// puts at that rung (pruned: error 1). What a [`LossModel`] weighs.
+pub fn loss_terms(table: &ExpertTable, alloc: &Alloc) -> Result<BTreeMap<String, f64>> {
+    if alloc.model_fingerprint != table.model_fingerprint {
+        return Err(QuantError::Input(format!(
+            "the allocation is of another model (fingerprint {}, the run's {})",
+            alloc.model_fingerprint, table.model_fingerprint
+        )));
+    }
+    let mut terms: BTreeMap<String, f64> = BTreeMap::new();
+    for e in &table.experts {
+        let r = alloc.rung(e.layer, e.expert).ok_or_else(|| {
+            QuantError::Input(format!(
+                "the allocation has no rung for expert {} of layer {}",
+                e.expert, e.layer
+            ))
+        })?;
+        let v = e.unit_loss(r).ok_or_else(|| {
+            QuantError::Input(format!(
+                "expert {} of layer {} is at `{r}` but no quant report gives its error there",
+                e.expert, e.layer
+            ))
+        })?;
+        *terms.entry(r.to_string()).or_default() += v;
+    }
+    terms.retain(|k, _| k != SHIPPED);
+    Ok(terms)
+}
+
+/// Solve `m · x = b` (row-major `m`, n × n) by Gaussian elimination with partial pivoting;
+/// `None` when singular.
+fn solve_linear(mut m: Vec<f64>, mut b: Vec<f64>, n: usize) -> Option<Vec<f64>> {
+    for c in 0..n {
+        let p = (c..n).max_by(|&i, &j| m[i * n + c].abs().total_cmp(&m[j * n + c].abs()))?;
+        let scale = (0..n).map(|k| m[k * n + c].abs()).fold(0.0, f64::max);
+        if m[p * n + c].abs() <= SINGULAR * scale.max(f64::MIN_POSITIVE) {
+            return None;
+        }
+        if p != c {
+            for k in 0..n {
+                m.swap(p * n + k, c * n + k);
+            }
+            b.swap(p, c);
+        }
+        for r in 0..n {
+            if r == c {
+                continue;
+            }
+            let f = m[r * n + c] / m[c * n + c];
+            for k in c..n {
+                m[r * n + k] -= f * m[c * n + k];
+            }
+            b[r] -= f * b[c];
+        }
+    }
+    Some((0..n).map(|i| b[i] / m[i * n + i]).collect())
+}
+
+/// A pivot this small against its column is treated as zero (a rung whose terms are a
+/// multiple of another's over the points cannot be told apart from it).
+const SINGULAR: f64 = 1e-12;
+
+/// Fit non-negative multipliers `m[r]` so that Σ_r m[r] × terms[r] predicts each point's KL,
+/// minimising the squared *relative* error (KL spans orders of magnitude between a pruned and
+/// a finely coded model, and the absolute error would fit only the largest). Exact
+/// non-negative least squares by trying every subset of rungs (there are at most four with
+/// terms). Needs at least as many points as rungs with terms, and every KL > 0.
+pub fn fit_multipliers(points: &[(BTreeMap<String, f64>, f64)]) -> Result<BTreeMap<String, f64>> {
+    let labels: Vec<String> = points
+        .iter()
+        .flat_map(|(t, _)| t.iter().filter(|(_, &v)| v > 0.0).map(|(k, _)| k.clone()))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if labels.is_empty() {
+        return Err(QuantError::Input(
+            "no point has a loss term: fit on allocations that code or prune experts".into(),
+        ));
+    }
+    if points.len() < labels.len() {
+        return Err(QuantError::Input(format!(
+            "{} points cannot fit {} rungs ({}): measure at least one point per rung",
+            points.len(),
+            labels.len(),
+            labels.join(", ")
+        )));
+    }
+    if let Some((_, kl)) = points.iter().find(|(_, kl)| !(kl.is_finite() && *kl > 0.0)) {
+        return Err(QuantError::Input(format!(
+            "a measured KL of {kl}: every point needs a KL > 0"
+        )));
+    }
+    // rows of A: terms / kl; b = 1
+    let a: Vec<Vec<f64>> = points
+        .iter()
+        .map(|(t, kl)| {
+            labels
+                .iter()
+                .map(|l| t.get(l).copied().unwrap_or(0.0) / kl)
+                .collect()
+        })
+        .collect();
+    let mut best: Option<(f64, Vec<f64>)> = None;
+    for mask in 1u32..(1 << labels.len()) {
+        let idx: Vec<usize> = (0..labels.len()).filter(|i| mask >> i & 1 == 1).collect();
+        let n = idx.len();
+        let mut ata = vec![0.0; n * n];
+        let mut atb = vec![0.0; n];
+        for row in &a {
+            for (i, &p) in idx.iter().enumerate() {
+                atb[i] += row[p];
+                for (j, &q) in idx.iter().enumerate() {
+                    ata[i * n + j] += row[p] * row[q];
+                }
+            }
+        }
+        let Some(x) = solve_linear(ata, atb, n) else {
+            continue;
+        };
+        if x.iter().any(|&v| v < 0.0 || !v.is_finite()) {
+            continue;
+        }
+        let mut m = vec![0.0; labels.len()];
+        for (i, &p) in idx.iter().enumerate() {
+            m[p] = x[i];
+        }
+        let res: f64 = a
+            .iter()
+            .map(|row| {
+                let pred: f64 = row.iter().zip(&m).map(|(r, v)| r * v).sum();
+                (pred - 1.0).powi(2)
+            })
+            .sum();
+        if best.as_ref().is_none_or(|(r, _)| res < *r) {
+            best = Some((res, m));
+        }
+    }
+    let (_, m) = best.ok_or_else(|| {
+        QuantError::Input(
+            "the points cannot tell the rungs apart (their terms are proportional): measure \
+             points that mix the rungs differently"
+                .into(),
+        )
+    })?;
+    Ok(labels.into_iter().zip(m).collect())
+}
+
+/// A point's name, its loss terms per rung and its measured KL.
+type NamedTerms = (String, BTreeMap<String, f64>, f64);
+
+/// Fit a [`LossModel`] on measured allocations (`fitted`: name, allocation, measured KL) and
+/// report its predictions for `held_out` ones it never saw.
+pub fn fit_loss_model(
+    table: &ExpertTable,
+    fitted: &[(String, Alloc, f64)],
+    held_out: &[(String, Alloc, f64)],
+) -> Result<LossModel> {
+    let terms = |pts: &[(String, Alloc, f64)]| -> Result<Vec<NamedTerms>> {
+        pts.iter()
+            .map(|(n, a, kl)| {
+                loss_terms(table, a)
+                    .map(|t| (n.clone(), t, *kl))
+                    .map_err(|e| QuantError::Input(format!("{n}: {e}")))
+            })
+            .collect()
+    };
+    let fit = terms(fitted)?;
+    let held = terms(held_out)?;
+    let pairs: Vec<(BTreeMap<String, f64>, f64)> =
+        fit.iter().map(|(_, t, k)| (t.clone(), *k)).collect();
+    let multipliers = fit_multipliers(&pairs)?;
+    let mut lm = LossModel {
+        format: LossModel::FORMAT.into(),
+        version: LossModel::VERSION,
+        model_fingerprint: table.model_fingerprint.clone(),
+        saliency: table.saliency.label().into(),
+        multipliers,
+        fitted: vec![],
+        held_out: vec![],
+        extra: BTreeMap::new(),
+    };
+    let point = |lm: &LossModel, (n, t, kl): (String, BTreeMap<String, f64>, f64)| {
+        lm.predict(&t)
+            .map(|predicted| LossPoint {
+                alloc: n.clone(),
+                terms: t,
+                kl,
+                predicted,
+            })
+            .map_err(|e| QuantError::Input(format!("{n}: {e}")))
+    };
+    lm.fitted = fit
+        .into_iter()
+        .map(|p| point(&lm, p))
+        .collect::<Result<_>>()?;
+    lm.held_out = held
+        .into_iter()
+        .map(|p| point(&lm, p))
+        .collect::<Result<_>>()?;
+    lm.validate().map_err(QuantError::Input)?;
+    Ok(lm)
+}
+
+/// Solve the allocation (see the module doc) and return the file `keep alloc` writes.
+/// Hash-routed layers never get `pruned` (their `tid2eid` table would need a remap), and a
+/// layer must keep at least `top_k` experts. With a loss model, each rung's loss is scaled by
+/// its multiplier (the objective, `predicted_loss`, is then a predicted KL).
+pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
+    let ck = Checkpoint::open(&opts.model)?;
+    if opts.rungs.is_empty() {
+        return Err(QuantError::Input("no rungs to choose from".into()));
+    }
+    for r in &opts.rungs {
+        if !keep_artifacts::alloc::LABELS.contains(&r.as_str()) {
+            return Err(QuantError::Input(format!(
+                "unknown rung `{r}` (known: {})",
+                keep_artifacts::alloc::LABELS.join(", ")
+            )));
+        }
+    }
+    let table = expert_table(&opts.model, &opts.run, &opts.reports, opts.saliency)?;
+    let fp = table.model_fingerprint.clone();
+    let mut mult: BTreeMap<&str, f64> = BTreeMap::new();
+    if let Some(lm) = &opts.loss_model {
+        if lm.model_fingerprint != fp {
+            return Err(QuantError::Input(format!(
+                "the loss model is of another model (fingerprint {}, the model's {fp})",
+                lm.model_fingerprint
+            )));
+        }
+        if lm.saliency != opts.saliency.label() {
+            return Err(QuantError::Input(format!(
+                "the loss model was fitted with saliency {}, the allocation asks for {}",
+                lm.saliency,
+                opts.saliency.label()
+            )));
+        }
+        for r in &opts.rungs {
+            if r == SHIPPED {
+                continue;
+            }
+            if let Some(m) = lm.multipliers.get(r) {
+                mult.insert(r, *m);
+            } else if table.experts.iter().any(|e| e.unit_loss(r).is_some()) {
+                return Err(QuantError::Input(format!(
+                    "the loss model has no multiplier for rung `{r}`: fit it on a point that \
+                     uses it, or leave it out of --rungs"
+                )));
+            }
+        }
     }
     // bytes per rung, the same for every expert (checked)
     let mut costs = vec![];
@@ -410,50 +726,36 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
     }
     let mut items = vec![]; // (layer, expert)
     let mut losses = vec![];
-    for l in 0..n_layers {
-        let ne = cfg.experts_in_layer(l);
-        if reap.scores[l].len() < ne {
-            return Err(QuantError::Input(format!(
-                "{}: layer {l} has REAP scores for {} experts, the model {ne}",
-                opts.run.display(),
-                reap.scores[l].len()
-            )));
-        }
-        let hash = reap.hash_layers.contains(&l);
-        for j in 0..ne {
-            for (r, &c) in opts.rungs.iter().zip(&costs) {
-                let b = rung_bytes(&ck, l, j, r)?;
-                if b != c {
-                    return Err(QuantError::Input(format!(
-                        "expert {j} of layer {l} takes {b} bytes at {r}, expert 0 of layer 0 {c}: \
-                         experts of different shapes are not supported"
-                    )));
-                }
-            }
-            let s = match opts.saliency {
-                Saliency::Reap => reap.scores[l][j],
-                Saliency::ReapMass => reap.layers[l].sum_g_norm[j] / (reap.tokens.max(1) as f64),
-            };
-            let row: Vec<Option<f64>> = opts
-                .rungs
-                .iter()
-                .map(|r| match r.as_str() {
-                    PRUNED => (!hash).then_some(s),
-                    SHIPPED => Some(0.0),
-                    q => errs.get(&(l, j)).and_then(|m| m.get(q)).map(|e| s * e),
-                })
-                .collect();
-            if row.iter().all(Option::is_none) {
+    for e in &table.experts {
+        let (l, j) = (e.layer, e.expert);
+        for (r, &c) in opts.rungs.iter().zip(&costs) {
+            let b = rung_bytes(&ck, l, j, r)?;
+            if b != c {
                 return Err(QuantError::Input(format!(
-                    "expert {j} of layer {l} has none of the rungs {}: give the quant-report.json \
-                     of a `keep quant` run that coded it (--quant-report), or allow `shipped`",
-                    opts.rungs.join(",")
+                    "expert {j} of layer {l} takes {b} bytes at {r}, expert 0 of layer 0 {c}: \
+                     experts of different shapes are not supported"
                 )));
             }
-            items.push((l, j));
-            losses.push(row);
         }
+        let row: Vec<Option<f64>> = opts
+            .rungs
+            .iter()
+            .map(|r| {
+                e.unit_loss(r)
+                    .map(|v| v * mult.get(r.as_str()).copied().unwrap_or(1.0))
+            })
+            .collect();
+        if row.iter().all(Option::is_none) {
+            return Err(QuantError::Input(format!(
+                "expert {j} of layer {l} has none of the rungs {}: give the quant-report.json \
+                 of a `keep quant` run that coded it (--quant-report), or allow `shipped`",
+                opts.rungs.join(",")
+            )));
+        }
+        items.push((l, j));
+        losses.push(row);
     }
+    let n_layers = table.n_layers;
     let (sol, name) = match opts.solver {
         Solver::Auto => (solve_exact(&costs, &losses, opts.budget, 0)?, "exact-mckp"),
         Solver::Exact { grain } => (
@@ -473,13 +775,21 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
     }
     for la in &layers {
         let kept = la.rungs.iter().filter(|r| *r != PRUNED).count();
-        if kept < cfg.num_experts_per_tok.min(la.rungs.len()) {
+        if kept < table.top_k.min(la.rungs.len()) {
             return Err(QuantError::Input(format!(
                 "the best allocation keeps {kept} experts of layer {}, fewer than top-k = {}: \
                  raise --budget or leave `pruned` out of --rungs",
-                la.layer, cfg.num_experts_per_tok
+                la.layer, table.top_k
             )));
         }
+    }
+    let mut extra = BTreeMap::new();
+    if let Some(lm) = &opts.loss_model {
+        extra.insert(
+            "loss_multipliers".to_string(),
+            serde_json::to_value(&lm.multipliers)
+                .map_err(|e| QuantError::Input(format!("loss model: {e}")))?,
+        );
     }
     let a = Alloc {
         format: Alloc::FORMAT.into(),
@@ -502,7 +812,7 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
         predicted_loss: sol.loss,
         saliency: opts.saliency.label().into(),
         layers,
-        extra: BTreeMap::new(),
+        extra,
     };
     a.validate().map_err(QuantError::Input)?;
     Ok(a)
@@ -610,5 +920,53 @@ mod tests {
             let s = solve_exact(&costs, &losses, 300, grain).unwrap();
             assert!(s.loss >= fine.loss - SUM_TOL, "grain {grain}");
         }
+    }
+
+    fn terms(v: &[(&str, f64)]) -> BTreeMap<String, f64> {
+        v.iter().map(|(k, x)| (k.to_string(), *x)).collect()
+    }
+
+    /// A fit through points made by known multipliers recovers them to rounding.
+    const FIT_TOL: f64 = 1e-9;
+
+    #[test]
+    fn multipliers_are_recovered_and_stay_non_negative() {
+        let truth = terms(&[(PRUNED, 3.0), ("e8p2", 0.5), ("e8p2+e81", 0.8)]);
+        let mut rng = keep_rng::rng(11);
+        use keep_rng::Draw;
+        let points: Vec<(BTreeMap<String, f64>, f64)> = (0..6)
+            .map(|_| {
+                let t = terms(&[
+                    (PRUNED, rng.unit()),
+                    ("e8p2", rng.unit()),
+                    ("e8p2+e81", rng.unit()),
+                ]);
+                let kl = t.iter().map(|(k, v)| truth[k] * v).sum();
+                (t, kl)
+            })
+            .collect();
+        let m = fit_multipliers(&points).unwrap();
+        for (k, v) in &truth {
+            assert!((m[k] - v).abs() <= FIT_TOL * v, "{k}: {} vs {v}", m[k]);
+        }
+        // a rung whose best unconstrained fit is negative is held at zero
+        let points = vec![
+            (terms(&[("e8p2", 1.0), (PRUNED, 1.0)]), 1.0),
+            (terms(&[("e8p2", 2.0), (PRUNED, 1.0)]), 0.5),
+            (terms(&[("e8p2", 3.0), (PRUNED, 1.0)]), 0.4),
+        ];
+        let m = fit_multipliers(&points).unwrap();
+        assert!(m.values().all(|&v| v >= 0.0), "{m:?}");
+        assert_eq!(m["e8p2"], 0.0, "{m:?}");
+        // too few points, a zero KL and indistinguishable rungs are refused
+        assert!(fit_multipliers(&points[..1]).is_err());
+        assert!(fit_multipliers(&[(terms(&[("e8p2", 1.0)]), 0.0)]).is_err());
+        let same = vec![
+            (terms(&[("e8p2", 1.0), (PRUNED, 2.0)]), 1.0),
+            (terms(&[("e8p2", 2.0), (PRUNED, 4.0)]), 2.0),
+        ];
+        // proportional terms: some subset still fits (one rung carries it all), never a NaN
+        let m = fit_multipliers(&same).unwrap();
+        assert!(m.values().all(|v| v.is_finite() && *v >= 0.0), "{m:?}");
     }
 }

@@ -8,10 +8,12 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use keep_artifacts::alloc::{Alloc, PRUNED, SHIPPED};
+use keep_artifacts::alloc::{Alloc, LossModel, PRUNED, SHIPPED};
 use keep_artifacts::reap::{LayerReap, ReapStats};
 use keep_checkpoint::Checkpoint;
-use keep_quant::alloc::{allocate, rung_bytes, AllocOptions, Saliency, Solver};
+use keep_quant::alloc::{
+    allocate, expert_table, fit_loss_model, loss_terms, rung_bytes, AllocOptions, Saliency, Solver,
+};
 use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
 use keep_quant::QuantFormat;
 
@@ -101,6 +103,7 @@ fn allocation_fits_and_quant_writes_its_rungs() {
         budget,
         solver: Solver::Auto,
         saliency: Saliency::ReapMass,
+        loss_model: None,
     };
     let a = allocate(&ao).unwrap();
     assert!(a.bytes <= budget && a.bytes == floor + 5 * (e3 - e2));
@@ -168,4 +171,85 @@ fn allocation_fits_and_quant_writes_its_rungs() {
     assert!(p.mix()[PRUNED] >= 3);
     let err = ExpertSelection::from_alloc(&p).unwrap_err().to_string();
     assert!(err.contains("does not remove experts"), "{err}");
+
+    // a loss model: what pruning costs decides whether the solver prunes to pay for better
+    // rungs elsewhere
+    let table = expert_table(
+        &bundled(),
+        &run,
+        std::slice::from_ref(&q),
+        Saliency::ReapMass,
+    )
+    .unwrap();
+    let lm = |pruned: f64| LossModel {
+        format: LossModel::FORMAT.into(),
+        version: LossModel::VERSION,
+        model_fingerprint: table.model_fingerprint.clone(),
+        saliency: "reap-mass".into(),
+        multipliers: [(PRUNED, pruned), ("e8p2", 1.0), ("e8p2+e81", 1.0)]
+            .map(|(k, v)| (k.to_string(), v))
+            .into(),
+        fitted: vec![],
+        held_out: vec![],
+        extra: Default::default(),
+    };
+    ao.rungs = [PRUNED, "e8p2", "e8p2+e81", SHIPPED]
+        .map(String::from)
+        .to_vec();
+    ao.budget = floor;
+    ao.loss_model = Some(lm(1e-9));
+    let cheap = allocate(&ao).unwrap();
+    assert!(
+        cheap.mix().get(PRUNED).copied().unwrap_or(0) > 0,
+        "{:?}",
+        cheap.mix()
+    );
+    assert!(
+        cheap.mix().get("e8p2+e81").copied().unwrap_or(0) > 0,
+        "{:?}",
+        cheap.mix()
+    );
+    ao.loss_model = Some(lm(1e9));
+    let dear = allocate(&ao).unwrap();
+    assert_eq!(dear.mix().get(PRUNED), None, "{:?}", dear.mix());
+    // the objective is the loss model's prediction of the allocation
+    let m = lm(1e9);
+    let pred = m.predict(&loss_terms(&table, &dear).unwrap()).unwrap();
+    assert!(
+        (pred - dear.predicted_loss).abs() <= 1e-9 * pred.max(1.0),
+        "{pred} vs {}",
+        dear.predicted_loss
+    );
+    // fitted on the points a known model makes, the fit predicts a held-out point exactly
+    let mut truth = m.clone();
+    truth.multipliers = [(PRUNED, 2.0), ("e8p2", 0.5), ("e8p2+e81", 0.25)]
+        .map(|(k, v)| (k.to_string(), v))
+        .into();
+    let kl = |a: &Alloc| truth.predict(&loss_terms(&table, a).unwrap()).unwrap();
+    ao.loss_model = None;
+    let mut pts = vec![];
+    for (rungs, budget) in [
+        (vec!["e8p2", SHIPPED], floor),
+        (
+            vec!["e8p2+e81", SHIPPED],
+            floor + (nl * CODED) as u64 * (e3 - e2),
+        ),
+        (vec![PRUNED, SHIPPED], (nl * ne - 3) as u64 * shipped),
+    ] {
+        ao.rungs = rungs.into_iter().map(String::from).collect();
+        ao.budget = budget;
+        let a = allocate(&ao).unwrap();
+        pts.push((format!("{:?}", ao.rungs), a.clone(), kl(&a)));
+    }
+    let held = vec![("cheap".to_string(), cheap.clone(), kl(&cheap))];
+    let fit = fit_loss_model(&table, &pts, &held).unwrap();
+    for (k, v) in &truth.multipliers {
+        assert!(
+            (fit.multipliers[k] - v).abs() <= 1e-6 * v,
+            "{k}: {:?}",
+            fit.multipliers
+        );
+    }
+    let h = &fit.held_out[0];
+    assert!((h.predicted - h.kl).abs() <= 1e-6 * h.kl, "{h:?}");
 }
