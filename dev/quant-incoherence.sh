@@ -8,6 +8,7 @@
 #   RUN=DIR   a finalized calibration run (imatrix.safetensors); default: made in WORKDIR
 #   TEACHER=DIR  `keep calibrate --split eval` output; default: made in WORKDIR
 #   FORMATS="e8p2 e8p2+e81"  MODES="off on out"  SEED=N (default: keep quant's)
+#   REUSE=1   keep a (format, mode) whose eval JSON is already in WORKDIR (resume)
 # Needs target/release/keep (cargo build --release -p keep-cli). Quality does not depend on
 # the machine's load; the fit times in the evidence do (the load average is recorded beside each).
 set -euo pipefail
@@ -25,11 +26,13 @@ ROWS=()
 for f in ${FORMATS:-e8p2 e8p2+e81}; do
   for m in ${MODES:-off on out}; do
     tag="$f-$m"
+    ROWS+=("$f" "$m")
+    if [ -n "${REUSE:-}" ] && [ -s "$W/eval-$tag.json" ]; then continue; fi
     cat /proc/loadavg > "$W/load-$tag.txt"
     "$KEEP" quant --imatrix "$RUN" --format "$f" --incoherence "$m" "${SEEDARG[@]}" --force --json \
       --out "$W/tiny-$tag" > "$W/quant-$tag.json"
-    "$KEEP" eval --teacher "$TEACHER" --json "$W/tiny-$tag" > "$W/eval-$tag.json"
-    ROWS+=("$f" "$m")
+    "$KEEP" eval --teacher "$TEACHER" --json "$W/tiny-$tag" > "$W/eval-$tag.json.tmp"
+    mv "$W/eval-$tag.json.tmp" "$W/eval-$tag.json"
     rm -rf "$W/tiny-$tag"
   done
 done

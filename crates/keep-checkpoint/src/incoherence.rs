@@ -80,31 +80,36 @@ mod tests {
     use super::*;
     use std::path::Path;
 
-    fn cfg(extra: &str) -> DeepSeekConfig {
-        let text = format!(
-            r#"{{"model_type":"deepseek_v41","vocab_size":64,"hidden_size":32,
-            "num_hidden_layers":1,"num_attention_heads":2,"head_dim":16,
-            "moe_intermediate_size":16,"n_routed_experts":4,"num_experts_per_tok":2{extra}}}"#
-        );
-        DeepSeekConfig::from_json(Path::new("config.json"), &text).unwrap()
+    /// The bundled model's config with `keep_quantization` set to `entry` (JSON text).
+    fn cfg(entry: Option<&str>) -> DeepSeekConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if let Some(e) = entry {
+            v[QUANT_KEY] = serde_json::from_str(e).unwrap();
+        }
+        DeepSeekConfig::from_json(Path::new("config.json"), &v.to_string()).unwrap()
     }
 
     #[test]
     fn absent_marker_is_empty() {
-        assert!(read(&cfg("")).unwrap().is_empty());
-        let c = cfg(r#","keep_quantization":{"format":"keep-quant","tensors":{}}"#);
+        assert!(read(&cfg(None)).unwrap().is_empty());
+        let c = cfg(Some(r#"{"format":"keep-quant","tensors":{}}"#));
         assert!(read(&c).unwrap().is_empty());
     }
 
     #[test]
     fn marker_round_trips() {
-        let c = cfg(
-            r#","keep_quantization":{"incoherence":{"layers.0.ffn.experts.1.w2":
+        let c = cfg(Some(
+            r#"{"incoherence":{"layers.0.ffn.experts.1.w2":
             {"kind":"rht","seed_in":5,"block_in":16,"seed_out":6,"block_out":32}}}"#,
-        );
+        ));
         let m = read(&c).unwrap();
         let t = m["layers.0.ffn.experts.1.w2"];
-        assert_eq!((t.seed_in, t.block_in, t.seed_out, t.block_out), (5, 16, 6, 32));
+        assert_eq!(
+            (t.seed_in, t.block_in, t.seed_out, t.block_out),
+            (5, 16, 6, 32)
+        );
         assert_eq!(t.kind, TransformKind::Rht);
     }
 
@@ -118,7 +123,7 @@ mod tests {
             r#"{"w":{"kind":"rht","seed_in":5,"block_in":16,"seed_out":6,"block_out":32,"x":1}}"#,
             r#"[1]"#,
         ] {
-            let c = cfg(&format!(r#","keep_quantization":{{"incoherence":{bad}}}"#));
+            let c = cfg(Some(&format!(r#"{{"incoherence":{bad}}}"#)));
             assert!(read(&c).is_err(), "{bad}");
         }
     }

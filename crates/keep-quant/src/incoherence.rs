@@ -78,11 +78,9 @@ pub fn transforms(
     rows: usize,
     cols: usize,
 ) -> Result<(Rht, Rht)> {
-    let name = base
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        });
+    let name = base.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
     let s = mix(opts.seed ^ mix(name));
     let block_in = match opts.mode {
         Mode::Both => hadamard_block(cols),

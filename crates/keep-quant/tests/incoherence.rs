@@ -80,9 +80,7 @@ fn logits(dir: &Path, toks: &[u32], kernels: Kernels) -> Vec<f32> {
     let experts = Box::new(CheckpointExperts::new(&ck, &cfg).unwrap());
     let model = Model::load_with(&ck, cfg, experts).unwrap();
     let mut cache = model.new_cache();
-    model
-        .forward(toks, &mut cache, Logits::All, None)
-        .unwrap()
+    model.forward(toks, &mut cache, Logits::All, None).unwrap()
 }
 
 fn kl(src: &[f32], q: &[f32], n: usize) -> f64 {
@@ -116,7 +114,8 @@ fn strip_marker(src: &Path, out: &Path) {
         .as_object_mut()
         .unwrap()
         .remove("incoherence");
-    w.add_file("config.json", raw.to_string().as_bytes()).unwrap();
+    w.add_file("config.json", raw.to_string().as_bytes())
+        .unwrap();
     w.finish().unwrap();
 }
 
@@ -202,6 +201,13 @@ fn a_resumed_run_keeps_each_layer_as_fitted_and_mlx_is_refused() {
 
     opts.mlx_bits = Some(4);
     opts.shard = (0, 1);
-    let e = quantize_with(&bundled(), &im, &tmp.path().join("m"), &opts, inc, &|_, _| {});
+    let e = quantize_with(
+        &bundled(),
+        &im,
+        &tmp.path().join("m"),
+        &opts,
+        inc,
+        &|_, _| {},
+    );
     assert!(e.is_err());
 }

@@ -61,7 +61,7 @@ pub struct QuantArgs {
     /// Incoherence processing of lattice-coded weights: off, on (random-sign Hadamard on both
     /// sides), out (output side only).
     #[arg(long, default_value = "off", value_parser = parse_incoherence)]
-    incoherence: Option<Mode>,
+    incoherence: Incoherence,
     /// Seed of the incoherence transforms' signs (each tensor's own are derived from it).
     #[arg(long, default_value_t = DEFAULT_SEED)]
     incoherence_seed: u64,
@@ -89,11 +89,15 @@ fn parse_format(s: &str) -> Result<(QuantFormat, Option<u32>), String> {
     })
 }
 
-fn parse_incoherence(s: &str) -> Result<Option<Mode>, String> {
+/// `--incoherence`'s value (a type of its own: clap reads a bare `Option` as an optional flag).
+#[derive(Debug, Clone, Copy)]
+struct Incoherence(Option<Mode>);
+
+fn parse_incoherence(s: &str) -> Result<Incoherence, String> {
     match s {
-        "off" => Ok(None),
-        "on" => Ok(Some(Mode::Both)),
-        "out" => Ok(Some(Mode::Output)),
+        "off" => Ok(Incoherence(None)),
+        "on" => Ok(Incoherence(Some(Mode::Both))),
+        "out" => Ok(Incoherence(Some(Mode::Output))),
         _ => Err(format!("--incoherence {s}: on, off or out")),
     }
 }
@@ -143,7 +147,7 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
         mlx_bits: a.format.1,
     };
     let bar = crate::util::count_bar(0, "quant");
-    let incoherence = a.incoherence.map(|mode| IncoherenceOptions {
+    let incoherence = a.incoherence.0.map(|mode| IncoherenceOptions {
         mode,
         seed: a.incoherence_seed,
     });

@@ -74,9 +74,7 @@ fn rotated_imatrix_is_the_diagonal_of_v_d_vt() {
         }
         match mode {
             // flat within each block: the block's mean
-            Mode::Both => assert!(fast
-                .chunks(i.block)
-                .all(|b| b.iter().all(|&v| v == b[0]))),
+            Mode::Both => assert!(fast.chunks(i.block).all(|b| b.iter().all(|&v| v == b[0]))),
             // signs alone leave the diagonal as it was
             Mode::Output => assert_eq!(fast, h),
         }
@@ -112,7 +110,10 @@ fn reported_errors_recompute_in_the_original_basis() {
                 .sum::<f64>()
                 * mean;
             let got = f.errors.full.unwrap_or(f.errors.base);
-            assert!((err - got).abs() <= ERR_REL_TOL * err, "{format:?} {mode:?}");
+            assert!(
+                (err - got).abs() <= ERR_REL_TOL * err,
+                "{format:?} {mode:?}"
+            );
             if let Some(full) = f.errors.full {
                 assert!(full < f.errors.base, "{format:?}: residual did not help");
             }
