@@ -195,7 +195,7 @@ fn a_resumed_run_keeps_each_layer_as_fitted_and_mlx_is_refused() {
     let marker = keep_checkpoint::incoherence::read(ck.require_config().unwrap()).unwrap();
     assert!(marker.keys().all(|k| {
         let l: usize = k.split('.').nth(1).unwrap().parse().unwrap();
-        l % 2 == 0
+        l.is_multiple_of(2)
     }));
     assert!(marker.values().all(|m| m.block_in == 1));
 
