@@ -26,7 +26,9 @@ use keep_quant::QuantFormat;
 /// `--incoherence on` fits each lattice-coded weight rotated by seeded random-sign Hadamard
 /// transforms on both sides (QuIP#'s incoherence processing; the seeds are stored in
 /// config.json and undone on the activations at run time), `out` on the output side only
-/// (the imatrix weighting stays exact).
+/// (the imatrix weighting stays exact). Off by default: on the bundled model both-sided
+/// rotation raises the KL to the teacher (its imatrix weighting flattens to a block mean),
+/// and output-only leaves it unchanged (dev/quant-incoherence.sh).
 /// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
 /// and per expert.
 ///
