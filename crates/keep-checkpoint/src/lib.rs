@@ -24,6 +24,7 @@ pub mod dtype;
 pub mod error;
 pub mod fingerprint;
 pub mod fuzzing;
+pub mod incoherence;
 pub mod index;
 pub mod layout;
 pub mod naming;

@@ -21,7 +21,11 @@
 //! checks) and `rows` (the row-threading helpers) are the leaf modules every kernel shares, and
 //! [`matmul`] is the dispatch on top of the kernels.
 //!
-//! Depends on: `keep-format` (element tables, E8P decode), `rayon`, `thiserror`.
+//! [`hadamard`] holds the fast Walsh–Hadamard transform and the seeded random-sign transforms
+//! that undo incoherence processing on the activations.
+//!
+//! Depends on: `keep-format` (element tables, E8P decode), `keep-rng` (the sign diagonals of
+//! [`hadamard::Rht`]), `rayon`, `thiserror`.
 
 pub mod affine;
 pub mod bf16dot;
@@ -29,6 +33,7 @@ pub mod codec;
 pub mod cpu;
 pub mod e8p;
 pub mod error;
+pub mod hadamard;
 pub mod intdot;
 pub mod matmul;
 pub mod ops;

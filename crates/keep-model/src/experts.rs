@@ -13,8 +13,18 @@
 //! (the default) is used exactly as before, bit for bit. [`Tiered`] attaches a policy to any
 //! source whose views carry the residual (the checkpoint's, for evaluation); the base view of
 //! such an expert is [`ExpertWeights::base`], the same bytes with the residual ignored.
+//!
+//! Incoherence: a matrix a quantized checkpoint stores rotated (`W̃ = V_out·W·V_inᵀ`, keep-checkpoint's
+//! `incoherence` marker) carries its two seeded transforms in [`ExpertWeights::rht`]
+//! ([`MatRht`]); the MoE layer computes `y = V_outᵀ·(W̃·(V_in·x))` ([`rht_input`],
+//! [`rht_output`]) around the same products, in either kernel mode, whatever the source.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use keep_checkpoint::incoherence::Incoherence;
 use keep_checkpoint::Checkpoint;
+use keep_kernels::hadamard::Rht;
 use keep_kernels::WeightView;
 
 use crate::config::{Family, ModelConfig};
@@ -28,6 +38,94 @@ pub struct ExpertWeights<'a> {
     pub w1: WeightView<'a>,
     pub w2: WeightView<'a>,
     pub w3: WeightView<'a>,
+    /// The incoherence transforms of the matrices stored rotated (none for a shipped expert).
+    pub rht: ExpertRht,
+}
+
+/// The two transforms of a matrix stored as `W̃ = V_out·W·V_inᵀ`: `input` (size = columns)
+/// and `output` (size = rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatRht {
+    pub input: Rht,
+    pub output: Rht,
+}
+
+/// The transforms of one expert's matrices (`None`: stored as is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertRht {
+    pub w1: Option<MatRht>,
+    pub w2: Option<MatRht>,
+    pub w3: Option<MatRht>,
+}
+
+/// The checkpoint's incoherence marker (empty when it has none or no config).
+pub fn incoherence_map(ck: &Checkpoint) -> Result<BTreeMap<String, Incoherence>> {
+    match ck.config() {
+        None => Ok(BTreeMap::new()),
+        Some(c) => keep_checkpoint::incoherence::read(c).map_err(|msg| ModelError::Format {
+            name: "config.json".into(),
+            msg,
+        }),
+    }
+}
+
+/// The transforms of weight `base` (`[rows, cols]`) from the marker, checked against its shape.
+pub fn mat_rht(
+    map: &BTreeMap<String, Incoherence>,
+    base: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<MatRht>> {
+    let Some(t) = map.get(base) else {
+        return Ok(None);
+    };
+    let err = |e: keep_kernels::KernelError| ModelError::Format {
+        name: base.into(),
+        msg: format!("incoherence: {e}"),
+    };
+    Ok(Some(MatRht {
+        input: Rht::new(cols, t.block_in, t.seed_in).map_err(err)?,
+        output: Rht::new(rows, t.block_out, t.seed_out).map_err(err)?,
+    }))
+}
+
+/// The transforms of an expert whose gate, down and up bases are `bases` (`w1`/`w3` are
+/// `[inter, dim]`, `w2` is `[dim, inter]`).
+pub fn expert_rht(
+    map: &BTreeMap<String, Incoherence>,
+    bases: [&str; 3],
+    dim: usize,
+    inter: usize,
+) -> Result<ExpertRht> {
+    if map.is_empty() {
+        return Ok(ExpertRht::default());
+    }
+    Ok(ExpertRht {
+        w1: mat_rht(map, bases[0], inter, dim)?,
+        w2: mat_rht(map, bases[1], dim, inter)?,
+        w3: mat_rht(map, bases[2], inter, dim)?,
+    })
+}
+
+/// The activation rows `x` a matrix with transforms `r` multiplies: `V_in·x` row by row (a
+/// copy), or `x` itself.
+pub fn rht_input(r: Option<MatRht>, x: &[f32]) -> Result<Cow<'_, [f32]>> {
+    match r {
+        None => Ok(Cow::Borrowed(x)),
+        Some(t) => {
+            let mut v = x.to_vec();
+            t.input.forward(&mut v)?;
+            Ok(Cow::Owned(v))
+        }
+    }
+}
+
+/// Undo the output side on the product rows `y` in place: `y ← V_outᵀ·y`.
+pub fn rht_output(r: Option<MatRht>, y: &mut [f32]) -> Result<()> {
+    if let Some(t) = r {
+        t.output.inverse(y)?;
+    }
+    Ok(())
 }
 
 impl ExpertWeights<'_> {
@@ -38,6 +136,7 @@ impl ExpertWeights<'_> {
             w1: base_view(self.w1),
             w2: base_view(self.w2),
             w3: base_view(self.w3),
+            rht: self.rht,
         }
     }
 
@@ -209,6 +308,7 @@ impl<'a> CheckpointExperts<'a> {
     ) -> Result<Self> {
         let hint = cfg.raw.weight_block_size();
         let (d, i, e) = (cfg.dim, cfg.inter, cfg.n_experts);
+        let marker = incoherence_map(ck)?;
         let mut experts = Vec::with_capacity(cfg.n_layers * e);
         for l in 0..cfg.n_layers {
             for x in 0..e {
@@ -218,6 +318,7 @@ impl<'a> CheckpointExperts<'a> {
                         w1: WeightView::f32(&[], 0, 0)?,
                         w2: WeightView::f32(&[], 0, 0)?,
                         w3: WeightView::f32(&[], 0, 0)?,
+                        rht: ExpertRht::default(),
                     });
                     continue;
                 }
@@ -228,6 +329,7 @@ impl<'a> CheckpointExperts<'a> {
                             w1: WeightView::f32(&[], 0, 0)?,
                             w2: WeightView::f32(&[], 0, 0)?,
                             w3: WeightView::f32(&[], 0, 0)?,
+                            rht: ExpertRht::default(),
                         });
                         continue;
                     }
@@ -247,14 +349,19 @@ impl<'a> CheckpointExperts<'a> {
                         w1: m(ExpertMat::W1, i, d)?,
                         w2: m(ExpertMat::W2, d, i)?,
                         w3: m(ExpertMat::W3, i, d)?,
+                        // keep quant (the only writer of incoherence markers) codes
+                        // DeepSeek's per-expert tensors only.
+                        rht: ExpertRht::default(),
                     });
                     continue;
                 }
                 let p = format!("layers.{l}.ffn.experts.{x}");
+                let b = [format!("{p}.w1"), format!("{p}.w2"), format!("{p}.w3")];
                 experts.push(ExpertWeights {
-                    w1: weight(ck, &format!("{p}.w1"), i, d, hint)?,
-                    w2: weight(ck, &format!("{p}.w2"), d, i, hint)?,
-                    w3: weight(ck, &format!("{p}.w3"), i, d, hint)?,
+                    w1: weight(ck, &b[0], i, d, hint)?,
+                    w2: weight(ck, &b[1], d, i, hint)?,
+                    w3: weight(ck, &b[2], i, d, hint)?,
+                    rht: expert_rht(&marker, [&b[0], &b[1], &b[2]], d, i)?,
                 });
             }
         }

@@ -23,7 +23,7 @@ use keep_kernels::{matmul, WeightView};
 
 use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
-use crate::experts::{ExpertSource, Rung};
+use crate::experts::{rht_input, rht_output, ExpertSource, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
 use crate::linear::{lin, note_input};
@@ -948,12 +948,15 @@ fn candidate_outputs(
         for (&j, ew) in chunk.iter().zip(&views) {
             let (mut g, mut u) = (vec![0f32; t * inter], vec![0f32; t * inter]);
             {
+                let (x1, x3) = (rht_input(ew.rht.w1, x)?, rht_input(ew.rht.w3, x)?);
                 let mut jobs = vec![
-                    Job::view(&ew.w1, x, t, &mut g)?,
-                    Job::view(&ew.w3, x, t, &mut u)?,
+                    Job::view(&ew.w1, &x1, t, &mut g)?,
+                    Job::view(&ew.w3, &x3, t, &mut u)?,
                 ];
                 matmul_many_with(cfg.kernels, &mut jobs)?;
             }
+            rht_output(ew.rht.w1, &mut g)?;
+            rht_output(ew.rht.w3, &mut u)?;
             let act: Vec<f32> = g
                 .iter()
                 .zip(&u)
@@ -961,9 +964,11 @@ fn candidate_outputs(
                 .collect();
             let mut y = vec![0f32; t * d];
             {
-                let mut jobs = vec![Job::view(&ew.w2, &act, t, &mut y)?];
+                let a2 = rht_input(ew.rht.w2, &act)?;
+                let mut jobs = vec![Job::view(&ew.w2, &a2, t, &mut y)?];
                 matmul_many_with(cfg.kernels, &mut jobs)?;
             }
+            rht_output(ew.rht.w2, &mut y)?;
             o.on_candidate_output(&CandidateOutputEvent {
                 layer: l,
                 top_k: cfg.top_k,
@@ -1199,19 +1204,35 @@ pub(crate) fn routed_experts(
             .collect();
         let mut us = gs.clone();
         {
+            // matrices stored rotated multiply the rotated activations (a copy each)
+            let x1s = views
+                .iter()
+                .zip(&xins)
+                .map(|(ew, xin)| rht_input(ew.rht.w1, xin))
+                .collect::<Result<Vec<_>>>()?;
+            let x3s = views
+                .iter()
+                .zip(&xins)
+                .map(|(ew, xin)| rht_input(ew.rht.w3, xin))
+                .collect::<Result<Vec<_>>>()?;
             let mut jobs = Vec::with_capacity(2 * chunk.len());
-            for ((((&j, ew), xin), g), u) in chunk
+            for (((((&j, ew), x1), x3), g), u) in chunk
                 .iter()
                 .zip(&views)
-                .zip(&xins)
+                .zip(&x1s)
+                .zip(&x3s)
                 .zip(gs.iter_mut())
                 .zip(us.iter_mut())
             {
                 let m = by_expert[j].len();
-                jobs.push(Job::view(&ew.w1, xin, m, g)?);
-                jobs.push(Job::view(&ew.w3, xin, m, u)?);
+                jobs.push(Job::view(&ew.w1, x1, m, g)?);
+                jobs.push(Job::view(&ew.w3, x3, m, u)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
+        }
+        for ((ew, g), u) in views.iter().zip(gs.iter_mut()).zip(us.iter_mut()) {
+            rht_output(ew.rht.w1, g)?;
+            rht_output(ew.rht.w3, u)?;
         }
         let acts: Vec<Vec<f32>> = gs
             .iter()
@@ -1227,11 +1248,19 @@ pub(crate) fn routed_experts(
             .map(|&j| vec![0f32; by_expert[j].len() * d])
             .collect();
         {
+            let a2s = views
+                .iter()
+                .zip(&acts)
+                .map(|(ew, a)| rht_input(ew.rht.w2, a))
+                .collect::<Result<Vec<_>>>()?;
             let mut jobs = Vec::with_capacity(chunk.len());
-            for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&acts).zip(outs.iter_mut()) {
+            for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&a2s).zip(outs.iter_mut()) {
                 jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
+        }
+        for (ew, y) in views.iter().zip(outs.iter_mut()) {
+            rht_output(ew.rht.w2, y)?;
         }
         for (&j, y) in chunk.iter().zip(&outs) {
             let routes = &by_expert[j];

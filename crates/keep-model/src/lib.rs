@@ -56,7 +56,8 @@ pub use engram::{Engram, EngramRows, TableRows};
 pub use engram_hash::EngramLayout;
 pub use error::ModelError;
 pub use experts::{
-    CheckpointExperts, ExpertSource, ExpertTiers, ExpertWeights, Rung, Tiered, UpperChoice,
+    CheckpointExperts, ExpertRht, ExpertSource, ExpertTiers, ExpertWeights, MatRht, Rung, Tiered,
+    UpperChoice,
 };
 pub use generate::{
     generate, Decoder, GenStats, Generate, GenerateOptions, Piece, Prompt, Sampled, Sampler,

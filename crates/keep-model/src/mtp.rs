@@ -102,13 +102,16 @@ impl<'a> Mtp<'a> {
         let block = LayerWeights::load_at(ck, &c, layer, PREFIX)?;
         let hint = cfg.raw.weight_block_size();
         let (d, i) = (cfg.dim, cfg.inter);
+        let marker = crate::experts::incoherence_map(ck)?;
         let experts = (0..c.n_experts)
             .map(|x| {
                 let p = format!("{PREFIX}ffn.experts.{x}");
+                let b = [format!("{p}.w1"), format!("{p}.w2"), format!("{p}.w3")];
                 Ok(ExpertWeights {
-                    w1: weight(ck, &format!("{p}.w1"), i, d, hint)?,
-                    w2: weight(ck, &format!("{p}.w2"), d, i, hint)?,
-                    w3: weight(ck, &format!("{p}.w3"), i, d, hint)?,
+                    w1: weight(ck, &b[0], i, d, hint)?,
+                    w2: weight(ck, &b[1], d, i, hint)?,
+                    w3: weight(ck, &b[2], i, d, hint)?,
+                    rht: crate::experts::expert_rht(&marker, [&b[0], &b[1], &b[2]], d, i)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

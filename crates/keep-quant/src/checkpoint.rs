@@ -17,7 +17,11 @@
 //! The residual is a tensor of its own so that a runtime can hold the base rung and read the
 //! residual separately. `config.json` gains a `keep_quantization` object (`format`
 //! `keep-quant`, `version` 1, the method and, per quantized base name, its code format), and
-//! every shard's metadata names the method. `quant-report.json` holds the imatrix-weighted
+//! every shard's metadata names the method. With incoherence processing
+//! ([`quantize_with`], `keep quant --incoherence on|out`) the codes are those of the rotated
+//! weight `W̃ = V_out·W·V_inᵀ` ([`crate::incoherence`]) and the entry's `incoherence` object
+//! (keep-checkpoint's `incoherence` marker) holds each such weight's seeds and blocks; its
+//! errors are measured on the un-rotated decode. `quant-report.json` holds the imatrix-weighted
 //! reconstruction error of every rung of every quantized tensor (and per expert), the
 //! numbers the tier allocator reads.
 //!
@@ -234,6 +238,9 @@ pub struct QuantReport {
     pub source_bytes_fitted: u64,
     /// Seconds spent fitting in this call.
     pub fit_seconds: f64,
+    /// Quantized tensors stored rotated (incoherence processing), all parts included.
+    #[serde(default)]
+    pub incoherent_tensors: usize,
     /// Stored bits per weight of the quantized tensors, scales included.
     pub bits_per_weight: f64,
     pub experts: Vec<ExpertErrors>,
@@ -426,6 +433,28 @@ pub fn quantize(
     opts: &QuantOptions,
     progress: Progress,
 ) -> Result<QuantReport> {
+    quantize_with(model, imatrix, out, opts, None, progress)
+}
+
+/// The file of a layer's part listing its rotated weights' transforms.
+const PART_INCOHERENCE: &str = "incoherence.json";
+
+/// [`quantize`], with incoherence processing of every lattice-coded weight when
+/// `incoherence` is given (refused with MLX affine codes). A resumed run keeps each finished
+/// layer as it was fitted: the marker is built from the parts.
+pub fn quantize_with(
+    model: &Path,
+    imatrix: &Path,
+    out: &Path,
+    opts: &QuantOptions,
+    incoherence: Option<crate::incoherence::IncoherenceOptions>,
+    progress: Progress,
+) -> Result<QuantReport> {
+    if incoherence.is_some() && opts.mlx_bits.is_some() {
+        return Err(QuantError::Input(
+            "incoherence processing applies to the lattice formats, not MLX affine codes".into(),
+        ));
+    }
     let (si, sn) = opts.shard;
     if sn == 0 || si >= sn {
         return Err(QuantError::Input(format!(
@@ -466,6 +495,8 @@ pub fn quantize(
     for &l in &todo {
         let mut tensors: Vec<(TensorMeta, Vec<u8>)> = vec![];
         let mut errs: Vec<TensorErrors> = vec![];
+        let mut rotated: BTreeMap<String, keep_checkpoint::incoherence::Incoherence> =
+            BTreeMap::new();
         for t in targets.iter().filter(|t| t.layer == l) {
             let wname = format!("{}.weight", t.base);
             let w = ck.tensor(&wname)?;
@@ -497,16 +528,31 @@ pub fn quantize(
                 progress(done, total);
                 continue;
             }
-            let f = fit_matrix(&vals, t.rows, t.cols, &h, t.format)
-                .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
+            let werr = |e: QuantError| QuantError::Input(format!("{wname}: {e}"));
+            let (f, errors) = match incoherence {
+                None => {
+                    let f = fit_matrix(&vals, t.rows, t.cols, &h, t.format).map_err(werr)?;
+                    let e = f.errors;
+                    (f, e)
+                }
+                Some(io) => {
+                    let (vi, vo) = crate::incoherence::transforms(io, &t.base, t.rows, t.cols)?;
+                    let r = crate::incoherence::fit_incoherent(
+                        &vals, t.rows, t.cols, &h, t.format, vi, vo,
+                    )
+                    .map_err(werr)?;
+                    rotated.insert(t.base.clone(), crate::incoherence::marker(vi, vo));
+                    (r.fit, r.errors)
+                }
+            };
             let mut rel = BTreeMap::new();
             let mut abs = BTreeMap::new();
-            abs.insert(QuantFormat::E8p2.label().to_string(), f.errors.base);
-            if let Some(e) = f.errors.full {
+            abs.insert(QuantFormat::E8p2.label().to_string(), errors.base);
+            if let Some(e) = errors.full {
                 abs.insert(t.format.label().to_string(), e);
             }
             for (k, v) in &abs {
-                rel.insert(k.clone(), v / f.errors.weight.max(f64::MIN_POSITIVE));
+                rel.insert(k.clone(), v / errors.weight.max(f64::MIN_POSITIVE));
             }
             errs.push(TensorErrors {
                 name: wname,
@@ -517,7 +563,7 @@ pub fn quantize(
                 cols: t.cols,
                 rel_error: rel,
                 error: abs,
-                weight: f.errors.weight,
+                weight: errors.weight,
             });
             tensors.extend(fitted_tensors(&t.base, &f));
             done += 1;
@@ -534,6 +580,12 @@ pub fn quantize(
         )?;
         for (m, b) in &tensors {
             w.write_tensor(&m.name, b)?;
+        }
+        if !rotated.is_empty() {
+            w.add_file(
+                PART_INCOHERENCE,
+                serde_json::to_string(&rotated).expect("JSON").as_bytes(),
+            )?;
         }
         w.add_file(
             "errors.json",
@@ -572,6 +624,7 @@ pub fn quantize(
         tensors_quantized: targets.len(),
         source_bytes_fitted: source_bytes,
         fit_seconds,
+        incoherent_tensors: 0,
         bits_per_weight: bits,
         experts: vec![],
         tensors: vec![],
@@ -581,8 +634,20 @@ pub fn quantize(
     }
     // join
     let mut part_cks = BTreeMap::new();
+    let mut marker: BTreeMap<String, keep_checkpoint::incoherence::Incoherence> = BTreeMap::new();
     for &l in &layers {
         let p = part_of(l);
+        let inc = p.join(PART_INCOHERENCE);
+        if inc.is_file() {
+            let text = keep_checkpoint::small_file::read_text(
+                &inc,
+                keep_checkpoint::small_file::MAX_SMALL_FILE,
+            )?;
+            let m: BTreeMap<String, keep_checkpoint::incoherence::Incoherence> =
+                serde_json::from_str(&text)
+                    .map_err(|e| QuantError::Input(format!("{}: {e}", inc.display())))?;
+            marker.extend(m);
+        }
         let text = keep_checkpoint::small_file::read_text(
             &p.join("errors.json"),
             keep_checkpoint::small_file::MAX_SMALL_FILE,
@@ -660,15 +725,18 @@ pub fn quantize(
             (&t.base, label)
         })
         .collect();
-    let raw = cfg.raw_with(&[(
-        CONFIG_KEY,
-        json!({
-            "format": QUANT_FORMAT,
-            "version": QUANT_VERSION,
-            "method": method,
-            "tensors": per_tensor,
-        }),
-    )]);
+    let mut entry = json!({
+        "format": QUANT_FORMAT,
+        "version": QUANT_VERSION,
+        "method": method,
+        "tensors": per_tensor,
+    });
+    if !marker.is_empty() {
+        entry[keep_checkpoint::incoherence::INCOHERENCE_KEY] =
+            serde_json::to_value(&marker).expect("JSON");
+    }
+    report.incoherent_tensors = marker.len();
+    let raw = cfg.raw_with(&[(CONFIG_KEY, entry)]);
     w.add_file(
         "config.json",
         serde_json::to_string_pretty(&raw).expect("JSON").as_bytes(),

@@ -13,6 +13,7 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod error;
 pub mod fit;
+pub mod incoherence;
 pub mod lattice;
 pub mod mlx;
 

@@ -246,6 +246,8 @@ pub struct ExpertStore {
     upper_buf_bytes: u64,
     upper_total_bytes: u64,
     upper_gate: std::sync::Mutex<Option<std::sync::Arc<ReadGate>>>,
+    /// Per (layer, expert), the incoherence transforms of matrices stored rotated.
+    rht: Vec<keep_model::ExpertRht>,
 }
 
 fn part_of(t: TensorRef<'_>) -> TensorPart {
@@ -329,6 +331,8 @@ impl ExpertStore {
         let hint = cfg.raw.weight_block_size();
         let (d, i) = (cfg.dim, cfg.inter);
         let mut layouts = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
+        let marker = keep_model::experts::incoherence_map(ck)?;
+        let mut rht = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
         let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
         let (mut upper_buf, mut upper_total) = (0u64, 0u64);
         let q3 = cfg.raw.qwen3.as_ref();
@@ -339,6 +343,7 @@ impl ExpertStore {
                 let mut biases = [None; 3];
                 if q3.is_some_and(|q| !q.is_moe_layer(l)) {
                     // A Qwen3-MoE dense layer: no routed experts, never asked for one.
+                    rht.push(keep_model::ExpertRht::default());
                     layouts.push(ExpertLayout {
                         tensors,
                         mats,
@@ -351,6 +356,16 @@ impl ExpertStore {
                     });
                     continue;
                 }
+                let bases: [String; 3] = match q3 {
+                    Some(_) => keep_model::qwen3::expert_bases(l, x),
+                    None => ["w1", "w2", "w3"].map(|w| format!("layers.{l}.ffn.experts.{x}.{w}")),
+                };
+                rht.push(keep_model::experts::expert_rht(
+                    &marker,
+                    [&bases[0], &bases[1], &bases[2]],
+                    d,
+                    i,
+                )?);
                 let mut resid = [None; 3];
                 let mut up_tensors: Vec<TensorPart> = vec![];
                 let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];
@@ -451,6 +466,7 @@ impl ExpertStore {
             upper_buf_bytes: upper_buf,
             upper_total_bytes: upper_total,
             upper_gate: std::sync::Mutex::new(None),
+            rht,
         })
     }
 
@@ -691,6 +707,11 @@ impl ExpertStore {
             w1: out[0],
             w2: out[1],
             w3: out[2],
+            rht: self
+                .rht
+                .get(layer * self.n_experts + expert)
+                .copied()
+                .unwrap_or_default(),
         })
     }
 }

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
+use keep_quant::checkpoint::{quantize_with, ExpertSelection, QuantOptions};
+use keep_quant::incoherence::{IncoherenceOptions, Mode, DEFAULT_SEED};
 use keep_quant::QuantFormat;
 
 /// Quantize routed experts to 2-bit E8P12 lattice codes (plus a residual stage).
@@ -22,6 +23,12 @@ use keep_quant::QuantFormat;
 /// `mlx2`, `mlx3`, `mlx4` and `mlx8` write MLX affine codes instead (group 64, bf16 scale and
 /// bias per group: `mx.quantize`'s exact output, bits + 0.5 per weight), for comparison at
 /// equal bits; the imatrix then only weights the reported error.
+/// `--incoherence on` fits each lattice-coded weight rotated by seeded random-sign Hadamard
+/// transforms on both sides (QuIP#'s incoherence processing; the seeds are stored in
+/// config.json and undone on the activations at run time), `out` on the output side only
+/// (the imatrix weighting stays exact). Off by default: on the bundled model both-sided
+/// rotation raises the KL to the teacher (its imatrix weighting flattens to a block mean),
+/// and output-only leaves it unchanged (dev/quant-incoherence.sh).
 /// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
 /// and per expert.
 ///
@@ -53,6 +60,13 @@ pub struct QuantArgs {
     /// Do only the layers L with L % N = I (0 ≤ I < N); the last shard to finish joins.
     #[arg(long, value_parser = parse_shard, default_value = "0/1")]
     shard: (usize, usize),
+    /// Incoherence processing of lattice-coded weights: off, on (random-sign Hadamard on both
+    /// sides), out (output side only).
+    #[arg(long, default_value = "off", value_parser = parse_incoherence)]
+    incoherence: Incoherence,
+    /// Seed of the incoherence transforms' signs (each tensor's own are derived from it).
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    incoherence_seed: u64,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -75,6 +89,19 @@ fn parse_format(s: &str) -> Result<(QuantFormat, Option<u32>), String> {
     QuantFormat::parse(s).map(|f| (f, None)).ok_or_else(|| {
         format!("unknown format {s}: e8p2, e8p2+e81, e8p2+e8p2, mlx2, mlx3, mlx4 or mlx8")
     })
+}
+
+/// `--incoherence`'s value (a type of its own: clap reads a bare `Option` as an optional flag).
+#[derive(Debug, Clone, Copy)]
+struct Incoherence(Option<Mode>);
+
+fn parse_incoherence(s: &str) -> Result<Incoherence, String> {
+    match s {
+        "off" => Ok(Incoherence(None)),
+        "on" => Ok(Incoherence(Some(Mode::Both))),
+        "out" => Ok(Incoherence(Some(Mode::Output))),
+        _ => Err(format!("--incoherence {s}: on, off or out")),
+    }
 }
 
 fn parse_shard(s: &str) -> Result<(usize, usize), String> {
@@ -122,7 +149,11 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
         mlx_bits: a.format.1,
     };
     let bar = crate::util::count_bar(0, "quant");
-    let r = quantize(&model, &a.imatrix, &out, &opts, &|d, t| {
+    let incoherence = a.incoherence.0.map(|mode| IncoherenceOptions {
+        mode,
+        seed: a.incoherence_seed,
+    });
+    let r = quantize_with(&model, &a.imatrix, &out, &opts, incoherence, &|d, t| {
         bar.set_length(t as u64);
         bar.set_position(d as u64);
     })
