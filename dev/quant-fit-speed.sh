@@ -2,7 +2,8 @@
 # Fitting speed of keep quant on the flash preset's routed experts (real V4.1-Flash expert
 # shapes: w1/w3 [2304, 5120], w2 [5120, 2304], FP4 with a scale per 32 inputs).
 # Usage: dev/quant-fit-speed.sh [WORKDIR] [EXPERTS_BYTES]   (default /tmp/keep-quant-speed, 160MiB;
-# FORMATS="e8p2 e8p2+e81 e8p2+e8p2" by default)
+# FORMATS="e8p2 e8p2+e81 e8p2+e8p2" by default; MODEL=DIR uses that checkpoint instead of a
+# synthetic one; KEEP_SIMD=scalar|avx2 caps the search's instruction set)
 # Needs target/release/keep (cargo build --release -p keep-cli) and a Python with numpy and
 # safetensors (PY, default tools/oracle/.venv/bin/python). The imatrix is synthetic (log-normal
 # per-column second moments, sigma 1.2, seeded): a calibration pass at these shapes would take
@@ -16,6 +17,8 @@ PY=${PY:-$ROOT/tools/oracle/.venv/bin/python}
 W=${1:-/tmp/keep-quant-speed}
 BYTES=${2:-160MiB}
 mkdir -p "$W"
+# MODEL=DIR fits an existing flash-shaped checkpoint instead (linked as WORKDIR/flash, kept)
+if [ -n "${MODEL:-}" ]; then ln -sfn "$(cd "$MODEL" && pwd)" "$W/flash"; KEEP_MODEL=1; fi
 [ -f "$W/flash/config.json" ] || "$KEEP" synth --preset flash --experts-bytes "$BYTES" --out "$W/flash"
 "$PY" - "$W/flash" "$W/imatrix.safetensors" <<'PYEOF'
 import json, sys
@@ -53,7 +56,7 @@ for r in sys.argv[2:]:
     mb = rep["source_bytes_fitted"] / 1e6
     out["rows"].append({"format": f, "tensors": rep["tensors_quantized"], "source_MB": mb,
         "fit_seconds": rep["fit_seconds"], "MB_per_s_fit_wall": mb / rep["fit_seconds"],
-        "process_wall_s": wall, "process_cpu_s": user + sys_,
+        "process_wall_s": wall, "process_cpu_s": user + sys_, "keep_simd": os.environ.get("KEEP_SIMD", "detected"),
         "MB_per_cpu_s_whole_process": mb / (user + sys_),
         "loadavg_before": l0, "loadavg_after": l1})
 json.dump(out, open(f"{w}/quant-fit-speed.json", "w"), indent=1)

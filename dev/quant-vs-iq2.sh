@@ -2,6 +2,7 @@
 # keep's E8P2 against llama.cpp's IQ2_XXS and IQ2_XS on the same routed expert tensors with
 # the same imatrix: the imatrix-weighted relative reconstruction error
 # Σ_j h_j (w_rj − ŵ_rj)² / Σ_j h_j w_rj² per tensor, at each format's stored bits per weight.
+# keep's E8P2+E81 (3 bits) is listed for reference.
 # Usage: dev/quant-vs-iq2.sh MODEL IMATRIX OUT.json [N_EXPERTS]
 #   MODEL's expert widths must be multiples of 256 (IQ2's super-block), e.g. the flash preset
 #   (dev/quant-fit-speed.sh leaves one with its imatrix under its work dir when KEEP_MODEL=1).
@@ -40,15 +41,23 @@ for line in open(f"{d}/tensors.jsonl"):
     den = float((h * w * w).sum())
     bits = dict(l.split() for l in open(f"{d}/{n}.bits"))
     row = {"tensor": n, "rows": r, "cols": c}
-    for fmt, b in (("e8p2", t["e8p2_bits_per_weight"]), ("iq2_xxs", float(bits["iq2_xxs"])), ("iq2_xs", float(bits["iq2_xs"]))):
+    for fmt, b in (("e8p2", t["e8p2_bits_per_weight"]), ("e8p2+e81", t["e8p2+e81_bits_per_weight"]),
+                   ("iq2_xxs", float(bits["iq2_xxs"])), ("iq2_xs", float(bits["iq2_xs"]))):
         q = np.fromfile(f"{d}/{n}.{fmt}.f32", np.float32).reshape(r, c).astype(np.float64)
         row[fmt] = {"bits_per_weight": b, "rel_weighted_error": float((h * (w - q) ** 2).sum()) / den}
+    # the goal: E8P2's weighted error at most IQ2_XXS's, at no more bits
+    row["e8p2_beats_iq2_xxs"] = (row["e8p2"]["rel_weighted_error"] <= row["iq2_xxs"]["rel_weighted_error"]
+                                 and row["e8p2"]["bits_per_weight"] <= row["iq2_xxs"]["bits_per_weight"])
     rows.append(row)
-mean = {f: float(np.mean([r[f]["rel_weighted_error"] for r in rows])) for f in ("e8p2", "iq2_xxs", "iq2_xs")}
+fmts = ("e8p2", "e8p2+e81", "iq2_xxs", "iq2_xs")
+mean = {f: float(np.mean([r[f]["rel_weighted_error"] for r in rows])) for f in fmts}
+bits = {f: float(np.mean([r[f]["bits_per_weight"] for r in rows])) for f in fmts}
 res = {"format": "keep-evidence", "version": 1,
-       "what": "imatrix-weighted relative reconstruction error per tensor: keep E8P2 vs llama.cpp IQ2_XXS / IQ2_XS (ggml_quantize_chunk with the same imatrix), same expert tensors",
-       "model": model, "imatrix": imatrix, "rerun": "dev/quant-vs-iq2.sh MODEL IMATRIX OUT.json",
-       "mean_rel_weighted_error": mean, "tensors": rows}
+       "what": "imatrix-weighted relative reconstruction error per tensor: keep E8P2 (and E8P2+E81 for reference) vs llama.cpp IQ2_XXS / IQ2_XS (ggml_quantize_chunk with the same imatrix), same expert tensors",
+       "model": model, "imatrix": imatrix, "rerun": "dev/quant-vs-iq2.sh MODEL IMATRIX OUT.json [N_EXPERTS]",
+       "mean_rel_weighted_error": mean, "mean_bits_per_weight": bits,
+       "tensors_where_e8p2_beats_iq2_xxs": sum(r["e8p2_beats_iq2_xxs"] for r in rows),
+       "tensors": rows}
 json.dump(res, open(out, "w"), indent=1)
-print(json.dumps(mean))
+print(json.dumps({"mean_rel_weighted_error": mean, "mean_bits_per_weight": bits, "e8p2_beats_iq2_xxs": f'{res["tensors_where_e8p2_beats_iq2_xxs"]}/{len(rows)}'}))
 PYEOF

@@ -3,8 +3,8 @@
 //! (dev/quant-vs-iq2.sh):
 //! `cargo run --release -p keep-quant --example dump_experts -- MODEL IMATRIX OUTDIR [N]`
 //! writes, for the first N (default 4) experts of layer 0 and each of w1/w2/w3,
-//! `OUTDIR/<name>.w.f32`, `.h.f32`, `.e8p2.f32` and a line of `OUTDIR/tensors.jsonl`
-//! (name, rows, cols, keep's stored bits per weight).
+//! `OUTDIR/<name>.w.f32`, `.h.f32`, `.e8p2.f32`, `.e8p2+e81.f32` and a line of
+//! `OUTDIR/tensors.jsonl` (name, rows, cols, keep's stored bits per weight per format).
 
 use std::io::Write;
 use std::path::Path;
@@ -49,16 +49,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let h = im
                 .get(0, &format!("ffn.experts.{expert}.{part}"), cols)
                 .ok_or_else(|| format!("no imatrix for {wname}"))?;
-            let f = fit_matrix(&vals, rows, cols, &h, QuantFormat::E8p2)?;
             write_f32(&out.join(format!("{name}.w.f32")), &vals)?;
             write_f32(&out.join(format!("{name}.h.f32")), &h)?;
-            write_f32(&out.join(format!("{name}.e8p2.f32")), &dequantize(&f))?;
-            writeln!(
-                index,
-                "{}",
-                serde_json::json!({"name": name, "rows": rows, "cols": cols,
-                    "e8p2_bits_per_weight": QuantFormat::E8p2.bits_per_weight(rows, cols)})
-            )?;
+            let mut line = serde_json::json!({"name": name, "rows": rows, "cols": cols});
+            for format in [QuantFormat::E8p2, QuantFormat::E8p2E81] {
+                let f = fit_matrix(&vals, rows, cols, &h, format)?;
+                let label = format.label();
+                write_f32(&out.join(format!("{name}.{label}.f32")), &dequantize(&f))?;
+                line[format!("{label}_bits_per_weight")] =
+                    format.bits_per_weight(rows, cols).into();
+            }
+            writeln!(index, "{line}")?;
         }
     }
     Ok(())

@@ -1,13 +1,18 @@
 //! Fitting speed of the lattice searches and of whole-matrix fits on one expert-shaped matrix
 //! (normal weights, a log-normal imatrix), for comparing search variants quickly:
-//! `cargo run --release -p keep-quant --example fit_speed -- [ROWS COLS]` (default 2304 × 5120,
+//! `cargo run --release -p keep-quant --example fit_speed -- [ROWS COLS]`
+//! (the batched search is timed at every SIMD level the CPU has; `baseline` is the lane
+//! kernels built for the baseline target) (default 2304 × 5120,
 //! a V4.1-Flash expert's w1). MB/s counts the matrix as FP4 with a scale per 32 inputs
 //! (4.25 bits per weight, how the experts ship), so it compares with `keep quant`'s report.
 
 use std::time::Instant;
 
+use keep_kernels::cpu::Level;
 use keep_quant::fit::{fit_matrix, QuantFormat};
-use keep_quant::lattice::{nearest_e8p_weighted, nearest_e8p_weighted_scan};
+use keep_quant::lattice::{
+    nearest_e8p_weighted, nearest_e8p_weighted_many_at, nearest_e8p_weighted_scan,
+};
 use keep_rng::Draw;
 
 /// CPU seconds this process has used (user + system, all threads), from /proc: what a loaded
@@ -63,6 +68,31 @@ fn main() {
         let cpu = cpu_seconds().zip(c0).map_or(f64::NAN, |(a, b)| a - b);
         println!(
             "search {name}: {:.0} ns wall, {:.0} ns CPU per group of 8 (checksum {acc})",
+            s * 1e9 / n as f64,
+            cpu * 1e9 / n as f64
+        );
+    }
+    // the batched search at every level this CPU has (one group per SIMD lane)
+    let xf: Vec<f32> = xs.iter().flatten().copied().collect();
+    let hf: Vec<f32> = hs.iter().flatten().copied().collect();
+    let detected = keep_kernels::cpu::detected();
+    for level in [Level::Scalar, Level::Neon, Level::Avx2, Level::Avx512] {
+        if level > detected && level != Level::Neon {
+            continue;
+        }
+        let mut codes = vec![0u16; n];
+        let (t, c0) = (Instant::now(), cpu_seconds());
+        nearest_e8p_weighted_many_at(level, &xf, &hf, &mut codes);
+        let s = t.elapsed().as_secs_f64();
+        let cpu = cpu_seconds().zip(c0).map_or(f64::NAN, |(a, b)| a - b);
+        let acc: u64 = codes.iter().map(|&c| c as u64).sum();
+        let name = if level == Level::Neon {
+            "baseline"
+        } else {
+            level.name()
+        };
+        println!(
+            "search batched {name}: {:.0} ns wall, {:.0} ns CPU per group of 8 (checksum {acc})",
             s * 1e9 / n as f64,
             cpu * 1e9 / n as f64
         );

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use keep_format::e81::{decode_e81, decode_e81_ref};
 use keep_format::e8p::{decode_e8p, decode_e8p_ref, E8P_OPT_SCALE};
 
-use crate::lattice::{nearest_e81_weighted, nearest_e8p_weighted};
+use crate::lattice::{nearest_e81_weighted, nearest_e8p_weighted_many};
 use crate::{QuantError, Result};
 
 /// QuIP#'s residual scale for the E81B stage (`x̂ = q₁ + q₂ / 2.04`): the starting point of
@@ -166,28 +166,39 @@ fn group(v: &[f32], g: usize) -> [f32; 8] {
     std::array::from_fn(|i| v[8 * g + i])
 }
 
+/// [`nearest_e81_weighted`] of every group of 8 (it is O(8) already; no lanes).
+fn nearest_e81_many(x: &[f32], h: &[f32], out: &mut [u16]) {
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = nearest_e81_weighted(group(x, g), group(h, g)) as u16;
+    }
+}
+
 /// Fit one stage (codes and scale) of `w` under weights `h`, from starting scale `s0`.
+/// `nearest(x, h, codes)` codes every group of 8 of `x` (see
+/// [`crate::lattice::nearest_e8p_weighted_many`]).
 fn fit_stage(
     w: &[f32],
     h: &[f32],
     s0: f32,
-    nearest: impl Fn([f32; 8], [f32; 8]) -> u16,
+    nearest: impl Fn(&[f32], &[f32], &mut [u16]),
     decode: impl Fn(u16) -> [f32; 8],
 ) -> (Vec<u16>, f32, Vec<f32>, f64) {
     let n = w.len() / 8;
     let mut best: Option<(Vec<u16>, f32, Vec<f32>, f64)> = None;
     let mut s = s0;
+    let mut x = vec![0f32; w.len()];
     for _ in 0..SCALE_ROUNDS {
         if !(s.is_finite() && s != 0.0) {
             break;
         }
         let inv = 1.0 / s;
-        let mut codes = Vec::with_capacity(n);
+        for (xi, &wi) in x.iter_mut().zip(w) {
+            *xi = wi * inv;
+        }
+        let mut codes = vec![0u16; n];
+        nearest(&x, h, &mut codes);
         let mut q = vec![0f32; w.len()];
-        for g in 0..n {
-            let x = group(w, g).map(|v| v * inv);
-            let c = nearest(x, group(h, g));
-            codes.push(c);
+        for (g, &c) in codes.iter().enumerate() {
             q[8 * g..8 * g + 8].copy_from_slice(&decode(c));
         }
         // weighted least squares for the scale of these codes
@@ -223,23 +234,19 @@ fn fit_row(w: &[f32], h: &[f32], format: QuantFormat) -> RowFit {
         .sum();
     let rms = ((w.iter().map(|&v| v as f64 * v as f64).sum::<f64>()) / w.len() as f64).sqrt();
     let s0 = (rms / E8P_OPT_SCALE as f64) as f32;
-    let (codes, scale, q, base) = fit_stage(w, h, s0, nearest_e8p_weighted, decode_e8p);
+    let (codes, scale, q, base) = fit_stage(w, h, s0, nearest_e8p_weighted_many, decode_e8p);
     let mut full = base;
     let resid = format.residual().map(|kind| {
         let r: Vec<f32> = (0..w.len()).map(|j| w[j] - scale * q[j]).collect();
         let (codes, s2, q2, _) = match kind {
-            ResidualKind::E81 => fit_stage(
-                &r,
-                h,
-                scale / E81_RESID_SCALE,
-                |x, wt| nearest_e81_weighted(x, wt) as u16,
-                |c| decode_e81(c as u8),
-            ),
+            ResidualKind::E81 => fit_stage(&r, h, scale / E81_RESID_SCALE, nearest_e81_many, |c| {
+                decode_e81(c as u8)
+            }),
             ResidualKind::E8p => fit_stage(
                 &r,
                 h,
                 scale / E8P_RESID_SCALE,
-                nearest_e8p_weighted,
+                nearest_e8p_weighted_many,
                 decode_e8p,
             ),
         };

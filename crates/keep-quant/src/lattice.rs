@@ -31,6 +31,10 @@
 //!   O(8): the origin, the best `±e_i ± e_j` (the two best coordinates), the best `(±½)^8` with
 //!   the parity fix, and the best `±2e_i` (no `−2e_7`).
 //!
+//! * [`nearest_e8p_weighted_many`]: [`nearest_e8p_weighted`] on many groups at once, one
+//!   group per SIMD lane (AVX-512, AVX2 or the baseline build, chosen at run time), the same
+//!   codes bit for bit.
+//!
 //! Each is tested against the exhaustive references in keep-format (`nearest_e8p`,
 //! [`nearest_e8p_brute_weighted`], `nearest_e81_brute`) and the fast weighted search against the scan on random and adversarial vectors.
 //! What it is not: scales, rows, threading (see [`crate::fit`]). No I/O, never panics.
@@ -39,6 +43,9 @@ use std::sync::LazyLock;
 
 use keep_format::e81::{decode_e81, E81_GRID};
 use keep_format::e8p::{decode_e8p, E8P_GRID};
+
+mod batch;
+pub use batch::{nearest_e8p_weighted_many, nearest_e8p_weighted_many_at, LANES};
 
 /// Squared distance in f64 (plain when `w` is `None`): what the tests and the fitting report.
 pub fn dist(x: &[f32; 8], c: &[f32; 8], w: Option<&[f32; 8]>) -> f64 {

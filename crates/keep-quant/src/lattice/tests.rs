@@ -275,3 +275,51 @@ fn e81_weighted_matches_brute_force() {
         assert_eq!(nearest_e81_weighted(e81_point(c), [1.0; 8]), c);
     }
 }
+
+#[test]
+fn batched_search_gives_the_one_group_codes_at_every_level() {
+    use keep_kernels::cpu::Level;
+    let mut rng = keep_rng::rng(0xE8E8_0007);
+    // fit-like, wide, far-out, tie and non-finite groups; a count that leaves a partial block
+    let n = 40 * LANES + 7;
+    let mut x = Vec::with_capacity(8 * n);
+    let mut w = Vec::with_capacity(8 * n);
+    for g in 0..n {
+        let xg = match g % 7 {
+            5 => {
+                let (a, b) = (
+                    decode_e8p(rng.below(65536) as u16),
+                    decode_e8p(rng.below(65536) as u16),
+                );
+                std::array::from_fn(|i| (a[i] + b[i]) * 0.5)
+            }
+            6 if g % 5 == 0 => [f32::NAN, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, f32::INFINITY],
+            _ => gauss8(&mut rng, [0.3, 1.03, 1.6, 3.0, 8.0][g % 5]),
+        };
+        let wg = match g % 4 {
+            0 => [1.0; 8],
+            _ => weights8(&mut rng),
+        };
+        x.extend_from_slice(&xg);
+        w.extend_from_slice(&wg);
+    }
+    let want: Vec<u16> = (0..n)
+        .map(|g| {
+            nearest_e8p_weighted(
+                std::array::from_fn(|i| x[8 * g + i]),
+                std::array::from_fn(|i| w[8 * g + i]),
+            )
+        })
+        .collect();
+    let detected = keep_kernels::cpu::detected();
+    for level in [Level::Scalar, Level::Neon, Level::Avx2, Level::Avx512] {
+        if level > detected && level != Level::Neon {
+            continue;
+        }
+        let mut got = vec![0u16; n];
+        nearest_e8p_weighted_many_at(level, &x, &w, &mut got);
+        for g in 0..n {
+            assert_eq!(got[g], want[g], "{} group {g}", level.name());
+        }
+    }
+}
