@@ -185,7 +185,9 @@ pub struct DeepSeekConfig {
     #[serde(default)]
     pub engram_head_dim: usize,
     /// Engram: the raw token id whose compressed id fills look-back before the sequence start.
-    #[serde(default = "d::engram_pad_id")]
+    /// The published `config.json` (and NeMo) call it `engram_pad_token_id`; the released
+    /// inference code's arguments call it `engram_pad_id`. Either is read.
+    #[serde(default = "d::engram_pad_id", alias = "engram_pad_token_id")]
     pub engram_pad_id: usize,
     /// Engram: the size of the normalised token id space the hash runs over (0: `vocab_size`).
     #[serde(default)]
@@ -759,6 +761,15 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.starts_with("c.json") && e.contains(key), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn engram_pad_reads_the_published_key_and_the_inference_argument() {
+        for key in ["engram_pad_token_id", "engram_pad_id"] {
+            let json = format!(r#"{{"num_hidden_layers":2,"vocab_size":10,"{key}":7}}"#);
+            let c = DeepSeekConfig::from_json(Path::new("c.json"), &json).unwrap();
+            assert_eq!(c.engram_pad_id, 7, "{key}");
         }
     }
 }
