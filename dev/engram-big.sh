@@ -14,13 +14,13 @@
 # Environment: CONFIG, ENGRAM_BYTES (24GiB), BUDGET (8GiB), MEM (8GiB), ROUNDS (3), PROMPT (32),
 #   TOKENS (17), SEQS (4, the check set's sequences), MODEL_DIR (/tmp/bigflash/model), KEEP (skip the build), KEEP_MODEL.
 # The small test of the procedure (minutes, ~2.4 GB):
-#   CONFIG=dev/configs/flash16-half-engram.json ENGRAM_BYTES=256MiB BUDGET=1200MiB MEM=1200MiB \
-#     ROUNDS=1 TOKENS=5 dev/engram-big.sh /tmp/bigflash/engram-small
+#   CONFIG=dev/configs/flash16-half-engram.json ENGRAM_BYTES=256MiB BUDGET=1800MiB MEM=1800MiB \
+#     ROUNDS=1 TOKENS=8 PROMPT=8 SEQS=2 dev/engram-big.sh /tmp/bigflash/engram-small
 #
 # The big config's shapes: V4.1-Flash's layer count (43), Engram placement (1, 14), Engram
 # hashing (n-grams 2..4 over 8 heads, hc 4) and attention kinds, with the hidden size and the
 # attention / expert widths halved (hidden 2560, 32 heads of 512, q rank 640, o rank 512,
-# experts 1152 wide, 8 per layer, top-6) so that the non-table part is ~4 GB, and Engram rows
+# experts 1152 wide, 8 per layer, top-6) so that the non-table part is ~3.7 GiB (29.7 GB in all), and Engram rows
 # of 128 channels (132 bytes with scales) instead of 256: halving the hidden size doubles the
 # Engram projection's share of a token's weight bytes, halving the row width halves it back,
 # so the Engram share of decode work stays V4.1-Flash's (~2.5% of the weight bytes a token

@@ -250,10 +250,12 @@ pub fn probe(ck: &Checkpoint, opts: &ProbeOptions) -> Result<Probe> {
         ),
     };
     let misses = b.misses as f64 / tokens_b;
-    // What the misses added: over the all-resident decode, or the waits alone without one.
+    // What the misses added: over the all-resident decode, or the waits alone without one;
+    // never less than the waits (a noisy machine can make the first decode the slower).
+    let waits = b.wait_secs / tokens_b;
     let extra = match &resident {
-        Some(_) => (per_token_b - compute).max(0.0),
-        None => b.wait_secs / tokens_b,
+        Some(_) => (per_token_b - compute).max(waits),
+        None => waits,
     };
     let cost = miss_cost(
         extra,
