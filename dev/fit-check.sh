@@ -3,6 +3,8 @@
 # an eval run (teacher), `keep eval --json` KL points at REAP levels, then for a memory below the
 # model's size: the fitted plan (--min-quality KL), the best offload-only and prune-only plans
 # (forced with --levels), each checked with `keep fit --check` (tok/s, hit rate, peak RSS, KL).
+# The probes and the check decode the same held-out records of the bundled pack (the plan's
+# check set), so the predicted routes are the routes the check makes.
 # Writes dev/evidence/fit-bundled.json. Rerun on a quiet machine with one command:
 #   dev/fit-check.sh            (KEEP=path/to/keep to skip the build; WORK=dir for the runs)
 set -euo pipefail
@@ -39,7 +41,7 @@ for kind in fitted offload prune; do
   plan="$WORK/plan-$kind.json"
   # A single-knob plan may not exist at this quality and memory: say so and go on.
   if ! $KEEP fit --memory "$MEM" --run "$WORK/calib" --eval "$WORK/eval-fast.json" --out "$plan" --force \
-    --context 128 --derived-dir "$WORK/derived-$kind" "${extra[@]}" | tee "$WORK/fit-$kind.txt"; then
+    --context 128 --probe-tokens "$TOKENS" --derived-dir "$WORK/derived-$kind" "${extra[@]}" | tee "$WORK/fit-$kind.txt"; then
     echo "no $kind plan fits $MEM at KL <= $MIN_KL"; continue
   fi
   $KEEP fit --check "$plan" --build --teacher "$WORK/evalrun" --probe-tokens "$TOKENS" --json > "$WORK/check-$kind.json"
@@ -50,7 +52,8 @@ python3 - "$MEM" "${rows[@]}" > dev/evidence/fit-bundled.json <<'PY'
 import json, sys
 mem = sys.argv[1]
 rows = [json.load(open(p)) for p in sys.argv[2:]]
+import os
 print(json.dumps({"format": "keep-fit-evidence", "version": 1, "model": "bundled keep-tiny",
-                  "memory": mem, "checks": rows}, indent=2))
+                  "memory": mem, "loadavg_at_end": os.getloadavg(), "checks": rows}, indent=2))
 PY
 echo "wrote dev/evidence/fit-bundled.json"

@@ -4,7 +4,10 @@
 Followed copy (see docs/engram.md for the pin and every disagreement between public copies):
 NVIDIA-NeMo/Automodel `nemo_automodel/components/models/deepseek_v41/engram.py`
 (`EngramLayout`, `compute_hash_multipliers`, `DeepseekV41EngramHasher.forward`,
-`DeepseekV41Engram.forward`), itself ported from DeepSeek's released `inference/engram.py`.
+`DeepseekV41Engram.forward`), itself ported from DeepSeek's released `inference/engram.py`;
+commit 044410b503e204b49d613471fc24a1c1bc57e07e, file SHA-256
+e8b22782277d884fe7c1da3592996aaf1283be6c0bba9d4757f73da88db9d811 (git blob
+3e0026d776fa179087c2c037bbe0118fc1072bc7; docs/engram.md says how it was taken).
 The decode-time hash state follows the released inference `NgramHashState` (a cache of
 compressed ids across the prefill/decode split); `check_hashers` runs both on the same tokens
 and they must agree.
@@ -158,7 +161,7 @@ class Layout:
             lookup, size = load_compressed_token_map(ckpt)
             assert size == self.compressed_vocab_size, (size, self.compressed_vocab_size)
             self.token_map = torch.from_numpy(lookup)
-        self.pad_id = int(self.token_map[int(cfg.get("engram_pad_id", 2))])
+        self.pad_id = int(self.token_map[int(cfg.get("engram_pad_token_id", cfg.get("engram_pad_id", 2)))])
         self.multipliers = compute_hash_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size)
         p = torch.tensor(self.primes, dtype=torch.int64)  # [n_layers, n_ngrams, n_heads]
         flat = p.flatten(1)

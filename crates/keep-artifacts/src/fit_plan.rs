@@ -26,6 +26,9 @@
 //! - `prediction`: the chosen candidate's predicted tok/s, KL and bytes, each with its
 //!   provenance (`measured`, `interpolated`, `simulated`, `synthetic`, `definition`, `unknown`).
 //! - `candidates`: the best candidates the search found, the chosen one first.
+//! - `check_set` (optional): the token sequences the probes decoded and whose routes the
+//!   prediction replays — `source`, `prompt_tokens`, `sequences` — which `keep fit --check`
+//!   decodes again.
 //!
 //! [`FitPlan::read`] is the one reader (format, version and ranges checked);
 //! [`FitPlan::write`] validates and writes atomically, refusing an existing file without
@@ -88,6 +91,30 @@ pub struct Probes {
     pub compute_probe_tokens: u64,
     /// The kernels the compute probe ran.
     pub kernels: String,
+    /// Seconds a decoder layer waits once it has any miss, whatever the number (the read's
+    /// latency the forward cannot overlap); with [`Probes::miss_transfer_secs`] per miss this
+    /// prices a token's misses. 0 in plans written before the term existed.
+    #[serde(default)]
+    pub layer_latency_secs: f64,
+    /// Seconds each waited miss adds beyond the layer's latency (its bytes at the read rate
+    /// the probe saw). 0 in plans written before the term existed (then `miss_secs` alone).
+    #[serde(default)]
+    pub miss_transfer_secs: f64,
+    /// How `compute_secs_per_token` was measured: `all-resident` (a decode with every expert
+    /// in memory) or `minimum-budget` (decode time minus waits with every expert read).
+    #[serde(default)]
+    pub compute_provenance: String,
+}
+
+/// The token sequences `keep fit` probed and `keep fit --check` decodes: each a prompt of
+/// `prompt_tokens` ids, then the rest fed one token at a time (the decode of a known text,
+/// so its routes, and the hit rate a plan gets on them, are the same on every run).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckSet {
+    /// Where the sequences come from (a pack's held-out records, or synthetic ids).
+    pub source: String,
+    pub prompt_tokens: usize,
+    pub sequences: Vec<Vec<u32>>,
 }
 
 /// A predicted number and where it came from.
@@ -152,6 +179,10 @@ pub struct FitPlan {
     pub probes: Probes,
     pub prediction: Candidate,
     pub candidates: Vec<Candidate>,
+    /// The sequences the prediction's routes were recorded on and the check decodes (absent
+    /// in plans written before; the check then decodes one synthetic prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check_set: Option<CheckSet>,
 }
 
 const POLICIES: [&str; 3] = ["lru", "decay", "static"];
@@ -211,6 +242,17 @@ impl FitPlan {
         }
         if self.tiers.is_some() {
             return Err("tiers are not supported by this version".into());
+        }
+        if let Some(c) = &self.check_set {
+            if c.sequences.is_empty()
+                || c.sequences.iter().any(|s| s.len() <= c.prompt_tokens)
+                || c.prompt_tokens == 0
+            {
+                return Err(format!(
+                    "check_set: every sequence must be longer than its {}-token prompt",
+                    c.prompt_tokens
+                ));
+            }
         }
         Ok(())
     }
@@ -308,9 +350,17 @@ pub(crate) mod tests {
                 compute_secs_per_token: 1e-3,
                 compute_probe_tokens: 8,
                 kernels: "fast".into(),
+                layer_latency_secs: 1e-4,
+                miss_transfer_secs: 1e-5,
+                compute_provenance: "all-resident".into(),
             },
             prediction: cand.clone(),
             candidates: vec![cand],
+            check_set: Some(CheckSet {
+                source: "synthetic".into(),
+                prompt_tokens: 2,
+                sequences: vec![vec![1, 2, 3, 4]],
+            }),
         }
     }
 

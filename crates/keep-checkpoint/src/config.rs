@@ -185,7 +185,13 @@ pub struct DeepSeekConfig {
     #[serde(default)]
     pub engram_head_dim: usize,
     /// Engram: the raw token id whose compressed id fills look-back before the sequence start.
-    #[serde(default = "d::engram_pad_id")]
+    /// The published `config.json` (and NeMo) call it `engram_pad_token_id`; the released
+    /// inference code's arguments call it `engram_pad_id`. Either is read.
+    #[serde(
+        default = "d::engram_pad_id",
+        rename = "engram_pad_token_id",
+        alias = "engram_pad_id"
+    )]
     pub engram_pad_id: usize,
     /// Engram: the size of the normalised token id space the hash runs over (0: `vocab_size`).
     #[serde(default)]
@@ -249,6 +255,19 @@ impl DeepSeekConfig {
         if flat.get("model_type").and_then(Value::as_str) == Some(qwen3::MODEL_TYPE) {
             let q = qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
             return Ok(q.role_view(raw));
+        }
+        // The Engram pad id under both its names (the published key and the inference
+        // argument): one value is read; two different values are refused.
+        let mut flat = flat;
+        if let Some(m) = flat.as_object_mut() {
+            if let (Some(a), Some(b)) = (m.get("engram_pad_token_id"), m.get("engram_pad_id")) {
+                if a != b {
+                    return Err(cerr(format!(
+                        "engram_pad_token_id = {a} and engram_pad_id = {b} disagree"
+                    )));
+                }
+                m.remove("engram_pad_id");
+            }
         }
         let mut cfg: DeepSeekConfig =
             serde_json::from_value(flat).map_err(|e| cerr(format!("unexpected value: {e}")))?;
@@ -760,5 +779,29 @@ mod tests {
                 .to_string();
             assert!(e.starts_with("c.json") && e.contains(key), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn engram_pad_reads_the_published_key_and_the_inference_argument() {
+        for key in ["engram_pad_token_id", "engram_pad_id"] {
+            let json = format!(r#"{{"num_hidden_layers":2,"vocab_size":10,"{key}":7}}"#);
+            let c = DeepSeekConfig::from_json(Path::new("c.json"), &json).unwrap();
+            assert_eq!(c.engram_pad_id, 7, "{key}");
+        }
+        // Both names: one value read, or refused when they disagree.
+        let both =
+            r#"{"num_hidden_layers":2,"vocab_size":10,"engram_pad_token_id":7,"engram_pad_id":7}"#;
+        let c = DeepSeekConfig::from_json(Path::new("c.json"), both).unwrap();
+        assert_eq!(c.engram_pad_id, 7);
+        // Written under the published key.
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["engram_pad_token_id"], 7);
+        assert!(v.get("engram_pad_id").is_none());
+        let clash =
+            r#"{"num_hidden_layers":2,"vocab_size":10,"engram_pad_token_id":7,"engram_pad_id":3}"#;
+        let e = DeepSeekConfig::from_json(Path::new("c.json"), clash)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("disagree"), "{e}");
     }
 }

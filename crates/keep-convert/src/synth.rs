@@ -491,6 +491,8 @@ pub fn with_engram_bytes(cfg: &mut DeepSeekConfig, bytes: u64) -> Result<()> {
                 .expect("checked"),
             _ => m,
         };
+        // The published key; the inference argument's name must not appear beside it.
+        m.remove("engram_pad_id");
         for (k, v) in [
             ("engram_layer_ids", serde_json::json!(cfg.engram_layer_ids)),
             (
@@ -507,7 +509,7 @@ pub fn with_engram_bytes(cfg: &mut DeepSeekConfig, bytes: u64) -> Result<()> {
                 serde_json::json!(cfg.engram_vocab_size),
             ),
             ("engram_head_dim", serde_json::json!(cfg.engram_head_dim)),
-            ("engram_pad_id", serde_json::json!(cfg.engram_pad_id)),
+            ("engram_pad_token_id", serde_json::json!(cfg.engram_pad_id)),
             (
                 "engram_compressed_vocab_size",
                 serde_json::json!(cfg.engram_compressed_vocab_size),

@@ -1,7 +1,10 @@
 //! `keep fit --check`: run a plan and set what it measured beside what it predicted — decode
 //! tok/s, hit rate, peak resident memory and, with a teacher run, the KL of the plan's
-//! checkpoint on its kernels — as a `keep-fit-check` report. The run folds its routes into the
-//! plan's route profile like any `keep run --plan`.
+//! checkpoint on its kernels — as a `keep-fit-check` report. It decodes the plan's check set
+//! (the sequences `keep fit` recorded the predicted routes on: held-out text, or synthetic
+//! ids), every sequence a prompt then its text fed token by token; a plan without one decodes
+//! one greedy continuation, and that run folds its routes into the plan's route profile like
+//! any `keep run --plan`.
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -12,7 +15,7 @@ use keep_model::generate::{encode_prompt, GenerateOptions, Prompt, SamplerConfig
 use keep_runtime::{RouteLog, RunModel};
 use serde::Serialize;
 
-use crate::apply;
+use crate::{apply, checkset};
 use crate::{FitError, Result};
 
 /// Measured tok/s within this fraction of the prediction passes (the planning goal).
@@ -44,7 +47,11 @@ pub struct CheckReport {
     pub hot_set: usize,
     pub slots_per_layer: Option<usize>,
     pub prompt_tokens: usize,
+    /// Tokens decoded over all sequences.
     pub decode_tokens: usize,
+    /// Sequences decoded, and what they are.
+    pub sequences: usize,
+    pub check_source: String,
     pub predicted_tps: Option<f64>,
     pub tps_provenance: String,
     pub measured_tps: f64,
@@ -53,6 +60,8 @@ pub struct CheckReport {
     pub tps_within: Option<bool>,
     pub predicted_hit_rate: f64,
     pub measured_hit_rate: Option<f64>,
+    /// Seconds the decode waited for Engram rows (`None` without Engram rows read from SSD).
+    pub engram_wait_secs: Option<f64>,
     pub peak_rss: Option<u64>,
     /// The budget plus the runtime's documented fixed overhead (what the process adds).
     pub predicted_peak_rss: Option<u64>,
@@ -93,12 +102,42 @@ pub fn check(plan_path: &Path, o: &CheckOptions) -> Result<CheckReport> {
         tokenizer: None,
     };
     let mut log = RouteLog::new();
-    let r = keep_runtime::run::run(&mut model, Prompt::Ids(&ids), &gen, Some(&mut log), |_| {
-        ControlFlow::Continue(())
-    })?;
+    // The plan's check set when it has one (the sequences its routes were recorded on),
+    // else one greedy continuation of a synthetic prompt.
+    let (measured_tps, measured_hit_rate, decode_tokens, sequences, source, engram_wait) =
+        match &plan.check_set {
+            Some(set) => {
+                let d = checkset::decode(&mut model, set, false, Some(&mut log))?;
+                (
+                    d.tps(),
+                    d.budgeted.then(|| d.hit_rate()),
+                    d.decode_tokens,
+                    set.sequences.len(),
+                    set.source.clone(),
+                    d.budgeted.then_some(d.engram_wait_secs),
+                )
+            }
+            None => {
+                let r = keep_runtime::run::run(
+                    &mut model,
+                    Prompt::Ids(&ids),
+                    &gen,
+                    Some(&mut log),
+                    |_| ControlFlow::Continue(()),
+                )?;
+                (
+                    r.gen.decode_tps(),
+                    r.decode_cache.as_ref().map(|c| c.hit_rate()),
+                    r.gen.generated,
+                    1,
+                    "one greedy continuation of a synthetic prompt".to_string(),
+                    r.decode_engram.as_ref().map(|e| e.wait_secs),
+                )
+            }
+        };
     drop(model);
+    let peak_rss = keep_runtime::peak_rss_bytes();
     let profile = apply::save_profile(plan_path, &plan, &log, cfg.n_layers, cfg.n_experts)?;
-    let measured_tps = r.gen.decode_tps();
     let predicted_tps = plan.prediction.tokens_per_sec.value;
     let tps_error = predicted_tps.map(|p| measured_tps / p - 1.0);
     let measured_kl = match &o.teacher {
@@ -144,16 +183,23 @@ pub fn check(plan_path: &Path, o: &CheckOptions) -> Result<CheckReport> {
         policy: plan.policy.clone(),
         hot_set: plan.hot_set,
         slots_per_layer: slots,
-        prompt_tokens: o.prompt_tokens,
-        decode_tokens: r.gen.generated,
+        prompt_tokens: plan
+            .check_set
+            .as_ref()
+            .map(|c| c.prompt_tokens)
+            .unwrap_or(o.prompt_tokens),
+        decode_tokens,
+        sequences,
+        check_source: source,
         predicted_tps,
         tps_provenance: plan.prediction.tokens_per_sec.provenance.clone(),
         measured_tps,
         tps_error,
         tps_within: tps_error.map(|e| e.abs() <= TPS_TOLERANCE),
         predicted_hit_rate: plan.prediction.hit_rate,
-        measured_hit_rate: r.decode_cache.as_ref().map(|c| c.hit_rate()),
-        peak_rss: r.peak_rss,
+        measured_hit_rate,
+        engram_wait_secs: engram_wait,
+        peak_rss,
         predicted_peak_rss: plan.budget.map(|b| b + keep_runtime::FIXED_OVERHEAD),
         predicted_kl,
         kl_provenance: plan.prediction.kl.provenance.clone(),

@@ -20,6 +20,7 @@
 
 pub mod apply;
 pub mod check;
+pub mod checkset;
 pub mod error;
 pub mod probe;
 pub mod quality;

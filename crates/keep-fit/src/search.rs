@@ -160,7 +160,10 @@ fn kernels_name(k: Kernels) -> &'static str {
 /// the prune plan that makes it.
 struct Level {
     kept: usize,
+    /// The run's routes (the route profile's), re-routed when pruned.
     trace: RouteTrace,
+    /// The check set's routes (replayed for speed), re-routed when pruned.
+    speed: RouteTrace,
     prune: Option<PrunePlan>,
 }
 
@@ -180,8 +183,19 @@ struct Speed {
     ssd_bytes_per_token: f64,
 }
 
+/// Seconds per token: the probe's compute, plus for the waited misses a latency per decoder
+/// layer with a miss and a transfer per miss ([`crate::probe::miss_cost`]); plans probed
+/// before those terms existed price a miss at `miss_secs`.
 fn speed(p: &Probe, misses_per_token: f64, hit_rate: f64) -> Speed {
-    let s = p.probes.compute_secs_per_token + misses_per_token * p.probes.miss_secs;
+    let pr = &p.probes;
+    let miss = if pr.layer_latency_secs > 0.0 || pr.miss_transfer_secs > 0.0 {
+        crate::probe::layers_with_miss(misses_per_token, p.n_layers, p.top_k)
+            * pr.layer_latency_secs
+            + misses_per_token * pr.miss_transfer_secs
+    } else {
+        misses_per_token * pr.miss_secs
+    };
+    let s = pr.compute_secs_per_token + miss;
     Speed {
         tps: if s > 0.0 { 1.0 / s } else { f64::INFINITY },
         hit_rate,
@@ -198,7 +212,9 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
     let n = p.n_experts;
     let l = p.n_layers;
     let k = p.top_k;
-    // The trace: the run's, or a synthetic one of the model's shape.
+    // The routes replayed for speed: the probe's, recorded on the check set (the sequences
+    // `keep fit --check` decodes again). The run's trace, or a synthetic one of the model's
+    // shape, seeds the route profile.
     let (trace, provenance, reap) = match &o.run {
         Some(run) => {
             let t = keep_artifacts::routes::read_run(run)?;
@@ -221,9 +237,9 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
         None => {
             notes.push(
                 "no calibration run: planned from the model's size and the probes alone (offload \
-                 only) on a synthetic route trace; a run (`keep calibrate` + `keep finalize`, then \
-                 --run) adds the model's own routes, a warm-start profile and pruning levels \
-                 chosen by REAP, and `keep eval --json` reports (--eval) add their KL"
+                 only) on the check set's routes; a run (`keep calibrate` + `keep finalize`, then \
+                 --run) adds a warm-start profile and pruning levels chosen by REAP, and `keep \
+                 eval --json` reports (--eval) add their KL"
                     .into(),
             );
             let spec = SynthSpec {
@@ -235,7 +251,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
                 working_set: (n / 4).max(k),
                 ..SynthSpec::default()
             };
-            (keep_residency::synth::synthetic(&spec), "synthetic", None)
+            (keep_residency::synth::synthetic(&spec), "simulated", None)
         }
     };
     let kname = kernels_name(o.kernels);
@@ -264,6 +280,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             levels.push(Level {
                 kept: n,
                 trace: trace.clone(),
+                speed: p.trace.clone(),
                 prune: None,
             });
             continue;
@@ -282,6 +299,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
         levels.push(Level {
             kept: c,
             trace: reroute(&trace, &plan, &stats.scores),
+            speed: reroute(&p.trace, &plan, &stats.scores),
             prune: Some(plan),
         });
     }
@@ -332,7 +350,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             rows.push(("lru".into(), speed(&p, 0.0, 1.0)));
         } else {
             let r = keep_residency::simulate(
-                &lv.trace,
+                &lv.speed,
                 &Options {
                     hot: HotSizes::Experts(vec![slots]),
                     policies: policies.to_vec(),
@@ -371,11 +389,17 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
                         value: Some(s.tps),
                         provenance: provenance.into(),
                         source: format!(
-                            "{:.3} ms compute + {:.2} misses × {:.3} ms per token ({} trace{})",
+                            "{:.3} ms compute ({}) + {:.2} misses per token: {:.2} layers × {:.3} ms latency + {:.3} ms each (routes of the check set{})",
                             1e3 * p.probes.compute_secs_per_token,
+                            p.probes.compute_provenance,
                             s.ssd_bytes_per_token / p.slot_bytes.max(1) as f64,
-                            1e3 * p.probes.miss_secs,
-                            provenance,
+                            crate::probe::layers_with_miss(
+                                s.ssd_bytes_per_token / p.slot_bytes.max(1) as f64,
+                                l,
+                                k
+                            ),
+                            1e3 * p.probes.layer_latency_secs,
+                            1e3 * p.probes.miss_transfer_secs,
                             if lv.kept < n {
                                 ", pruned routes re-routed by REAP"
                             } else {
@@ -512,6 +536,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
         probes: p.probes.clone(),
         prediction: best,
         candidates: table,
+        check_set: Some(p.check_set.clone()),
     };
     notes.push(
         "drafting: off (plans do not choose drafting yet: `keep residency --draft-acceptance` \

@@ -32,6 +32,8 @@ fn probe_opts() -> ProbeOptions {
         kernels: Kernels::Fast,
         prompt_tokens: 4,
         decode_tokens: 4,
+        sequences: 2,
+        held_out: None,
         context: 16,
         io_threads: 2,
     }
@@ -135,6 +137,12 @@ fn fit_write_check_and_profile() {
     )
     .unwrap();
     assert!(r.measured_tps > 0.0);
+    assert_eq!(
+        (r.sequences, r.decode_tokens),
+        (2, 8),
+        "the plan's check set, decoded"
+    );
+    assert!(r.measured_hit_rate.is_some());
     assert_eq!(r.slots_per_layer, Some(8));
     assert!(r.tps_error.is_some());
     let prof = RouteProfile::read(&prof_path).unwrap();
@@ -143,12 +151,19 @@ fn fit_write_check_and_profile() {
 }
 
 #[test]
-fn without_a_run_plans_offload_on_a_synthetic_trace() {
+fn without_a_run_plans_offload_on_the_check_sets_routes() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let out = dir.path().join("plan.json");
     let o = fit(&options(&model, budget(&model, 2), None, out)).unwrap();
-    assert_eq!(o.plan.prediction.tokens_per_sec.provenance, "synthetic");
+    assert_eq!(o.plan.prediction.tokens_per_sec.provenance, "simulated");
+    let set = o
+        .plan
+        .check_set
+        .as_ref()
+        .expect("the plan names its check set");
+    assert_eq!((set.sequences.len(), set.prompt_tokens), (2, 4));
+    assert!(set.sequences.iter().all(|s| s.len() == 8));
     assert_eq!(o.plan.hot_set, 6);
     assert!(o.profile.is_none());
     assert!(o.notes.iter().any(|n| n.contains("no calibration run")));
@@ -196,4 +211,30 @@ fn derived_checkpoint_is_refused_with_its_command_then_built() {
     let built = apply::checkpoint(&out, &o.plan, true, &|_, _| {}).unwrap();
     let ck = Checkpoint::open(&built).unwrap();
     assert_eq!(ck.require_config().unwrap().n_routed_experts, 8);
+}
+
+#[test]
+fn the_check_sets_routes_do_not_depend_on_the_budget() {
+    // The prediction replays the routes the probe recorded at the smallest budget; the check
+    // decodes the same sequences in the plan's budget. Feeding the text (not the model's
+    // picks) makes them the same routes.
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let ck = Checkpoint::open(&model).unwrap();
+    let cfg = ModelConfig::from_checkpoint(&ck).unwrap();
+    let set = keep_fit::checkset::synthetic(cfg.vocab, 2, 4, 4);
+    let traces: Vec<_> = [budget(&model, 0), budget(&model, 10)]
+        .into_iter()
+        .map(|b| {
+            let mut ro = keep_runtime::RuntimeOptions::new(b);
+            ro.context = Some(16);
+            ro.io_threads = 2;
+            let mut m = keep_runtime::RunModel::load(&ck, Kernels::Fast, Some(&ro)).unwrap();
+            let d = keep_fit::checkset::decode(&mut m, &set, true, None).unwrap();
+            assert_eq!(d.decode_tokens, 8);
+            d.trace
+        })
+        .collect();
+    assert_eq!(traces[0].sessions.len(), 2);
+    assert_eq!(traces[0], traces[1]);
 }

@@ -14,7 +14,7 @@
 //! first layer runs.
 
 use keep_checkpoint::Checkpoint;
-use keep_kernels::{matmul, WeightView};
+use keep_kernels::{matmul_with, WeightView};
 
 use crate::config::ModelConfig;
 use crate::engram_hash::EngramLayout;
@@ -247,7 +247,9 @@ impl<'a> EngramLayer<'a> {
         rows.rows(self.slot, &mine, &mut e)?;
         let (hc, d) = (cfg.hc, cfg.dim);
         let mut kv = vec![0f32; t * (hc + 1) * d];
-        matmul(&e, t, &self.wkv, &mut kv)?;
+        // The model's kernels, like every other product of the layer (exact unless the
+        // caller chose fast).
+        matmul_with(cfg.kernels, &e, t, &self.wkv, &mut kv)?;
         gate_ref(&mut s.x, &kv, &self.qk, t, hc, d, cfg.eps);
         Ok(())
     }

@@ -61,9 +61,20 @@ pub struct FitArgs {
     /// Positions of context the plan holds (prompt + generated).
     #[arg(long, default_value_t = 512)]
     context: usize,
-    /// Tokens the compute probe decodes (and --check decodes).
+    /// Tokens the probes decode after each check-set prompt (and --check decodes again; a
+    /// plan without a check set: tokens --check generates).
     #[arg(long, default_value_t = 32)]
     probe_tokens: usize,
+    /// Prompt tokens of each check-set sequence.
+    #[arg(long, default_value_t = 16)]
+    prompt_tokens: usize,
+    /// Sequences in the check set (the texts the probes and --check decode).
+    #[arg(long, default_value_t = keep_fit::checkset::DEFAULT_SEQUENCES)]
+    sequences: usize,
+    /// A pack whose held-out records are the check set's texts (default: the bundled pack for
+    /// the bundled model, synthetic ids for any other model).
+    #[arg(long, value_name = "PACK")]
+    held_out: Option<PathBuf>,
     /// Where the derived (pruned) checkpoint goes (default: beside the plan).
     #[arg(long)]
     derived_dir: Option<PathBuf>,
@@ -185,8 +196,10 @@ fn print_check(r: &CheckReport) {
         ""
     );
     println!(
-        "  {} decoded tokens; load {}; profile {}",
+        "  {} decoded tokens over {} sequences ({}); load {}; profile {}",
         r.decode_tokens,
+        r.sequences,
+        r.check_source,
         r.loadavg.as_deref().unwrap_or("?"),
         r.profile
     );
@@ -207,7 +220,7 @@ pub fn run(a: FitArgs) -> anyhow::Result<()> {
         let r = check(
             plan,
             &CheckOptions {
-                prompt_tokens: 16,
+                prompt_tokens: a.prompt_tokens,
                 decode_tokens: a.probe_tokens,
                 teacher,
                 build: a.build,
@@ -256,8 +269,14 @@ pub fn run(a: FitArgs) -> anyhow::Result<()> {
         kernels,
         probe: ProbeOptions {
             kernels,
-            prompt_tokens: 16,
+            prompt_tokens: a.prompt_tokens,
             decode_tokens: a.probe_tokens,
+            sequences: a.sequences,
+            held_out: match (&a.held_out, &a.model) {
+                (Some(p), _) => Some(p.clone()),
+                (None, None) => Some(super::calibrate::default_pack()?),
+                (None, Some(_)) => None,
+            },
             context: a.context,
             io_threads: keep_runtime::DEFAULT_IO_THREADS,
         },
@@ -280,7 +299,7 @@ pub fn run(a: FitArgs) -> anyhow::Result<()> {
     }
     let p = &o.plan;
     println!(
-        "memory {}{}; probe: compute {:.3} ms/token ({} kernels, {} tokens), {:.3} ms per expert read, {:.2} GB/s {}",
+        "memory {}{}; probe: compute {:.3} ms/token ({} kernels, {} tokens, {}), a miss {:.3} ms per layer + {:.3} ms each, {:.2} GB/s {}",
         human(p.memory.bytes),
         if p.memory.auto {
             format!(
@@ -294,7 +313,9 @@ pub fn run(a: FitArgs) -> anyhow::Result<()> {
         1e3 * p.probes.compute_secs_per_token,
         p.probes.kernels,
         p.probes.compute_probe_tokens,
-        1e3 * p.probes.miss_secs,
+        p.probes.compute_provenance,
+        1e3 * p.probes.layer_latency_secs,
+        1e3 * p.probes.miss_transfer_secs,
         p.probes.ssd_gbps,
         if p.probes.direct_io { "O_DIRECT" } else { "buffered" }
     );
