@@ -26,9 +26,10 @@ use keep_quant::QuantFormat;
 /// `--incoherence on` fits each lattice-coded weight rotated by seeded random-sign Hadamard
 /// transforms on both sides (QuIP#'s incoherence processing; the seeds are stored in
 /// config.json and undone on the activations at run time), `out` on the output side only
-/// (the imatrix weighting stays exact). Off by default: on the bundled model both-sided
-/// rotation raises the KL to the teacher (its imatrix weighting flattens to a block mean),
-/// and output-only leaves it unchanged (dev/quant-incoherence.sh).
+/// (the imatrix weighting stays exact). The default, `auto`, is `out` for the lattice formats
+/// and off for MLX codes: on the bundled model output-only rotation lowers E8P2+E81's KL to
+/// the teacher and leaves E8P2's unchanged, while both-sided rotation raises both (its
+/// imatrix weighting flattens to a block mean) (dev/quant-incoherence.sh).
 /// Writes quant-report.json with the weighted reconstruction error of every rung per tensor
 /// and per expert.
 ///
@@ -61,8 +62,8 @@ pub struct QuantArgs {
     #[arg(long, value_parser = parse_shard, default_value = "0/1")]
     shard: (usize, usize),
     /// Incoherence processing of lattice-coded weights: off, on (random-sign Hadamard on both
-    /// sides), out (output side only).
-    #[arg(long, default_value = "off", value_parser = parse_incoherence)]
+    /// sides), out (output side only), auto (out for lattice formats, off for MLX codes).
+    #[arg(long, default_value = "auto", value_parser = parse_incoherence)]
     incoherence: Incoherence,
     /// Seed of the incoherence transforms' signs (each tensor's own are derived from it).
     #[arg(long, default_value_t = DEFAULT_SEED)]
@@ -91,16 +92,17 @@ fn parse_format(s: &str) -> Result<(QuantFormat, Option<u32>), String> {
     })
 }
 
-/// `--incoherence`'s value (a type of its own: clap reads a bare `Option` as an optional flag).
+/// `--incoherence`'s value: `None` = `auto`, else off (`Some(None)`) or a mode.
 #[derive(Debug, Clone, Copy)]
-struct Incoherence(Option<Mode>);
+struct Incoherence(Option<Option<Mode>>);
 
 fn parse_incoherence(s: &str) -> Result<Incoherence, String> {
     match s {
-        "off" => Ok(Incoherence(None)),
-        "on" => Ok(Incoherence(Some(Mode::Both))),
-        "out" => Ok(Incoherence(Some(Mode::Output))),
-        _ => Err(format!("--incoherence {s}: on, off or out")),
+        "auto" => Ok(Incoherence(None)),
+        "off" => Ok(Incoherence(Some(None))),
+        "on" => Ok(Incoherence(Some(Some(Mode::Both)))),
+        "out" => Ok(Incoherence(Some(Some(Mode::Output)))),
+        _ => Err(format!("--incoherence {s}: auto, on, off or out")),
     }
 }
 
@@ -149,7 +151,12 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
         mlx_bits: a.format.1,
     };
     let bar = crate::util::count_bar(0, "quant");
-    let incoherence = a.incoherence.0.map(|mode| IncoherenceOptions {
+    let mode = match a.incoherence.0 {
+        Some(m) => m,
+        None if a.format.1.is_some() => None,
+        None => Some(Mode::Output),
+    };
+    let incoherence = mode.map(|mode| IncoherenceOptions {
         mode,
         seed: a.incoherence_seed,
     });
