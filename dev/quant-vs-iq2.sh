@@ -5,7 +5,9 @@
 # keep's E8P2+E81 (3 bits) is listed for reference.
 # Usage: dev/quant-vs-iq2.sh MODEL IMATRIX OUT.json [N_EXPERTS]
 #   MODEL's expert widths must be multiples of 256 (IQ2's super-block), e.g. the flash preset
-#   (dev/quant-fit-speed.sh leaves one with its imatrix under its work dir when KEEP_MODEL=1).
+#   (dev/quant-fit-speed.sh leaves one with its imatrix under its work dir when KEEP_MODEL=1;
+#   dev/iq2/flash-1layer-config.json is one layer of it, vocabulary 4096, for
+#   `keep synth --config` and a short `keep calibrate` + `keep finalize` on the bundled tokenizer).
 #   Needs llama.cpp's ggml built as static libraries (LLAMA_SIDE_DIR, default
 #   /tmp/keep-llama-cpp, as dev/llama-cpp-side-by-side.sh builds it), gcc, and a Python with
 #   numpy (PY, default tools/oracle/.venv/bin/python).
