@@ -58,6 +58,10 @@ fn args(budget: u64, prompt: usize, max_tokens: usize) -> Vec<String> {
         max_tokens.to_string(),
         "--temperature".into(),
         "0".into(),
+        // Without drafting: the bundled model's MTP module makes `--draft auto` the default,
+        // which plans K more positions and the module; this file checks the plain budget.
+        "--draft".into(),
+        "none".into(),
     ]
     .to_vec()
 }
