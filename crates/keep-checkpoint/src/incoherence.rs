@@ -1,5 +1,5 @@
 //! The incoherence marker of a quantized checkpoint: which weights were stored rotated by
-//! seeded random-sign Hadamard transforms, and the seeds and block sizes that undo them.
+//! seeded random-sign Hadamard transforms, and their seeds and block sizes that undo them.
 //!
 //! What it is: the `incoherence` object of `config.json`'s `keep_quantization` entry (written
 //! by `keep quant --incoherence on`), one entry per weight base name (`layers.L.ffn.experts.E.w1`,
@@ -11,7 +11,7 @@
 //! ```
 //!
 //! The stored weight is `W̃ = V_out · W · V_inᵀ` with `V = H_B · S` (`S` the ±1 diagonal drawn
-//! from the seed, `H_B` block-diagonal normalised Walsh–Hadamard with blocks of `B`; keep-kernels'
+//! from its seed, `H_B` block-diagonal normalised Walsh–Hadamard with blocks of `B`; keep-kernels'
 //! `hadamard::Rht` defines both), so `y = V_outᵀ · W̃ · (V_in · x)`. [`read`] parses and checks
 //! the object (known kind, power-of-two blocks); whether a block divides the weight's size is
 //! checked where the weight's shape is known (keep-model). What it is not: the transform itself

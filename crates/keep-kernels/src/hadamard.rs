@@ -1,5 +1,5 @@
 //! Randomized Hadamard transforms (incoherence processing, as QuIP# does it): a fast
-//! Walsh–Hadamard transform and the seeded random-sign transform `V = H·S` built on it.
+//! Walsh–Hadamard transform and a seeded random-sign transform `V = H·S` built on it.
 //!
 //! What it is: [`fwht`], the normalised Walsh–Hadamard transform of a power-of-two vector in
 //! place (`n log n` butterflies, then `1/√n`), with [`fwht_ref`], the explicit Sylvester
@@ -103,7 +103,7 @@ impl Rht {
         Rht::new(n, hadamard_block(n), seed)
     }
 
-    /// The sign diagonal `S` (±1): bit `j % 64` of the `j / 64`-th word of the seed's
+    /// The sign diagonal `S` (±1): bit `j % 64` of the `j / 64`-th word of its seed's
     /// Xoshiro256++ stream, set meaning −1.
     pub fn signs(&self) -> Vec<f32> {
         use keep_rng::RngCore;

@@ -21,7 +21,7 @@
 //! checks) and `rows` (the row-threading helpers) are the leaf modules every kernel shares, and
 //! [`matmul`] is the dispatch on top of the kernels.
 //!
-//! [`hadamard`] holds the fast Walsh–Hadamard transform and the seeded random-sign transforms
+//! [`hadamard`] holds the fast Walsh–Hadamard transform and seeded random-sign transforms
 //! that undo incoherence processing on the activations.
 //!
 //! Depends on: `keep-format` (element tables, E8P decode), `keep-rng` (the sign diagonals of

@@ -24,7 +24,7 @@
 //! compare directly with an unrotated fit's.
 //!
 //! What it is not: the search or the per-row fit ([`crate::fit`]), the checkpoint
-//! ([`crate::checkpoint`] writes the seeds into keep-checkpoint's `incoherence` marker).
+//! ([`crate::checkpoint`] writes their seeds into keep-checkpoint's `incoherence` marker).
 
 use keep_checkpoint::incoherence::{Incoherence, TransformKind};
 use keep_kernels::hadamard::{hadamard_block, Rht};
@@ -32,7 +32,7 @@ use keep_kernels::hadamard::{hadamard_block, Rht};
 use crate::fit::{column_weights, dequantize, fit_matrix, FittedMatrix, QuantFormat, RungErrors};
 use crate::{QuantError, Result};
 
-/// The seed `keep quant --incoherence` uses unless given another.
+/// Seed `keep quant --incoherence` uses unless given another.
 pub const DEFAULT_SEED: u64 = 0x6b65_6570_5248_5431;
 
 /// Which sides are rotated.

@@ -1,18 +1,21 @@
 //! Incoherence processing end to end: some experts of the bundled model quantized rotated
-//! (`quantize_with`), the seeds read back from config.json, and the model computing the
+//! (`quantize_with`), their seeds read back from config.json, and the model computing the
 //! rotated experts with their transforms undone — in both kernel modes — close to the source
 //! model, while the same checkpoint with its marker removed (the rotated codes computed as if
 //! they were plain) is far from it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
-use keep_checkpoint::{Checkpoint, Dtype};
+use keep_checkpoint::Checkpoint;
 use keep_model::{CheckpointExperts, Kernels, Logits, Model, ModelConfig};
 use keep_quant::checkpoint::{quantize_with, ExpertSelection, QuantOptions};
 use keep_quant::incoherence::{IncoherenceOptions, Mode};
 use keep_quant::QuantFormat;
+
+mod common;
+use common::bundled;
 
 /// Mean KL(source ‖ quantized) per position above which rotated experts are not computing
 /// what they should (as in `model_runs.rs`: a correct 2-bit code of a quarter of the experts
@@ -22,49 +25,9 @@ const KL_MAX: f64 = 0.05;
 /// unrotated are unrelated weights.
 const WRONG_FACTOR: f64 = 10.0;
 
-fn bundled() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
-}
-
+/// A non-flat imatrix, so the rotated fit's flattening is exercised.
 fn imatrix(dir: &Path) -> PathBuf {
-    let ck = Checkpoint::open(&bundled()).unwrap();
-    let cfg = ck.require_config().unwrap();
-    let mut metas = vec![];
-    for l in 0..cfg.num_hidden_layers {
-        for e in 0..cfg.experts_in_layer(l) {
-            for p in ["w1", "w2", "w3"] {
-                let cols = if p == "w2" {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                metas.push(TensorMeta::new(
-                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
-                    Dtype::F32,
-                    &[cols as u64],
-                ));
-            }
-        }
-    }
-    let out = dir.join("im");
-    let mut w = CheckpointWriter::create(
-        &out,
-        metas.clone(),
-        WriterOptions {
-            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
-            ..WriterOptions::default()
-        },
-    )
-    .unwrap();
-    for m in &metas {
-        // a non-flat imatrix, so the rotated fit's flattening is exercised
-        let v: Vec<u8> = (0..m.shape[0])
-            .flat_map(|j| (1.0f32 + (j % 7) as f32).to_le_bytes())
-            .collect();
-        w.write_tensor(&m.name, &v).unwrap();
-    }
-    w.finish().unwrap();
-    out.join("model.safetensors")
+    common::imatrix_with(dir, |j| 1.0 + (j % 7) as f32)
 }
 
 fn log_softmax(v: &[f32]) -> Vec<f64> {

@@ -5,55 +5,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
-use keep_checkpoint::{Checkpoint, Dtype};
+use keep_checkpoint::Checkpoint;
 use keep_model::generate::argmax;
 use keep_model::{CheckpointExperts, ExpertRht, ExpertSource, Logits, Model};
 use keep_quant::checkpoint::{quantize_with, ExpertSelection, QuantOptions};
 use keep_quant::incoherence::{IncoherenceOptions, Mode};
 use keep_quant::QuantFormat;
 use keep_runtime::{BudgetPlan, BudgetedModel, RuntimeOptions};
-
-fn imatrix(model: &Path, dir: &Path) -> PathBuf {
-    let ck = Checkpoint::open(model).unwrap();
-    let cfg = ck.require_config().unwrap();
-    let mut metas = vec![];
-    for l in 0..cfg.num_hidden_layers {
-        for e in 0..cfg.experts_in_layer(l) {
-            for p in ["w1", "w2", "w3"] {
-                let cols = if p == "w2" {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                metas.push(TensorMeta::new(
-                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
-                    Dtype::F32,
-                    &[cols as u64],
-                ));
-            }
-        }
-    }
-    let out = dir.join("im");
-    let mut w = CheckpointWriter::create(
-        &out,
-        metas.clone(),
-        WriterOptions {
-            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
-            ..WriterOptions::default()
-        },
-    )
-    .unwrap();
-    for m in &metas {
-        w.write_tensor(&m.name, &1.0f32.to_le_bytes().repeat(m.shape[0] as usize))
-            .unwrap();
-    }
-    w.finish().unwrap();
-    out.join("model.safetensors")
-}
 
 fn run(m: &mut BudgetedModel, prompt: &[u32], steps: usize) -> Vec<u32> {
     let mut cache = m.new_cache();
@@ -85,7 +43,7 @@ fn run_plain(m: &Model, prompt: &[u32], steps: usize) -> Vec<u32> {
 fn rotated_experts_under_a_budget_equal_the_model_in_memory() {
     let dir = tempfile::tempdir().unwrap();
     let src = common::synth_tiny(dir.path(), "tiny", Some(16), None);
-    let im = imatrix(&src, dir.path());
+    let im = common::flat_imatrix(&src, dir.path());
     let q = dir.path().join("q");
     let opts = QuantOptions {
         format: QuantFormat::E8p2,

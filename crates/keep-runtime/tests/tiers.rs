@@ -8,56 +8,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
-use keep_checkpoint::{Checkpoint, Dtype};
+use keep_checkpoint::Checkpoint;
 use keep_model::generate::argmax;
 use keep_model::{Logits, Model};
 use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
 use keep_quant::QuantFormat;
 use keep_runtime::{BudgetedModel, ReadGate, RuntimeOptions, TierOptions};
-
-/// An imatrix of ones for every routed expert matrix of `model` (plain least squares).
-fn imatrix(model: &Path, dir: &Path) -> PathBuf {
-    let ck = Checkpoint::open(model).unwrap();
-    let cfg = ck.require_config().unwrap();
-    let mut metas = vec![];
-    for l in 0..cfg.num_hidden_layers {
-        for e in 0..cfg.experts_in_layer(l) {
-            for p in ["w1", "w2", "w3"] {
-                let cols = if p == "w2" {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                metas.push(TensorMeta::new(
-                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
-                    Dtype::F32,
-                    &[cols as u64],
-                ));
-            }
-        }
-    }
-    let out = dir.join("im");
-    let mut w = CheckpointWriter::create(
-        &out,
-        metas.clone(),
-        WriterOptions {
-            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
-            ..WriterOptions::default()
-        },
-    )
-    .unwrap();
-    for m in &metas {
-        w.write_tensor(&m.name, &1.0f32.to_le_bytes().repeat(m.shape[0] as usize))
-            .unwrap();
-    }
-    w.finish().unwrap();
-    out.join("model.safetensors")
-}
 
 /// `src` without its residual stages (`*.resid.*`): the base model.
 fn strip_residuals(src: &Path, out: &Path) -> PathBuf {
@@ -82,7 +42,7 @@ fn strip_residuals(src: &Path, out: &Path) -> PathBuf {
 /// The tiny preset (32 experts) quantized to E8P2+E81, and its base model.
 fn models(dir: &Path) -> (PathBuf, PathBuf) {
     let src = common::synth_tiny(dir, "tiny", Some(32), None);
-    let im = imatrix(&src, dir);
+    let im = common::flat_imatrix(&src, dir);
     let q = dir.join("q");
     let opts = QuantOptions {
         format: QuantFormat::E8p2E81,

@@ -24,7 +24,7 @@ use keep_quant::QuantFormat;
 /// bias per group: `mx.quantize`'s exact output, bits + 0.5 per weight), for comparison at
 /// equal bits; the imatrix then only weights the reported error.
 /// `--incoherence on` fits each lattice-coded weight rotated by seeded random-sign Hadamard
-/// transforms on both sides (QuIP#'s incoherence processing; the seeds are stored in
+/// transforms on both sides (QuIP#'s incoherence processing; their seeds are stored in
 /// config.json and undone on the activations at run time), `out` on the output side only
 /// (the imatrix weighting stays exact). The default, `auto`, is `out` for the lattice formats
 /// and off for MLX codes: on the bundled model output-only rotation lowers E8P2+E81's KL to

@@ -12,7 +12,14 @@ pub fn bundled() -> PathBuf {
 }
 
 /// A flat importance matrix for every routed expert of the bundled model.
+#[allow(dead_code)] // each test file uses one of the two
 pub fn imatrix(dir: &Path) -> PathBuf {
+    imatrix_with(dir, |_| 1.0)
+}
+
+/// An importance matrix for every routed expert of the bundled model, `value(j)` at input
+/// channel `j`.
+pub fn imatrix_with(dir: &Path, value: impl Fn(usize) -> f32) -> PathBuf {
     let ck = Checkpoint::open(&bundled()).unwrap();
     let cfg = ck.require_config().unwrap();
     let mut metas = vec![];
@@ -43,9 +50,10 @@ pub fn imatrix(dir: &Path) -> PathBuf {
     )
     .unwrap();
     for m in &metas {
-        let cols = m.shape[0] as usize;
-        w.write_tensor(&m.name, &1.0f32.to_le_bytes().repeat(cols))
-            .unwrap();
+        let v: Vec<u8> = (0..m.shape[0] as usize)
+            .flat_map(|j| value(j).to_le_bytes())
+            .collect();
+        w.write_tensor(&m.name, &v).unwrap();
     }
     w.finish().unwrap();
     out.join("model.safetensors")

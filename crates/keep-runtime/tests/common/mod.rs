@@ -3,7 +3,11 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+use keep_checkpoint::{Checkpoint, Dtype};
 
 use keep_convert::presets;
 use keep_convert::synth::{synth, SynthOptions};
@@ -38,4 +42,43 @@ pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     use keep_rng::Draw;
     let mut r = keep_rng::rng(12345);
     (0..n).map(|_| r.below(vocab) as u32).collect()
+}
+
+/// An imatrix of ones for every routed expert matrix of `model` (plain least squares).
+pub fn flat_imatrix(model: &Path, dir: &Path) -> PathBuf {
+    let ck = Checkpoint::open(model).unwrap();
+    let cfg = ck.require_config().unwrap();
+    let mut metas = vec![];
+    for l in 0..cfg.num_hidden_layers {
+        for e in 0..cfg.experts_in_layer(l) {
+            for p in ["w1", "w2", "w3"] {
+                let cols = if p == "w2" {
+                    cfg.moe_intermediate_size
+                } else {
+                    cfg.hidden_size
+                };
+                metas.push(TensorMeta::new(
+                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
+                    Dtype::F32,
+                    &[cols as u64],
+                ));
+            }
+        }
+    }
+    let out = dir.join("im");
+    let mut w = CheckpointWriter::create(
+        &out,
+        metas.clone(),
+        WriterOptions {
+            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
+            ..WriterOptions::default()
+        },
+    )
+    .unwrap();
+    for m in &metas {
+        w.write_tensor(&m.name, &1.0f32.to_le_bytes().repeat(m.shape[0] as usize))
+            .unwrap();
+    }
+    w.finish().unwrap();
+    out.join("model.safetensors")
 }
