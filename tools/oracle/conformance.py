@@ -325,7 +325,13 @@ def section_quant_mlx(args):
                  f"mlx{bits}", "--out", out], stdout=subprocess.DEVNULL)
             got = read_dir(out)
             bad, n = [], 0
-            for name in sorted(k for k in src if ".ffn.experts." in k and k.endswith(".weight")):
+            # Decoder layers' experts; an MTP module's experts (`mtp.N.`) have no imatrix and
+            # stay as shipped, byte for byte.
+            for name in sorted(k for k in src if k.startswith("mtp.") and ".ffn.experts." in k):
+                if name not in got or raw_tensor(got[name], name)[2].tobytes() != raw_tensor(src[name], name)[2].tobytes():
+                    bad.append(name + " (MTP expert not copied as shipped)")
+            for name in sorted(k for k in src if k.startswith("layers.") and ".ffn.experts." in k
+                               and k.endswith(".weight")):
                 base = name[: -len(".weight")]
                 _, shape, packed = raw_tensor(src[name], name)
                 _, _, sb = raw_tensor(src[base + ".scale"], base + ".scale")
