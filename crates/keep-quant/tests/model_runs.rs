@@ -3,62 +3,21 @@
 //! loader (which classifies the E8P tensors and attaches the residual stages), and its
 //! next-token distributions compared with the source model's.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::collections::BTreeSet;
+use std::path::Path;
 
-use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
 use keep_checkpoint::{Checkpoint, Dtype};
 use keep_model::{Logits, Model};
 use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
 use keep_quant::QuantFormat;
 
+mod common;
+use common::{bundled, imatrix};
+
 /// Mean KL(source ‖ quantized) per position above which the coded experts are not computing
 /// what they should: a quarter of the routed experts changed by a 2-bit code moves the bundled
 /// model's distribution by far less (measured ~1e-3), while a wrong decode gives KL ≫ 0.1.
 const KL_MAX: f64 = 0.05;
-
-fn bundled() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
-}
-
-fn imatrix(dir: &Path) -> PathBuf {
-    let ck = Checkpoint::open(&bundled()).unwrap();
-    let cfg = ck.require_config().unwrap();
-    let mut metas = vec![];
-    let mut data = vec![];
-    for l in 0..cfg.num_hidden_layers {
-        for e in 0..cfg.experts_in_layer(l) {
-            for p in ["w1", "w2", "w3"] {
-                let cols = if p == "w2" {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                metas.push(TensorMeta::new(
-                    format!("imatrix.{l}.ffn.experts.{e}.{p}"),
-                    Dtype::F32,
-                    &[cols as u64],
-                ));
-                data.push(1.0f32.to_le_bytes().repeat(cols));
-            }
-        }
-    }
-    let out = dir.join("im");
-    let mut w = CheckpointWriter::create(
-        &out,
-        metas.clone(),
-        WriterOptions {
-            shard_metadata: BTreeMap::from([("format".into(), "keep-imatrix".into())]),
-            ..WriterOptions::default()
-        },
-    )
-    .unwrap();
-    for (m, d) in metas.iter().zip(&data) {
-        w.write_tensor(&m.name, d).unwrap();
-    }
-    w.finish().unwrap();
-    out.join("model.safetensors")
-}
 
 fn log_softmax(v: &[f32]) -> Vec<f64> {
     let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
