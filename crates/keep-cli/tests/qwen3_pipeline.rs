@@ -44,6 +44,136 @@ fn logits(cache: &Path, model: &Path, out: &Path) -> Vec<u32> {
     f.logits.iter().map(|x| x.to_bits()).collect()
 }
 
+/// Pack two docs, calibrate and finalize `src`, select 8 experts by REAP and prune to them
+/// (verified): the pack, the plan and the pruned checkpoint.
+fn calibrate_select_prune(cache: &Path, w: &Path, src: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let pack = w.join("pack");
+    keep(cache)
+        .args(["pack", "--from"])
+        .arg(root().join("ARCHITECTURE.md"))
+        .arg(root().join("docs/v4flash.md"))
+        .arg("--tokenizer")
+        .arg(root().join("models/keep-tiny/tokenizer.json"))
+        .arg("--out")
+        .arg(&pack)
+        .args(["--max-tokens", "128", "--held-out-frac", "0.3"])
+        .assert()
+        .success();
+    let run = w.join("run");
+    keep(cache)
+        .arg("calibrate")
+        .arg(src)
+        .arg("--pack")
+        .arg(&pack)
+        .arg("--out")
+        .arg(&run)
+        .assert()
+        .success();
+    keep(cache).arg("finalize").arg(&run).assert().success();
+    let plan = w.join("plan.json");
+    keep(cache)
+        .arg("select")
+        .arg(&run)
+        .args(["--keep", "8", "--no-plot", "--out"])
+        .arg(&plan)
+        .assert()
+        .success();
+    let pruned = w.join("pruned");
+    keep(cache)
+        .arg("prune")
+        .arg(src)
+        .arg(&pruned)
+        .arg("--plan")
+        .arg(&plan)
+        .assert()
+        .success();
+    keep(cache).arg("verify").arg(&pruned).assert().success();
+    (pack, plan, pruned)
+}
+
+/// The plan as a router mask on `src` scores (KL against the eval-split teacher) exactly as the
+/// pruned checkpoint does.
+fn assert_masked_equals_pruned(
+    cache: &Path,
+    w: &Path,
+    src: &Path,
+    pack: &Path,
+    plan: &Path,
+    pruned: &Path,
+) {
+    let ev = w.join("ev");
+    keep(cache)
+        .arg("calibrate")
+        .arg(src)
+        .arg("--pack")
+        .arg(pack)
+        .args(["--split", "eval", "--out"])
+        .arg(&ev)
+        .assert()
+        .success();
+    let eval = |model: &Path, mask: Option<&Path>| {
+        let mut c = keep(cache);
+        c.arg("eval")
+            .arg(model)
+            .arg("--teacher")
+            .arg(&ev)
+            .arg("--pack")
+            .arg(pack);
+        if let Some(m) = mask {
+            c.arg("--mask").arg(m);
+        }
+        stdout(&mut c)
+    };
+    let kl = |s: &str, student: &str| -> String {
+        let line = s
+            .lines()
+            .find(|l| l.trim_start().starts_with(student))
+            .unwrap_or_else(|| panic!("{student} in {s}"));
+        line.split_whitespace().nth(2).unwrap().to_string()
+    };
+    assert_eq!(
+        kl(&eval(src, Some(plan)), "plan.json"),
+        kl(&eval(pruned, None), "model")
+    );
+}
+
+/// `keep run` whole and under a 16 MiB budget give the same greedy tokens; residency replays
+/// the recorded routes.
+fn assert_budget_equals_whole(cache: &Path, w: &Path, src: &Path, prompt_tokens: &str) {
+    let gen = |extra: &[&str]| -> String {
+        let out = stdout(
+            keep(cache)
+                .arg("run")
+                .arg(src)
+                .args([
+                    "--prompt-tokens",
+                    prompt_tokens,
+                    "--max-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                ])
+                .args(extra),
+        );
+        out.lines()
+            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let routes = w.join("routes.safetensors");
+    let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
+    assert!(!plain.is_empty());
+    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
+    let rep = stdout(
+        keep(cache)
+            .arg("residency")
+            .arg(&routes)
+            .arg("--model")
+            .arg(src),
+    );
+    assert!(rep.contains("verdict"), "{rep}");
+}
+
 #[test]
 fn qwen3_moe_through_the_pipeline() {
     let dir = tempfile::tempdir().unwrap();
@@ -80,50 +210,10 @@ fn qwen3_moe_through_the_pipeline() {
     );
 
     // Calibrate, select, prune.
-    let pack = w.join("pack");
-    keep(&cache)
-        .args(["pack", "--from"])
-        .arg(root().join("ARCHITECTURE.md"))
-        .arg(root().join("docs/v4flash.md"))
-        .arg("--tokenizer")
-        .arg(root().join("models/keep-tiny/tokenizer.json"))
-        .arg("--out")
-        .arg(&pack)
-        .args(["--max-tokens", "128", "--held-out-frac", "0.3"])
-        .assert()
-        .success();
-    let run = w.join("run");
-    keep(&cache)
-        .arg("calibrate")
-        .arg(&src)
-        .arg("--pack")
-        .arg(&pack)
-        .arg("--out")
-        .arg(&run)
-        .assert()
-        .success();
-    keep(&cache).arg("finalize").arg(&run).assert().success();
-    let plan = w.join("plan.json");
-    keep(&cache)
-        .arg("select")
-        .arg(&run)
-        .args(["--keep", "8", "--no-plot", "--out"])
-        .arg(&plan)
-        .assert()
-        .success();
+    let (pack, plan, pruned) = calibrate_select_prune(&cache, w, &src);
     let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
     let layers = p["layers"].as_array().unwrap();
     assert!(layers.iter().any(|l| l["survivors"].is_array()));
-    let pruned = w.join("pruned");
-    keep(&cache)
-        .arg("prune")
-        .arg(&src)
-        .arg(&pruned)
-        .arg("--plan")
-        .arg(&plan)
-        .assert()
-        .success();
-    keep(&cache).arg("verify").arg(&pruned).assert().success();
     let pc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(pruned.join("config.json")).unwrap()).unwrap();
     assert_eq!(pc["num_experts"], 8);
@@ -131,78 +221,9 @@ fn qwen3_moe_through_the_pipeline() {
     assert!(report.contains("8 in each of 2 layers"), "{report}");
 
     // Eval: the plan as a router mask on the source scores as the pruned checkpoint does.
-    let ev = w.join("ev");
-    keep(&cache)
-        .arg("calibrate")
-        .arg(&src)
-        .arg("--pack")
-        .arg(&pack)
-        .args(["--split", "eval", "--out"])
-        .arg(&ev)
-        .assert()
-        .success();
-    let masked = stdout(
-        keep(&cache)
-            .arg("eval")
-            .arg(&src)
-            .arg("--teacher")
-            .arg(&ev)
-            .arg("--pack")
-            .arg(&pack)
-            .arg("--mask")
-            .arg(&plan),
-    );
-    let whole = stdout(
-        keep(&cache)
-            .arg("eval")
-            .arg(&pruned)
-            .arg("--teacher")
-            .arg(&ev)
-            .arg("--pack")
-            .arg(&pack),
-    );
-    let kl = |s: &str, student: &str| -> String {
-        let line = s
-            .lines()
-            .find(|l| l.trim_start().starts_with(student))
-            .unwrap_or_else(|| panic!("{student} in {s}"));
-        line.split_whitespace().nth(2).unwrap().to_string()
-    };
-    assert_eq!(kl(&masked, "plan.json"), kl(&whole, "model"));
-
+    assert_masked_equals_pruned(&cache, w, &src, &pack, &plan, &pruned);
     // Run whole and under a memory budget: the same greedy tokens; residency replays the routes.
-    let gen = |extra: &[&str]| -> String {
-        let out = stdout(
-            keep(&cache)
-                .arg("run")
-                .arg(&src)
-                .args([
-                    "--prompt-tokens",
-                    "24",
-                    "--max-tokens",
-                    "6",
-                    "--temperature",
-                    "0",
-                ])
-                .args(extra),
-        );
-        out.lines()
-            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
-            .unwrap_or_default()
-            .to_string()
-    };
-    let routes = w.join("routes.safetensors");
-    let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
-    assert!(!plain.is_empty());
-    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
-    let rep = stdout(
-        keep(&cache)
-            .arg("residency")
-            .arg(&routes)
-            .arg("--model")
-            .arg(&src),
-    );
-    assert!(rep.contains("verdict"), "{rep}");
+    assert_budget_equals_whole(&cache, w, &src, "24");
 }
 
 /// mlx-lm's 4-bit layout (`keep synth --format mlx4`: experts stacked in `switch_mlp`, every
@@ -236,48 +257,8 @@ fn qwen3_moe_mlx4_through_the_pipeline() {
     assert!(report.contains("mlx-affine4"), "{report}");
     assert!(report.contains("mlx-affine8"), "{report}");
 
-    let pack = w.join("pack");
-    keep(&cache)
-        .args(["pack", "--from"])
-        .arg(root().join("ARCHITECTURE.md"))
-        .arg(root().join("docs/v4flash.md"))
-        .arg("--tokenizer")
-        .arg(root().join("models/keep-tiny/tokenizer.json"))
-        .arg("--out")
-        .arg(&pack)
-        .args(["--max-tokens", "128", "--held-out-frac", "0.3"])
-        .assert()
-        .success();
-    let run = w.join("run");
-    keep(&cache)
-        .arg("calibrate")
-        .arg(&src)
-        .arg("--pack")
-        .arg(&pack)
-        .arg("--out")
-        .arg(&run)
-        .assert()
-        .success();
-    keep(&cache).arg("finalize").arg(&run).assert().success();
-    let plan = w.join("plan.json");
-    keep(&cache)
-        .arg("select")
-        .arg(&run)
-        .args(["--keep", "8", "--no-plot", "--out"])
-        .arg(&plan)
-        .assert()
-        .success();
     // Prune slices the stacked experts, their scales and biases, and the quantized router.
-    let pruned = w.join("pruned");
-    keep(&cache)
-        .arg("prune")
-        .arg(&src)
-        .arg(&pruned)
-        .arg("--plan")
-        .arg(&plan)
-        .assert()
-        .success();
-    keep(&cache).arg("verify").arg(&pruned).assert().success();
+    let (pack, plan, pruned) = calibrate_select_prune(&cache, w, &src);
     let report = stdout(keep(&cache).arg("inspect").arg(&pruned));
     assert!(report.contains("no problems found"), "{report}");
     assert!(report.contains("8 in each of 2 layers"), "{report}");
@@ -292,73 +273,8 @@ fn qwen3_moe_mlx4_through_the_pipeline() {
     );
 
     // The plan as a router mask on the source scores as the pruned checkpoint does.
-    let ev = w.join("ev");
-    keep(&cache)
-        .arg("calibrate")
-        .arg(&src)
-        .arg("--pack")
-        .arg(&pack)
-        .args(["--split", "eval", "--out"])
-        .arg(&ev)
-        .assert()
-        .success();
-    let eval = |model: &Path, mask: Option<&Path>| {
-        let mut c = keep(&cache);
-        c.arg("eval")
-            .arg(model)
-            .arg("--teacher")
-            .arg(&ev)
-            .arg("--pack")
-            .arg(&pack);
-        if let Some(m) = mask {
-            c.arg("--mask").arg(m);
-        }
-        stdout(&mut c)
-    };
-    let kl = |s: &str, student: &str| -> String {
-        let line = s
-            .lines()
-            .find(|l| l.trim_start().starts_with(student))
-            .unwrap_or_else(|| panic!("{student} in {s}"));
-        line.split_whitespace().nth(2).unwrap().to_string()
-    };
-    assert_eq!(
-        kl(&eval(&src, Some(&plan)), "plan.json"),
-        kl(&eval(&pruned, None), "model")
-    );
-
+    assert_masked_equals_pruned(&cache, w, &src, &pack, &plan, &pruned);
     // Whole and under a memory budget (the expert store reads each expert's slices of the
     // stacked weight, scales and biases): the same greedy tokens; residency replays the routes.
-    let gen = |extra: &[&str]| -> String {
-        let out = stdout(
-            keep(&cache)
-                .arg("run")
-                .arg(&src)
-                .args([
-                    "--prompt-tokens",
-                    "16",
-                    "--max-tokens",
-                    "6",
-                    "--temperature",
-                    "0",
-                ])
-                .args(extra),
-        );
-        out.lines()
-            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
-            .unwrap_or_default()
-            .to_string()
-    };
-    let routes = w.join("routes.safetensors");
-    let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
-    assert!(!plain.is_empty());
-    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
-    let rep = stdout(
-        keep(&cache)
-            .arg("residency")
-            .arg(&routes)
-            .arg("--model")
-            .arg(&src),
-    );
-    assert!(rep.contains("verdict"), "{rep}");
+    assert_budget_equals_whole(&cache, w, &src, "16");
 }
