@@ -42,7 +42,7 @@ LCP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LCP_URL="https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-${LCP_VERSION}.tar.gz"
 CMAKE_PIN=4.2.1
 
-if [[ -e "$OUT" && "${FORCE:-0}" != 1 ]]; then
+if [[ -e "$OUT" && "${FORCE:-0}" != 1 && "${BUILD_ONLY:-0}" != 1 ]]; then
   echo "refusing to replace $OUT (FORCE=1 to replace)" >&2
   exit 1
 fi

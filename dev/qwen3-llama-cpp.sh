@@ -31,7 +31,8 @@
 #   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit and 1.4 GiB per 4-bit copy),
 #   THREADS (1), P (64), N (32), PAIRS ("bf16 q8 q4"), KEEP (target/release/keep), PY (a Python
 #   with torch, transformers, numpy, pyyaml, tqdm: default tools/oracle/.venv's).
-#   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run. CONFIG=FILE synthesises that
+#   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run; PREPARE_ONLY=1 writes them and
+#   stops (run the rounds later, on a quiet machine, with the same LAYERS/PAIRS). CONFIG=FILE synthesises that
 #   Qwen3-MoE config.json instead of the preset (a quick check of the script at small shapes).
 # Not part of .ci/run: it compiles llama.cpp for several minutes and writes several GiB.
 set -euo pipefail
@@ -122,6 +123,11 @@ if [[ " $PAIRS " == *" q4 "* ]]; then
     "$KEEP" synth --family qwen3_moe "${SHAPE[@]}" --layers "$LAYERS" --format mlx4 \
       --out "$Q/mlx4" --force >&2
   fi
+fi
+
+if [[ "${PREPARE_ONLY:-0}" == 1 ]]; then
+  echo "checkpoints and GGUFs ready under $Q" >&2
+  exit 0
 fi
 
 # --- rounds ----------------------------------------------------------------------------------
