@@ -168,10 +168,11 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 
 python3 - "$RAW" "$OUT" "$Q" "$ROUNDS" "$LAYERS" "$THREADS" "$P" "$N" "$MEMB" "$BUDGETB" \
-  "$LLAMA_ARGS" "$PROBE_DEFAULT" "$*" "$MEM" "$BUDGET" <<'PYEOF'
-import json, os, platform, statistics, subprocess, sys, time
+  "$LLAMA_ARGS" "$PROBE_DEFAULT" "$*" "$MEM" "$BUDGET" "$KEEP" "$LB" \
+  "$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)" <<'PYEOF'
+import hashlib, json, os, platform, statistics, subprocess, sys, time
 (raw, out, q, rounds, layers, threads, p, n, mem, budget, llama_args, probe, args,
- mem_s, budget_s) = sys.argv[1:16]
+ mem_s, budget_s, keep_bin, llama_bin, repo_commit) = sys.argv[1:19]
 rounds, mem, budget = int(rounds), int(mem), int(budget)
 
 def load(path):
@@ -180,6 +181,13 @@ def load(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 def lscpu_model():
     try:
@@ -278,6 +286,9 @@ res = {"format": "keep-bigger-than-ram-qwen3", "version": 1,
        "env": {"LAYERS": layers, "MEM": mem_s, "BUDGET": budget_s, "THREADS": threads, "P": p, "N": n,
                "LLAMA_ARGS": llama_args, "PROBE_DEFAULT": probe},
        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+       "repo_commit": repo_commit,
+       "binaries": {"keep": {"path": keep_bin, "sha256": sha256(keep_bin)},
+                    "llama_bench": {"path": llama_bin, "sha256": sha256(llama_bin)}},
        "machine": {"lscpu_model": lscpu_model(), "nproc": os.cpu_count(),
                    "mem_total_bytes": int(open("/proc/meminfo").readline().split()[1]) * 1024,
                    "uname": platform.uname()._asdict()},
