@@ -48,8 +48,10 @@
 # Disk: LAYERS=48 writes about 17 GB of MLX checkpoint and 17 GB of GGUF (refused if the disk
 #   has less free than both need). Time, in CPU seconds of one core (measured at 2 and 4
 #   layers): keep synth about 15 per layer, the conversion about 19 per layer plus 12 (so
-#   about 15 and 16 minutes at 48 layers on a quiet machine); the conversion's peak RSS is
-#   3.5 GB whatever the depth. Each round reads tens of GB. Not part of .ci/run.
+#   about 12 and 16 minutes at 48 layers on a quiet machine); the conversion's peak RSS is
+#   3.5 GB whatever the depth. The runs re-read what does not stay cached (4 layers, 1.7 GB,
+#   in a 1 GiB cgroup: llama-bench read 11 GB per run, keep's mmap 2.6 GB, keep
+#   --memory-budget 0.9 GB). Not part of .ci/run.
 set -euo pipefail
 
 ROUNDS="${1:-2}"
