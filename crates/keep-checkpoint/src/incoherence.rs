@@ -25,6 +25,11 @@ use crate::DeepSeekConfig;
 
 /// The config key of the quantization entry that holds the marker.
 pub const QUANT_KEY: &str = "keep_quantization";
+/// `format` of that entry (and of `keep quant`'s report).
+pub const QUANT_FORMAT: &str = "keep-quant";
+/// The newest version of that entry this keep reads: a newer one may describe weights this
+/// keep would compute wrongly (a transform it does not know), so it is refused, never ignored.
+pub const QUANT_VERSION: u32 = 1;
 /// The marker's key inside it.
 pub const INCOHERENCE_KEY: &str = "incoherence";
 /// The one transform kind: random signs then a block-diagonal normalised Hadamard.
@@ -58,6 +63,9 @@ pub enum TransformKind {
 /// malformed marker is an error naming the weight, never ignored (a rotated weight computed
 /// without its transforms would be silently wrong).
 pub fn read(cfg: &DeepSeekConfig) -> Result<BTreeMap<String, Incoherence>, String> {
+    if let Some(q) = cfg.raw.get(QUANT_KEY) {
+        check_entry(q)?;
+    }
     let Some(v) = cfg.raw.get(QUANT_KEY).and_then(|q| q.get(INCOHERENCE_KEY)) else {
         return Ok(BTreeMap::new());
     };
@@ -73,6 +81,31 @@ pub fn read(cfg: &DeepSeekConfig) -> Result<BTreeMap<String, Incoherence>, Strin
         }
     }
     Ok(m)
+}
+
+/// The entry's `format` and `version`, when present, must be ones this keep reads.
+fn check_entry(q: &serde_json::Value) -> Result<(), String> {
+    if let Some(f) = q.get("format") {
+        if f.as_str() != Some(QUANT_FORMAT) {
+            return Err(format!(
+                "{QUANT_KEY}.format is {f}, not \"{QUANT_FORMAT}\": this checkpoint was not \
+                 quantized by keep, or its entry is damaged"
+            ));
+        }
+    }
+    if let Some(v) = q.get("version") {
+        match v.as_u64() {
+            Some(n) if n <= u64::from(QUANT_VERSION) => {}
+            Some(n) => {
+                return Err(format!(
+                    "{QUANT_KEY}.version is {n}: written by a newer keep (this one reads \
+                     version {QUANT_VERSION} at most); upgrade keep to run it"
+                ))
+            }
+            None => return Err(format!("{QUANT_KEY}.version is {v}, not a version number")),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -111,6 +144,22 @@ mod tests {
             (5, 16, 6, 32)
         );
         assert_eq!(t.kind, TransformKind::Rht);
+    }
+
+    #[test]
+    fn newer_or_foreign_entries_are_refused() {
+        let ok = cfg(Some(r#"{"format":"keep-quant","version":1,"tensors":{}}"#));
+        assert!(read(&ok).is_ok());
+        for bad in [
+            r#"{"format":"keep-quant","version":2,"tensors":{}}"#,
+            r#"{"format":"keep-quant","version":"1","tensors":{}}"#,
+            r#"{"format":"other","version":1,"tensors":{}}"#,
+        ] {
+            let err = read(&cfg(Some(bad))).unwrap_err();
+            assert!(err.contains(QUANT_KEY), "{bad}: {err}");
+        }
+        let newer = read(&cfg(Some(r#"{"format":"keep-quant","version":2}"#))).unwrap_err();
+        assert!(newer.contains("newer keep"), "{newer}");
     }
 
     #[test]

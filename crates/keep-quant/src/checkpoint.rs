@@ -48,14 +48,15 @@ use keep_kernels::{BlockScales, WeightView};
 use crate::fit::{fit_matrix, FittedMatrix, QuantFormat, ResidualCodes};
 use crate::{QuantError, Result};
 
-/// `format` of the checkpoint's `keep_quantization` entry and of `quant-report.json`.
-pub const QUANT_FORMAT: &str = "keep-quant";
+/// `format` of the checkpoint's `keep_quantization` entry and of `quant-report.json`
+/// (keep-checkpoint owns the entry and refuses versions it does not read).
+pub const QUANT_FORMAT: &str = keep_checkpoint::incoherence::QUANT_FORMAT;
 /// Their version.
-pub const QUANT_VERSION: u32 = 1;
+pub const QUANT_VERSION: u32 = keep_checkpoint::incoherence::QUANT_VERSION;
 /// The report's file name in the output.
 pub const REPORT_FILE: &str = "quant-report.json";
 /// The config key describing the quantization.
-pub const CONFIG_KEY: &str = "keep_quantization";
+pub const CONFIG_KEY: &str = keep_checkpoint::incoherence::QUANT_KEY;
 /// Expert projections that are quantized.
 pub const PARTS: [&str; 3] = ["w1", "w2", "w3"];
 
