@@ -617,6 +617,16 @@ impl DeepSeekConfig {
             .unwrap_or(self.n_routed_experts)
     }
 
+    /// The most routed experts of any decoder layer (`n_routed_experts` unless
+    /// `n_routed_experts_per_layer` gives layers other counts): what a per-layer array of
+    /// experts (route traces, REAP statistics, the runtime's expert store) is sized by.
+    pub fn max_experts_in_a_layer(&self) -> usize {
+        (0..self.num_hidden_layers)
+            .map(|l| self.experts_in_layer(l))
+            .max()
+            .unwrap_or(self.n_routed_experts)
+    }
+
     /// Routed experts in MTP module `mtp.N` (`n_routed_experts` unless pruning left it another
     /// count, `n_routed_experts_mtp`).
     pub fn experts_in_mtp(&self, n: usize) -> usize {
