@@ -701,6 +701,28 @@ mod tests {
     }
 
     #[test]
+    fn per_layer_expert_counts() {
+        let j = |per: &str| {
+            format!(
+                r#"{{"model_type":"deepseek_v4","num_hidden_layers":3,"num_hash_layers":2,
+                    "n_routed_experts":8,"num_experts_per_tok":4,
+                    "n_routed_experts_per_layer":{per}}}"#
+            )
+        };
+        let c = DeepSeekConfig::from_json(Path::new("c.json"), &j("[16, 16, 8]")).unwrap();
+        let per: Vec<usize> = (0..3).map(|l| c.experts_in_layer(l)).collect();
+        assert_eq!(per, [16, 16, 8]);
+        assert_eq!(c.max_experts_in_a_layer(), 16);
+        assert_eq!(c.experts_in_mtp(0), 8);
+        let plain = DeepSeekConfig::from_json(Path::new("c.json"), "{}").unwrap();
+        assert_eq!(plain.max_experts_in_a_layer(), plain.n_routed_experts);
+        for bad in ["[16, 8]", "[16, 16, 2]"] {
+            let e = DeepSeekConfig::from_json(Path::new("c.json"), &j(bad)).unwrap_err();
+            assert!(e.to_string().contains("n_routed_experts_per_layer"), "{e}");
+        }
+    }
+
+    #[test]
     fn bad_configs_are_errors() {
         for bad in [
             "[]",

@@ -3,8 +3,8 @@
 //! 8 in the others; the MTP module keeps its 16, `n_routed_experts_mtp`), and every verb reads
 //! each layer's own count — verify, inspect, logits, eval (the pruned checkpoint scores exactly
 //! what its plan's student scores), run mapped and under a memory budget (the expert store and
-//! slot cache; the same greedy tokens), MTP drafting, residency over the recorded routes, and
-//! calibration of the pruned model.
+//! slot cache; the same greedy tokens), MTP drafting, residency over the recorded routes,
+//! calibration of the pruned model and `keep quant` by its imatrix.
 
 use std::path::{Path, PathBuf};
 
@@ -218,7 +218,8 @@ fn a_v4flash_pruned_with_whole_hash_layers_runs_in_every_verb() {
     );
     assert!(res.contains("verdict"), "{res}");
 
-    // The pruned model calibrates (its REAP statistics cover each layer's own experts).
+    // The pruned model calibrates, and its experts quantize by that imatrix (each layer's
+    // own count) into a checkpoint that runs.
     let run2 = w.join("run-pruned");
     keep(&cache)
         .arg("calibrate")
@@ -230,4 +231,29 @@ fn a_v4flash_pruned_with_whole_hash_layers_runs_in_every_verb() {
         .assert()
         .success();
     keep(&cache).arg("finalize").arg(&run2).assert().success();
+    let q = w.join("quant");
+    keep(&cache)
+        .arg("quant")
+        .arg(&pruned)
+        .arg("--imatrix")
+        .arg(&run2)
+        .arg("--out")
+        .arg(&q)
+        .assert()
+        .success();
+    let rep = json(keep(&cache).arg("inspect").arg(&q).arg("--json"));
+    assert_eq!(rep["refused"], serde_json::json!([]), "{rep}");
+    keep(&cache)
+        .arg("run")
+        .arg(&q)
+        .args([
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "4",
+            "--draft",
+            "none",
+        ])
+        .assert()
+        .success();
 }
