@@ -18,8 +18,11 @@ tools/oracle/v4flash_ref.py (its own FP8/FP4 decoding, strict state-dict load):
 Pruned hash-routed layers: an odd-shaped checkpoint (vocabulary 4096, two hash layers, 12 experts
 top-3) is calibrated on a small pack of this repository's docs (keep-tiny's tokenizer), and for
 each remap policy (reap-next, nearest, frequency) `keep select --keep 6 --hash-remap POLICY`,
-`keep prune` (tid2eid rewritten) and `keep verify`; the pruned checkpoint then goes through the
-same checks against transformers loading it (logits, routes, greedy tokens).
+`keep prune` (tid2eid rewritten) and `keep verify`; and `keep select --keep 6` without a remap,
+which leaves the hash-routed layers whole (12 experts there, 6 elsewhere:
+`n_routed_experts_per_layer`; the reference builds each layer at its own count). Each pruned
+checkpoint then goes through the same checks against transformers loading it (logits, routes,
+greedy tokens).
 (transformers 5.23 cannot score with `softmax`: `ACT2FN` has no such activation, so that
 scoring function, which keep implements for V4.1, is not checked against it for V4.)
 For each: a pseudo-random sequence through `keep logits --routes` (one prefill) and the
@@ -131,6 +134,17 @@ def pruned_cases(keep, tmp):
         check(f"v4 pruned-{policy}: the pruned checkpoint has 6 experts per layer",
               pc["n_routed_experts"] == 6, str(pc["n_routed_experts"]))
         out.append((pruned, f"pruned-hash-remap-{policy}", 150))
+    # No remap: the hash-routed layers stay whole (12 experts), the others keep 6, and the
+    # reference builds each layer at its own count.
+    plan, pruned = tmp / "plan-hash-whole.json", tmp / "hashprune-hash-whole"
+    run([keep, "select", calib, "--keep", "6", "--out", plan, "--no-plot"])
+    run([keep, "prune", d, pruned, "--plan", plan])
+    run([keep, "verify", pruned])
+    pc = json.loads((pruned / "config.json").read_text())
+    per = pc.get("n_routed_experts_per_layer")
+    check("v4 pruned-hash-whole: hash layers keep 12 experts, the others 6",
+          per == [12, 12] + [6] * (len(per or []) - 2) and pc["n_routed_experts"] == 6, str(per))
+    out.append((pruned, "pruned-hash-layers-whole", 150))
     return out
 
 

@@ -15,6 +15,8 @@ Config: `compress_ratios` become `layer_types` (0: sliding, 4: CSA, other: HCA) 
 `compress_rates` (the HCA rate is the one non-4 ratio; transformers allows one per type);
 `num_hash_layers` becomes `mlp_layer_types`; `rope_scaling` becomes the `compress` rope
 (`attention_factor` 1, as transformers forces for V4); the `main` rope is plain `rope_theta`.
+`n_routed_experts_per_layer` (keep prune leaving hash-routed layers whole) builds each layer
+whose count differs as transformers' `DeepseekV4SparseMoeBlock` of that count.
 
 Writes a safetensors file with
 
@@ -30,6 +32,7 @@ Usage: v4flash_ref.py DIR --tokens 1,2,3 --out FILE.safetensors [--routes] [--gr
                       [--save-hf DIR]   (also write the converted checkpoint transformers loads)
 """
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -103,6 +106,12 @@ def dequant(T, name):
     raise ValueError(f"{name}: dtype {dtype}")
 
 
+def experts_per_layer(c):
+    """Each decoder layer's routed experts: `n_routed_experts_per_layer` (written by keep prune
+    when it leaves hash-routed layers whole), else `n_routed_experts` in every layer."""
+    return c.get("n_routed_experts_per_layer") or [c["n_routed_experts"]] * c["num_hidden_layers"]
+
+
 def hf_config(c):
     n = c["num_hidden_layers"]
     ratios = (c.get("compress_ratios") or []) + [0] * n
@@ -127,7 +136,7 @@ def hf_config(c):
         moe_intermediate_size=c["moe_intermediate_size"], num_hidden_layers=n,
         num_attention_heads=c["num_attention_heads"], num_key_value_heads=1,
         head_dim=c["head_dim"], q_lora_rank=c["q_lora_rank"],
-        num_experts_per_tok=c["num_experts_per_tok"], n_routed_experts=c["n_routed_experts"],
+        num_experts_per_tok=c["num_experts_per_tok"], n_routed_experts=max(experts_per_layer(c)),
         n_shared_experts=1, scoring_func=c.get("scoring_func", "sqrtsoftplus"),
         norm_topk_prob=c.get("norm_topk_prob", True),
         routed_scaling_factor=c.get("routed_scaling_factor", 1.5),
@@ -215,7 +224,7 @@ def convert(T, c):
             v = v.astype(np.int64)
         sd[f"model.layers.{l}.{LAYER[rest]}"] = v
     for l, ex in experts.items():
-        E = c["n_routed_experts"]
+        E = experts_per_layer(c)[l]
         gu = np.stack([np.concatenate([ex[e]["w1"], ex[e]["w3"]], 0) for e in range(E)])
         dn = np.stack([ex[e]["w2"] for e in range(E)])
         sd[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu
@@ -231,6 +240,13 @@ def load(d: Path):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg).float().eval()
+    # A layer with another expert count gets transformers' own MoE block built at that count
+    # (its router, experts and one-hot width all follow the config it is built from).
+    for l, n in enumerate(experts_per_layer(c)):
+        if n != cfg.n_routed_experts:
+            cl = copy.deepcopy(cfg)
+            cl.n_routed_experts = n
+            model.model.layers[l].mlp = mdv4.DeepseekV4SparseMoeBlock(cl, l).float().eval()
     sd = convert(read_all(d), c)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     # Rotary inv_freq buffers are computed, not stored.

@@ -158,13 +158,12 @@ pub fn remapped_tables(
             ))
         })?;
         let bad = |e: String| CalibError::Mismatch(format!("layer {l}: hash_remap: {e}"));
-        remap
-            .validate(cfg.n_experts, surv, cfg.top_k)
-            .map_err(bad)?;
+        let n = cfg.experts_in_layer(l);
+        remap.validate(n, surv, cfg.top_k).map_err(bad)?;
         let t = HashTable::load(ck, cfg, l)?;
         let ids = remap_table(&t.ids, t.top_k, surv, remap).map_err(bad)?;
         let raw: Vec<i64> = ids.iter().map(|&j| j as i64).collect();
-        *slot = Some(HashTable::new(t.vocab, t.top_k, cfg.n_experts, &raw).map_err(bad)?);
+        *slot = Some(HashTable::new(t.vocab, t.top_k, n, &raw).map_err(bad)?);
     }
     Ok(out)
 }
@@ -209,6 +208,19 @@ pub fn eval(
                 plan.n_experts,
                 model.display(),
                 cfg.n_experts
+            )));
+        }
+        // A model whose layers have different counts (hash-routed layers a pruned checkpoint
+        // kept whole): the plan's masks fit only layers of its count.
+        if let Some(l) = (0..cfg.n_layers)
+            .find(|&l| plan.survivors(l).is_some() && cfg.experts_in_layer(l) != plan.n_experts)
+        {
+            return Err(CalibError::Mismatch(format!(
+                "{} prunes layer {l} as a layer of {} experts; {} has {} there",
+                p.display(),
+                plan.n_experts,
+                model.display(),
+                cfg.experts_in_layer(l)
             )));
         }
         let label = p

@@ -1,7 +1,8 @@
 //! Pruning's exactness test: a checkpoint pruned by byte copy gives the same logits as the full
 //! model with the plan applied as a router mask (same experts, same renormalised weights), on a
-//! `keep synth` model and on the bundled model; and the streamed student (what `keep eval`
-//! runs) equals the whole-model masked forward.
+//! `keep synth` model, on the bundled model, and on a V4-Flash whose hash-routed layers the plan
+//! leaves whole (the pruned checkpoint's layers then hold different counts); and the streamed
+//! student (what `keep eval` runs) equals the whole-model masked forward.
 
 use std::path::Path;
 
@@ -13,7 +14,8 @@ use keep_convert::synth::{synth, SynthOptions};
 use keep_model::streamed::{forward_streamed, StreamOptions};
 use keep_model::{Logits, Model};
 
-fn plan_for(n: usize, layers: usize, keep: usize) -> PrunePlan {
+/// A plan keeping `keep` scattered experts of every layer but the first `whole` (left whole).
+fn plan_for(n: usize, layers: usize, keep: usize, whole: usize) -> PrunePlan {
     PrunePlan {
         format: PrunePlan::FORMAT.into(),
         version: 1,
@@ -24,7 +26,7 @@ fn plan_for(n: usize, layers: usize, keep: usize) -> PrunePlan {
             .map(|l| LayerPlan {
                 layer: l,
                 // A different, scattered survivor set in every layer.
-                survivors: Some({
+                survivors: (l >= whole).then(|| {
                     let mut v: Vec<usize> = (0..n).filter(|e| (e * 7 + l * 3) % n < keep).collect();
                     v.sort();
                     v
@@ -38,12 +40,12 @@ fn plan_for(n: usize, layers: usize, keep: usize) -> PrunePlan {
     }
 }
 
-fn check(full: &Path, tokens: &[u32], keep: usize, scratch: &Path) {
+fn check(full: &Path, tokens: &[u32], keep: usize, whole: usize, scratch: &Path) {
     let ck = Checkpoint::open(full).unwrap();
     let cfg = ck.config().unwrap().clone();
-    let plan = plan_for(cfg.n_routed_experts, cfg.num_hidden_layers, keep);
+    let plan = plan_for(cfg.n_routed_experts, cfg.num_hidden_layers, keep, whole);
     plan.validate().unwrap();
-    for l in &plan.layers {
+    for l in &plan.layers[whole..] {
         assert_eq!(l.survivors.as_ref().unwrap().len(), keep);
     }
     let out = scratch.join("pruned");
@@ -61,6 +63,15 @@ fn check(full: &Path, tokens: &[u32], keep: usize, scratch: &Path) {
         .unwrap();
 
     let pck = Checkpoint::open(&out).unwrap();
+    let pcfg = pck.config().unwrap();
+    for l in 0..cfg.num_hidden_layers {
+        let want = if l < whole {
+            cfg.n_routed_experts
+        } else {
+            keep
+        };
+        assert_eq!(pcfg.experts_in_layer(l), want, "layer {l}");
+    }
     let pruned = Model::load(&pck).unwrap();
     let mut cache = pruned.new_cache();
     let got = pruned
@@ -111,7 +122,24 @@ fn pruned_equals_masked_on_a_synth_model() {
     };
     synth(&cfg, &src, &o, &|_, _| {}).unwrap();
     let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 512).collect();
-    check(&src, &tokens, 6, d.path());
+    check(&src, &tokens, 6, 0, d.path());
+}
+
+#[test]
+fn pruned_equals_masked_with_whole_hash_layers() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, st) = preset("tiny-v4flash").unwrap();
+    assert_eq!(cfg.num_hash_layers, 2);
+    let src = d.path().join("v4f");
+    let o = SynthOptions {
+        seed: 4,
+        storage: st,
+        force: false,
+        max_shard_bytes: 1 << 30,
+    };
+    synth(&cfg, &src, &o, &|_, _| {}).unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 512).collect();
+    check(&src, &tokens, 6, 2, d.path());
 }
 
 #[test]
@@ -119,5 +147,5 @@ fn pruned_equals_masked_on_the_bundled_model() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
     let d = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..72).map(|i| (i * 131 + 7) % 4096).collect();
-    check(&model, &tokens, 16, d.path());
+    check(&model, &tokens, 16, 0, d.path());
 }

@@ -617,6 +617,16 @@ impl DeepSeekConfig {
             .unwrap_or(self.n_routed_experts)
     }
 
+    /// The most routed experts of any decoder layer (`n_routed_experts` unless
+    /// `n_routed_experts_per_layer` gives layers other counts): what a per-layer array of
+    /// experts (route traces, REAP statistics, the runtime's expert store) is sized by.
+    pub fn max_experts_in_a_layer(&self) -> usize {
+        (0..self.num_hidden_layers)
+            .map(|l| self.experts_in_layer(l))
+            .max()
+            .unwrap_or(self.n_routed_experts)
+    }
+
     /// Routed experts in MTP module `mtp.N` (`n_routed_experts` unless pruning left it another
     /// count, `n_routed_experts_mtp`).
     pub fn experts_in_mtp(&self, n: usize) -> usize {
@@ -688,6 +698,28 @@ mod tests {
         assert_eq!(c.model_type, "deepseek_v4");
         let raw = c.raw_with(&[("n_routed_experts", Value::from(4))]);
         assert_eq!(raw["text_config"]["n_routed_experts"], 4);
+    }
+
+    #[test]
+    fn per_layer_expert_counts() {
+        let j = |per: &str| {
+            format!(
+                r#"{{"model_type":"deepseek_v4","num_hidden_layers":3,"num_hash_layers":2,
+                    "n_routed_experts":8,"num_experts_per_tok":4,
+                    "n_routed_experts_per_layer":{per}}}"#
+            )
+        };
+        let c = DeepSeekConfig::from_json(Path::new("c.json"), &j("[16, 16, 8]")).unwrap();
+        let per: Vec<usize> = (0..3).map(|l| c.experts_in_layer(l)).collect();
+        assert_eq!(per, [16, 16, 8]);
+        assert_eq!(c.max_experts_in_a_layer(), 16);
+        assert_eq!(c.experts_in_mtp(0), 8);
+        let plain = DeepSeekConfig::from_json(Path::new("c.json"), "{}").unwrap();
+        assert_eq!(plain.max_experts_in_a_layer(), plain.n_routed_experts);
+        for bad in ["[16, 8]", "[16, 16, 2]"] {
+            let e = DeepSeekConfig::from_json(Path::new("c.json"), &j(bad)).unwrap_err();
+            assert!(e.to_string().contains("n_routed_experts_per_layer"), "{e}");
+        }
     }
 
     #[test]

@@ -467,7 +467,7 @@ pub fn expert_matrix<'a>(
     expert: usize,
     mat: naming::ExpertMat,
 ) -> Result<ExpertMatrix<'a>, String> {
-    let n = cfg.n_routed_experts;
+    let n = cfg.experts_in_layer(layer);
     if cfg.qwen3.is_some() {
         let stacked = naming::qwen3::stacked_tensor(layer, mat, "weight");
         if let Some(w) = ck.get(&stacked) {
@@ -565,7 +565,8 @@ pub const MAX_PROBLEMS: usize = 64;
 
 /// Everything about `ck`'s tensors that contradicts `cfg` or that the model cannot read: the
 /// embedding, head and final norm, and in every decoder layer the router (weight, bias or
-/// `tid2eid` table), the routed experts (as many as `n_routed_experts`, each matrix in a
+/// `tid2eid` table), the routed experts (as many as the layer's count,
+/// [`DeepSeekConfig::experts_in_layer`], each matrix in a
 /// layout keep computes with and of the config's shape), the shared expert, the attention
 /// projections and the norms. Only names, dtypes and shapes are read. `keep inspect` reports
 /// these and the model's loader refuses a checkpoint that has any, so the two always agree.
@@ -590,10 +591,9 @@ pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     if cfg.model_type == "deepseek_v4" {
         hc_problems(ck, cfg, "hc_head_", 1, 1, &mut out);
     }
-    let (h, hd, e, i) = (
+    let (h, hd, i) = (
         cfg.num_attention_heads,
         cfg.head_dim,
-        cfg.n_routed_experts,
         cfg.moe_intermediate_size,
     );
     let (ql, og, ol) = (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank);
@@ -603,6 +603,7 @@ pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
             break;
         }
         let p = format!("layers.{l}.");
+        let e = cfg.experts_in_layer(l);
         for (n, len) in [
             ("attn_norm.weight", d),
             ("ffn_norm.weight", d),
@@ -668,8 +669,13 @@ pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
             .take_while(|x| ck.contains(&format!("{p}ffn.experts.{x}.w1.weight")))
             .count();
         if present < e {
+            let key = if cfg.n_routed_experts_per_layer.is_some() {
+                format!("n_routed_experts_per_layer[{l}]")
+            } else {
+                "n_routed_experts".to_string()
+            };
             out.push(format!(
-                "layer {l} has routed experts 0..{present} but config.json declares n_routed_experts = {e} \
+                "layer {l} has routed experts 0..{present} but config.json declares {key} = {e} \
                  (`{p}ffn.experts.{present}.w1.weight` is missing)"
             ));
             continue;

@@ -155,6 +155,19 @@ pub fn prune(
             cfg.n_routed_experts
         )));
     }
+    // A checkpoint pruned before with hash-routed layers left whole has layers of another
+    // count (`n_routed_experts_per_layer`): the plan may prune only layers of its count.
+    if let Some(l) = (0..cfg.num_hidden_layers)
+        .find(|&l| plan.survivors(l).is_some() && cfg.experts_in_layer(l) != plan.n_experts)
+    {
+        return Err(ConvertError::Invalid(format!(
+            "the plan prunes layer {l} as a layer of {} experts but {} has {} there \
+             (n_routed_experts_per_layer)",
+            plan.n_experts,
+            src.display(),
+            cfg.experts_in_layer(l)
+        )));
+    }
     // Hash-routed layers (gate.tid2eid) and whether the plan prunes them.
     let mut hash_layers = std::collections::BTreeSet::new();
     let mut hash_pruned = vec![];
@@ -176,7 +189,7 @@ pub fn prune(
     for l in 0..cfg.num_hidden_layers {
         let n = plan
             .survivors(l)
-            .map_or(cfg.n_routed_experts, <[usize]>::len);
+            .map_or(cfg.experts_in_layer(l), <[usize]>::len);
         per_layer.push(n);
         // A Qwen3-MoE dense layer has no routed experts to count.
         let dense = cfg.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));

@@ -228,7 +228,7 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
                 ));
             }
         }
-        let e = cfg.n_routed_experts;
+        let e = cfg.experts_in_layer(l);
         out.push(p(n("ffn.gate.weight"), &[e, h], lin(h)));
         if l < st.hash_layers {
             out.push(p(

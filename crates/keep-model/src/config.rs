@@ -72,6 +72,10 @@ pub struct ModelConfig {
     pub o_groups: usize,
     pub o_lora: usize,
     pub inter: usize,
+    /// The most routed experts of any decoder layer: `n_routed_experts`, unless `keep prune`
+    /// left some layers another count (`n_routed_experts_per_layer`: hash-routed layers kept
+    /// whole). The stride of per-layer expert arrays; a layer's own count is
+    /// [`ModelConfig::experts_in_layer`].
     pub n_experts: usize,
     pub top_k: usize,
     pub scoring: Scoring,
@@ -159,6 +163,16 @@ impl ModelConfig {
     /// Whether `layer` routes by token id.
     pub fn is_hash(&self, layer: usize) -> bool {
         layer < self.hash_layers
+    }
+
+    /// Routed experts of `layer` (its router's rows): `n_routed_experts_per_layer[layer]` when
+    /// `keep prune` left layers different counts, else `n_routed_experts`. Layer `n_layers + n`
+    /// is MTP module `mtp.n`'s block (`n_routed_experts_mtp`; see [`crate::mtp`]).
+    pub fn experts_in_layer(&self, layer: usize) -> usize {
+        match layer.checked_sub(self.n_layers) {
+            None => self.raw.experts_in_layer(layer),
+            Some(n) => self.raw.experts_in_mtp(n),
+        }
     }
 
     /// [`ModelConfig::from_deepseek`] of a checkpoint's config, after the tensors are checked
@@ -265,7 +279,7 @@ impl ModelConfig {
             o_groups: c.o_groups,
             o_lora: c.o_lora_rank,
             inter: c.moe_intermediate_size,
-            n_experts: c.n_routed_experts,
+            n_experts: c.max_experts_in_a_layer(),
             top_k: c.num_experts_per_tok,
             scoring,
             gate_temp: c.gate_temp as f32,

@@ -288,9 +288,12 @@ impl<S: ExpertSource, T: ExpertTiers> ExpertSource for Tiered<S, T> {
     }
 }
 
-/// Experts read from the checkpoint mapping (the format decided per tensor).
+/// Experts read from the checkpoint mapping (the format decided per tensor). Layer `l`'s
+/// experts are `l · n_experts + 0..experts_in_layer(l)` (`n_experts` the most of any layer).
 pub struct CheckpointExperts<'a> {
     n_experts: usize,
+    /// Each layer's routed experts.
+    per_layer: Vec<usize>,
     experts: Vec<ExpertWeights<'a>>,
 }
 
@@ -312,8 +315,9 @@ impl<'a> CheckpointExperts<'a> {
         let mut experts = Vec::with_capacity(cfg.n_layers * e);
         for l in 0..cfg.n_layers {
             for x in 0..e {
-                if !layers.contains(&l) {
-                    // Placeholder for layers not resolved: an empty f32 view is never used.
+                if !layers.contains(&l) || x >= cfg.experts_in_layer(l) {
+                    // Placeholder for layers not resolved, and past a layer's own count in a
+                    // model whose layers have different counts: an empty f32 view is never used.
                     experts.push(ExpertWeights {
                         w1: WeightView::f32(&[], 0, 0)?,
                         w2: WeightView::f32(&[], 0, 0)?,
@@ -367,6 +371,7 @@ impl<'a> CheckpointExperts<'a> {
         }
         Ok(CheckpointExperts {
             n_experts: e,
+            per_layer: (0..cfg.n_layers).map(|l| cfg.experts_in_layer(l)).collect(),
             experts,
         })
     }
@@ -377,7 +382,7 @@ impl ExpertSource for CheckpointExperts<'_> {
         let w = self
             .experts
             .get(layer * self.n_experts + expert)
-            .filter(|_| expert < self.n_experts)
+            .filter(|_| self.per_layer.get(layer).is_some_and(|&n| expert < n))
             .ok_or_else(|| ModelError::Expert {
                 layer,
                 expert,

@@ -71,7 +71,7 @@ impl HashTable {
                 msg: format!("{} ids stored, {n} expected", raw.len()),
             });
         }
-        HashTable::new(cfg.vocab, cfg.top_k, cfg.n_experts, &raw).map_err(|msg| {
+        HashTable::new(cfg.vocab, cfg.top_k, cfg.experts_in_layer(layer), &raw).map_err(|msg| {
             ModelError::Format {
                 name: format!("layers.{layer}.ffn.gate.tid2eid"),
                 msg,

@@ -251,11 +251,11 @@ impl<'a> LayerWeights<'a> {
             sinks: v("attn.attn_sink", h)?,
             compressor,
             indexer,
-            gate: w("ffn.gate", cfg.n_experts, d)?,
+            gate: w("ffn.gate", cfg.experts_in_layer(layer), d)?,
             gate_bias: if cfg.is_hash(layer) {
                 vec![]
             } else {
-                v("ffn.gate.bias", cfg.n_experts)?
+                v("ffn.gate.bias", cfg.experts_in_layer(layer))?
             },
             shared: [
                 w("ffn.shared_experts.w1", cfg.inter, d)?,
@@ -290,11 +290,16 @@ impl LayerWeights<'_> {
         if table.vocab != cfg.vocab
             || table.top_k != cfg.top_k
             || table.ids.len() != cfg.vocab * cfg.top_k
-            || table.ids.iter().any(|&j| j as usize >= cfg.n_experts)
+            || table
+                .ids
+                .iter()
+                .any(|&j| j as usize >= cfg.experts_in_layer(l))
         {
             return Err(ModelError::Config(format!(
                 "layer {l}: a replacement tid2eid table must be [{} × {}] with ids below {}",
-                cfg.vocab, cfg.top_k, cfg.n_experts
+                cfg.vocab,
+                cfg.top_k,
+                cfg.experts_in_layer(l)
             )));
         }
         self.hash = Some(table);
@@ -823,7 +828,7 @@ impl LayerWeights<'_> {
     ) -> Result<Vec<f32>> {
         let l = self.layer;
         let t = tokens.len();
-        let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+        let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
         let mut logits = lin(x, t, &self.gate, obs, l, "ffn.gate", None)?;
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];
@@ -935,7 +940,7 @@ fn candidate_outputs(
     o: &mut dyn RouteObserver,
 ) -> Result<()> {
     let (d, inter, limit) = (cfg.dim, cfg.inter, cfg.swiglu_limit);
-    let all: Vec<usize> = (0..cfg.n_experts).collect();
+    let all: Vec<usize> = (0..cfg.experts_in_layer(l)).collect();
     for chunk in all.chunks(experts.max_batch().max(1)) {
         let views = experts.experts(l, chunk)?;
         if views.len() != chunk.len() {
@@ -1125,7 +1130,7 @@ pub(crate) fn routed_experts(
     act: impl Fn(f32, f32) -> f32,
     obs: &mut Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<f32>> {
-    let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+    let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
     // Routed experts, grouped by (expert, rung): per group, the (token, slot) routes to it.
     // Without tiers every slot is at the base rung and the groups are the experts.
     let tiers = experts.tiers();

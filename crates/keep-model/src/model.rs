@@ -127,11 +127,11 @@ impl<'a> Model<'a> {
         }
         if let Some(m) = &mask {
             let alive = m.iter().filter(|d| !**d).count();
-            if m.len() != self.cfg.n_experts || alive < self.cfg.top_k {
+            if m.len() != self.cfg.experts_in_layer(layer) || alive < self.cfg.top_k {
                 return Err(ModelError::Config(format!(
                     "router mask of layer {layer}: {} entries with {alive} alive; need {} entries and at least num_experts_per_tok = {} alive",
                     m.len(),
-                    self.cfg.n_experts,
+                    self.cfg.experts_in_layer(layer),
                     self.cfg.top_k
                 )));
             }

@@ -15,7 +15,7 @@ pub struct RouteEvent<'a> {
     pub experts: &'a [u32],
     /// Gate weights of the chosen experts `[tokens × top_k]` (after renormalisation and scaling).
     pub weights: &'a [f32],
-    /// Unbiased scores of all experts `[tokens × n_experts]`.
+    /// Unbiased scores of all the layer's experts `[tokens × experts_in_layer]`.
     pub scores: &'a [f32],
 }
 

@@ -243,7 +243,7 @@ impl<'a> Qwen3Layer<'a> {
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         let l = self.layer;
-        let (d, e, k) = (cfg.dim, cfg.n_experts, cfg.top_k);
+        let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
         let mut logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
         let mut chosen = vec![0u32; t * k];
         let mut weights = vec![0f32; t * k];

@@ -147,7 +147,9 @@ pub struct ModelBytes {
 /// model's expert count differs from the trace's.
 pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Result<ModelBytes> {
     let ck = Checkpoint::open(dir)?;
-    let n_cfg = ck.config().map(|c| c.n_routed_experts);
+    // A trace's expert count is the most of any layer (the runtime's recorder writes the
+    // model's), which differs from `n_routed_experts` where hash-routed layers kept theirs.
+    let n_cfg = ck.config().map(|c| c.max_experts_in_a_layer());
     if let Some(n) = n_cfg {
         if n != trace_n_experts {
             return Err(ResidencyError::Model {

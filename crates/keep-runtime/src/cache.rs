@@ -450,7 +450,11 @@ impl SlotCache {
         let slots = slots.min(n_experts).max(1);
         let sb = store.slot_bytes() as usize;
         let mut layers = Vec::with_capacity(n_layers);
-        for _ in 0..n_layers {
+        for l in 0..n_layers {
+            // A layer with fewer experts than the others (hash-routed layers a pruned
+            // checkpoint kept whole) never needs more slots than it has experts.
+            let n_experts = store.experts_in(l).max(1);
+            let slots = slots.min(n_experts);
             let bufs = (0..slots)
                 .map(|_| {
                     AlignedBuf::new(sb)
@@ -551,8 +555,9 @@ impl SlotCache {
                 .collect();
             let order = order_by(&clean);
             let policy = std::mem::replace(&mut st.policy, Policy::Lru.make());
-            st.policy = start_policy(policy, n, self.inner.slots, Some(&order));
-            for e in order.into_iter().map(usize::from).take(self.inner.slots) {
+            let slots = st.status.len();
+            st.policy = start_policy(policy, n, slots, Some(&order));
+            for e in order.into_iter().map(usize::from).take(slots) {
                 if st.map[e].is_none() {
                     if let Some(s) = Inner::find_slot(&st, true) {
                         self.inner.assign(&self.pool, l, &mut st, s, e);

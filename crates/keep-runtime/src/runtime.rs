@@ -241,7 +241,7 @@ impl Guesser<'_, '_, '_> {
         if self.cfg.is_hash(layer) {
             return None;
         }
-        let (e, k) = (self.cfg.n_experts, self.cfg.top_k);
+        let (e, k) = (self.cfg.experts_in_layer(layer), self.cfg.top_k);
         let mut logits = vec![0f32; rows * e];
         keep_kernels::matmul(x, rows, gate, &mut logits).ok()?;
         let mut out: Vec<usize> = vec![];
@@ -371,12 +371,13 @@ impl<'a> BudgetedModel<'a> {
                 let p = format!("layers.{l}.ffn.gate");
                 // Hash-routed layers need no guess (their experts are exact); an empty bias
                 // marks them.
+                let e = cfg.experts_in_layer(l);
                 let bias = if cfg.is_hash(l) {
                     vec![]
                 } else {
-                    vec_f32(ck, &format!("{p}.bias"), cfg.n_experts)?
+                    vec_f32(ck, &format!("{p}.bias"), e)?
                 };
-                gates.push((weight(ck, &p, cfg.n_experts, cfg.dim, hint)?, bias));
+                gates.push((weight(ck, &p, e, cfg.dim, hint)?, bias));
             }
         }
         cache.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
@@ -423,7 +424,7 @@ impl<'a> BudgetedModel<'a> {
         let upper: Vec<Vec<u64>> = layers
             .iter()
             .map(|&l| {
-                (0..st.n_experts())
+                (0..st.experts_in(l))
                     .map(|e| st.upper_bytes(l, e).unwrap_or(0))
                     .collect()
             })
@@ -531,7 +532,8 @@ impl<'a> BudgetedModel<'a> {
         let cfg = &self.model.cfg;
         for lw in self.model.layers.iter().take(cfg.hash_layers) {
             let Some(table) = &lw.hash else { continue };
-            let mut used = vec![false; cfg.n_experts];
+            let n = cfg.experts_in_layer(lw.layer);
+            let mut used = vec![false; n];
             for &t in tokens {
                 match table.experts(t) {
                     Some(ids) => ids.iter().for_each(|&j| used[j as usize] = true),
@@ -539,7 +541,7 @@ impl<'a> BudgetedModel<'a> {
                     None => return,
                 }
             }
-            let experts: Vec<usize> = (0..cfg.n_experts).filter(|&j| used[j]).collect();
+            let experts: Vec<usize> = (0..n).filter(|&j| used[j]).collect();
             self.cache.prefetch_exact(lw.layer, &experts);
         }
     }

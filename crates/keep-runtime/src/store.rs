@@ -235,7 +235,10 @@ pub struct ExpertStore {
     shards: Vec<ShardReader>,
     layouts: Vec<ExpertLayout>,
     n_layers: usize,
+    /// The most routed experts of any layer: the stride of `layouts` and `rht`.
     n_experts: usize,
+    /// Each layer's routed experts (`ModelConfig::experts_in_layer`).
+    per_layer: Vec<usize>,
     dim: usize,
     inter: usize,
     block_hint: Option<(usize, usize)>,
@@ -341,8 +344,9 @@ impl ExpertStore {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
                 let mut biases = [None; 3];
-                if q3.is_some_and(|q| !q.is_moe_layer(l)) {
-                    // A Qwen3-MoE dense layer: no routed experts, never asked for one.
+                if q3.is_some_and(|q| !q.is_moe_layer(l)) || x >= cfg.experts_in_layer(l) {
+                    // A Qwen3-MoE dense layer, or past the layer's own count where layers have
+                    // different counts: no routed expert, never asked for one.
                     rht.push(keep_model::ExpertRht::default());
                     layouts.push(ExpertLayout {
                         tensors,
@@ -457,6 +461,7 @@ impl ExpertStore {
             layouts,
             n_layers: cfg.n_layers,
             n_experts: cfg.n_experts,
+            per_layer: (0..cfg.n_layers).map(|l| cfg.experts_in_layer(l)).collect(),
             dim: d,
             inter: i,
             block_hint: hint,
@@ -553,8 +558,13 @@ impl ExpertStore {
     pub fn n_layers(&self) -> usize {
         self.n_layers
     }
+    /// The most routed experts of any layer (layers may have fewer: [`Self::experts_in`]).
     pub fn n_experts(&self) -> usize {
         self.n_experts
+    }
+    /// Routed experts of `layer` (0 past the last layer).
+    pub fn experts_in(&self, layer: usize) -> usize {
+        self.per_layer.get(layer).copied().unwrap_or(0)
     }
     /// Bytes of one slot: the largest aligned read plan of any expert.
     pub fn slot_bytes(&self) -> u64 {
@@ -578,7 +588,7 @@ impl ExpertStore {
 
     /// The layout of one expert.
     pub fn layout(&self, layer: usize, expert: usize) -> Option<&ExpertLayout> {
-        if layer >= self.n_layers || expert >= self.n_experts {
+        if layer >= self.n_layers || expert >= self.experts_in(layer) {
             return None;
         }
         self.layouts.get(layer * self.n_experts + expert)
@@ -590,8 +600,9 @@ impl ExpertStore {
                 layer,
                 expert,
                 msg: format!(
-                    "no such expert ({} layers × {} experts)",
-                    self.n_layers, self.n_experts
+                    "no such expert ({} layers; layer {layer} has {} experts)",
+                    self.n_layers,
+                    self.experts_in(layer)
                 ),
             })
     }
