@@ -115,6 +115,25 @@ pub struct Q8Acts {
     /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
     /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
     pub dx: Vec<f32>,
+    /// `m × cols`: `q` in the order the MXFP4 row kernel at M = 1 reads it
+    /// ([`mx4_order`]): per group of four blocks, the first 16 values of each block, then
+    /// the last 16 of each; a last incomplete group as `q`.
+    pub qmx4: Vec<i8>,
+    /// `m × cols/4`: `−12 · Σ` of every four values of [`Q8Acts::qmx4`] (the start of that
+    /// kernel's integer sums, which multiply `w + 12` as unsigned bytes).
+    pub n12mx4: Vec<i32>,
+}
+
+/// Index into a row of `q` of entry `j` of the same row of [`Q8Acts::qmx4`] (`cols` wide).
+#[inline]
+pub fn mx4_order(j: usize, cols: usize) -> usize {
+    let g = j / (4 * QBLOCK);
+    if (g + 1) * 4 * QBLOCK > cols {
+        return j;
+    }
+    let k = j % (4 * QBLOCK);
+    let (half, l, e) = (k / 64, (k % 64) / 16, k % 16);
+    g * 4 * QBLOCK + l * QBLOCK + half * 16 + e
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -213,6 +232,17 @@ impl Q8Acts {
             self.q
                 .chunks_exact(4)
                 .map(|v| -128 * v.iter().map(|&e| e as i32).sum::<i32>()),
+        );
+        let cols = self.cols;
+        self.qmx4.clear();
+        for row in self.q.chunks_exact(cols.max(1)) {
+            self.qmx4.extend((0..cols).map(|j| row[mx4_order(j, cols)]));
+        }
+        self.n12mx4.clear();
+        self.n12mx4.extend(
+            self.qmx4
+                .chunks_exact(4)
+                .map(|v| -12 * v.iter().map(|&e| e as i32).sum::<i32>()),
         );
     }
 

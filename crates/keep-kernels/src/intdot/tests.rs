@@ -704,3 +704,35 @@ fn cpu_time_breakdown() {
         }
     }
 }
+
+#[test]
+fn mx4_order_is_a_permutation_of_each_row() {
+    for cols in [32usize, 96, 128, 160, 256, 1056, 4128] {
+        let mut seen = vec![false; cols];
+        for j in 0..cols {
+            let k = mx4_order(j, cols);
+            assert!(k < cols && !seen[k], "cols {cols}: {j} -> {k}");
+            seen[k] = true;
+            // Within a whole group of four blocks, both halves of the 32-bit lanes stay in
+            // one block and one group of four columns.
+            if (j / 128 + 1) * 128 <= cols {
+                assert_eq!(k / 4 % 8 / 4, j / 64 % 2, "cols {cols}: {j} -> {k}");
+            } else {
+                assert_eq!(k, j);
+            }
+        }
+    }
+    let x: Vec<f32> = (0..2 * 160)
+        .map(|i| ((i * 37 % 101) as f32) - 50.0)
+        .collect();
+    let a = Q8Acts::quantize(&x, 2, 160).unwrap();
+    for i in 0..2 {
+        for j in 0..160 {
+            assert_eq!(a.qmx4[i * 160 + j], a.q[i * 160 + mx4_order(j, 160)]);
+        }
+        for (k, n) in a.n12mx4[i * 40..(i + 1) * 40].iter().enumerate() {
+            let s: i32 = (0..4).map(|e| a.qmx4[i * 160 + 4 * k + e] as i32).sum();
+            assert_eq!(*n, -12 * s);
+        }
+    }
+}
