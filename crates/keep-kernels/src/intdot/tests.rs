@@ -622,6 +622,9 @@ fn cpu_time_breakdown() {
         .collect();
     let mv = WeightView::mxfp8(&q8, &mx, rows, cols).unwrap();
     let msrc = BfSrc::from_view(&mv).unwrap();
+    let p4 = rng.bytes(rows * cols / 2);
+    let fv = WeightView::mxfp4(&p4, &mx, rows, cols).unwrap();
+    let fsrc = IntSrc::from_view(&fv).unwrap();
     let reps: usize = std::env::var("KEEP_PRINT_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -690,6 +693,18 @@ fn cpu_time_breakdown() {
                 lv.name(),
                 ns_w(t) / m as f64,
                 (rows * cols / 4) as f64 / t / 1e9
+            );
+        }
+        for lv in int_levels_available()
+            .into_iter()
+            .filter(|&l| l >= IntLevel::Avx2)
+        {
+            let t = time(&mut || int_matmul_at(lv, &fsrc, rows, &a, &mut out).unwrap());
+            println!(
+                "m={m} mxfp4 {}: {:.4} ns/weight/row-of-M, {:.2} GB/s at one core",
+                lv.name(),
+                ns_w(t) / m as f64,
+                fv.nbytes() as f64 / t / 1e9
             );
         }
         let ba = Bf16Acts::round(&x, m, cols).unwrap();
