@@ -115,12 +115,13 @@ pub struct Q8Acts {
     /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
     /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
     pub dx: Vec<f32>,
-    /// `m × cols`: `q` in the order the MXFP4 row kernel at M = 1 reads it
-    /// ([`mx4_order`]): per group of four blocks, the first 16 values of each block, then
-    /// the last 16 of each; a last incomplete group as `q`.
+    /// One row (`M = 1`; empty otherwise, the only case that kernel runs): `q` in the order
+    /// the MXFP4 row kernel at M = 1 reads it ([`mx4_order`]): per group of four blocks, the
+    /// first 16 values of each block, then the last 16 of each; a last incomplete group as
+    /// `q`.
     pub qmx4: Vec<i8>,
-    /// `m × cols/4`: `−12 · Σ` of every four values of [`Q8Acts::qmx4`] (the start of that
-    /// kernel's integer sums, which multiply `w + 12` as unsigned bytes).
+    /// `cols/4` (with [`Q8Acts::qmx4`]): `−12 · Σ` of every four values of `qmx4` (the
+    /// start of that kernel's integer sums, which multiply `w + 12` as unsigned bytes).
     pub n12mx4: Vec<i32>,
 }
 
@@ -233,12 +234,24 @@ impl Q8Acts {
                 .chunks_exact(4)
                 .map(|v| -128 * v.iter().map(|&e| e as i32).sum::<i32>()),
         );
-        let cols = self.cols;
         self.qmx4.clear();
-        for row in self.q.chunks_exact(cols.max(1)) {
-            self.qmx4.extend((0..cols).map(|j| row[mx4_order(j, cols)]));
-        }
         self.n12mx4.clear();
+        if self.m != 1 {
+            return;
+        }
+        // `mx4_order` sixteen values at a time.
+        let (cols, g4) = (self.cols, 4 * QBLOCK);
+        let whole = cols / g4 * g4;
+        self.qmx4.resize(cols, 0);
+        for g in (0..whole).step_by(g4) {
+            for half in 0..2 {
+                for l in 0..4 {
+                    let (dst, src) = (g + 64 * half + 16 * l, g + QBLOCK * l + 16 * half);
+                    self.qmx4[dst..dst + 16].copy_from_slice(&self.q[src..src + 16]);
+                }
+            }
+        }
+        self.qmx4[whole..].copy_from_slice(&self.q[whole..cols]);
         self.n12mx4.extend(
             self.qmx4
                 .chunks_exact(4)

@@ -737,17 +737,19 @@ fn mx4_order_is_a_permutation_of_each_row() {
             }
         }
     }
-    let x: Vec<f32> = (0..2 * 160)
-        .map(|i| ((i * 37 % 101) as f32) - 50.0)
-        .collect();
-    let a = Q8Acts::quantize(&x, 2, 160).unwrap();
-    for i in 0..2 {
-        for j in 0..160 {
-            assert_eq!(a.qmx4[i * 160 + j], a.q[i * 160 + mx4_order(j, 160)]);
+    for cols in [32usize, 160, 256, 4128] {
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
+        let a = Q8Acts::quantize(&x, 1, cols).unwrap();
+        assert_eq!((a.qmx4.len(), a.n12mx4.len()), (cols, cols / 4));
+        for j in 0..cols {
+            assert_eq!(a.qmx4[j], a.q[mx4_order(j, cols)], "cols {cols}: {j}");
         }
-        for (k, n) in a.n12mx4[i * 40..(i + 1) * 40].iter().enumerate() {
-            let s: i32 = (0..4).map(|e| a.qmx4[i * 160 + 4 * k + e] as i32).sum();
+        for (k, n) in a.n12mx4.iter().enumerate() {
+            let s: i32 = (0..4).map(|e| a.qmx4[4 * k + e] as i32).sum();
             assert_eq!(*n, -12 * s);
         }
     }
+    // Only the M = 1 kernel reads them.
+    let a = Q8Acts::quantize(&[1.0; 64], 2, 32).unwrap();
+    assert!(a.qmx4.is_empty() && a.n12mx4.is_empty());
 }

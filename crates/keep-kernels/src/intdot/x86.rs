@@ -773,7 +773,13 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
             SCRATCH.with(|c| c.replace(taken));
             return;
         }
-        if let (true, 1, IntSrc::Mxfp4 { packed, scales }) = (VNNI, a.m, *src) {
+        // (`qmx4` is filled for every one-row `Q8Acts`; checked since the reads are unchecked.)
+        if let (true, 1, IntSrc::Mxfp4 { packed, scales }, true) = (
+            VNNI,
+            a.m,
+            *src,
+            a.qmx4.len() == cols && a.n12mx4.len() == cols / 4,
+        ) {
             // M = 1: nibbles to `w + 12` bytes in registers, one `vpdpbusd` per two blocks.
             for r in r0..r1 {
                 *out.add(r) = mx4_row_m1(
