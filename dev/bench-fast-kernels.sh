@@ -5,7 +5,7 @@
 #     GB/s of weight bytes against the read bandwidth measured in the same run;
 #  2. the one-thread CPU-time breakdown (`intdot::tests::print_cpu_time_breakdown`): the E8P
 #     row decode alone (512 KiB table vs the AVX-512 register decoder), the activation
-#     quantization, and whole products per level, timed by thread CPU time so it still means
+#     quantization, and whole products per level (E8P, MXFP4, MXFP8), timed by thread CPU time so it still means
 #     something on a shared machine.
 # The load average is recorded before and after; numbers taken with a load above the core
 # count are indicative only (the kill-test rows then say BUSY instead of PASS).

@@ -115,6 +115,26 @@ pub struct Q8Acts {
     /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
     /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
     pub dx: Vec<f32>,
+    /// One row (`M = 1`; empty otherwise, the only case that kernel runs): `q` in the order
+    /// the MXFP4 row kernel at M = 1 reads it ([`mx4_order`]): per group of four blocks, the
+    /// first 16 values of each block, then the last 16 of each; a last incomplete group as
+    /// `q`.
+    pub qmx4: Vec<i8>,
+    /// `cols/4` (with [`Q8Acts::qmx4`]): `−12 · Σ` of every four values of `qmx4` (the
+    /// start of that kernel's integer sums, which multiply `w + 12` as unsigned bytes).
+    pub n12mx4: Vec<i32>,
+}
+
+/// Index into a row of `q` of entry `j` of the same row of [`Q8Acts::qmx4`] (`cols` wide).
+#[inline]
+pub fn mx4_order(j: usize, cols: usize) -> usize {
+    let g = j / (4 * QBLOCK);
+    if (g + 1) * 4 * QBLOCK > cols {
+        return j;
+    }
+    let k = j % (4 * QBLOCK);
+    let (half, l, e) = (k / 64, (k % 64) / 16, k % 16);
+    g * 4 * QBLOCK + l * QBLOCK + half * 16 + e
 }
 
 /// Quantize one block: `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` clamped to
@@ -213,6 +233,29 @@ impl Q8Acts {
             self.q
                 .chunks_exact(4)
                 .map(|v| -128 * v.iter().map(|&e| e as i32).sum::<i32>()),
+        );
+        self.qmx4.clear();
+        self.n12mx4.clear();
+        if self.m != 1 {
+            return;
+        }
+        // `mx4_order` sixteen values at a time.
+        let (cols, g4) = (self.cols, 4 * QBLOCK);
+        let whole = cols / g4 * g4;
+        self.qmx4.resize(cols, 0);
+        for g in (0..whole).step_by(g4) {
+            for half in 0..2 {
+                for l in 0..4 {
+                    let (dst, src) = (g + 64 * half + 16 * l, g + QBLOCK * l + 16 * half);
+                    self.qmx4[dst..dst + 16].copy_from_slice(&self.q[src..src + 16]);
+                }
+            }
+        }
+        self.qmx4[whole..].copy_from_slice(&self.q[whole..cols]);
+        self.n12mx4.extend(
+            self.qmx4
+                .chunks_exact(4)
+                .map(|v| -12 * v.iter().map(|&e| e as i32).sum::<i32>()),
         );
     }
 

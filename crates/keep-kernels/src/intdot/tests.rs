@@ -622,6 +622,9 @@ fn cpu_time_breakdown() {
         .collect();
     let mv = WeightView::mxfp8(&q8, &mx, rows, cols).unwrap();
     let msrc = BfSrc::from_view(&mv).unwrap();
+    let p4 = rng.bytes(rows * cols / 2);
+    let fv = WeightView::mxfp4(&p4, &mx, rows, cols).unwrap();
+    let fsrc = IntSrc::from_view(&fv).unwrap();
     let reps: usize = std::env::var("KEEP_PRINT_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -692,6 +695,18 @@ fn cpu_time_breakdown() {
                 (rows * cols / 4) as f64 / t / 1e9
             );
         }
+        for lv in int_levels_available()
+            .into_iter()
+            .filter(|&l| l >= IntLevel::Avx2)
+        {
+            let t = time(&mut || int_matmul_at(lv, &fsrc, rows, &a, &mut out).unwrap());
+            println!(
+                "m={m} mxfp4 {}: {:.4} ns/weight/row-of-M, {:.2} GB/s at one core",
+                lv.name(),
+                ns_w(t) / m as f64,
+                fv.nbytes() as f64 / t / 1e9
+            );
+        }
         let ba = Bf16Acts::round(&x, m, cols).unwrap();
         for lv in bf_levels_available().into_iter().skip(1) {
             let t = time(&mut || bf_matmul_at(lv, &msrc, rows, &ba, &mut out).unwrap());
@@ -703,4 +718,38 @@ fn cpu_time_breakdown() {
             );
         }
     }
+}
+
+#[test]
+fn mx4_order_is_a_permutation_of_each_row() {
+    for cols in [32usize, 96, 128, 160, 256, 1056, 4128] {
+        let mut seen = vec![false; cols];
+        for j in 0..cols {
+            let k = mx4_order(j, cols);
+            assert!(k < cols && !seen[k], "cols {cols}: {j} -> {k}");
+            seen[k] = true;
+            // Within a whole group of four blocks, both halves of the 32-bit lanes stay in
+            // one block and one group of four columns.
+            if (j / 128 + 1) * 128 <= cols {
+                assert_eq!(k / 4 % 8 / 4, j / 64 % 2, "cols {cols}: {j} -> {k}");
+            } else {
+                assert_eq!(k, j);
+            }
+        }
+    }
+    for cols in [32usize, 160, 256, 4128] {
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
+        let a = Q8Acts::quantize(&x, 1, cols).unwrap();
+        assert_eq!((a.qmx4.len(), a.n12mx4.len()), (cols, cols / 4));
+        for j in 0..cols {
+            assert_eq!(a.qmx4[j], a.q[mx4_order(j, cols)], "cols {cols}: {j}");
+        }
+        for (k, n) in a.n12mx4.iter().enumerate() {
+            let s: i32 = (0..4).map(|e| a.qmx4[4 * k + e] as i32).sum();
+            assert_eq!(*n, -12 * s);
+        }
+    }
+    // Only the M = 1 kernel reads them.
+    let a = Q8Acts::quantize(&[1.0; 64], 2, 32).unwrap();
+    assert!(a.qmx4.is_empty() && a.n12mx4.is_empty());
 }

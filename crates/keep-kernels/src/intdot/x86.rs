@@ -502,6 +502,106 @@ unsafe fn e8p_row_m1_vbmi(
     ))
 }
 
+/// `2·e2m1 + 12` for the 16 codes (unsigned bytes in 0..=24).
+static MXFP4_U12: [u8; 16] = {
+    let mut a = [0u8; 16];
+    let mut j = 0;
+    while j < 16 {
+        a[j] = (MXFP4_I8[j] + 12) as u8;
+        j += 1;
+    }
+    a
+};
+
+/// The coefficients `c_b = f_b · d_b` of `n` (1..=16) blocks: the E8M0 bytes at `e` as
+/// [`block_factors_avx512`] reads them, times the activation scales at `d` (lanes past `n`
+/// are not read from memory).
+#[inline(always)]
+unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
+    let k: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+    let v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, e as *const i8));
+    let mut bits = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    let k0 = _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512());
+    let k1 = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(1));
+    let kf = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(0xFF));
+    bits = _mm512_mask_mov_epi32(bits, k0, _mm512_set1_epi32(0x0020_0000));
+    bits = _mm512_mask_mov_epi32(bits, k1, _mm512_set1_epi32(0x0040_0000));
+    bits = _mm512_mask_mov_epi32(bits, kf, _mm512_set1_epi32(f32::NAN.to_bits() as i32));
+    _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_maskz_loadu_ps(k, d))
+}
+
+/// One MXFP4 weight row (`nb` blocks: packed bytes at `p`, E8M0 bytes at `e`) against one
+/// activation row at M = 1, four blocks (64 packed bytes) per step: the low and high
+/// nibbles (`and`, shift) looked up as `w + 12` (two `vpshufb`), interleaved back into
+/// column order within each 128-bit lane (`vpunpck{l,h}bw`: register 0 holds the first 16
+/// weights of each of the four blocks, register 1 the last 16), multiplied as unsigned bytes
+/// with [`Q8Acts::qmx4`] (the activations in that order) by `vpdpbusd` starting from
+/// [`Q8Acts::n12mx4`] (`−12·Σq`), so each 32-bit lane is exactly the contract's `p[b][g]`
+/// (register 0: `g` < 4, register 1: `g` ≥ 4, block `b + lane/4`); then one FMA per
+/// register with the block coefficients spread four lanes each. Lane `4l + g` of the two
+/// accumulators is the contract's `acc[l][g]` and `acc[l][g + 4]` (`b mod 4 = l`, since
+/// steps start at multiples of four), and the blocks past the last whole step run the
+/// contract in scalar code on them, so the value is the contract's bit for bit.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI; `p` holds `16·nb` bytes and `e` `nb`; `a` is one row of `32·nb`.
+#[inline(always)]
+unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
+    let full = nb / 4 * 4;
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_U12.as_ptr() as *const __m128i));
+    let nib = _mm512_set1_epi8(0x0F);
+    let (qp, np, d) = (a.qmx4.as_ptr(), a.n12mx4.as_ptr(), a.d.as_ptr());
+    let base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let idx: [__m512i; 4] =
+        std::array::from_fn(|j| _mm512_add_epi32(base, _mm512_set1_epi32(4 * j as i32)));
+    let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut b = 0;
+    while b < full {
+        let c16 = mx4_coef16(e.add(b), d.add(b), (nb - b).min(16));
+        for j in 0..((full - b) / 4).min(4) {
+            let bb = b + 4 * j;
+            let v = _mm512_loadu_si512(p.add(bb * QBLOCK / 2) as *const __m512i);
+            let wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+            let wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+            let o = bb * QBLOCK;
+            let p0 = _mm512_dpbusd_epi32(
+                _mm512_loadu_si512(np.add(o / 4) as *const __m512i),
+                _mm512_unpacklo_epi8(wl, wh),
+                _mm512_loadu_si512(qp.add(o) as *const __m512i),
+            );
+            let p1 = _mm512_dpbusd_epi32(
+                _mm512_loadu_si512(np.add(o / 4 + 16) as *const __m512i),
+                _mm512_unpackhi_epi8(wl, wh),
+                _mm512_loadu_si512(qp.add(o + 64) as *const __m512i),
+            );
+            let cv = _mm512_permutexvar_ps(idx[j], c16);
+            lo = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p0), lo);
+            hi = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p1), hi);
+        }
+        b += 16;
+    }
+    let lv: [f32; 16] = std::mem::transmute(lo);
+    let hv: [f32; 16] = std::mem::transmute(hi);
+    let mut acc = [[0f32; 8]; 4];
+    for l in 0..4 {
+        for g in 0..4 {
+            acc[l][g] = lv[4 * l + g];
+            acc[l][g + 4] = hv[4 * l + g];
+        }
+    }
+    if full < nb {
+        tail_blocks(
+            Row::Mx4(p),
+            a.q.as_ptr(),
+            |bb| super::e8m0_half(*e.add(bb)) * *d.add(bb),
+            &mut acc,
+            full,
+            nb,
+        );
+    }
+    super::finish_ref(&acc)
+}
+
 /// Sixteen activations times `id`, rounded to nearest even, clamped to ±127 (NaN → 0), as
 /// int8 (a function, not a closure: closures do not inherit the target features).
 #[inline(always)]
@@ -669,6 +769,25 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
                     a.dx.as_ptr(),
                 );
                 *out.add(r) = v * (scales[r] * 0.25);
+            }
+            SCRATCH.with(|c| c.replace(taken));
+            return;
+        }
+        // (`qmx4` is filled for every one-row `Q8Acts`; checked since the reads are unchecked.)
+        if let (true, 1, IntSrc::Mxfp4 { packed, scales }, true) = (
+            VNNI,
+            a.m,
+            *src,
+            a.qmx4.len() == cols && a.n12mx4.len() == cols / 4,
+        ) {
+            // M = 1: nibbles to `w + 12` bytes in registers, one `vpdpbusd` per two blocks.
+            for r in r0..r1 {
+                *out.add(r) = mx4_row_m1(
+                    packed.as_ptr().add(r * cols / 2),
+                    scales.as_ptr().add(r * nb),
+                    a,
+                    nb,
+                );
             }
             SCRATCH.with(|c| c.replace(taken));
             return;
