@@ -1,9 +1,8 @@
 //! Cache-blocked integer GEMM for prefill (AVX-512 VNNI), on [`super`]'s contract bit for
 //! bit. Weight rows are taken [`GEMM_PANEL`] at a time: each is decoded once to int8 (with
 //! its block factors, the exact `−128·Σw` of every four columns and, for affine-8 and
-//! affine-4, its
-//! per-block bias coefficients) into a per-thread panel that stays in L1/L2 while every
-//! activation row of the call streams past it. Inside a panel a register tile of `MR`
+//! affine-4, its per-block bias coefficients) into a per-thread panel that stays in L1/L2
+//! while every activation row of the call streams past it. Inside a panel a register tile of `MR`
 //! activation rows × `NR` weight rows loads each activation vector once for `NR` weight rows
 //! and each weight vector once for `MR` activation rows.
 //!
