@@ -34,6 +34,8 @@ pub enum Format {
     E8p,
     /// MLX affine 8-bit, groups of 64 with bf16 scale and bias.
     Affine8,
+    /// MLX affine 4-bit (mlx-community's 4-bit files), groups of 64 with bf16 scale and bias.
+    Mlx4,
     /// E4M3 + one E8M0 scale per 32 columns (residents).
     Mxfp8,
     /// bfloat16.
@@ -42,10 +44,11 @@ pub enum Format {
 
 impl Format {
     /// Every format, in CLI order.
-    pub const ALL: [Format; 5] = [
+    pub const ALL: [Format; 6] = [
         Format::Mxfp4,
         Format::E8p,
         Format::Affine8,
+        Format::Mlx4,
         Format::Mxfp8,
         Format::Bf16,
     ];
@@ -56,6 +59,7 @@ impl Format {
             Format::Mxfp4 => "mxfp4",
             Format::E8p => "e8p",
             Format::Affine8 => "affine8",
+            Format::Mlx4 => "mlx4",
             Format::Mxfp8 => "mxfp8",
             Format::Bf16 => "bf16",
         }
@@ -95,6 +99,9 @@ pub struct MatmulRow {
     pub calls: u64,
     pub seconds: f64,
     pub us_per_call: f64,
+    /// CPU time of the calling thread per call (Linux `CLOCK_THREAD_CPUTIME_ID`; with one
+    /// thread, the work itself however loaded the machine is; `None` elsewhere).
+    pub thread_cpu_us_per_call: Option<f64>,
     /// `weight_bytes` per second of one call, in GB/s (1e9 bytes).
     pub weight_gbps: f64,
     pub gflops: f64,
@@ -168,6 +175,13 @@ fn synth(format: Format, rows: usize, cols: usize, seed: u64) -> Weight {
             w.b = (0..g).flat_map(|_| bf16_bytes(2e-4)).collect();
             w.c = (0..g).flat_map(|_| bf16_bytes(-0.0255)).collect();
         }
+        Format::Mlx4 => {
+            // Nibbles 0..15 over [-0.0225, 0.0225]: scale 0.003, bias the group minimum.
+            w.a = r.bytes(n / 2);
+            let g = n / AFFINE8_GROUP;
+            w.b = (0..g).flat_map(|_| bf16_bytes(3e-3)).collect();
+            w.c = (0..g).flat_map(|_| bf16_bytes(-0.0225)).collect();
+        }
         Format::Mxfp8 => {
             // Finite E4M3 codes (no NaN), E8M0 scales around 2^-8.
             w.a = (0..n)
@@ -225,6 +239,9 @@ fn call(case: &Case, w: &Weight, x: &[f32], out: &mut [f32]) -> Result<()> {
                     Src::view(&WeightView::mxfp8(&w.a, &w.b, rows, cols).map_err(invalid)?)
                 }
                 Format::Bf16 => Src::view(&WeightView::bf16(&w.a, rows, cols).map_err(invalid)?),
+                Format::Mlx4 => Src::view(
+                    &WeightView::mlx_affine(4, &w.a, &w.b, &w.c, rows, cols).map_err(invalid)?,
+                ),
                 _ => {
                     Src::affine8(&Affine8View::new(&w.a, &w.b, &w.c, rows, cols).map_err(invalid)?)
                 }
@@ -252,6 +269,7 @@ pub fn weight_bytes(format: Format, rows: usize, cols: usize) -> usize {
         Format::Mxfp4 => n / 2 + n / 32,
         Format::E8p => n / 8 * 2 + rows * 4,
         Format::Affine8 => n + n / AFFINE8_GROUP * 4,
+        Format::Mlx4 => n / 2 + n / AFFINE8_GROUP * 4,
         Format::Mxfp8 => n + n / 32,
         Format::Bf16 => n * 2,
     }
@@ -264,7 +282,7 @@ pub fn time_case(case: &Case, threads: usize, min_seconds: f64) -> Result<Matmul
         return Err(invalid("rows, cols and m must be positive"));
     }
     let block = match case.format {
-        Format::Affine8 => AFFINE8_GROUP,
+        Format::Affine8 | Format::Mlx4 => AFFINE8_GROUP,
         _ => 32,
     };
     if !case.cols.is_multiple_of(block) {
@@ -282,16 +300,17 @@ pub fn time_case(case: &Case, threads: usize, min_seconds: f64) -> Result<Matmul
         .num_threads(threads.max(1))
         .build()
         .map_err(invalid)?;
-    let (calls, seconds) = pool.install(|| -> Result<(u64, f64)> {
+    let (calls, seconds, cpu) = pool.install(|| -> Result<(u64, f64, Option<f64>)> {
         call(case, &w, &x, &mut out)?;
-        let t = Instant::now();
+        let (t, c0) = (Instant::now(), thread_cpu_s());
         let mut calls = 0u64;
         loop {
             call(case, &w, black_box(&x), &mut out)?;
             calls += 1;
             let s = t.elapsed().as_secs_f64();
             if s >= min_seconds {
-                return Ok((calls, s));
+                let cpu = c0.zip(thread_cpu_s()).map(|(a, b)| b - a);
+                return Ok((calls, s, cpu));
             }
         }
     })?;
@@ -309,6 +328,7 @@ pub fn time_case(case: &Case, threads: usize, min_seconds: f64) -> Result<Matmul
         calls,
         seconds,
         us_per_call: per * 1e6,
+        thread_cpu_us_per_call: cpu.map(|c| c / calls as f64 * 1e6),
         weight_gbps: bytes as f64 / 1e9 / per,
         gflops: 2.0 * (case.m * case.rows * case.cols) as f64 / 1e9 / per,
         simd_level: format!("{:?}", simd::level()),
@@ -316,6 +336,24 @@ pub fn time_case(case: &Case, threads: usize, min_seconds: f64) -> Result<Matmul
         bf_level: keep_kernels::bf16dot::bf_level().map(|l| l.name()),
         out_probe: out[out.len() - 1],
     })
+}
+
+/// CPU time of the calling thread in seconds (`None` where the clock is not available).
+fn thread_cpu_s() -> Option<f64> {
+    #[cfg(target_os = "linux")]
+    {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid timespec the call writes.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        (rc == 0).then_some(t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -213,6 +213,70 @@ fn mlx_affine_checkpoint_matches_mlx_lm() {
     check_fixture("qwen3-tiny-mlx4");
 }
 
+/// The fast kernels' bar against the teacher (as for the other fast formats): mean KL in nats.
+const FAST_MAX_MEAN_KL: f64 = 1e-3;
+/// The fast kernels' bar against the teacher: top-1 agreement.
+const FAST_MIN_TOP1: f64 = 0.99;
+/// Largest |exact − fast| logit as a fraction of the largest |logit| (measured 0.24%: int8
+/// activations). This fixture's logits reach ~120, so its softmax is nearly one-hot and KL
+/// sees only errors that move the argmax (the fast kernels without the bias term: KL 10.6,
+/// logits off by 136); this bound sees smaller ones.
+const FAST_MAX_REL_DEV: f32 = 0.01;
+
+/// mlx-community 4-bit weights on the integer kernels (`Kernels::Fast`: nibbles into the
+/// integer dot products, int8 activations): they ran (logits differ from the exact ones),
+/// they score within the fast bar against mlx-lm's logits, and decode equals prefill bit for
+/// bit within the fast mode.
+#[test]
+fn mlx4_fast_kernels_score_within_the_fast_bar() {
+    let dir = fixture("qwen3-tiny-mlx4");
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut model = Model::load(&ck).unwrap();
+    let r = Tensors::load(&dir.join("ref.safetensors"));
+    let tokens: Vec<u32> = r.i32s("tokens").iter().map(|&v| v as u32).collect();
+    let want = r.f32s("logits");
+    let (t, v) = (tokens.len(), model.cfg.vocab);
+    let exact = model
+        .forward(&tokens, &mut model.new_cache(), Logits::All, None)
+        .unwrap();
+    model.cfg.kernels = keep_model::Kernels::Fast;
+    let fast = model
+        .forward(&tokens, &mut model.new_cache(), Logits::All, None)
+        .unwrap();
+    assert_ne!(exact, fast, "the fast kernels did not run");
+    let (mut agree, mut kl_sum) = (0usize, 0f64);
+    for i in 0..t {
+        let (a, b) = (&want[i * v..(i + 1) * v], &fast[i * v..(i + 1) * v]);
+        agree += usize::from(argmax(a) == argmax(b));
+        kl_sum += kl(a, b);
+    }
+    let (top1, mean_kl) = (agree as f64 / t as f64, kl_sum / t as f64);
+    let dmax = exact
+        .iter()
+        .zip(&fast)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let spread = exact.iter().fold(0f32, |m, a| m.max(a.abs()));
+    eprintln!("mlx4 fast vs mlx-lm: mean KL {mean_kl:.3e}, top-1 {top1}, max |exact - fast| {dmax:e}, max |logit| {spread}");
+    assert!(mean_kl <= FAST_MAX_MEAN_KL, "fast mean KL {mean_kl:e}");
+    assert!(top1 >= FAST_MIN_TOP1, "fast top-1 {top1}");
+    assert!(
+        dmax <= FAST_MAX_REL_DEV * spread,
+        "fast deviates by {dmax} of {spread}"
+    );
+    let mut cache = model.new_cache();
+    for (i, &tok) in tokens.iter().enumerate() {
+        let l = model
+            .forward(&[tok], &mut cache, Logits::Last, None)
+            .unwrap();
+        let p = &fast[i * v..(i + 1) * v];
+        assert!(
+            l.iter().zip(p).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "fast decode logits differ from prefill at position {i}"
+        );
+    }
+}
+
 #[test]
 fn stacked_experts_are_slices_of_the_mapping() {
     use keep_checkpoint::layout::{expert_matrix, ExpertMatrix};

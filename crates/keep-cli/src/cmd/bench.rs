@@ -75,7 +75,7 @@ fn peak(a: PeakArgs) -> anyhow::Result<()> {
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 struct MatmulArgs {
-    /// Weight formats: mxfp4, e8p, affine8, mxfp8, bf16.
+    /// Weight formats: mxfp4, e8p, affine8, mlx4, mxfp8, bf16.
     #[arg(long, value_delimiter = ',', required = true)]
     format: Vec<String>,
     /// Weight shapes as OUTxIN (output rows x input columns).
@@ -140,13 +140,16 @@ fn matmul(a: MatmulArgs) -> anyhow::Result<()> {
                         println!("{}", serde_json::to_string(&r)?);
                     } else {
                         println!(
-                            "{:>8} {:>5} {rows:>5}x{cols:<5} m={m:<3} threads={} {:>10.2} us/call {:>7.2} GB/s {:>7.2} GFLOP/s",
+                            "{:>8} {:>5} {rows:>5}x{cols:<5} m={m:<3} threads={} {:>10.2} us/call {:>7.2} GB/s {:>7.2} GFLOP/s{}",
                             format.name(),
                             k.name(),
                             r.threads,
                             r.us_per_call,
                             r.weight_gbps,
-                            r.gflops
+                            r.gflops,
+                            r.thread_cpu_us_per_call
+                                .map(|c| format!(" {c:>10.2} us/call thread CPU"))
+                                .unwrap_or_default()
                         );
                     }
                 }

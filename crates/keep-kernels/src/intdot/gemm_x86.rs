@@ -1,8 +1,8 @@
 //! Cache-blocked integer GEMM for prefill (AVX-512 VNNI), on [`super`]'s contract bit for
 //! bit. Weight rows are taken [`GEMM_PANEL`] at a time: each is decoded once to int8 (with
-//! its block factors, the exact `−128·Σw` of every four columns and, for affine-8, its
-//! per-block bias coefficients) into a per-thread panel that stays in L1/L2 while every
-//! activation row of the call streams past it. Inside a panel a register tile of `MR`
+//! its block factors, the exact `−128·Σw` of every four columns and, for affine-8 and
+//! affine-4, its per-block bias coefficients) into a per-thread panel that stays in L1/L2
+//! while every activation row of the call streams past it. Inside a panel a register tile of `MR`
 //! activation rows × `NR` weight rows loads each activation vector once for `NR` weight rows
 //! and each weight vector once for `MR` activation rows.
 //!
@@ -63,7 +63,7 @@ pub(super) unsafe fn gemm_vnni(
     p.w.resize(GEMM_PANEL * cols, 0);
     p.corr.resize(GEMM_PANEL * cols / 4, 0);
     p.f.resize(GEMM_PANEL * nb, 0.0);
-    if affine {
+    if src.has_bias() {
         p.beta.resize(GEMM_PANEL * nb, 0.0);
     }
     let mut p0 = r0;
@@ -150,10 +150,13 @@ unsafe fn decode_row(src: &IntSrc, r: usize, cols: usize, p: &mut Panel, k: usiz
             let kc = cols / 8;
             super::x86::decode_e8p_avx512::<false>(codes.as_ptr().add(r * kc), kc, w.as_mut_ptr())
         }
+        IntSrc::Affine4 { q, .. } => {
+            super::affine4_x86::decode_row_avx512(q.as_ptr().add(r * cols / 2), cols, w)
+        }
         _ => src.decode_row_fast(r, cols, w),
     }
     super::x86::block_factors_avx512(src, r, cols, &mut p.f[k * nb..(k + 1) * nb]);
-    if matches!(src, IntSrc::Affine8 { .. }) {
+    if src.has_bias() {
         super::x86::bias_blocks_avx512(src, r, cols, &mut p.beta[k * nb..(k + 1) * nb]);
     }
     // −128·Σ of every four weights, for the columns the vector loop covers.
@@ -304,7 +307,7 @@ impl Tile<'_, '_> {
                     super::finish_ref(&v)
                 };
                 let mut s = post.map_or(s, |p| s * p);
-                if !self.p.beta.is_empty() && matches!(self.src, IntSrc::Affine8 { .. }) {
+                if !self.p.beta.is_empty() && self.src.has_bias() {
                     let bb = self.p.beta.as_ptr().add((self.k + r) * nb);
                     s += bias_avx512(bb, a.ds.as_ptr().add((self.i + j) * nb), nb);
                 }

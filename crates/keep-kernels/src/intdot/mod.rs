@@ -26,6 +26,13 @@
 //!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
 //!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is
 //!   rounded to f32 once: the only rounding beyond the activations').
+//! - affine-4 (MLX `mode="affine", bits=4, group_size=64`, the mlx-community 4-bit files:
+//!   `w = s·q + b`, `q` a nibble in [0, 15], element `j` of each little-endian u32 word at bits
+//!   `4j..4j+4`, so byte `k` of a row holds elements `2k` (low nibble) and `2k+1`): the
+//!   integer weight is `q` itself (an unsigned byte, so `vpdpbusd` / `vpmaddubsw` take it
+//!   as it is, no sign trick) and the block factor `s`; the rest, `b · Σx`, is the bias term
+//!   of step 5 with `β_b = b_g` (no rounding beyond the activations'). The kernels are in
+//!   `affine4` (scalar dispatch) and `affine4_x86` (nibbles widened in registers).
 //!
 //! # The contract (what every level computes, bit for bit)
 //! For input row `i` and weight row `r`, with integer weights `w`, int8 activations `q` and
@@ -36,7 +43,7 @@
 //! 3. `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])`;
 //! 4. `s = ((u0+u4) + (u2+u6)) + ((u1+u5) + (u3+u7))`, then `s · post` where the format has a
 //!    row factor (E8P: `scale · 0.25`, exact);
-//! 5. affine-8 only: with `β_b = 128·s_g + b_g` for the group `g` holding block `b` and
+//! 5. affine-8 and affine-4 only: with `β_b = 128·s_g + b_g` (affine-4: `β_b = b_g`) for the group `g` holding block `b` and
 //!    `e_b = d_b · S_b` (`S_b` the exact sum of block `b`'s int8 activations; one f32
 //!    multiply, `Q8Acts::ds`), sixteen lanes `L[b mod 16] = fma(β_b, e_b, L[b mod 16])` over
 //!    the blocks in order from zero, then `v[j] = L[j] + L[j+8]`, `β = ((v0+v4) + (v2+v6)) +
@@ -71,6 +78,9 @@ use crate::rows::{prepare_per_input, run_row_jobs, SyncPtr};
 use crate::weight::{WeightKind, WeightView};
 use crate::{KernelError, Result};
 
+mod affine4;
+#[cfg(target_arch = "x86_64")]
+mod affine4_x86;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;
 #[cfg(target_arch = "aarch64")]
@@ -290,6 +300,13 @@ pub enum IntSrc<'a> {
         scales: &'a [u8],
         biases: &'a [u8],
     },
+    /// MLX affine-4 codes `[rows, cols/2]` bytes (element `2k` in the low nibble of byte
+    /// `k`), bf16 scales and biases `[rows, cols/64]`.
+    Affine4 {
+        q: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+    },
 }
 
 impl<'a> IntSrc<'a> {
@@ -307,6 +324,13 @@ impl<'a> IntSrc<'a> {
                 scales,
                 biases,
             } => Some(IntSrc::Affine8 { q, scales, biases }),
+            // MLX affine 4-bit: the nibbles are the integer weights.
+            WeightKind::MlxAffine {
+                bits: 4,
+                q,
+                scales,
+                biases,
+            } => Some(IntSrc::Affine4 { q, scales, biases }),
             _ => None,
         }
     }
@@ -328,17 +352,29 @@ impl<'a> IntSrc<'a> {
         }
     }
 
-    /// `β_b = 128·s_g + b_g` of weight row `r` for every block `b` (`g` the group holding it)
-    /// into `dst[..cols/32]` (`false`: the format has no bias term).
+    /// Whether the format has the bias term of step 5 (affine-8, affine-4).
+    #[inline]
+    pub fn has_bias(&self) -> bool {
+        matches!(self, IntSrc::Affine8 { .. } | IntSrc::Affine4 { .. })
+    }
+
+    /// `β_b = 128·s_g + b_g` (affine-4: `b_g`) of weight row `r` for every block `b` (`g` the
+    /// group holding it) into `dst[..cols/32]` (`false`: the format has no bias term).
     #[inline]
     pub fn bias_blocks(&self, r: usize, cols: usize, dst: &mut [f32]) -> bool {
-        let IntSrc::Affine8 { scales, biases, .. } = *self else {
-            return false;
+        let (scales, biases, four) = match *self {
+            IntSrc::Affine8 { scales, biases, .. } => (scales, biases, false),
+            IntSrc::Affine4 { scales, biases, .. } => (scales, biases, true),
+            _ => return false,
         };
         let ng = cols / AFFINE8_GROUP;
         let per = AFFINE8_GROUP / QBLOCK;
         for (g, o) in dst[..cols / QBLOCK].chunks_exact_mut(per).enumerate() {
-            let beta = 128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g);
+            let beta = if four {
+                bf16_at(biases, r * ng + g)
+            } else {
+                128.0 * bf16_at(scales, r * ng + g) + bf16_at(biases, r * ng + g)
+            };
             o.iter_mut().for_each(|v| *v = beta);
         }
         true
@@ -378,6 +414,12 @@ impl<'a> IntSrc<'a> {
                     *o = (c as i32 - 128) as i8;
                 }
             }
+            IntSrc::Affine4 { q, .. } => {
+                let row = &q[r * cols / 2..(r + 1) * cols / 2];
+                for (j, o) in dst.iter_mut().enumerate() {
+                    *o = keep_format::mlx_affine::code_ref(row, 4, j) as i8;
+                }
+            }
         }
     }
 
@@ -392,7 +434,7 @@ impl<'a> IntSrc<'a> {
                 }
             }
             IntSrc::E8p { .. } => dst[..nb].iter_mut().for_each(|o| *o = 1.0),
-            IntSrc::Affine8 { scales, .. } => {
+            IntSrc::Affine8 { scales, .. } | IntSrc::Affine4 { scales, .. } => {
                 let ng = cols / AFFINE8_GROUP;
                 for (b, o) in dst[..nb].iter_mut().enumerate() {
                     *o = bf16_at(scales, r * ng + b * QBLOCK / AFFINE8_GROUP);
@@ -405,7 +447,7 @@ impl<'a> IntSrc<'a> {
     #[inline]
     pub fn post(&self, r: usize) -> Option<f32> {
         match *self {
-            IntSrc::Mxfp4 { .. } | IntSrc::Affine8 { .. } => None,
+            IntSrc::Mxfp4 { .. } | IntSrc::Affine8 { .. } | IntSrc::Affine4 { .. } => None,
             IntSrc::E8p { scales, .. } => Some(scales[r] * 0.25),
         }
     }
@@ -672,6 +714,9 @@ impl IntSrc<'_> {
                     *o = (c ^ 0x80) as i8;
                 }
             }
+            IntSrc::Affine4 { q, .. } => {
+                affine4::decode_nibbles(&q[r * cols / 2..(r + 1) * cols / 2], dst)
+            }
         }
     }
 }
@@ -694,7 +739,7 @@ pub fn bias_term_ref(bb: &[f32], ds: &[f32]) -> f32 {
 /// As [`rows_scalar`].
 #[inline]
 unsafe fn add_bias_terms(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: usize) {
-    if !matches!(src, IntSrc::Affine8 { .. }) {
+    if !src.has_bias() {
         return;
     }
     let nb = a.cols / QBLOCK;
@@ -739,6 +784,12 @@ unsafe fn rows_at(
             gemm_x86::gemm_vnni(src, a, r0, r1, out, ld)
         }
         #[cfg(target_arch = "x86_64")]
+        IntLevel::Avx512VnniVbmi | IntLevel::Avx512Vnni | IntLevel::Avx512 | IntLevel::Avx2
+            if matches!(src, IntSrc::Affine4 { .. }) =>
+        {
+            affine4::rows_affine4(level, src, a, r0, r1, out, ld)
+        }
+        #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512VnniVbmi => x86::rows_avx512_vbmi(src, a, r0, r1, out, ld),
         #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512Vnni => x86::rows_avx512::<true>(src, a, r0, r1, out, ld),
@@ -765,6 +816,13 @@ fn check_src(src: &IntSrc, rows: usize, cols: usize) -> Result<()> {
                 let ng = rows * cols / AFFINE8_GROUP;
                 cols.is_multiple_of(AFFINE8_GROUP)
                     && q.len() == rows * cols
+                    && scales.len() == 2 * ng
+                    && biases.len() == 2 * ng
+            }
+            IntSrc::Affine4 { q, scales, biases } => {
+                let ng = rows * cols / AFFINE8_GROUP;
+                cols.is_multiple_of(AFFINE8_GROUP)
+                    && q.len() == rows * cols / 2
                     && scales.len() == 2 * ng
                     && biases.len() == 2 * ng
             }
@@ -875,5 +933,7 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
+mod affine4_tests;
 #[cfg(test)]
 mod tests;

@@ -177,7 +177,7 @@ fn integer_decoders_equal_definitions_on_every_code() {
 
 /// Every available level against the scalar level (bits), the scalar level against the f64
 /// reference on the dequantized activations, and row independence.
-fn compare(
+pub(super) fn compare(
     src: &IntSrc,
     rows: usize,
     cols: usize,
@@ -226,6 +226,10 @@ fn compare(
 fn exact_mag(x: &[f32], src: &IntSrc, o: usize, cols: usize) -> f32 {
     if let IntSrc::Affine8 { q, scales, biases } = *src {
         let v = crate::affine::Affine8View::new(q, scales, biases, q.len() / cols, cols).unwrap();
+        return (0..cols).map(|j| (x[j] * v.get_ref(o, j)).abs()).sum();
+    }
+    if let IntSrc::Affine4 { q, scales, biases } = *src {
+        let v = WeightView::mlx_affine(4, q, scales, biases, 2 * q.len() / cols, cols).unwrap();
         return (0..cols).map(|j| (x[j] * v.get_ref(o, j)).abs()).sum();
     }
     let mut w = vec![0i8; cols];

@@ -148,7 +148,7 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
                 *o = super::e8m0_half(v);
             }
         }
-        IntSrc::Affine8 { scales, .. } => {
+        IntSrc::Affine8 { scales, .. } | IntSrc::Affine4 { scales, .. } => {
             let sp = (scales.as_ptr() as *const u16).add(r * (cols / AFFINE8_GROUP));
             while b + 16 <= nb {
                 _mm512_storeu_ps(dst.as_mut_ptr().add(b), groups16(sp.add(b / 2)));
@@ -165,7 +165,7 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
 
 /// 8 bf16 group values at `p` as f32, each twice (16 blocks of 32 in 8 groups of 64).
 #[inline(always)]
-unsafe fn groups16(p: *const u16) -> __m512 {
+pub(super) unsafe fn groups16(p: *const u16) -> __m512 {
     let g = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
         16,
@@ -181,8 +181,12 @@ unsafe fn groups16(p: *const u16) -> __m512 {
 /// AVX-512 F; `src` holds row `r` of `cols`.
 #[inline(always)]
 pub(super) unsafe fn bias_blocks_avx512(src: &IntSrc, r: usize, cols: usize, dst: &mut [f32]) {
-    let IntSrc::Affine8 { scales, biases, .. } = *src else {
-        return;
+    let (scales, biases) = match *src {
+        IntSrc::Affine8 { scales, biases, .. } => (scales, biases),
+        IntSrc::Affine4 { biases, .. } => {
+            return super::affine4_x86::bias_blocks_avx512(biases, r, cols, dst)
+        }
+        _ => return,
     };
     let nb = cols / QBLOCK;
     let ng = cols / AFFINE8_GROUP;
@@ -713,7 +717,7 @@ unsafe fn prep_row<const AVX512: bool, const VBMI: bool>(
             }
             Row::U8(s.w.as_ptr() as *const u8)
         }
-        IntSrc::E8p { .. } => {
+        IntSrc::E8p { .. } | IntSrc::Affine4 { .. } => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }
@@ -818,7 +822,7 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
                 }
                 i += mr;
             }
-            if matches!(src, IntSrc::Affine8 { .. }) {
+            if src.has_bias() {
                 bias_rows_avx512(src, a, r, out, ld);
             }
         }
@@ -829,7 +833,13 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
 /// Step 5 of the contract for weight row `r` (affine-8), added to every activation row's
 /// result, one 512-bit FMA per 16 blocks.
 #[inline(always)]
-unsafe fn bias_rows_avx512(src: &IntSrc, a: &Q8Acts, r: usize, out: *mut f32, ld: usize) {
+pub(super) unsafe fn bias_rows_avx512(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
     let nb = a.cols / QBLOCK;
     let mut bb = super::BIAS.with(|c| c.take());
     bb.resize(nb, 0.0);

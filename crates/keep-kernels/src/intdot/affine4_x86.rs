@@ -1,0 +1,335 @@
+//! x86-64 affine-4 row kernels of [`super`]'s contract (M = 1..32, and every M on the levels
+//! without the GEMM): 64 weights per step are widened from 32 packed bytes in registers
+//! (`vpmovzxbw`, then `(v | v << 4) & 0x0F0F` puts element `2k` in the low byte and `2k+1` in
+//! the high byte of word `k`, MLX's order), and, being unsigned bytes in [0, 15], they are
+//! the unsigned operand of `vpdpbusd` (AVX-512 VNNI) or `vpmaddubsw` + `vpmaddwd` (AVX-512 BW,
+//! AVX2; a pair of products is at most 2 · 15 · 127, far inside i16) against the int8
+//! activations as they lie. Each decoded vector serves up to four (AVX2: two) activation
+//! rows. Block factors are the bf16 scales, the bias term `β_b = b` is added by the shared
+//! step-5 code, and blocks past the last whole group of four run the contract in scalar
+//! code, so every result is the scalar level's bits.
+#![allow(clippy::incompatible_msrv)]
+// Indexed loops mirror the contract's lane and accumulator numbering.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::x86::{bias_rows_avx512, block_factors_avx512, groups16, hsum256, tail_blocks, Row};
+use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
+use crate::affine::AFFINE8_GROUP;
+use crate::codec::bf16_at;
+
+/// Weights `2k, 2k+1` of the 32 packed bytes at `p` as 64 bytes in order (AVX-512 BW).
+#[inline(always)]
+unsafe fn nib64(p: *const u8) -> __m512i {
+    let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
+    // (A | B) & C: ternary-logic table 0xA8.
+    _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x0F0F), 0xA8)
+}
+
+/// Weights of the 16 packed bytes at `p` as 32 bytes in order (AVX2).
+#[inline(always)]
+unsafe fn nib32(p: *const u8) -> __m256i {
+    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+    _mm256_and_si256(
+        _mm256_or_si256(v, _mm256_slli_epi16(v, 4)),
+        _mm256_set1_epi16(0x0F0F),
+    )
+}
+
+/// A row's packed nibbles (`cols / 2` bytes at `p`) decoded to int8 at `w` (the GEMM's
+/// panel rows; the same values as [`super::affine4::decode_nibbles`]).
+///
+/// # Safety
+/// AVX-512 F/BW; `p` holds `cols / 2` bytes and `w` at least `cols`.
+#[inline(always)]
+pub(super) unsafe fn decode_row_avx512(p: *const u8, cols: usize, w: &mut [i8]) {
+    let mut c = 0;
+    while c + 64 <= cols {
+        _mm512_storeu_si512(w.as_mut_ptr().add(c) as *mut __m512i, nib64(p.add(c / 2)));
+        c += 64;
+    }
+    let rest = std::slice::from_raw_parts(p.add(c / 2), (cols - c) / 2);
+    super::affine4::decode_nibbles(rest, &mut w[c..cols]);
+}
+
+/// `β_b = b_g` of row `r` for every block (each bf16 bias twice), 16 blocks at a time.
+///
+/// # Safety
+/// AVX-512 F; `biases` holds row `r` of `cols / 64` bf16 values; `dst` at least `cols / 32`.
+#[inline(always)]
+pub(super) unsafe fn bias_blocks_avx512(biases: &[u8], r: usize, cols: usize, dst: &mut [f32]) {
+    let nb = cols / QBLOCK;
+    let ng = cols / AFFINE8_GROUP;
+    let bp = (biases.as_ptr() as *const u16).add(r * ng);
+    let mut b = 0;
+    while b + 16 <= nb {
+        _mm512_storeu_ps(dst.as_mut_ptr().add(b), groups16(bp.add(b / 2)));
+        b += 16;
+    }
+    for (bb, o) in dst[..nb].iter_mut().enumerate().skip(b) {
+        *o = bf16_at(biases, r * ng + bb * QBLOCK / AFFINE8_GROUP);
+    }
+}
+
+/// Per thread: the row's tail blocks decoded to int8 at their column positions.
+#[inline(always)]
+unsafe fn tail_row(packed: &[u8], r: usize, cols: usize, full: usize, w: &mut [i8]) -> Row {
+    let c0 = full * QBLOCK;
+    if c0 < cols {
+        super::affine4::decode_nibbles(
+            &packed[(r * cols + c0) / 2..(r + 1) * cols / 2],
+            &mut w[c0..cols],
+        );
+    }
+    Row::Buf(w.as_ptr())
+}
+
+/// 16 i32 sums of four `w · q` (`w` unsigned bytes, `q` signed).
+#[inline(always)]
+unsafe fn dot64<const VNNI: bool>(w: __m512i, q: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(w, q), _mm512_set1_epi16(1))
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_avx512_impl<const VNNI: bool>(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let IntSrc::Affine4 { q: packed, .. } = *src else {
+        return super::rows_scalar(src, a, r0, r1, out, ld);
+    };
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    // Taken out of the thread-local for the call (no closure: closures do not inherit the
+    // enclosing function's target features).
+    let mut taken = SCRATCH.with(|c| c.take());
+    let s = &mut taken;
+    s.w.resize(cols, 0);
+    s.f.resize(nb, 0.0);
+    for r in r0..r1 {
+        block_factors_avx512(src, r, cols, &mut s.f);
+        let tail = tail_row(packed, r, cols, full, &mut s.w);
+        let wp = packed.as_ptr().add(r * cols / 2);
+        let f = s.f.as_ptr();
+        let mut i = 0;
+        while i < a.m {
+            let mr = (a.m - i).min(4);
+            match mr {
+                4 => group512::<VNNI, 4>(wp, tail, a, f, i, r, out, ld),
+                3 => group512::<VNNI, 3>(wp, tail, a, f, i, r, out, ld),
+                2 => group512::<VNNI, 2>(wp, tail, a, f, i, r, out, ld),
+                _ => group512::<VNNI, 1>(wp, tail, a, f, i, r, out, ld),
+            }
+            i += mr;
+        }
+        bias_rows_avx512(src, a, r, out, ld);
+    }
+    SCRATCH.with(|c| c.replace(taken));
+}
+
+/// Activation rows `i..i+MR` against weight row `r` (packed nibbles at `wp`): steps 1–4 of
+/// the contract, the bias term is added by the caller.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group512<const VNNI: bool, const MR: usize>(
+    wp: *const u8,
+    tail: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    let q: [*const i8; MR] = std::array::from_fn(|j| a.q.as_ptr().add((i + j) * cols));
+    let d: [*const f32; MR] = std::array::from_fn(|j| a.d.as_ptr().add((i + j) * nb));
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let idx_a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let idx_b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    let mut b = 0;
+    while b < full {
+        let k = b * QBLOCK;
+        let w0 = nib64(wp.add(k / 2));
+        let w1 = nib64(wp.add(k / 2 + 32));
+        let f4 = _mm_loadu_ps(f.add(b));
+        for j in 0..MR {
+            let qa = _mm512_loadu_si512(q[j].add(k) as *const __m512i);
+            let qb = _mm512_loadu_si512(q[j].add(k + 64) as *const __m512i);
+            let (p0, p1) = (dot64::<VNNI>(w0, qa), dot64::<VNNI>(w1, qb));
+            let c4 = _mm512_castps128_ps512(_mm_mul_ps(f4, _mm_loadu_ps(d[j].add(b))));
+            let (ca, cb) = (
+                _mm512_permutexvar_ps(idx_a, c4),
+                _mm512_permutexvar_ps(idx_b, c4),
+            );
+            acc[j][0] = _mm512_fmadd_ps(ca, _mm512_cvtepi32_ps(p0), acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(cb, _mm512_cvtepi32_ps(p1), acc[j][1]);
+        }
+        b += 4;
+    }
+    for j in 0..MR {
+        // acc[j][0] holds the contract's acc[0] (low half) and acc[1], acc[j][1] acc[2], acc[3].
+        let (lo0, hi0) = (
+            _mm512_castps512_ps256(acc[j][0]),
+            _mm512_extractf32x8_ps(acc[j][0], 1),
+        );
+        let (lo1, hi1) = (
+            _mm512_castps512_ps256(acc[j][1]),
+            _mm512_extractf32x8_ps(acc[j][1], 1),
+        );
+        let s = if full == nb {
+            hsum256(_mm256_add_ps(
+                _mm256_add_ps(lo0, lo1),
+                _mm256_add_ps(hi0, hi1),
+            ))
+        } else {
+            let mut v = [[0f32; 8]; 4];
+            _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
+            _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
+            _mm256_storeu_ps(v[2].as_mut_ptr(), lo1);
+            _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
+            let dj = d[j];
+            tail_blocks(tail, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
+            super::finish_ref(&v)
+        };
+        *out.add((i + j) * ld + r) = s;
+    }
+}
+
+/// AVX-512 VNNI rows `r0..r1` (`vpdpbusd`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ/VNNI; `out` as in `super::rows_scalar`; `src` holds at
+/// least `r1` rows of `a.cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")]
+pub(super) unsafe fn rows_vnni(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    rows_avx512_impl::<true>(src, a, r0, r1, out, ld)
+}
+
+/// AVX-512 BW rows `r0..r1` (`vpmaddubsw` + `vpmaddwd`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ; otherwise as [`rows_vnni`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+pub(super) unsafe fn rows_bw(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    rows_avx512_impl::<false>(src, a, r0, r1, out, ld)
+}
+
+/// AVX2 rows `r0..r1` (`vpmaddubsw` + `vpmaddwd`; block factors and the bias term by the
+/// scalar code, since AVX-512 code must not run here).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; otherwise as [`rows_vnni`].
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn rows_avx2(
+    src: &IntSrc,
+    a: &Q8Acts,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let IntSrc::Affine4 { q: packed, .. } = *src else {
+        return super::rows_scalar(src, a, r0, r1, out, ld);
+    };
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    let mut taken = SCRATCH.with(|c| c.take());
+    let s = &mut taken;
+    s.w.resize(cols, 0);
+    s.f.resize(nb, 0.0);
+    for r in r0..r1 {
+        src.block_factors(r, cols, &mut s.f);
+        let tail = tail_row(packed, r, cols, full, &mut s.w);
+        let wp = packed.as_ptr().add(r * cols / 2);
+        let f = s.f.as_ptr();
+        let mut i = 0;
+        while i < a.m {
+            let mr = (a.m - i).min(2);
+            match mr {
+                2 => group256::<2>(wp, tail, a, f, i, r, out, ld),
+                _ => group256::<1>(wp, tail, a, f, i, r, out, ld),
+            }
+            i += mr;
+        }
+        super::add_bias_terms(src, a, r, out, ld);
+    }
+    SCRATCH.with(|c| c.replace(taken));
+}
+
+/// [`group512`] on 256-bit registers (one 8-lane accumulator per block of a group of four).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group256<const MR: usize>(
+    wp: *const u8,
+    tail: Row,
+    a: &Q8Acts,
+    f: *const f32,
+    i: usize,
+    r: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, nb) = (a.cols, a.cols / QBLOCK);
+    let full = nb / 4 * 4;
+    let q: [*const i8; MR] = std::array::from_fn(|j| a.q.as_ptr().add((i + j) * cols));
+    let d: [*const f32; MR] = std::array::from_fn(|j| a.d.as_ptr().add((i + j) * nb));
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    let ones = _mm256_set1_epi16(1);
+    let mut b = 0;
+    while b < full {
+        for h in 0..4 {
+            let k = (b + h) * QBLOCK;
+            let w = nib32(wp.add(k / 2));
+            let fb = *f.add(b + h);
+            for j in 0..MR {
+                let qv = _mm256_loadu_si256(q[j].add(k) as *const __m256i);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, qv), ones);
+                let c = _mm256_set1_ps(fb * *d[j].add(b + h));
+                acc[j][h] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(p), acc[j][h]);
+            }
+        }
+        b += 4;
+    }
+    for j in 0..MR {
+        let s = if full == nb {
+            hsum256(_mm256_add_ps(
+                _mm256_add_ps(acc[j][0], acc[j][2]),
+                _mm256_add_ps(acc[j][1], acc[j][3]),
+            ))
+        } else {
+            let mut v = [[0f32; 8]; 4];
+            for (h, vh) in v.iter_mut().enumerate() {
+                _mm256_storeu_ps(vh.as_mut_ptr(), acc[j][h]);
+            }
+            let dj = d[j];
+            tail_blocks(tail, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
+            super::finish_ref(&v)
+        };
+        *out.add((i + j) * ld + r) = s;
+    }
+}
