@@ -47,7 +47,7 @@ PAIRS="${PAIRS:-bf16 q8 q4}"
 PY="${PY:-$REPO/tools/oracle/.venv/bin/python}"
 LCP_VERSION=0.3.36
 
-if [[ -e "$OUT" && "${FORCE:-0}" != 1 ]]; then
+if [[ -e "$OUT" && "${FORCE:-0}" != 1 && "${PREPARE_ONLY:-0}" != 1 ]]; then
   echo "refusing to replace $OUT (FORCE=1 to replace)" >&2
   exit 1
 fi

@@ -25,7 +25,8 @@ pub enum KernelsArg {
     /// The exact f32 kernels (what `keep logits`, the fixtures and the conformance suite use).
     #[default]
     Exact,
-    /// Integer dot products on int8-quantized activations where a format has them (MXFP4).
+    /// Integer dot products on int8-quantized activations where a format has them (MXFP4, E8P,
+    /// MLX affine 4/8-bit, affine-8), bf16 dot products for MXFP8, FP8 blocks and bf16.
     Fast,
 }
 
