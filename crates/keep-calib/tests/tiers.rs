@@ -160,5 +160,7 @@ fn allocation_and_tier_simulation_score_as_their_checkpoints() {
     assert_eq!(r0.students[1].mean_kl, kl2);
 
     let late = run(vec![0.0], 1 << 40, 5).students[1].mix.clone().unwrap();
-    assert!(late.hits < all.hits && late.admissions == all.admissions);
+    // (Admissions may differ by a few: the rungs served change the hidden states, and so the
+    // routes of later layers and tokens.)
+    assert!(late.hits < all.hits, "{late:?} {all:?}");
 }
