@@ -807,7 +807,7 @@ fn expert_bytes_of(
                     }
                     continue;
                 }
-                let em = keep_checkpoint::layout::expert_matrix(ck, &cfg, l, e, mat)
+                let em = keep_checkpoint::layout::expert_matrix(ck, cfg, l, e, mat)
                     .map_err(|msg| ResidencyError::Config(format!("{}: {msg}", dir.display())))?;
                 *b += em.weight.bytes.len() as u64
                     + em.scale.map_or(0, |s| s.bytes.len() as u64)

@@ -138,7 +138,7 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
     let r = eval_tiers(
         &src,
         &ap,
-        &[q.clone()],
+        std::slice::from_ref(&q),
         &teacher,
         &pack,
         &eo,
@@ -178,8 +178,9 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
     m.cache().store().hold_upper_reads(gate.clone());
     let mut log = Log::default();
     let mut kv = m.new_cache();
-    let mut forwards: Vec<std::ops::Range<usize>> = vec![0..prefill];
-    forwards.extend((prefill..tokens.len()).map(|i| i..i + 1));
+    let forwards: Vec<std::ops::Range<usize>> = std::iter::once(0..prefill)
+        .chain((prefill..tokens.len()).map(|i| i..i + 1))
+        .collect();
     for f in &forwards {
         m.forward(&tokens[f.clone()], &mut kv, Logits::Last, Some(&mut log))
             .unwrap();
