@@ -24,7 +24,7 @@
 # EXPERTS_BYTES (280MiB: 8 experts per layer at 2 layers), TAUS (0.25), TAU (the run's; 0.25),
 # CACHE (residual cache, 16MiB), BUDGET_FRAC (the allocation's budget between all-E8P2 (0) and
 # all-E8P2+E81 (1), 0.5), PROMPT / DECODE tokens for keep run (4, 16), SLOTS (expert slots per
-# layer the run's memory budget holds, 4).
+# layer the run's memory budget holds, 6: at least top-k, below the 8 routed experts).
 # Writes dev/evidence/tiers-flash-synthetic-streaming.json (EVIDENCE overrides): budget, rung
 # mix, KL (allocation, uniform, tiers), serving mix of eval, runtime and simulator, tok/s against
 # the simulator's prediction, residual wait, load averages and the commands.
@@ -45,7 +45,7 @@ CACHE=${CACHE:-16MiB}
 BUDGET_FRAC=${BUDGET_FRAC:-0.5}
 PROMPT=${PROMPT:-4}
 DECODE=${DECODE:-16}
-SLOTS=${SLOTS:-4}
+SLOTS=${SLOTS:-6}
 EVIDENCE=${EVIDENCE:-tiers-flash-synthetic-streaming.json}
 mkdir -p "$W"
 LOG="$W/steps.log"
