@@ -4,14 +4,17 @@
 #
 #   dev/bench-tiers.sh MODEL BUDGET TAU RESIDUAL_CACHE OUT [PROMPT_TOKENS=4] [DECODE_TOKENS=32] [ALLOC]
 #
-# MODEL is a mixed-rung checkpoint (`keep quant --format e8p2+e81`, all experts or a plan's, or
-# `keep quant --alloc`): experts with `.resid.*` tensors have an upper stage.
+# MODEL is a checkpoint with E8P experts (`keep quant --format e8p2+e81`, or `keep quant
+# --alloc`), ALLOC the allocation it holds: an expert's base is its allocated rung, and an
+# `e8p2` expert whose residual codes MODEL carries has them as its upper stage (without ALLOC,
+# every E8P expert's base is its `e8p2` codes).
 # 1. keep run MODEL --memory-budget BUDGET --tau TAU --residual-cache RESIDUAL_CACHE [--tiers
 #    ALLOC] (greedy, synthetic prompt), recording its routes and numbers (run.json).
 # 2. The bandwidths the cost model needs, measured now (bandwidth.json; keep-runtime's example
 #    `bandwidth`); the SSD rate is the faster of the probe and the run's own decode reads.
 # 3. keep residency replays the recorded routes with LRU at the run's slots per layer and the
-#    same tiers (τ, residual cache, admission 1 token after the miss) -> residency.json.
+#    same tiers (the same allocation, τ, residual cache, admission 1 token after the miss, the
+#    prompt as one prefill forward) -> residency.json.
 # 4. bench.json: both runs' numbers, the serving mix side by side (routed slots upper/base,
 #    residual admissions, pooled over prompt and decode), and the verdict
 #    (rule: decode tokens/s >= 0.8 x the tiered residency bound), plus a compute-inclusive bound.
@@ -37,7 +40,7 @@ MEM=$(python3 -c "import json;print(json.load(open('$OUT/bandwidth.json'))['mem_
 SLOTS=$(python3 -c "import json;print(json.load(open('$OUT/run.json'))['plan']['slots_per_layer'])")
 "$KEEP" residency "$OUT/routes.safetensors" --hot "$SLOTS" --policy lru --warm-start none \
   --model "$MODEL" --ssd-gbps "$SSD" --mem-gbps "$MEM" --tau "$TAU" --residual-cache "$RC" \
-  --admit-delay 1 "${res_alloc[@]}" --json >"$OUT/residency.json"
+  --admit-delay 1 --prefill-tokens "$P" "${res_alloc[@]}" --json >"$OUT/residency.json"
 python3 - "$OUT" "$*" "$load_before" "$load_after" <<'PY'
 import json, os, platform, sys
 out, args, lb, la = sys.argv[1:5]

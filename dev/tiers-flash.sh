@@ -3,21 +3,31 @@
 # through the CLI: keep synth (V4.1-Flash expert shapes, vocabulary 32k, LAYERS layers, about
 # EXPERTS_BYTES of routed experts), keep pack (a short text), keep calibrate + finalize (imatrix,
 # REAP), keep calibrate --split eval (teacher logits), keep quant --format e8p2+e81 (every
-# expert's error at E8P2 and E8P2+E81), keep alloc --budget (below the model's expert bytes),
-# keep quant --alloc, keep eval --tiers --tau (its first student is the allocation in memory, as
-# keep eval --alloc scores it; the written checkpoint must score the same), then keep run --memory-budget --tiers --tau against keep residency
-# --alloc --tau on the run's own routes (dev/bench-tiers.sh).
+# expert's error at E8P2 and E8P2+E81, and a checkpoint that carries every expert's residual
+# codes), keep alloc --rungs e8p2,e8p2+e81 --budget (between all-E8P2 and all-E8P2+E81), keep
+# eval --tiers --tau (its first student is the allocation in memory, as keep eval --alloc scores
+# it), then keep run --memory-budget --tiers --tau on the E8P2+E81 checkpoint against keep
+# residency --alloc --tau on the run's own routes (dev/bench-tiers.sh).
+#
+# The tier rule (keep-residency's `upper_stage`, shared by eval, run and residency): an expert's
+# base is its allocated rung; an `e8p2` expert's upper stage is the residual codes the
+# checkpoint carries, an `e8p2+e81` expert has none (its residual is part of its base; the
+# shipped expert above it is keep eval's and keep residency's --upper-from, not keep run's).
+# The memory budget holds SLOTS expert slots per layer (below the 8 routed experts, so decode
+# reads experts from SSD) plus the residual cache.
 #
 #   dev/tiers-flash.sh [WORKDIR]    (default /tmp/keep-tiers-flash; steps whose output exists are
-#                                    reused, so a rerun after a fix redoes only what is missing)
+#                                    reused, so a rerun after a fix redoes only what is missing;
+#                                    delete WORKDIR/bench to measure the run again)
 #
-# Knobs (environment): CHECKPOINT_EVAL (1: also score the written checkpoint), KEEP (a built keep; else cargo build --release), LAYERS (2),
-# EXPERTS_BYTES (280MiB: 8 experts per layer at 2 layers), TAUS (0.25,0.5), TAU (the run's; 0.25),
-# CACHE (residual cache, 16MiB), BUDGET_FRAC (the allocation's budget as a share of the experts'
-# bytes at E8P2+E81 over shipped, 0.5: between the two), PROMPT / DECODE tokens for keep run (4, 16),
-# RUN_SLACK (bytes of the model the memory budget leaves out, 160MiB).
-# Writes dev/evidence/tiers-flash-synthetic.json: budget, rung mix, KL (allocation, uniform,
-# tiers), tok/s, simulator against runtime, load averages and the commands.
+# Knobs (environment): KEEP (a built keep; else cargo build --release), LAYERS (2),
+# EXPERTS_BYTES (280MiB: 8 experts per layer at 2 layers), TAUS (0.25), TAU (the run's; 0.25),
+# CACHE (residual cache, 16MiB), BUDGET_FRAC (the allocation's budget between all-E8P2 (0) and
+# all-E8P2+E81 (1), 0.5), PROMPT / DECODE tokens for keep run (4, 16), SLOTS (expert slots per
+# layer the run's memory budget holds, 6: at least top-k, below the 8 routed experts).
+# Writes dev/evidence/tiers-flash-synthetic-streaming.json (EVIDENCE overrides): budget, rung
+# mix, KL (allocation, uniform, tiers), serving mix of eval, runtime and simulator, tok/s against
+# the simulator's prediction, residual wait, load averages and the commands.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if [ -z "${KEEP:-}" ]; then
@@ -29,13 +39,14 @@ export BW=${BW:-$(dirname "$KEEP")/examples/bandwidth}
 W=${1:-/tmp/keep-tiers-flash}
 LAYERS=${LAYERS:-2}
 EXPERTS_BYTES=${EXPERTS_BYTES:-280MiB}
-TAUS=${TAUS:-0.25,0.5}
+TAUS=${TAUS:-0.25}
 TAU=${TAU:-0.25}
 CACHE=${CACHE:-16MiB}
 BUDGET_FRAC=${BUDGET_FRAC:-0.5}
 PROMPT=${PROMPT:-4}
 DECODE=${DECODE:-16}
-RUN_SLACK=${RUN_SLACK:-160MiB}
+SLOTS=${SLOTS:-6}
+EVIDENCE=${EVIDENCE:-tiers-flash-synthetic-streaming.json}
 mkdir -p "$W"
 LOG="$W/steps.log"
 T0=$(date +%s)
@@ -81,7 +92,7 @@ step teacher "$W/teacher/run.json" -- "$KEEP" calibrate "$W/model" --pack "$W/pa
 # 4. every expert's error per rung
 step quant "$W/q-e8p2+e81/quant-report.json" -- "$KEEP" quant "$W/model" --imatrix "$W/run" --format e8p2+e81 --out "$W/q-e8p2+e81"
 
-# 5. the allocation at a budget below the experts' shipped bytes
+# 5. the allocation between all-E8P2 and all-E8P2+E81 (the rungs the E8P2+E81 checkpoint holds)
 "$KEEP" alloc "$W/run" --model "$W/model" --budget 1T --rungs e8p2,e8p2+e81,shipped \
   --quant-report "$W/q-e8p2+e81" --out "$W/probe.json" --force > /dev/null
 read -r N E2 E3 SH <<<"$(python3 - "$W/probe.json" <<'PY'
@@ -91,43 +102,47 @@ b = {r["label"]: r["bytes_per_expert"] for r in a["rungs"]}
 print(sum(len(l["rungs"]) for l in a["layers"]), b["e8p2"], b["e8p2+e81"], b["shipped"])
 PY
 )"
-B=$(python3 -c "print(int($N * ($E3 + $BUDGET_FRAC * ($SH - $E3))))")
-step alloc "$W/alloc.json" -- "$KEEP" alloc "$W/run" --model "$W/model" --budget "$B" --rungs e8p2,e8p2+e81,shipped \
-  --quant-report "$W/q-e8p2+e81" --out "$W/alloc.json"
-# the uniform rung the same bytes would nearly buy: every expert at E8P2+E81 (the quant output)
-step quant-alloc "$W/q-alloc/quant-report.json" -- "$KEEP" quant "$W/model" --imatrix "$W/run" --alloc "$W/alloc.json" --out "$W/q-alloc"
+B=$(python3 -c "print(int($N * ($E2 + $BUDGET_FRAC * ($E3 - $E2))))")
+step alloc "$W/alloc-e8p.json" -- "$KEEP" alloc "$W/run" --model "$W/model" --budget "$B" --rungs e8p2,e8p2+e81 \
+  --quant-report "$W/q-e8p2+e81" --out "$W/alloc-e8p.json"
 
-# 6. quality against the teacher
+# 6. quality against the teacher: the uniform E8P2+E81 checkpoint, then keep eval --tiers (the
+#    allocation in memory first, the score keep eval --alloc gives, then the per-token tiers at
+#    each τ, each record's first PROMPT tokens one prefill forward as keep run computes them)
 step eval-uniform "$W/eval-uniform.json" -- bash -c "'$KEEP' eval '$W/q-e8p2+e81' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-uniform.json.tmp' && mv '$W/eval-uniform.json.tmp' '$W/eval-uniform.json'"
-# keep eval --tiers scores the allocation in memory first (the score `keep eval --alloc` gives),
-# then the per-token tiers at each τ
-step eval-tiers "$W/eval-tiers.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --plot '$W/tiers.svg' --force --json > '$W/eval-tiers.json.tmp' && mv '$W/eval-tiers.json.tmp' '$W/eval-tiers.json'"
-# the checkpoint keep quant --alloc wrote must score as the allocation in memory (CHECKPOINT_EVAL=0 skips)
-if [ "${CHECKPOINT_EVAL:-1}" = 1 ]; then
-  step eval-alloc-checkpoint "$W/eval-alloc-checkpoint.json" -- bash -c "'$KEEP' eval '$W/q-alloc' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-alloc-checkpoint.json.tmp' && mv '$W/eval-alloc-checkpoint.json.tmp' '$W/eval-alloc-checkpoint.json'"
-fi
+step eval-tiers "$W/eval-tiers-e8p.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc-e8p.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --prefill-tokens '$PROMPT' --plot '$W/tiers-e8p.svg' --force --json > '$W/eval-tiers-e8p.json.tmp' && mv '$W/eval-tiers-e8p.json.tmp' '$W/eval-tiers-e8p.json'"
 
-# 7. the budgeted runtime with tiers against the simulator, budget below the model's size
-MODEL_BYTES=$(du -sb "$W/q-alloc" | cut -f1)
-SLACK=$(python3 -c "
-import re,sys
-s='$RUN_SLACK'; m=re.fullmatch(r'(\d+)([KMG]i?B?)?',s); u={'K':1<<10,'M':1<<20,'G':1<<30}
-print(int(m.group(1))*(u[m.group(2)[0]] if m.group(2) else 1))")
-MEM=$((MODEL_BYTES - SLACK))
-step run "$W/bench/bench.json" -- "$ROOT/dev/bench-tiers.sh" "$W/q-alloc" "$MEM" "$TAU" "$CACHE" "$W/bench" "$PROMPT" "$DECODE" "$W/alloc.json"
+# 7. the budgeted runtime with tiers against the simulator: the memory budget holds SLOTS slots
+#    per layer (a probe run reads the plan's resident bytes and slot size)
+if [ ! -e "$W/mem-plan.json" ]; then
+  "$KEEP" run "$W/q-e8p2+e81" --memory-budget 1T --tau "$TAU" --tiers "$W/alloc-e8p.json" --residual-cache "$CACHE" \
+    --prompt-tokens 1 --max-tokens 1 --temperature 0 --stats-json "$W/mem-probe.json" --force \
+    >/dev/null 2>"$W/mem-probe.log" || { cat "$W/mem-probe.log" >&2; exit 1; }
+  python3 - "$W/mem-probe.json" "$SLOTS" "$W/mem-plan.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))["plan"]
+slots = int(sys.argv[2])
+# planned = residents (with the residual cache) + context (decoding cache + activations) + slots
+fixed = p["residents"] + p["cache_bytes"] + p["activation_bytes"]
+mem = fixed + slots * p["n_layers"] * p["slot_bytes"] + (1 << 20)
+json.dump({"fixed": fixed, "slot_bytes": p["slot_bytes"], "slots": slots, "memory_budget": mem}, open(sys.argv[3], "w"))
+PY
+fi
+MEM=$(python3 -c "import json;print(json.load(open('$W/mem-plan.json'))['memory_budget'])")
+MODEL_BYTES=$(du -sb "$W/q-e8p2+e81" | cut -f1)
+step run "$W/bench/bench.json" -- "$ROOT/dev/bench-tiers.sh" "$W/q-e8p2+e81" "$MEM" "$TAU" "$CACHE" "$W/bench" "$PROMPT" "$DECODE" "$W/alloc-e8p.json"
 
 # 8. evidence
 mkdir -p "$ROOT/dev/evidence"
-python3 - "$W" "$ROOT/dev/evidence/tiers-flash-synthetic.json" "$B" "$MEM" "$MODEL_BYTES" "$T0" "$*" "$TAU" "$CACHE" <<'PY'
+python3 - "$W" "$ROOT/dev/evidence/$EVIDENCE" "$B" "$MEM" "$MODEL_BYTES" "$T0" "$*" "$TAU" "$CACHE" <<'PY'
 import json, os, sys, time
 w, out, budget, mem, model_bytes, t0, args, tau, cache = sys.argv[1:10]
 j = lambda f: json.load(open(f"{w}/{f}"))
-cfg, alloc, probe = j("model/config.json"), j("alloc.json"), j("probe.json")
+cfg, alloc, probe = j("model/config.json"), j("alloc-e8p.json"), j("probe.json")
 rb = {r["label"]: r["bytes_per_expert"] for r in probe["rungs"]}
 n = sum(len(l["rungs"]) for l in alloc["layers"])
-uni, et = j("eval-uniform.json"), j("eval-tiers.json")
+uni, et = j("eval-uniform.json"), j("eval-tiers-e8p.json")
 ea = et
-ec = j("eval-alloc-checkpoint.json") if os.path.exists(f"{w}/eval-alloc-checkpoint.json") else None
 bench = j("bench/bench.json")
 mix = {}
 for l in alloc["layers"]:
@@ -141,17 +156,19 @@ d = {
             "moe_intermediate_size": cfg["moe_intermediate_size"], "vocab_size": cfg["vocab_size"],
             "routed_experts_per_layer": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"],
             "routed_experts": n, "bytes_per_expert": rb,
-            "expert_bytes_shipped": n * rb["shipped"], "checkpoint_bytes_quant_alloc": int(model_bytes)},
+            "expert_bytes_shipped": n * rb["shipped"], "checkpoint_bytes_e8p2_e81": int(model_bytes)},
   "teacher_positions": s0(ea).get("positions"),
   "alloc": {"budget_bytes": int(budget), "bytes": alloc["bytes"], "mix": mix,
             "predicted_loss": alloc["predicted_loss"], "solver": alloc["solver"],
             "kl_in_memory": s0(ea)["mean_kl"], "top1_in_memory": s0(ea)["top1"],
-            "kl_written_checkpoint": s0(ec)["mean_kl"] if ec else None,
-            "top1_written_checkpoint": s0(ec)["top1"] if ec else None},
+            "upper_stages": et.get("upper_stages")},
   "uniform_e8p2+e81": {"bytes": n * rb["e8p2+e81"], "kl": s0(uni)["mean_kl"], "top1": s0(uni)["top1"]},
   "tiers_eval": [{"label": s["label"], "kl": s["mean_kl"], "top1": s["top1"], "mix": s.get("mix")}
                  for s in et["students"][1:]],
-  "run": {"memory_budget_bytes": int(mem), "tau": float(tau), "residual_cache": cache,
+  "run": {"memory_budget_bytes": int(mem), "mem_plan": j("mem-plan.json"), "tau": float(tau), "residual_cache": cache,
+          "decode_hit_rate": bench["keep_run"]["decode_cache"]["hit_rate"],
+          "decode_expert_bytes_read": bench["keep_run"]["decode_cache"]["bytes_read"],
+          "decode_expert_wait_secs": bench["keep_run"]["decode_cache"]["wait_secs"],
           "decode_tps": bench["decode_tps"], "bound_tps": bench["bound_tps"], "ratio": bench["ratio"],
           "compute_inclusive_bound_tps": bench["compute_inclusive_bound_tps"],
           "ratio_compute_inclusive": bench["ratio_compute_inclusive"],
@@ -167,11 +184,11 @@ json.dump(d, open(out, "w"), indent=1)
 a, u = d["alloc"], d["uniform_e8p2+e81"]
 print(f"model: {n} routed experts ({cfg['n_routed_experts']}/layer x {cfg['num_hidden_layers']}), "
       f"{d['model']['expert_bytes_shipped']/2**20:.0f} MiB shipped, checkpoint {int(model_bytes)/2**20:.0f} MiB")
-print(f"alloc: budget {a['budget_bytes']/2**20:.1f} MiB, mix {a['mix']}, KL {a['kl_in_memory']:.5f} "
-      f"(written checkpoint {a['kl_written_checkpoint']}); uniform e8p2+e81 {u['bytes']/2**20:.1f} MiB KL {u['kl']:.5f}")
+print(f"alloc: budget {a['budget_bytes']/2**20:.1f} MiB, mix {a['mix']}, upper stages {a['upper_stages']}, KL {a['kl_in_memory']:.5f}; "
+      f"uniform e8p2+e81 {u['bytes']/2**20:.1f} MiB KL {u['kl']:.5f}")
 for t in d["tiers_eval"]:
     print(f"tiers {t['label']}: KL {t['kl']:.5f}, mix {t['mix']}")
 r = d["run"]
-print(f"run at {r['memory_budget_bytes']/2**20:.0f} MiB: {r['decode_tps']:.3f} tok/s, bound {r['bound_tps']:.3f} "
+print(f"run at {r['memory_budget_bytes']/2**20:.0f} MiB ({r['slots_per_layer']} slots/layer, decode hit rate {r['decode_hit_rate']:.3f}): {r['decode_tps']:.3f} tok/s, bound {r['bound_tps']:.3f} "
       f"(ratio {r['ratio']:.2f}; compute-inclusive {r['ratio_compute_inclusive']:.2f}); residual wait {r['residual_wait_secs']}")
 PY

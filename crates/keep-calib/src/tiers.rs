@@ -9,20 +9,24 @@
 //! does). Scored with the same metrics as `keep eval`.
 //!
 //! # The tier simulation
-//! Each expert's *upper* rung is the next one up that the given checkpoints hold: `e8p2` →
-//! `e8p2+e81` (else `e8p2+e8p2`; the residual of the same codes), `e8p2+e81`/`e8p2+e8p2` →
-//! `shipped` (a whole copy); `shipped` and `pruned` have none. Its upper stage costs the
-//! bytes the upper rung adds (the residual's bytes; for `shipped`, the shipped expert's). The
-//! records are decoded one token at a time (the runtime's order; bit-identical to a prefill):
-//! at token t, a routed slot with gate weight ≥ τ is computed at the upper rung if its stage is
-//! in the residual cache and usable (admitted at a token ≤ t − k, `k` = `admit_delay`); else
-//! at the base rung, and a stage not yet in the cache is admitted (least recently used stages
-//! evicted until it fits `cache_bytes`; a stage larger than the cache is never admitted). No
-//! slot ever waits. Each τ is one student; the report gives the serving mix (slots per rung,
-//! hits, misses, admissions, evictions) and the residual bytes read per token. The default
-//! `k` is [`DEFAULT_ADMIT_DELAY`].
+//! Each expert's base is its allocated rung and its upper stage is decided by the one rule
+//! the runtime and the replay use too (keep-residency's
+//! [`upper_stage`](keep_residency::tiers::upper_stage)): for `e8p2`, the residual codes a
+//! given checkpoint carries (`e8p2+e81`, else `e8p2+e8p2`); for the top quantized rungs
+//! `e8p2+e81`/`e8p2+e8p2`, the shipped expert when [`TierOptions::upper_shipped`] is set (keep
+//! eval's `--upper-from`); `shipped` and `pruned` have none. Its upper stage costs the bytes
+//! the upper rung adds (the residual's; for `shipped`, the whole shipped expert's). Each
+//! record is a session (an empty residual cache), computed as the runtime computes a run: its
+//! first [`TierOptions::prefill_tokens`] tokens as one forward, then one token at a time
+//! (bit-identical logits either way). Every routed slot is answered by keep-residency's
+//! [`TierPolicy`] — gate ≥ τ and the stage in memory: upper; else base, and an absent stage is
+//! admitted into the LRU residual cache of `cache_bytes` — and a read issued in a forward is
+//! usable `k` = `admit_delay` tokens after that forward's last token. No slot ever waits. Each
+//! τ is one student; the report gives the serving mix (slots per rung, hits, misses,
+//! admissions, evictions) and the residual bytes read per token. The default `k` is
+//! [`DEFAULT_ADMIT_DELAY`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -32,6 +36,7 @@ use keep_model::{
     CheckpointExperts, ExpertSource, ExpertTiers, ExpertWeights, Logits, Model, ModelConfig,
     ModelError, Rung, UpperChoice,
 };
+use keep_residency::tiers::{upper_stage, Choice, TierPolicy, UpperStage};
 use serde::Serialize;
 
 use crate::eval::load_teacher;
@@ -60,6 +65,13 @@ pub struct TierMix {
     pub misses: u64,
     pub admissions: u64,
     pub evictions: u64,
+    /// Of `misses`: the stage was still being read; not admitted for lack of room.
+    pub in_flight: u64,
+    pub no_room: u64,
+    /// Slots with gate ≥ τ (with or without an upper stage).
+    pub above_tau: u64,
+    /// Tokens of each record computed as one prefill forward.
+    pub prefill_tokens: usize,
     /// Bytes of upper stages admitted (read) over the run.
     pub bytes_read: u64,
     pub bytes_read_per_token: f64,
@@ -77,6 +89,20 @@ pub struct TierScore {
     pub mean_nll: f64,
     pub mean_dnll: f64,
     pub top1: f64,
+    /// With [`TierOptions::record`]: every routed slot's rung in the order it was chosen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served: Option<Vec<ServedSlot>>,
+}
+
+/// One routed slot of a tier student: record, token position, layer, expert, and whether it
+/// was computed at the upper rung.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct ServedSlot {
+    pub record: usize,
+    pub token: usize,
+    pub layer: usize,
+    pub expert: usize,
+    pub upper: bool,
 }
 
 /// What [`eval_tiers`] returns.
@@ -89,91 +115,61 @@ pub struct TierReport {
     pub teacher: String,
     pub records: usize,
     pub rung_mix: BTreeMap<String, usize>,
+    /// Experts per upper stage: residual codes, shipped expert, none.
+    pub upper_stages: BTreeMap<String, usize>,
     pub students: Vec<TierScore>,
+    /// With [`TierOptions::record`]: each record's token ids (what [`ServedSlot::record`]
+    /// indexes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub record_tokens: Option<Vec<Vec<u32>>>,
 }
 
 /// The simulation's options: τ values (empty: only the static allocation is scored), cache
-/// bytes, admission delay in tokens.
-#[derive(Debug, Clone)]
+/// bytes, admission delay in tokens (≥ 1), whether the shipped experts (the model's own) are
+/// the upper stage above the top quantized rung (`--upper-from`), the tokens of each record
+/// computed as one prefill forward, and whether to record every slot's rung.
+#[derive(Debug, Clone, Default)]
 pub struct TierOptions {
     pub taus: Vec<f64>,
     pub cache_bytes: u64,
     pub admit_delay: u64,
+    pub upper_shipped: bool,
+    pub prefill_tokens: usize,
+    pub record: bool,
 }
 
-struct Entry {
-    ready_at: u64,
-    last_use: u64,
-    bytes: u64,
-}
-
-#[derive(Default)]
-struct SimState {
-    now: u64,
-    cache: HashMap<(usize, usize), Entry>,
-    used: u64,
-    mix: TierMix,
-}
-
-/// The simulated residual cache (an [`ExpertTiers`]); `upper_bytes[(l, j)]` is 0 for experts
-/// without an upper stage.
+/// The policy of one τ student (an [`ExpertTiers`]), recording each slot's rung when asked.
 struct Sim {
-    tau: f32,
-    cap: u64,
-    delay: u64,
-    upper_bytes: Vec<u64>,
-    n_experts: usize,
     st: Mutex<SimState>,
 }
 
+struct SimState {
+    pol: TierPolicy,
+    record: Option<Vec<ServedSlot>>,
+    /// (record, position of this forward's first token).
+    at: (usize, usize),
+}
+
 impl ExpertTiers for Sim {
-    fn choose(&self, layer: usize, _token: usize, expert: usize, gate: f32) -> UpperChoice {
-        let b = self.upper_bytes[layer * self.n_experts + expert];
+    fn choose(&self, layer: usize, token: usize, expert: usize, gate: f32) -> UpperChoice {
         let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
-        if b == 0 || gate < self.tau {
-            st.mix.slots_base += 1;
-            return UpperChoice::Base;
+        let c = st.pol.choose(layer, expert, gate);
+        let upper = c == Choice::Use;
+        let (record, start) = st.at;
+        if let Some(r) = &mut st.record {
+            r.push(ServedSlot {
+                record,
+                token: start + token,
+                layer,
+                expert,
+                upper,
+            });
         }
-        let now = st.now;
-        if let Some(e) = st.cache.get_mut(&(layer, expert)) {
-            e.last_use = now;
-            if e.ready_at <= now {
-                st.mix.hits += 1;
-                st.mix.slots_upper += 1;
-                return UpperChoice::Use;
-            }
-            st.mix.misses += 1;
-            st.mix.slots_base += 1;
-            return UpperChoice::Base;
+        match c {
+            Choice::Use => UpperChoice::Use,
+            Choice::Base => UpperChoice::Base,
+            Choice::Miss { .. } => UpperChoice::BaseAndWant,
         }
-        st.mix.misses += 1;
-        st.mix.slots_base += 1;
-        if b > self.cap {
-            return UpperChoice::Base;
-        }
-        while st.used + b > self.cap {
-            let victim = st
-                .cache
-                .iter()
-                .min_by_key(|(k, e)| (e.last_use, **k))
-                .map(|(k, _)| *k);
-            let Some(v) = victim else { break };
-            let e = st.cache.remove(&v).expect("present");
-            st.used -= e.bytes;
-            st.mix.evictions += 1;
-        }
-        st.used += b;
-        st.mix.admissions += 1;
-        st.mix.bytes_read += b;
-        st.cache.insert(
-            (layer, expert),
-            Entry {
-                ready_at: now + self.delay,
-                last_use: now,
-                bytes: b,
-            },
-        );
-        UpperChoice::BaseAndWant
     }
 }
 
@@ -199,6 +195,15 @@ impl ExpertSource for AllocExperts<'_> {
     }
     fn tiers(&self) -> Option<&dyn ExpertTiers> {
         self.sim.as_deref().map(|s| s as &dyn ExpertTiers)
+    }
+    fn prefetch(&self, layer: usize, _experts: &[usize]) {
+        // The layer's choices are made: its `Use` entries are in use until its next pass.
+        if let Some(s) = &self.sim {
+            s.st.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pol
+                .pass(layer);
+        }
     }
     fn experts_at(
         &self,
@@ -260,11 +265,20 @@ pub fn eval_tiers(
         .map(|c| CheckpointExperts::new(c, &cfg))
         .collect::<keep_model::Result<_>>()?;
     let (nl, ne) = (cfg.n_layers, cfg.n_experts);
+    if let Some(l) = (0..nl).find(|&l| cfg.experts_in_layer(l) != ne) {
+        return Err(CalibError::Mismatch(format!(
+            "layer {l} has {} routed experts and another layer {ne} \
+             (n_routed_experts_per_layer): keep eval --tiers scores models with one expert count \
+             per layer; allocate on the checkpoint before pruning",
+            cfg.experts_in_layer(l)
+        )));
+    }
     // every rung each expert can be served at: label → views
     let mut base = Vec::with_capacity(nl * ne);
     let mut upper = Vec::with_capacity(nl * ne);
     let mut upper_bytes = Vec::with_capacity(nl * ne);
     let mut masks: Vec<Option<Vec<bool>>> = vec![None; nl];
+    let mut stage_mix: BTreeMap<String, usize> = BTreeMap::new();
     for (l, mask) in masks.iter_mut().enumerate() {
         for j in 0..ne {
             let s = shipped.expert(l, j)?;
@@ -300,12 +314,24 @@ pub fn eval_tiers(
                      checkpoints holds: pass the keep quant output with that rung (--quant)"
                 ))
             })?;
-            let up: Option<(ExpertWeights, u64)> = match rung {
-                "e8p2" => ["e8p2+e81", "e8p2+e8p2"]
-                    .iter()
-                    .find_map(|r| have.get(r))
-                    .map(|w| (*w, view_bytes(w) - view_bytes(&b))),
-                "e8p2+e81" | "e8p2+e8p2" => Some((s, view_bytes(&s))),
+            let residual = ["e8p2+e81", "e8p2+e8p2"]
+                .iter()
+                .find_map(|r| have.get(r))
+                .copied();
+            let stage = upper_stage(rung, residual.is_some(), opts.upper_shipped);
+            *stage_mix
+                .entry(
+                    match stage {
+                        UpperStage::None => "none",
+                        UpperStage::Residual => "residual",
+                        UpperStage::Shipped => "shipped",
+                    }
+                    .to_string(),
+                )
+                .or_default() += 1;
+            let up: Option<(ExpertWeights, u64)> = match (stage, residual) {
+                (UpperStage::Residual, Some(w)) => Some((w, view_bytes(&w) - view_bytes(&b))),
+                (UpperStage::Shipped, _) => Some((s, view_bytes(&s))),
                 _ => None,
             };
             base.push(b);
@@ -319,16 +345,22 @@ pub fn eval_tiers(
     let mut runs: Vec<Option<f64>> = vec![None];
     runs.extend(opts.taus.iter().map(|&t| Some(t)));
     for tau in runs {
-        let sim = tau.map(|t| {
-            Arc::new(Sim {
-                tau: t as f32,
-                cap: opts.cache_bytes,
-                delay: opts.admit_delay,
-                upper_bytes: upper_bytes.clone(),
-                n_experts: ne,
-                st: Mutex::new(SimState::default()),
-            })
-        });
+        let sim = match tau {
+            None => None,
+            Some(t) => {
+                let ub: Vec<Vec<u64>> =
+                    upper_bytes.chunks(ne.max(1)).map(<[u64]>::to_vec).collect();
+                let pol = TierPolicy::new(t as f32, opts.cache_bytes, ub, Some(opts.admit_delay))
+                    .map_err(|e| CalibError::Mismatch(e.to_string()))?;
+                Some(Arc::new(Sim {
+                    st: Mutex::new(SimState {
+                        pol,
+                        record: opts.record.then(Vec::new),
+                        at: (0, 0),
+                    }),
+                }))
+            }
+        };
         let src = AllocExperts {
             n_experts: ne,
             base: base.clone(),
@@ -341,21 +373,37 @@ pub fn eval_tiers(
         }
         let mut sums = EvalSums::default();
         let mut tokens = 0u64;
-        for t in &teacher {
-            let logits = match tau {
+        for (ri, t) in teacher.iter().enumerate() {
+            let logits = match &sim {
                 None => {
                     let mut cache = m.new_cache();
                     m.forward(&t.tokens, &mut cache, Logits::All, None)?
                 }
-                Some(_) => {
+                Some(s) => {
+                    // A session: an empty residual cache, the prefill as one forward, then one
+                    // token per forward.
+                    s.st.lock().unwrap_or_else(|e| e.into_inner()).pol.clear();
                     let mut cache = m.new_cache();
                     let mut all = Vec::with_capacity(t.tokens.len() * cfg.vocab);
-                    for &tok in &t.tokens {
-                        all.extend(m.forward(&[tok], &mut cache, Logits::All, None)?);
-                        tokens += 1;
-                        if let Some(s) = &sim {
-                            s.st.lock().unwrap_or_else(|e| e.into_inner()).now += 1;
-                        }
+                    let p = opts.prefill_tokens.min(t.tokens.len());
+                    let mut forwards: Vec<std::ops::Range<usize>> = vec![];
+                    if p > 0 {
+                        forwards.push(0..p);
+                    }
+                    forwards.extend((p..t.tokens.len()).map(|i| i..i + 1));
+                    for f in forwards {
+                        s.st.lock().unwrap_or_else(|e| e.into_inner()).at = (ri, f.start);
+                        all.extend(m.forward(
+                            &t.tokens[f.clone()],
+                            &mut cache,
+                            Logits::All,
+                            None,
+                        )?);
+                        tokens += f.len() as u64;
+                        s.st.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .pol
+                            .advance(f.len() as u64);
                     }
                     all
                 }
@@ -365,14 +413,29 @@ pub fn eval_tiers(
             done += 1;
             progress(done, total);
         }
+        let mut served = None;
         let mix = tau.zip(sim.as_ref()).map(|(t, s)| {
-            let mut mx = s.st.lock().unwrap_or_else(|e| e.into_inner()).mix.clone();
-            mx.tau = t;
-            mx.cache_bytes = opts.cache_bytes;
-            mx.admit_delay = opts.admit_delay;
-            mx.tokens = tokens;
-            mx.bytes_read_per_token = mx.bytes_read as f64 / tokens.max(1) as f64;
-            mx
+            let mut st = s.st.lock().unwrap_or_else(|e| e.into_inner());
+            served = st.record.take();
+            let c = st.pol.counts();
+            TierMix {
+                tau: t,
+                cache_bytes: opts.cache_bytes,
+                admit_delay: opts.admit_delay,
+                tokens,
+                slots_base: c.base,
+                slots_upper: c.upper,
+                hits: c.upper,
+                misses: c.upper_misses,
+                admissions: c.admissions,
+                evictions: c.evictions,
+                in_flight: c.in_flight,
+                no_room: c.no_room,
+                above_tau: c.above_tau,
+                prefill_tokens: opts.prefill_tokens,
+                bytes_read: c.residual_bytes_read,
+                bytes_read_per_token: c.residual_bytes_read as f64 / tokens.max(1) as f64,
+            }
         });
         students.push(TierScore {
             label: match tau {
@@ -386,6 +449,7 @@ pub fn eval_tiers(
             mean_nll: sums.mean_nll(),
             mean_dnll: sums.mean_dnll(),
             top1: sums.top1_rate(),
+            served,
         });
     }
     Ok(TierReport {
@@ -396,6 +460,10 @@ pub fn eval_tiers(
         teacher: run.display().to_string(),
         records: teacher.len(),
         rung_mix: alloc.mix(),
+        upper_stages: stage_mix,
+        record_tokens: opts
+            .record
+            .then(|| teacher.iter().map(|t| t.tokens.clone()).collect()),
         students,
     })
 }

@@ -1,7 +1,7 @@
 //! `keep eval --alloc` / `--tiers` on a tiny synthetic model: an allocation of E8P2 everywhere
 //! scores exactly as the E8P2 checkpoint does; the tier simulation with τ above every gate (or
 //! no cache) scores exactly as the allocation, with every slot at the base rung; with τ = 0, a
-//! cache holding every residual and no admission delay, every slot after its stage's first
+//! cache holding every residual and an admission delay of one token, every slot after its stage's first
 //! miss is served at the upper rung; a longer admission delay never gives more hits.
 
 use std::collections::BTreeMap;
@@ -128,11 +128,12 @@ fn allocation_and_tier_simulation_score_as_their_checkpoints() {
             taus,
             cache_bytes: cache,
             admit_delay: delay,
+            ..TierOptions::default()
         };
         // only the E8P2+E81 checkpoint: the e8p2 rung is its base
         eval_tiers(&model, &ap, &qs[1..], &teacher, &pack, &o, &mut |_, _| {}).unwrap()
     };
-    let r = run(vec![f64::INFINITY, 0.0], 1 << 40, 0);
+    let r = run(vec![f64::INFINITY, 0.0], 1 << 40, 1);
     assert_eq!(
         r.students[0].mean_kl, kl2,
         "the allocation scores as the E8P2 checkpoint"
@@ -149,7 +150,7 @@ fn allocation_and_tier_simulation_score_as_their_checkpoints() {
     assert_eq!(all.misses, all.admissions);
     assert!(r.students[2].mean_kl < kl2);
 
-    let r0 = run(vec![0.0], 0, 0);
+    let r0 = run(vec![0.0], 0, 1);
     let m = r0.students[1].mix.clone().unwrap();
     assert_eq!(
         (m.slots_upper, m.admissions),
@@ -159,5 +160,7 @@ fn allocation_and_tier_simulation_score_as_their_checkpoints() {
     assert_eq!(r0.students[1].mean_kl, kl2);
 
     let late = run(vec![0.0], 1 << 40, 5).students[1].mix.clone().unwrap();
-    assert!(late.hits < all.hits && late.admissions == all.admissions);
+    // (Admissions may differ by a few: the rungs served change the hidden states, and so the
+    // routes of later layers and tokens.)
+    assert!(late.hits < all.hits, "{late:?} {all:?}");
 }

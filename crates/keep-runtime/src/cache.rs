@@ -44,7 +44,7 @@ use crate::aligned::AlignedBuf;
 use crate::io::IoPool;
 use keep_residency::policy::{SlotPolicy, Start, Stream};
 use keep_residency::sim::order_by;
-use keep_residency::tiers::{Admit, Entry, ResidualLru};
+use keep_residency::tiers::{Choice, Entry, TierPolicy};
 
 use crate::policy::Policy;
 use crate::store::ExpertStore;
@@ -154,25 +154,22 @@ unsafe impl Send for UpperBuf {}
 
 /// Precision tiers: per routed slot, the upper stage if it is in memory, else the base now and
 /// the stage read in the background (never waited for) into an LRU residual cache of a fixed
-/// number of bytes (keep-residency's [`ResidualLru`], the simulator's own admission rule).
+/// number of bytes: keep-residency's [`TierPolicy`], the rule the deterministic evaluation and
+/// the replay run too, with its reads completed by the reader threads.
 ///
 /// Keys are `layer · n_experts + expert`. An entry answered [`UpperChoice::Use`] in a layer's
 /// pass is *held* until that layer's next pass begins (its views stay valid until the next call
 /// for the layer, as slots' do); held and loading entries are never evicted.
 struct Tiers {
     tau: f32,
-    n_experts: usize,
     st: Mutex<TierState>,
 }
 
-#[derive(Default)]
 struct TierState {
-    lru: ResidualLru,
+    pol: TierPolicy,
     bufs: std::collections::HashMap<u64, Arc<UpperBuf>>,
-    /// Keys answered `Use` in the pass of each layer being chosen now.
-    current: Vec<Vec<u64>>,
-    /// Keys handed out in each layer's previous pass.
-    held: Vec<Vec<u64>>,
+    /// The runtime's own counters (reads done and failed, aligned bytes read, wait); the
+    /// serving counters are the policy's.
     stats: TierStats,
 }
 
@@ -500,16 +497,23 @@ impl SlotCache {
                 let p = IoPool::new(threads).map_err(|e| {
                     RuntimeError::Invalid(format!("starting the residual I/O threads: {e}"))
                 })?;
+                let upper: Vec<Vec<u64>> = (0..n_layers)
+                    .map(|l| {
+                        (0..n_experts)
+                            .map(|e| store.upper_bytes(l, e).unwrap_or(0))
+                            .collect()
+                    })
+                    .collect();
+                let pol = TierPolicy::new(tau, bytes, upper, None)
+                    .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
                 let st = TierState {
-                    lru: ResidualLru::new(bytes),
-                    current: vec![vec![]; n_layers],
-                    held: vec![vec![]; n_layers],
-                    ..TierState::default()
+                    pol,
+                    bufs: Default::default(),
+                    stats: TierStats::default(),
                 };
                 (
                     Some(Tiers {
                         tau,
-                        n_experts,
                         st: Mutex::new(st),
                     }),
                     Some(p),
@@ -637,9 +641,18 @@ impl SlotCache {
     pub fn tier_stats(&self) -> Option<TierStats> {
         let t = self.inner.tiers.as_ref()?;
         let st = t.st.lock().ok()?;
+        let c = st.pol.counts();
         Some(TierStats {
-            cache_bytes: st.lru.capacity(),
-            cached_bytes: st.lru.used(),
+            upper: c.upper,
+            base: c.base,
+            upper_misses: c.upper_misses,
+            in_flight: c.in_flight,
+            admissions: c.admissions,
+            evictions: c.evictions,
+            no_room: c.no_room,
+            above_tau: c.above_tau,
+            cache_bytes: st.pol.lru().capacity(),
+            cached_bytes: st.pol.lru().used(),
             tau: t.tau,
             ..st.stats
         })
@@ -650,6 +663,7 @@ impl SlotCache {
         if let Some(t) = &self.inner.tiers {
             if let Ok(mut st) = t.st.lock() {
                 st.stats = TierStats::default();
+                st.pol.reset_counts();
             }
         }
         self.inner.bytes_read.store(0, Ordering::Relaxed);
@@ -908,10 +922,10 @@ impl SlotCache {
             .tiers
             .as_ref()
             .ok_or_else(|| err("the upper rung was asked for, but this cache has no tiers"))?;
-        let key = (l * t.n_experts + e) as u64;
         let st = t.st.lock().map_err(poisoned)?;
-        let held = st.held.get(l).is_some_and(|h| h.contains(&key));
-        match (held, st.lru.state(key), st.bufs.get(&key)) {
+        let key = st.pol.key(l, e);
+        let held = st.pol.in_use(l, key);
+        match (held, st.pol.lru().state(key), st.bufs.get(&key)) {
             (true, Entry::Ready, Some(b)) => Ok(b.clone()),
             _ => Err(err(
                 "the upper rung was asked for without the tier policy answering Use in this pass",
@@ -924,10 +938,7 @@ impl SlotCache {
     pub(crate) fn tiers_pass(&self, l: usize) {
         let Some(t) = &self.inner.tiers else { return };
         let Ok(mut st) = t.st.lock() else { return };
-        if l < st.current.len() {
-            let cur = std::mem::take(&mut st.current[l]);
-            st.held[l] = cur;
-        }
+        st.pol.pass(l);
     }
 
     /// The tier policy's answer for one routed slot (see [`Tiers`]): never waits.
@@ -938,53 +949,15 @@ impl SlotCache {
         let Ok(mut st) = t.st.lock() else {
             return UpperChoice::Base;
         };
-        let above = gate >= t.tau;
-        if above {
-            st.stats.above_tau += 1;
-        }
-        let ub = self.inner.store.upper_bytes(l, expert);
-        let (Some(ub), true) = (ub, above) else {
-            st.stats.base += 1;
-            return UpperChoice::Base;
-        };
-        let key = (l * t.n_experts + expert) as u64;
-        match st.lru.state(key) {
-            Entry::Ready => {
-                st.stats.upper += 1;
-                st.lru.touch(key);
-                if let Some(c) = st.current.get_mut(l) {
-                    if !c.contains(&key) {
-                        c.push(key);
-                    }
+        match st.pol.choose(l, expert, gate) {
+            Choice::Use => UpperChoice::Use,
+            Choice::Base => UpperChoice::Base,
+            Choice::Miss { read: None } => UpperChoice::BaseAndWant,
+            Choice::Miss { read: Some(a) } => {
+                for v in &a.evicted {
+                    st.bufs.remove(v);
                 }
-                UpperChoice::Use
-            }
-            Entry::Loading => {
-                st.stats.base += 1;
-                st.stats.upper_misses += 1;
-                st.stats.in_flight += 1;
-                UpperChoice::BaseAndWant
-            }
-            Entry::Absent => {
-                st.stats.base += 1;
-                st.stats.upper_misses += 1;
-                let busy: Vec<u64> = st
-                    .current
-                    .iter()
-                    .chain(st.held.iter())
-                    .flatten()
-                    .copied()
-                    .collect();
-                match st.lru.admit(key, ub, &|k| busy.contains(&k)) {
-                    Admit::NoRoom => st.stats.no_room += 1,
-                    Admit::Admitted(victims) => {
-                        st.stats.evictions += victims.len() as u64;
-                        for v in victims {
-                            st.bufs.remove(&v);
-                        }
-                        self.read_upper(&mut st, l, expert, key, ub);
-                    }
-                }
+                self.read_upper(&mut st, l, expert, a.key, a.bytes);
                 UpperChoice::BaseAndWant
             }
         }
@@ -993,13 +966,12 @@ impl SlotCache {
     /// Queue the read of an admitted residual stage on the residual reader threads.
     fn read_upper(&self, st: &mut TierState, l: usize, e: usize, key: u64, bytes: u64) {
         let Some(buf) = AlignedBuf::new(bytes as usize) else {
-            st.lru.remove(key);
+            st.pol.failed(key);
             st.stats.failed += 1;
             return;
         };
         let buf = Arc::new(UpperBuf(UnsafeCell::new(buf)));
         st.bufs.insert(key, buf.clone());
-        st.stats.admissions += 1;
         let inner = self.inner.clone();
         let job = move || {
             // SAFETY: the entry is loading: this job is the buffer's only user (no views are
@@ -1010,12 +982,12 @@ impl SlotCache {
             if let Ok(mut st) = t.st.lock() {
                 match r {
                     Ok(n) => {
-                        st.lru.mark_ready(key);
+                        st.pol.ready(key);
                         st.stats.bytes_read += n;
                         st.stats.reads_done += 1;
                     }
                     Err(_) => {
-                        st.lru.remove(key);
+                        st.pol.failed(key);
                         st.bufs.remove(&key);
                         st.stats.failed += 1;
                     }
@@ -1024,9 +996,8 @@ impl SlotCache {
         };
         let submitted = self.upper_pool.as_ref().is_some_and(|p| p.submit(job));
         if !submitted {
-            st.lru.remove(key);
+            st.pol.failed(key);
             st.bufs.remove(&key);
-            st.stats.admissions -= 1;
             st.stats.failed += 1;
         }
     }

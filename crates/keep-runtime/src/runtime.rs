@@ -92,14 +92,20 @@ pub fn draft_bytes(ck: &Checkpoint, memory: &MemoryEstimate) -> u64 {
     mtp.saturating_add(memory.cache)
 }
 
-/// Precision tiers at run time: each routed expert's base rung in the slots, its residual
-/// stage (E8P `.resid.*`) read apart from SSD into an LRU residual cache whose bytes come out
-/// of the budget; a routed slot with gate weight ≥ `tau` is computed at the upper rung only if
-/// the stage is in memory, else at the base now with the stage's read queued (never waited
-/// for).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Precision tiers at run time: each routed expert's base — its allocated rung — in the slots,
+/// its upper stage (keep-residency's [`upper_stage`](keep_residency::tiers::upper_stage): the
+/// residual codes the checkpoint carries above an `e8p2` base) read apart from SSD into an LRU
+/// residual cache whose bytes come out of the budget; a routed slot with gate weight ≥ `tau` is
+/// computed at the upper rung only if the stage is in memory, else at the base now with the
+/// stage's read queued (never waited for).
+#[derive(Debug, Clone, PartialEq)]
 pub struct TierOptions {
     pub tau: f32,
+    /// The allocation the checkpoint holds (`None`: every E8P expert at its `e8p2` base, the
+    /// residual codes it carries its upper stage). An expert allocated `e8p2+e81` or
+    /// `e8p2+e8p2` keeps its residual in its slot and has no upper stage here (the shipped
+    /// upper stage is keep eval's and keep residency's `--upper-from`, not the runtime's).
+    pub alloc: Option<std::sync::Arc<keep_artifacts::alloc::Alloc>>,
     /// Bytes of the residual cache.
     pub residual_cache: u64,
     /// Threads reading residual stages (apart from the slots' readers).
@@ -291,6 +297,11 @@ impl RouteObserver for Guesser<'_, '_, '_> {
             o.on_expert_output(ev);
         }
     }
+    fn on_rungs(&mut self, ev: &keep_model::RungEvent) {
+        if let Some(o) = self.inner.as_deref_mut() {
+            o.on_rungs(ev);
+        }
+    }
     fn on_linear_input(&mut self, ev: &LinearInputEvent) {
         if ev.name == "ffn.gate" && ev.layer + 1 < self.cfg.n_layers {
             if let Some(g) = self.guess(ev.layer + 1, ev.x, ev.rows) {
@@ -327,11 +338,31 @@ impl<'a> BudgetedModel<'a> {
             )));
         }
         let memory = cfg.memory_estimate(context);
-        let store = match opts.tiers {
-            Some(_) => ExpertStore::open_tiered(ck, &cfg, opts.direct_io)?,
+        let store = match &opts.tiers {
+            Some(t) => {
+                let layers: Vec<usize> = (0..cfg.n_layers).collect();
+                let residual = keep_residency::tiers::residual_bytes_of(ck, &layers)
+                    .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+                let stages = keep_residency::tiers::upper_stages(
+                    t.alloc.as_deref(),
+                    &layers,
+                    &residual,
+                    None,
+                )
+                .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+                let apart: Vec<Vec<bool>> = stages
+                    .iter()
+                    .map(|v| {
+                        v.iter()
+                            .map(|s| s.0 == keep_residency::tiers::UpperStage::Residual)
+                            .collect()
+                    })
+                    .collect();
+                ExpertStore::open_tiered(ck, &cfg, opts.direct_io, &apart)?
+            }
             None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
         };
-        let residual_cache = opts.tiers.map_or(0, |t| t.residual_cache);
+        let residual_cache = opts.tiers.as_ref().map_or(0, |t| t.residual_cache);
         let engram_cache = match &cfg.engram {
             Some(_) => opts
                 .engram_cache
@@ -358,7 +389,9 @@ impl<'a> BudgetedModel<'a> {
             plan.slots_per_layer,
             opts.policy,
             opts.io_threads,
-            opts.tiers.map(|t| (t.tau, t.residual_cache, t.io_threads)),
+            opts.tiers
+                .as_ref()
+                .map(|t| (t.tau, t.residual_cache, t.io_threads)),
         )?);
         if let Some(p) = &opts.warm_start {
             let scores = warm_scores(p, cfg.n_layers, cfg.n_experts)?;
@@ -414,23 +447,6 @@ impl<'a> BudgetedModel<'a> {
     /// The slot replacement policy.
     pub fn policy(&self) -> Policy {
         self.policy
-    }
-
-    /// Check that `alloc` describes this model's upper stages (keep-residency's
-    /// [`check_alloc`](keep_residency::tiers::check_alloc) over the store's residual stages).
-    pub fn check_alloc(&self, alloc: &keep_artifacts::alloc::Alloc) -> Result<()> {
-        let st = self.cache.store();
-        let layers: Vec<usize> = (0..st.n_layers()).collect();
-        let upper: Vec<Vec<u64>> = layers
-            .iter()
-            .map(|&l| {
-                (0..st.experts_in(l))
-                    .map(|e| st.upper_bytes(l, e).unwrap_or(0))
-                    .collect()
-            })
-            .collect();
-        keep_residency::tiers::check_alloc(alloc, &layers, &upper)
-            .map_err(|e| RuntimeError::Invalid(e.to_string()))
     }
 
     /// The slot cache (counters, residency).

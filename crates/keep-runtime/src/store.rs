@@ -218,6 +218,12 @@ impl ReadGate {
         }
         self.cv.notify_all();
     }
+    /// Hold every later read again (reads already through are not affected).
+    pub fn close(&self) {
+        if let Ok(mut o) = self.open.lock() {
+            *o = false;
+        }
+    }
     fn wait(&self) {
         let Ok(mut o) = self.open.lock() else { return };
         while !*o {
@@ -309,22 +315,28 @@ impl ExpertStore {
     /// read) and open the shards for reading, with direct I/O when `direct` and the filesystem
     /// allow it.
     pub fn open(ck: &Checkpoint, cfg: &ModelConfig, direct: bool) -> Result<ExpertStore> {
-        Self::open_with(ck, cfg, direct, false)
+        Self::open_with(ck, cfg, direct, &[])
     }
 
-    /// [`Self::open`] with every expert's residual stages (E8P `.resid.*` tensors) read apart
-    /// from its base: a slot holds the base rung only ([`Self::views`]: base views), and
-    /// [`Self::read_upper_into`] reads the residual stages into a buffer of their own
-    /// ([`Self::views_upper`]: base plus residual). For precision tiers.
-    pub fn open_tiered(ck: &Checkpoint, cfg: &ModelConfig, direct: bool) -> Result<ExpertStore> {
-        Self::open_with(ck, cfg, direct, true)
+    /// [`Self::open`] with the residual stages (E8P `.resid.*` tensors) of the experts marked
+    /// in `apart[layer][expert]` read apart from their base: their slot holds the base rung
+    /// only ([`Self::views`]: base views), and [`Self::read_upper_into`] reads the residual
+    /// stages into a buffer of their own ([`Self::views_upper`]: base plus residual). For
+    /// precision tiers (`apart`: the experts whose upper stage is their residual).
+    pub fn open_tiered(
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        direct: bool,
+        apart: &[Vec<bool>],
+    ) -> Result<ExpertStore> {
+        Self::open_with(ck, cfg, direct, apart)
     }
 
     fn open_with(
         ck: &Checkpoint,
         cfg: &ModelConfig,
         direct: bool,
-        split: bool,
+        apart: &[Vec<bool>],
     ) -> Result<ExpertStore> {
         let shards = ck
             .shards()
@@ -370,6 +382,11 @@ impl ExpertStore {
                     d,
                     i,
                 )?);
+                let split = apart
+                    .get(l)
+                    .and_then(|v| v.get(x))
+                    .copied()
+                    .unwrap_or(false);
                 let mut resid = [None; 3];
                 let mut up_tensors: Vec<TensorPart> = vec![];
                 let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];

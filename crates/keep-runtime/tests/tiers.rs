@@ -103,6 +103,7 @@ fn tiered(ck: &Checkpoint, tau: f32, cache: u64) -> BudgetedModel<'_> {
         &RuntimeOptions {
             tiers: Some(TierOptions {
                 tau,
+                alloc: None,
                 residual_cache: cache,
                 io_threads: 2,
             }),
@@ -119,6 +120,7 @@ fn tiered(ck: &Checkpoint, tau: f32, cache: u64) -> BudgetedModel<'_> {
         &RuntimeOptions {
             tiers: Some(TierOptions {
                 tau,
+                alloc: None,
                 residual_cache: cache,
                 io_threads: 2,
             }),

@@ -66,6 +66,16 @@ pub struct EvalArgs {
     /// Tokens between an upper stage's admission and its first use (--tiers).
     #[arg(long, default_value_t = keep_calib::tiers::DEFAULT_ADMIT_DELAY)]
     admit_delay: u64,
+    /// The original checkpoint (this model: the shipped experts --tiers reads): experts at the
+    /// top quantized rung (`e8p2+e81`, `e8p2+e8p2`), and `e8p2` ones no --quant checkpoint
+    /// carries residual codes for, upgrade to their shipped expert. Without it they have no
+    /// upper stage, as in keep run.
+    #[arg(long, value_name = "DIR", requires = "tiers")]
+    upper_from: Option<PathBuf>,
+    /// Tokens of each record computed as one prefill forward (keep run's prompt pass) before
+    /// the rest one token at a time (--tiers; 0: every token its own forward).
+    #[arg(long, default_value_t = 0, value_name = "N", requires = "tiers")]
+    prefill_tokens: usize,
     /// Replace an existing --plot file.
     #[arg(long)]
     force: bool,
@@ -161,7 +171,20 @@ fn run_tiers(a: &EvalArgs, model: &Path, pack: &Pack, alloc: &Path) -> anyhow::R
         },
         cache_bytes: a.residual_cache,
         admit_delay: a.admit_delay,
+        upper_shipped: a.upper_from.is_some(),
+        prefill_tokens: a.prefill_tokens,
+        record: false,
     };
+    if let Some(u) = &a.upper_from {
+        let fp = keep_checkpoint::fingerprint::model_fingerprint;
+        anyhow::ensure!(
+            fp(u)? == fp(model)?,
+            "--upper-from {}: keep eval scores the shipped experts of the model it evaluates ({}); \
+             give that checkpoint",
+            u.display(),
+            model.display()
+        );
+    }
     let bar = crate::util::count_bar(0, "eval");
     let r = keep_calib::tiers::eval_tiers(
         model,
@@ -191,9 +214,19 @@ fn run_tiers(a: &EvalArgs, model: &Path, pack: &Pack, alloc: &Path) -> anyhow::R
         return Ok(());
     }
     println!(
-        "allocation {} ({} records; rungs {:?})",
-        r.alloc, r.records, r.rung_mix
+        "allocation {} ({} records; rungs {:?}; upper stages {:?})",
+        r.alloc, r.records, r.rung_mix, r.upper_stages
     );
+    if let Some(n) = r
+        .upper_stages
+        .get("none")
+        .filter(|_| a.upper_from.is_none())
+    {
+        println!(
+            "{n} experts have no upper stage: at the top quantized rung (or shipped) their upper \
+             stage would be the shipped expert (--upper-from MODEL)"
+        );
+    }
     println!(
         "{:<16} {:>10} {:>10} {:>8} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10}",
         "student", "KL", "ΔNLL", "top-1", "base", "upper", "hits", "misses", "admits", "B/token"

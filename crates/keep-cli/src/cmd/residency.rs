@@ -80,15 +80,24 @@ pub struct ResidencyArgs {
     #[arg(long, value_name = "SPEC", num_args = 0..=1, default_missing_value = "")]
     make_synthetic: Option<String>,
     /// Precision tiers: a routed slot with gate weight ≥ TAU wants its expert's upper stage
-    /// (the residual codes of a mixed-rung checkpoint, sizes from --model); it gets it only
-    /// if it is in the residual cache, else it is served at the base rung and the stage is
-    /// admitted, usable --admit-delay tokens later. Adds a tier row per policy row.
+    /// (what lies above its allocated rung: the residual codes --model carries above an
+    /// `e8p2` base, or with --upper-from the shipped expert above the top quantized rung); it
+    /// gets it only if it is in the residual cache, else it is served at the base rung and the
+    /// stage is admitted, usable --admit-delay tokens later. Adds a tier row per policy row.
     #[arg(long, value_name = "TAU", requires = "model")]
     tau: Option<f32>,
-    /// The precision allocation the model was quantized with (ALLOC.json); its upper stages
-    /// are the checkpoint's residual tensors, checked against it.
+    /// The precision allocation --model holds (ALLOC.json; checked against its residual
+    /// codes). Without it every E8P expert's base is its `e8p2` codes.
     #[arg(long, value_name = "FILE", requires = "tau")]
     alloc: Option<PathBuf>,
+    /// The original checkpoint: experts at the top quantized rung (`e8p2+e81`, `e8p2+e8p2`),
+    /// and `e8p2` ones without residual codes, upgrade to its shipped expert (sizes from it).
+    #[arg(long, value_name = "DIR", requires = "tau")]
+    upper_from: Option<PathBuf>,
+    /// Tokens at the start of each session that the run computed as one prefill forward
+    /// (keep run's prompt): their admissions serve only after it (0: token by token).
+    #[arg(long, default_value_t = 0, value_name = "N", requires = "tau")]
+    prefill_tokens: usize,
     /// Bytes of the residual cache (what `keep run --tiers` reports as its residual cache).
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES", default_value = "256MiB")]
     residual_cache: u64,
@@ -248,19 +257,41 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     report.command = std::env::args().collect::<Vec<_>>().join(" ");
     if let (Some(tau), Some(dir)) = (a.tau, &a.model) {
         anyhow::ensure!(!tau.is_nan(), "--tau must be a number");
-        let upper_bytes = keep_residency::tiers::upper_bytes(dir, &layers)?;
-        if let Some(f) = &a.alloc {
-            let alloc = keep_artifacts::alloc::Alloc::read(f)?;
-            keep_residency::tiers::check_alloc(&alloc, &layers, &upper_bytes)
-                .with_context(|| format!("--alloc {}", f.display()))?;
-        }
+        let residual = keep_residency::tiers::residual_bytes(dir, &layers)?;
+        let alloc = match &a.alloc {
+            Some(f) => Some(keep_artifacts::alloc::Alloc::read(f)?),
+            None => None,
+        };
+        let shipped = match &a.upper_from {
+            Some(d) => Some(
+                keep_residency::tiers::shipped_bytes(d, &layers)
+                    .with_context(|| format!("--upper-from {}", d.display()))?,
+            ),
+            None => None,
+        };
+        let stages = keep_residency::tiers::upper_stages(
+            alloc.as_ref(),
+            &layers,
+            &residual,
+            shipped.as_deref(),
+        )
+        .with_context(|| match &a.alloc {
+            Some(f) => format!("--alloc {}", f.display()),
+            None => "--model's residual codes".into(),
+        })?;
         let spec = keep_residency::tiers::TierSpec {
             tau,
             cache_bytes: a.residual_cache,
             admit_delay: a.admit_delay,
-            upper_bytes,
+            upper_bytes: keep_residency::tiers::stage_bytes(&stages),
+            prefill_tokens: a.prefill_tokens,
         };
         keep_residency::tiers::attach(&mut report, &trace, &spec)?;
+        if let Some(t) = &mut report.tiers {
+            let (r, s, _) = keep_residency::tiers::stage_mix(&stages);
+            t.experts_upper_residual = r as u64;
+            t.experts_upper_shipped = s as u64;
+        }
     }
     let drafting = match (&opts.cost, a.draft_acceptance.is_empty()) {
         (Some(cost), false) => {
@@ -491,12 +522,15 @@ fn print_table(r: &Report, bytes_from: &str) {
     if let Some(t) = &r.tiers {
         println!();
         println!(
-            "  tiers: τ {}, residual cache {}, admit delay {} token(s); {} of {} experts have an upper stage",
+            "  tiers: τ {}, residual cache {}, admit delay {} token(s), prefill {} token(s); {} of {} experts have an upper stage ({} residual codes, {} shipped; the rest none)",
             t.tau,
             human(t.residual_cache_bytes),
             t.admit_delay_tokens,
+            t.prefill_tokens,
             t.experts_with_upper,
-            t.experts
+            t.experts,
+            t.experts_upper_residual,
+            t.experts_upper_shipped
         );
         let c = &t.counts;
         println!(

@@ -201,7 +201,6 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         m.cfg.prefill_chunk = cfg.prefill_chunk;
     }
     if let Some(m) = model.budgeted() {
-        budget::check_tiers(b, m)?;
         budget::print_plan(m);
     }
     let draft = match &plan {

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::Args;
 use keep_runtime::{
     BudgetedModel, Policy, RunReport, RuntimeOptions, TierOptions, DEFAULT_IO_THREADS,
@@ -64,12 +65,16 @@ pub struct BudgetArgs {
     /// the logits do not depend on it, the activations grow with it.
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
-    /// Precision tiers, with the allocation the checkpoint was quantized with (`keep quant
-    /// --alloc`; checked to be one): each expert's base rung in the slots, its residual stage
-    /// (the checkpoint's `.resid.*` tensors) read apart from SSD into a residual cache inside
-    /// the budget. A routed slot with gate weight ≥ --tau uses the upper rung only if its stage
-    /// is in memory, else the base now while the stage is read in the background; a forward
-    /// never waits for a residual read.
+    /// Precision tiers, with the allocation the checkpoint holds (checked): each expert's base
+    /// is its allocated rung, in the slots; its upper stage is what the checkpoint carries above
+    /// it — the residual codes of an `e8p2` expert (e.g. a `keep quant --format e8p2+e81`
+    /// checkpoint under an allocation of `e8p2` and `e8p2+e81`) — read apart from SSD into a
+    /// residual cache inside the budget. Experts at `e8p2+e81`/`e8p2+e8p2` or `shipped` have no
+    /// upper stage here (the shipped upper stage is keep eval's and keep residency's
+    /// --upper-from). A routed slot with gate weight ≥ --tau uses the upper rung only if its
+    /// stage is in memory, else the base now while the stage is read in the background; a
+    /// forward never waits for a residual read. Without --tiers every E8P expert's base is
+    /// its `e8p2` codes and its residual its upper stage.
     #[arg(long, value_name = "ALLOC.json", requires_all = ["memory_budget", "tau"])]
     pub tiers: Option<PathBuf>,
     /// Gate weight from which a routed slot wants its expert's upper rung: turns the tiers on
@@ -147,6 +152,13 @@ impl BudgetArgs {
                 .parse()
                 .map_err(|e: String| anyhow::anyhow!("--policy: {e}"))?,
         };
+        let alloc = match &self.tiers {
+            Some(f) => Some(std::sync::Arc::new(
+                keep_artifacts::alloc::Alloc::read(f)
+                    .with_context(|| format!("--tiers {}", f.display()))?,
+            )),
+            None => None,
+        };
         Ok(Some(RuntimeOptions {
             policy,
             io_threads: self.io_threads,
@@ -159,22 +171,13 @@ impl BudgetArgs {
             prefill_chunk: self.prefill_chunk,
             tiers: self.tau.map(|tau| TierOptions {
                 tau,
+                alloc: alloc.clone(),
                 residual_cache: self.residual_cache,
                 io_threads: DEFAULT_RESIDUAL_IO_THREADS,
             }),
             ..RuntimeOptions::new(budget)
         }))
     }
-}
-
-/// With `--tiers`: the allocation must describe the checkpoint's upper stages.
-pub fn check_tiers(a: &BudgetArgs, m: &BudgetedModel) -> anyhow::Result<()> {
-    if let Some(f) = &a.tiers {
-        let alloc = keep_artifacts::alloc::Alloc::read(f)?;
-        m.check_alloc(&alloc)
-            .map_err(|e| anyhow::anyhow!("--tiers {}: {e}", f.display()))?;
-    }
-    Ok(())
 }
 
 /// The budget split, before the run.
@@ -203,10 +206,11 @@ pub fn print_plan(m: &BudgetedModel) {
     );
     if let Some(t) = m.cache().tier_stats() {
         eprintln!(
-            "tiers: τ {}, residual cache {} inside the budget; {} experts have a residual stage ({} on SSD)",
+            "tiers: τ {}, residual cache {} inside the budget; {} of {} experts have an upper stage (their residual codes, {} on SSD); the others are served at their allocated rung only (an `e8p2+e81`/`e8p2+e8p2` expert's upper stage would be the shipped expert, which keep run does not read)",
             t.tau,
             human(t.cache_bytes),
             st.experts_with_upper(),
+            st.n_layers() * st.n_experts(),
             human(st.upper_total_bytes())
         );
     }
