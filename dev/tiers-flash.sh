@@ -113,10 +113,11 @@ step eval-uniform "$W/eval-uniform.json" -- bash -c "'$KEEP' eval '$W/q-e8p2+e81
 step eval-tiers "$W/eval-tiers-e8p.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc-e8p.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --prefill-tokens '$PROMPT' --plot '$W/tiers-e8p.svg' --force --json > '$W/eval-tiers-e8p.json.tmp' && mv '$W/eval-tiers-e8p.json.tmp' '$W/eval-tiers-e8p.json'"
 
 # 7. the budgeted runtime with tiers against the simulator: the memory budget holds SLOTS slots
-#    per layer (a probe run reads the plan's resident bytes and slot size)
+#    per layer (a probe run of the same prompt and length reads the plan's resident bytes,
+#    context bytes and slot size)
 if [ ! -e "$W/mem-plan.json" ]; then
   "$KEEP" run "$W/q-e8p2+e81" --memory-budget 1T --tau "$TAU" --tiers "$W/alloc-e8p.json" --residual-cache "$CACHE" \
-    --prompt-tokens 1 --max-tokens 1 --temperature 0 --stats-json "$W/mem-probe.json" --force \
+    --prompt-tokens "$PROMPT" --max-tokens "$((DECODE + 1))" --temperature 0 --stats-json "$W/mem-probe.json" --force \
     >/dev/null 2>"$W/mem-probe.log" || { cat "$W/mem-probe.log" >&2; exit 1; }
   python3 - "$W/mem-probe.json" "$SLOTS" "$W/mem-plan.json" <<'PY'
 import json, sys
@@ -129,7 +130,7 @@ json.dump({"fixed": fixed, "slot_bytes": p["slot_bytes"], "slots": slots, "memor
 PY
 fi
 MEM=$(python3 -c "import json;print(json.load(open('$W/mem-plan.json'))['memory_budget'])")
-MODEL_BYTES=$(du -sb "$W/q-e8p2+e81" | cut -f1)
+MODEL_BYTES=$(du -sbL "$W/q-e8p2+e81" | cut -f1)
 step run "$W/bench/bench.json" -- "$ROOT/dev/bench-tiers.sh" "$W/q-e8p2+e81" "$MEM" "$TAU" "$CACHE" "$W/bench" "$PROMPT" "$DECODE" "$W/alloc-e8p.json"
 
 # 8. evidence
