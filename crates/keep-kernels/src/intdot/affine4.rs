@@ -13,15 +13,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::{IntLevel, IntSrc, Q8Acts};
 
-/// Nibbles of `packed` (element `2k` in the low nibble of byte `k`, MLX's order) as int8
-/// into `dst` (`2 · packed.len()` values, each in [0, 15]).
-#[inline]
-pub fn decode_nibbles(packed: &[u8], dst: &mut [i8]) {
-    for (d2, &b) in dst.chunks_exact_mut(2).zip(packed) {
-        d2[0] = (b & 0x0F) as i8;
-        d2[1] = (b >> 4) as i8;
-    }
-}
+pub use super::nibbles::decode_nibbles;
 
 /// Rows `r0..r1` of an affine-4 product at `level` (x86 levels; the others run the scalar
 /// contract).

@@ -14,10 +14,8 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{bias_rows_avx512, block_factors_avx512, groups16, hsum256, tail_blocks, Row};
+use super::x86::{bias_rows_avx512, block_factors_avx512, hsum256, tail_blocks, Row};
 use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
-use crate::affine::AFFINE8_GROUP;
-use crate::codec::bf16_at;
 
 /// Weights `2k, 2k+1` of the 32 packed bytes at `p` as 64 bytes in order (AVX-512 BW).
 #[inline(always)]
@@ -38,7 +36,7 @@ unsafe fn nib32(p: *const u8) -> __m256i {
 }
 
 /// A row's packed nibbles (`cols / 2` bytes at `p`) decoded to int8 at `w` (the GEMM's
-/// panel rows; the same values as [`super::affine4::decode_nibbles`]).
+/// panel rows; the same values as [`super::nibbles::decode_nibbles`]).
 ///
 /// # Safety
 /// AVX-512 F/BW; `p` holds `cols / 2` bytes and `w` at least `cols`.
@@ -50,26 +48,7 @@ pub(super) unsafe fn decode_row_avx512(p: *const u8, cols: usize, w: &mut [i8]) 
         c += 64;
     }
     let rest = std::slice::from_raw_parts(p.add(c / 2), (cols - c) / 2);
-    super::affine4::decode_nibbles(rest, &mut w[c..cols]);
-}
-
-/// `β_b = b_g` of row `r` for every block (each bf16 bias twice), 16 blocks at a time.
-///
-/// # Safety
-/// AVX-512 F; `biases` holds row `r` of `cols / 64` bf16 values; `dst` at least `cols / 32`.
-#[inline(always)]
-pub(super) unsafe fn bias_blocks_avx512(biases: &[u8], r: usize, cols: usize, dst: &mut [f32]) {
-    let nb = cols / QBLOCK;
-    let ng = cols / AFFINE8_GROUP;
-    let bp = (biases.as_ptr() as *const u16).add(r * ng);
-    let mut b = 0;
-    while b + 16 <= nb {
-        _mm512_storeu_ps(dst.as_mut_ptr().add(b), groups16(bp.add(b / 2)));
-        b += 16;
-    }
-    for (bb, o) in dst[..nb].iter_mut().enumerate().skip(b) {
-        *o = bf16_at(biases, r * ng + bb * QBLOCK / AFFINE8_GROUP);
-    }
+    super::nibbles::decode_nibbles(rest, &mut w[c..cols]);
 }
 
 /// Per thread: the row's tail blocks decoded to int8 at their column positions.
@@ -77,7 +56,7 @@ pub(super) unsafe fn bias_blocks_avx512(biases: &[u8], r: usize, cols: usize, ds
 unsafe fn tail_row(packed: &[u8], r: usize, cols: usize, full: usize, w: &mut [i8]) -> Row {
     let c0 = full * QBLOCK;
     if c0 < cols {
-        super::affine4::decode_nibbles(
+        super::nibbles::decode_nibbles(
             &packed[(r * cols + c0) / 2..(r + 1) * cols / 2],
             &mut w[c0..cols],
         );

@@ -85,6 +85,7 @@ mod affine4_x86;
 mod gemm_x86;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod nibbles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

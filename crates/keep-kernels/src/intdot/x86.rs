@@ -165,13 +165,32 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
 
 /// 8 bf16 group values at `p` as f32, each twice (16 blocks of 32 in 8 groups of 64).
 #[inline(always)]
-pub(super) unsafe fn groups16(p: *const u16) -> __m512 {
+unsafe fn groups16(p: *const u16) -> __m512 {
     let g = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
         16,
     ));
     let idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(g))
+}
+
+/// `β_b = b_g` of row `r` for every block (each bf16 bias twice), 16 blocks at a time.
+///
+/// # Safety
+/// AVX-512 F; `biases` holds row `r` of `cols / 64` bf16 values; `dst` at least `cols / 32`.
+#[inline(always)]
+unsafe fn bias_blocks_affine4_avx512(biases: &[u8], r: usize, cols: usize, dst: &mut [f32]) {
+    let nb = cols / QBLOCK;
+    let ng = cols / AFFINE8_GROUP;
+    let bp = (biases.as_ptr() as *const u16).add(r * ng);
+    let mut b = 0;
+    while b + 16 <= nb {
+        _mm512_storeu_ps(dst.as_mut_ptr().add(b), groups16(bp.add(b / 2)));
+        b += 16;
+    }
+    for (bb, o) in dst[..nb].iter_mut().enumerate().skip(b) {
+        *o = bf16_at(biases, r * ng + bb * QBLOCK / AFFINE8_GROUP);
+    }
 }
 
 /// `IntSrc::bias_blocks` (affine-8) 16 blocks at a time: `128·s + b` in f32 (the product is
@@ -183,9 +202,7 @@ pub(super) unsafe fn groups16(p: *const u16) -> __m512 {
 pub(super) unsafe fn bias_blocks_avx512(src: &IntSrc, r: usize, cols: usize, dst: &mut [f32]) {
     let (scales, biases) = match *src {
         IntSrc::Affine8 { scales, biases, .. } => (scales, biases),
-        IntSrc::Affine4 { biases, .. } => {
-            return super::affine4_x86::bias_blocks_avx512(biases, r, cols, dst)
-        }
+        IntSrc::Affine4 { biases, .. } => return bias_blocks_affine4_avx512(biases, r, cols, dst),
         _ => return,
     };
     let nb = cols / QBLOCK;
