@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{bias_rows_avx512, block_factors_avx512, hsum256, tail_blocks, Row};
+use super::x86::{bias_rows_avx512, block_factors_avx512, finish_row, Row};
 use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
 
 /// Weights `2k, 2k+1` of the 32 packed bytes at `p` as 64 bytes in order (AVX-512 BW).
@@ -158,29 +158,14 @@ unsafe fn group512<const VNNI: bool, const MR: usize>(
     }
     for j in 0..MR {
         // acc[j][0] holds the contract's acc[0] (low half) and acc[1], acc[j][1] acc[2], acc[3].
-        let (lo0, hi0) = (
+        let u = [
             _mm512_castps512_ps256(acc[j][0]),
             _mm512_extractf32x8_ps(acc[j][0], 1),
-        );
-        let (lo1, hi1) = (
             _mm512_castps512_ps256(acc[j][1]),
             _mm512_extractf32x8_ps(acc[j][1], 1),
-        );
-        let s = if full == nb {
-            hsum256(_mm256_add_ps(
-                _mm256_add_ps(lo0, lo1),
-                _mm256_add_ps(hi0, hi1),
-            ))
-        } else {
-            let mut v = [[0f32; 8]; 4];
-            _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
-            _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
-            _mm256_storeu_ps(v[2].as_mut_ptr(), lo1);
-            _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
-            let dj = d[j];
-            tail_blocks(tail, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
-            super::finish_ref(&v)
-        };
+        ];
+        let dj = d[j];
+        let s = finish_row(u, tail, q[j], |bb| *f.add(bb) * *dj.add(bb), full, nb);
         *out.add((i + j) * ld + r) = s;
     }
 }
@@ -295,20 +280,8 @@ unsafe fn group256<const MR: usize>(
         b += 4;
     }
     for j in 0..MR {
-        let s = if full == nb {
-            hsum256(_mm256_add_ps(
-                _mm256_add_ps(acc[j][0], acc[j][2]),
-                _mm256_add_ps(acc[j][1], acc[j][3]),
-            ))
-        } else {
-            let mut v = [[0f32; 8]; 4];
-            for (h, vh) in v.iter_mut().enumerate() {
-                _mm256_storeu_ps(vh.as_mut_ptr(), acc[j][h]);
-            }
-            let dj = d[j];
-            tail_blocks(tail, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
-            super::finish_ref(&v)
-        };
+        let dj = d[j];
+        let s = finish_row(acc[j], tail, q[j], |bb| *f.add(bb) * *dj.add(bb), full, nb);
         *out.add((i + j) * ld + r) = s;
     }
 }

@@ -95,6 +95,36 @@ impl Row {
     }
 }
 
+/// One output of a row kernel from its four 8-lane partial sums `u` (the contract's lane
+/// groups, in order): the fixed tree `(u0 + u2) + (u1 + u3)` when every block was full, else the
+/// lanes stored, the tail blocks `full..nb` added by the scalar contract, and its finish.
+///
+/// # Safety
+/// AVX2; as [`tail_blocks`] for `row`, `q` and `c`.
+#[inline(always)]
+pub(super) unsafe fn finish_row(
+    u: [__m256; 4],
+    row: Row,
+    q: *const i8,
+    c: impl Fn(usize) -> f32,
+    full: usize,
+    nb: usize,
+) -> f32 {
+    if full == nb {
+        hsum256(_mm256_add_ps(
+            _mm256_add_ps(u[0], u[2]),
+            _mm256_add_ps(u[1], u[3]),
+        ))
+    } else {
+        let mut v = [[0f32; 8]; 4];
+        for (vh, uh) in v.iter_mut().zip(u) {
+            _mm256_storeu_ps(vh.as_mut_ptr(), uh);
+        }
+        tail_blocks(row, q, c, &mut v, full, nb);
+        super::finish_ref(&v)
+    }
+}
+
 /// The contract's steps 1–2 for blocks `b0..b1` in scalar code (the tails).
 #[inline(always)]
 pub(super) unsafe fn tail_blocks(
@@ -953,30 +983,14 @@ unsafe fn group512<const VNNI: bool, const MR: usize, const DIRECT: bool, const 
         b += 4;
     }
     for j in 0..MR {
-        let mut v = [[0f32; 8]; 4];
-        let (lo0, hi0) = (
+        let u = [
             _mm512_castps512_ps256(acc[j][0]),
             _mm512_extractf32x8_ps(acc[j][0], 1),
-        );
-        let (lo1, hi1) = (
             _mm512_castps512_ps256(acc[j][1]),
             _mm512_extractf32x8_ps(acc[j][1], 1),
-        );
-        let s = if full == nb {
-            // u = (acc0 + acc2) + (acc1 + acc3), then the 8-lane tree.
-            hsum256(_mm256_add_ps(
-                _mm256_add_ps(lo0, lo1),
-                _mm256_add_ps(hi0, hi1),
-            ))
-        } else {
-            _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
-            _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
-            _mm256_storeu_ps(v[2].as_mut_ptr(), lo1);
-            _mm256_storeu_ps(v[3].as_mut_ptr(), hi1);
-            let dj = d[j];
-            tail_blocks(row, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
-            super::finish_ref(&v)
-        };
+        ];
+        let dj = d[j];
+        let s = finish_row(u, row, q[j], |bb| *f.add(bb) * *dj.add(bb), full, nb);
         *out.add((i + j) * ld + r) = post.map_or(s, |p| s * p);
     }
 }
@@ -1101,20 +1115,8 @@ unsafe fn group256<const MR: usize>(
         b += 4;
     }
     for j in 0..MR {
-        let s = if full == nb {
-            hsum256(_mm256_add_ps(
-                _mm256_add_ps(acc[j][0], acc[j][2]),
-                _mm256_add_ps(acc[j][1], acc[j][3]),
-            ))
-        } else {
-            let mut v = [[0f32; 8]; 4];
-            for (h, vh) in v.iter_mut().enumerate() {
-                _mm256_storeu_ps(vh.as_mut_ptr(), acc[j][h]);
-            }
-            let dj = d[j];
-            tail_blocks(row, q[j], |bb| *f.add(bb) * *dj.add(bb), &mut v, full, nb);
-            super::finish_ref(&v)
-        };
+        let dj = d[j];
+        let s = finish_row(acc[j], row, q[j], |bb| *f.add(bb) * *dj.add(bb), full, nb);
         *out.add((i + j) * ld + r) = post.map_or(s, |p| s * p);
     }
 }
