@@ -14,6 +14,7 @@ pub mod peak;
 pub mod pressure;
 pub mod prune;
 pub mod repack;
+pub mod report;
 pub mod side;
 pub mod summary;
 

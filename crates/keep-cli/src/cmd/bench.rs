@@ -22,6 +22,57 @@ enum Which {
     Summary(SummaryArgs),
     Matmul(MatmulArgs),
     Peak(PeakArgs),
+    Report(ReportArgs),
+}
+
+/// Render the measured tables of a document from the evidence files they cite.
+///
+/// Each table in the document is an HTML comment `<!-- table … -->` holding its template
+/// (`@name = dev/evidence/FILE.json` bindings, then Markdown rows whose cells are
+/// `{name/json/pointer|format}` values or `{= expression |format}`; `{for row in name/rows}`
+/// repeats a row), followed by the table itself. Without --write, exits non-zero naming each
+/// table that differs from what its evidence renders; with --write, rewrites those tables.
+/// The template language is described in keep-bench's `report` module.
+///
+/// Example: keep bench report docs/results.md --write
+#[derive(Args)]
+#[command(verbatim_doc_comment)]
+struct ReportArgs {
+    /// The Markdown document.
+    doc: PathBuf,
+    /// The directory evidence paths are relative to (default: the current directory).
+    #[arg(long, default_value = ".")]
+    root: PathBuf,
+    /// Rewrite the document's tables from their evidence (atomically).
+    #[arg(long)]
+    write: bool,
+}
+
+fn report(a: ReportArgs) -> anyhow::Result<()> {
+    let (text, mismatches) = keep_bench::report::render(&a.doc, &a.root)
+        .with_context(|| format!("rendering the tables of {}", a.doc.display()))?;
+    if a.write {
+        if !mismatches.is_empty() {
+            keep_checkpoint::atomic::write_file(&a.doc, text.as_bytes(), true)?;
+        }
+        eprintln!(
+            "{}: {} table(s) rewritten from their evidence",
+            a.doc.display(),
+            mismatches.len()
+        );
+        return Ok(());
+    }
+    for m in &mismatches {
+        eprint!("{}: {m}", a.doc.display());
+    }
+    anyhow::ensure!(
+        mismatches.is_empty(),
+        "{}: {} table(s) differ from their evidence (rerun with --write to render them)",
+        a.doc.display(),
+        mismatches.len()
+    );
+    eprintln!("{}: every table matches its evidence", a.doc.display());
+    Ok(())
 }
 
 /// The machine's arithmetic peak, measured: f32 FMA GFLOP/s and int8 dot-product GOP/s
@@ -286,6 +337,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         Which::Summary(k) => return summary(k),
         Which::Matmul(k) => return matmul(k),
         Which::Peak(k) => return peak(k),
+        Which::Report(k) => return report(k),
         Which::Repack(r) => {
             let row = keep_bench::repack::run(&r.dir, &r.scratch, r.rounds)
                 .with_context(|| format!("benchmarking repack of {}", r.dir.display()))?;
