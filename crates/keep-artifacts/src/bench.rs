@@ -424,7 +424,8 @@ mod tests {
         // A kill-test row, which written back is the same bytes but for a defaulted field, and a version 1 side-by-side
         // row written before side rows carried `format` (nor the quiet gate's fields).
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dev/evidence");
-        let kt = dir.join("killtest-fast-kernels.json");
+        let kt = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/killtest-row-without-counters-read.json");
         let Evidence::KillTest(r) = read(&kt).unwrap() else {
             panic!("{} is a kill-test row", kt.display());
         };
@@ -449,7 +450,7 @@ mod tests {
                 "{a} / {b}"
             );
         }
-        let sb = dir.join("repack-bench-flash-quiet.json");
+        let sb = dir.join("repack-bench-flash.json");
         let Evidence::SideBySide(mut s) = read(&sb).unwrap() else {
             panic!("{} is a side-by-side row", sb.display());
         };

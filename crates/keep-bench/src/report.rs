@@ -19,14 +19,17 @@
 //! - `@NAME = PATH` binds a file (relative to the repository root) to a name; `.jsonl` files
 //!   read as an array of their lines.
 //! - `{NAME/POINTER|FORMAT}` is a value: `POINTER` is an RFC 6901 JSON pointer into the file
-//!   (or into a row bound by `for`); a missing value is an error, not a blank.
+//!   (or into a row bound by `for`); a missing value is an error, not a blank, unless the
+//!   pointer ends in `?` (`{NAME/POINTER?|FORMAT}`), which renders a missing value as `—`.
 //! - `{= EXPR |FORMAT}` computes with `+ - * /`, parentheses, numbers and values.
 //! - A template line that starts with `{for ROW in NAME/POINTER}` repeats the rest of the line
 //!   for every element of that array (or every value of that object, its key as `{ROW@key}`),
-//!   optionally only those where `if /POINTER == "text"` (or `!=`, or a number) holds.
+//!   optionally only those where `if /POINTER == "text"` (or `!=`, or a number) holds
+//!   (several conditions joined by ` and `).
 //! - Formats: none (the JSON value as written; `null` as `—`), `.Nf` fixed, `,.Nf` with
 //!   thousands separators, `.Ne` scientific (`1.14e-4`), `.N%` percent, `.Ns` N significant
-//!   digits, `gib.N` / `mib.N` / `gb.N` bytes in GiB / MiB / GB.
+//!   digits, `gib.N` / `mib.N` / `gb.N` bytes in GiB / MiB / GB, `esc` text with newlines as
+//!   `\n` and `|` escaped (for a table cell).
 //!
 //! [`check`] compares every rendered table with what its evidence renders; [`render`] rewrites
 //! them. What it is not: a place for numbers — nothing here holds a measurement.
@@ -254,7 +257,10 @@ fn load(path: &Path) -> Result<Value, String> {
     }
 }
 
-struct Filter {
+/// The conditions of a `for … if` line, all of which must hold.
+struct Filter(Vec<Condition>);
+
+struct Condition {
     pointer: String,
     negate: bool,
     want: Value,
@@ -262,12 +268,14 @@ struct Filter {
 
 impl Filter {
     fn holds(&self, item: &Value) -> Result<bool, String> {
-        let v = item.pointer(&self.pointer).unwrap_or(&Value::Null);
-        let eq = match (&self.want, v) {
-            (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
-            (a, b) => a == b,
-        };
-        Ok(eq != self.negate)
+        Ok(self.0.iter().all(|c| {
+            let v = item.pointer(&c.pointer).unwrap_or(&Value::Null);
+            let eq = match (&c.want, v) {
+                (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+                (a, b) => a == b,
+            };
+            eq != c.negate
+        }))
     }
 }
 
@@ -286,21 +294,25 @@ fn parse_for(head: &str) -> Result<(&str, &str, Option<Filter>), String> {
     };
     let filter = match filter {
         None => None,
-        Some(c) => {
-            let (lhs, negate, rhs) = if let Some((l, r)) = c.split_once("!=") {
-                (l, true, r)
-            } else if let Some((l, r)) = c.split_once("==") {
-                (l, false, r)
-            } else {
-                return Err(format!("filter `{c}`: expected `/POINTER == VALUE`"));
-            };
-            let want: Value = serde_json::from_str(rhs.trim())
-                .map_err(|e| format!("filter `{c}`: the value is not JSON ({e})"))?;
-            Some(Filter {
-                pointer: lhs.trim().to_string(),
-                negate,
-                want,
-            })
+        Some(all) => {
+            let mut conds = Vec::new();
+            for c in all.split(" and ") {
+                let (lhs, negate, rhs) = if let Some((l, r)) = c.split_once("!=") {
+                    (l, true, r)
+                } else if let Some((l, r)) = c.split_once("==") {
+                    (l, false, r)
+                } else {
+                    return Err(format!("filter `{c}`: expected `/POINTER == VALUE`"));
+                };
+                let want: Value = serde_json::from_str(rhs.trim())
+                    .map_err(|e| format!("filter `{c}`: the value is not JSON ({e})"))?;
+                conds.push(Condition {
+                    pointer: lhs.trim().to_string(),
+                    negate,
+                    want,
+                });
+            }
+            Some(Filter(conds))
         }
     };
     Ok((var, source, filter))
@@ -366,6 +378,11 @@ fn cell(spec: &str, scope: &Scope) -> Result<String, String> {
     }
     let v = if let Some(e) = expr.trim_start().strip_prefix('=') {
         Value::from(eval(e, scope)?)
+    } else if let Some(optional) = expr.trim_end().strip_suffix('?') {
+        match scope.lookup(optional) {
+            Ok(v) => v.clone(),
+            Err(_) => return Ok("—".to_string()),
+        }
     } else {
         scope.lookup(expr)?.clone()
     };
@@ -374,6 +391,16 @@ fn cell(spec: &str, scope: &Scope) -> Result<String, String> {
 
 /// Format one value.
 pub fn format(v: &Value, fmt: &str) -> Result<String, String> {
+    if fmt == "esc" {
+        let s = match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        return Ok(s
+            .replace('\\', "\\\\")
+            .replace('\n', "\\n")
+            .replace('|', "\\|"));
+    }
     if fmt.is_empty() {
         return Ok(match v {
             Value::Null => "—".to_string(),
@@ -596,7 +623,7 @@ mod tests {
         d
     }
 
-    const TPL: &str = "intro\n<!-- table\n@e = e.json\n@l = l.jsonl\n| t | v |\n|---|---|\n| bw | {e/gbps|.1f} GB/s |\n{for r in e/rows if /v == \"KILL\"}| {r/name} | {r/x|,.0f} |\n{for r in e/rows}| {r/name} | {= r/x / e/gbps * 2 |.3s} |\n{for o in e/obj}| {o@key} | {o|.1%} |\n| l | {l/1/a} |\n-->\n";
+    const TPL: &str = "intro\n<!-- table\n@e = e.json\n@l = l.jsonl\n| t | v |\n|---|---|\n| bw | {e/gbps|.1f} GB/s |\n{for r in e/rows if /v == \"KILL\" and /x != 0.5}| {r/name} | {r/x|,.0f} |\n{for r in e/rows}| {r/name} | {= r/x / e/gbps * 2 |.3s} |\n{for o in e/obj}| {o@key} | {o|.1%} | {o/none?} |\n| l | {l/1/a} |\n-->\n";
 
     #[test]
     fn renders_values_rows_expressions_and_keys() {
@@ -617,8 +644,8 @@ mod tests {
                 "| b | 1,234,567 |",
                 "| a | 0.0471 |",
                 "| b | 116000 |",
-                "| k1 | 100.0% |",
-                "| k2 | 200.0% |",
+                "| k1 | 100.0% | — |",
+                "| k2 | 200.0% | — |",
                 "| l | 2 |",
             ]
         );
@@ -657,6 +684,7 @@ mod tests {
         assert_eq!(f(0.061234, ".3s"), "0.0612");
         assert_eq!(f(2.0 * 1073741824.0, "gib.2"), "2.00");
         assert!(format(&Value::from("x"), ".2f").is_err());
+        assert_eq!(format(&Value::from("a\nb|c"), "esc").unwrap(), "a\\nb\\|c");
     }
 
     #[test]
