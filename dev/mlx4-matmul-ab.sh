@@ -7,13 +7,13 @@
 # average beside it.
 #
 # Usage: dev/mlx4-matmul-ab.sh [ROUNDS] [OUT.json]
-#   ROUNDS default 3; OUT default dev/evidence/mlx4-matmul-ab.json (refused if it exists
+#   ROUNDS default 3; OUT default dev/evidence/mlx4-matmul-exact-vs-fast.json (refused if it exists
 #   unless FORCE=1). KEEP (target/release/keep), SECONDS_PER_CASE (1), THREADS (1),
 #   SHAPES ("768x2048,2048x768,151936x2048"), MS ("1,8,32,64").
 set -euo pipefail
 ROUNDS="${1:-3}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${2:-$REPO/dev/evidence/mlx4-matmul-ab.json}"
+OUT="${2:-$REPO/dev/evidence/mlx4-matmul-exact-vs-fast.json}"
 KEEP="${KEEP:-$REPO/target/release/keep}"
 SECS="${SECONDS_PER_CASE:-1}" THREADS="${THREADS:-1}"
 SHAPES="${SHAPES:-768x2048,2048x768,151936x2048}" MS="${MS:-1,8,32,64}"
