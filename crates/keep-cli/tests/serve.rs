@@ -348,3 +348,69 @@ fn a_shard_truncated_under_the_server_is_503_and_the_server_goes_on() {
         assert!(s.terminate(), "{name}: keep serve did not stop");
     }
 }
+
+/// Read from `s` until the peer closes it (or the hang guard); what arrived.
+fn read_until_closed(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(HANG)).unwrap();
+    let mut out = vec![];
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn a_stalled_body_is_408_and_an_idle_connection_is_closed() {
+    let s = Server::start(
+        &tiny(),
+        &["--body-timeout", "1", "--idle-timeout", "1"],
+        None,
+    );
+    // Headers promise 100 bytes of body; 10 arrive.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\":",
+            s.addr
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let got = read_until_closed(&mut c);
+    assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+    assert!(got.contains("--body-timeout"), "{got}");
+    // A connection that sends nothing is closed.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let got = read_until_closed(&mut c);
+    assert_eq!(got, "");
+    // After a request, a keep-alive connection that sends nothing more is closed.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.write_all(format!("GET /health HTTP/1.1\r\nHost: {}\r\n\r\n", s.addr).as_bytes())
+        .unwrap();
+    let got = read_until_closed(&mut c);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    s.wait_healthy();
+}
+
+#[test]
+fn sigterm_lets_a_stream_in_flight_finish() {
+    let mut s = Server::start(&tiny(), &[], None);
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let body = r#"{"prompt": "def ", "max_tokens": 64, "temperature": 0, "stream": true}"#;
+    c.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            s.addr,
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    // The stream has begun (its first bytes are here) before the signal.
+    c.set_read_timeout(Some(HANG)).unwrap();
+    let mut first = [0u8; 64];
+    let n = c.read(&mut first).unwrap();
+    assert!(n > 0);
+    assert!(s.terminate(), "keep serve did not stop after SIGTERM");
+    let rest = read_until_closed(&mut c);
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(s.child.wait().unwrap().success());
+}
