@@ -99,6 +99,20 @@ impl FileGuard {
         Ok(FileGuard { files })
     }
 
+    /// Record these files now (the model's shards, when they are not a checkpoint's).
+    pub fn of_paths(paths: &[PathBuf]) -> Result<FileGuard> {
+        let files = paths
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.clone(),
+                    stamp(p).map_err(|e| ServeError::Startup(e.to_string()))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FileGuard { files })
+    }
+
     /// The files watched.
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().map(|(p, _)| p.as_path())

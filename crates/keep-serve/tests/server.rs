@@ -17,6 +17,7 @@ use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, GenerateOptions, Piece, Prompt, SamplerConfig};
 use keep_model::{Cache, Generate, Model, ModelConfig, RouteObserver};
 use keep_serve::engine::{self, EngineOptions};
+use keep_serve::files::FileGuard;
 use keep_serve::server::{router, AppOptions, AppState, HostPolicy, ModelInfo};
 use keep_serve::template::ChatTemplate;
 use serde_json::{json, Value};
@@ -610,4 +611,97 @@ async fn special_token_text_in_chat_content_is_not_the_special_token() {
         prompt_tokens > as_special,
         "{prompt_tokens} vs {as_special}"
     );
+}
+
+/// A model whose shard is cut short while it reads it: `forward_last` truncates the file and
+/// fails as a short `pread` does.
+struct ShortRead {
+    cfg: ModelConfig,
+    shard: PathBuf,
+}
+
+impl Generate for ShortRead {
+    fn cfg(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn new_cache(&self) -> Cache {
+        Cache::new(0)
+    }
+    fn forward_last(
+        &mut self,
+        _: &[u32],
+        _: &mut Cache,
+        _: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.shard)
+            .unwrap();
+        f.set_len(10).unwrap();
+        Err(keep_model::ModelError::Config(format!(
+            "{}: read 10 of 4096 bytes: the file is shorter than its header says",
+            self.shard.display()
+        )))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_cut_short_by_a_changed_file_is_503_naming_it() {
+    let dir = std::env::temp_dir().join(format!("keep-serve-short-read-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let shard = dir.join("model-00001-of-00002.safetensors");
+    std::fs::write(&shard, vec![0u8; 4096]).unwrap();
+    let files = Arc::new(FileGuard::of_paths(std::slice::from_ref(&shard)).unwrap());
+    let json = r#"{"vocab_size":4096,"bos_token_id":0,"eos_token_id":[4095]}"#;
+    let c = keep_checkpoint::DeepSeekConfig::from_json(Path::new("config.json"), json).unwrap();
+    let cfg = ModelConfig::from_deepseek(&c).unwrap();
+    let tok = tokenizer();
+    let (handle, rx) = engine::channel();
+    let t = tok.clone();
+    let (f, sh) = (files.clone(), shard.clone());
+    std::thread::spawn(move || {
+        let opts = EngineOptions {
+            max_batch: 4,
+            files: Some(f),
+        };
+        engine::run(&mut ShortRead { cfg, shard: sh }, &t, rx, opts)
+    });
+    let state = AppState::new(
+        handle,
+        tok,
+        None,
+        ModelInfo {
+            name: "short".into(),
+            bos: 0,
+        },
+        AppOptions {
+            files: Some(files),
+            ..AppOptions::new(MAX_CONTEXT)
+        },
+    );
+    let app = router(state, MAX_BODY);
+    // The read fails because the file changed: 503 naming the file, not a 500.
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [1, 2], "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("model-00001-of-00002.safetensors"), "{msg}");
+    assert!(
+        msg.contains("4096 bytes when opened, 10 bytes now"),
+        "{msg}"
+    );
+    // And every later request is refused before the model runs.
+    let (s, _) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [1], "max_tokens": 1, "stream": true}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let _ = std::fs::remove_dir_all(&dir);
 }
