@@ -155,6 +155,8 @@ impl AppOptions {
 struct Inner {
     engine: EngineHandle,
     tok: Arc<Tokenizer>,
+    /// `tok` with special-token text encoded as text (chat messages' text).
+    plain_tok: Tokenizer,
     template: Option<ChatTemplate>,
     model: ModelInfo,
     /// SHA-256 of the API key.
@@ -181,6 +183,7 @@ impl AppState {
     ) -> AppState {
         AppState(Arc::new(Inner {
             engine,
+            plain_tok: crate::template::plain_tokenizer(&tok),
             tok,
             template,
             model,
@@ -693,7 +696,7 @@ async fn chat(State(st): State<AppState>, req: HttpRequest<Body>) -> Response {
     }
     // The template writes the special tokens it wants (as transformers' apply_chat_template);
     // the messages' text is only text.
-    let prompt = match template.encode(&st.0.tok, &messages) {
+    let prompt = match template.encode_with(&st.0.tok, &st.0.plain_tok, &messages) {
         Ok(p) if p.is_empty() => vec![st.0.model.bos],
         Ok(p) => p,
         Err(e) => return ApiError::bad(e.to_string(), Some("messages")).into_response(),

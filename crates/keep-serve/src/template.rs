@@ -133,6 +133,17 @@ impl ChatTemplate {
     /// recognized, while the text of a special token inside a message's content or role is
     /// tokenized as plain text (only the template inserts special tokens).
     pub fn encode(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        self.encode_with(tok, &plain_tokenizer(tok), messages)
+    }
+
+    /// [`ChatTemplate::encode`] with `plain` = [`plain_tokenizer`]`(tok)` given, so that a
+    /// caller that encodes many prompts makes it once.
+    pub fn encode_with(
+        &self,
+        tok: &Tokenizer,
+        plain: &Tokenizer,
+        messages: &[Message],
+    ) -> Result<Vec<u32>> {
         let specials: Vec<String> = tok
             .get_added_tokens_decoder()
             .into_values()
@@ -147,8 +158,6 @@ impl ChatTemplate {
             })
             .collect();
         let text = self.render(&fenced)?;
-        let mut plain = tok.clone();
-        plain.set_encode_special_tokens(true);
         let mut ids = vec![];
         let mut inside = false;
         let mut piece = String::new();
@@ -156,7 +165,7 @@ impl ChatTemplate {
             if piece.is_empty() {
                 return Ok(());
             }
-            let t = if as_text { &plain } else { tok };
+            let t = if as_text { plain } else { tok };
             let enc = t.encode(piece.as_str(), false).map_err(|e| {
                 ServeError::BadRequest(format!("cannot tokenize the chat prompt: {e}"))
             })?;
@@ -181,6 +190,13 @@ impl ChatTemplate {
         flush(&mut piece, inside)?;
         Ok(ids)
     }
+}
+
+/// `tok` with its special tokens' text encoded as plain text.
+pub fn plain_tokenizer(tok: &Tokenizer) -> Tokenizer {
+    let mut plain = tok.clone();
+    plain.set_encode_special_tokens(true);
+    plain
 }
 
 /// `text` without the fence characters, each occurrence of a special token's text fenced.
