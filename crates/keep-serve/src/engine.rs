@@ -8,6 +8,9 @@
 //! their say; a request whose receiver is gone (client disconnected) is dropped at the next
 //! step. A panic inside the model fails the requests it touched and the scheduler goes on.
 //! When every handle is dropped, the scheduler finishes the sequences in flight and returns.
+//! With a [`FileGuard`], the model's files are checked before each admission and each step: a
+//! file changed under the server fails the requests with [`Event::Unavailable`] naming it, and
+//! the model is not run on it.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -19,6 +22,9 @@ use keep_model::Cache;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
+use std::sync::Arc;
+
+use crate::files::FileGuard;
 use crate::stop::StopMatcher;
 
 /// Why a sequence ended.
@@ -67,6 +73,8 @@ pub enum Event {
         decode_secs: f64,
     },
     Error(String),
+    /// The model cannot answer now (its files changed under the server): 503.
+    Unavailable(String),
 }
 
 /// One generation request.
@@ -86,10 +94,27 @@ pub struct Request {
 pub const MAX_BATCH: usize = 32;
 
 /// Scheduler settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Most sequences decoded together; more requests queue.
     pub max_batch: usize,
+    /// The model's files, checked before each admission and step (`None`: not checked).
+    pub files: Option<Arc<FileGuard>>,
+}
+
+impl EngineOptions {
+    /// Up to `max_batch` sequences at once, the files not checked.
+    pub fn new(max_batch: usize) -> EngineOptions {
+        EngineOptions {
+            max_batch,
+            files: None,
+        }
+    }
+}
+
+/// The message of a changed model file, if any.
+fn files_changed(files: Option<&FileGuard>) -> Option<String> {
+    files.and_then(|f| f.check().err()).map(|e| e.to_string())
 }
 
 /// The sending side of the scheduler's queue (cheap to clone).
@@ -235,8 +260,13 @@ fn admit<'t, G: Generate + ?Sized>(
     model: &mut G,
     tok: &'t Tokenizer,
     r: Request,
+    files: Option<&FileGuard>,
 ) -> Option<Seq<'t>> {
     if r.events.is_closed() {
+        return None;
+    }
+    if let Some(m) = files_changed(files) {
+        let _ = r.events.send(Event::Unavailable(m));
         return None;
     }
     let opts = GenerateOptions {
@@ -273,7 +303,10 @@ fn admit<'t, G: Generate + ?Sized>(
     match prefill {
         Ok(Ok(logits)) => seq.take(&logits).then_some(seq),
         Ok(Err(e)) => {
-            let _ = seq.events.send(Event::Error(e.to_string()));
+            let _ = seq.events.send(match files_changed(files) {
+                Some(m) => Event::Unavailable(m),
+                None => Event::Error(e.to_string()),
+            });
             None
         }
         Err(p) => {
@@ -320,11 +353,17 @@ pub fn run<G: Generate + ?Sized>(
         queue.retain(|r| !r.events.is_closed());
         while active.len() < max_batch {
             let Some(r) = queue.pop_front() else { break };
-            if let Some(s) = admit(model, tok, r) {
+            if let Some(s) = admit(model, tok, r, opts.files.as_deref()) {
                 active.push(s);
             }
         }
         if active.is_empty() {
+            continue;
+        }
+        if let Some(m) = files_changed(opts.files.as_deref()) {
+            for s in active.drain(..) {
+                let _ = s.events.send(Event::Unavailable(m.clone()));
+            }
             continue;
         }
         let tokens: Vec<u32> = active.iter().map(|s| s.next).collect();
@@ -349,7 +388,14 @@ pub fn run<G: Generate + ?Sized>(
                     s.take(row)
                 });
             }
-            Ok(Err(e)) => fail(&mut active, e.to_string()),
+            Ok(Err(e)) => match files_changed(opts.files.as_deref()) {
+                Some(m) => {
+                    for s in active.drain(..) {
+                        let _ = s.events.send(Event::Unavailable(m.clone()));
+                    }
+                }
+                None => fail(&mut active, e.to_string()),
+            },
             Err(p) => fail(
                 &mut active,
                 format!(

@@ -3,7 +3,10 @@
 //!
 //! What it is: the HTTP side ([`server`]: axum on tokio — `/v1/models`, `/v1/completions`,
 //! `/v1/chat/completions` with server-sent events, `/health`, `/tokenize`, `/detokenize`, the
-//! chat page at `/`; API key, body limit, context limit, panics caught), the scheduler
+//! chat page at `/`; API key, `Host` and content-type checks, body limit, context limit, panics
+//! caught), the connections under it ([`conn`]: header, body and idle timeouts, a connection
+//! cap, a shutdown deadline), the model files' watch ([`files`]: a shard changed under the
+//! server is refused, never read), the scheduler
 //! ([`engine`]: continuous batching on one model thread through keep-model's `Decoder` and
 //! `Generate::forward_batch`), the request and error formats ([`api`]), chat templates
 //! ([`template`], minijinja in Hugging Face's dialect) and stop strings ([`stop`]).
@@ -16,7 +19,9 @@
 //! axum/tokio, minijinja.
 
 pub mod api;
+pub mod conn;
 pub mod engine;
+pub mod files;
 pub mod server;
 pub mod stop;
 pub mod template;

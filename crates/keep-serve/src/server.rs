@@ -6,18 +6,27 @@
 //! body: a body over the limit is 413, malformed JSON or a field of the wrong type 400, a prompt
 //! longer than the context limit 400 naming both lengths, a missing or wrong API key 401. A
 //! panic in a handler becomes a 500 for that request only (the scheduler catches its own).
+//!
+//! What a web page in a browser cannot make it do: every request's `Host` must name this
+//! server ([`HostPolicy`]: an IP address, `localhost`, the bound name or a name allowed on the
+//! command line; else 421, which stops DNS rebinding), the API's POST bodies must be
+//! `application/json` (else 415: a page can send `text/plain` cross-site without asking, JSON
+//! only after a CORS preflight), and no CORS header is ever sent (so no preflight succeeds).
+//! The API key is compared as SHA-256 digests, `Bearer` in any case. A body must arrive within
+//! the body timeout (else 408); a model file changed under the server makes requests 503.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, Request as HttpRequest, StatusCode};
+use axum::extract::{DefaultBodyLimit, FromRequest, State};
+use axum::http::{header, HeaderValue, Method, Request as HttpRequest, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -26,11 +35,14 @@ use axum::{Json, Router};
 use keep_model::generate::SamplerConfig;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::api::{self, ChatRequest, Common, CompletionRequest, Content, PromptField};
+use crate::conn::Limits;
 use crate::engine::{self, EngineHandle, EngineOptions, Event, Finish, Request, TokenLogprob};
+use crate::files::FileGuard;
 use crate::template::{ChatTemplate, Message};
 use crate::{Result, ServeError};
 
@@ -53,13 +65,106 @@ pub struct ModelInfo {
     pub bos: u32,
 }
 
+/// Which `Host` headers the server answers (the defence against DNS rebinding: a page of
+/// another site that re-points its own name at this address still sends its own name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPolicy {
+    /// Every host (`--allowed-host '*'`).
+    Any,
+    /// IP addresses, `localhost`, and these names (lowercase, without port or final dot).
+    Names(Vec<String>),
+}
+
+/// The name of a `Host` header or `--allowed-host` value (`name`, `name:port`, `[v6]:port`):
+/// lowercase, without port or final dot; `None` when it is not one.
+fn host_name(h: &str) -> Option<String> {
+    let h = h.trim();
+    let name = if let Some(rest) = h.strip_prefix('[') {
+        let (inside, after) = rest.split_once(']')?;
+        let port_ok = after.is_empty()
+            || after
+                .strip_prefix(':')
+                .is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()));
+        if !port_ok {
+            return None;
+        }
+        inside
+    } else {
+        match h.rsplit_once(':') {
+            Some((n, p)) if !n.contains(':') && p.bytes().all(|b| b.is_ascii_digit()) => n,
+            Some(_) if h.parse::<Ipv6Addr>().is_ok() => h,
+            Some(_) => return None,
+            None => h,
+        }
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    (!name.is_empty()).then(|| name.to_ascii_lowercase())
+}
+
+impl HostPolicy {
+    /// The policy of a server bound to `host` (an address or a name) with `extra` names
+    /// allowed too (`*` among them: any host).
+    pub fn for_bind(host: &str, extra: &[String]) -> HostPolicy {
+        if extra.iter().any(|h| h.trim() == "*") {
+            return HostPolicy::Any;
+        }
+        let mut names: Vec<String> = extra.iter().filter_map(|h| host_name(h)).collect();
+        names.extend(host_name(host));
+        HostPolicy::Names(names)
+    }
+
+    /// Whether a request with this `Host` header is answered.
+    pub fn allows(&self, host: &str) -> bool {
+        let HostPolicy::Names(names) = self else {
+            return true;
+        };
+        let Some(name) = host_name(host) else {
+            return false;
+        };
+        name.parse::<IpAddr>().is_ok() || name == "localhost" || names.contains(&name)
+    }
+}
+
+/// The settings of an [`AppState`] beside its model.
+#[derive(Debug, Clone)]
+pub struct AppOptions {
+    /// With a key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Requests are refused beyond this many tokens of prompt + completion.
+    pub max_context: usize,
+    pub hosts: HostPolicy,
+    /// Time to receive a request's body (else 408).
+    pub body_timeout: Duration,
+    /// The model's files, checked at each request (a change: 503).
+    pub files: Option<Arc<FileGuard>>,
+}
+
+impl AppOptions {
+    /// No key, any host, the default body timeout, files not checked.
+    pub fn new(max_context: usize) -> AppOptions {
+        AppOptions {
+            api_key: None,
+            max_context,
+            hosts: HostPolicy::Any,
+            body_timeout: Limits::DEFAULT_BODY_TIMEOUT,
+            files: None,
+        }
+    }
+}
+
 struct Inner {
     engine: EngineHandle,
     tok: Arc<Tokenizer>,
+    /// `tok` with special-token text encoded as text (chat messages' text).
+    plain_tok: Tokenizer,
     template: Option<ChatTemplate>,
     model: ModelInfo,
-    api_key: Option<String>,
+    /// SHA-256 of the API key.
+    key_digest: Option<[u8; 32]>,
     max_context: usize,
+    hosts: HostPolicy,
+    body_timeout: Duration,
+    files: Option<Arc<FileGuard>>,
     ids: AtomicU64,
 }
 
@@ -68,26 +173,59 @@ struct Inner {
 pub struct AppState(Arc<Inner>);
 
 impl AppState {
-    /// A state over a running scheduler: requests are refused beyond `max_context` tokens of
-    /// prompt + completion; with `api_key`, `/v1/*`, `/tokenize` and `/detokenize` need
-    /// `Authorization: Bearer KEY`.
+    /// A state over a running scheduler.
     pub fn new(
         engine: EngineHandle,
         tok: Arc<Tokenizer>,
         template: Option<ChatTemplate>,
         model: ModelInfo,
-        api_key: Option<String>,
-        max_context: usize,
+        opts: AppOptions,
     ) -> AppState {
         AppState(Arc::new(Inner {
             engine,
+            plain_tok: crate::template::plain_tokenizer(&tok),
             tok,
             template,
             model,
-            api_key,
-            max_context,
+            key_digest: opts.api_key.as_deref().map(digest),
+            max_context: opts.max_context,
+            hosts: opts.hosts,
+            body_timeout: opts.body_timeout,
+            files: opts.files,
             ids: AtomicU64::new(0),
         }))
+    }
+}
+
+/// SHA-256 of a key.
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Whether two digests are equal, in time independent of where they differ.
+fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| acc | std::hint::black_box(x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// The key of an `Authorization` header: `Bearer KEY`, the scheme in any case.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, key) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| key.trim_start())
+}
+
+/// Seconds of a duration as a user writes them.
+fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0}")
+    } else {
+        format!("{s}")
     }
 }
 
@@ -116,11 +254,17 @@ impl IntoResponse for ApiError {
             s if s.is_server_error() => "server_error",
             _ => "invalid_request_error",
         };
-        (
+        let mut r = (
             self.status,
             Json(api::error_body(&self.message, kind, self.param)),
         )
-            .into_response()
+            .into_response();
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of the body is not read: the connection cannot carry another request.
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        r
     }
 }
 
@@ -149,22 +293,84 @@ fn parse<T: DeserializeOwned>(
     })
 }
 
-/// `Authorization: Bearer KEY` checked in time independent of where the keys differ.
+/// The body of `req` as `T`, received within the body timeout (else 408).
+async fn read_json<T: DeserializeOwned>(
+    st: &AppState,
+    req: HttpRequest<Body>,
+) -> std::result::Result<T, ApiError> {
+    let limit = st.0.body_timeout;
+    match tokio::time::timeout(limit, Bytes::from_request(req, &())).await {
+        Ok(body) => parse(body),
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the request body did not arrive within {} s (the server's --body-timeout)",
+                secs(limit)
+            ),
+            param: None,
+        }),
+    }
+}
+
+/// Requests whose `Host` does not name this server are refused with 421 (see [`HostPolicy`]);
+/// a request without one (not a browser's) is answered.
+async fn check_host(State(st): State<AppState>, req: HttpRequest<Body>, next: Next) -> Response {
+    if let Some(h) = req.headers().get(header::HOST) {
+        let host = String::from_utf8_lossy(h.as_bytes()).into_owned();
+        if !st.0.hosts.allows(&host) {
+            let name = host_name(&host).unwrap_or_else(|| host.clone());
+            return ApiError {
+                status: StatusCode::MISDIRECTED_REQUEST,
+                message: format!(
+                    "the Host header `{host}` does not name this server: use its address or localhost, or start it with --allowed-host {name}"
+                ),
+                param: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// The API's POST bodies are `application/json` only (415 otherwise): a web page may send
+/// other types to any site without a CORS preflight.
+async fn json_only(req: HttpRequest<Body>, next: Next) -> Response {
+    if req.method() == Method::POST {
+        let given = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let json = given.as_deref().is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        });
+        if !json {
+            return ApiError {
+                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                message: format!(
+                    "the body must be sent as `Content-Type: application/json`, not {}",
+                    given.map_or("without a Content-Type".into(), |g| format!("`{g}`"))
+                ),
+                param: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// `Authorization: Bearer KEY` (the scheme in any case), the key compared as SHA-256 digests
+/// so that the time depends neither on its length nor on where it differs.
 async fn auth(State(st): State<AppState>, req: HttpRequest<Body>, next: Next) -> Response {
-    if let Some(key) = &st.0.api_key {
+    if let Some(want) = &st.0.key_digest {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer)
             .unwrap_or("");
-        let same = given.len() == key.len()
-            && given
-                .bytes()
-                .zip(key.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
-        if !same {
+        if !same_digest(&digest(given), want) {
             return ApiError {
                 status: StatusCode::UNAUTHORIZED,
                 message: "a valid API key is needed: send `Authorization: Bearer KEY`".into(),
@@ -184,11 +390,13 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn(json_only))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .merge(guarded)
+        .layer(middleware::from_fn_with_state(state.clone(), check_host))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
@@ -217,9 +425,9 @@ async fn models(State(st): State<AppState>) -> Json<Value> {
 
 async fn tokenize(
     State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
+    req: HttpRequest<Body>,
 ) -> std::result::Result<Json<Value>, ApiError> {
-    let r: api::TokenizeRequest = parse(body)?;
+    let r: api::TokenizeRequest = read_json(&st, req).await?;
     let enc =
         st.0.tok
             .encode(r.prompt, r.add_special_tokens.unwrap_or(true))
@@ -230,9 +438,9 @@ async fn tokenize(
 
 async fn detokenize(
     State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
+    req: HttpRequest<Body>,
 ) -> std::result::Result<Json<Value>, ApiError> {
-    let r: api::DetokenizeRequest = parse(body)?;
+    let r: api::DetokenizeRequest = read_json(&st, req).await?;
     let vocab = st.0.tok.get_vocab_size(true) as u32;
     if let Some(&t) = r.tokens.iter().find(|&&t| t >= vocab) {
         return Err(ApiError::bad(
@@ -273,6 +481,13 @@ fn submit(
     logprobs: Option<usize>,
 ) -> std::result::Result<(Job, UnboundedReceiver<Event>), ApiError> {
     let inner = &st.0;
+    if let Some(e) = inner.files.as_ref().and_then(|f| f.check().err()) {
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: e.to_string(),
+            param: None,
+        });
+    }
     if let Some(n) = c.n {
         if n != 1 {
             return Err(ApiError::bad(
@@ -413,11 +628,8 @@ fn encode(st: &AppState, text: &str, special: bool) -> std::result::Result<Vec<u
     Ok(ids)
 }
 
-async fn completions(
-    State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    let r: CompletionRequest = match parse(body) {
+async fn completions(State(st): State<AppState>, req: HttpRequest<Body>) -> Response {
+    let r: CompletionRequest = match read_json(&st, req).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -441,11 +653,8 @@ async fn completions(
     }
 }
 
-async fn chat(
-    State(st): State<AppState>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    let r: ChatRequest = match parse(body) {
+async fn chat(State(st): State<AppState>, req: HttpRequest<Body>) -> Response {
+    let r: ChatRequest = match read_json(&st, req).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -476,10 +685,6 @@ async fn chat(
             },
         })
         .collect();
-    let text = match template.render(&messages) {
-        Ok(t) => t,
-        Err(e) => return ApiError::bad(e.to_string(), Some("messages")).into_response(),
-    };
     if let Some(n) = r.top_logprobs {
         if n > 20 {
             return ApiError::bad(
@@ -489,10 +694,12 @@ async fn chat(
             .into_response();
         }
     }
-    // The template writes the special tokens it wants (as transformers' apply_chat_template).
-    let prompt = match encode(&st, &text, false) {
+    // The template writes the special tokens it wants (as transformers' apply_chat_template);
+    // the messages' text is only text.
+    let prompt = match template.encode_with(&st.0.tok, &st.0.plain_tok, &messages) {
+        Ok(p) if p.is_empty() => vec![st.0.model.bos],
         Ok(p) => p,
-        Err(e) => return e.into_response(),
+        Err(e) => return ApiError::bad(e.to_string(), Some("messages")).into_response(),
     };
     let logprobs = (r.logprobs == Some(true)).then(|| r.top_logprobs.unwrap_or(0) as usize);
     match submit(&st, Kind::Chat, &r.common, prompt, logprobs) {
@@ -601,6 +808,14 @@ async fn respond(st: AppState, job: Job, rx: UnboundedReceiver<Event>) -> Respon
             Some(Event::Error(m)) => {
                 return ApiError {
                     status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: m,
+                    param: None,
+                }
+                .into_response()
+            }
+            Some(Event::Unavailable(m)) => {
+                return ApiError {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
                     message: m,
                     param: None,
                 }
@@ -747,7 +962,7 @@ impl StreamState {
                 self.pending.push_back("[DONE]".into());
                 self.ended = true;
             }
-            Some(Event::Error(m)) => {
+            Some(Event::Error(m)) | Some(Event::Unavailable(m)) => {
                 self.pending
                     .push_back(api::error_body(&m, "server_error", None).to_string());
                 self.pending.push_back("[DONE]".into());
@@ -786,6 +1001,19 @@ pub struct ServeOptions {
     pub kernels: keep_model::Kernels,
     /// Routed experts in budgeted slots (`None`: the model mapped whole).
     pub budget: Option<keep_runtime::RuntimeOptions>,
+    /// Host names answered besides IP addresses, `localhost` and `host` (`*`: any).
+    pub allowed_hosts: Vec<String>,
+    /// Timeouts, the connection cap and the shutdown deadline.
+    pub limits: Limits,
+}
+
+/// What [`serve`] reports once it listens.
+#[derive(Debug, Clone, Copy)]
+pub struct Ready {
+    pub addr: SocketAddr,
+    /// The connection cap in force: `limits.max_connections`, or less where the open-file
+    /// limit allows fewer.
+    pub max_connections: usize,
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -811,12 +1039,18 @@ async fn shutdown_signal() {
 }
 
 /// Open the model, bind, call `on_ready` with the address, serve until SIGINT/SIGTERM, then
-/// stop accepting, let the requests in flight finish, and stop the scheduler.
-pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()> {
+/// stop accepting, let the requests in flight finish (for up to the shutdown timeout), and
+/// stop the scheduler. An empty API key is refused: it would let every request in.
+pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<()> {
+    if opts.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(ServeError::Startup(
+            "the API key is empty: give a non-empty key (--api-key or $KEEP_API_KEY), or none to serve without one".into(),
+        ));
+    }
     let tok = Arc::new(keep_model::generate::load_tokenizer(&opts.dir)?);
     let template = ChatTemplate::from_model_dir(&opts.dir)?;
     let (handle, rx) = engine::channel();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(u32, usize)>>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(u32, usize, Arc<FileGuard>)>>();
     let (dir, kernels, budget, max_batch) = (
         opts.dir.clone(),
         opts.kernels,
@@ -837,6 +1071,13 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()
                     return;
                 }
             };
+            let files = match FileGuard::of_checkpoint(&ck) {
+                Ok(f) => Arc::new(f),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
             let mut model = match keep_runtime::RunModel::load(&ck, kernels, budget.as_ref()) {
                 Ok(m) => m,
                 Err(e) => {
@@ -845,11 +1086,19 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()
                 }
             };
             let cfg = model.cfg();
-            let _ = ready_tx.send(Ok((cfg.bos, cfg.raw.max_position_embeddings)));
-            engine::run(&mut model, &engine_tok, rx, EngineOptions { max_batch });
+            let _ = ready_tx.send(Ok((
+                cfg.bos,
+                cfg.raw.max_position_embeddings,
+                files.clone(),
+            )));
+            let opts = EngineOptions {
+                max_batch,
+                files: Some(files),
+            };
+            engine::run(&mut model, &engine_tok, rx, opts);
         })
         .map_err(|e| ServeError::Io("starting the model thread".into(), e))?;
-    let (bos, limit) = ready_rx
+    let (bos, limit, files) = ready_rx
         .recv()
         .map_err(|_| ServeError::Startup("the model thread stopped while loading".into()))??;
     if opts.max_context > limit {
@@ -866,10 +1115,19 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()
             name: opts.name.clone(),
             bos,
         },
-        opts.api_key.clone(),
-        opts.max_context,
+        AppOptions {
+            api_key: opts.api_key.clone(),
+            max_context: opts.max_context,
+            hosts: HostPolicy::for_bind(&opts.host, &opts.allowed_hosts),
+            body_timeout: opts.limits.body_timeout,
+            files: Some(files),
+        },
     );
     let app = router(state, opts.max_body);
+    let limits = Limits {
+        max_connections: crate::conn::fit_connections(opts.limits.max_connections),
+        ..opts.limits
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -883,13 +1141,17 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(SocketAddr)) -> Result<()
         let local = listener
             .local_addr()
             .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
-        on_ready(local);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .map_err(|e| ServeError::Io("serving".into(), e))
+        on_ready(&Ready {
+            addr: local,
+            max_connections: limits.max_connections,
+        });
+        crate::conn::serve_connections(listener, app, limits, shutdown_signal()).await;
+        Ok::<(), ServeError>(())
     })?;
-    // Every handle is gone with the app: the scheduler finishes what is in flight and returns.
+    // Connections still open after the shutdown deadline are dropped with the runtime.
+    drop(rt);
+    // Every handle is gone with the app: the scheduler drops the requests whose clients are
+    // gone, finishes the others and returns.
     let _ = thread.join();
     Ok(())
 }

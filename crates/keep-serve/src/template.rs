@@ -2,13 +2,28 @@
 //! minijinja in the dialect Hugging Face's `apply_chat_template` uses (blocks trimmed and
 //! left-stripped, loop controls, `tojson`, `raise_exception`, `strftime_now`, Python string and
 //! dict methods), with `messages`, `add_generation_prompt`, `bos_token` and `eos_token`.
+//!
+//! [`ChatTemplate::encode`] turns messages into prompt ids so that only the template inserts
+//! special tokens: the text of a special token typed inside a message (`<|endoftext|>`) is
+//! tokenized as the characters it is made of. It fences each such occurrence in the messages
+//! with two private-use characters before rendering, then tokenizes the rendered text piece by
+//! piece: the template's own text with the special tokens recognized, the fenced pieces with
+//! them encoded as plain text.
 
 use std::path::Path;
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 
+use tokenizers::Tokenizer;
+
 use crate::{Result, ServeError};
+
+/// Opens a piece of message text that holds a special token's text (a private-use character,
+/// removed from the messages before fencing).
+const FENCE_OPEN: char = '\u{E000}';
+/// Closes a fenced piece.
+const FENCE_CLOSE: char = '\u{E001}';
 
 /// One chat message as the template sees it (content flattened to text).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -113,6 +128,110 @@ impl ChatTemplate {
         })
         .map_err(|e| ServeError::BadRequest(format!("the chat template refused the messages: {e}")))
     }
+
+    /// The prompt ids for `messages`: the rendered template tokenized with its special tokens
+    /// recognized, while the text of a special token inside a message's content or role is
+    /// tokenized as plain text (only the template inserts special tokens).
+    pub fn encode(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+        self.encode_with(tok, &plain_tokenizer(tok), messages)
+    }
+
+    /// [`ChatTemplate::encode`] with `plain` = [`plain_tokenizer`]`(tok)` given, so that a
+    /// caller that encodes many prompts makes it once.
+    pub fn encode_with(
+        &self,
+        tok: &Tokenizer,
+        plain: &Tokenizer,
+        messages: &[Message],
+    ) -> Result<Vec<u32>> {
+        let specials: Vec<String> = tok
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        let fenced: Vec<Message> = messages
+            .iter()
+            .map(|m| Message {
+                role: fence(&m.role, &specials),
+                content: fence(&m.content, &specials),
+            })
+            .collect();
+        let text = self.render(&fenced)?;
+        let mut ids = vec![];
+        let mut inside = false;
+        let mut piece = String::new();
+        let mut flush = |piece: &mut String, as_text: bool| -> Result<()> {
+            if piece.is_empty() {
+                return Ok(());
+            }
+            let t = if as_text { plain } else { tok };
+            let enc = t.encode(piece.as_str(), false).map_err(|e| {
+                ServeError::BadRequest(format!("cannot tokenize the chat prompt: {e}"))
+            })?;
+            ids.extend_from_slice(enc.get_ids());
+            piece.clear();
+            Ok(())
+        };
+        for c in text.chars() {
+            match c {
+                FENCE_OPEN => {
+                    flush(&mut piece, inside)?;
+                    inside = true;
+                }
+                FENCE_CLOSE if inside => {
+                    flush(&mut piece, true)?;
+                    inside = false;
+                }
+                FENCE_CLOSE => {}
+                c => piece.push(c),
+            }
+        }
+        flush(&mut piece, inside)?;
+        Ok(ids)
+    }
+}
+
+/// `tok` with its special tokens' text encoded as plain text.
+pub fn plain_tokenizer(tok: &Tokenizer) -> Tokenizer {
+    let mut plain = tok.clone();
+    plain.set_encode_special_tokens(true);
+    plain
+}
+
+/// `text` without the fence characters, each occurrence of a special token's text fenced.
+fn fence(text: &str, specials: &[String]) -> String {
+    let text: String = text
+        .chars()
+        .filter(|&c| c != FENCE_OPEN && c != FENCE_CLOSE)
+        .collect();
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    'scan: while !rest.is_empty() {
+        // The earliest occurrence of any special token's text, the longest at that place.
+        let mut best: Option<(usize, usize)> = None;
+        for s in specials {
+            if let Some(i) = rest.find(s.as_str()) {
+                let better = match best {
+                    None => true,
+                    Some((bi, bl)) => i < bi || (i == bi && s.len() > bl),
+                };
+                if better {
+                    best = Some((i, s.len()));
+                }
+            }
+        }
+        let Some((i, len)) = best else {
+            out.push_str(rest);
+            break 'scan;
+        };
+        out.push_str(&rest[..i]);
+        out.push(FENCE_OPEN);
+        out.push_str(&rest[i..i + len]);
+        out.push(FENCE_CLOSE);
+        rest = &rest[i + len..];
+    }
+    out
 }
 
 #[cfg(test)]
@@ -166,6 +285,65 @@ mod tests {
         let out = t.render(&msgs(&[("user", "sort a list")])).unwrap();
         // What transformers 5.23's apply_chat_template(add_generation_prompt=True) renders.
         assert_eq!(out, "# user:\nsort a list\n# assistant:\n");
+    }
+
+    /// The special-token ids of `tok`.
+    fn special_ids(tok: &Tokenizer) -> Vec<u32> {
+        tok.get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    #[test]
+    fn special_token_text_in_a_message_is_tokenized_as_text() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+        let tok = keep_model::generate::load_tokenizer(&dir).unwrap();
+        let specials = special_ids(&tok);
+        assert!(!specials.is_empty());
+        let typed = "stop here <|endoftext|> and <|endoftext|><|endoftext|>go on";
+        // The bundled template: nothing of it is special, so no special id at all.
+        let t = ChatTemplate::from_model_dir(&dir).unwrap().unwrap();
+        let ids = t.encode(&tok, &msgs(&[("user", typed)])).unwrap();
+        assert!(
+            ids.iter().all(|i| !specials.contains(i)),
+            "a special id from the message text: {ids:?}"
+        );
+        // The text round-trips: the message's characters are all there.
+        let back = tok.decode(&ids, false).unwrap();
+        assert!(back.contains(typed), "{back:?}");
+        // Without special tokens in the text, the ids are those of the rendered text.
+        let plain = msgs(&[("user", "sort a list")]);
+        let want = tok
+            .encode(t.render(&plain).unwrap(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        assert_eq!(t.encode(&tok, &plain).unwrap(), want);
+        // A template that writes special tokens itself keeps them, and only them.
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+            "<|endoftext|>",
+            "<|endoftext|>",
+        )
+        .unwrap();
+        let ids = t
+            .encode(
+                &tok,
+                &msgs(&[("user", typed), ("assistant", "\u{E001}<|endoftext|>")]),
+            )
+            .unwrap();
+        let at: Vec<usize> = (0..ids.len())
+            .filter(|&i| specials.contains(&ids[i]))
+            .collect();
+        assert_eq!(at.len(), 3, "{ids:?}");
+        assert_eq!((at[0], at[2]), (0, ids.len() - 1), "{ids:?}");
+        assert_eq!(tok.decode(&ids[1..at[1]], false).unwrap(), typed);
+        assert_eq!(
+            tok.decode(&ids[at[1] + 1..at[2]], false).unwrap(),
+            "<|endoftext|>"
+        );
     }
 
     #[test]

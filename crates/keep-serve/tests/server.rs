@@ -3,6 +3,8 @@
 //! requests at once, streams end with the usage chunk and `[DONE]`, stop strings cut the text,
 //! logprobs are log-probabilities; every refusal is its 4xx with an OpenAI error body; and on a
 //! model that panics for one prompt, that request gets a 500 and the next one is answered.
+//! What a web page could make it do is refused: a body that is not JSON (415), a `Host` that
+//! does not name the server (421); no CORS header is sent; `Bearer` is taken in any case.
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -15,7 +17,8 @@ use keep_checkpoint::Checkpoint;
 use keep_model::generate::{generate, GenerateOptions, Piece, Prompt, SamplerConfig};
 use keep_model::{Cache, Generate, Model, ModelConfig, RouteObserver};
 use keep_serve::engine::{self, EngineOptions};
-use keep_serve::server::{router, AppState, ModelInfo};
+use keep_serve::files::FileGuard;
+use keep_serve::server::{router, AppOptions, AppState, HostPolicy, ModelInfo};
 use keep_serve::template::ChatTemplate;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -38,13 +41,21 @@ fn tokenizer() -> Arc<tokenizers::Tokenizer> {
 
 /// A router over keep-tiny on its own scheduler thread.
 fn tiny_app(api_key: Option<&str>) -> Router {
+    tiny_app_with(AppOptions {
+        api_key: api_key.map(String::from),
+        ..AppOptions::new(MAX_CONTEXT)
+    })
+}
+
+/// A router over keep-tiny with these options.
+fn tiny_app_with(opts: AppOptions) -> Router {
     let tok = tokenizer();
     let (handle, rx) = engine::channel();
     let t = tok.clone();
     std::thread::spawn(move || {
         let ck = Checkpoint::open(&tiny()).unwrap();
         let mut m = Model::load(&ck).unwrap();
-        engine::run(&mut m, &t, rx, EngineOptions { max_batch: 8 });
+        engine::run(&mut m, &t, rx, EngineOptions::new(8));
     });
     let template = ChatTemplate::from_model_dir(&tiny()).unwrap();
     let state = AppState::new(
@@ -55,8 +66,7 @@ fn tiny_app(api_key: Option<&str>) -> Router {
             name: "keep-tiny".into(),
             bos: 0,
         },
-        api_key.map(String::from),
-        MAX_CONTEXT,
+        opts,
     );
     router(state, MAX_BODY)
 }
@@ -352,9 +362,7 @@ async fn a_panic_in_one_request_leaves_the_server_up() {
     let tok = tokenizer();
     let (handle, rx) = engine::channel();
     let t = tok.clone();
-    std::thread::spawn(move || {
-        engine::run(&mut Panicky { cfg }, &t, rx, EngineOptions { max_batch: 4 })
-    });
+    std::thread::spawn(move || engine::run(&mut Panicky { cfg }, &t, rx, EngineOptions::new(4)));
     let state = AppState::new(
         handle,
         tok,
@@ -363,8 +371,7 @@ async fn a_panic_in_one_request_leaves_the_server_up() {
             name: "panicky".into(),
             bos: 0,
         },
-        None,
-        MAX_CONTEXT,
+        AppOptions::new(MAX_CONTEXT),
     );
     let app = router(state, MAX_BODY);
     // Prefill panics.
@@ -401,4 +408,300 @@ async fn a_panic_in_one_request_leaves_the_server_up() {
     )
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
+}
+
+/// One request with these headers: its status, headers and body.
+async fn send(
+    app: &Router,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, axum::http::HeaderMap, Value) {
+    let mut b = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(Body::from(body.to_string())).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (
+        status,
+        headers,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_web_page_sends_is_refused() {
+    let app = tiny_app_with(AppOptions {
+        hosts: HostPolicy::for_bind("127.0.0.1", &["keep.example".into()]),
+        ..AppOptions::new(MAX_CONTEXT)
+    });
+    let body = json!({"prompt": "def ", "max_tokens": 2, "temperature": 0}).to_string();
+    // A form or text/plain POST (what any page may send cross-site without a preflight).
+    for ct in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        for path in [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/tokenize",
+            "/detokenize",
+        ] {
+            let h: Vec<(&str, &str)> = ct.iter().map(|c| ("content-type", *c)).collect();
+            let (s, _, v) = send(&app, "POST", path, &h, &body).await;
+            assert_eq!(s, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{path} {ct:?}: {v}");
+            let msg = v["error"]["message"].as_str().unwrap();
+            assert!(msg.contains("application/json"), "{msg}");
+        }
+    }
+    // JSON, with parameters and in any case, is served.
+    for ct in ["application/json", "Application/JSON; charset=utf-8"] {
+        let (s, _, v) = send(
+            &app,
+            "POST",
+            "/v1/completions",
+            &[("content-type", ct)],
+            &body,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{ct}: {v}");
+    }
+    // Host: addresses, localhost and the allowed names are answered; another name (a page
+    // that re-pointed its own name at this address) is not.
+    let json_ct = ("content-type", "application/json");
+    for host in [
+        "127.0.0.1:8080",
+        "localhost:8080",
+        "LOCALHOST",
+        "[::1]:8080",
+        "192.168.1.5",
+        "keep.example:8080",
+        "keep.example.",
+    ] {
+        let (s, _, v) = send(&app, "GET", "/health", &[("host", host)], "").await;
+        assert_eq!(s, StatusCode::OK, "{host}: {v}");
+        let (s, _, v) = send(
+            &app,
+            "POST",
+            "/v1/completions",
+            &[("host", host), json_ct],
+            &body,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{host}: {v}");
+    }
+    for host in [
+        "evil.example",
+        "evil.example:8080",
+        "localhost.evil.example",
+        "127.0.0.1.nip.io",
+        "",
+    ] {
+        for (method, path) in [("GET", "/"), ("POST", "/v1/completions")] {
+            let (s, _, v) = send(&app, method, path, &[("host", host), json_ct], &body).await;
+            assert_eq!(s, StatusCode::MISDIRECTED_REQUEST, "{host} {path}: {v}");
+            if !host.is_empty() {
+                let msg = v["error"]["message"].as_str().unwrap();
+                assert!(msg.contains("--allowed-host"), "{msg}");
+            }
+        }
+    }
+    // No CORS header, to a simple request or a preflight from another origin.
+    let origin = ("origin", "http://evil.example");
+    for (method, path, h) in [
+        ("GET", "/v1/models", vec![origin]),
+        ("POST", "/v1/completions", vec![origin, json_ct]),
+        (
+            "OPTIONS",
+            "/v1/chat/completions",
+            vec![
+                origin,
+                ("access-control-request-method", "POST"),
+                ("access-control-request-headers", "content-type"),
+            ],
+        ),
+    ] {
+        let (_, headers, _) = send(&app, method, path, &h, &body).await;
+        let cors: Vec<_> = headers
+            .keys()
+            .filter(|k| k.as_str().starts_with("access-control-"))
+            .collect();
+        assert!(cors.is_empty(), "{method} {path}: {cors:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_is_taken_with_bearer_in_any_case() {
+    let app = tiny_app(Some("sesame"));
+    let json_ct = ("content-type", "application/json");
+    for auth in [
+        "Bearer sesame",
+        "bearer sesame",
+        "BEARER sesame",
+        "Bearer  sesame ",
+    ] {
+        let (s, _, v) = send(
+            &app,
+            "POST",
+            "/tokenize",
+            &[("authorization", auth), json_ct],
+            r#"{"prompt": "hi"}"#,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{auth}: {v}");
+    }
+    for auth in [
+        "Bearer sesam",
+        "Bearer sesame2",
+        "Basic sesame",
+        "sesame",
+        "Bearer",
+        "Bearer ",
+    ] {
+        let (s, _, v) = send(
+            &app,
+            "POST",
+            "/tokenize",
+            &[("authorization", auth), json_ct],
+            r#"{"prompt": "hi"}"#,
+        )
+        .await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{auth}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_token_text_in_chat_content_is_not_the_special_token() {
+    let app = tiny_app(None);
+    let eot = "<|endoftext|>";
+    // The chat page's prompt ids, through the server: what the template renders around the
+    // message, the message's characters as text.
+    let (s, v) = post_json(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": format!("hi {eot} there")}],
+               "max_tokens": 1, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let tok = tokenizer();
+    let template = ChatTemplate::from_model_dir(&tiny()).unwrap().unwrap();
+    let rendered = template
+        .render(&[keep_serve::template::Message {
+            role: "user".into(),
+            content: format!("hi {eot} there"),
+        }])
+        .unwrap();
+    let as_special = tok.encode(rendered.as_str(), false).unwrap().len();
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    // `<|endoftext|>` as text is several tokens, as the special token one.
+    assert!(
+        prompt_tokens > as_special,
+        "{prompt_tokens} vs {as_special}"
+    );
+}
+
+/// A model whose shard is cut short while it reads it: `forward_last` truncates the file and
+/// fails as a short `pread` does.
+struct ShortRead {
+    cfg: ModelConfig,
+    shard: PathBuf,
+}
+
+impl Generate for ShortRead {
+    fn cfg(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn new_cache(&self) -> Cache {
+        Cache::new(0)
+    }
+    fn forward_last(
+        &mut self,
+        _: &[u32],
+        _: &mut Cache,
+        _: Option<&mut dyn RouteObserver>,
+    ) -> keep_model::Result<Vec<f32>> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.shard)
+            .unwrap();
+        f.set_len(10).unwrap();
+        Err(keep_model::ModelError::Config(format!(
+            "{}: read 10 of 4096 bytes: the file is shorter than its header says",
+            self.shard.display()
+        )))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_cut_short_by_a_changed_file_is_503_naming_it() {
+    let dir = std::env::temp_dir().join(format!("keep-serve-short-read-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let shard = dir.join("model-00001-of-00002.safetensors");
+    std::fs::write(&shard, vec![0u8; 4096]).unwrap();
+    let files = Arc::new(FileGuard::of_paths(std::slice::from_ref(&shard)).unwrap());
+    let json = r#"{"vocab_size":4096,"bos_token_id":0,"eos_token_id":[4095]}"#;
+    let c = keep_checkpoint::DeepSeekConfig::from_json(Path::new("config.json"), json).unwrap();
+    let cfg = ModelConfig::from_deepseek(&c).unwrap();
+    let tok = tokenizer();
+    let (handle, rx) = engine::channel();
+    let t = tok.clone();
+    let (f, sh) = (files.clone(), shard.clone());
+    std::thread::spawn(move || {
+        let opts = EngineOptions {
+            max_batch: 4,
+            files: Some(f),
+        };
+        engine::run(&mut ShortRead { cfg, shard: sh }, &t, rx, opts)
+    });
+    let state = AppState::new(
+        handle,
+        tok,
+        None,
+        ModelInfo {
+            name: "short".into(),
+            bos: 0,
+        },
+        AppOptions {
+            files: Some(files),
+            ..AppOptions::new(MAX_CONTEXT)
+        },
+    );
+    let app = router(state, MAX_BODY);
+    // The read fails because the file changed: 503 naming the file, not a 500.
+    let (s, v) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [1, 2], "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("model-00001-of-00002.safetensors"), "{msg}");
+    assert!(
+        msg.contains("4096 bytes when opened, 10 bytes now"),
+        "{msg}"
+    );
+    // And every later request is refused before the model runs.
+    let (s, _) = post_json(
+        &app,
+        "/v1/completions",
+        json!({"prompt": [1], "max_tokens": 1, "stream": true}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let _ = std::fs::remove_dir_all(&dir);
 }

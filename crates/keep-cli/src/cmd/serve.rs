@@ -2,6 +2,7 @@
 //! batching concurrent requests. Flags and printing only: the server is keep-serve's.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -15,11 +16,19 @@ use crate::util::parse_bytes;
 /// "stream": true for server-sent events), GET /health, POST /tokenize, POST /detokenize, and a
 /// chat page at /. Concurrent requests share each decode step (continuous batching, up to
 /// --max-batch sequences; more queue). Binds 127.0.0.1 unless --host says otherwise; with
-/// --api-key (or $KEEP_API_KEY) every API request needs `Authorization: Bearer KEY`. SIGINT or
-/// SIGTERM stops accepting and lets the requests in flight finish.
+/// --api-key (or $KEEP_API_KEY; an empty key is refused) every API request needs
+/// `Authorization: Bearer KEY`.
+///
+/// Against web pages: a request's Host must be an IP address, localhost, the --host name or an
+/// --allowed-host name (else 421); API bodies must be `Content-Type: application/json` (else
+/// 415); no CORS headers are sent. Against slow or idle clients: --header-timeout,
+/// --body-timeout (408), --idle-timeout, and --max-connections (one more: 503 at once). A model
+/// file changed under the server makes requests 503 (restart it). SIGINT or SIGTERM stops
+/// accepting and lets the requests in flight finish for up to --shutdown-timeout.
 ///
 /// Example: keep serve --port 8080 --max-batch 8
-///          curl localhost:8080/v1/completions -d '{"prompt": "def ", "max_tokens": 32}'
+///          curl localhost:8080/v1/completions -H 'content-type: application/json' \
+///            -d '{"prompt": "def ", "max_tokens": 32}'
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct ServeArgs {
@@ -38,9 +47,34 @@ pub struct ServeArgs {
     /// prompt is refused with 400, a completion is cut at it.
     #[arg(long, value_name = "TOKENS")]
     max_context: Option<usize>,
-    /// Require `Authorization: Bearer KEY` (default: $KEEP_API_KEY when set).
+    /// Require `Authorization: Bearer KEY` (default: $KEEP_API_KEY when set); an empty key is
+    /// refused.
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Also answer requests whose Host header is NAME (repeatable; `*`: any name). IP
+    /// addresses, localhost and the --host name are always answered.
+    #[arg(long, value_name = "NAME")]
+    allowed_host: Vec<String>,
+    /// Seconds a request's line and headers may take from their first byte.
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout,
+          default_value_t = keep_serve::conn::Limits::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    header_timeout: f64,
+    /// Seconds a request's body may take once its headers are in (longer: 408).
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout,
+          default_value_t = keep_serve::conn::Limits::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    body_timeout: f64,
+    /// Seconds a connection may stay open with no request in progress and nothing arriving.
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout,
+          default_value_t = keep_serve::conn::Limits::DEFAULT_IDLE_TIMEOUT.as_secs_f64())]
+    idle_timeout: f64,
+    /// Connections open at once (fewer if the open-file limit allows fewer); one more is
+    /// answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = keep_serve::conn::Limits::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Seconds SIGINT/SIGTERM lets the requests in flight go on before closing them.
+    #[arg(long, value_name = "SECS", value_parser = parse_secs,
+          default_value_t = keep_serve::conn::Limits::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
+    shutdown_timeout: f64,
     /// Run inside this many bytes (e.g. 2GiB): routed experts in slots read from SSD, the
     /// batch's expert union through the slot cache.
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
@@ -60,7 +94,58 @@ pub struct ServeArgs {
     plan: Option<PathBuf>,
 }
 
+/// Seconds (`2`, `0.5`, `30s`), zero included.
+fn parse_secs(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let t = t.strip_suffix('s').unwrap_or(t).trim();
+    let v: f64 = t
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && (0.0..=1e7).contains(&v)) {
+        return Err(format!("`{s}`: give 0 to 10000000 seconds"));
+    }
+    Ok(v)
+}
+
+/// Seconds, more than zero (a zero timeout would close every connection at once).
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    let d = parse_secs(s)?;
+    if d == 0.0 {
+        return Err(format!("`{s}`: a timeout must be more than 0 seconds"));
+    }
+    Ok(d)
+}
+
+/// The API key: the flag's, else $KEEP_API_KEY's; an empty one is refused.
+fn api_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
+    if let Some(k) = flag {
+        anyhow::ensure!(
+            !k.trim().is_empty(),
+            "--api-key is empty: give a non-empty key, or leave the flag out to serve without one"
+        );
+        return Ok(Some(k.to_string()));
+    }
+    match std::env::var_os("KEEP_API_KEY") {
+        None => Ok(None),
+        Some(v) => {
+            let k = v
+                .into_string()
+                .map_err(|_| anyhow::anyhow!("$KEEP_API_KEY is not UTF-8 text"))?;
+            anyhow::ensure!(
+                !k.trim().is_empty(),
+                "$KEEP_API_KEY is set but empty: give it a non-empty key, or unset it to serve without one"
+            );
+            Ok(Some(k))
+        }
+    }
+}
+
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let api_key = api_key(a.api_key.as_deref())?;
+    anyhow::ensure!(
+        a.max_connections >= 1,
+        "--max-connections must be at least 1"
+    );
     anyhow::ensure!(
         (1..=keep_serve::engine::MAX_BATCH).contains(&a.max_batch),
         "--max-batch must be 1 to {}, not {}",
@@ -123,10 +208,6 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "model".into())
         }
     });
-    let api_key = a
-        .api_key
-        .clone()
-        .or_else(|| std::env::var("KEEP_API_KEY").ok().filter(|k| !k.is_empty()));
     let opts = keep_serve::server::ServeOptions {
         dir: dir.clone(),
         name: name.clone(),
@@ -138,8 +219,17 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_body: a.max_body as usize,
         kernels,
         budget,
+        allowed_hosts: a.allowed_host.clone(),
+        limits: keep_serve::conn::Limits {
+            header_timeout: Duration::from_secs_f64(a.header_timeout),
+            body_timeout: Duration::from_secs_f64(a.body_timeout),
+            idle_timeout: Duration::from_secs_f64(a.idle_timeout),
+            max_connections: a.max_connections,
+            shutdown_timeout: Duration::from_secs_f64(a.shutdown_timeout),
+        },
     };
-    keep_serve::server::serve(opts, |addr| {
+    keep_serve::server::serve(opts, |ready| {
+        let addr = ready.addr;
         println!(
             "keep serve: {name} on http://{addr} (max batch {}, context {max_context}{})",
             a.max_batch,
@@ -149,6 +239,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 ""
             }
         );
+        if ready.max_connections < a.max_connections {
+            println!(
+                "keep serve: at most {} connections, not {}: the open-file limit allows no more (raise `ulimit -n`)",
+                ready.max_connections, a.max_connections
+            );
+        }
         println!("listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
