@@ -432,6 +432,55 @@ fn force_replaces_only_what_keep_wrote() {
     assert_eq!(snapshot(&ours), here);
 }
 
+/// The README's budget example runs on the bundled model, its budget holding the activations
+/// of a pass as long as the prompt, not a whole 128-token chunk.
+#[test]
+fn the_readme_budget_example_runs() {
+    keep()
+        .args([
+            "run",
+            "--memory-budget",
+            "12MiB",
+            "--prompt",
+            "Once upon a time",
+        ])
+        .assert()
+        .success()
+        .stderr(
+            predicate::str::contains("-token pass")
+                .and(predicate::str::contains("128-token pass").not()),
+        );
+}
+
+/// A cache too large for the budget is named, not blamed on the weights.
+#[test]
+fn a_cache_too_large_for_the_budget_is_named() {
+    let w = workdir("engram-cache");
+    let m = w.join("eng");
+    keep()
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--engram-bytes",
+            "1MiB",
+            "--out",
+        ])
+        .arg(&m)
+        .assert()
+        .success();
+    keep()
+        .arg("run")
+        .arg(&m)
+        .args(["--memory-budget", "64MiB", "--engram-cache", "1TiB"])
+        .args(["--prompt-tokens", "2", "--max-tokens", "2"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(
+            "the Engram row cache (--engram-cache) takes 1099511627776 bytes",
+        ));
+}
+
 #[test]
 fn verify_fails_on_an_empty_or_partial_sha256sums() {
     let w = workdir("verify-partial");

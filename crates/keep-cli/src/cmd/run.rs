@@ -197,6 +197,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     };
     if let Some(o) = opts.as_mut() {
         o.draft_tokens = draft_k;
+        // The budget holds the activations of the largest forward this run makes: the prompt
+        // (or a verify window) rather than a whole prefill chunk. A plan keeps the chunk it was
+        // fitted with, so that it runs what `keep fit --check` runs.
+        if plan.is_none() && b.prefill_chunk.is_none() {
+            o.prefill_chunk = Some(cfg.prefill_chunk.min(ids.len().max(draft_k + 1)).max(1));
+        }
     }
     if opts.is_none() {
         keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
