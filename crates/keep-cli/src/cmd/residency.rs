@@ -208,7 +208,9 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let (cost, bytes_from) = if let Some(dir) = &a.model {
-        let mb = model_bytes(dir, &layers, n_max)?;
+        // Each expert at the bytes the runtime reads for it: with its residual stage, unless
+        // precision tiers (--tau) read that stage apart (priced by the tiers' report).
+        let mb = model_bytes(dir, &layers, n_max, a.tau.is_none())?;
         (
             Some(CostModel {
                 expert_bytes: mb.expert_bytes,
