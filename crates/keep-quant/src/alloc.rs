@@ -774,6 +774,24 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
                     .map(|v| v * mult.get(r.as_str()).copied().unwrap_or(1.0))
             })
             .collect();
+        if let Some((r, v)) = opts
+            .rungs
+            .iter()
+            .zip(&row)
+            .find_map(|(r, v)| v.filter(|v| !(v.is_finite() && *v >= 0.0)).map(|v| (r, v)))
+        {
+            return Err(QuantError::Input(format!(
+                "expert {j} of layer {l}: its loss at `{r}` is {v}, not a number ≥ 0 (from {}); \
+                 give quant reports and REAP statistics of finite errors, or leave `{r}` out of --rungs",
+                if r == PRUNED {
+                    format!("the REAP statistics of {}", opts.run.display())
+                } else {
+                    let files: Vec<String> =
+                        opts.reports.iter().map(|p| p.display().to_string()).collect();
+                    format!("the quant reports {}", files.join(", "))
+                }
+            )));
+        }
         if row.iter().all(Option::is_none) {
             return Err(QuantError::Input(format!(
                 "expert {j} of layer {l} has none of the rungs {}: give the quant-report.json \

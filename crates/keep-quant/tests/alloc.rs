@@ -116,6 +116,30 @@ fn allocation_fits_and_quant_writes_its_rungs() {
     let g = allocate(&ao).unwrap();
     assert_eq!(g.bytes, a.bytes);
     assert!((g.predicted_loss - a.predicted_loss).abs() <= 1e-9 * a.predicted_loss.max(1.0));
+    // A report whose error is not a number ≥ 0 is refused naming the expert, its layer, the
+    // rung and the file, before solving.
+    let bad = tmp.path().join("bad-report.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(q.join("quant-report.json")).unwrap())
+            .unwrap();
+    let (bl, be) = (
+        v["experts"][0]["layer"].as_u64().unwrap(),
+        v["experts"][0]["expert"].as_u64().unwrap(),
+    );
+    v["experts"][0]["rel_error"]["e8p2"] = (-1.0).into();
+    std::fs::write(&bad, v.to_string()).unwrap();
+    let e = allocate(&AllocOptions {
+        reports: vec![bad.clone()],
+        ..ao.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&format!("expert {be} of layer {bl}"))
+            && e.contains("`e8p2`")
+            && e.contains("bad-report.json"),
+        "{e}"
+    );
 
     // round trip through the file, then the checkpoint it describes
     let path = tmp.path().join("alloc.json");
