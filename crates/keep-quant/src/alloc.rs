@@ -820,12 +820,39 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
     for (&(l, _), &r) in items.iter().zip(&sol.choice) {
         layers[l].rungs.push(opts.rungs[r].clone());
     }
+    // The cheapest rung that keeps an expert: a budget with this much left over could have
+    // kept one more, so raising it cannot help.
+    let cheapest_kept = opts
+        .rungs
+        .iter()
+        .zip(&costs)
+        .filter(|(r, _)| *r != PRUNED)
+        .map(|(_, &c)| c)
+        .min();
     for la in &layers {
         let kept = la.rungs.iter().filter(|r| *r != PRUNED).count();
         if kept < table.top_k.min(la.rungs.len()) {
+            let pruned_loss: f64 = items
+                .iter()
+                .zip(&sol.choice)
+                .zip(&losses)
+                .filter(|(((l, _), &r), _)| *l == la.layer && opts.rungs[r] == PRUNED)
+                .map(|((_, &r), row)| row[r].unwrap_or(0.0))
+                .sum();
+            let slack = opts.budget.saturating_sub(sol.bytes);
+            let budget_helps = pruned_loss > 0.0 && cheapest_kept.is_some_and(|c| slack < c);
+            let advice = if budget_helps {
+                "raise --budget or leave `pruned` out of --rungs".to_string()
+            } else {
+                format!(
+                    "a larger budget would not keep them ({} bytes are left over, and pruning \
+                     them costs {pruned_loss} of predicted loss); leave `pruned` out of --rungs",
+                    slack
+                )
+            };
             return Err(QuantError::Input(format!(
                 "the best allocation keeps {kept} experts of layer {}, fewer than top-k = {}: \
-                 raise --budget or leave `pruned` out of --rungs",
+                 {advice}",
                 la.layer, table.top_k
             )));
         }
