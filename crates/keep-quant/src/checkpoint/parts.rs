@@ -212,6 +212,13 @@ pub fn claim(parts: &Path, want: &Record, force: bool) -> Result<()> {
 /// Check, holding the [`Lock`], that `parts` still belongs to `want` before a part is placed
 /// or the parts are joined (another writer may have discarded them with `--force`).
 pub fn still_ours(parts: &Path, want: &Record) -> Result<()> {
+    if !parts.is_dir() {
+        return Err(QuantError::Input(format!(
+            "{} is gone: another writer of this quantization joined the output meanwhile; \
+             check the output, or run again",
+            parts.display()
+        )));
+    }
     let why = match read(parts)? {
         Some(have) => have.differs(want),
         None => Some("its record was removed".into()),
