@@ -232,3 +232,30 @@ fn a_plan_is_trusted_no_further_than_it_can_be_checked() {
     .unwrap();
     assert_eq!(prof["runs"], 6, "every run's routes folded in");
 }
+
+/// A plan fitted to a model named by a relative path runs from any directory.
+#[test]
+fn a_plan_names_its_model_wherever_it_is_run_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let m = dir.path().join("m");
+    std::fs::create_dir(&m).unwrap();
+    let bundled = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+    for e in std::fs::read_dir(bundled).unwrap().flatten() {
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    keep(&cache)
+        .current_dir(dir.path())
+        .args(["fit", "m", "--memory", "1GiB", "--context", "64"])
+        .args(["--probe-tokens", "4", "--out", "plan.json"])
+        .assert()
+        .success();
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    keep(&cache)
+        .current_dir(&other)
+        .args(["run", "--plan", "../plan.json", "--prompt-tokens", "4"])
+        .args(["--max-tokens", "4", "--temperature", "0"])
+        .assert()
+        .success();
+}

@@ -98,7 +98,7 @@ pub fn checkpoint(
     build: bool,
     progress: &dyn Fn(u64, u64),
 ) -> Result<PathBuf> {
-    let model = PathBuf::from(&plan.model);
+    let model = resolve(plan_path, &plan.model);
     let Some(d) = &plan.derived else {
         check_model(plan_path, plan, &model)?;
         return Ok(model);

@@ -477,7 +477,10 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default()
     };
-    let model_str = o.model.display().to_string();
+    // Absolute, so that the plan names the same model wherever it is run from.
+    let model_str = keep_checkpoint::atomic::resolve(&o.model)
+        .display()
+        .to_string();
     let (derived, prune_plan) = match &lv.prune {
         Some(pp) => {
             // The derived checkpoint's name in the plan: relative to the plan's directory when
