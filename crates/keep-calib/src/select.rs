@@ -98,6 +98,16 @@ impl Keep {
     }
 }
 
+impl std::fmt::Display for Keep {
+    /// As the flag is written: `64` or `50%`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Keep::Count(k) => write!(f, "{k}"),
+            Keep::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
 /// Options of [`select`].
 #[derive(Debug, Clone)]
 pub struct SelectOptions {
@@ -315,7 +325,7 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
     let keep = opts.keep.resolve(ne);
     if keep < stats.top_k.max(1) || keep > ne {
         return Err(CalibError::Options(format!(
-            "--keep {:?} gives {keep} experts per layer; it must be between num_experts_per_tok = {} and n_experts = {ne}",
+            "--keep {} gives {keep} experts per layer; it must be between num_experts_per_tok = {} and n_experts = {ne}",
             opts.keep, stats.top_k
         )));
     }

@@ -57,6 +57,10 @@ pub enum CheckpointError {
         role: &'static str,
         input: PathBuf,
     },
+    /// An existing directory given as an output is not one keep wrote (or is where keep runs):
+    /// `--force` replaces only keep's own outputs.
+    #[error("{path} {why}; --force replaces only an output keep wrote (a directory whose SHA256SUMS lists everything in it): choose another output, or move it aside yourself")]
+    NotKeepOutput { path: PathBuf, why: String },
     /// A writer was used out of order (a bug in the caller, reported, not panicked on).
     #[error("writer: {0}")]
     Writer(String),

@@ -433,6 +433,17 @@ impl ExpertMatrix<'_> {
             .map(|t| t.bytes.len() as u64)
             .sum()
     }
+
+    /// Bytes a run reads for this matrix when its residual stage is read with it: [`Self::bytes`]
+    /// plus the residual stage's codes and scale ([`residual_of`]) where the checkpoint has one
+    /// (`e8p2+e81`, `e8p2+e8p2`). keep-runtime's expert store reads exactly these tensors per
+    /// expert (checked by keep-cli's tests), and `keep residency --model` prices them.
+    pub fn read_bytes(&self, ck: &Checkpoint) -> u64 {
+        self.bytes()
+            + residual_of(ck, self.weight.name).map_or(0, |(r, s)| {
+                r.bytes.len() as u64 + s.map_or(0, |s| s.bytes.len() as u64)
+            })
+    }
 }
 
 /// Slice `e` of a tensor whose first axis stacks `n` experts (`[n, ...]`): a tensor of shape

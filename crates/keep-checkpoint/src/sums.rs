@@ -77,14 +77,45 @@ pub struct VerifyReport {
     pub mismatched: Vec<String>,
     /// Files listed but absent.
     pub missing: Vec<String>,
-    /// Regular files present but not listed (informational).
+    /// Regular files present but not listed (a keep output lists every file it holds, so
+    /// each one fails the check).
     pub unlisted: Vec<String>,
 }
 
 impl VerifyReport {
-    /// True when every listed file is present and matches.
+    /// True when the sums list at least one file, every listed file is present and matches,
+    /// and every file of the directory is listed.
     pub fn passed(&self) -> bool {
-        self.mismatched.is_empty() && self.missing.is_empty()
+        !self.ok.is_empty()
+            && self.mismatched.is_empty()
+            && self.missing.is_empty()
+            && self.unlisted.is_empty()
+    }
+
+    /// Why the check failed, in words (`None` when it passed).
+    pub fn failure(&self) -> Option<String> {
+        if self.passed() {
+            return None;
+        }
+        let mut why = vec![];
+        if self.ok.is_empty() && self.mismatched.is_empty() && self.missing.is_empty() {
+            why.push(format!("{SUMS_FILE} lists no files"));
+        }
+        let mut list = |n: usize, what: &str, names: &[String]| {
+            if n > 0 {
+                let shown: Vec<&str> = names.iter().take(3).map(String::as_str).collect();
+                let more = if n > 3 { ", …" } else { "" };
+                why.push(format!("{n} {what} ({}{more})", shown.join(", ")));
+            }
+        };
+        list(self.mismatched.len(), "mismatched", &self.mismatched);
+        list(self.missing.len(), "missing", &self.missing);
+        list(
+            self.unlisted.len(),
+            &format!("not listed in {SUMS_FILE}"),
+            &self.unlisted,
+        );
+        Some(why.join(", "))
     }
 }
 
@@ -138,6 +169,25 @@ mod tests {
         assert_eq!(r.mismatched, vec!["a"]);
         std::fs::remove_file(d.path().join("a")).unwrap();
         assert_eq!(verify_dir(d.path()).unwrap().missing, vec!["a"]);
+        // An empty or partial SHA256SUMS fails: every file must be listed.
+        std::fs::write(d.path().join("a"), b"hello").unwrap();
+        std::fs::write(d.path().join(SUMS_FILE), "").unwrap();
+        let r = verify_dir(d.path()).unwrap();
+        assert!(!r.passed());
+        let why = r.failure().unwrap();
+        assert!(
+            why.contains("lists no files") && why.contains("(a)"),
+            "{why}"
+        );
+        std::fs::write(
+            d.path().join(SUMS_FILE),
+            render(&[("a".into(), file_sha256(&d.path().join("a")).unwrap())]),
+        )
+        .unwrap();
+        assert!(verify_dir(d.path()).unwrap().passed());
+        std::fs::write(d.path().join("b"), b"x").unwrap();
+        let r = verify_dir(d.path()).unwrap();
+        assert!(!r.passed() && r.unlisted == vec!["b"], "{r:?}");
         assert!(parse(Path::new("S"), "xyz  a\n").is_err());
         assert!(parse(Path::new("S"), &format!("{}  ../etc\n", "0".repeat(64))).is_err());
     }

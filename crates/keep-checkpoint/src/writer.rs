@@ -213,7 +213,9 @@ fn recover_old(out: &Path) -> Result<()> {
 }
 
 /// Check that a checkpoint may be written at `out`: absent, or an existing directory (not a
-/// link) and `force`; never one of `protect`, inside one, or containing one.
+/// link) and `force` that is empty or an output keep wrote ([`check_keep_output`]); never one
+/// of `protect`, inside one, or containing one. Every verb that writes a directory checks its
+/// output here (the writer does, in [`CheckpointWriter::create`] and before its rename).
 pub fn check_dir_target(out: &Path, force: bool, protect: &[PathBuf]) -> Result<()> {
     let inputs: Vec<&Path> = protect.iter().map(PathBuf::as_path).collect();
     crate::atomic::check_disjoint(out, &inputs)?;
@@ -227,7 +229,62 @@ pub fn check_dir_target(out: &Path, force: bool, protect: &[PathBuf]) -> Result<
         Ok(_) if !force => Err(CheckpointError::OutputExists {
             path: out.to_path_buf(),
         }),
-        Ok(_) => Ok(()),
+        Ok(_) => check_keep_output(out),
+    }
+}
+
+/// Check that the existing directory `out` may be replaced: it is not the current directory
+/// nor holds it, and it is empty or keep wrote it, that is it has a `SHA256SUMS` and every
+/// entry in it is listed there (a file of anyone else's is never removed). The error names
+/// the first entry that is not keep's.
+pub fn check_keep_output(out: &Path) -> Result<()> {
+    let not = |why: String| CheckpointError::NotKeepOutput {
+        path: out.to_path_buf(),
+        why,
+    };
+    if let Ok(cwd) = std::env::current_dir() {
+        let (o, c) = (crate::atomic::resolve(out), crate::atomic::resolve(&cwd));
+        if c.starts_with(&o) {
+            let how = if c == o {
+                "is the current directory".to_string()
+            } else {
+                format!("holds the current directory {}", cwd.display())
+            };
+            return Err(not(how));
+        }
+    }
+    let rd = std::fs::read_dir(out).map_err(|e| CheckpointError::io(out, e))?;
+    let mut entries: Vec<String> = rd
+        .map(|e| {
+            e.map(|e| e.file_name().to_string_lossy().to_string())
+                .map_err(|e| CheckpointError::io(out, e))
+        })
+        .collect::<Result<_>>()?;
+    if entries.is_empty() {
+        return Ok(());
+    }
+    entries.sort();
+    let sums = out.join(SUMS_FILE);
+    if !std::fs::symlink_metadata(&sums).is_ok_and(|m| m.is_file()) {
+        return Err(not(format!(
+            "is not empty and has no {SUMS_FILE} (it holds {})",
+            entries[0]
+        )));
+    }
+    let text = crate::small_file::read_text(&sums, crate::small_file::MAX_SMALL_FILE)?;
+    let listed: std::collections::HashSet<String> = crate::sums::parse(&sums, &text)
+        .map_err(|_| not(format!("has a {SUMS_FILE} keep did not write")))?
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    match entries
+        .iter()
+        .find(|n| n.as_str() != SUMS_FILE && !listed.contains(n.as_str()))
+    {
+        Some(n) => Err(not(format!(
+            "holds {n}, which its {SUMS_FILE} does not list"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -260,6 +317,7 @@ impl CheckpointWriter {
         tensors: Vec<TensorMeta>,
         opts: WriterOptions,
     ) -> Result<CheckpointWriter> {
+        check_dir_target(out, opts.force, &opts.protect)?;
         recover_old(out)?;
         check_dir_target(out, opts.force, &opts.protect)?;
         let mut seen = std::collections::HashSet::new();

@@ -301,3 +301,47 @@ fn fuzz_corpus_replays_without_panic() {
         &keep_checkpoint::fuzzing::run,
     );
 }
+
+#[test]
+fn force_replaces_only_a_directory_keep_wrote() {
+    use keep_checkpoint::writer::{check_dir_target, CheckpointWriter, WriterOptions};
+    let d = tempfile::tempdir().unwrap();
+    let write = |out: &std::path::Path, force: bool| {
+        let mut w = CheckpointWriter::create(
+            out,
+            vec![],
+            WriterOptions {
+                force,
+                ..WriterOptions::default()
+            },
+        )?;
+        w.add_file("a.json", b"{}")?;
+        w.finish()
+    };
+    // A directory of someone else's: refused with force, naming it and its file; untouched.
+    let theirs = d.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::write(theirs.join("notes.txt"), b"mine").unwrap();
+    let e = write(&theirs, true).unwrap_err().to_string();
+    assert!(
+        e.contains("theirs") && e.contains("notes.txt") && e.contains("SHA256SUMS"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(theirs.join("notes.txt")).unwrap(), b"mine");
+    // An empty directory is used; keep's own output is replaced with force.
+    let ours = d.path().join("ours");
+    std::fs::create_dir(&ours).unwrap();
+    write(&ours, true).unwrap();
+    write(&ours, true).unwrap();
+    check_dir_target(&ours, true, &[]).unwrap();
+    // A file added beside keep's makes it someone else's again.
+    std::fs::write(ours.join("extra"), b"x").unwrap();
+    let e = check_dir_target(&ours, true, &[]).unwrap_err().to_string();
+    assert!(e.contains("extra"), "{e}");
+    // A SHA256SUMS that lists nothing does not make a directory keep's.
+    std::fs::write(theirs.join("SHA256SUMS"), b"").unwrap();
+    let e = check_dir_target(&theirs, true, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("notes.txt"), "{e}");
+}

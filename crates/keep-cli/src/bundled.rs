@@ -5,10 +5,13 @@
 //! Where it goes: `$KEEP_CACHE_DIR`, else `$XDG_CACHE_HOME/keep`, else `~/.cache/keep`, in a
 //! folder named after the hash of the embedded SHA256SUMS (`keep-tiny-<12 hex>`), so a newer
 //! binary with another model unpacks beside an older one. Unpacking writes a temporary sibling
-//! and renames it, so an interrupted first run never leaves a half model behind; a cached copy
-//! that fails verification is refused with a message saying how to clear it.
+//! and renames it, so an interrupted first run never leaves a half model behind. Every use
+//! checks the cached copy against the SHA-256 of each embedded file, computed when the binary
+//! was built (not only against the SHA256SUMS beside it, which whoever changed a file can
+//! change too), and that it holds no other file; a copy that fails is refused with a message
+//! saying how to clear it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use sha2::{Digest, Sha256};
@@ -33,15 +36,23 @@ pub fn cache_root() -> anyhow::Result<PathBuf> {
 
 /// Directory of the bundled model, unpacking it on first use.
 pub fn default_model_dir() -> anyhow::Result<PathBuf> {
-    unpack("keep-tiny", embedded::FILES)
+    unpack("keep-tiny", embedded::FILES, embedded::FILES_SHA256)
 }
 
 /// Directory of the bundled calibration pack (made from the model's held-out corpus).
 pub fn default_pack_dir() -> anyhow::Result<PathBuf> {
-    unpack("keep-tiny-pack", embedded::PACK_FILES)
+    unpack(
+        "keep-tiny-pack",
+        embedded::PACK_FILES,
+        embedded::PACK_FILES_SHA256,
+    )
 }
 
-fn unpack(name: &str, files: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {
+fn unpack(
+    name: &str,
+    files: &[(&str, &[u8])],
+    digests: &[(&str, &str)],
+) -> anyhow::Result<PathBuf> {
     let Some((_, sums)) = files.iter().find(|(n, _)| *n == "SHA256SUMS") else {
         bail!("this keep binary was built without its bundled {name} (models/{name} was missing at build time); pass a path instead");
     };
@@ -70,14 +81,66 @@ fn unpack(name: &str, files: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {
             }
         }
     }
-    let r = keep_checkpoint::sums::verify_dir(&dir)?;
-    if !r.passed() {
+    if let Err(why) = check_built_in(&dir, digests) {
         bail!(
-            "the cached bundled {name} at {} does not match its SHA256SUMS ({} mismatched, {} missing); delete that directory and run again",
-            dir.display(),
-            r.mismatched.len(),
-            r.missing.len()
+            "the cached bundled {name} at {} is not the one built into this keep binary: {why}; delete that directory and run again",
+            dir.display()
         );
     }
     Ok(dir)
+}
+
+/// Check that `dir` holds exactly the files of `digests`, each with its built-in SHA-256.
+fn check_built_in(dir: &Path, digests: &[(&str, &str)]) -> Result<(), String> {
+    for (file, want) in digests {
+        let p = dir.join(file);
+        match keep_checkpoint::sums::file_sha256(&p) {
+            Ok(h) if h == *want => {}
+            Ok(_) => return Err(format!("{file} differs")),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let rd = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if !digests.iter().any(|(f, _)| *f == n) {
+            return Err(format!("it holds {n}, which the binary does not"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The built-in digests are those of the embedded bytes, and agree with the bundled
+    /// model's own SHA256SUMS.
+    #[test]
+    fn built_in_digests_match_the_embedded_files() {
+        use sha2::{Digest, Sha256};
+        for (files, digests) in [
+            (super::embedded::FILES, super::embedded::FILES_SHA256),
+            (
+                super::embedded::PACK_FILES,
+                super::embedded::PACK_FILES_SHA256,
+            ),
+        ] {
+            assert_eq!(files.len(), digests.len());
+            let sums = files
+                .iter()
+                .find(|(n, _)| *n == "SHA256SUMS")
+                .map(|(_, b)| String::from_utf8_lossy(b).to_string())
+                .unwrap_or_default();
+            for ((n, bytes), (dn, hex)) in files.iter().zip(digests) {
+                assert_eq!(n, dn);
+                let h: String = Sha256::digest(bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                assert_eq!(&h, hex, "{n}");
+                if *n != "SHA256SUMS" {
+                    assert!(sums.contains(&format!("{h}  {n}")), "{n} not in SHA256SUMS");
+                }
+            }
+        }
+    }
 }

@@ -30,6 +30,45 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((n * mult).round() as u64)
 }
 
+/// Most shards a `--shard I/N` may split work into (more than any model has layers or a pack
+/// has groups worth running apart).
+pub const MAX_SHARDS: usize = 65_536;
+
+/// Parse `--shard I/N`: 0 ≤ I < N ≤ [`MAX_SHARDS`].
+pub fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+    let (i, n) = s
+        .split_once('/')
+        .ok_or_else(|| format!("`{s}` is not I/N (e.g. 0/4)"))?;
+    let (i, n): (usize, usize) = (
+        i.trim()
+            .parse()
+            .map_err(|_| format!("`{i}` is not a shard index (a whole number ≥ 0)"))?,
+        n.trim()
+            .parse()
+            .map_err(|_| format!("`{n}` is not a shard count (a whole number ≥ 1)"))?,
+    );
+    if n == 0 || i >= n || n > MAX_SHARDS {
+        return Err(format!(
+            "{i}/{n} is out of range: need 0 ≤ I < N ≤ {MAX_SHARDS}"
+        ));
+    }
+    Ok((i, n))
+}
+
+/// Parse a gate threshold τ: a number from 0 to 1 (gate weights are probabilities).
+pub fn parse_tau(s: &str) -> Result<f64, String> {
+    let t: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))?;
+    if !(0.0..=1.0).contains(&t) {
+        return Err(format!(
+            "τ {s} is out of range: a gate threshold is from 0 to 1"
+        ));
+    }
+    Ok(t)
+}
+
 /// Refuse a single-file output before any work is done: an existing file without `--force`,
 /// anything that is not a regular file, a path that is or lies inside one of `inputs`, or a
 /// path inside keep's cache.
@@ -102,5 +141,17 @@ mod tests {
         assert_eq!(parse_bytes("512").unwrap(), 512);
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn shards_and_taus_are_bounded() {
+        assert_eq!(parse_shard("1/4").unwrap(), (1, 4));
+        for bad in ["4/4", "0/0", "0/4294967296", "-1/2", "1", "a/b"] {
+            assert!(parse_shard(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_tau("0.25").unwrap(), 0.25);
+        for bad in ["nan", "-1", "2", "inf", "x"] {
+            assert!(parse_tau(bad).is_err(), "{bad}");
+        }
     }
 }

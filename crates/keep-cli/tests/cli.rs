@@ -297,6 +297,11 @@ fn a_stranded_old_output_is_restored_by_the_next_writer() {
     let old = w.join(".out.keep-old");
     std::fs::create_dir(&old).unwrap();
     std::fs::write(old.join("x"), b"old").unwrap();
+    std::fs::write(
+        old.join("SHA256SUMS"),
+        "cba06b5736faf67e54b07b561eae94395e774c517a7d910a54369e1263ccfbd4  x\n",
+    )
+    .unwrap();
     keep()
         .args(["synth", "--preset", "tiny", "--out"])
         .arg(&out)
@@ -317,6 +322,262 @@ fn a_stranded_old_output_is_restored_by_the_next_writer() {
     assert!(!out.join("x").exists());
     // Only the output is left in the directory.
     assert_eq!(std::fs::read_dir(&w).unwrap().count(), 1);
+}
+
+#[test]
+fn force_replaces_only_what_keep_wrote() {
+    let w = workdir("force-foreign");
+    let m = w.join("m");
+    copy_model(&m);
+    // A directory of the user's: refused by every verb that writes a directory, naming it and
+    // the file that is not keep's; nothing in it is touched.
+    let mine = w.join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("notes.txt"), b"keep me").unwrap();
+    let plan = w.join("plan.json");
+    std::fs::write(&plan, b"{}").unwrap();
+    let text = w.join("text.txt");
+    std::fs::write(&text, "Once upon a time there was a model.\n".repeat(20)).unwrap();
+    let before = snapshot(&w);
+    let verbs: Vec<Vec<std::ffi::OsString>> = vec![
+        vec![
+            "synth".into(),
+            "--preset".into(),
+            "tiny".into(),
+            "--out".into(),
+        ],
+        vec![
+            "repack".into(),
+            m.clone().into(),
+            "--resident-format".into(),
+            "mxfp8".into(),
+        ],
+        vec![
+            "prune".into(),
+            "--plan".into(),
+            plan.clone().into(),
+            m.clone().into(),
+        ],
+        vec![
+            "quant".into(),
+            m.clone().into(),
+            "--imatrix".into(),
+            plan.clone().into(),
+            "--out".into(),
+        ],
+        vec![
+            "pack".into(),
+            "--from".into(),
+            text.clone().into(),
+            "--out".into(),
+        ],
+    ];
+    for v in &verbs {
+        keep()
+            .args(v)
+            .arg(&mine)
+            .arg("--force")
+            .assert()
+            .code(1)
+            .stderr(
+                predicate::str::contains(mine.to_str().unwrap())
+                    .and(predicate::str::contains("notes.txt"))
+                    .and(predicate::str::contains("only an output keep wrote")),
+            );
+    }
+    assert_eq!(snapshot(&w), before);
+    // A keep output (every file listed in its SHA256SUMS) is replaced, an empty directory used.
+    let ours = w.join("ours");
+    std::fs::create_dir(&ours).unwrap();
+    for _ in 0..2 {
+        keep()
+            .args(["synth", "--preset", "tiny", "--force", "--out"])
+            .arg(&ours)
+            .assert()
+            .success();
+    }
+    // ... but not once a file of the user's lies in it.
+    std::fs::write(ours.join("mine.txt"), b"x").unwrap();
+    keep()
+        .args(["synth", "--preset", "tiny", "--force", "--out"])
+        .arg(&ours)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("mine.txt"));
+    assert!(ours.join("mine.txt").is_file());
+    std::fs::remove_file(ours.join("mine.txt")).unwrap();
+    // Run from inside a keep output, neither `.` nor its own path replaces the current
+    // directory.
+    let here = snapshot(&ours);
+    for out in [
+        Path::new(".").to_path_buf(),
+        ours.clone(),
+        Path::new("../ours").into(),
+    ] {
+        keep()
+            .current_dir(&ours)
+            .args(["synth", "--preset", "tiny", "--force", "--out"])
+            .arg(&out)
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("current directory"));
+    }
+    keep()
+        .current_dir(ours.join(".."))
+        .args(["synth", "--preset", "tiny", "--force", "--out"])
+        .arg(".")
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("current directory"));
+    assert_eq!(snapshot(&ours), here);
+}
+
+/// The README's budget example runs on the bundled model, its budget holding the activations
+/// of a pass as long as the prompt, not a whole 128-token chunk.
+#[test]
+fn the_readme_budget_example_runs() {
+    keep()
+        .args([
+            "run",
+            "--memory-budget",
+            "12MiB",
+            "--prompt",
+            "Once upon a time",
+        ])
+        .assert()
+        .success()
+        .stderr(
+            predicate::str::contains("-token pass")
+                .and(predicate::str::contains("128-token pass").not()),
+        );
+}
+
+/// A cache too large for the budget is named, not blamed on the weights.
+#[test]
+fn a_cache_too_large_for_the_budget_is_named() {
+    let w = workdir("engram-cache");
+    let m = w.join("eng");
+    keep()
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--engram-bytes",
+            "1MiB",
+            "--out",
+        ])
+        .arg(&m)
+        .assert()
+        .success();
+    keep()
+        .arg("run")
+        .arg(&m)
+        .args(["--memory-budget", "64MiB", "--engram-cache", "1TiB"])
+        .args(["--prompt-tokens", "2", "--max-tokens", "2"])
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains(
+            "the Engram row cache (--engram-cache) takes 1099511627776 bytes",
+        ));
+}
+
+#[test]
+fn verify_fails_on_an_empty_or_partial_sha256sums() {
+    let w = workdir("verify-partial");
+    let m = w.join("m");
+    copy_model(&m);
+    keep().arg("verify").arg(&m).assert().success();
+    let sums = std::fs::read_to_string(m.join("SHA256SUMS")).unwrap();
+    // Empty: nothing is checked, so nothing passes.
+    std::fs::write(m.join("SHA256SUMS"), "").unwrap();
+    keep()
+        .arg("verify")
+        .arg(&m)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("lists no files"));
+    // Partial: the shard is not listed (and could be anything).
+    let partial: String = sums
+        .lines()
+        .filter(|l| !l.ends_with(".safetensors"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(m.join("SHA256SUMS"), partial).unwrap();
+    keep().arg("verify").arg(&m).assert().code(1).stderr(
+        predicate::str::contains("not listed in SHA256SUMS")
+            .and(predicate::str::contains(".safetensors")),
+    );
+    // Whole again, plus a file nobody listed.
+    std::fs::write(m.join("SHA256SUMS"), &sums).unwrap();
+    std::fs::write(m.join("extra.safetensors"), b"x").unwrap();
+    keep()
+        .arg("verify")
+        .arg(&m)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("extra.safetensors"));
+}
+
+#[test]
+fn the_bundled_model_is_checked_against_digests_built_into_the_binary() {
+    let cache = workdir("bundled-tamper");
+    let keep_here = || {
+        let mut c = Command::cargo_bin("keep").unwrap();
+        c.env("KEEP_CACHE_DIR", &cache);
+        c
+    };
+    let run = [
+        "run",
+        "--prompt-tokens",
+        "2",
+        "--max-tokens",
+        "2",
+        "--temperature",
+        "0",
+    ];
+    keep_here().args(run).assert().success();
+    let models = cache.join("models");
+    let dir = std::fs::read_dir(&models)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("keep-tiny-")
+                && !p.file_name().unwrap().to_string_lossy().contains("pack")
+        })
+        .unwrap();
+    // Rewrite a file and its line in SHA256SUMS together: the sums beside it agree.
+    let readme = dir.join("README.md");
+    let mut text = std::fs::read(&readme).unwrap();
+    text.extend_from_slice(b"\ntampered\n");
+    std::fs::write(&readme, &text).unwrap();
+    let sums = std::fs::read_to_string(dir.join("SHA256SUMS")).unwrap();
+    let new_hash = {
+        use sha2::{Digest, Sha256};
+        Sha256::digest(&text)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let sums: String = sums
+        .lines()
+        .map(|l| {
+            if l.ends_with("  README.md") {
+                format!("{new_hash}  README.md\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    std::fs::write(dir.join("SHA256SUMS"), sums).unwrap();
+    keep_here().arg("verify").arg(&dir).assert().success();
+    keep_here().args(run).assert().code(1).stderr(
+        predicate::str::contains("not the one built into this keep binary")
+            .and(predicate::str::contains("README.md")),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -84,4 +84,178 @@ fn fit_run_plan_and_check() {
         .assert()
         .failure()
         .stderr(predicate::str::contains("budget").or(predicate::str::contains("fits")));
+    // Too little memory says the least that works.
+    keep(&cache)
+        .args(["fit", "--memory", "0", "--context", "64", "--out"])
+        .arg(dir.path().join("zero.json"))
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains(
+            "the least memory that runs this model for a context of 64 positions is",
+        ));
+}
+
+/// A plan `keep fit` writes for a budget is run whole by `keep run --plan` with no other flag
+/// (its `draft: none` included: no MTP module or cache copy in its budget), and `keep fit
+/// --check` runs the same; `--draft` cannot be given beside a plan.
+#[test]
+fn a_budgeted_plan_runs_as_fitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let plan = dir.path().join("plan.json");
+    keep(&cache)
+        .args([
+            "fit",
+            "--memory",
+            "14MiB",
+            "--context",
+            "64",
+            "--probe-tokens",
+            "4",
+            "--out",
+        ])
+        .arg(&plan)
+        .assert()
+        .success();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert!(v["budget"].as_u64().is_some(), "a budgeted plan: {v}");
+    assert_eq!(v["draft"], "none");
+    keep(&cache)
+        .args(["run", "--plan"])
+        .arg(&plan)
+        .args(["--prompt", "Once upon a time", "--max-tokens", "8"])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("route profile: "));
+    keep(&cache)
+        .args(["fit", "--probe-tokens", "4", "--check"])
+        .arg(&plan)
+        .assert()
+        .success();
+    keep(&cache)
+        .args(["run", "--draft", "mtp", "--plan"])
+        .arg(&plan)
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("--draft"));
+}
+
+/// A plan is checked against the model it names, the files it writes stay beside it, and
+/// concurrent runs of one plan each fold their routes into its profile.
+#[test]
+fn a_plan_is_trusted_no_further_than_it_can_be_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let plan = dir.path().join("plan.json");
+    keep(&cache)
+        .args([
+            "fit",
+            "--memory",
+            "1GiB",
+            "--context",
+            "64",
+            "--probe-tokens",
+            "4",
+            "--out",
+        ])
+        .arg(&plan)
+        .assert()
+        .success();
+    let text = std::fs::read_to_string(&plan).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut w = v.clone();
+        edit(&mut w);
+        let p = dir.path().join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(&w).unwrap()).unwrap();
+        p
+    };
+    let run = [
+        "--prompt-tokens",
+        "4",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ];
+    // A zeroed fingerprint: the model is not the one the plan was fitted to.
+    let zeroed = edited("zeroed.json", &|w| {
+        w["model_fingerprint"] = "0".repeat(64).into()
+    });
+    keep(&cache)
+        .args(["run", "--plan"])
+        .arg(&zeroed)
+        .args(run)
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("fingerprint"));
+    // A profile outside the plan's directory is refused, and nothing is created there.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let outside = elsewhere.path().to_path_buf();
+    for (name, profile) in [
+        ("abs.json", outside.join("p.json").display().to_string()),
+        ("up.json", "../p.json".to_string()),
+    ] {
+        let p = edited(name, &|w| w["profile"] = profile.clone().into());
+        keep(&cache)
+            .args(["run", "--plan"])
+            .arg(&p)
+            .args(run)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("outside the plan's directory"));
+    }
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    assert!(!dir.path().parent().unwrap().join("p.json").exists());
+    // Six runs at once: six updates in the profile.
+    let bin = assert_cmd::cargo::cargo_bin("keep");
+    let children: Vec<_> = (0..6)
+        .map(|_| {
+            std::process::Command::new(&bin)
+                .env("KEEP_CACHE_DIR", &cache)
+                .args(["run", "--plan"])
+                .arg(&plan)
+                .args(run)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let prof: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("plan.profile.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(prof["runs"], 6, "every run's routes folded in");
+}
+
+/// A plan fitted to a model named by a relative path runs from any directory.
+#[test]
+fn a_plan_names_its_model_wherever_it_is_run_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let m = dir.path().join("m");
+    std::fs::create_dir(&m).unwrap();
+    let bundled = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
+    for e in std::fs::read_dir(bundled).unwrap().flatten() {
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    keep(&cache)
+        .current_dir(dir.path())
+        .args(["fit", "m", "--memory", "1GiB", "--context", "64"])
+        .args(["--probe-tokens", "4", "--out", "plan.json"])
+        .assert()
+        .success();
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    keep(&cache)
+        .current_dir(&other)
+        .args(["run", "--plan", "../plan.json", "--prompt-tokens", "4"])
+        .args(["--max-tokens", "4", "--temperature", "0"])
+        .assert()
+        .success();
 }

@@ -202,7 +202,7 @@ fn a_v4flash_pruned_with_whole_hash_layers_runs_in_every_verb() {
     ]);
     assert!(!plain.is_empty());
     let (budgeted, err) = gen(&["--draft", "none", "--memory-budget", "3700KiB"]);
-    assert!(err.contains("5 slots/layer"), "{err}");
+    assert!(err.contains("6 slots/layer"), "{err}");
     assert!(err.contains("hash-routed layers"), "{err}");
     assert_eq!(plain, budgeted, "under a memory budget");
     let (drafted, err) = gen(&["--draft", "mtp", "--draft-tokens", "2"]);

@@ -1,7 +1,13 @@
 //! Applying a plan: the checkpoint it runs (the model, or the derived checkpoint — built on
 //! request with keep-convert's `prune` from the prune plan beside the fit plan, else refused
 //! with the exact command), the runtime's options (budget, policy, warm start from the route
-//! profile when it exists), and saving the route profile at the end of a run.
+//! profile when it exists, drafting), and saving the route profile at the end of a run.
+//!
+//! A plan is trusted no further than it can be checked: the model it names must have the
+//! fingerprint it records, and every file it names is resolved relative to the plan's own
+//! directory, where the files it writes (the route profile, the derived checkpoint, the prune
+//! plan) must stay. Route profile updates are merged holding an exclusive lock on the plan
+//! file, so concurrent runs of one plan each fold their routes in.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +15,7 @@ use keep_artifacts::fit_plan::FitPlan;
 use keep_artifacts::plan::PrunePlan;
 use keep_artifacts::route_profile::{RouteProfile, DEFAULT_HALF_LIFE};
 use keep_model::Kernels;
+use keep_runtime::run::DraftMode;
 use keep_runtime::{Policy, RouteLog, RuntimeOptions};
 
 use crate::{FitError, Result};
@@ -26,11 +33,59 @@ pub fn resolve(plan_path: &Path, name: &str) -> PathBuf {
     }
 }
 
+/// A file the plan's field `field` names that a run may write: resolved beside the plan, and
+/// refused when it lies outside the plan's directory (an absolute path elsewhere, or `..`).
+pub fn resolve_inside(plan_path: &Path, field: &str, name: &str) -> Result<PathBuf> {
+    let p = resolve(plan_path, name);
+    let dir = keep_checkpoint::atomic::resolve(plan_path.parent().unwrap_or(Path::new(".")));
+    if !keep_checkpoint::atomic::resolve(&p).starts_with(&dir) {
+        return Err(FitError::File {
+            path: plan_path.to_path_buf(),
+            msg: format!(
+                "`{field}` names {name}, outside the plan's directory {}; the files a plan writes lie beside it: fit the plan again there",
+                dir.display()
+            ),
+        });
+    }
+    Ok(p)
+}
+
+/// Check that `model` is the model the plan was fitted to (its fingerprint).
+pub fn check_model(plan_path: &Path, plan: &FitPlan, model: &Path) -> Result<()> {
+    let fp = keep_checkpoint::fingerprint::model_fingerprint(model)?;
+    if fp != plan.model_fingerprint {
+        return Err(FitError::File {
+            path: plan_path.to_path_buf(),
+            msg: format!(
+                "the plan was fitted to a model with fingerprint {}, but {} has {fp}; fit a plan for this model (keep fit)",
+                plan.model_fingerprint,
+                model.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The plan's kernels.
 pub fn kernels(plan: &FitPlan) -> Kernels {
     match plan.kernels.as_str() {
         "exact" => Kernels::Exact,
         _ => Kernels::Fast,
+    }
+}
+
+/// Tokens drafted per verify forward by a plan that drafts with the MTP module.
+pub const DRAFT_TOKENS: usize = 2;
+
+/// The plan's drafting on checkpoint `ck`: the mode and the tokens drafted per verify forward
+/// (0 when the run does not draft). `keep run --plan`, `keep serve --plan` and `keep fit
+/// --check` all draft this way, and [`runtime_options`] holds the MTP module and the cache copy
+/// in the budget exactly when it drafts.
+pub fn draft(plan: &FitPlan, ck: &keep_checkpoint::Checkpoint) -> (DraftMode, usize) {
+    if plan.draft == "mtp" && keep_model::mtp::present(ck) {
+        (DraftMode::Mtp, DRAFT_TOKENS)
+    } else {
+        (DraftMode::None, 0)
     }
 }
 
@@ -43,12 +98,25 @@ pub fn checkpoint(
     build: bool,
     progress: &dyn Fn(u64, u64),
 ) -> Result<PathBuf> {
+    let model = resolve(plan_path, &plan.model);
     let Some(d) = &plan.derived else {
-        return Ok(PathBuf::from(&plan.model));
+        check_model(plan_path, plan, &model)?;
+        return Ok(model);
     };
-    let dir = PathBuf::from(&d.dir);
+    // Relative names lie beside the plan; an absolute one is read where it is (the user gave
+    // it to `keep fit --derived-dir`) but built there only by the commands the plan lists.
+    let dir = resolve(plan_path, &d.dir);
+    if !Path::new(&d.dir).is_absolute() {
+        resolve_inside(plan_path, "derived.dir", &d.dir)?;
+    }
+    if model.join("config.json").is_file() {
+        check_model(plan_path, plan, &model)?;
+    }
     if dir.join("config.json").is_file() {
         return Ok(dir);
+    }
+    if build {
+        resolve_inside(plan_path, "derived.dir", &d.dir)?;
     }
     if !build {
         return Err(FitError::NotBuilt {
@@ -60,29 +128,31 @@ pub fn checkpoint(
         dir: dir.clone(),
         commands: d.commands.clone(),
     })?;
-    let pp = resolve(plan_path, pp);
+    let pp = resolve_inside(plan_path, "derived.prune_plan", pp)?;
+    check_model(plan_path, plan, &model)?;
     let prune = PrunePlan::read(&pp)?;
     let opts = keep_convert::prune::PruneOptions {
         force: false,
         sync: true,
     };
-    let (out, _) =
-        keep_convert::prune::prune(Path::new(&plan.model), &prune, &dir, &opts, progress)?;
+    let (out, _) = keep_convert::prune::prune(&model, &prune, &dir, &opts, progress)?;
     Ok(out)
 }
 
-/// The route profile's path.
-pub fn profile_path(plan_path: &Path, plan: &FitPlan) -> PathBuf {
-    resolve(plan_path, &plan.profile)
+/// The route profile's path (beside the plan; refused outside its directory).
+pub fn profile_path(plan_path: &Path, plan: &FitPlan) -> Result<PathBuf> {
+    resolve_inside(plan_path, "profile", &plan.profile)
 }
 
 /// The runtime options of the plan for a run of `context` positions (planned for at least the
 /// plan's context, so that a shorter run gets the plan's hot set, not a larger one): budget,
-/// policy, the plan's kernels, and the warm start — the route profile when it exists, else the
-/// plan's `warm_start`. `None` when the plan maps the whole checkpoint.
+/// policy, the plan's kernels, its drafting ([`draft`], `draft_tokens`), and the warm start —
+/// the route profile when it exists, else the plan's `warm_start`. `None` when the plan maps
+/// the whole checkpoint.
 pub fn runtime_options(
     plan_path: &Path,
     plan: &FitPlan,
+    ck: &keep_checkpoint::Checkpoint,
     context: usize,
 ) -> Result<Option<RuntimeOptions>> {
     let Some(budget) = plan.budget else {
@@ -94,7 +164,7 @@ pub fn runtime_options(
         },
         p => p.parse().map_err(FitError::Invalid)?,
     };
-    let prof = profile_path(plan_path, plan);
+    let prof = profile_path(plan_path, plan)?;
     let warm = if prof.is_file() {
         Some(prof)
     } else {
@@ -105,12 +175,14 @@ pub fn runtime_options(
         warm_start: warm,
         kernels: kernels(plan),
         context: Some(context.max(plan.context)),
+        draft_tokens: draft(plan, ck).1,
         ..RuntimeOptions::new(budget)
     }))
 }
 
 /// Fold a run's routes into the plan's route profile and write it back atomically (created on
-/// the first run). Returns the profile's path.
+/// the first run), holding an exclusive lock on the plan file from the read to the rename, so
+/// that concurrent runs each add theirs. Returns the profile's path.
 pub fn save_profile(
     plan_path: &Path,
     plan: &FitPlan,
@@ -118,9 +190,24 @@ pub fn save_profile(
     n_layers: usize,
     n_experts: usize,
 ) -> Result<PathBuf> {
-    let path = profile_path(plan_path, plan);
+    let path = profile_path(plan_path, plan)?;
+    if log.tokens() == 0 {
+        return Ok(path);
+    }
+    let lock = std::fs::File::open(plan_path)
+        .and_then(|f| f.lock().map(|_| f))
+        .map_err(|e| keep_checkpoint::CheckpointError::io(plan_path, e))?;
     let mut prof = if path.is_file() {
         let p = RouteProfile::read(&path)?;
+        if !p.model_fingerprint.starts_with(&plan.model_fingerprint) {
+            return Err(FitError::File {
+                path,
+                msg: format!(
+                    "the profile is of the model with fingerprint {}, the plan's is {}; remove it",
+                    p.model_fingerprint, plan.model_fingerprint
+                ),
+            });
+        }
         if p.n_layers != n_layers || p.n_experts != n_experts {
             return Err(FitError::File {
                 path,
@@ -139,11 +226,9 @@ pub fn save_profile(
             DEFAULT_HALF_LIFE,
         )
     };
-    if log.tokens() == 0 {
-        return Ok(path);
-    }
     prof.fold(log.layer_routes(), log.top_k())
         .map_err(FitError::Invalid)?;
     prof.write(&path, true)?;
+    drop(lock);
     Ok(path)
 }

@@ -80,10 +80,13 @@ pub fn check(plan_path: &Path, o: &CheckOptions) -> Result<CheckReport> {
     let plan = FitPlan::read(plan_path)?;
     let dir = apply::checkpoint(plan_path, &plan, o.build, &|_, _| {})?;
     let ck = Checkpoint::open(&dir)?;
-    let context = o.prompt_tokens + o.decode_tokens;
-    let ro = apply::runtime_options(plan_path, &plan, context)?;
+    // What `keep run --plan` runs: the plan's checkpoint, kernels, budget and drafting.
+    let (draft, draft_k) = apply::draft(&plan, &ck);
+    let context = o.prompt_tokens + o.decode_tokens + draft_k;
+    let ro = apply::runtime_options(plan_path, &plan, &ck, context)?;
     keep_runtime::reset_peak_rss();
     let mut model = RunModel::load(&ck, apply::kernels(&plan), ro.as_ref())?;
+    model.set_draft(&ck, draft, draft_k)?;
     let cfg = model.cfg().clone();
     let slots = model.budgeted().map(|m| m.plan().slots_per_layer);
     let ids = encode_prompt(

@@ -416,6 +416,20 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             ));
         }
     }
+    if cands.is_empty() && o.knob == Knob::All {
+        // Too little memory for any candidate: say the least that runs the model (top-k slots
+        // per layer beside the fixed bytes).
+        let least = p.fixed_bytes + (k * l) as u64 * p.slot_bytes;
+        if budget < least {
+            return Err(FitError::NoFit(format!(
+                "no candidate fits {budget} bytes: the least memory that runs this model for a context of {} positions is {least} bytes ({:.1} MiB: {} fixed + {k} expert slots per layer × {l} layers of {} bytes); give --memory {least} or more, or a shorter --context",
+                o.probe.context,
+                least as f64 / (1u64 << 20) as f64,
+                p.fixed_bytes,
+                p.slot_bytes
+            )));
+        }
+    }
     let tps = |c: &Candidate| c.tokens_per_sec.value.unwrap_or(0.0);
     cands.sort_by(|a, b| tps(&b.0).total_cmp(&tps(&a.0)));
     let Some(chosen) = cands.iter().position(|c| c.0.meets_quality) else {
@@ -463,19 +477,31 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default()
     };
-    let model_str = o.model.display().to_string();
+    // Absolute, so that the plan names the same model wherever it is run from.
+    let model_str = keep_checkpoint::atomic::resolve(&o.model)
+        .display()
+        .to_string();
     let (derived, prune_plan) = match &lv.prune {
         Some(pp) => {
-            let dir = o.derived_dir.clone().unwrap_or_else(|| {
+            // The derived checkpoint's name in the plan: relative to the plan's directory when
+            // it lies there (the default), else absolute.
+            let default = || {
                 plan_dir.join(format!(
                     "{}-keep{}",
                     name(&o.model).trim_end_matches('/'),
                     lv.kept
                 ))
-            });
+            };
+            let dir = o.derived_dir.clone().unwrap_or_else(default);
+            let abs = keep_checkpoint::atomic::resolve(&dir);
+            let pd = keep_checkpoint::atomic::resolve(&plan_dir);
+            let recorded = match abs.strip_prefix(&pd) {
+                Ok(rel) if !rel.as_os_str().is_empty() => rel.to_path_buf(),
+                _ => abs.clone(),
+            };
             let pp_path = beside(&o.out, "prune.json");
             let d = Derived {
-                dir: dir.display().to_string(),
+                dir: recorded.display().to_string(),
                 experts_kept: lv.kept,
                 experts_total: n,
                 rung: None,

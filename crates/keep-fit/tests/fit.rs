@@ -118,11 +118,12 @@ fn fit_write_check_and_profile() {
         ),
         (p.budget, p.hot_set, &p.policy, &p.prediction.name)
     );
-    let prof_path = apply::profile_path(&out, p);
+    let prof_path = apply::profile_path(&out, p).unwrap();
     assert_eq!(RouteProfile::read(&prof_path).unwrap().runs, 1);
 
     // The runtime warm-starts from the profile.
-    let ro = apply::runtime_options(&out, p, 16).unwrap().unwrap();
+    let ck = keep_checkpoint::Checkpoint::open(Path::new(&p.model)).unwrap();
+    let ro = apply::runtime_options(&out, p, &ck, 16).unwrap().unwrap();
     assert_eq!(ro.warm_start.as_deref(), Some(prof_path.as_path()));
     assert_eq!(ro.budget, bytes);
 

@@ -530,12 +530,41 @@ fn solve_linear(mut m: Vec<f64>, mut b: Vec<f64>, n: usize) -> Option<Vec<f64>> 
 /// multiple of another's over the points cannot be told apart from it).
 const SINGULAR: f64 = 1e-12;
 
+/// The largest KL (nats per token) a point may have: far above any model's (a uniform guess
+/// over a million tokens is 14 nats), far below where the fit's squares overflow.
+pub const MAX_KL: f64 = 1e3;
+/// The largest loss term a point may have (terms are weighted relative errors summed over
+/// experts; far larger ones are not measurements, and their squares would overflow the fit).
+pub const MAX_TERM: f64 = 1e12;
+
+/// Why a point lies outside the domain the fit works in (`None`: it lies inside).
+fn out_of_domain(terms: &BTreeMap<String, f64>, kl: f64) -> Option<String> {
+    if !(kl.is_finite() && kl > 0.0 && kl <= MAX_KL) {
+        return Some(format!(
+            "a measured KL of {kl}: every point needs a KL > 0 and at most {MAX_KL} nats per token"
+        ));
+    }
+    terms
+        .iter()
+        .find(|(_, v)| !(v.is_finite() && **v >= 0.0 && **v <= MAX_TERM))
+        .map(|(r, v)| {
+            format!("a loss term of {v} for rung `{r}`: terms lie between 0 and {MAX_TERM}")
+        })
+}
+
 /// Fit non-negative multipliers `m[r]` so that Σ_r m[r] × terms[r] predicts each point's KL,
 /// minimising the squared *relative* error (KL spans orders of magnitude between a pruned and
 /// a finely coded model, and the absolute error would fit only the largest). Exact
 /// non-negative least squares by trying every subset of rungs (there are at most four with
 /// terms). Needs at least as many points as rungs with terms, and every KL > 0.
 pub fn fit_multipliers(points: &[(BTreeMap<String, f64>, f64)]) -> Result<BTreeMap<String, f64>> {
+    if let Some((i, why)) = points
+        .iter()
+        .enumerate()
+        .find_map(|(i, (t, kl))| out_of_domain(t, *kl).map(|w| (i, w)))
+    {
+        return Err(QuantError::Input(format!("point {}: {why}", i + 1)));
+    }
     let labels: Vec<String> = points
         .iter()
         .flat_map(|(t, _)| t.iter().filter(|(_, &v)| v > 0.0).map(|(k, _)| k.clone()))
@@ -553,11 +582,6 @@ pub fn fit_multipliers(points: &[(BTreeMap<String, f64>, f64)]) -> Result<BTreeM
             points.len(),
             labels.len(),
             labels.join(", ")
-        )));
-    }
-    if let Some((_, kl)) = points.iter().find(|(_, kl)| !(kl.is_finite() && *kl > 0.0)) {
-        return Err(QuantError::Input(format!(
-            "a measured KL of {kl}: every point needs a KL > 0"
         )));
     }
     // rows of A: terms / kl; b = 1
@@ -636,6 +660,11 @@ pub fn fit_loss_model(
     };
     let fit = terms(fitted)?;
     let held = terms(held_out)?;
+    for (n, t, kl) in fit.iter().chain(&held) {
+        if let Some(why) = out_of_domain(t, *kl) {
+            return Err(QuantError::Input(format!("{n}: {why}")));
+        }
+    }
     let pairs: Vec<(BTreeMap<String, f64>, f64)> =
         fit.iter().map(|(_, t, k)| (t.clone(), *k)).collect();
     let multipliers = fit_multipliers(&pairs)?;
@@ -745,6 +774,24 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
                     .map(|v| v * mult.get(r.as_str()).copied().unwrap_or(1.0))
             })
             .collect();
+        if let Some((r, v)) = opts
+            .rungs
+            .iter()
+            .zip(&row)
+            .find_map(|(r, v)| v.filter(|v| !(v.is_finite() && *v >= 0.0)).map(|v| (r, v)))
+        {
+            return Err(QuantError::Input(format!(
+                "expert {j} of layer {l}: its loss at `{r}` is {v}, not a number ≥ 0 (from {}); \
+                 give quant reports and REAP statistics of finite errors, or leave `{r}` out of --rungs",
+                if r == PRUNED {
+                    format!("the REAP statistics of {}", opts.run.display())
+                } else {
+                    let files: Vec<String> =
+                        opts.reports.iter().map(|p| p.display().to_string()).collect();
+                    format!("the quant reports {}", files.join(", "))
+                }
+            )));
+        }
         if row.iter().all(Option::is_none) {
             return Err(QuantError::Input(format!(
                 "expert {j} of layer {l} has none of the rungs {}: give the quant-report.json \
@@ -773,12 +820,39 @@ pub fn allocate(opts: &AllocOptions) -> Result<Alloc> {
     for (&(l, _), &r) in items.iter().zip(&sol.choice) {
         layers[l].rungs.push(opts.rungs[r].clone());
     }
+    // The cheapest rung that keeps an expert: a budget with this much left over could have
+    // kept one more, so raising it cannot help.
+    let cheapest_kept = opts
+        .rungs
+        .iter()
+        .zip(&costs)
+        .filter(|(r, _)| *r != PRUNED)
+        .map(|(_, &c)| c)
+        .min();
     for la in &layers {
         let kept = la.rungs.iter().filter(|r| *r != PRUNED).count();
         if kept < table.top_k.min(la.rungs.len()) {
+            let pruned_loss: f64 = items
+                .iter()
+                .zip(&sol.choice)
+                .zip(&losses)
+                .filter(|(((l, _), &r), _)| *l == la.layer && opts.rungs[r] == PRUNED)
+                .map(|((_, &r), row)| row[r].unwrap_or(0.0))
+                .sum();
+            let slack = opts.budget.saturating_sub(sol.bytes);
+            let budget_helps = pruned_loss > 0.0 && cheapest_kept.is_some_and(|c| slack < c);
+            let advice = if budget_helps {
+                "raise --budget or leave `pruned` out of --rungs".to_string()
+            } else {
+                format!(
+                    "a larger budget would not keep them ({} bytes are left over, and pruning \
+                     them costs {pruned_loss} of predicted loss); leave `pruned` out of --rungs",
+                    slack
+                )
+            };
             return Err(QuantError::Input(format!(
                 "the best allocation keeps {kept} experts of layer {}, fewer than top-k = {}: \
-                 raise --budget or leave `pruned` out of --rungs",
+                 {advice}",
                 la.layer, table.top_k
             )));
         }
@@ -961,6 +1035,13 @@ mod tests {
         // too few points, a zero KL and indistinguishable rungs are refused
         assert!(fit_multipliers(&points[..1]).is_err());
         assert!(fit_multipliers(&[(terms(&[("e8p2", 1.0)]), 0.0)]).is_err());
+        // points outside the fit's domain are refused, not fitted to a multiplier of 0
+        for (t, kl) in [(1.0, 1e308), (1e300, 0.5), (f64::NAN, 0.5)] {
+            let e = fit_multipliers(&[(terms(&[("e8p2", t)]), kl)])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("point 1"), "{e}");
+        }
         let same = vec![
             (terms(&[("e8p2", 1.0), (PRUNED, 2.0)]), 1.0),
             (terms(&[("e8p2", 2.0), (PRUNED, 4.0)]), 2.0),

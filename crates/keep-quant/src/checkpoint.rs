@@ -27,11 +27,17 @@
 //!
 //! # Parts, shards, resume
 //! Work is done per decoder layer; each finished layer is written atomically as a part
-//! (`<out>.keep-quant-parts/layer-{L}`, a small checkpoint directory of its tensors plus
-//! `errors.json`). `shard = (I, N)` does the layers with `L % N == I`; a layer whose part
-//! exists is not redone (resume). When every layer's part exists the output is joined (source
-//! tensors in their order, quantized ones replaced) through keep-checkpoint's atomic writer,
-//! and the parts are removed.
+//! (`.<out>.keep-quant-parts/layer-{L}`, a small checkpoint directory of its tensors plus
+//! `errors.json`). `shard = (I, N)` does the layers with `L % N == I` (N at most the layer
+//! count); a layer whose part exists is not redone (resume). The parts directory records the
+//! source checkpoint's fingerprint and every argument that shapes a part's bytes
+//! (`parts.json`: format, experts, incoherence mode and seed, the imatrix's SHA-256); a run
+//! whose arguments differ is refused naming the argument, and with `force` the parts are
+//! discarded. Claiming the directory, placing a part and joining are done holding a lock on
+//! it, so concurrent writers never mix. A weight whose source holds a NaN or an infinity, or
+//! whose fit is not finite, is an error naming it, and its layer's part is not stored. When
+//! every layer's part exists the output is joined (source tensors in their order, quantized
+//! ones replaced) through keep-checkpoint's atomic writer, and the parts are removed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -290,6 +296,7 @@ pub fn decode_source(
 /// The imatrix file (`keep finalize`'s `imatrix.safetensors`, or a run directory holding it).
 pub struct Imatrix {
     file: ShardFile,
+    path: PathBuf,
 }
 
 impl Imatrix {
@@ -303,12 +310,17 @@ impl Imatrix {
         };
         let file = ShardFile::open(&p)?;
         match file.header().metadata.get("format").map(String::as_str) {
-            Some("keep-imatrix") => Ok(Imatrix { file }),
+            Some("keep-imatrix") => Ok(Imatrix { file, path: p }),
             other => Err(QuantError::Input(format!(
                 "{}: format {other:?} is not keep-imatrix (run keep finalize on the calibration run)",
                 p.display()
             ))),
         }
+    }
+
+    /// The imatrix file.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// The per-column second moments (Σ x² / count) for key `imatrix.{L}.{key}`, if present
@@ -441,8 +453,8 @@ pub fn quantize(
 const PART_INCOHERENCE: &str = "incoherence.json";
 
 /// [`quantize`], with incoherence processing of every lattice-coded weight when
-/// `incoherence` is given (refused with MLX affine codes). A resumed run keeps each finished
-/// layer as it was fitted: the marker is built from the parts.
+/// `incoherence` is given (refused with MLX affine codes). A resumed run must have the same
+/// incoherence settings as the parts it joins; the marker is built from the parts.
 pub fn quantize_with(
     model: &Path,
     imatrix: &Path,
@@ -464,6 +476,12 @@ pub fn quantize_with(
     }
     let ck = Checkpoint::open(model)?;
     let cfg = ck.require_config()?;
+    if sn > cfg.num_hidden_layers {
+        return Err(QuantError::Input(format!(
+            "shard {si}/{sn}: the model has {} layers, so at most {} shards do work",
+            cfg.num_hidden_layers, cfg.num_hidden_layers
+        )));
+    }
     let im = Imatrix::open(imatrix)?;
     let targets = targets(&ck, opts)?;
     for t in &targets {
@@ -481,8 +499,13 @@ pub fn quantize_with(
         path: parts.display().to_string(),
         source: e,
     })?;
+    let record = parts::Record::new(model, im.path(), opts, incoherence)?;
+    {
+        let _lock = parts::Lock::acquire(&parts)?;
+        parts::claim(&parts, &record, opts.force)?;
+    }
     let layers: BTreeSet<usize> = targets.iter().map(|t| t.layer).collect();
-    let part_of = |l: usize| parts.join(format!("layer-{l:05}"));
+    let part_of = |l: usize| parts.join(format!("{}{l:05}", parts::PART_PREFIX));
     let todo: Vec<usize> = layers
         .iter()
         .copied()
@@ -504,6 +527,16 @@ pub fn quantize_with(
             let s = layout::scale_of(&ck, &wname);
             source_bytes += w.bytes.len() as u64 + s.map_or(0, |s| s.bytes.len() as u64);
             let vals = decode_source(w, s, t.rows, t.cols)?;
+            if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
+                return Err(QuantError::Input(format!(
+                    "{wname}: the source holds a non-finite value ({}) at row {}, column {}; \
+                     the checkpoint is damaged (check it with keep verify), and nothing of \
+                     layer {l} was stored",
+                    vals[i],
+                    i / t.cols,
+                    i % t.cols
+                )));
+            }
             let key = format!("ffn.experts.{}.{}", t.expert, t.part);
             let h = im.get(l, &key, t.cols).expect("checked above");
             if let Some(bits) = opts.mlx_bits {
@@ -570,6 +603,9 @@ pub fn quantize_with(
             done += 1;
             progress(done, total);
         }
+        check_finite(&errs, &tensors)?;
+        let _lock = parts::Lock::acquire(&parts)?;
+        parts::still_ours(&parts, &record)?;
         let metas = tensors.iter().map(|(m, _)| m.clone()).collect();
         let mut w = CheckpointWriter::create(
             &part_of(l),
@@ -634,6 +670,8 @@ pub fn quantize_with(
         return Ok(report);
     }
     // join
+    let _lock = parts::Lock::acquire(&parts)?;
+    parts::still_ours(&parts, &record)?;
     let mut part_cks = BTreeMap::new();
     let mut marker: BTreeMap<String, keep_checkpoint::incoherence::Incoherence> = BTreeMap::new();
     for &l in &layers {
@@ -781,6 +819,46 @@ pub fn quantize_with(
     let _ = std::fs::remove_dir_all(&parts);
     Ok(report)
 }
+
+/// Refuse a part whose errors or stored scales are not finite (a poisoned part would be
+/// joined into every later run): the error names the tensor.
+fn check_finite(errs: &[TensorErrors], tensors: &[(TensorMeta, Vec<u8>)]) -> Result<()> {
+    for e in errs {
+        let bad = e
+            .error
+            .values()
+            .chain(e.rel_error.values())
+            .chain(std::iter::once(&e.weight))
+            .any(|v| !v.is_finite());
+        if bad {
+            return Err(QuantError::Input(format!(
+                "{}: the fit's error is not finite; nothing of layer {} was stored",
+                e.name, e.layer
+            )));
+        }
+    }
+    for (m, b) in tensors {
+        let finite = match m.dtype {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+            Dtype::BF16 => b.chunks_exact(2).all(|c| {
+                f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).is_finite()
+            }),
+            _ => true,
+        };
+        if !finite {
+            return Err(QuantError::Input(format!(
+                "{}: holds a non-finite value; nothing of its layer was stored",
+                m.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+mod parts;
+pub use parts::{Record as PartsRecord, PARTS_FORMAT, PARTS_VERSION};
 
 #[cfg(test)]
 mod tests;

@@ -116,6 +116,30 @@ fn allocation_fits_and_quant_writes_its_rungs() {
     let g = allocate(&ao).unwrap();
     assert_eq!(g.bytes, a.bytes);
     assert!((g.predicted_loss - a.predicted_loss).abs() <= 1e-9 * a.predicted_loss.max(1.0));
+    // A report whose error is not a number ≥ 0 is refused naming the expert, its layer, the
+    // rung and the file, before solving.
+    let bad = tmp.path().join("bad-report.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(q.join("quant-report.json")).unwrap())
+            .unwrap();
+    let (bl, be) = (
+        v["experts"][0]["layer"].as_u64().unwrap(),
+        v["experts"][0]["expert"].as_u64().unwrap(),
+    );
+    v["experts"][0]["rel_error"]["e8p2"] = (-1.0).into();
+    std::fs::write(&bad, v.to_string()).unwrap();
+    let e = allocate(&AllocOptions {
+        reports: vec![bad.clone()],
+        ..ao.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&format!("expert {be} of layer {bl}"))
+            && e.contains("`e8p2`")
+            && e.contains("bad-report.json"),
+        "{e}"
+    );
 
     // round trip through the file, then the checkpoint it describes
     let path = tmp.path().join("alloc.json");
@@ -247,4 +271,40 @@ fn allocation_fits_and_quant_writes_its_rungs() {
     }
     let h = &fit.held_out[0];
     assert!((h.predicted - h.kl).abs() <= 1e-6 * h.kl, "{h:?}");
+}
+
+/// Experts no calibration token reached cost nothing to prune, so the solver prunes them at any
+/// budget: a layer left with fewer than top-k is refused without advising a larger budget.
+#[test]
+fn pruning_free_experts_below_top_k_does_not_ask_for_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = reap_run(tmp.path());
+    let file = run.join(keep_artifacts::reap::FILE);
+    let mut s = ReapStats::read(&file).unwrap();
+    let l = s.hash_layers.len(); // the first layer that can be pruned
+    let ne = s.n_experts;
+    for j in 1..ne {
+        s.layers[l].sum_g_norm[j] = 0.0;
+    }
+    s.scores[l] = s.layers[l].score();
+    s.write(&file, true).unwrap();
+    let ck = Checkpoint::open(&bundled()).unwrap();
+    let shipped = rung_bytes(&ck, 0, 0, SHIPPED).unwrap();
+    let ao = AllocOptions {
+        model: bundled(),
+        run,
+        reports: vec![],
+        rungs: [PRUNED, SHIPPED].map(String::from).to_vec(),
+        budget: shipped * (s.n_layers * ne) as u64,
+        solver: Solver::Auto,
+        saliency: Saliency::ReapMass,
+        loss_model: None,
+    };
+    let e = allocate(&ao).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("of layer {l}"))
+            && e.contains("a larger budget would not keep them")
+            && !e.contains("raise --budget"),
+        "{e}"
+    );
 }

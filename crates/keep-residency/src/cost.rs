@@ -131,8 +131,10 @@ impl EngramBytes {
     }
 }
 
-/// What a checkpoint says about the trace's layers: bytes of one routed expert per layer
-/// (expert 0's `w1`, `w2`, `w3` weights and scales), resident bytes, and its expert count.
+/// What a checkpoint says about the trace's layers: bytes a run reads for a routed expert per
+/// layer (the mean over the layer's experts of their `w1`, `w2`, `w3` weights, scales and
+/// biases, and with `residual` the E8P residual stages the runtime reads with them:
+/// keep-checkpoint's `ExpertMatrix::read_bytes`), resident bytes, and its expert count.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelBytes {
     pub expert_bytes: Vec<u64>,
@@ -145,7 +147,12 @@ pub struct ModelBytes {
 /// Read expert and resident byte counts for `layers` from the checkpoint at `dir`. Errors
 /// when a layer has no routed-expert weights (the trace is not of this model) or when the
 /// model's expert count differs from the trace's.
-pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Result<ModelBytes> {
+pub fn model_bytes(
+    dir: &Path,
+    layers: &[usize],
+    trace_n_experts: usize,
+    residual: bool,
+) -> Result<ModelBytes> {
     let ck = Checkpoint::open(dir)?;
     // A trace's expert count is the most of any layer (the runtime's recorder writes the
     // model's), which differs from `n_routed_experts` where hash-routed layers kept theirs.
@@ -170,10 +177,11 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
             expert_bytes.push(0);
             continue;
         }
-        for mat in ExpertMat::ALL {
+        let experts = ck.config().map_or(1, |c| c.experts_in_layer(l).max(1));
+        for (x, mat) in (0..experts).flat_map(|x| ExpertMat::ALL.map(|m| (x, m))) {
             // The expert's own tensors or its slices of a stacked `switch_mlp` (MLX biases too).
             let found = match ck.config() {
-                Some(cfg) => keep_checkpoint::layout::expert_matrix(&ck, cfg, l, 0, mat),
+                Some(cfg) => keep_checkpoint::layout::expert_matrix(&ck, cfg, l, x, mat),
                 None => {
                     let w = naming::expert_tensor(l, 0, mat, "weight");
                     ck.get(&w)
@@ -192,9 +200,13 @@ pub fn model_bytes(dir: &Path, layers: &[usize], trace_n_experts: usize) -> Resu
                     dir.display()
                 ),
             })?;
-            b += m.bytes();
+            b += if residual {
+                m.read_bytes(&ck)
+            } else {
+                m.bytes()
+            };
         }
-        expert_bytes.push(b);
+        expert_bytes.push(b.div_ceil(experts as u64));
     }
     let mut resident = 0u64;
     for t in ck.tensors() {

@@ -173,6 +173,7 @@ impl BudgetPlan {
             return Err(RuntimeError::BudgetTooSmall {
                 budget,
                 residents,
+                held: Box::default(),
                 context: memory.context,
                 context_bytes: memory.total(),
                 cache: memory.cache,
@@ -183,7 +184,6 @@ impl BudgetPlan {
                 slot_bytes,
                 slots: needed - fixed,
                 needed,
-                needed_gib: needed as f64 / (1u64 << 30) as f64,
             });
         }
         let per_layer = (budget - fixed) / slot_bytes / n_layers as u64;

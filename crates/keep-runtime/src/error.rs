@@ -21,15 +21,19 @@ pub enum RuntimeError {
 
     /// The budget cannot hold the resident weights, the context and top-k slots in every layer.
     #[error(
-        "--memory-budget {budget} bytes is too small: the resident weights take {residents} bytes, \
+        "--memory-budget {budget} bytes is too small: the resident weights take {residents} bytes{held}, \
          a context of {context} tokens takes {context_bytes} more (decoding cache {cache} + \
          activations {activations} of one {chunk}-token pass), and {layers} MoE layers × top-k \
          {top_k} slots × {slot_bytes} bytes per slot take {slots} more, so at least {needed} bytes \
-         ({needed_gib:.2} GiB) are needed; give a budget ≥ {needed} or a shorter context"
+         ({needed_gib:.2} GiB) are needed; give a budget ≥ {needed} or a shorter context",
+        needed_gib = *.needed as f64 / (1u64 << 30) as f64
     )]
     BudgetTooSmall {
         budget: u64,
         residents: u64,
+        /// What the residents' share holds besides the weights, in words (`, of which the
+        /// Engram row cache (--engram-cache) takes N`), or empty.
+        held: Box<str>,
         context: usize,
         context_bytes: u64,
         cache: u64,
@@ -40,7 +44,6 @@ pub enum RuntimeError {
         slot_bytes: u64,
         slots: u64,
         needed: u64,
-        needed_gib: f64,
     },
 
     /// A routed expert's tensors are missing or not where the model expects them.

@@ -316,6 +316,56 @@ impl RouteObserver for Guesser<'_, '_, '_> {
     }
 }
 
+/// A too-small budget's error naming what the residents' share holds besides the weights (the
+/// caches and drafting), so that a cache too large for the budget is named, not the weights.
+fn name_held(e: RuntimeError, parts: &[(&str, u64)]) -> RuntimeError {
+    match e {
+        RuntimeError::BudgetTooSmall {
+            budget,
+            residents,
+            context,
+            context_bytes,
+            cache,
+            activations,
+            chunk,
+            layers,
+            top_k,
+            slot_bytes,
+            slots,
+            needed,
+            ..
+        } => {
+            let named: Vec<String> = parts
+                .iter()
+                .filter(|(_, b)| *b > 0)
+                .map(|(what, b)| format!("{what} takes {b} bytes"))
+                .collect();
+            let held = if named.is_empty() {
+                String::new()
+            } else {
+                format!(", of which {}", named.join(" and "))
+            }
+            .into_boxed_str();
+            RuntimeError::BudgetTooSmall {
+                budget,
+                residents,
+                held,
+                context,
+                context_bytes,
+                cache,
+                activations,
+                chunk,
+                layers,
+                top_k,
+                slot_bytes,
+                slots,
+                needed,
+            }
+        }
+        e => e,
+    }
+}
+
 impl<'a> BudgetedModel<'a> {
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
@@ -382,7 +432,17 @@ impl<'a> BudgetedModel<'a> {
             cfg.n_layers,
             cfg.top_k,
             cfg.n_experts,
-        )?;
+        )
+        .map_err(|e| {
+            name_held(
+                e,
+                &[
+                    ("the Engram row cache (--engram-cache)", engram_cache),
+                    ("the residual cache (--residual-cache)", residual_cache),
+                    ("drafting (the MTP module and a cache copy)", drafting),
+                ],
+            )
+        })?;
         check_machine(plan.planned(), "this budgeted run")?;
         let cache = Arc::new(SlotCache::with_tiers(
             store,

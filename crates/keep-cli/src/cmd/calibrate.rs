@@ -39,7 +39,7 @@ pub struct CalibrateArgs {
     #[arg(long, default_value = "calibration", value_parser = parse_split)]
     split: Split,
     /// Run only this shard: I/N with 0 ≤ I < N.
-    #[arg(long, value_parser = parse_shard, default_value = "0/1")]
+    #[arg(long, value_parser = crate::util::parse_shard, default_value = "0/1")]
     shard: (usize, usize),
     /// Tokens per streamed batch (each batch streams the layers once; bounds activation memory).
     #[arg(long, default_value_t = 8192)]
@@ -63,17 +63,6 @@ pub struct CalibrateArgs {
 
 fn parse_split(s: &str) -> Result<Split, String> {
     Split::parse(s).ok_or_else(|| format!("`{s}` is not a split: calibration or eval"))
-}
-
-fn parse_shard(s: &str) -> Result<(usize, usize), String> {
-    let bad = || format!("`{s}` is not I/N (e.g. 0/4)");
-    let (i, n) = s.split_once('/').ok_or_else(bad)?;
-    let i: usize = i.trim().parse().map_err(|_| bad())?;
-    let n: usize = n.trim().parse().map_err(|_| bad())?;
-    if n == 0 || i >= n {
-        return Err(format!("--shard {i}/{n} is out of range: need 0 ≤ I < N"));
-    }
-    Ok((i, n))
 }
 
 /// The pack to use when none is given.

@@ -58,7 +58,7 @@ pub struct EvalArgs {
     #[arg(long, num_args = 1..)]
     quant: Vec<PathBuf>,
     /// Gate thresholds for --tiers, comma-separated (e.g. 0.2,0.4,0.6).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = crate::util::parse_tau)]
     tau: Vec<f64>,
     /// Bytes of the residual cache for --tiers (e.g. 2M).
     #[arg(long, value_parser = crate::util::parse_bytes, default_value = "0")]

@@ -20,6 +20,9 @@ use keep_quant::QuantFormat;
 /// with their own scales. Everything else is copied byte for byte. A tensor without an imatrix
 /// entry is refused by name. Work is saved per layer: `--shard I/N` does layers L with
 /// L % N = I, a rerun resumes, and the output is joined (atomically) once every layer is done.
+/// Saved layers are joined only with a run of the same model and the same --format, --experts
+/// or --alloc, --incoherence, --incoherence-seed and imatrix: another is refused naming what
+/// differs, and --force discards them. A weight holding NaN or infinity is refused by name.
 /// `mlx2`, `mlx3`, `mlx4` and `mlx8` write MLX affine codes instead (group 64, bf16 scale and
 /// bias per group: `mx.quantize`'s exact output, bits + 0.5 per weight), for comparison at
 /// equal bits; the imatrix then only weights the reported error.
@@ -40,7 +43,8 @@ pub struct QuantArgs {
     /// The model to quantize (default: the bundled model).
     model: Option<PathBuf>,
     /// Output directory (refused if it exists, unless --force; a rerun with the same
-    /// arguments resumes an unfinished one).
+    /// arguments resumes an unfinished one, and --force discards the saved layers of a run with
+    /// other arguments).
     #[arg(long)]
     out: PathBuf,
     /// The calibration run directory (with imatrix.safetensors from `keep finalize`) or the file.
@@ -59,7 +63,7 @@ pub struct QuantArgs {
     #[arg(long)]
     alloc: Option<PathBuf>,
     /// Do only the layers L with L % N = I (0 ≤ I < N); the last shard to finish joins.
-    #[arg(long, value_parser = parse_shard, default_value = "0/1")]
+    #[arg(long, value_parser = crate::util::parse_shard, default_value = "0/1")]
     shard: (usize, usize),
     /// Incoherence processing of lattice-coded weights: off, on (random-sign Hadamard on both
     /// sides), out (output side only), auto (out for lattice formats, off for MLX codes).
@@ -104,18 +108,6 @@ fn parse_incoherence(s: &str) -> Result<Incoherence, String> {
         "out" => Ok(Incoherence(Some(Some(Mode::Output)))),
         _ => Err(format!("--incoherence {s}: auto, on, off or out")),
     }
-}
-
-fn parse_shard(s: &str) -> Result<(usize, usize), String> {
-    let (i, n) = s.split_once('/').ok_or("--shard wants I/N")?;
-    let (i, n): (usize, usize) = (
-        i.parse().map_err(|_| format!("bad shard index {i}"))?,
-        n.parse().map_err(|_| format!("bad shard count {n}"))?,
-    );
-    if n == 0 || i >= n {
-        return Err(format!("--shard {i}/{n} is out of range: need 0 ≤ I < N"));
-    }
-    Ok((i, n))
 }
 
 pub fn run(a: QuantArgs) -> anyhow::Result<()> {

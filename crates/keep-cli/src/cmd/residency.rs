@@ -84,7 +84,7 @@ pub struct ResidencyArgs {
     /// `e8p2` base, or with --upper-from the shipped expert above the top quantized rung); it
     /// gets it only if it is in the residual cache, else it is served at the base rung and the
     /// stage is admitted, usable --admit-delay tokens later. Adds a tier row per policy row.
-    #[arg(long, value_name = "TAU", requires = "model")]
+    #[arg(long, value_name = "TAU", requires = "model", value_parser = parse_tau)]
     tau: Option<f32>,
     /// The precision allocation --model holds (ALLOC.json; checked against its residual
     /// codes). Without it every E8P expert's base is its `e8p2` codes.
@@ -208,7 +208,9 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let (cost, bytes_from) = if let Some(dir) = &a.model {
-        let mb = model_bytes(dir, &layers, n_max)?;
+        // Each expert at the bytes the runtime reads for it: with its residual stage, unless
+        // precision tiers (--tau) read that stage apart (priced by the tiers' report).
+        let mb = model_bytes(dir, &layers, n_max, a.tau.is_none())?;
         (
             Some(CostModel {
                 expert_bytes: mb.expert_bytes,
@@ -256,7 +258,6 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     let mut report = keep_residency::simulate(&trace, &opts)?;
     report.command = std::env::args().collect::<Vec<_>>().join(" ");
     if let (Some(tau), Some(dir)) = (a.tau, &a.model) {
-        anyhow::ensure!(!tau.is_nan(), "--tau must be a number");
         let residual = keep_residency::tiers::residual_bytes(dir, &layers)?;
         let alloc = match &a.alloc {
             Some(f) => Some(keep_artifacts::alloc::Alloc::read(f)?),
@@ -560,4 +561,9 @@ fn print_table(r: &Report, bytes_from: &str) {
             );
         }
     }
+}
+
+/// `--tau`: a gate threshold from 0 to 1.
+fn parse_tau(s: &str) -> Result<f32, String> {
+    crate::util::parse_tau(s).map(|t| t as f32)
 }

@@ -69,10 +69,11 @@ pub struct RunArgs {
     draft_tokens: u64,
     #[command(flatten)]
     budget: budget::BudgetArgs,
-    /// Apply a plan from `keep fit`: its checkpoint, budget, policy, warm start (the plan's
-    /// route profile once a run has written it) and kernels; at the end the run's routes are
-    /// folded into the route profile beside the plan.
-    #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "policy", "warm_start", "kernels"])]
+    /// Apply a plan from `keep fit` whole: its checkpoint, budget (for at least its context),
+    /// policy, warm start (the plan's route profile once a run has written it), kernels and
+    /// drafting — what `keep fit --check` runs; at the end the run's routes are folded into
+    /// the route profile beside the plan.
+    #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "policy", "warm_start", "kernels", "draft", "draft_tokens"])]
     plan: Option<PathBuf>,
     /// With --plan: build the plan's derived checkpoint when it is missing (else the run is
     /// refused with the command that builds it).
@@ -170,14 +171,19 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         .map_err(|e| flag_error(RuntimeError::Model(e)))?;
     // Generation stops one token short of feeding the last sampled token back.
     // A drafting run's last verify forward may feed drafts past the last token handed on.
-    let draft_k = if a.draft != DraftArg::None && keep_model::mtp::present(&ck) {
-        a.draft_tokens as usize
-    } else {
-        0
+    let (draft, draft_k) = match &plan {
+        Some((_, p)) => match keep_fit::apply::draft(p, &ck) {
+            (keep_runtime::run::DraftMode::Mtp, k) => (DraftArg::Mtp, k),
+            _ => (DraftArg::None, 0),
+        },
+        None if a.draft != DraftArg::None && keep_model::mtp::present(&ck) => {
+            (a.draft, a.draft_tokens as usize)
+        }
+        None => (a.draft, 0),
     };
     let context = ids.len() + a.max_tokens.saturating_sub(1) + draft_k;
     let mut opts = match &plan {
-        Some((pp, p)) => keep_fit::apply::runtime_options(pp, p, context)?.map(|o| {
+        Some((pp, p)) => keep_fit::apply::runtime_options(pp, p, &ck, context)?.map(|o| {
             keep_runtime::RuntimeOptions {
                 io_threads: b.io_threads,
                 direct_io: !b.buffered_io,
@@ -191,6 +197,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     };
     if let Some(o) = opts.as_mut() {
         o.draft_tokens = draft_k;
+        // The budget holds the activations of the largest forward this run makes: the prompt
+        // (or a verify window) rather than a whole prefill chunk. A plan keeps the chunk it was
+        // fitted with, so that it runs what `keep fit --check` runs.
+        if plan.is_none() && b.prefill_chunk.is_none() {
+            o.prefill_chunk = Some(cfg.prefill_chunk.min(ids.len().max(draft_k + 1)).max(1));
+        }
     }
     if opts.is_none() {
         keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
@@ -203,13 +215,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if let Some(m) = model.budgeted() {
         budget::print_plan(m);
     }
-    let draft = match &plan {
-        Some((_, p)) if p.draft == "mtp" => DraftArg::Mtp,
-        Some(_) => DraftArg::None,
-        None => a.draft,
-    };
     model
-        .set_draft(&ck, draft.into(), a.draft_tokens as usize)
+        .set_draft(&ck, draft.into(), draft_k.max(1))
         .with_context(|| format!("--draft {}", draft_name(draft)))?;
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {

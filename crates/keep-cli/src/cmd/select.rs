@@ -59,7 +59,14 @@ pub struct SelectArgs {
 }
 
 fn parse_keep(s: &str) -> Result<Keep, String> {
-    Keep::parse(s).ok_or_else(|| format!("`{s}` is not N or P% (e.g. 64 or 50%)"))
+    match Keep::parse(s) {
+        None => Err(format!("`{s}` is not N or P% (e.g. 64 or 50%)")),
+        Some(Keep::Percent(p)) if !(p > 0.0 && p <= 100.0) => Err(format!(
+            "{s} is out of range: keep more than 0% and at most 100% of the experts"
+        )),
+        Some(Keep::Count(0)) => Err("0 experts: keep at least one expert per layer".into()),
+        Some(k) => Ok(k),
+    }
 }
 
 fn parse_saliency(s: &str) -> Result<Saliency, String> {
@@ -179,4 +186,19 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
         println!("wrote {}", p.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_is_bounded_and_named_as_written() {
+        assert!(matches!(parse_keep("50%"), Ok(Keep::Percent(p)) if p == 50.0));
+        assert!(matches!(parse_keep("64"), Ok(Keep::Count(64))));
+        for bad in ["101%", "0%", "-5%", "0", "many"] {
+            assert!(parse_keep(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Keep::Percent(0.0).to_string(), "0%");
+    }
 }

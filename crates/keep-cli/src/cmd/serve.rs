@@ -88,8 +88,9 @@ pub struct ServeArgs {
     /// Kernels: fast (the default, as `keep run`) or exact.
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
     kernels: super::KernelsArg,
-    /// Apply a plan from `keep fit`: its checkpoint, budget (planned for --max-context),
-    /// policy, warm start (the plan's route profile when a run has written it) and kernels.
+    /// Apply a plan from `keep fit` whole: its checkpoint, budget (planned for the plan's
+    /// context, or --max-context when given), policy, warm start (the plan's route profile when
+    /// a run has written it) and kernels.
     #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "kernels"])]
     plan: Option<PathBuf>,
 }
@@ -169,9 +170,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", dir.display()))?;
     let cfg = keep_model::ModelConfig::from_checkpoint(&ck)
         .with_context(|| format!("loading the model from {}", dir.display()))?;
-    drop(ck);
     let limit = cfg.raw.max_position_embeddings;
-    let max_context = a.max_context.unwrap_or(limit);
+    // A plan is served for the context it was fitted to unless --max-context says otherwise.
+    let max_context = a
+        .max_context
+        .or(plan.as_ref().map(|(_, p)| p.context))
+        .unwrap_or(limit);
     anyhow::ensure!(
         (1..=limit).contains(&max_context),
         "--max-context must be 1 to the model's {limit} positions, not {max_context}"
@@ -179,7 +183,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let (kernels, budget) = match &plan {
         Some((pp, p)) => (
             keep_fit::apply::kernels(p),
-            keep_fit::apply::runtime_options(pp, p, max_context)?,
+            keep_fit::apply::runtime_options(pp, p, &ck, max_context)?,
         ),
         None => {
             let kernels: keep_model::Kernels = a.kernels.into();
@@ -193,6 +197,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             )
         }
     };
+    drop(ck);
     if budget.is_none() {
         keep_runtime::check_machine(
             cfg.memory_estimate(max_context).total(),

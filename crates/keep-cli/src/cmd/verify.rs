@@ -7,8 +7,9 @@ use keep_checkpoint::sums::verify_dir;
 
 /// Check any directory keep wrote against its SHA256SUMS file.
 ///
-/// Every listed file must exist and match; files present but not listed are reported, not
-/// failed. Exit status 1 on any mismatch or missing file.
+/// Every listed file must exist and match, and every file of the directory must be listed (a
+/// keep output lists every file it holds): an empty SHA256SUMS, a file not listed, a mismatch
+/// or a missing file fail with exit status 1.
 ///
 /// Example: keep verify /tmp/tiny-mxfp8
 #[derive(Args)]
@@ -48,8 +49,8 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<()> {
             r.missing.len()
         );
     }
-    if !r.passed() {
-        anyhow::bail!("{} does not match its SHA256SUMS", a.dir.display());
+    if let Some(why) = r.failure() {
+        anyhow::bail!("{} does not match its SHA256SUMS: {why}", a.dir.display());
     }
     Ok(())
 }

@@ -192,3 +192,202 @@ fn quantize_refuse_shard_join_and_decode() {
     assert!(t.rel_error["e8p2+e81"] < t.rel_error["e8p2"]);
     assert!(q.dir().join(REPORT_FILE).is_file());
 }
+
+/// A copy of the bundled model (config, shard, sums) under `dir`.
+fn copy_bundled(dir: &Path) -> PathBuf {
+    let m = dir.join("model");
+    std::fs::create_dir_all(&m).unwrap();
+    for e in std::fs::read_dir(bundled()).unwrap().flatten() {
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    m
+}
+
+/// The tensors of the joined output whose name ends with `suffix`.
+fn count_suffix(out: &Path, suffix: &str) -> usize {
+    let q = Checkpoint::open(out).unwrap();
+    q.tensors().filter(|t| t.name.ends_with(suffix)).count()
+}
+
+#[test]
+fn parts_of_other_arguments_are_refused_by_name_and_cleared_by_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = write_imatrix(tmp.path(), None);
+    let out = tmp.path().join("q");
+    let e8p = QuantOptions {
+        format: QuantFormat::E8p2E8p2,
+        experts: few_experts(),
+        shard: (1, 2),
+        force: false,
+        mlx_bits: None,
+    };
+    // A killed e8p2+e8p2 run: the odd layers' parts are there.
+    let r = quantize(&bundled(), &im, &out, &e8p, &|_, _| {}).unwrap();
+    assert!(!r.joined && !r.layers_fitted.is_empty());
+    // A later mlx4 run is refused naming the format, and the parts stay as they were.
+    let mlx4 = QuantOptions {
+        mlx_bits: Some(4),
+        format: QuantFormat::E8p2,
+        shard: (0, 1),
+        ..e8p.clone()
+    };
+    let msg = quantize(&bundled(), &im, &out, &mlx4, &|_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("--format e8p2+e8p2")
+            && msg.contains("--format mlx4")
+            && msg.contains("--force"),
+        "{msg}"
+    );
+    assert!(!out.exists());
+    // So is a shard with other incoherence settings, naming them.
+    let msg = quantize_with(
+        &bundled(),
+        &im,
+        &out,
+        &QuantOptions {
+            shard: (0, 2),
+            ..e8p.clone()
+        },
+        Some(crate::incoherence::IncoherenceOptions {
+            mode: crate::incoherence::Mode::Output,
+            seed: 7,
+        }),
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        msg.contains("--incoherence off") && msg.contains("--incoherence out"),
+        "{msg}"
+    );
+    // And parts from another source checkpoint, naming the fingerprint.
+    let other = copy_bundled(tmp.path());
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(other.join("config.json")).unwrap()).unwrap();
+    cfg["keep_note"] = "another model".into();
+    std::fs::write(other.join("config.json"), cfg.to_string()).unwrap();
+    let msg = quantize(
+        &other,
+        &im,
+        &out,
+        &QuantOptions {
+            shard: (0, 2),
+            ..e8p.clone()
+        },
+        &|_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(msg.contains("fingerprint"), "{msg}");
+    // --force discards them: the output is mlx4 through and through.
+    let r = quantize(
+        &bundled(),
+        &im,
+        &out,
+        &QuantOptions {
+            force: true,
+            ..mlx4.clone()
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    assert!(r.joined);
+    assert_eq!(r.method, "mlx4");
+    assert_eq!(r.layers_fitted.len(), 8, "every layer refitted");
+    assert_eq!(count_suffix(&out, ".resid.weight"), 0);
+    assert_eq!(count_suffix(&out, ".biases"), 8 * 2 * 3);
+    assert!(!parts_dir(&out).exists());
+}
+
+#[test]
+fn a_non_finite_weight_is_never_stored_as_a_part() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = write_imatrix(tmp.path(), None);
+    let model = copy_bundled(tmp.path());
+    // An E8M0 scale of 0xFF is NaN: the first row of expert 1's w1 in layer 2 decodes to NaN.
+    let shard = model.join("model.safetensors");
+    let name = "layers.2.ffn.experts.1.w1.scale";
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let head: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let off = 8 + n + head[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[off] = 0xFF;
+    std::fs::write(&shard, &bytes).unwrap();
+    let out = tmp.path().join("q");
+    let opts = QuantOptions {
+        format: QuantFormat::E8p2,
+        experts: few_experts(),
+        shard: (0, 1),
+        force: false,
+        mlx_bits: Some(4),
+    };
+    for force in [false, true] {
+        let msg = quantize(
+            &model,
+            &im,
+            &out,
+            &QuantOptions {
+                force,
+                ..opts.clone()
+            },
+            &|_, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("layers.2.ffn.experts.1.w1.weight") && msg.contains("non-finite"),
+            "{msg}"
+        );
+        assert!(!out.exists());
+        let stored: Vec<_> = std::fs::read_dir(parts_dir(&out))
+            .map(|rd| rd.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            !stored.iter().any(|n| n.to_string_lossy() == "layer-00002"),
+            "{stored:?}"
+        );
+    }
+}
+
+#[test]
+fn concurrent_writers_with_other_arguments_never_mix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = write_imatrix(tmp.path(), None);
+    let out = tmp.path().join("q");
+    let base = QuantOptions {
+        format: QuantFormat::E8p2E8p2,
+        experts: few_experts(),
+        shard: (0, 1),
+        force: false,
+        mlx_bits: None,
+    };
+    let runs = [
+        base.clone(),
+        QuantOptions {
+            mlx_bits: Some(4),
+            ..base.clone()
+        },
+    ];
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = runs
+            .iter()
+            .map(|o| s.spawn(|| quantize(&bundled(), &im, &out, o, &|_, _| {})))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let joined: Vec<_> = results
+        .iter()
+        .filter_map(|r| r.as_ref().ok().filter(|r| r.joined))
+        .collect();
+    assert!(joined.len() <= 1, "both joined");
+    if out.exists() {
+        let mlx = count_suffix(&out, ".biases");
+        let resid = count_suffix(&out, ".resid.weight");
+        assert!(
+            (mlx == 48 && resid == 0) || (mlx == 0 && resid == 48),
+            "mixed output: {mlx} MLX weights, {resid} E8P residuals"
+        );
+    }
+}

@@ -61,8 +61,9 @@ pub struct BudgetArgs {
     /// Without a tokenizer (keep synth models): use N deterministic prompt token ids.
     #[arg(long, value_name = "N")]
     pub prompt_tokens: Option<usize>,
-    /// Tokens per forward pass of a long prompt (default: keep-model's DEFAULT_PREFILL_CHUNK);
-    /// the logits do not depend on it, the activations grow with it.
+    /// Tokens per forward pass of a long prompt (default: keep-model's DEFAULT_PREFILL_CHUNK,
+    /// or the prompt's length when shorter, so that the budget holds the activations of the
+    /// pass the run makes); the logits do not depend on it, the activations grow with it.
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
     /// Precision tiers, with the allocation the checkpoint holds (checked): each expert's base
