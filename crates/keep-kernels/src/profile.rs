@@ -359,6 +359,21 @@ impl Drop for Span {
     }
 }
 
+/// The part running now on this thread (`None` when it does not record, or from inside the
+/// recorder itself: a counting allocator may ask while the recorder allocates).
+#[inline]
+pub fn current() -> Option<Part> {
+    if !enabled() {
+        return None;
+    }
+    REC.try_with(|r| {
+        let r = r.try_borrow().ok()?;
+        (r.active && r.step.is_some()).then(|| r.stack[r.depth - 1])
+    })
+    .ok()
+    .flatten()
+}
+
 /// Count `n` bytes read by `part` in the open step.
 #[inline]
 pub fn bytes(part: Part, n: usize) {
