@@ -19,8 +19,9 @@ use crate::{ArtifactError, Result};
 pub const FORMAT: &str = "keep-run-stats";
 /// The `version` field this module writes and reads.
 pub const VERSION: u32 = 1;
-/// Largest run-stats file the reader accepts (a few kilobytes in practice).
-pub const MAX_BYTES: u64 = 1 << 20;
+/// Largest run-stats file the reader accepts (a few kilobytes in practice; a `--profile` run
+/// adds about a kilobyte per forward pass).
+pub const MAX_BYTES: u64 = 64 << 20;
 
 /// One run's numbers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,6 +57,9 @@ pub struct RunStats {
     pub prefill_engram: Option<EngramCounters>,
     pub prefill_secs: f64,
     pub prefill_tps: f64,
+    /// Where each forward pass's time went (`keep run --profile`; absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<ProfileNumbers>,
     pub prompt_tokens: u64,
     /// [`VERSION`].
     pub version: u32,
@@ -94,6 +98,45 @@ pub struct DraftNumbers {
     /// expert union; one decode step asks for `top_k`).
     #[serde(default)]
     pub window_experts: f64,
+}
+
+/// `keep run --profile`: each forward pass's time split into exclusive parts (they sum to the
+/// pass's total), the bytes each part read and the time threads waited on each other inside
+/// it. Every per-part array is in the order of `parts`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfileNumbers {
+    /// The decode's steps summed (one step per decoded token or verify window).
+    pub decode: ProfileStep,
+    /// The part names, the order of every per-part array.
+    pub parts: Vec<String>,
+    /// The prompt's steps summed (one step per prefill chunk).
+    pub prefill: ProfileStep,
+    /// Every step in order.
+    pub steps: Vec<ProfileStep>,
+}
+
+/// One forward pass's profile (or a phase's sum of them): a step runs from the start of its
+/// forward to the start of the next, so a decoded token's step also holds the sampling and
+/// the handing on of the token after it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfileStep {
+    /// Bytes read per part: weights, and the KV rows for `attn_scores`.
+    pub bytes: Vec<u64>,
+    /// Exclusive nanoseconds per part (they sum to `total_ns`).
+    pub ns: Vec<u64>,
+    /// `prefill` or `decode`.
+    pub phase: String,
+    /// Parallel regions the kernels ran.
+    pub regions: u64,
+    /// Steps summed (1 for one step).
+    pub steps: u64,
+    /// Tokens the forward passes ran.
+    pub tokens: u64,
+    pub total_ns: u64,
+    /// Nanoseconds threads waited on each other in the part's parallel regions (from the
+    /// dispatch to the first task's start, plus from the first worker finishing to the
+    /// last): inside `ns`, not added to it.
+    pub wait_ns: Vec<u64>,
 }
 
 /// How a memory budget was split.
@@ -345,6 +388,7 @@ mod tests {
             prefill_engram: None,
             prefill_secs: 0.0,
             prefill_tps: 0.0,
+            profile: None,
             prompt_tokens: 3,
             version: VERSION,
         }
@@ -403,6 +447,26 @@ mod tests {
                 "version"
             ]
         );
+        // A profiled run's steps round-trip; the field is absent without one (above).
+        let step = |phase: &str, steps: u64| ProfileStep {
+            bytes: vec![10, 0],
+            ns: vec![7, 3],
+            phase: phase.into(),
+            regions: 2,
+            steps,
+            tokens: steps,
+            total_ns: 10,
+            wait_ns: vec![1, 0],
+        };
+        let mut prof = stats();
+        prof.profile = Some(ProfileNumbers {
+            decode: step("decode", 1),
+            parts: vec!["head".into(), "other".into()],
+            prefill: step("prefill", 0),
+            steps: vec![step("decode", 1)],
+        });
+        write(&p, &prof, true).unwrap();
+        assert_eq!(read(&p).unwrap(), prof);
         let mut w = serde_json::to_value(stats()).unwrap();
         w["version"] = 2.into();
         std::fs::write(&p, w.to_string()).unwrap();

@@ -198,14 +198,19 @@ pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<(
     }
     let chunks = (threads * 4).min(rows_n);
     let per = rows_n.div_ceil(chunks);
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     (0..chunks).into_par_iter().for_each(|c| {
         let p = &ptr;
         let (r0, r1) = (c * per, ((c + 1) * per).min(rows_n));
         if r0 < r1 {
             // SAFETY: disjoint rows of the m×rows output per chunk.
-            unsafe { rows(w, x, m, r0, r1, p.0, rows_n) };
+            crate::profile::task(reg, || unsafe { rows(w, x, m, r0, r1, p.0, rows_n) });
         }
     });
+    if let Some(r) = region {
+        r.finish();
+    }
     Ok(())
 }
 
@@ -232,11 +237,18 @@ pub fn e8p_matmul_many(jobs: &mut [E8pJob]) -> Result<()> {
         .map(|j| SyncPtr(j.out.as_mut_ptr()))
         .collect();
     let jobs_ro: &[E8pJob] = jobs;
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     tasks.par_iter().for_each(|&(ji, r0, r1)| {
         let j = &jobs_ro[ji];
         // SAFETY: tasks of one job cover disjoint row ranges of its output.
-        unsafe { rows(&j.w, j.x, j.m, r0, r1, ptrs[ji].0, j.w.rows) };
+        crate::profile::task(reg, || unsafe {
+            rows(&j.w, j.x, j.m, r0, r1, ptrs[ji].0, j.w.rows)
+        });
     });
+    if let Some(r) = region {
+        r.finish();
+    }
     Ok(())
 }
 

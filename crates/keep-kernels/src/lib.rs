@@ -21,6 +21,10 @@
 //! checks) and `rows` (the row-threading helpers) are the leaf modules every kernel shares, and
 //! [`matmul`] is the dispatch on top of the kernels.
 //!
+//! [`profile`] is the forward profiler every family's forward and the kernels' parallel
+//! regions report to (`keep run --profile`): exclusive time, bytes read and thread waits per
+//! part of each forward pass, one relaxed atomic load per entry point when off.
+//!
 //! [`hadamard`] holds the fast Walsh–Hadamard transform and seeded random-sign transforms
 //! that undo incoherence processing on the activations.
 //!
@@ -37,6 +41,7 @@ pub mod hadamard;
 pub mod intdot;
 pub mod matmul;
 pub mod ops;
+pub mod profile;
 pub(crate) mod rows;
 pub mod simd;
 pub mod sinkhorn_fused;

@@ -89,7 +89,12 @@ pub(crate) fn run_row_jobs(
         return;
     }
     let tasks = row_tasks(shapes.iter().copied(), threads);
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     tasks
         .par_iter()
-        .for_each(|&(ji, r0, r1)| run(ji, r0, r1, outs[ji].0));
+        .for_each(|&(ji, r0, r1)| crate::profile::task(reg, || run(ji, r0, r1, outs[ji].0)));
+    if let Some(r) = region {
+        r.finish();
+    }
 }

@@ -11,8 +11,6 @@
 //! The layer skeleton below is [`LayerWeights::forward`]'s with the attention call split per
 //! sequence; both families are handled as there.
 
-use keep_kernels::ops;
-
 use crate::cache::Cache;
 use crate::config::Family;
 use crate::layer::{collapse, expand, hc_mix, LayerWeights, Shared, Step, Streams};
@@ -117,24 +115,24 @@ impl Model<'_> {
         if cfg.family == Family::V4 {
             let (pre, post, comb) = hc_mix(&lw.hc_attn, s, cfg)?;
             let mut h = collapse(s, &pre, hc, d);
-            ops::rms_norm(&mut h, d, Some(&lw.attn_norm), cfg.eps);
+            crate::linear::rms_norm(&mut h, d, Some(&lw.attn_norm), cfg.eps);
             let a = attend(&h, caches, shared)?;
             expand(&a, s, &post, &comb, hc, d);
             let (pre, post, comb) = hc_mix(&lw.hc_ffn, s, cfg)?;
             let mut h = collapse(s, &pre, hc, d);
-            ops::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
+            crate::linear::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
             let m = lw.moe(cfg, experts, mask, &h, &s.tokens, moe_step, &mut None)?;
             expand(&m, s, &post, &comb, hc, d);
             return Ok(());
         }
         let (attn_pre, attn_post, attn_comb) = hc_mix(&lw.hc_attn, s, cfg)?;
         let mut h = collapse(s, &s.pre_mix, hc, d);
-        ops::rms_norm(&mut h, d, Some(&lw.attn_norm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&lw.attn_norm), cfg.eps);
         let a = attend(&h, caches, shared)?;
         expand(&a, s, &attn_post, &attn_comb, hc, d);
         let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&lw.hc_ffn, s, cfg)?;
         let mut h = collapse(s, &attn_pre, hc, d);
-        ops::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
         let m = lw.moe(cfg, experts, mask, &h, &s.tokens, moe_step, &mut None)?;
         expand(&m, s, &ffn_post, &ffn_comb, hc, d);
         s.pre_mix = ffn_pre;

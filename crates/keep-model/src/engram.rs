@@ -14,7 +14,7 @@
 //! first layer runs.
 
 use keep_checkpoint::Checkpoint;
-use keep_kernels::{matmul_with, WeightView};
+use keep_kernels::{matmul_with, profile, WeightView};
 
 use crate::config::ModelConfig;
 use crate::engram_hash::EngramLayout;
@@ -176,6 +176,10 @@ impl EngramRows for TableRows<'_> {
             }
             t.decode_row(id as usize, &mut out[k * hd..(k + 1) * hd]);
         }
+        profile::bytes(
+            profile::Part::Engram,
+            t.nbytes() / t.rows.max(1) * ids.len(),
+        );
         Ok(())
     }
 }
@@ -244,7 +248,11 @@ impl<'a> EngramLayer<'a> {
             })
             .collect();
         let mut e = vec![0f32; t * cols * hd];
-        rows.rows(self.slot, &mine, &mut e)?;
+        {
+            let _io = profile::span(profile::Part::IoWait);
+            rows.rows(self.slot, &mine, &mut e)?;
+        }
+        profile::read(self.wkv.nbytes());
         let (hc, d) = (cfg.hc, cfg.dim);
         let mut kv = vec![0f32; t * (hc + 1) * d];
         // The model's kernels, like every other product of the layer (exact unless the
@@ -320,6 +328,7 @@ impl<'a> Engram<'a> {
                         .copied()
                 })
                 .collect();
+            let _io = profile::span(profile::Part::IoWait);
             self.rows.prefetch(slot, &mine);
         }
         Ok(ids)

@@ -10,6 +10,7 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Instant;
 
+use keep_kernels::profile::{self, Part, Phase};
 use keep_rng::Draw;
 use tokenizers::Tokenizer;
 
@@ -68,6 +69,7 @@ impl Sampler {
 
     /// Pick a token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let _p = profile::span(Part::Sample);
         if self.is_greedy() {
             return argmax(logits);
         }
@@ -120,6 +122,7 @@ impl Sampler {
     /// The distribution [`Sampler::sample`] draws from for one row of logits: the
     /// temperature softmax over the top-p nucleus (one-hot at the arg-max when greedy).
     pub fn probs(&self, logits: &[f32]) -> Vec<f64> {
+        let _p = profile::span(Part::Sample);
         let mut out = vec![0f64; logits.len()];
         if logits.is_empty() {
             return out;
@@ -675,6 +678,7 @@ pub fn generate<G: Generate + ?Sized>(
     }
     let mut cache = model.new_cache();
     model.starting();
+    profile::set_phase(Phase::Prefill);
     let t0 = Instant::now();
     let mut logits = model.forward_last(
         &prompt,
@@ -683,6 +687,7 @@ pub fn generate<G: Generate + ?Sized>(
     )?;
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     model.prefilled();
+    profile::set_phase(Phase::Decode);
     let t1 = Instant::now();
     let k = model.draft_tokens().min(crate::mtp::MAX_DRAFT);
     stats.draft.k = k;
@@ -692,6 +697,7 @@ pub fn generate<G: Generate + ?Sized>(
     let mut chosen: Option<u32> = None;
     // Hand one token on; `true` when the generation ends here.
     let mut emit = |dec: &mut Decoder, tok: u32, stats: &mut GenStats| -> Result<bool> {
+        let _p = profile::span(Part::Output);
         Ok(match dec.push(tok)? {
             Sampled::Eos(_) => {
                 stats.stopped_at_eos = true;

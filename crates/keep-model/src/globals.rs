@@ -4,6 +4,7 @@
 //! ([`Logits`]), and the context check every forward makes ([`check_context`]).
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::profile::{self, Part};
 use keep_kernels::{matmul, ops, WeightView};
 
 use crate::config::{Family, ModelConfig};
@@ -83,6 +84,7 @@ impl<'a> Globals<'a> {
                 });
             }
             self.embed.decode_row(id as usize, &mut row);
+            profile::read(self.embed.nbytes() / self.embed.rows.max(1));
             for k in 0..hc {
                 x[(i * hc + k) * d..(i * hc + k + 1) * d].copy_from_slice(&row);
             }
@@ -107,6 +109,7 @@ impl<'a> Globals<'a> {
             Logits::Last => s.t.checked_sub(1).into_iter().collect(),
             Logits::None => return Ok(vec![]),
         };
+        let _p = profile::span(Part::Head);
         // V4: `DeepseekV4HyperHead`, pre = sigmoid(rms(streams)·fnᵀ·scale + base) + hc_eps.
         let head_mix: Option<Vec<f32>> = match &self.hc_head {
             Some((fn_, base, scale)) => {
@@ -114,8 +117,9 @@ impl<'a> Globals<'a> {
                 for &i in &rows {
                     flat.extend_from_slice(&s.x[i * hc * d..(i + 1) * hc * d]);
                 }
-                ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
+                crate::linear::rms_norm(&mut flat, hc * d, None, cfg.eps);
                 let mut mix = vec![0f32; rows.len() * hc];
+                profile::read(fn_.nbytes());
                 matmul(&flat, rows.len(), fn_, &mut mix)?;
                 for (j, v) in mix.iter_mut().enumerate() {
                     *v = ops::sigmoid(*v * scale + base[j % hc]) + cfg.hc_eps;
@@ -140,8 +144,9 @@ impl<'a> Globals<'a> {
                 }
             }
         }
-        ops::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
         let mut out = vec![0f32; rows.len() * cfg.vocab];
+        profile::read(self.head.nbytes());
         matmul(&h, rows.len(), &self.head, &mut out)?;
         if !out.iter().all(|v| v.is_finite()) {
             return Err(ModelError::NonFinite("the output head".into()));

@@ -18,6 +18,7 @@
 use keep_checkpoint::Checkpoint;
 use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops::{self, Rope};
+use keep_kernels::profile::{self, Part};
 use keep_kernels::simd::Job;
 use keep_kernels::{matmul, WeightView};
 
@@ -313,11 +314,13 @@ pub(crate) fn hc_mix(
     s: &Streams,
     cfg: &ModelConfig,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let _p = profile::span(Part::HyperConn);
     let (t, hc, d) = (s.t, cfg.hc, cfg.dim);
     let mut flat = s.x.clone();
-    ops::rms_norm(&mut flat, hc * d, None, cfg.eps);
+    crate::linear::rms_norm(&mut flat, hc * d, None, cfg.eps);
     let nm = (2 + hc) * hc;
     let mut mix = vec![0f32; t * nm];
+    profile::read(hcw.fn_.nbytes());
     matmul(&flat, t, &hcw.fn_, &mut mix)?;
     let mut pre = vec![0f32; t * hc];
     let mut post = vec![0f32; t * hc];
@@ -338,6 +341,7 @@ pub(crate) fn hc_mix(
             pre[i * hc + j] = ops::sigmoid(m[j]) + cfg.hc_eps;
             post[i * hc + j] = 2.0 * ops::sigmoid(m[hc + j]);
         }
+        let _sk = profile::span(Part::Sinkhorn);
         let c = &mut comb[i * hc * hc..(i + 1) * hc * hc];
         c.copy_from_slice(&m[2 * hc..]);
         for row in c.chunks_exact_mut(hc) {
@@ -353,6 +357,7 @@ pub(crate) fn hc_mix(
 
 /// `_collapse`: `Σ_k mix[k] · streams[k]` per token.
 pub(crate) fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
+    let _p = profile::span(Part::HyperConn);
     let mut out = vec![0f32; s.t * d];
     for i in 0..s.t {
         let o = &mut out[i * d..(i + 1) * d];
@@ -369,6 +374,7 @@ pub(crate) fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32
 
 /// `_expand`: `streams'[j] = post[j] · x + Σ_i comb[i, j] · streams[i]` per token.
 pub(crate) fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: usize) {
+    let _p = profile::span(Part::HyperConn);
     let mut mixed = vec![0f32; hc * d];
     for i in 0..s.t {
         mixed.iter_mut().for_each(|v| *v = 0.0);
@@ -415,12 +421,12 @@ impl LayerWeights<'_> {
         if cfg.family == Family::V4 {
             let (pre, post, comb) = hc_mix(&self.hc_attn, s, cfg)?;
             let mut h = collapse(s, &pre, hc, d);
-            ops::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
+            crate::linear::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
             let a = self.attention_v4(cfg, &h, s.t, step, caches, &mut obs)?;
             expand(&a, s, &post, &comb, hc, d);
             let (pre, post, comb) = hc_mix(&self.hc_ffn, s, cfg)?;
             let mut h = collapse(s, &pre, hc, d);
-            ops::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
+            crate::linear::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
             let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
             expand(&m, s, &post, &comb, hc, d);
             let _ = shared;
@@ -428,13 +434,13 @@ impl LayerWeights<'_> {
         }
         let (attn_pre, attn_post, attn_comb) = hc_mix(&self.hc_attn, s, cfg)?;
         let mut h = collapse(s, &s.pre_mix, hc, d);
-        ops::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
         let a = self.attention(cfg, &h, s.t, step, caches, shared, &mut obs)?;
         expand(&a, s, &attn_post, &attn_comb, hc, d);
 
         let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&self.hc_ffn, s, cfg)?;
         let mut h = collapse(s, &attn_pre, hc, d);
-        ops::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
         let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
         expand(&m, s, &ffn_post, &ffn_comb, hc, d);
         s.pre_mix = ffn_pre;
@@ -452,10 +458,11 @@ impl LayerWeights<'_> {
         shared: &mut Shared,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
         let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
+        crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
         let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
@@ -465,7 +472,7 @@ impl LayerWeights<'_> {
             }
         }
         let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
             self.rope.apply(row, (step.start_pos + i) as f32, false);
@@ -528,6 +535,7 @@ impl LayerWeights<'_> {
         } else {
             None
         };
+        let scores_span = profile::span(Part::AttnScores);
         let mut out = vec![0f32; t * h * hd];
         let mut keys: Vec<usize> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
@@ -554,6 +562,7 @@ impl LayerWeights<'_> {
                     &window[key * hd..(key + 1) * hd]
                 });
             }
+            profile::read(rows.len() * hd * 4);
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
                 let o = &mut out[qo..qo + hd];
@@ -576,6 +585,7 @@ impl LayerWeights<'_> {
                 c.window_rows = cfg.window;
             }
         }
+        drop(scores_span);
 
         self.grouped_out(cfg, &out, t, obs)
     }
@@ -633,6 +643,7 @@ impl LayerWeights<'_> {
         shared: &mut Shared,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
+        let _p = profile::span(Part::Compressor);
         let l = self.layer;
         let cp = self.compressor.as_ref().expect("checked by caller");
         let hd = cfg.head_dim;
@@ -640,7 +651,7 @@ impl LayerWeights<'_> {
         let c = &mut caches[l];
         let (latent, n, first) = if ratio == 1 {
             let mut lat = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
-            ops::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
+            crate::linear::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
             (lat, t, step.start_pos)
         } else {
             let kvp = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
@@ -657,7 +668,7 @@ impl LayerWeights<'_> {
             c.pending_kv.drain(..full * hd);
             c.pending_gate.drain(..full * hd);
             c.n_pending = total - full;
-            ops::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
+            crate::linear::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
             (lat, n, first)
         };
         if n > 0 {
@@ -673,7 +684,7 @@ impl LayerWeights<'_> {
                 if let Some((wk, kn)) = self.indexer.as_ref().and_then(|ix| ix.wk.as_ref()) {
                     let ihd = cfg.index_head_dim;
                     let mut k = lin(&latent, n, wk, obs, l, "attn.indexer.wk", None)?;
-                    ops::rms_norm(&mut k, ihd, Some(kn), cfg.eps);
+                    crate::linear::rms_norm(&mut k, ihd, Some(kn), cfg.eps);
                     for i in 0..n {
                         let row = &mut k[i * ihd..(i + 1) * ihd];
                         self.rope.apply(row, ((first + i) * ratio) as f32, false);
@@ -705,6 +716,7 @@ impl LayerWeights<'_> {
         shared: &mut Shared,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<(Vec<i32>, usize)> {
+        let _p = profile::span(Part::Indexer);
         let l = self.layer;
         let (keys, n) = match shared.index_k {
             Some(src) => (
@@ -826,6 +838,7 @@ impl LayerWeights<'_> {
         step: Step,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let router_span = profile::span(Part::Router);
         let l = self.layer;
         let t = tokens.len();
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
@@ -880,6 +893,7 @@ impl LayerWeights<'_> {
             });
         }
 
+        drop(router_span);
         // Routed experts, grouped by expert.
         let limit = cfg.swiglu_limit;
         let ys = routed_experts(
@@ -900,6 +914,7 @@ impl LayerWeights<'_> {
                 }
             }
         }
+        let shared_span = profile::span(Part::SharedExpert);
         let [sw1, sw2, sw3] = &self.shared;
         let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
         let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
@@ -909,6 +924,8 @@ impl LayerWeights<'_> {
             .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
             .collect();
         let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
+        drop(shared_span);
+        let _p = profile::span(Part::Experts);
         let mut out = vec![0f32; t * d];
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
@@ -1130,6 +1147,7 @@ pub(crate) fn routed_experts(
     act: impl Fn(f32, f32) -> f32,
     obs: &mut Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<f32>> {
+    let _p = profile::span(Part::Experts);
     let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
     // Routed experts, grouped by (expert, rung): per group, the (token, slot) routes to it.
     // Without tiers every slot is at the base rung and the groups are the experts.
@@ -1165,20 +1183,31 @@ pub(crate) fn routed_experts(
     let key = |&(j, r): &(usize, Rung)| 2 * j + (r == Rung::Upper) as usize;
     let mut used: Vec<usize> = keys.iter().map(|p| p.0).collect();
     used.dedup();
-    experts.prefetch(l, &used);
+    {
+        let _io = profile::span(Part::IoWait);
+        experts.prefetch(l, &used);
+    }
     let mut ys = vec![0f32; t * k * d];
     let inter = cfg.inter;
     // The experts of a chunk are multiplied together: one parallel kernel pass for all
     // their gate and up projections, one for all their down projections (a decode token's
     // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
     for chunk_keys in keys.chunks(experts.max_batch().max(1)) {
-        let views = match tiers {
-            None => {
-                let ids: Vec<usize> = chunk_keys.iter().map(|p| p.0).collect();
-                experts.experts(l, &ids)?
+        let views = {
+            let _io = profile::span(Part::IoWait);
+            match tiers {
+                None => {
+                    let ids: Vec<usize> = chunk_keys.iter().map(|p| p.0).collect();
+                    experts.experts(l, &ids)?
+                }
+                Some(_) => experts.experts_at(l, chunk_keys)?,
             }
-            Some(_) => experts.experts_at(l, chunk_keys)?,
         };
+        if profile::enabled() {
+            for ew in &views {
+                profile::read(ew.w1.nbytes() + ew.w2.nbytes() + ew.w3.nbytes());
+            }
+        }
         let chunk: Vec<usize> = chunk_keys.iter().map(key).collect();
         if views.len() != chunk.len() {
             return Err(ModelError::Expert {
@@ -1303,10 +1332,11 @@ impl LayerWeights<'_> {
         caches: &mut [crate::cache::LayerCache],
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
         let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        ops::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
+        crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
         let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         head_norm(&mut q, hd, cfg.eps);
         for i in 0..t {
@@ -1317,7 +1347,7 @@ impl LayerWeights<'_> {
             }
         }
         let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        ops::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(
                 &mut kv[i * hd..(i + 1) * hd],
@@ -1338,6 +1368,7 @@ impl LayerWeights<'_> {
         // Compressed rows and, for CSA, the indexer's pick per query.
         let mut picks: Option<(Vec<i32>, usize)> = None;
         if let Some(va) = &self.v4 {
+            let compressor_span = profile::span(Part::Compressor);
             pool_step(
                 cfg,
                 &va.pool,
@@ -1349,7 +1380,9 @@ impl LayerWeights<'_> {
                 l,
                 ["attn.compressor.wkv", "attn.compressor.wgate"],
             )?;
+            drop(compressor_span);
             if let Some(ix) = &va.indexer {
+                let _ix = profile::span(Part::Indexer);
                 pool_step(
                     cfg,
                     &ix.pool,
@@ -1381,6 +1414,7 @@ impl LayerWeights<'_> {
             }
         }
 
+        let scores_span = profile::span(Part::AttnScores);
         let scale = (hd as f32).powf(-0.5);
         let comp = &c.v4.kv;
         let ratio = self.roles.ratio.max(1);
@@ -1412,6 +1446,7 @@ impl LayerWeights<'_> {
                     }
                 }
             }
+            profile::read(rows.len() * hd * 4);
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
                 let o = &mut out[qo..qo + hd];
@@ -1431,6 +1466,7 @@ impl LayerWeights<'_> {
             c.window.drain(..drop * hd);
             c.window_rows = cfg.window;
         }
+        drop(scores_span);
         self.grouped_out(cfg, &out, t, obs)
     }
 }

@@ -3,7 +3,7 @@
 //! top-k order the routers and the V4 indexer share. A leaf: it knows the kernels and the
 //! observer, nothing of layers.
 
-use keep_kernels::{matmul, WeightView};
+use keep_kernels::{matmul, profile, WeightView};
 
 use crate::observer::{LinearInputEvent, RouteObserver};
 use crate::Result;
@@ -19,6 +19,7 @@ pub(crate) fn lin(
     expert: Option<usize>,
 ) -> Result<Vec<f32>> {
     note_input(obs, layer, name, expert, x, m, w.cols);
+    profile::read(w.nbytes());
     let mut y = vec![0f32; m * w.rows];
     matmul(x, m, w, &mut y)?;
     Ok(y)
@@ -69,4 +70,11 @@ pub fn top_k_by(v: &mut [(f32, usize)], k: usize) {
     }
     let kk = k.min(v.len());
     v[..kk].sort_by(cmp);
+}
+
+/// `ops::rms_norm`, its time counted as the profile's [`profile::Part::Norm`].
+#[inline]
+pub(crate) fn rms_norm(x: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32) {
+    let _p = profile::span(profile::Part::Norm);
+    keep_kernels::ops::rms_norm(x, d, w, eps)
 }

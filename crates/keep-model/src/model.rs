@@ -5,6 +5,7 @@
 //! empty, decode when T = 1) and returns logits as asked ([`Logits`]).
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::profile;
 
 use crate::cache::Cache;
 use crate::config::{Family, ModelConfig};
@@ -246,6 +247,7 @@ impl<'a> Model<'a> {
         which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
     ) -> Result<(Vec<f32>, Streams)> {
+        profile::begin_step(tokens.len());
         let mut s = self.globals.embed(&self.cfg, tokens)?;
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family == Family::Qwen3Moe {
@@ -267,11 +269,15 @@ impl<'a> Model<'a> {
         let step = step_of(&self.cfg, cache);
         let mut shared = Shared::default();
         let engram_ids = match &self.engram {
-            Some(e) => e.hash(&mut cache.engram_history, tokens)?,
+            Some(e) => {
+                let _p = profile::span(profile::Part::Engram);
+                e.hash(&mut cache.engram_history, tokens)?
+            }
             None => vec![],
         };
         for lw in &self.layers {
             if let Some(e) = &self.engram {
+                let _p = profile::span(profile::Part::Engram);
                 e.apply(&self.cfg, lw.layer, &mut s, &engram_ids)?;
             }
             lw.forward(

@@ -20,7 +20,7 @@
 //! forward runs).
 
 use keep_checkpoint::Checkpoint;
-use keep_kernels::{matmul, ops, WeightView};
+use keep_kernels::{matmul, WeightView};
 
 use crate::cache::{Cache, LayerCache};
 use crate::config::{LayerRoles, ModelConfig};
@@ -182,12 +182,12 @@ impl<'a> Mtp<'a> {
                 .embed
                 .decode_row(id as usize, &mut e[i * d..(i + 1) * d]);
         }
-        ops::rms_norm(&mut e, d, Some(&self.enorm), cfg.eps);
+        crate::linear::rms_norm(&mut e, d, Some(&self.enorm), cfg.eps);
         let mut ep = vec![0f32; t * d];
         matmul(&e, t, &self.e_proj, &mut ep)?;
         // x = h_proj(hnorm(h)) per stream, plus e on every stream.
         let mut h = hidden.x.clone();
-        ops::rms_norm(&mut h, d, Some(&self.hnorm), cfg.eps);
+        crate::linear::rms_norm(&mut h, d, Some(&self.hnorm), cfg.eps);
         let mut x = vec![0f32; t * hc * d];
         matmul(&h, t * hc, &self.h_proj, &mut x)?;
         for i in 0..t {

@@ -15,6 +15,7 @@
 use keep_checkpoint::qwen3 as names;
 use keep_checkpoint::Checkpoint;
 use keep_kernels::ops;
+use keep_kernels::profile::{self, Part};
 use keep_kernels::WeightView;
 
 pub use crate::cache::KvRows;
@@ -134,16 +135,20 @@ impl<'a> Qwen3Layer<'a> {
         let d = cfg.dim;
         let t = x.len() / d;
         let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
+        crate::linear::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
         let a = self.attention(cfg, &hn, t, start_pos, kv, &mut obs)?;
-        for (xi, ai) in x.iter_mut().zip(&a) {
-            *xi += ai;
+        {
+            let _p = profile::span(Part::AttnProj);
+            for (xi, ai) in x.iter_mut().zip(&a) {
+                *xi += ai;
+            }
         }
         let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
+        crate::linear::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
         let f = match &self.ffn {
             Ffn::Moe { gate } => self.moe(cfg, gate, experts, mask, &hn, t, start_pos, &mut obs)?,
             Ffn::Dense { gate, up, down } => {
+                let _p = profile::span(Part::SharedExpert);
                 let l = self.layer;
                 let g = lin(&hn, t, gate, &mut obs, l, "mlp.gate_proj", None)?;
                 let u = lin(&hn, t, up, &mut obs, l, "mlp.up_proj", None)?;
@@ -151,6 +156,7 @@ impl<'a> Qwen3Layer<'a> {
                 lin(&act, t, down, &mut obs, l, "mlp.down_proj", None)?
             }
         };
+        let _p = profile::span(Part::Experts);
         for (xi, fi) in x.iter_mut().zip(&f) {
             *xi += fi;
         }
@@ -167,14 +173,15 @@ impl<'a> Qwen3Layer<'a> {
         kv: &mut KvRows,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let hd = self.q_norm.len();
         let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
         let mut q = lin(x, t, &self.q, obs, l, "self_attn.q_proj", None)?;
         let mut k = lin(x, t, &self.k, obs, l, "self_attn.k_proj", None)?;
         let v = lin(x, t, &self.v, obs, l, "self_attn.v_proj", None)?;
-        ops::rms_norm(&mut q, hd, Some(&self.q_norm), cfg.eps);
-        ops::rms_norm(&mut k, hd, Some(&self.k_norm), cfg.eps);
+        crate::linear::rms_norm(&mut q, hd, Some(&self.q_norm), cfg.eps);
+        crate::linear::rms_norm(&mut k, hd, Some(&self.k_norm), cfg.eps);
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
             for head in row.chunks_exact_mut(hd) {
                 rope_halves(head, &self.inv_freq, start_pos + i);
@@ -194,6 +201,9 @@ impl<'a> Qwen3Layer<'a> {
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
         kv.rows += t;
+        let scores_span = profile::span(Part::AttnScores);
+        // Each query reads the keys and values of the positions up to its own.
+        profile::read((t * start_pos + t * (t + 1) / 2) * 2 * kvh * hd * 4);
         let scale = (hd as f32).powf(-0.5);
         let group = h / kvh;
         let kw = kvh * hd;
@@ -225,6 +235,7 @@ impl<'a> Qwen3Layer<'a> {
                 }
             }
         }
+        drop(scores_span);
         lin(&out, t, &self.o, obs, l, "self_attn.o_proj", None)
     }
 
@@ -242,6 +253,7 @@ impl<'a> Qwen3Layer<'a> {
         start_pos: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let router_span = profile::span(Part::Router);
         let l = self.layer;
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
         let mut logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
@@ -277,6 +289,8 @@ impl<'a> Qwen3Layer<'a> {
                 scores: &scores,
             });
         }
+        drop(router_span);
+        let _p = profile::span(Part::Experts);
         let ys = crate::layer::routed_experts(
             cfg,
             experts,

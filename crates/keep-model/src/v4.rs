@@ -169,7 +169,7 @@ pub fn pool_step(
             ops::softmax(&mut g[..n]);
             *out = v[..n].iter().zip(&g[..n]).map(|(a, b)| a * b).sum();
         }
-        ops::rms_norm(&mut e, hd, Some(&pw.norm), cfg.eps);
+        crate::linear::rms_norm(&mut e, hd, Some(&pw.norm), cfg.eps);
         rope.apply(&mut e, (st.n * m) as f32, false);
         st.entries.extend_from_slice(&e);
         st.n += 1;
@@ -251,5 +251,5 @@ pub fn index_topk(
 
 /// The unweighted per-head RMSNorm transformers applies to V4's queries (`q_b_norm`).
 pub fn head_norm(q: &mut [f32], hd: usize, eps: f32) {
-    ops::rms_norm(q, hd, None, eps);
+    crate::linear::rms_norm(q, hd, None, eps);
 }

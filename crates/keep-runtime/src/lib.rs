@@ -38,6 +38,8 @@ pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache, TierStats};
 pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
+/// keep-kernels' forward profiler (`keep run --profile`), re-exported for the CLI.
+pub use keep_kernels::profile;
 pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};
 pub use run::{RunInfo, RunModel, RunReport};

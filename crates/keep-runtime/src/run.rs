@@ -9,9 +9,10 @@ use std::time::Instant;
 
 use keep_artifacts::run_stats::{
     self, CacheCounters, DraftNumbers, EngramCounters, GuessCounters, HashLayerCounters,
-    PlanNumbers, RunStats, TierCounters,
+    PlanNumbers, ProfileNumbers, ProfileStep, RunStats, TierCounters,
 };
 use keep_checkpoint::Checkpoint;
+use keep_kernels::profile;
 use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
 use keep_model::{Cache, Model, ModelConfig, RouteObserver};
 
@@ -230,6 +231,8 @@ pub struct RunReport {
     pub decode_engram: Option<EngramStats>,
     /// Peak resident set size at the end (`None` where the system does not report it).
     pub peak_rss: Option<u64>,
+    /// Each forward pass's profile ([`run_with`] with `profile`; `None` otherwise).
+    pub profile: Option<Vec<profile::Step>>,
 }
 
 /// Generate with `model` ([`generate`]), recording the routes into `routes` when given (its
@@ -241,14 +244,32 @@ pub fn run(
     routes: Option<&mut RouteLog>,
     on_piece: impl FnMut(Piece) -> ControlFlow<()>,
 ) -> Result<RunReport> {
+    run_with(model, prompt, opts, routes, false, on_piece)
+}
+
+/// [`run`], profiling every forward pass when `profiled` (keep-kernels' [`profile`]: the
+/// report's `profile`; the run's tokens and logits are the same either way).
+pub fn run_with(
+    model: &mut RunModel,
+    prompt: Prompt,
+    opts: &GenerateOptions,
+    routes: Option<&mut RouteLog>,
+    profiled: bool,
+    on_piece: impl FnMut(Piece) -> ControlFlow<()>,
+) -> Result<RunReport> {
     let hash_layers: Vec<usize> = (0..model.cfg().hash_layers).collect();
     let obs = routes.map(|l| {
         l.set_hash_layers(&hash_layers);
         l as &mut dyn RouteObserver
     });
-    let gen = generate(model, prompt, opts, obs, on_piece)?;
+    if profiled {
+        profile::start();
+    }
+    let gen = generate(model, prompt, opts, obs, on_piece);
+    let steps = profiled.then(profile::take);
     let mut r = RunReport {
-        gen,
+        gen: gen?,
+        profile: steps,
         ..RunReport::default()
     };
     match model {
@@ -334,6 +355,56 @@ fn cache_counters(s: &CacheStats) -> CacheCounters {
     }
 }
 
+/// One step of keep-kernels' profile (or a sum of steps) as the stats file writes it.
+fn profile_step(s: &profile::Step, steps: u64) -> ProfileStep {
+    ProfileStep {
+        bytes: s.bytes.to_vec(),
+        ns: s.ns.to_vec(),
+        phase: s.phase.name().into(),
+        regions: s.regions,
+        steps,
+        tokens: s.tokens as u64,
+        total_ns: s.total_ns,
+        wait_ns: s.wait_ns.to_vec(),
+    }
+}
+
+/// The steps of `phase` summed, with how many there were.
+pub fn profile_sum(steps: &[profile::Step], phase: profile::Phase) -> (profile::Step, u64) {
+    let mut sum = profile::Step {
+        phase,
+        ..profile::Step::default()
+    };
+    let mut n = 0;
+    for s in steps.iter().filter(|s| s.phase == phase) {
+        n += 1;
+        sum.tokens += s.tokens;
+        sum.total_ns += s.total_ns;
+        sum.regions += s.regions;
+        for p in 0..profile::PARTS {
+            sum.ns[p] += s.ns[p];
+            sum.bytes[p] += s.bytes[p];
+            sum.wait_ns[p] += s.wait_ns[p];
+        }
+    }
+    (sum, n)
+}
+
+/// A run's profile as the stats file writes it: the part names, each phase's sum, every step.
+pub fn profile_numbers(steps: &[profile::Step]) -> ProfileNumbers {
+    let (pre, np) = profile_sum(steps, profile::Phase::Prefill);
+    let (dec, nd) = profile_sum(steps, profile::Phase::Decode);
+    ProfileNumbers {
+        decode: profile_step(&dec, nd),
+        parts: profile::Part::ALL
+            .iter()
+            .map(|p| p.name().to_string())
+            .collect(),
+        prefill: profile_step(&pre, np),
+        steps: steps.iter().map(|s| profile_step(s, 1)).collect(),
+    }
+}
+
 fn engram_counters(s: &EngramStats) -> EngramCounters {
     EngramCounters {
         bytes_read: s.bytes_read,
@@ -413,6 +484,7 @@ impl RunReport {
             prefill_engram: self.prefill_engram.as_ref().map(engram_counters),
             prefill_secs: g.prefill_secs,
             prefill_tps: g.prefill_tps(),
+            profile: self.profile.as_deref().map(profile_numbers),
             prompt_tokens: g.prompt_tokens as u64,
             version: run_stats::VERSION,
         }

@@ -79,6 +79,12 @@ pub struct RunArgs {
     /// refused with the command that builds it).
     #[arg(long, requires = "plan")]
     build: bool,
+    /// Time every forward pass by part (attention, hyper-connections, norms, router, routed and
+    /// shared experts, Engram, head, sampling, I/O wait, printing, ...) with the bytes each read and the
+    /// time threads waited on each other; print the split per decoded token and per prefill
+    /// chunk, and add every step to the --stats-json file. The tokens are the same as without.
+    #[arg(long)]
+    profile: bool,
 }
 
 /// `--draft`.
@@ -228,22 +234,23 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     // Each piece goes to stdout as it comes; the first output error stops the run.
     let mut out = std::io::stdout().lock();
     let mut printed: std::io::Result<()> = Ok(());
-    let report = keep_runtime::run::run(&mut model, prompt, &gen, log.as_mut(), |p| {
-        printed = match p {
-            Piece::Prompt(_) => match (&a.prompt, &tok) {
-                (Some(text), Some(_)) => write!(out, "{text}"),
-                _ => Ok(()),
-            },
-            Piece::Text(s) => write!(out, "{s}"),
-            Piece::Token(t) => write!(out, "{t} "),
-        }
-        .and_then(|_| out.flush());
-        match printed {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(_) => ControlFlow::Break(()),
-        }
-    })
-    .map_err(flag_error)?;
+    let report =
+        keep_runtime::run::run_with(&mut model, prompt, &gen, log.as_mut(), a.profile, |p| {
+            printed = match p {
+                Piece::Prompt(_) => match (&a.prompt, &tok) {
+                    (Some(text), Some(_)) => write!(out, "{text}"),
+                    _ => Ok(()),
+                },
+                Piece::Text(s) => write!(out, "{s}"),
+                Piece::Token(t) => write!(out, "{t} "),
+            }
+            .and_then(|_| out.flush());
+            match printed {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(_) => ControlFlow::Break(()),
+            }
+        })
+        .map_err(flag_error)?;
     printed?;
     writeln!(out)?;
     let g = &report.gen;
@@ -287,6 +294,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             }
         );
     }
+    if let Some(steps) = &report.profile {
+        print_profile(steps);
+    }
     // A run without a budget still reads Engram tables above the threshold from SSD: its row
     // counters are printed the same way.
     if b.active() || plan.is_some() || report.decode_engram.is_some() {
@@ -323,6 +333,55 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing the run's numbers to {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `--profile`'s table: per part, milliseconds per decoded token and per prefill chunk, the
+/// share of the step, the bytes read as GB/s over the part's own time, and the thread wait.
+fn print_profile(steps: &[keep_runtime::profile::Step]) {
+    use keep_runtime::profile::{Part, Phase};
+    let (pre, np) = keep_runtime::run::profile_sum(steps, Phase::Prefill);
+    let (dec, nd) = keep_runtime::run::profile_sum(steps, Phase::Decode);
+    eprintln!(
+        "profile: decode {nd} steps ({} tokens), prefill {np} chunks ({} tokens); ms per step, share of the step, GB/s read over the part's own time, thread wait ms inside it",
+        dec.tokens, pre.tokens
+    );
+    eprintln!(
+        "{:<26} {:>10} {:>7} {:>8} {:>8}   {:>10} {:>7} {:>8} {:>8}",
+        "part", "decode ms", "share", "GB/s", "wait ms", "prefill ms", "share", "GB/s", "wait ms"
+    );
+    let col = |s: &keep_runtime::profile::Step, n: u64, p: usize| {
+        let n = n.max(1) as f64;
+        let ms = s.ns[p] as f64 / 1e6 / n;
+        let share = s.ns[p] as f64 / s.total_ns.max(1) as f64;
+        let gbps = if s.ns[p] > 0 {
+            s.bytes[p] as f64 / s.ns[p] as f64
+        } else {
+            0.0
+        };
+        let wait = s.wait_ns[p] as f64 / 1e6 / n;
+        format!("{ms:>10.3} {:>6.1}% {gbps:>8.2} {wait:>8.3}", 100.0 * share)
+    };
+    for (i, part) in Part::ALL.iter().enumerate() {
+        eprintln!(
+            "{:<26} {}   {}",
+            part.name(),
+            col(&dec, nd, i),
+            col(&pre, np, i)
+        );
+    }
+    let total = |s: &keep_runtime::profile::Step, n: u64| {
+        let n = n.max(1) as f64;
+        let bytes: u64 = s.bytes.iter().sum();
+        let wait: u64 = s.wait_ns.iter().sum();
+        format!(
+            "{:>10.3} {:>6.1}% {:>8.2} {:>8.3}",
+            s.total_ns as f64 / 1e6 / n,
+            100.0,
+            bytes as f64 / s.total_ns.max(1) as f64,
+            wait as f64 / 1e6 / n
+        )
+    };
+    eprintln!("{:<26} {}   {}", "total", total(&dec, nd), total(&pre, np));
 }
 
 fn draft_name(d: DraftArg) -> &'static str {

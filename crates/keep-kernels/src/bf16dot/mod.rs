@@ -109,6 +109,7 @@ impl Bf16Acts {
                 got: x.len(),
             });
         }
+        let _round = crate::profile::quant_span();
         Ok(Bf16Acts {
             m,
             cols,
@@ -426,14 +427,19 @@ pub fn bf_matmul_at(
     }
     let chunks = (threads * 4).min(rows);
     let per = rows.div_ceil(chunks);
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     (0..chunks).into_par_iter().for_each(|c| {
         let p = &ptr;
         let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
         if r0 < r1 {
             // SAFETY: each chunk writes only its own rows of the m×rows output.
-            unsafe { rows_at(level, src, a, r0, r1, p.0, rows) };
+            crate::profile::task(reg, || unsafe { rows_at(level, src, a, r0, r1, p.0, rows) });
         }
     });
+    if let Some(r) = region {
+        r.finish();
+    }
     Ok(())
 }
 

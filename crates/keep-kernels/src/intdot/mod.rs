@@ -196,6 +196,7 @@ impl Q8Acts {
                 got: x.len(),
             });
         }
+        let _quant = crate::profile::quant_span();
         self.m = m;
         self.cols = cols;
         self.q.clear();
@@ -866,14 +867,19 @@ pub fn int_matmul_at(
     }
     let chunks = (threads * 4).min(rows);
     let per = rows.div_ceil(chunks);
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     (0..chunks).into_par_iter().for_each(|c| {
         let p = &ptr;
         let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
         if r0 < r1 {
             // SAFETY: each chunk writes only its own rows of the m×rows output.
-            unsafe { rows_at(level, src, a, r0, r1, p.0, rows) };
+            crate::profile::task(reg, || unsafe { rows_at(level, src, a, r0, r1, p.0, rows) });
         }
     });
+    if let Some(r) = region {
+        r.finish();
+    }
     Ok(())
 }
 
@@ -915,9 +921,22 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
         check_operands(j.x, j.m, j.rows, j.cols, j.out)?;
         check_src(&j.w, j.rows, j.cols)?;
     }
-    // One quantization per distinct input slice.
-    let (acts, which) =
-        prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), Q8Acts::quantize)?;
+    // One quantization per distinct input slice, into buffers kept from earlier calls on this
+    // thread (a decode step quantizes the same few shapes every layer: no allocation once
+    // they are warm).
+    let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let prepared = prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), |x, m, cols| {
+        let mut a = spare.pop().unwrap_or_default();
+        a.requantize(x, m, cols)?;
+        Ok::<_, KernelError>(a)
+    });
+    let (acts, which) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            keep_spare(spare);
+            return Err(e);
+        }
+    };
     let level = int_level();
     let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
     let outs: Vec<SyncPtr> = jobs
@@ -931,7 +950,27 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
         // disjoint row range of its job's m×rows output.
         unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
     });
+    spare.extend(acts);
+    keep_spare(spare);
     Ok(())
+}
+
+/// Most quantized activation buffers a thread keeps between [`int_matmul_many`] calls.
+const SPARE_MAX: usize = 32;
+/// Largest buffer kept (`m × cols` values: decode-sized; a prefill chunk's are dropped, so the
+/// kept memory stays far below the run's fixed overhead).
+const SPARE_MAX_VALUES: usize = 1 << 16;
+
+thread_local! {
+    /// Quantized activation buffers of finished [`int_matmul_many`] calls, for the next.
+    static SPARE_ACTS: std::cell::RefCell<Vec<Q8Acts>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Keep the decode-sized buffers of `spare` (at most [`SPARE_MAX`]) for this thread's next call.
+fn keep_spare(mut spare: Vec<Q8Acts>) {
+    spare.retain(|a| a.q.capacity() <= SPARE_MAX_VALUES);
+    spare.truncate(SPARE_MAX);
+    SPARE_ACTS.with(|s| *s.borrow_mut() = spare);
 }
 
 #[cfg(test)]

@@ -379,14 +379,21 @@ pub(crate) fn run_at(
     }
     let chunks = (threads * 4).min(rows);
     let per = rows.div_ceil(chunks);
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     (0..chunks).into_par_iter().for_each(|c| {
         let p = &ptr;
         let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
         if r0 < r1 {
             // SAFETY: each chunk writes only its own rows of the m×rows output.
-            unsafe { rows_at(level, &src, cols, x, m, r0, r1, p.0, rows) };
+            crate::profile::task(reg, || unsafe {
+                rows_at(level, &src, cols, x, m, r0, r1, p.0, rows)
+            });
         }
     });
+    if let Some(r) = region {
+        r.finish();
+    }
 }
 
 pub(crate) fn run(src: Src, rows: usize, cols: usize, x: &[f32], m: usize, out: &mut [f32]) {
@@ -471,11 +478,18 @@ pub fn matmul_many(jobs: &mut [Job]) {
         .map(|j| SyncPtr(j.out.as_mut_ptr()))
         .collect();
     let jobs_ro: &[Job] = jobs;
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
     tasks.par_iter().for_each(|&(ji, r0, r1)| {
         let j = &jobs_ro[ji];
         // SAFETY: tasks of one job cover disjoint row ranges of its m×rows output.
-        unsafe { rows_at(level, &j.w, j.cols, j.x, j.m, r0, r1, ptrs[ji].0, j.rows) };
+        crate::profile::task(reg, || unsafe {
+            rows_at(level, &j.w, j.cols, j.x, j.m, r0, r1, ptrs[ji].0, j.rows)
+        });
     });
+    if let Some(r) = region {
+        r.finish();
+    }
 }
 
 #[cfg(test)]
