@@ -21,9 +21,11 @@
 //! - `{NAME/POINTER|FORMAT}` is a value: `POINTER` is an RFC 6901 JSON pointer into the file
 //!   (or into a row bound by `for`); a missing value is an error, not a blank, unless the
 //!   pointer ends in `?` (`{NAME/POINTER?|FORMAT}`), which renders a missing value as `—`.
-//! - `{= EXPR |FORMAT}` computes with `+ - * /`, parentheses, numbers and values.
+//! - `{= EXPR |FORMAT}` computes with `+ - * /`, parentheses, numbers, values and
+//!   `sum(NAME/POINTER)` (the sum of an array of numbers).
 //! - A template line that starts with `{for ROW in NAME/POINTER}` repeats the rest of the line
-//!   for every element of that array (or every value of that object, its key as `{ROW@key}`),
+//!   for every element of that array (or every value of that object, its key as `{ROW@key}`;
+//!   a pointer segment `@i` stands for the element's position, to read parallel arrays),
 //!   optionally only those where `if /POINTER == "text"` (or `!=`, or a number) holds
 //!   (several conditions joined by ` and `).
 //! - Formats: none (the JSON value as written; `null` as `—`), `.Nf` fixed, `,.Nf` with
@@ -211,6 +213,7 @@ fn render_block(
         let scope = Scope {
             files: &files,
             row: None,
+            index: None,
         };
         if let Some(rest) = line.strip_prefix("{for ") {
             let (head, row_tpl) = rest
@@ -223,7 +226,7 @@ fn render_block(
                 Value::Object(o) => o.iter().map(|(k, v)| (Some(k.clone()), v)).collect(),
                 other => return Err(err(i, format!("`{source}` is not an array: {other}"))),
             };
-            for (key, item) in entries {
+            for (i, (key, item)) in entries.into_iter().enumerate() {
                 if let Some(f) = &filter {
                     if !f.holds(item).map_err(|m| err(i, m))? {
                         continue;
@@ -232,6 +235,7 @@ fn render_block(
                 let row_scope = Scope {
                     files: &files,
                     row: Some((var, item, key.as_deref())),
+                    index: Some(i),
                 };
                 out.push(fill(row_tpl, &row_scope).map_err(|m| err(i, m))?);
             }
@@ -322,6 +326,8 @@ struct Scope<'a> {
     files: &'a BTreeMap<String, Value>,
     /// The row variable of a `for` line: its name, its value, and its key in an object.
     row: Option<(&'a str, &'a Value, Option<&'a str>)>,
+    /// The row's position in what the `for` line walks (`@i` in a pointer).
+    index: Option<usize>,
 }
 
 impl Scope<'_> {
@@ -338,7 +344,18 @@ impl Scope<'_> {
                 .get(name)
                 .ok_or_else(|| format!("`{name}` names no file bound with `@{name} = …`"))?,
         };
-        root.pointer(pointer)
+        let pointer = match self.index {
+            Some(i) if pointer.contains("/@i") => {
+                let mut p = pointer.replace("/@i/", &format!("/{i}/"));
+                if p.ends_with("/@i") {
+                    p.truncate(p.len() - 3);
+                    p += &format!("/{i}");
+                }
+                std::borrow::Cow::Owned(p)
+            }
+            _ => std::borrow::Cow::Borrowed(pointer),
+        };
+        root.pointer(&pointer)
             .ok_or_else(|| format!("`{r}`: no such value in the evidence"))
     }
 
@@ -597,6 +614,23 @@ impl Parser<'_> {
                     _ => Err("`(` without `)`".into()),
                 }
             }
+            Tok::Ref(f) if f == "sum" => {
+                let (Some(Tok::Op('(')), Some(Tok::Ref(r)), Some(Tok::Op(')'))) = (
+                    self.toks.get(self.i),
+                    self.toks.get(self.i + 1),
+                    self.toks.get(self.i + 2),
+                ) else {
+                    return Err("expected `sum(NAME/POINTER)`".into());
+                };
+                self.i += 3;
+                let a = self.scope.lookup(r)?;
+                let a = a
+                    .as_array()
+                    .ok_or_else(|| format!("`{r}` is not an array"))?;
+                a.iter()
+                    .map(|v| v.as_f64().ok_or_else(|| format!("`{r}` holds a non-number")))
+                    .sum()
+            }
             Tok::Ref(r) => self
                 .scope
                 .lookup(r)?
@@ -616,14 +650,14 @@ mod tests {
         std::fs::write(
             d.path().join("e.json"),
             r#"{"gbps": 21.234, "rows": [{"name": "a", "x": 0.5, "v": "PASS"},
-               {"name": "b", "x": 1234567.0, "v": "KILL"}], "obj": {"k1": 1, "k2": 2}}"#,
+               {"name": "b", "x": 1234567.0, "v": "KILL"}], "obj": {"k1": 1, "k2": 2}, "par": [1, 2, 3]}"#,
         )
         .unwrap();
         std::fs::write(d.path().join("l.jsonl"), "{\"a\": 1}\n{\"a\": 2}\n").unwrap();
         d
     }
 
-    const TPL: &str = "intro\n<!-- table\n@e = e.json\n@l = l.jsonl\n| t | v |\n|---|---|\n| bw | {e/gbps|.1f} GB/s |\n{for r in e/rows if /v == \"KILL\" and /x != 0.5}| {r/name} | {r/x|,.0f} |\n{for r in e/rows}| {r/name} | {= r/x / e/gbps * 2 |.3s} |\n{for o in e/obj}| {o@key} | {o|.1%} | {o/none?} |\n| l | {l/1/a} |\n-->\n";
+    const TPL: &str = "intro\n<!-- table\n@e = e.json\n@l = l.jsonl\n| t | v |\n|---|---|\n| bw | {e/gbps|.1f} GB/s |\n{for r in e/rows if /v == \"KILL\" and /x != 0.5}| {r/name} | {r/x|,.0f} |\n{for r in e/rows}| {r/name} | {= r/x / e/gbps * 2 |.3s} |\n{for o in e/obj}| {o@key} | {o|.1%} | {o/none?} |\n| l | {l/1/a} |\n{for n in e/rows}| {e/rows/@i/name} | {= sum(e/par) |.0f} |\n-->\n";
 
     #[test]
     fn renders_values_rows_expressions_and_keys() {
@@ -647,6 +681,8 @@ mod tests {
                 "| k1 | 100.0% | — |",
                 "| k2 | 200.0% | — |",
                 "| l | 2 |",
+                "| a | 6 |",
+                "| b | 6 |",
             ]
         );
         let (again, m2) = render_text("doc", &text, d.path()).unwrap();
