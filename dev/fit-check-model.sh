@@ -47,6 +47,6 @@ json.dump(ev, open(out, "w"), indent=1)
 c = ev["check"]
 print(f"predicted {c['predicted_tps']:.3f} tok/s, measured {c['measured_tps']:.3f} tok/s "
       f"({100 * c['tps_error']:+.1f}%), hit rate {c['predicted_hit_rate']:.3f} vs {c['measured_hit_rate']}, "
-      f"peak RSS {c['peak_rss']} (predicted {c['predicted_peak_rss']})")
+      f"peak RSS {c['peak_rss']} (ceiling: budget + fixed overhead {c['peak_rss_ceiling']})")
 PY
 echo "wrote $out"

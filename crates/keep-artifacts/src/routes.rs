@@ -339,7 +339,7 @@ pub fn write_session(
         .into_iter()
         .map(|(meta, data)| tensor_file::Tensor { meta, data })
         .collect();
-    // Route traces have always had the checkpoint shards' header (every key in byte order).
+    // Route traces have the checkpoint shards' header (every key in byte order).
     tensor_file::write(
         path,
         &tensors,

@@ -412,7 +412,7 @@ mod tests {
         t.decode_engram = None;
         write(&p, &t, true).unwrap();
         assert_eq!(read(&p).unwrap(), t);
-        // The fields readers use, in the order they have always been listed.
+        // The fields readers use, in the file's alphabetical order.
         let text = std::fs::read_to_string(&p).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["plan"], serde_json::Value::Null);

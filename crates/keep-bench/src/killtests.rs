@@ -3,9 +3,7 @@
 //!
 //! Tests (in run order):
 //! - `memory-bandwidth`: a multi-threaded checksummed read of a ≥ 1 GiB buffer (the L3 is
-//!   260 MiB), median GB/s of the reps. The reference line; verdict `INFO`. The two routed
-//!   tests also repeat this read rep by rep, interleaved with their FFN chains, and judge
-//!   against that median (same conditions); the ratio to this row is recorded beside it.
+//!   260 MiB), median GB/s of the reps. The run's first bandwidth readings; verdict `INFO`.
 //! - `mxfp8-residents`: the eight V4.1-Flash resident shapes synthesised through
 //!   `keep_format` (FP8 E4M3 with 32×32 E8M0 block scales, repacked to MXFP8 by the lossless
 //!   scale copy, decoded to bf16, MLX affine-8 g64 from the same values). KILL if any decoded
@@ -23,8 +21,21 @@
 //! - `fast-kernels`: the same routed FFN, MXFP4 and E8P, on the exact kernels and on the
 //!   integer ones (`keep_kernels::intdot`, `--kernels fast`) at M = 1, 4, 8 and 32 tokens per
 //!   call (all M tokens through the same 6 experts), interleaved; GB/s of weight bytes against
-//!   the read bandwidth re-measured between them. The verdict reads M = 1 on the fast kernels
+//!   the row's reference bandwidth. The verdict reads M = 1 on the fast kernels
 //!   with the rules above (MXFP4 PASS ≥ 0.85, E8P PASS ≥ 0.5); the other cells are reported.
+//!
+//! Every row judged against the read bandwidth (`e8p-m1`, `routed-ffn`, `fast-kernels`,
+//! `fast-residents`) takes its own reference ([`Reference`]): the same checksummed read of a
+//! buffer the size of the row's working set, on the same rayon threads as its kernels, read
+//! just before the row's timed windows and again just after (median of
+//! [`REFERENCE_REPS`] reps each). Both readings are recorded (`reference_before_gbps`,
+//! `reference_after_gbps`); the ratios and the verdict are against the higher of the two. A
+//! reading outside the run's own spread — below half or above twice the median of every
+//! bandwidth reading the run has taken so far (this row's included) — is flagged in the row
+//! (`reference_before_flagged` / `reference_after_flagged` = 1 and a note) and not used; when
+//! both are flagged the run's median is the reference. The same read is also interleaved rep by
+//! rep with the kernels' chains (it evicts the caches between them, and its readings join the
+//! run's spread); the `memory-bandwidth` row's median is recorded beside each row.
 //!
 //! A row cannot PASS when its quiet gate failed or the machine was busy (1-minute load average
 //! above the core count when the row finished): the verdict says `UNQUIET` or `BUSY` instead
@@ -283,15 +294,166 @@ fn read_pass(buf: &[u64]) -> u64 {
         .reduce(|| 0, |a, b| a.wrapping_add(b))
 }
 
-fn bandwidth(opts: &Options) -> Result<Row> {
-    let bytes: usize = 1 << 30;
-    let reps = if opts.quick { 5 } else { 9 };
-    let mut buf = vec![0u64; bytes / 8];
+/// A buffer of `bytes` (rounded down to whole words, at least one) filled with distinct words.
+fn read_buffer(bytes: usize) -> Vec<u64> {
+    let mut buf = vec![0u64; (bytes / 8).max(1)];
     buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
         c.iter_mut()
             .enumerate()
             .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
     });
+    buf
+}
+
+/// Reps of each reference reading taken before and after a row.
+pub const REFERENCE_REPS: usize = 3;
+
+/// A reference reading outside `[median / SPREAD_FACTOR, median × SPREAD_FACTOR]` of the run's
+/// bandwidth readings is out of the run's spread.
+pub const SPREAD_FACTOR: f64 = 2.0;
+
+/// One reference reading: an untimed pass, then [`REFERENCE_REPS`] timed reads of `buf` on
+/// rayon's threads (the kernels' pool). Seconds per rep.
+fn reference_reading(buf: &[u64]) -> Vec<f64> {
+    black_box(read_pass(black_box(buf)));
+    (0..REFERENCE_REPS)
+        .map(|_| {
+            let t = Instant::now();
+            black_box(read_pass(black_box(buf)));
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// GB/s of each timed read of `bytes`.
+fn gbps_of(bytes: usize, secs: &[f64]) -> impl Iterator<Item = f64> + '_ {
+    secs.iter().map(move |t| bytes as f64 / 1e9 / t)
+}
+
+/// The median of a run's bandwidth readings (GB/s; non-finite and non-positive ones ignored).
+pub fn run_median(readings: &[f64]) -> f64 {
+    let ok: Vec<f64> = readings
+        .iter()
+        .copied()
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    median(&ok)
+}
+
+/// Whether `gbps` lies within the run's spread around `run_median` (see [`SPREAD_FACTOR`]).
+pub fn within_spread(gbps: f64, run_median: f64) -> bool {
+    gbps.is_finite()
+        && run_median.is_finite()
+        && gbps >= run_median / SPREAD_FACTOR
+        && gbps <= run_median * SPREAD_FACTOR
+}
+
+/// A row's reference bandwidth: the readings before and after the row, which of them lie
+/// outside the run's spread, and the one the row's ratios are divided by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    pub before_gbps: f64,
+    pub after_gbps: f64,
+    /// The median of the run's bandwidth readings the spread is taken around.
+    pub run_median_gbps: f64,
+    pub before_flagged: bool,
+    pub after_flagged: bool,
+    /// The reading used: the higher of the readings within the spread, or the run's median
+    /// when neither is.
+    pub gbps: f64,
+}
+
+impl Reference {
+    /// Decide the reference from the two readings and the run's median reading. Pure: no
+    /// measurement, so the rule is tested on numbers.
+    pub fn choose(before_gbps: f64, after_gbps: f64, run_median_gbps: f64) -> Reference {
+        let before_flagged = !within_spread(before_gbps, run_median_gbps);
+        let after_flagged = !within_spread(after_gbps, run_median_gbps);
+        let gbps = match (before_flagged, after_flagged) {
+            (false, false) => before_gbps.max(after_gbps),
+            (false, true) => before_gbps,
+            (true, false) => after_gbps,
+            (true, true) => run_median_gbps,
+        };
+        Reference {
+            before_gbps,
+            after_gbps,
+            run_median_gbps,
+            before_flagged,
+            after_flagged,
+            gbps,
+        }
+    }
+
+    /// Record the readings, the flags and the reading used in a row's metrics, with a note for
+    /// each flagged reading.
+    fn record(&self, metrics: &mut BTreeMap<String, f64>, notes: &mut Vec<String>) {
+        metrics.insert("reference_before_gbps".into(), self.before_gbps);
+        metrics.insert("reference_after_gbps".into(), self.after_gbps);
+        metrics.insert("reference_run_median_gbps".into(), self.run_median_gbps);
+        metrics.insert(
+            "reference_before_flagged".into(),
+            f64::from(u8::from(self.before_flagged)),
+        );
+        metrics.insert(
+            "reference_after_flagged".into(),
+            f64::from(u8::from(self.after_flagged)),
+        );
+        metrics.insert("reference_gbps".into(), self.gbps);
+        for (when, g, flagged) in [
+            ("before", self.before_gbps, self.before_flagged),
+            ("after", self.after_gbps, self.after_flagged),
+        ] {
+            if flagged {
+                notes.push(format!(
+                    "reference reading {when} the row ({g:.2} GB/s) is outside the run's spread ({:.2}-{:.2} GB/s: half to twice the median {:.2} of the run's readings) and is not used",
+                    self.run_median_gbps / SPREAD_FACTOR,
+                    self.run_median_gbps * SPREAD_FACTOR,
+                    self.run_median_gbps
+                ));
+            }
+        }
+        if self.before_flagged && self.after_flagged {
+            notes.push(format!(
+                "both reference readings are outside the run's spread: ratios are against the run's median reading {:.2} GB/s",
+                self.run_median_gbps
+            ));
+        }
+    }
+}
+
+/// The reference of a row measured around `body`: a reading of `buf` before and after it, both
+/// added to the run's `readings` (GB/s per rep) together with the row's interleaved readings
+/// (`body` returns their seconds), the decision taken against the run's median. Also returns
+/// the raw seconds of the two readings (`reference.before`, `reference.after`).
+fn around<T>(
+    buf: &[u64],
+    readings: &mut Vec<f64>,
+    body: impl FnOnce() -> Result<(T, Vec<f64>)>,
+) -> Result<(T, Reference, BTreeMap<String, Vec<f64>>)> {
+    let bytes = buf.len() * 8;
+    let before = reference_reading(buf);
+    let (out, interleaved) = body()?;
+    let after = reference_reading(buf);
+    readings.extend(gbps_of(bytes, &before));
+    readings.extend(gbps_of(bytes, &interleaved));
+    readings.extend(gbps_of(bytes, &after));
+    let r = Reference::choose(
+        bytes as f64 / 1e9 / median(&before),
+        bytes as f64 / 1e9 / median(&after),
+        run_median(readings),
+    );
+    let raw = BTreeMap::from([
+        ("reference.before".to_string(), before),
+        ("reference.after".to_string(), after),
+    ]);
+    Ok((out, r, raw))
+}
+
+fn bandwidth(opts: &Options) -> Result<Row> {
+    let bytes: usize = BANDWIDTH_BYTES;
+    let reps = if opts.quick { 5 } else { 9 };
+    let buf = read_buffer(bytes);
     let expect = read_pass(&buf);
     let mut bad = 0u64;
     let w = Window { opts };
@@ -963,7 +1125,7 @@ fn ffn(
     }
 }
 
-fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
+fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>, readings: &mut Vec<f64>) -> Result<Row> {
     let eb = expert_bytes(fmt);
     let pool_bytes: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
     let n = pool_bytes.div_ceil(eb).max(TOPK);
@@ -1004,34 +1166,34 @@ fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
         ExpertFmt::Mxfp4 => "mxfp4",
         ExpertFmt::E8p => "e8p",
     };
-    // The bandwidth reference is re-measured rep by rep between the FFN chains, so the ratio
-    // compares numbers taken under the same conditions (on a shared machine the load moves).
-    let bw_bytes: usize = BANDWIDTH_BYTES;
-    let mut buf = vec![0u64; bw_bytes / 8];
-    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
-        c.iter_mut()
-            .enumerate()
-            .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
-    });
+    // The reference reads a buffer the size of the expert pool (the row's working set) before
+    // and after the row; the same read is interleaved rep by rep with the FFN chains.
+    let buf = read_buffer(n * eb);
+    let bw_bytes = buf.len() * 8;
     let w = Window { opts };
-    let (raw, quiet) = w.run(
-        reps,
-        &mut [
-            (name, &mut || run()),
-            ("bandwidth", &mut || {
-                black_box(read_pass(black_box(&buf)));
-            }),
-        ],
-    );
+    let ((mut raw, quiet), reference, ref_raw) = around(&buf, readings, || {
+        let (raw, quiet) = w.run(
+            reps,
+            &mut [
+                (name, &mut || run()),
+                ("bandwidth", &mut || {
+                    black_box(read_pass(black_box(&buf)));
+                }),
+            ],
+        );
+        let interleaved = raw["bandwidth"].clone();
+        Ok(((raw, quiet), interleaved))
+    })?;
     drop(buf);
+    raw.extend(ref_raw);
     let med = medians(&raw);
     let bytes_per_chain = (CHAIN * TOPK * eb) as f64;
     let gbps = bytes_per_chain / 1e9 / med[name];
     let bw_here = bw_bytes as f64 / 1e9 / med["bandwidth"];
-    let ratio = gbps / bw_here;
+    let ratio = gbps / reference.gbps;
     let (pass, tune, test, rule) = match fmt {
-        ExpertFmt::Mxfp4 => (0.85, 0.5, "routed-ffn", "PASS if effective GB/s >= 0.85x the measured read bandwidth, TUNE 0.5-0.85, KILL below"),
-        ExpertFmt::E8p => (0.5, 0.25, "e8p-m1", "PASS if effective GB/s of code bytes >= 0.5x the measured read bandwidth, TUNE 0.25-0.5, KILL below"),
+        ExpertFmt::Mxfp4 => (0.85, 0.5, "routed-ffn", "PASS if effective GB/s >= 0.85x the row's reference read bandwidth (the higher of the readings before and after the row that lie within the run's spread), TUNE 0.5-0.85, KILL below"),
+        ExpertFmt::E8p => (0.5, 0.25, "e8p-m1", "PASS if effective GB/s of code bytes >= 0.5x the row's reference read bandwidth (the higher of the readings before and after the row that lie within the run's spread), TUNE 0.25-0.5, KILL below"),
     };
     let verdict = if ratio >= pass {
         "PASS"
@@ -1041,6 +1203,13 @@ fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
         "KILL"
     };
     let mut metrics = BTreeMap::new();
+    let mut notes = vec![format!(
+        "expert pool of {n} (not 384: {n} x {:.1} MB = {:.2} GB keeps the working set >= {} beside everything else); real V4.1-Flash expert shape; random weights with realistic scales",
+        eb as f64 / 1e6,
+        (n * eb) as f64 / 1e9,
+        if opts.quick { "256 MiB" } else { "1 GiB" }
+    )];
+    reference.record(&mut metrics, &mut notes);
     metrics.insert("gbps".into(), gbps);
     metrics.insert("ratio_to_bandwidth".into(), ratio);
     metrics.insert("bandwidth_interleaved_gbps".into(), bw_here);
@@ -1068,16 +1237,11 @@ fn routed(opts: &Options, fmt: ExpertFmt, bw: Option<f64>) -> Result<Row> {
         raw_seconds: raw,
         median_seconds: med,
         metrics,
-        bandwidth_gbps: Some(bw_here),
+        bandwidth_gbps: Some(reference.gbps),
         verdict: verdict.into(),
         rule: rule.into(),
         quiet,
-        notes: vec![format!(
-            "expert pool of {n} (not 384: {n} x {:.1} MB = {:.2} GB keeps the working set >= {} beside everything else); real V4.1-Flash expert shape; random weights with realistic scales",
-            eb as f64 / 1e6,
-            (n * eb) as f64 / 1e9,
-            if opts.quick { "256 MiB" } else { "1 GiB" }
-        )],
+        notes,
     })
 }
 
@@ -1101,7 +1265,8 @@ fn gate_row(row: &mut Row) -> Result<()> {
     Ok(())
 }
 
-/// Bytes of the reference read re-measured between the routed and fast-kernel chains.
+/// Bytes of the `memory-bandwidth` row's read, and of the interleaved read in rows that do not
+/// record `bandwidth_bytes`.
 pub const BANDWIDTH_BYTES: usize = 1 << 30;
 
 /// The verdict a row's raw timings give under its test's rule, recomputed from `raw_seconds`
@@ -1147,6 +1312,24 @@ pub fn judge_numbers(row: &Row) -> Result<String> {
         }
     };
     let bw_bytes = param(&["bandwidth_bytes"]).unwrap_or(BANDWIDTH_BYTES as f64);
+    // The row's reference read bandwidth (bytes/s): the decision of [`Reference::choose`] over
+    // the readings before and after the row, in rows that carry them; in rows without them,
+    // the median of the interleaved read `interleaved`.
+    let reference = |interleaved: &str| -> Result<f64> {
+        if row.raw_seconds.contains_key("reference.before")
+            || row.raw_seconds.contains_key("reference.after")
+        {
+            let g = |k: &str| -> Result<f64> { Ok(bw_bytes / 1e9 / med(k)?) };
+            let r = Reference::choose(
+                g("reference.before")?,
+                g("reference.after")?,
+                metric("reference_run_median_gbps")?,
+            );
+            Ok(r.gbps * 1e9)
+        } else {
+            Ok(bw_bytes / med(interleaved)?)
+        }
+    };
     let v = match row.test.as_str() {
         "memory-bandwidth" => "INFO",
         "mxfp8-residents" => {
@@ -1193,7 +1376,7 @@ pub fn judge_numbers(row: &Row) -> Result<String> {
                 ("e8p", 0.5, 0.25)
             };
             let bytes = param(&["chain"])? * param(&["bytes_per_ffn"])?;
-            let ratio = (bytes / med(name)?) / (bw_bytes / med("bandwidth")?);
+            let ratio = (bytes / med(name)?) / reference("bandwidth")?;
             grade(ratio, pass, tune)
         }
         "fast-kernels" => {
@@ -1202,7 +1385,7 @@ pub fn judge_numbers(row: &Row) -> Result<String> {
             let ratio = |name: &str, fmt: ExpertFmt| -> Result<f64> {
                 let bytes = calls * top_k * expert_bytes(fmt) as f64;
                 Ok((bytes / med(&format!("{name}.m1.fast"))?)
-                    / (bw_bytes / med(&format!("bandwidth.{name}.m1"))?))
+                    / reference(&format!("bandwidth.{name}.m1"))?)
             };
             let v4 = grade(ratio("mxfp4", ExpertFmt::Mxfp4)?, 0.85, 0.5);
             let v2 = grade(ratio("e8p", ExpertFmt::E8p)?, 0.5, 0.25);
@@ -1217,7 +1400,7 @@ pub fn judge_numbers(row: &Row) -> Result<String> {
         "fast-residents" => {
             let side = param(&["side"])?;
             let bytes = param(&["copies"])? * mxfp8_bytes(side as usize) as f64;
-            let ratio = (bytes / med("mxfp8.m1.fast")?) / (bw_bytes / med("bandwidth.m1")?);
+            let ratio = (bytes / med("mxfp8.m1.fast")?) / reference("bandwidth.m1")?;
             grade(ratio, 0.85, 0.5)
         }
         t => return Err(bad(format!("unknown kill test `{t}`"))),
@@ -1370,101 +1553,104 @@ fn swiglu_all(h: &mut [Vec<f32>], g: &[Vec<f32>], u: &[Vec<f32>]) {
 /// Tokens per call the fast-kernels test measures.
 const FAST_MS: [usize; 4] = [1, 4, 8, 32];
 
-fn fast_kernels(opts: &Options, bw: Option<f64>) -> Result<Row> {
+fn fast_kernels(opts: &Options, bw: Option<f64>, readings: &mut Vec<f64>) -> Result<Row> {
     use keep_kernels::Kernels;
     let reps = if opts.quick { 2 } else { 3 };
     let pool_bytes: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
-    let bw_bytes: usize = BANDWIDTH_BYTES;
-    let mut buf = vec![0u64; bw_bytes / 8];
-    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
-        c.iter_mut()
-            .enumerate()
-            .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
-    });
+    // The reference reads a buffer the size of one expert pool (the row's working set).
+    let buf = read_buffer(pool_bytes);
+    let bw_bytes = buf.len() * 8;
     let mut raw_all: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut metrics = BTreeMap::new();
     let mut quiet_all: Option<Quiet> = None;
     let mut calls_of = BTreeMap::new();
-    for fmt in [ExpertFmt::Mxfp4, ExpertFmt::E8p] {
-        let name = match fmt {
-            ExpertFmt::Mxfp4 => "mxfp4",
-            ExpertFmt::E8p => "e8p",
-        };
-        let eb = expert_bytes(fmt);
-        let n = pool_bytes.div_ceil(eb).max(TOPK);
-        let pool: Vec<Expert> = (0..n).map(|e| synth_expert(fmt, 5000 + e as u64)).collect();
-        let mut g = Rng::new(91);
-        for &m in &FAST_MS {
-            // Fewer chained calls at larger M (the slow exact E8P kernel), at least 2.
-            let calls = (CHAIN / m).max(2);
-            calls_of.insert(m, calls);
-            let routes: Vec<Vec<usize>> = (0..calls)
-                .map(|_| {
-                    let mut r: Vec<usize> = vec![];
-                    while r.len() < TOPK {
-                        let e = (g.next() % n as u64) as usize;
-                        if !r.contains(&e) {
-                            r.push(e);
-                        }
-                    }
-                    r
-                })
-                .collect();
-            let x0: Vec<f32> = (0..m * DIM).map(|_| g.normal()).collect();
-            let run = |kernels: Kernels| {
-                let mut x = x0.clone();
-                let mut out = vec![0f32; m * DIM];
-                for r in &routes {
-                    ffn_m(fmt, kernels, &pool, r, &x, m, &mut out);
-                    for t in 0..m {
-                        let o = &out[t * DIM..(t + 1) * DIM];
-                        let ms = o.iter().map(|v| v * v).sum::<f32>() / DIM as f32;
-                        let inv = 1.0 / (ms + 1e-6).sqrt();
-                        for ((xv, ov), a) in x[t * DIM..(t + 1) * DIM]
-                            .iter_mut()
-                            .zip(o)
-                            .zip(&x0[t * DIM..(t + 1) * DIM])
-                        {
-                            *xv = 0.5 * a + 0.5 * ov * inv;
-                        }
-                    }
-                }
-                black_box(x[0]);
+    let mut interleaved = vec![];
+    let ((), reference, ref_raw) = around(&buf, readings, || {
+        for fmt in [ExpertFmt::Mxfp4, ExpertFmt::E8p] {
+            let name = match fmt {
+                ExpertFmt::Mxfp4 => "mxfp4",
+                ExpertFmt::E8p => "e8p",
             };
-            let (ke, kf, kb) = (
-                format!("{name}.m{m}.exact"),
-                format!("{name}.m{m}.fast"),
-                format!("bandwidth.{name}.m{m}"),
-            );
-            let w = Window { opts };
-            let (raw, quiet) = w.run(
-                reps,
-                &mut [
-                    (ke.as_str(), &mut || run(Kernels::Exact)),
-                    (kf.as_str(), &mut || run(Kernels::Fast)),
-                    (kb.as_str(), &mut || {
-                        black_box(read_pass(black_box(&buf)));
-                    }),
-                ],
-            );
-            quiet_all = Some(match quiet_all {
-                None => quiet,
-                Some(q) => merge_quiet(q, quiet),
-            });
-            let med = medians(&raw);
-            let bytes = (calls * TOPK * eb) as f64;
-            let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
-            for (k, label) in [(&ke, "exact"), (&kf, "fast")] {
-                let gbps = bytes / 1e9 / med[k];
-                metrics.insert(format!("gbps.{name}.m{m}.{label}"), gbps);
-                metrics.insert(format!("ratio.{name}.m{m}.{label}"), gbps / bw_here);
+            let eb = expert_bytes(fmt);
+            let n = pool_bytes.div_ceil(eb).max(TOPK);
+            let pool: Vec<Expert> = (0..n).map(|e| synth_expert(fmt, 5000 + e as u64)).collect();
+            let mut g = Rng::new(91);
+            for &m in &FAST_MS {
+                // Fewer chained calls at larger M (the slow exact E8P kernel), at least 2.
+                let calls = (CHAIN / m).max(2);
+                calls_of.insert(m, calls);
+                let routes: Vec<Vec<usize>> = (0..calls)
+                    .map(|_| {
+                        let mut r: Vec<usize> = vec![];
+                        while r.len() < TOPK {
+                            let e = (g.next() % n as u64) as usize;
+                            if !r.contains(&e) {
+                                r.push(e);
+                            }
+                        }
+                        r
+                    })
+                    .collect();
+                let x0: Vec<f32> = (0..m * DIM).map(|_| g.normal()).collect();
+                let run = |kernels: Kernels| {
+                    let mut x = x0.clone();
+                    let mut out = vec![0f32; m * DIM];
+                    for r in &routes {
+                        ffn_m(fmt, kernels, &pool, r, &x, m, &mut out);
+                        for t in 0..m {
+                            let o = &out[t * DIM..(t + 1) * DIM];
+                            let ms = o.iter().map(|v| v * v).sum::<f32>() / DIM as f32;
+                            let inv = 1.0 / (ms + 1e-6).sqrt();
+                            for ((xv, ov), a) in x[t * DIM..(t + 1) * DIM]
+                                .iter_mut()
+                                .zip(o)
+                                .zip(&x0[t * DIM..(t + 1) * DIM])
+                            {
+                                *xv = 0.5 * a + 0.5 * ov * inv;
+                            }
+                        }
+                    }
+                    black_box(x[0]);
+                };
+                let (ke, kf, kb) = (
+                    format!("{name}.m{m}.exact"),
+                    format!("{name}.m{m}.fast"),
+                    format!("bandwidth.{name}.m{m}"),
+                );
+                let w = Window { opts };
+                let (raw, quiet) = w.run(
+                    reps,
+                    &mut [
+                        (ke.as_str(), &mut || run(Kernels::Exact)),
+                        (kf.as_str(), &mut || run(Kernels::Fast)),
+                        (kb.as_str(), &mut || {
+                            black_box(read_pass(black_box(&buf)));
+                        }),
+                    ],
+                );
+                quiet_all = Some(match quiet_all.take() {
+                    None => quiet,
+                    Some(q) => merge_quiet(q, quiet),
+                });
+                let med = medians(&raw);
+                let bytes = (calls * TOPK * eb) as f64;
+                let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
+                for (k, label) in [(&ke, "exact"), (&kf, "fast")] {
+                    metrics.insert(format!("gbps.{name}.m{m}.{label}"), bytes / 1e9 / med[k]);
+                }
+                metrics.insert(format!("bandwidth.{name}.m{m}"), bw_here);
+                metrics.insert(format!("speedup.{name}.m{m}"), med[&ke] / med[&kf]);
+                interleaved.extend_from_slice(&raw[&kb]);
+                raw_all.extend(raw);
             }
-            metrics.insert(format!("bandwidth.{name}.m{m}"), bw_here);
-            metrics.insert(format!("speedup.{name}.m{m}"), med[&ke] / med[&kf]);
-            raw_all.extend(raw);
         }
-    }
+        Ok(((), std::mem::take(&mut interleaved)))
+    })?;
     drop(buf);
+    raw_all.extend(ref_raw);
+    let mut notes = vec![];
+    reference.record(&mut metrics, &mut notes);
+    ratios_against(&mut metrics, reference.gbps);
     let r4 = metrics["ratio.mxfp4.m1.fast"];
     let r2 = metrics["ratio.e8p.m1.fast"];
     let grade = |r: f64, pass: f64, tune: f64| {
@@ -1509,11 +1695,11 @@ fn fast_kernels(opts: &Options, bw: Option<f64>) -> Result<Row> {
         raw_seconds: raw_all,
         median_seconds: med,
         metrics,
-        bandwidth_gbps: bw,
+        bandwidth_gbps: Some(reference.gbps),
         verdict: verdict.into(),
-        rule: format!("M=1 on the fast kernels: mxfp4 routed FFN PASS if >= 0.85x the interleaved read bandwidth (TUNE 0.5-0.85) [{v4}], e8p PASS if >= 0.5x (TUNE 0.25-0.5) [{v2}]; the worse of the two; M = 4, 8, 32 and the exact kernels reported"),
+        rule: format!("M=1 on the fast kernels: mxfp4 routed FFN PASS if >= 0.85x the row's reference read bandwidth (TUNE 0.5-0.85) [{v4}], e8p PASS if >= 0.5x (TUNE 0.25-0.5) [{v2}]; the worse of the two; M = 4, 8, 32 and the exact kernels reported"),
         quiet: quiet_all.expect("at least one window"),
-        notes: vec![],
+        notes,
     })
 }
 
@@ -1564,7 +1750,7 @@ fn synth_square(seed: u64) -> SquareRes {
 /// Resident GEMVs on the fast kernels against the exact ones: a chain of distinct square
 /// `RES_SIDE²` weights (MXFP8, bf16, affine-8) at M = 1, 4, 8, 32 tokens per call, GB/s of
 /// weight bytes against the interleaved read bandwidth.
-fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
+fn fast_residents(opts: &Options, bw: Option<f64>, readings: &mut Vec<f64>) -> Result<Row> {
     use keep_kernels::Kernels;
     let reps = if opts.quick { 2 } else { 3 };
     let budget: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
@@ -1573,13 +1759,10 @@ fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
     let res: Vec<SquareRes> = (0..copies)
         .map(|c| synth_square(0xFA57 + c as u64))
         .collect();
-    let bw_bytes: usize = BANDWIDTH_BYTES;
-    let mut buf = vec![0u64; bw_bytes / 8];
-    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
-        c.iter_mut()
-            .enumerate()
-            .for_each(|(j, v)| *v = (i * 65536 + j) as u64)
-    });
+    // The reference reads a buffer the size of the mxfp8 copies (the working set the verdict
+    // reads).
+    let buf = read_buffer(copies * mxfp8_bytes(RES_SIDE));
+    let bw_bytes = buf.len() * 8;
     let n = RES_SIDE;
     let fmts = ["mxfp8", "bf16", "affine8"];
     fn src_of<'a>(f: &str, r: &'a SquareRes) -> (simd::Src<'a>, usize) {
@@ -1602,78 +1785,86 @@ fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
     let mut raw_all: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut metrics = BTreeMap::new();
     let mut quiet_all: Option<Quiet> = None;
-    for &m in &FAST_MS {
-        let mut g = Rng::new(17 + m as u64);
-        let x0: Vec<f32> = (0..m * n).map(|_| g.normal()).collect();
-        let run = |f: &str, kernels: Kernels| {
-            let mut x = x0.clone();
-            let mut y = vec![0f32; m * n];
-            for r in &res {
-                let (w, _) = src_of(f, r);
-                let mut jobs = [Job {
-                    w,
-                    rows: n,
-                    cols: n,
-                    x: &x,
-                    m,
-                    out: &mut y,
-                }];
-                keep_kernels::matmul::matmul_many_with(kernels, &mut jobs).expect("sized");
-                for (xr, yr) in x.chunks_exact_mut(n).zip(y.chunks_exact(n)) {
-                    let ms = yr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-                    let inv = 1.0 / (ms + 1e-6).sqrt();
-                    xr.iter_mut().zip(yr).for_each(|(a, b)| *a = b * inv);
+    let mut interleaved = vec![];
+    let ((), reference, ref_raw) = around(&buf, readings, || {
+        for &m in &FAST_MS {
+            let mut g = Rng::new(17 + m as u64);
+            let x0: Vec<f32> = (0..m * n).map(|_| g.normal()).collect();
+            let run = |f: &str, kernels: Kernels| {
+                let mut x = x0.clone();
+                let mut y = vec![0f32; m * n];
+                for r in &res {
+                    let (w, _) = src_of(f, r);
+                    let mut jobs = [Job {
+                        w,
+                        rows: n,
+                        cols: n,
+                        x: &x,
+                        m,
+                        out: &mut y,
+                    }];
+                    keep_kernels::matmul::matmul_many_with(kernels, &mut jobs).expect("sized");
+                    for (xr, yr) in x.chunks_exact_mut(n).zip(y.chunks_exact(n)) {
+                        let ms = yr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+                        let inv = 1.0 / (ms + 1e-6).sqrt();
+                        xr.iter_mut().zip(yr).for_each(|(a, b)| *a = b * inv);
+                    }
                 }
+                black_box(x[0]);
+            };
+            let names: Vec<(String, &str, Kernels)> = fmts
+                .iter()
+                .flat_map(|&f| {
+                    [Kernels::Exact, Kernels::Fast]
+                        .map(|k| (format!("{f}.m{m}.{}", k.name()), f, k))
+                })
+                .collect();
+            let kb = format!("bandwidth.m{m}");
+            let mut closures: Vec<Box<dyn FnMut() + '_>> = names
+                .iter()
+                .map(|(_, f, k)| {
+                    let (f, k, run) = (*f, *k, &run);
+                    Box::new(move || run(f, k)) as Box<dyn FnMut()>
+                })
+                .collect();
+            let mut bwf = || {
+                black_box(read_pass(black_box(&buf)));
+            };
+            let mut variants: Vec<(&str, &mut dyn FnMut())> = names
+                .iter()
+                .zip(closures.iter_mut())
+                .map(|((k, _, _), c)| (k.as_str(), &mut **c as &mut dyn FnMut()))
+                .collect();
+            variants.push((kb.as_str(), &mut bwf));
+            let (raw, quiet) = Window { opts }.run(reps, &mut variants);
+            quiet_all = Some(match quiet_all.take() {
+                None => quiet,
+                Some(q) => merge_quiet(q, quiet),
+            });
+            let med = medians(&raw);
+            let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
+            metrics.insert(kb.clone(), bw_here);
+            for f in fmts {
+                let bytes = (copies * src_of(f, &res[0]).1) as f64;
+                for k in [Kernels::Exact, Kernels::Fast] {
+                    let t = med[&format!("{f}.m{m}.{}", k.name())];
+                    metrics.insert(format!("gbps.{f}.m{m}.{}", k.name()), bytes / 1e9 / t);
+                }
+                metrics.insert(
+                    format!("speedup.{f}.m{m}"),
+                    med[&format!("{f}.m{m}.exact")] / med[&format!("{f}.m{m}.fast")],
+                );
             }
-            black_box(x[0]);
-        };
-        let names: Vec<(String, &str, Kernels)> = fmts
-            .iter()
-            .flat_map(|&f| {
-                [Kernels::Exact, Kernels::Fast].map(|k| (format!("{f}.m{m}.{}", k.name()), f, k))
-            })
-            .collect();
-        let kb = format!("bandwidth.m{m}");
-        let mut closures: Vec<Box<dyn FnMut() + '_>> = names
-            .iter()
-            .map(|(_, f, k)| {
-                let (f, k, run) = (*f, *k, &run);
-                Box::new(move || run(f, k)) as Box<dyn FnMut()>
-            })
-            .collect();
-        let mut bwf = || {
-            black_box(read_pass(black_box(&buf)));
-        };
-        let mut variants: Vec<(&str, &mut dyn FnMut())> = names
-            .iter()
-            .zip(closures.iter_mut())
-            .map(|((k, _, _), c)| (k.as_str(), &mut **c as &mut dyn FnMut()))
-            .collect();
-        variants.push((kb.as_str(), &mut bwf));
-        let (raw, quiet) = Window { opts }.run(reps, &mut variants);
-        quiet_all = Some(match quiet_all {
-            None => quiet,
-            Some(q) => merge_quiet(q, quiet),
-        });
-        let med = medians(&raw);
-        let bw_here = bw_bytes as f64 / 1e9 / med[&kb];
-        metrics.insert(kb.clone(), bw_here);
-        for f in fmts {
-            let bytes = (copies * src_of(f, &res[0]).1) as f64;
-            for k in [Kernels::Exact, Kernels::Fast] {
-                let t = med[&format!("{f}.m{m}.{}", k.name())];
-                let gbps = bytes / 1e9 / t;
-                metrics.insert(format!("gbps.{f}.m{m}.{}", k.name()), gbps);
-                metrics.insert(format!("ratio.{f}.m{m}.{}", k.name()), gbps / bw_here);
-            }
-            metrics.insert(
-                format!("speedup.{f}.m{m}"),
-                med[&format!("{f}.m{m}.exact")] / med[&format!("{f}.m{m}.fast")],
-            );
+            interleaved.extend_from_slice(&raw[&kb]);
+            raw_all.extend(raw);
         }
-        raw_all.extend(raw);
-    }
+        Ok(((), std::mem::take(&mut interleaved)))
+    })?;
     drop(buf);
+    raw_all.extend(ref_raw);
+    let mut notes = vec![];
+    reference.record(&mut metrics, &mut notes);
+    ratios_against(&mut metrics, reference.gbps);
     let r = metrics["ratio.mxfp8.m1.fast"];
     let verdict = if r >= 0.85 {
         "PASS"
@@ -1706,15 +1897,29 @@ fn fast_residents(opts: &Options, bw: Option<f64>) -> Result<Row> {
         raw_seconds: raw_all,
         median_seconds: med,
         metrics,
-        bandwidth_gbps: bw,
+        bandwidth_gbps: Some(reference.gbps),
         verdict: verdict.into(),
-        rule: format!("M=1 mxfp8 resident GEMV on the fast kernels PASS if >= 0.85x the interleaved read bandwidth (TUNE 0.5-0.85) [{verdict}]; bf16 and affine8, M = 4, 8, 32 and the exact kernels reported"),
+        rule: format!("M=1 mxfp8 resident GEMV on the fast kernels PASS if >= 0.85x the row's reference read bandwidth (TUNE 0.5-0.85) [{verdict}]; bf16 and affine8, M = 4, 8, 32 and the exact kernels reported"),
         quiet: quiet_all.expect("at least one window"),
-        notes: vec![],
+        notes,
     })
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/// `ratio.X` = `gbps.X` / `reference_gbps` for every `gbps.X` cell of a row.
+fn ratios_against(metrics: &mut BTreeMap<String, f64>, reference_gbps: f64) {
+    let cells: Vec<(String, f64)> = metrics
+        .iter()
+        .filter_map(|(k, v)| {
+            Some((
+                format!("ratio.{}", k.strip_prefix("gbps.")?),
+                v / reference_gbps,
+            ))
+        })
+        .collect();
+    metrics.extend(cells);
+}
 
 fn write_row(dir: &Path, row: &Row) -> Result<()> {
     let io = |p: &Path, e| BenchError::Io {
@@ -1752,6 +1957,12 @@ pub fn run(opts: &Options, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     // The bandwidth reference is always measured: every ratio needs it.
     let bw_row = bandwidth(opts)?;
     let bw = bw_row.bandwidth_gbps;
+    // Every bandwidth reading of the run (GB/s per rep): the spread references are judged in.
+    let mut readings: Vec<f64> = gbps_of(
+        BANDWIDTH_BYTES,
+        bw_row.raw_seconds.get("read").map_or(&[][..], |v| v),
+    )
+    .collect();
     push(bw_row, &mut rows)?;
     if want("mxfp8-residents") {
         push(residents(opts)?, &mut rows)?;
@@ -1760,16 +1971,19 @@ pub fn run(opts: &Options, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
         push(sinkhorn(opts)?, &mut rows)?;
     }
     if want("e8p-m1") {
-        push(routed(opts, ExpertFmt::E8p, bw)?, &mut rows)?;
+        push(routed(opts, ExpertFmt::E8p, bw, &mut readings)?, &mut rows)?;
     }
     if want("routed-ffn") {
-        push(routed(opts, ExpertFmt::Mxfp4, bw)?, &mut rows)?;
+        push(
+            routed(opts, ExpertFmt::Mxfp4, bw, &mut readings)?,
+            &mut rows,
+        )?;
     }
     if want("fast-kernels") {
-        push(fast_kernels(opts, bw)?, &mut rows)?;
+        push(fast_kernels(opts, bw, &mut readings)?, &mut rows)?;
     }
     if want("fast-residents") {
-        push(fast_residents(opts, bw)?, &mut rows)?;
+        push(fast_residents(opts, bw, &mut readings)?, &mut rows)?;
     }
     Ok(rows)
 }
@@ -1789,6 +2003,121 @@ mod tests {
         let (r, diff, out) = synth_resident(&s, 3).unwrap();
         assert_eq!((diff, out), (0, 0));
         assert_eq!(r.rows, 192);
+    }
+
+    /// A run's bandwidth readings (GB/s): median 20.
+    const RUN: [f64; 9] = [18.0, 19.0, 19.5, 20.0, 20.0, 20.5, 21.0, 22.0, 23.0];
+
+    fn judged(before: f64, after: f64) -> Reference {
+        let mut readings = RUN.to_vec();
+        readings.extend([before, after]);
+        Reference::choose(before, after, run_median(&readings))
+    }
+
+    #[test]
+    fn the_reference_is_the_higher_reading_within_the_run_spread() {
+        let r = judged(19.0, 22.0);
+        assert_eq!(r.run_median_gbps, 20.0);
+        assert!(!r.before_flagged && !r.after_flagged);
+        assert_eq!(r.gbps, 22.0);
+        let r = judged(22.0, 19.0);
+        assert_eq!(r.gbps, 22.0);
+        // The edges of the spread (half and twice the median) are inside it.
+        let r = Reference::choose(10.0, 40.0, 20.0);
+        assert!(!r.before_flagged && !r.after_flagged);
+        assert_eq!(r.gbps, 40.0);
+    }
+
+    #[test]
+    fn a_reading_outside_the_run_spread_is_flagged_and_not_used() {
+        // Above twice the median: the higher reading, but flagged; the other one is used.
+        let r = judged(68.0, 19.0);
+        assert_eq!(r.run_median_gbps, 20.0);
+        assert!(r.before_flagged && !r.after_flagged);
+        assert_eq!(r.gbps, 19.0);
+        // Below half the median (the 11.5 GB/s window of a loaded machine).
+        let r = judged(21.0, 9.5);
+        assert!(!r.before_flagged && r.after_flagged);
+        assert_eq!(r.gbps, 21.0);
+        // Neither usable: the run's median.
+        let r = judged(60.0, 5.0);
+        assert!(r.before_flagged && r.after_flagged);
+        assert_eq!(r.gbps, 20.0);
+        // Not a number is never used.
+        let r = judged(f64::NAN, 21.0);
+        assert!(r.before_flagged && !r.after_flagged);
+        assert_eq!(r.gbps, 21.0);
+
+        // Recorded in the row: both readings, the flags, the reading used, and a note.
+        let (mut m, mut notes) = (BTreeMap::new(), vec![]);
+        judged(68.0, 19.0).record(&mut m, &mut notes);
+        assert_eq!(m["reference_before_gbps"], 68.0);
+        assert_eq!(m["reference_after_gbps"], 19.0);
+        assert_eq!(m["reference_before_flagged"], 1.0);
+        assert_eq!(m["reference_after_flagged"], 0.0);
+        assert_eq!(m["reference_gbps"], 19.0);
+        assert_eq!(notes.len(), 1);
+        assert!(
+            notes[0].contains("before the row (68.00 GB/s) is outside the run's spread"),
+            "{notes:?}"
+        );
+    }
+
+    /// A routed-ffn row: 1 GB of chained expert bytes at `gbps`, reference reads of 1 GB
+    /// giving `before` and `after` GB/s, in a run whose median reading is 20 GB/s.
+    fn routed_row(gbps: f64, before: f64, after: f64) -> Row {
+        let c = pressure::parse_vmstat("pgmajfault 1\npswpin 0\npswpout 0\n");
+        Row {
+            format: ROW_FORMAT.into(),
+            schema_version: SCHEMA_VERSION,
+            test: "routed-ffn".into(),
+            command: String::new(),
+            machine: serde_json::Value::Null,
+            versions: Default::default(),
+            formats: vec![],
+            resident_format: String::new(),
+            params: serde_json::json!({"chain": 1, "bytes_per_ffn": 1e9, "bandwidth_bytes": 1e9}),
+            raw_seconds: BTreeMap::from([
+                ("mxfp4".to_string(), vec![1.0 / gbps]),
+                ("bandwidth".to_string(), vec![1.0 / 40.0]),
+                ("reference.before".to_string(), vec![1.0 / before; 3]),
+                ("reference.after".to_string(), vec![1.0 / after; 3]),
+            ]),
+            median_seconds: Default::default(),
+            metrics: BTreeMap::from([("reference_run_median_gbps".to_string(), 20.0)]),
+            bandwidth_gbps: None,
+            verdict: String::new(),
+            rule: String::new(),
+            quiet: pressure::judge(c.clone(), c),
+            notes: vec![],
+        }
+    }
+
+    #[test]
+    fn the_verdict_reads_the_reference_not_a_flagged_reading() {
+        // 17 GB/s against readings 19 and 21: 0.81 of the higher, TUNE.
+        assert_eq!(
+            judge_numbers(&routed_row(17.0, 19.0, 21.0)).unwrap(),
+            "TUNE"
+        );
+        // Against 19 and 18: 0.89, PASS.
+        assert_eq!(
+            judge_numbers(&routed_row(17.0, 19.0, 18.0)).unwrap(),
+            "PASS"
+        );
+        // A reading of 68 before the row is out of the spread: the verdict reads 18, PASS
+        // (against 68 it would be 0.25, KILL).
+        assert_eq!(
+            judge_numbers(&routed_row(17.0, 68.0, 18.0)).unwrap(),
+            "PASS"
+        );
+        // A reading of 9 after is out of the spread: against 19, TUNE (against 9, PASS).
+        assert_eq!(judge_numbers(&routed_row(15.0, 19.0, 9.0)).unwrap(), "TUNE");
+        // Without the reference readings the interleaved read (40 GB/s here) is the reference.
+        let mut old = routed_row(17.0, 19.0, 18.0);
+        old.raw_seconds.remove("reference.before");
+        old.raw_seconds.remove("reference.after");
+        assert_eq!(judge_numbers(&old).unwrap(), "KILL");
     }
 
     #[test]

@@ -26,14 +26,9 @@ use keep_model::{Logits, Model, ModelConfig};
 const SELF_DIST_REL: f64 = 1e-6;
 
 fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(6364136223846793005) | 1;
+    let mut r = keep_rng::lcg(seed.wrapping_mul(keep_rng::Lcg64::A) | 1);
     (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) as u32) % vocab
-        })
+        .map(|_| ((keep_rng::RngCore::next_u64(&mut r) >> 33) as u32) % vocab)
         .collect()
 }
 

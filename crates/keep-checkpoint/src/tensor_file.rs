@@ -5,8 +5,8 @@
 //!
 //! Layout: 8 bytes little-endian header length N, N bytes of compact JSON padded with spaces to
 //! a multiple of 8, then the tensors' bytes in the order the caller gives them. The JSON lists
-//! its keys in one of two [`KeyOrder`]s, each the order a family of keep's files has always
-//! had (so rewriting a writer through here changes no byte of its output): checkpoint shards
+//! its keys in one of two [`KeyOrder`]s, each fixed for a family of keep's files (so a writer
+//! through here writes the same bytes as the format defines): checkpoint shards
 //! and route traces list every key in byte order ([`KeyOrder::Sorted`]); calibration files and
 //! `keep logits` list `__metadata__` first and the tensors in the order given
 //! ([`KeyOrder::Listed`], the order the safetensors crate's serializer writes). Metadata is an

@@ -25,16 +25,11 @@ fn json(c: &mut Command) -> serde_json::Value {
     serde_json::from_str(&stdout(c)).unwrap()
 }
 
-/// Token ids of a fixed linear congruential stream, below `vocab`.
+/// Token ids of keep-rng's fixed linear congruential stream, below `vocab`.
 fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(6364136223846793005) | 1;
+    let mut r = keep_rng::lcg(seed.wrapping_mul(keep_rng::Lcg64::A) | 1);
     (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) as u32) % vocab
-        })
+        .map(|_| ((keep_rng::RngCore::next_u64(&mut r) >> 33) as u32) % vocab)
         .collect()
 }
 

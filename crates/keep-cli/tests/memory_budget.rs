@@ -1,17 +1,19 @@
-//! `keep run --memory-budget` keeps its promise on the bundled model: for each prompt length the
-//! binary is asked for the least budget that holds the run (a budget of one byte is refused
-//! naming it), then run at exactly that budget, and the child's peak resident set (from
-//! `wait4`'s rusage) stays within the budget plus `FIXED_OVERHEAD`. A prompt past the model's
-//! context, and a long context in a budget too small for its cache, are refused with exit 1
-//! before anything is allocated. Linux only (`ru_maxrss` in KiB).
+//! `keep run --memory-budget` keeps its promise on a model whose routed experts (158 MiB) exceed
+//! the line it is held to: for each prompt length the binary is asked for the least budget that
+//! holds the run (a budget of one byte is refused naming it), then run at exactly that budget,
+//! and the child's peak resident set (from `wait4`'s rusage) stays within the budget plus
+//! `FIXED_OVERHEAD`, while the same run without `--memory-budget` (the mmap model, which keeps
+//! what it touches) goes past that line — so a run that ignored the budget would fail. A prompt
+//! past the bundled model's context, and a long context in a budget too small for its cache,
+//! are refused with exit 1 before anything is allocated. Linux only (`ru_maxrss` in KiB).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use keep_runtime::FIXED_OVERHEAD;
 
-/// Prompt lengths run here (the full 16..16k table comes from `dev/budget_vs_prompt.sh`);
-/// small enough to run in seconds on two cores.
+/// Prompt lengths run here (the full 16..16k table on the bundled model comes from
+/// `dev/budget_vs_prompt.sh`); small enough to run in seconds on two cores.
 const PROMPTS: [usize; 3] = [16, 200, 700];
 
 struct Outcome {
@@ -48,11 +50,51 @@ fn keep_run(args: &[String], dir: &Path) -> Outcome {
     }
 }
 
-fn args(budget: u64, prompt: usize, max_tokens: usize) -> Vec<String> {
-    [
-        "--memory-budget".to_string(),
-        budget.to_string(),
-        "--prompt-tokens".into(),
+/// keep synth's tiny preset with 96 routed experts of width 1024 per layer (8 layers, 158 MiB
+/// of routed experts, as keep-runtime's `peak_rss` test): experts larger than any budget here
+/// plus the fixed overhead.
+fn wide_model(dir: &Path) -> PathBuf {
+    let (cfg, _) = keep_convert::presets::preset("tiny").unwrap();
+    let mut raw = cfg.raw.clone();
+    raw["n_routed_experts"] = 96.into();
+    raw["moe_intermediate_size"] = 1024.into();
+    let config = dir.join("wide.json");
+    std::fs::write(&config, serde_json::to_vec(&raw).unwrap()).unwrap();
+    let out = dir.join("wide");
+    let st = Command::new(env!("CARGO_BIN_EXE_keep"))
+        .args(["synth", "--seed", "7", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(&out)
+        .env("KEEP_CACHE_DIR", dir.join("cache"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success(), "keep synth failed");
+    out
+}
+
+/// Bytes of `model`'s files (its routed experts are 158 MiB of them).
+fn model_bytes(model: &Path) -> u64 {
+    std::fs::read_dir(model)
+        .unwrap()
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+fn args(
+    model: Option<&Path>,
+    budget: Option<u64>,
+    prompt: usize,
+    max_tokens: usize,
+) -> Vec<String> {
+    let mut a: Vec<String> = model.map(|m| m.display().to_string()).into_iter().collect();
+    if let Some(b) = budget {
+        a.extend(["--memory-budget".to_string(), b.to_string()]);
+    }
+    a.extend([
+        "--prompt-tokens".to_string(),
         prompt.to_string(),
         "--max-tokens".into(),
         max_tokens.to_string(),
@@ -62,8 +104,8 @@ fn args(budget: u64, prompt: usize, max_tokens: usize) -> Vec<String> {
         // which plans K more positions and the module; this file checks the plain budget.
         "--draft".into(),
         "none".into(),
-    ]
-    .to_vec()
+    ]);
+    a
 }
 
 /// The least budget the binary names when refusing `budget`.
@@ -83,9 +125,11 @@ fn needed(o: &Outcome) -> u64 {
 #[test]
 fn peak_rss_stays_within_budget_plus_overhead() {
     let td = tempfile::tempdir().unwrap();
+    let model = wide_model(td.path());
+    let m = Some(model.as_path());
     let mut last_need = 0;
     for &p in &PROMPTS {
-        let refused = keep_run(&args(1, p, 8), td.path());
+        let refused = keep_run(&args(m, Some(1), p, 8), td.path());
         assert_eq!(refused.code, 1, "{}", refused.stderr);
         let need = needed(&refused);
         assert!(
@@ -100,17 +144,35 @@ fn peak_rss_stays_within_budget_plus_overhead() {
             "a longer context needs more ({need} after {last_need})"
         );
         last_need = need;
-        let ok = keep_run(&args(need, p, 8), td.path());
+        let line = need + FIXED_OVERHEAD;
+        let experts = model_bytes(&model);
+        assert!(
+            line + (32 << 20) < experts,
+            "the model ({experts} bytes) must exceed budget + overhead ({line}) to tell"
+        );
+        let ok = keep_run(&args(m, Some(need), p, 8), td.path());
         assert_eq!(ok.code, 0, "prompt {p} at budget {need}: {}", ok.stderr);
+        let plain = keep_run(&args(m, None, p, 8), td.path());
+        assert_eq!(
+            plain.code, 0,
+            "prompt {p} without a budget: {}",
+            plain.stderr
+        );
         eprintln!(
-            "prompt {p}: budget {need}, peak RSS {} (overhead {})",
+            "prompt {p}: budget {need}, peak RSS {} (overhead {}); without the budget {}",
             ok.peak_rss,
-            ok.peak_rss as i64 - need as i64
+            ok.peak_rss as i64 - need as i64,
+            plain.peak_rss
         );
         assert!(
-            ok.peak_rss <= need + FIXED_OVERHEAD,
+            ok.peak_rss <= line,
             "prompt {p}: peak RSS {} > budget {need} + overhead {FIXED_OVERHEAD}",
             ok.peak_rss
+        );
+        assert!(
+            plain.peak_rss > line,
+            "prompt {p}: the run without a budget peaked at {}, within budget {need} + overhead {FIXED_OVERHEAD}: this check could not tell a run that ignored the budget",
+            plain.peak_rss
         );
     }
 }
@@ -120,7 +182,7 @@ fn peak_rss_stays_within_budget_plus_overhead() {
 fn long_contexts_that_cannot_fit_are_refused() {
     let td = tempfile::tempdir().unwrap();
     // Past the bundled model's 4096 positions.
-    let o = keep_run(&args(3 << 20, 8000, 8), td.path());
+    let o = keep_run(&args(None, Some(3 << 20), 8000, 8), td.path());
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert!(o.stderr.contains("max_position_embeddings"), "{}", o.stderr);
     assert!(
@@ -129,7 +191,7 @@ fn long_contexts_that_cannot_fit_are_refused() {
         o.peak_rss
     );
     // Within the positions but not within 3 MiB: refused naming what the context takes.
-    let o = keep_run(&args(3 << 20, 4000, 8), td.path());
+    let o = keep_run(&args(None, Some(3 << 20), 4000, 8), td.path());
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert!(
         o.stderr.contains("context of 4007 tokens takes"),

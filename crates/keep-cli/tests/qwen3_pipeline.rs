@@ -2,8 +2,9 @@
 //! layers with the middle one dense, 16 experts top-4, a 4096-token vocabulary so the bundled
 //! tokenizer's packs fit): inspect, repack of the FP8 layout to MXFP8 (logits unchanged bit for
 //! bit), pack, calibrate, finalize, select (REAP), prune (8 of 16 experts, router rows sliced,
-//! `num_experts` rewritten; the pruned model equals the masked one under eval), eval, run with
-//! and without --memory-budget (the same greedy tokens), residency over the recorded routes.
+//! `num_experts` rewritten; the pruned model equals the masked one under eval), eval, run whole
+//! and under the least --memory-budget it accepts (the same greedy tokens, with evictions),
+//! residency over the recorded routes.
 
 use std::path::{Path, PathBuf};
 
@@ -137,24 +138,28 @@ fn assert_masked_equals_pruned(
     );
 }
 
-/// `keep run` whole and under a 16 MiB budget give the same greedy tokens; residency replays
-/// the recorded routes.
+/// `keep run` whole and under the least budget it accepts give the same greedy tokens; that
+/// budget holds only top-k slots per MoE layer, fewer than the layer's experts, so the run
+/// evicts (more misses than slots); residency replays the recorded routes.
 fn assert_budget_equals_whole(cache: &Path, w: &Path, src: &Path, prompt_tokens: &str) {
+    let args = |extra: &[&str]| -> Vec<String> {
+        [
+            "run",
+            src.to_str().unwrap(),
+            "--prompt-tokens",
+            prompt_tokens,
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
     let gen = |extra: &[&str]| -> String {
-        let out = stdout(
-            keep(cache)
-                .arg("run")
-                .arg(src)
-                .args([
-                    "--prompt-tokens",
-                    prompt_tokens,
-                    "--max-tokens",
-                    "6",
-                    "--temperature",
-                    "0",
-                ])
-                .args(extra),
-        );
+        let out = stdout(keep(cache).args(args(extra)));
         out.lines()
             .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
             .unwrap_or_default()
@@ -163,7 +168,45 @@ fn assert_budget_equals_whole(cache: &Path, w: &Path, src: &Path, prompt_tokens:
     let routes = w.join("routes.safetensors");
     let plain = gen(&["--record-routes", routes.to_str().unwrap()]);
     assert!(!plain.is_empty());
-    assert_eq!(plain, gen(&["--memory-budget", "16MiB"]));
+    // The least budget: the one a budget of one byte is refused naming.
+    let refused = keep(cache)
+        .args(args(&["--memory-budget", "1"]))
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let refused = String::from_utf8(refused).unwrap();
+    let least = refused
+        .split("give a budget ≥ ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no least budget named: {refused}"))
+        .to_string();
+    let stats = w.join("stats.json");
+    assert_eq!(
+        plain,
+        gen(&[
+            "--memory-budget",
+            &least,
+            "--stats-json",
+            stats.to_str().unwrap()
+        ])
+    );
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    let plan = &s["plan"];
+    let (slots, experts, layers) = (
+        plan["slots_per_layer"].as_u64().unwrap(),
+        plan["n_experts"].as_u64().unwrap(),
+        plan["n_layers"].as_u64().unwrap(),
+    );
+    assert!(slots < experts, "{slots} slots hold all {experts} experts");
+    let misses = s["prefill_cache"]["misses"].as_u64().unwrap()
+        + s["decode_cache"]["misses"].as_u64().unwrap();
+    assert!(
+        misses > slots * layers,
+        "{misses} misses fit in {slots} x {layers} slots: nothing was evicted"
+    );
     let rep = stdout(
         keep(cache)
             .arg("residency")
@@ -222,7 +265,8 @@ fn qwen3_moe_through_the_pipeline() {
 
     // Eval: the plan as a router mask on the source scores as the pruned checkpoint does.
     assert_masked_equals_pruned(&cache, w, &src, &pack, &plan, &pruned);
-    // Run whole and under a memory budget: the same greedy tokens; residency replays the routes.
+    // Run whole and under the least budget (evicting): the same greedy tokens; residency
+    // replays the routes.
     assert_budget_equals_whole(&cache, w, &src, "24");
 }
 

@@ -890,7 +890,7 @@ fn write_planned(w: &mut CheckpointWriter, t: &Planned, seed: u64, st: &Storage)
 mod tests {
     use super::*;
 
-    /// keep-rng's generator is the stream `keep synth` has always drawn from (rand 0.9's
+    /// keep-rng's generator is the stream `keep synth` draws from (rand 0.9's
     /// `SmallRng`, Xoshiro256++ seeded by SplitMix64 on 64-bit targets), so a seed makes the
     /// same checkpoint; and so are the normals and integer ranges drawn over it.
     #[cfg(target_pointer_width = "64")]

@@ -3,7 +3,7 @@
 //! and a quantizer that reproduces `mx.quantize`'s codes, scales and biases exactly.
 //!
 //! What it is not: I/O, tensor naming or GEMV kernels (keep-checkpoint and keep-kernels), nor
-//! the 5/6-bit or non-affine (`mxfp4`, `nvfp4`) modes. [`crate::affine`] holds the older 8-bit
+//! the 5/6-bit or non-affine (`mxfp4`, `nvfp4`) modes. [`crate::affine`] holds the 8-bit
 //! byte-per-code helpers, which this module agrees with at `bits = 8`. Depends on
 //! [`crate::affine`] (`ParamSlice`, the group size, the epsilon), [`crate::bf16`] and
 //! [`crate::error`].

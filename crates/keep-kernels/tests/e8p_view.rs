@@ -10,14 +10,14 @@ use keep_kernels::{matmul, matmul_ref, matmul_with, E8pResidual, Kernels, Weight
 /// sum of |x·w| of the dot, a few hundred f32 roundings.
 const DOT_REL_TOL: f64 = 1e-5;
 
-struct Lcg(u64);
+/// keep-rng's LCG stream, upper 48 bits per draw.
+struct Lcg(keep_rng::Lcg64);
 impl Lcg {
+    fn new(seed: u64) -> Lcg {
+        Lcg(keep_rng::lcg(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 16
+        keep_rng::RngCore::next_u64(&mut self.0) >> 16
     }
     fn f(&mut self) -> f32 {
         (self.next() % 20001) as f32 / 10000.0 - 1.0
@@ -31,7 +31,7 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 #[test]
 fn e8p_views_decode_and_multiply() {
     let (rows, cols, m) = (6, 64, 3);
-    let mut g = Lcg(7);
+    let mut g = Lcg::new(7);
     let codes: Vec<u8> = (0..rows * cols / 8 * 2).map(|_| g.next() as u8).collect();
     let scales: Vec<f32> = (0..rows).map(|_| g.f() * 0.1).collect();
     let r81: Vec<u8> = (0..rows * cols / 8).map(|_| g.next() as u8).collect();

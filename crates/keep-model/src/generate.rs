@@ -51,8 +51,8 @@ impl SamplerConfig {
 }
 
 /// A seeded sampler: one uniform draw per sampled token from keep-rng's SplitMix64 stream
-/// started at `seed ^ 0x9E3779B97F4A7C15` (the stream `keep run --seed` has always used, so a
-/// seed samples the same text).
+/// started at `seed ^ 0x9E3779B97F4A7C15` (so a
+/// seed samples the same text on every version and platform).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     cfg: SamplerConfig,

@@ -109,8 +109,8 @@ impl SynthSpec {
 /// Most routed slots a synthetic trace may hold (sessions × tokens × layers × top_k).
 pub const MAX_SYNTH_SLOTS: u64 = 1 << 30;
 
-/// The traces' generator: keep-rng's SplitMix64 stream started at `spec.seed` (the stream these
-/// traces have always drawn from, so a seed makes the same trace).
+/// The traces' generator: keep-rng's SplitMix64 stream started at `spec.seed` (so a seed makes
+/// the same trace).
 type Rng = keep_rng::SplitMix64;
 
 /// Write [`synthetic`]'s trace of `spec` into `dir` as a run directory: one `keep-routes` file

@@ -3,15 +3,14 @@
 //! across keep's versions and platforms.
 //!
 //! What it is: [`Rng`], Xoshiro256++ seeded from a `u64` through SplitMix64 ([`rng`]) — the
-//! algorithm and seeding of rand 0.9's `SmallRng` on 64-bit targets, so its stream is the one
-//! `keep synth` has always drawn — and [`SplitMix64`], its seeding generator, as a stream of
-//! its own for the two outputs that have always drawn from it (sampled text for a seed, `keep
-//! residency --make-synthetic` traces). Both come from `rand_xoshiro`, whose algorithms are fixed by
+//! algorithm and seeding of rand 0.9's `SmallRng` on 64-bit targets, the stream `keep synth`
+//! draws — and [`SplitMix64`], its seeding generator, as a stream of its own (sampled text for
+//! a seed, `keep residency --make-synthetic` traces, `keep fit`'s synthetic check sets, `keep
+//! bench matmul`'s synthetic weights). Both come from `rand_xoshiro`, whose algorithms are fixed by
 //! their published definitions (Blackman and Vigna; Steele, Lea and Flood), unlike rand's
 //! `SmallRng`/`StdRng`, which may change algorithm between versions. [`Lcg64`] is a third,
-//! named stream for the one output that has always drawn from it: the fixed synthetic prompt
-//! of `keep run --prompt-tokens N` (keep-model's `generate::synthetic_prompt`), so runs of
-//! synthetic models stay comparable. [`Draw`] adds the few draws keep makes on any of them,
+//! named stream, for the fixed synthetic prompt of `keep run --prompt-tokens N` (keep-model's
+//! `generate::synthetic_prompt`), so runs of synthetic models stay comparable. [`Draw`] adds the few draws keep makes on any of them,
 //! each defined here once.
 //!
 //! What it is not: no distributions beyond those draws (keep-convert draws its normals with
@@ -38,7 +37,7 @@ pub fn splitmix(seed: u64) -> SplitMix64 {
 
 /// Knuth's 64-bit linear congruential generator (MMIX): `s ← s·6364136223846793005 +
 /// 1442695040888963407 (mod 2⁶⁴)`, each output the new state. A weak generator, kept as a
-/// named stream only because the synthetic prompt has always been drawn from it.
+/// named stream for the synthetic prompt alone (its stream defines that prompt).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lcg64 {
     state: u64,

@@ -189,11 +189,11 @@ fn print_check(r: &CheckReport) {
     println!(
         "  {:<14} {:>12} {:>12} {:>10}",
         "peak RSS",
-        r.predicted_peak_rss
-            .map(human)
+        r.peak_rss_ceiling
+            .map(|c| format!("<= {}", human(c)))
             .unwrap_or_else(|| "-".into()),
         r.peak_rss.map(human).unwrap_or_else(|| "-".into()),
-        ""
+        yn(r.peak_rss_within)
     );
     println!(
         "  {} decoded tokens over {} sequences ({}); load {}; profile {}",

@@ -11,8 +11,8 @@
 //! last whole chunk with a scalar FMA chain. Four independent FMA chains keep the kernel off the
 //! FMA latency bound (one chain caps M=1 at 16 weights per 4 cycles). Every level computes
 //! exactly this, so results are bit-identical whatever M is, however rows are split over
-//! threads, and whichever of scalar/AVX2/AVX-512/NEON ran (tested); they differ from the older
-//! [`crate::matmul::matmul`] (one chain) in the last bits. The weights are decoded in registers,
+//! threads, and whichever of scalar/AVX2/AVX-512/NEON ran (tested); they differ from the one-chain
+//! [`crate::matmul::matmul`] in the last bits. The weights are decoded in registers,
 //! 16 columns at a time; on AVX-512 each decoded chunk serves up to four input rows.
 //!
 //! Threads split the output rows (rayon) when the call has at least
