@@ -34,6 +34,9 @@ pub enum CalibError {
     /// The tokenizer failed.
     #[error("tokenizer {path}: {msg}")]
     Tokenizer { path: PathBuf, msg: String },
+    /// A task check could not run (python3 missing or failing, a temporary file).
+    #[error("{0}")]
+    Task(String),
     /// Drawing the plot failed.
     #[error("plot {path}: {msg}")]
     Plot { path: PathBuf, msg: String },

@@ -70,6 +70,7 @@ pub mod select;
 pub mod session;
 pub mod st;
 pub mod stats;
+pub mod tasks;
 pub mod tiers;
 
 pub use error::CalibError;

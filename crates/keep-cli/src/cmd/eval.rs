@@ -20,15 +20,31 @@ use keep_calib::pack::Pack;
 /// a pruned checkpoint is scored by passing it as MODEL. With several plans, `--plot` draws KL
 /// against experts kept.
 ///
+/// With --tasks SPEC, judges models by what they write instead: each task's prompt is completed
+/// `samples` times (the spec's temperature, top-p and seeds, the same seeds for every model) by
+/// MODEL (the teacher) and by each --student checkpoint (a pruned or quantized variant), and
+/// every completion is checked — parses as Python (tree-sitter's Python grammar), compiles, or
+/// runs and prints the expected output (the user's python3, sandboxed, with a time limit;
+/// refused up front when python3 is missing). Reports each task's pass rate with a Wilson 95%
+/// interval, the teacher beside each student; --json the report with every completion, --plot
+/// the pass rates with their intervals. A spec: tasks/python-basics.json.
+///
 /// Example: keep eval --teacher /tmp/eval-run --mask plan-50.json --mask plan-25.json --plot kl.svg
+/// Example: keep eval --tasks tasks/python-basics.json --student /tmp/pruned --student /tmp/e8p2
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct EvalArgs {
     /// The model (default: the bundled model).
     model: Option<PathBuf>,
     /// The teacher: an eval-split calibration run.
-    #[arg(long)]
-    teacher: PathBuf,
+    #[arg(long, required_unless_present = "tasks", conflicts_with = "tasks")]
+    teacher: Option<PathBuf>,
+    /// A task spec (`keep-tasks` JSON): judge MODEL and each --student by sampled completions.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["alloc", "tiers", "masks"])]
+    tasks: Option<PathBuf>,
+    /// A student checkpoint for --tasks (repeatable): a pruned or quantized variant of MODEL.
+    #[arg(long = "student", value_name = "DIR", requires = "tasks")]
+    students: Vec<PathBuf>,
     /// The pack the teacher run was made from (default: the bundled pack).
     #[arg(long)]
     pack: Option<PathBuf>,
@@ -92,6 +108,20 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,
     };
+    if let Some(spec) = &a.tasks {
+        return super::tasks::run(super::tasks::TasksRun {
+            spec,
+            teacher: &model,
+            students: &a.students,
+            kernels: a.kernels.into(),
+            json: a.json,
+            plot: a.plot.as_deref(),
+        });
+    }
+    let teacher = a
+        .teacher
+        .clone()
+        .context("--teacher (an eval-split calibration run) is required")?;
     let pack_dir = match &a.pack {
         Some(p) => p.clone(),
         None => crate::cmd::calibrate::default_pack()?,
@@ -108,7 +138,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     );
     let r = eval(
         &model,
-        &a.teacher,
+        &teacher,
         &pack,
         &a.masks,
         a.chunk_tokens,
@@ -118,13 +148,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             bar.set_position(d as u64);
         },
     )
-    .with_context(|| {
-        format!(
-            "scoring {} against {}",
-            model.display(),
-            a.teacher.display()
-        )
-    })?;
+    .with_context(|| format!("scoring {} against {}", model.display(), teacher.display()))?;
     bar.finish_and_clear();
     if let Some(p) = &a.plot {
         plot_kl(&r, p)?;
@@ -185,26 +209,17 @@ fn run_tiers(a: &EvalArgs, model: &Path, pack: &Pack, alloc: &Path) -> anyhow::R
             model.display()
         );
     }
+    let teacher = a
+        .teacher
+        .as_ref()
+        .context("--teacher (an eval-split calibration run) is required")?;
     let bar = crate::util::count_bar(0, "eval");
-    let r = keep_calib::tiers::eval_tiers(
-        model,
-        alloc,
-        &a.quant,
-        &a.teacher,
-        pack,
-        &opts,
-        &mut |d, t| {
+    let r =
+        keep_calib::tiers::eval_tiers(model, alloc, &a.quant, teacher, pack, &opts, &mut |d, t| {
             bar.set_length(t as u64);
             bar.set_position(d as u64);
-        },
-    )
-    .with_context(|| {
-        format!(
-            "scoring {} against {}",
-            alloc.display(),
-            a.teacher.display()
-        )
-    })?;
+        })
+        .with_context(|| format!("scoring {} against {}", alloc.display(), teacher.display()))?;
     bar.finish_and_clear();
     if let Some(p) = &a.plot {
         keep_calib::tiers::plot_tiers(&r, p)?;

@@ -17,6 +17,7 @@ pub mod run;
 pub mod select;
 pub mod serve;
 pub mod synth;
+pub mod tasks;
 pub mod verify;
 
 /// `--kernels exact|fast` (see `keep_model::Kernels`).
