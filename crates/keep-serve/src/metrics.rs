@@ -60,6 +60,18 @@ impl Health {
     pub fn set(&self, stage: Stage) {
         self.0.store(stage as u8, Ordering::Release);
     }
+
+    /// Loading → ready; `false` (and no change) when it is draining already.
+    pub fn ready_if_loading(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Stage::Loading as u8,
+                Stage::Ready as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
 }
 
 /// The labels of `keep_requests_total`.

@@ -1254,10 +1254,10 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
             }
             drain_health.set(Stage::Draining);
         };
-        let serving = tokio::spawn(crate::conn::serve_connections(
+        let mut serving = tokio::spawn(crate::conn::serve_connections(
             listener, switch, limits, shutdown,
         ));
-        let loaded: Result<()> = async {
+        let loading = async {
             let (bos, limit, files) = ready_rx.await.map_err(|_| {
                 ServeError::Startup("the model thread stopped while loading".into())
             })??;
@@ -1278,13 +1278,17 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
             );
             let _ = app.set(router(state, max_body));
             Ok(())
-        }
-        .await;
-        match loaded {
+        };
+        // A signal while loading ends serving before the model is ready: stop without
+        // waiting for the load.
+        let loaded = tokio::select! {
+            r = loading => r,
+            _ = &mut serving => return Ok(false),
+        };
+        match &loaded {
             Ok(()) => {
-                // Ready only if no signal came while loading.
-                if health.get() == Stage::Loading {
-                    health.set(Stage::Ready);
+                // Ready unless a signal came while loading.
+                if health.ready_if_loading() {
                     ready.stage = Stage::Ready;
                     report(&ready);
                 }
@@ -1296,11 +1300,14 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
         let _ = serving.await;
         // The app (and the scheduler's last handle in it) goes with the router.
         drop(app);
-        loaded
+        loaded.map(|()| true)
     });
     // Connections still open after the shutdown deadline are dropped with the runtime.
     drop(rt);
-    outcome?;
+    if !outcome? {
+        // Stopped while loading: the model thread stops once it has loaded (nobody waits).
+        return Ok(());
+    }
     // Every handle is gone with the app: the scheduler drops the requests whose clients are
     // gone, finishes the others and returns.
     let _ = thread.join();
