@@ -143,7 +143,7 @@ impl Server {
         let start = Instant::now();
         loop {
             if let Some((200, body)) = self.get("/health") {
-                assert!(body.contains("ok"), "{body}");
+                assert!(body.contains(r#""status":"ready""#), "{body}");
                 return;
             }
             assert!(
@@ -390,11 +390,81 @@ fn a_stalled_body_is_408_and_an_idle_connection_is_closed() {
     s.wait_healthy();
 }
 
+/// The text of a stream's `data:` chunks (completions), and whether it ended with [DONE].
+fn stream_text(raw: &str) -> (String, bool) {
+    let mut text = String::new();
+    let mut done = false;
+    for l in raw.lines() {
+        let Some(d) = l.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if d == "[DONE]" {
+            done = true;
+            continue;
+        }
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(d) {
+            if let Some(t) = v["choices"][0]["text"].as_str() {
+                text.push_str(t);
+            }
+        }
+    }
+    (text, done)
+}
+
+/// Read one response with a `content-length` body from a keep-alive connection.
+fn read_one_response(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(HANG)).unwrap();
+    let mut out = vec![];
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed before a whole response");
+        out.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&out).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return text;
+            }
+        }
+    }
+}
+
 #[test]
 fn sigterm_lets_a_stream_in_flight_finish() {
     let mut s = Server::start(&tiny(), &[], None);
+    // Ready and live once "listening" is printed.
+    let (st, b) = s.get("/health").unwrap();
+    assert_eq!(st, 200, "{b}");
+    assert!(b.contains(r#""status":"ready""#), "{b}");
+    let (st, _) = s.get("/health/live").unwrap();
+    assert_eq!(st, 200);
+    let prompt = r#""prompt": "def ", "max_tokens": 200, "temperature": 0"#;
+    let host = s.addr.clone();
+    let (st, whole) = s.post(
+        "/v1/completions",
+        "application/json",
+        &host,
+        &format!("{{{prompt}}}"),
+    );
+    assert_eq!(st, 200, "{whole}");
+    let whole: serde_json::Value = serde_json::from_str(&whole).unwrap();
+    let want = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    // An idle keep-alive connection.
+    let mut idle = TcpStream::connect(&s.addr).unwrap();
+    idle.write_all(format!("GET /health HTTP/1.1\r\nHost: {}\r\n\r\n", s.addr).as_bytes())
+        .unwrap();
+    let got = read_one_response(&mut idle);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     let mut c = TcpStream::connect(&s.addr).unwrap();
-    let body = r#"{"prompt": "def ", "max_tokens": 64, "temperature": 0, "stream": true}"#;
+    let body = format!("{{{prompt}, \"stream\": true}}");
     c.write_all(
         format!(
             "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -409,8 +479,88 @@ fn sigterm_lets_a_stream_in_flight_finish() {
     let mut first = [0u8; 64];
     let n = c.read(&mut first).unwrap();
     assert!(n > 0);
-    assert!(s.terminate(), "keep serve did not stop after SIGTERM");
+    // SAFETY: a signal to the child we started.
+    unsafe {
+        libc::kill(s.child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    // New connections are refused (the listener is closed), and the idle one is closed.
+    let start = Instant::now();
+    while TcpStream::connect_timeout(&s.addr.parse().unwrap(), CONNECT).is_ok() {
+        assert!(start.elapsed() < HANG, "still accepting after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(read_until_closed(&mut idle), "");
+    // The stream runs to its end: the same text as the whole answer, then [DONE].
     let rest = read_until_closed(&mut c);
-    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let raw = String::from_utf8_lossy(&first[..n]).into_owned() + &rest;
+    let (text, done) = stream_text(&raw);
+    assert!(done, "{raw}");
+    assert_eq!(text, want, "{raw}");
+    assert!(s.terminate(), "keep serve did not exit after SIGTERM");
     assert!(s.child.wait().unwrap().success());
+}
+
+#[test]
+fn a_drain_ends_with_the_last_request_not_at_the_deadline() {
+    // Timeouts and the drain's deadline an hour away: an idle keep-alive connection and a
+    // client that never finishes its headers hold no request in flight, so SIGTERM ends the
+    // server at once.
+    let mut s = Server::start(
+        &tiny(),
+        &[
+            "--header-timeout",
+            "3600",
+            "--idle-timeout",
+            "3600",
+            "--shutdown-timeout",
+            "3600",
+        ],
+        None,
+    );
+    let mut idle = TcpStream::connect(&s.addr).unwrap();
+    idle.write_all(format!("GET /health HTTP/1.1\r\nHost: {}\r\n\r\n", s.addr).as_bytes())
+        .unwrap();
+    let got = read_one_response(&mut idle);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let slow = s.slow_clients(3);
+    assert_eq!(slow.len(), 3);
+    s.wait_healthy();
+    assert!(
+        s.terminate(),
+        "keep serve waited for idle and half-sent connections after SIGTERM"
+    );
+    assert!(s.child.wait().unwrap().success());
+}
+
+#[test]
+fn metrics_are_scraped_with_the_api_key() {
+    let s = Server::start(&tiny(), &["--api-key", "sesame"], None);
+    let host = s.addr.clone();
+    let (st, _) = s.get("/metrics").unwrap();
+    assert_eq!(st, 401);
+    let body = r#"{"prompt": "def ", "max_tokens": 4, "temperature": 0}"#;
+    let (st, b) = s
+        .request(&format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer sesame\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ))
+        .unwrap();
+    assert_eq!(st, 200, "{b}");
+    let (st, m) = s
+        .request(&format!(
+            "GET /metrics HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer sesame\r\nConnection: close\r\n\r\n"
+        ))
+        .unwrap();
+    assert_eq!(st, 200, "{m}");
+    assert!(m.contains("# TYPE keep_requests counter"), "{m}");
+    assert!(
+        m.contains(r#"keep_requests_total{endpoint="/v1/completions",status="200"} 1"#),
+        "{m}"
+    );
+    let tokens = m
+        .lines()
+        .find_map(|l| l.strip_prefix("keep_generated_tokens_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(tokens >= 1.0, "{m}");
 }

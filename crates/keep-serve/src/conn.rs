@@ -7,8 +7,13 @@
 //! - A request's body must arrive within `body_timeout` (the handlers read bodies under it;
 //!   see the server module).
 //! - At most `max_connections` are open; one more is answered 503 at once and closed.
-//! - On shutdown the listener closes, connections with no request in progress close, and the
-//!   ones left are closed `shutdown_timeout` later whatever they are doing.
+//! - On shutdown (drain) the listener closes at once (a balancer's next connect is refused and
+//!   goes to another replica), connections with no request in progress close at once, a request
+//!   that arrives on a connection still open is answered 503 with `Connection: close`
+//!   (`/health`: `{"status":"draining"}`), and every request in flight — streams included —
+//!   runs to its end, after which its connection closes. Serving ends when no request is in
+//!   flight (connections still sending a request's headers are not: they are closed then), or
+//!   `shutdown_timeout` after the signal, whatever is left.
 //!
 //! A connection's clock: the service marks a request busy from the moment hyper hands it over
 //! until its response body is sent or dropped; a read while no request is busy marks the start
@@ -44,7 +49,7 @@ pub struct Limits {
     /// Connections open at once; more are answered 503 and closed.
     pub max_connections: usize,
     /// After SIGINT/SIGTERM, how long requests in flight may go on before their connections
-    /// are closed.
+    /// are closed (the drain's deadline).
     pub shutdown_timeout: Duration,
 }
 
@@ -53,7 +58,7 @@ impl Limits {
     pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
     pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
     pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
-    pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(60);
 }
 
 impl Default for Limits {
@@ -110,6 +115,8 @@ pub fn fit_connections(want: usize) -> usize {
 struct Clock {
     st: Mutex<ClockState>,
     wake: Notify,
+    /// Told whenever a request begins or ends (the drain waits on it).
+    changed: Arc<Notify>,
 }
 
 struct ClockState {
@@ -119,17 +126,21 @@ struct ClockState {
     idle_since: Instant,
     /// When the next request's first byte arrived.
     head_at: Option<Instant>,
+    /// Bytes handed to the socket since its last flush (a response's tail may be among them).
+    write_pending: bool,
 }
 
 impl Clock {
-    fn new() -> Clock {
+    fn new(changed: Arc<Notify>) -> Clock {
         Clock {
             st: Mutex::new(ClockState {
                 busy: 0,
                 idle_since: Instant::now(),
                 head_at: None,
+                write_pending: false,
             }),
             wake: Notify::new(),
+            changed,
         }
     }
 
@@ -148,6 +159,33 @@ impl Clock {
 
     fn begin(&self) {
         self.lock().busy += 1;
+        self.changed.notify_one();
+    }
+
+    fn on_write(&self) {
+        self.lock().write_pending = true;
+    }
+
+    fn on_flush(&self) {
+        let mut s = self.lock();
+        if s.write_pending {
+            s.write_pending = false;
+            drop(s);
+            self.wake.notify_one();
+            self.changed.notify_one();
+        }
+    }
+
+    /// No request in progress, none arriving, nothing left to send: closing loses nothing.
+    fn quiet(&self) -> bool {
+        let s = self.lock();
+        s.busy == 0 && s.head_at.is_none() && !s.write_pending
+    }
+
+    /// No request in progress, but one's line or headers are arriving (not yet in flight).
+    fn waiting_for_head(&self) -> bool {
+        let s = self.lock();
+        s.busy == 0 && s.head_at.is_some()
     }
 
     fn end(&self) {
@@ -159,6 +197,7 @@ impl Clock {
             drop(s);
             self.wake.notify_one();
         }
+        self.changed.notify_one();
     }
 
     /// When the connection is closed if nothing happens before; `None` while a request is in
@@ -238,11 +277,18 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.clock.on_write();
+        Pin::new(&mut this.io).poll_write(cx, buf)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_flush(cx);
+        if matches!(r, Poll::Ready(Ok(()))) {
+            this.clock.on_flush();
+        }
+        r
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -254,12 +300,44 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.clock.on_write();
+        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
     }
+}
+
+/// The answer to a request that arrives while the server drains: 503, and the connection
+/// closes after it.
+fn draining(path: &str) -> axum::response::Response {
+    let body = if path == "/health" {
+        serde_json::json!({"status": crate::metrics::Stage::Draining.as_str()})
+    } else {
+        crate::api::error_body(
+            "the server is shutting down (draining): send the request to another replica",
+            "server_error",
+            None,
+        )
+    };
+    let mut r = axum::response::Response::new(Body::from(body.to_string()));
+    *r.status_mut() = axum::http::StatusCode::SERVICE_UNAVAILABLE;
+    let h = r.headers_mut();
+    h.insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        axum::http::header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    h.insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from_static("1"),
+    );
+    r
 }
 
 /// Serve one connection until it ends, its clock runs out, or shutdown closes it.
@@ -268,20 +346,26 @@ async fn connection(
     router: Router,
     limits: Limits,
     mut stop: watch::Receiver<bool>,
+    clock: Arc<Clock>,
     _permit: OwnedSemaphorePermit,
 ) {
-    let clock = Arc::new(Clock::new());
     let io = TokioIo::new(Watched {
         io: stream,
         clock: clock.clone(),
     });
     let svc_clock = clock.clone();
+    let svc_stop = stop.clone();
     let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let mut router = router.clone();
         svc_clock.begin();
         let busy = Busy(svc_clock.clone());
+        let drain = *svc_stop.borrow();
         async move {
-            let resp = router.call(req.map(Body::new)).await;
+            let resp = if drain {
+                Ok(draining(req.uri().path()))
+            } else {
+                router.call(req.map(Body::new)).await
+            };
             resp.map(|r| {
                 r.map(|b| {
                     Body::new(Tracked {
@@ -298,6 +382,9 @@ async fn connection(
     tokio::pin!(conn);
     let mut stopping = *stop.borrow();
     if stopping {
+        if clock.quiet() {
+            return;
+        }
         conn.as_mut().graceful_shutdown();
     }
     loop {
@@ -315,9 +402,19 @@ async fn connection(
                     return;
                 }
             }
-            _ = clock.wake.notified() => {}
+            _ = clock.wake.notified() => {
+                // Draining: a connection whose last response is sent closes now.
+                if stopping && clock.quiet() {
+                    return;
+                }
+            }
             _ = stop.changed(), if !stopping => {
                 stopping = true;
+                // Idle connections close at once; the others finish their request first
+                // (keep-alive is off from here: hyper closes them after the response).
+                if clock.quiet() {
+                    return;
+                }
                 conn.as_mut().graceful_shutdown();
             }
         }
@@ -342,8 +439,9 @@ fn refuse(stream: TcpStream, max: usize) {
 }
 
 /// Accept connections on `listener` and serve `router` on each under `limits` until
-/// `shutdown` completes; then close the listener, let the requests in flight finish for up to
-/// `limits.shutdown_timeout`, and close whatever is left.
+/// `shutdown` completes; then drain (see the module doc): close the listener, close idle
+/// connections, answer new requests 503, and return once no request is in flight or
+/// `limits.shutdown_timeout` has passed, closing whatever is left.
 pub async fn serve_connections(
     listener: TcpListener,
     router: Router,
@@ -352,7 +450,9 @@ pub async fn serve_connections(
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop_tx, stop_rx) = watch::channel(false);
+    let changed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
+    let mut clocks: Vec<(tokio::task::AbortHandle, Arc<Clock>)> = vec![];
     tokio::pin!(shutdown);
     loop {
         while tasks.try_join_next().is_some() {}
@@ -361,7 +461,19 @@ pub async fn serve_connections(
             r = listener.accept() => match r {
                 Ok((stream, _)) => match permits.clone().try_acquire_owned() {
                     Ok(p) => {
-                        tasks.spawn(connection(stream, router.clone(), limits, stop_rx.clone(), p));
+                        if clocks.len() >= limits.max_connections.max(1) {
+                            clocks.retain(|(h, _)| !h.is_finished());
+                        }
+                        let clock = Arc::new(Clock::new(changed.clone()));
+                        let h = tasks.spawn(connection(
+                            stream,
+                            router.clone(),
+                            limits,
+                            stop_rx.clone(),
+                            clock.clone(),
+                            p,
+                        ));
+                        clocks.push((h, clock));
                     }
                     Err(_) => refuse(stream, limits.max_connections),
                 },
@@ -373,12 +485,20 @@ pub async fn serve_connections(
     }
     drop(listener);
     let _ = stop_tx.send(true);
-    let drained = tokio::time::timeout(limits.shutdown_timeout, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
-    if drained.is_err() {
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
+    let deadline = Instant::now() + limits.shutdown_timeout;
+    loop {
+        clocks.retain(|(h, _)| !h.is_finished());
+        // Done when every connection left is only sending a request's headers (or none is
+        // left): no request is in flight.
+        if clocks.iter().all(|(_, c)| c.waiting_for_head()) {
+            break;
+        }
+        tokio::select! {
+            _ = tasks.join_next() => {}
+            _ = changed.notified() => {}
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
     }
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
 }

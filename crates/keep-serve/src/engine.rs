@@ -25,6 +25,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use std::sync::Arc;
 
 use crate::files::FileGuard;
+use crate::metrics::Metrics;
 use crate::stop::StopMatcher;
 
 /// Why a sequence ended.
@@ -100,6 +101,8 @@ pub struct EngineOptions {
     pub max_batch: usize,
     /// The model's files, checked before each admission and step (`None`: not checked).
     pub files: Option<Arc<FileGuard>>,
+    /// Where tokens, queue depth and batch sizes are counted (`None`: not counted).
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl EngineOptions {
@@ -108,6 +111,7 @@ impl EngineOptions {
         EngineOptions {
             max_batch,
             files: None,
+            metrics: None,
         }
     }
 }
@@ -182,6 +186,7 @@ struct Seq<'t> {
     completion: usize,
     admitted: Instant,
     first_token: Option<Instant>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Seq<'_> {
@@ -222,6 +227,9 @@ impl Seq<'_> {
             Ok(Sampled::Token { id, text, last }) => (id, text.to_string(), last),
         };
         self.completion += 1;
+        if let Some(m) = &self.metrics {
+            m.token();
+        }
         let (mut text, stopped) = self.stop.push(&text);
         if last && !stopped {
             text.push_str(&self.stop.flush());
@@ -261,6 +269,7 @@ fn admit<'t, G: Generate + ?Sized>(
     tok: &'t Tokenizer,
     r: Request,
     files: Option<&FileGuard>,
+    metrics: Option<&Arc<Metrics>>,
 ) -> Option<Seq<'t>> {
     if r.events.is_closed() {
         return None;
@@ -292,7 +301,11 @@ fn admit<'t, G: Generate + ?Sized>(
         completion: 0,
         admitted: Instant::now(),
         first_token: None,
+        metrics: metrics.cloned(),
     };
+    if let Some(m) = metrics {
+        m.admitted(r.prompt.len());
+    }
     if r.max_tokens == 0 {
         seq.done(Finish::Length);
         return None;
@@ -327,12 +340,28 @@ pub fn run<G: Generate + ?Sized>(
     rx: mpsc::Receiver<Request>,
     opts: EngineOptions,
 ) {
+    run_observed(model, tok, rx, opts, |_| {})
+}
+
+/// [`run`], calling `after_step` with the model after each batched decode step (the server
+/// reads the slot cache's counters there).
+pub fn run_observed<G: Generate + ?Sized>(
+    model: &mut G,
+    tok: &Tokenizer,
+    rx: mpsc::Receiver<Request>,
+    opts: EngineOptions,
+    mut after_step: impl FnMut(&G),
+) {
+    let metrics = opts.metrics.clone();
     let max_batch = opts.max_batch.max(1);
     let mut queue: VecDeque<Request> = VecDeque::new();
     let mut active: Vec<Seq> = vec![];
     let mut open = true;
     loop {
         if active.is_empty() && queue.is_empty() {
+            if let Some(m) = &metrics {
+                m.scheduler(0, 0);
+            }
             if !open {
                 return;
             }
@@ -353,9 +382,12 @@ pub fn run<G: Generate + ?Sized>(
         queue.retain(|r| !r.events.is_closed());
         while active.len() < max_batch {
             let Some(r) = queue.pop_front() else { break };
-            if let Some(s) = admit(model, tok, r, opts.files.as_deref()) {
+            if let Some(s) = admit(model, tok, r, opts.files.as_deref(), metrics.as_ref()) {
                 active.push(s);
             }
+        }
+        if let Some(m) = &metrics {
+            m.scheduler(queue.len(), active.len());
         }
         if active.is_empty() {
             continue;
@@ -367,6 +399,7 @@ pub fn run<G: Generate + ?Sized>(
             continue;
         }
         let tokens: Vec<u32> = active.iter().map(|s| s.next).collect();
+        let started = Instant::now();
         let step = {
             let mut caches: Vec<&mut Cache> = active.iter_mut().map(|s| &mut s.cache).collect();
             catch_unwind(AssertUnwindSafe(|| {
@@ -378,6 +411,10 @@ pub fn run<G: Generate + ?Sized>(
                 let _ = s.events.send(Event::Error(msg.clone()));
             }
         };
+        if let Some(m) = &metrics {
+            m.step(tokens.len(), started.elapsed().as_secs_f64());
+        }
+        after_step(&*model);
         match step {
             Ok(Ok(logits)) => {
                 let vocab = logits.len() / active.len();

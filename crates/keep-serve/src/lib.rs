@@ -2,10 +2,11 @@
 //! model that batches concurrent requests.
 //!
 //! What it is: the HTTP side ([`server`]: axum on tokio — `/v1/models`, `/v1/completions`,
-//! `/v1/chat/completions` with server-sent events, `/health`, `/tokenize`, `/detokenize`, the
-//! chat page at `/`; API key, `Host` and content-type checks, body limit, context limit, panics
-//! caught), the connections under it ([`conn`]: header, body and idle timeouts, a connection
-//! cap, a shutdown deadline), the model files' watch ([`files`]: a shard changed under the
+//! `/v1/chat/completions` with server-sent events, `/health`, `/health/live`, `/metrics`,
+//! `/tokenize`, `/detokenize`, the chat page at `/`; API key, `Host` and content-type checks,
+//! body limit, context limit, panics caught), health and Prometheus metrics ([`metrics`]:
+//! loading → ready → draining; prometheus-client), the connections under it ([`conn`]:
+//! header, body and idle timeouts, a connection cap, the drain on shutdown), the model files' watch ([`files`]: a shard changed under the
 //! server is refused, never read), the scheduler
 //! ([`engine`]: continuous batching on one model thread through keep-model's `Decoder` and
 //! `Generate::forward_batch`), the request and error formats ([`api`]), chat templates
@@ -16,12 +17,13 @@
 //! [`server::serve`] reports).
 //!
 //! Depends on: keep-runtime (the mapped or budgeted model), keep-model, keep-checkpoint,
-//! axum/tokio, minijinja.
+//! axum/tokio, prometheus-client, minijinja.
 
 pub mod api;
 pub mod conn;
 pub mod engine;
 pub mod files;
+pub mod metrics;
 pub mod server;
 pub mod stop;
 pub mod template;

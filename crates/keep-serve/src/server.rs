@@ -32,7 +32,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use keep_model::generate::SamplerConfig;
+use keep_model::generate::{Generate, SamplerConfig};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -43,6 +43,7 @@ use crate::api::{self, ChatRequest, Common, CompletionRequest, Content, PromptFi
 use crate::conn::Limits;
 use crate::engine::{self, EngineHandle, EngineOptions, Event, Finish, Request, TokenLogprob};
 use crate::files::FileGuard;
+use crate::metrics::{Health, Metrics, Stage};
 use crate::template::{ChatTemplate, Message};
 use crate::{Result, ServeError};
 
@@ -137,6 +138,10 @@ pub struct AppOptions {
     pub body_timeout: Duration,
     /// The model's files, checked at each request (a change: 503).
     pub files: Option<Arc<FileGuard>>,
+    /// What `/health` says (ready unless told otherwise).
+    pub health: Arc<Health>,
+    /// What `/metrics` reports; the scheduler counts into the same one.
+    pub metrics: Arc<Metrics>,
 }
 
 impl AppOptions {
@@ -148,6 +153,8 @@ impl AppOptions {
             hosts: HostPolicy::Any,
             body_timeout: Limits::DEFAULT_BODY_TIMEOUT,
             files: None,
+            health: Arc::new(Health::new(Stage::Ready)),
+            metrics: Arc::new(Metrics::new()),
         }
     }
 }
@@ -165,6 +172,8 @@ struct Inner {
     hosts: HostPolicy,
     body_timeout: Duration,
     files: Option<Arc<FileGuard>>,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
     ids: AtomicU64,
 }
 
@@ -192,6 +201,8 @@ impl AppState {
             hosts: opts.hosts,
             body_timeout: opts.body_timeout,
             files: opts.files,
+            health: opts.health,
+            metrics: opts.metrics,
             ids: AtomicU64::new(0),
         }))
     }
@@ -382,6 +393,38 @@ async fn auth(State(st): State<AppState>, req: HttpRequest<Body>, next: Next) ->
     next.run(req).await
 }
 
+/// `/health`: 200 `{"status":"ready"}` once the model is loaded and warm, else 503 with
+/// `loading` or `draining`.
+pub fn health_response(stage: Stage) -> Response {
+    let status = if stage == Stage::Ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"status": stage.as_str()}))).into_response()
+}
+
+/// `/health/live`: 200 whenever the process answers HTTP.
+async fn live() -> Response {
+    Json(json!({"status": "live"})).into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        st.0.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Count each request by endpoint and status.
+async fn count(State(st): State<AppState>, req: HttpRequest<Body>, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let r = next.run(req).await;
+    st.0.metrics.request(&path, r.status().as_u16());
+    r
+}
+
 /// The app: every endpoint, the body limit, the API key check, the panic guard.
 pub fn router(state: AppState, max_body: usize) -> Router {
     let guarded = Router::new()
@@ -390,11 +433,16 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn(json_only))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(|| async { Html(PAGE) }))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/health",
+            get(|State(st): State<AppState>| async move { health_response(st.0.health.get()) }),
+        )
+        .route("/health/live", get(live))
         .merge(guarded)
         .layer(middleware::from_fn_with_state(state.clone(), check_host))
         .layer(DefaultBodyLimit::max(max_body))
@@ -408,7 +456,44 @@ pub fn router(state: AppState, max_body: usize) -> Router {
                 .into_response()
             },
         ))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
+}
+
+/// What answers before the model is ready: `/health` 503 `loading`, `/health/live` 200, any
+/// other path 503 with `Retry-After`.
+fn loading_router() -> Router {
+    Router::new()
+        .route("/health", get(|| async { health_response(Stage::Loading) }))
+        .route("/health/live", get(live))
+        .fallback(|| async {
+            let mut r = ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message:
+                    "the model is loading: try again shortly (GET /health says ready when it is)"
+                        .into(),
+                param: None,
+            }
+            .into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        })
+}
+
+/// The router a server binds before its model is ready: it answers as [`loading_router`]
+/// until `app` is set, then as `app`.
+pub fn switch_router(app: Arc<std::sync::OnceLock<Router>>) -> Router {
+    let loading = loading_router();
+    Router::new().fallback(move |req: HttpRequest<Body>| {
+        let app = app.clone();
+        let loading = loading.clone();
+        async move {
+            use tower::Service;
+            let mut r = app.get().cloned().unwrap_or(loading);
+            r.call(req).await.unwrap_or_else(|e| match e {})
+        }
+    })
 }
 
 async fn models(State(st): State<AppState>) -> Json<Value> {
@@ -1007,13 +1092,15 @@ pub struct ServeOptions {
     pub limits: Limits,
 }
 
-/// What [`serve`] reports once it listens.
+/// What [`serve`] reports: once it listens (`stage` loading) and once the model is warm
+/// (`stage` ready).
 #[derive(Debug, Clone, Copy)]
 pub struct Ready {
     pub addr: SocketAddr,
     /// The connection cap in force: `limits.max_connections`, or less where the open-file
     /// limit allows fewer.
     pub max_connections: usize,
+    pub stage: Stage,
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -1038,10 +1125,12 @@ async fn shutdown_signal() {
     }
 }
 
-/// Open the model, bind, call `on_ready` with the address, serve until SIGINT/SIGTERM, then
-/// stop accepting, let the requests in flight finish (for up to the shutdown timeout), and
-/// stop the scheduler. An empty API key is refused: it would let every request in.
-pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<()> {
+/// Bind, call `report` (stage loading), open the model and run one forward to warm it while
+/// `/health` answers 503 `loading`, call `report` again (stage ready), serve until
+/// SIGINT/SIGTERM, then drain: stop accepting, let the requests in flight finish (for up to the
+/// shutdown timeout), and stop the scheduler. An empty API key is refused: it would let every
+/// request in.
+pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
     if opts.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(ServeError::Startup(
             "the API key is empty: give a non-empty key (--api-key or $KEEP_API_KEY), or none to serve without one".into(),
@@ -1049,81 +1138,6 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<()> {
     }
     let tok = Arc::new(keep_model::generate::load_tokenizer(&opts.dir)?);
     let template = ChatTemplate::from_model_dir(&opts.dir)?;
-    let (handle, rx) = engine::channel();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(u32, usize, Arc<FileGuard>)>>();
-    let (dir, kernels, budget, max_batch) = (
-        opts.dir.clone(),
-        opts.kernels,
-        opts.budget.clone(),
-        opts.max_batch,
-    );
-    let engine_tok = tok.clone();
-    let thread = std::thread::Builder::new()
-        .name("keep-serve-model".into())
-        .spawn(move || {
-            let ck = match keep_checkpoint::Checkpoint::open(&dir) {
-                Ok(c) => c,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(ServeError::Startup(format!(
-                        "opening {}: {e}",
-                        dir.display()
-                    ))));
-                    return;
-                }
-            };
-            let files = match FileGuard::of_checkpoint(&ck) {
-                Ok(f) => Arc::new(f),
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            let mut model = match keep_runtime::RunModel::load(&ck, kernels, budget.as_ref()) {
-                Ok(m) => m,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.into()));
-                    return;
-                }
-            };
-            let cfg = model.cfg();
-            let _ = ready_tx.send(Ok((
-                cfg.bos,
-                cfg.raw.max_position_embeddings,
-                files.clone(),
-            )));
-            let opts = EngineOptions {
-                max_batch,
-                files: Some(files),
-            };
-            engine::run(&mut model, &engine_tok, rx, opts);
-        })
-        .map_err(|e| ServeError::Io("starting the model thread".into(), e))?;
-    let (bos, limit, files) = ready_rx
-        .recv()
-        .map_err(|_| ServeError::Startup("the model thread stopped while loading".into()))??;
-    if opts.max_context > limit {
-        return Err(ServeError::Startup(format!(
-            "--max-context {} is more than the model's {limit} positions (max_position_embeddings)",
-            opts.max_context
-        )));
-    }
-    let state = AppState::new(
-        handle,
-        tok,
-        template,
-        ModelInfo {
-            name: opts.name.clone(),
-            bos,
-        },
-        AppOptions {
-            api_key: opts.api_key.clone(),
-            max_context: opts.max_context,
-            hosts: HostPolicy::for_bind(&opts.host, &opts.allowed_hosts),
-            body_timeout: opts.limits.body_timeout,
-            files: Some(files),
-        },
-    );
-    let app = router(state, opts.max_body);
     let limits = Limits {
         max_connections: crate::conn::fit_connections(opts.limits.max_connections),
         ..opts.limits
@@ -1134,24 +1148,173 @@ pub fn serve(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<()> {
         .build()
         .map_err(|e| ServeError::Io("starting the async runtime".into(), e))?;
     let addr = format!("{}:{}", opts.host, opts.port);
-    rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
-        on_ready(&Ready {
-            addr: local,
-            max_connections: limits.max_connections,
-        });
-        crate::conn::serve_connections(listener, app, limits, shutdown_signal()).await;
-        Ok::<(), ServeError>(())
-    })?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(&addr))
+        .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| ServeError::Io(format!("binding {addr}"), e))?;
+    let health = Arc::new(Health::new(Stage::Loading));
+    let metrics = Arc::new(Metrics::new());
+    let app = Arc::new(std::sync::OnceLock::new());
+    let mut ready = Ready {
+        addr: local,
+        max_connections: limits.max_connections,
+        stage: Stage::Loading,
+    };
+    report(&ready);
+    let (handle, rx) = engine::channel();
+    let (ready_tx, ready_rx) =
+        tokio::sync::oneshot::channel::<Result<(u32, usize, Arc<FileGuard>)>>();
+    let (dir, kernels, budget, max_batch) = (
+        opts.dir.clone(),
+        opts.kernels,
+        opts.budget.clone(),
+        opts.max_batch,
+    );
+    let engine_tok = tok.clone();
+    let engine_metrics = metrics.clone();
+    let thread = std::thread::Builder::new()
+        .name("keep-serve-model".into())
+        .spawn(move || {
+            let mut ready_tx = Some(ready_tx);
+            let mut fail = |e: ServeError| {
+                if let Some(t) = ready_tx.take() {
+                    let _ = t.send(Err(e));
+                }
+            };
+            let ck = match keep_checkpoint::Checkpoint::open(&dir) {
+                Ok(c) => c,
+                Err(e) => {
+                    return fail(ServeError::Startup(format!(
+                        "opening {}: {e}",
+                        dir.display()
+                    )))
+                }
+            };
+            let files = match FileGuard::of_checkpoint(&ck) {
+                Ok(f) => Arc::new(f),
+                Err(e) => return fail(e),
+            };
+            let mut model = match keep_runtime::RunModel::load(&ck, kernels, budget.as_ref()) {
+                Ok(m) => m,
+                Err(e) => return fail(e.into()),
+            };
+            let cfg = model.cfg();
+            let (bos, limit) = (cfg.bos, cfg.raw.max_position_embeddings);
+            // Warm up: one forward of one token, so that the first request finds the model's
+            // pages and (under a budget) its slots as a running server has them.
+            let mut cache = model.new_cache();
+            let warm = catch_unwind_silent(|| model.forward_last(&[bos], &mut cache, None));
+            drop(cache);
+            match warm {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return fail(e.into()),
+                None => {
+                    return fail(ServeError::Startup(
+                        "the model panicked in its warm-up forward".into(),
+                    ))
+                }
+            }
+            let Some(t) = ready_tx.take() else { return };
+            if t.send(Ok((bos, limit, files.clone()))).is_err() {
+                return;
+            }
+            let opts = EngineOptions {
+                max_batch,
+                files: Some(files),
+                metrics: Some(engine_metrics.clone()),
+            };
+            engine::run_observed(&mut model, &engine_tok, rx, opts, |m| {
+                if let Some(b) = m.budgeted() {
+                    let s = b.cache().stats();
+                    engine_metrics.experts(s.hits, s.misses, s.bytes_read);
+                }
+            });
+        })
+        .map_err(|e| ServeError::Io("starting the model thread".into(), e))?;
+    let app_opts = AppOptions {
+        api_key: opts.api_key.clone(),
+        max_context: opts.max_context,
+        hosts: HostPolicy::for_bind(&opts.host, &opts.allowed_hosts),
+        body_timeout: opts.limits.body_timeout,
+        files: None,
+        health: health.clone(),
+        metrics,
+    };
+    let (name, max_body, max_context) = (opts.name.clone(), opts.max_body, opts.max_context);
+    let switch = switch_router(app.clone());
+    let outcome = rt.block_on(async move {
+        let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<()>();
+        let drain_health = health.clone();
+        let shutdown = async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                _ = failed_rx => {}
+            }
+            drain_health.set(Stage::Draining);
+        };
+        let mut serving = tokio::spawn(crate::conn::serve_connections(
+            listener, switch, limits, shutdown,
+        ));
+        let loading = async {
+            let (bos, limit, files) = ready_rx.await.map_err(|_| {
+                ServeError::Startup("the model thread stopped while loading".into())
+            })??;
+            if max_context > limit {
+                return Err(ServeError::Startup(format!(
+                    "--max-context {max_context} is more than the model's {limit} positions (max_position_embeddings)"
+                )));
+            }
+            let state = AppState::new(
+                handle,
+                tok,
+                template,
+                ModelInfo { name, bos },
+                AppOptions {
+                    files: Some(files),
+                    ..app_opts
+                },
+            );
+            let _ = app.set(router(state, max_body));
+            Ok(())
+        };
+        // A signal while loading ends serving before the model is ready: stop without
+        // waiting for the load.
+        let loaded = tokio::select! {
+            r = loading => r,
+            _ = &mut serving => return Ok(false),
+        };
+        match &loaded {
+            Ok(()) => {
+                // Ready unless a signal came while loading.
+                if health.ready_if_loading() {
+                    ready.stage = Stage::Ready;
+                    report(&ready);
+                }
+            }
+            Err(_) => {
+                let _ = failed_tx.send(());
+            }
+        }
+        let _ = serving.await;
+        // The app (and the scheduler's last handle in it) goes with the router.
+        drop(app);
+        loaded.map(|()| true)
+    });
     // Connections still open after the shutdown deadline are dropped with the runtime.
     drop(rt);
+    if !outcome? {
+        // Stopped while loading: the model thread stops once it has loaded (nobody waits).
+        return Ok(());
+    }
     // Every handle is gone with the app: the scheduler drops the requests whose clients are
     // gone, finishes the others and returns.
     let _ = thread.join();
     Ok(())
+}
+
+/// `f()`, or `None` if it panicked.
+fn catch_unwind_silent<T>(f: impl FnOnce() -> T) -> Option<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok()
 }

@@ -52,10 +52,15 @@ fn tiny_app_with(opts: AppOptions) -> Router {
     let tok = tokenizer();
     let (handle, rx) = engine::channel();
     let t = tok.clone();
+    let metrics = opts.metrics.clone();
     std::thread::spawn(move || {
         let ck = Checkpoint::open(&tiny()).unwrap();
         let mut m = Model::load(&ck).unwrap();
-        engine::run(&mut m, &t, rx, EngineOptions::new(8));
+        let eo = EngineOptions {
+            metrics: Some(metrics),
+            ..EngineOptions::new(8)
+        };
+        engine::run(&mut m, &t, rx, eo);
     });
     let template = ChatTemplate::from_model_dir(&tiny()).unwrap();
     let state = AppState::new(
@@ -664,6 +669,7 @@ async fn a_read_cut_short_by_a_changed_file_is_503_naming_it() {
         let opts = EngineOptions {
             max_batch: 4,
             files: Some(f),
+            metrics: None,
         };
         engine::run(&mut ShortRead { cfg, shard: sh }, &t, rx, opts)
     });
@@ -704,4 +710,164 @@ async fn a_read_cut_short_by_a_changed_file_is_503_naming_it() {
     .await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn get_path(app: &Router, path: &str, key: Option<&str>) -> (StatusCode, String) {
+    let mut b = Request::get(path);
+    if let Some(k) = key {
+        b = b.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The value of the sample line `name` (exactly, labels included) in a scrape.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (n, v) = l.rsplit_once(' ')?;
+        (n == name).then(|| v.parse().ok())?
+    })
+}
+
+/// Every line of a scrape is a `# HELP`/`# TYPE`/`# UNIT` line, `# EOF`, or a sample
+/// `name{labels} value` whose name a `# TYPE` line declared; the samples' names.
+fn check_exposition(text: &str) -> Vec<String> {
+    let mut families = vec![];
+    let mut names = vec![];
+    for l in text.lines() {
+        if let Some(rest) = l.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect(l);
+            assert!(
+                ["counter", "gauge", "histogram", "info", "unknown"].contains(&kind),
+                "{l}"
+            );
+            families.push(name.to_string());
+            continue;
+        }
+        if l.starts_with("# HELP ") || l.starts_with("# UNIT ") || l == "# EOF" {
+            continue;
+        }
+        assert!(!l.starts_with('#'), "unknown comment line: {l}");
+        let (series, value) = l.rsplit_once(' ').expect(l);
+        assert!(value.parse::<f64>().is_ok(), "not a number: {l}");
+        let name = series.split('{').next().unwrap();
+        assert!(
+            name.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b':'),
+            "{l}"
+        );
+        if let Some(labels) = series.strip_prefix(name) {
+            if !labels.is_empty() {
+                assert!(labels.starts_with('{') && labels.ends_with('}'), "{l}");
+            }
+        }
+        assert!(
+            families.iter().any(|f| name.starts_with(f.as_str())),
+            "sample {name} has no # TYPE line"
+        );
+        names.push(name.to_string());
+    }
+    assert_eq!(text.lines().last(), Some("# EOF"));
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_and_tokens_in_prometheus_text() {
+    let app = tiny_app(Some("sesame"));
+    // Behind the API key, as /v1 is.
+    let (s, _) = get_path(&app, "/metrics", None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, before) = get_path(&app, "/metrics", Some("sesame")).await;
+    assert_eq!(s, StatusCode::OK);
+    check_exposition(&before);
+    let body = json!({"prompt": "def ", "max_tokens": 5, "temperature": 0}).to_string();
+    let (s, b) = post(&app, "/v1/completions", body, Some("sesame")).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    let made = v["usage"]["completion_tokens"].as_u64().unwrap() as f64;
+    assert!(made >= 1.0);
+    let (s, after) = get_path(&app, "/metrics", Some("sesame")).await;
+    assert_eq!(s, StatusCode::OK);
+    let names = check_exposition(&after);
+    for want in [
+        "keep_requests_total",
+        "keep_generated_tokens_total",
+        "keep_prompt_tokens_total",
+        "keep_queue_depth",
+        "keep_batch_size_bucket",
+        "keep_decode_tokens_per_second",
+        "keep_expert_hit_rate",
+        "keep_expert_read_bytes_total",
+        "keep_resident_memory_bytes",
+    ] {
+        assert!(names.iter().any(|n| n == want), "no {want} in\n{after}");
+    }
+    let ok = r#"keep_requests_total{endpoint="/v1/completions",status="200"}"#;
+    assert_eq!(sample(&before, ok), None, "{before}");
+    assert_eq!(sample(&after, ok), Some(1.0), "{after}");
+    assert_eq!(
+        sample(
+            &after,
+            r#"keep_requests_total{endpoint="/metrics",status="401"}"#
+        ),
+        Some(1.0),
+        "{after}"
+    );
+    let tokens = |t: &str| sample(t, "keep_generated_tokens_total").unwrap_or(0.0);
+    assert_eq!(tokens(&after) - tokens(&before), made, "{after}");
+    assert!(sample(&after, "keep_prompt_tokens_total").unwrap() >= 1.0);
+    assert!(sample(&after, "keep_resident_memory_bytes").unwrap() > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_says_loading_ready_or_draining_and_live_is_200() {
+    use keep_serve::metrics::{Health, Stage};
+    let health = Arc::new(Health::new(Stage::Loading));
+    let app = tiny_app_with(AppOptions {
+        health: health.clone(),
+        ..AppOptions::new(MAX_CONTEXT)
+    });
+    for (stage, status, says) in [
+        (Stage::Loading, StatusCode::SERVICE_UNAVAILABLE, "loading"),
+        (Stage::Ready, StatusCode::OK, "ready"),
+        (Stage::Draining, StatusCode::SERVICE_UNAVAILABLE, "draining"),
+    ] {
+        health.set(stage);
+        let (s, b) = get_path(&app, "/health", None).await;
+        assert_eq!(s, status, "{b}");
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(v["status"], says, "{b}");
+        let (s, _) = get_path(&app, "/health/live", None).await;
+        assert_eq!(s, StatusCode::OK);
+    }
+    // Before the model is set in, the bound server answers as loading.
+    let cell = Arc::new(std::sync::OnceLock::new());
+    let switch = keep_serve::server::switch_router(cell.clone());
+    let (s, b) = get_path(&switch, "/health", None).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{b}");
+    assert!(b.contains("loading"), "{b}");
+    let (s, _) = get_path(&switch, "/health/live", None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b) = post(&switch, "/v1/completions", "{}", None).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(String::from_utf8_lossy(&b).contains("loading"));
+    health.set(Stage::Ready);
+    cell.set(app).unwrap();
+    let (s, b) = get_path(&switch, "/health", None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let (s, v) = post_json(
+        &switch,
+        "/v1/completions",
+        json!({"prompt": "def ", "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
 }

@@ -13,8 +13,10 @@ use crate::util::parse_bytes;
 /// Serve the model over HTTP with OpenAI's API and a chat page.
 ///
 /// Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
-/// "stream": true for server-sent events), GET /health, POST /tokenize, POST /detokenize, and a
-/// chat page at /. Concurrent requests share each decode step (continuous batching, up to
+/// "stream": true for server-sent events), GET /health (200 once the model is loaded and warm,
+/// else 503 "loading" or "draining"), GET /health/live (200 while the process serves HTTP),
+/// GET /metrics (Prometheus text; behind --api-key like /v1), POST /tokenize, POST
+/// /detokenize, and a chat page at /. Concurrent requests share each decode step (continuous batching, up to
 /// --max-batch sequences; more queue). Binds 127.0.0.1 unless --host says otherwise; with
 /// --api-key (or $KEEP_API_KEY; an empty key is refused) every API request needs
 /// `Authorization: Bearer KEY`.
@@ -23,8 +25,11 @@ use crate::util::parse_bytes;
 /// --allowed-host name (else 421); API bodies must be `Content-Type: application/json` (else
 /// 415); no CORS headers are sent. Against slow or idle clients: --header-timeout,
 /// --body-timeout (408), --idle-timeout, and --max-connections (one more: 503 at once). A model
-/// file changed under the server makes requests 503 (restart it). SIGINT or SIGTERM stops
-/// accepting and lets the requests in flight finish for up to --shutdown-timeout.
+/// file changed under the server makes requests 503 (restart it). The port is bound before the
+/// model loads; "listening on" is printed once it is warm. SIGINT or SIGTERM drains: the
+/// listener closes, idle connections close, a new request on an open connection gets 503 with
+/// `Connection: close`, the requests in flight (streams included) finish, and the process
+/// exits when the last one ends or at --shutdown-timeout.
 ///
 /// Example: keep serve --port 8080 --max-batch 8
 ///          curl localhost:8080/v1/completions -H 'content-type: application/json' \
@@ -71,7 +76,8 @@ pub struct ServeArgs {
     /// answered 503 and closed.
     #[arg(long, value_name = "N", default_value_t = keep_serve::conn::Limits::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
-    /// Seconds SIGINT/SIGTERM lets the requests in flight go on before closing them.
+    /// Seconds SIGINT/SIGTERM lets the requests in flight go on before closing them (the
+    /// drain's deadline; the process exits as soon as none is left).
     #[arg(long, value_name = "SECS", value_parser = parse_secs,
           default_value_t = keep_serve::conn::Limits::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
     shutdown_timeout: f64,
@@ -235,6 +241,14 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     keep_serve::server::serve(opts, |ready| {
         let addr = ready.addr;
+        if ready.stage == keep_serve::metrics::Stage::Loading {
+            println!(
+                "keep serve: loading {name} on http://{addr} (/health answers 503 until it is warm)"
+            );
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            return;
+        }
         println!(
             "keep serve: {name} on http://{addr} (max batch {}, context {max_context}{})",
             a.max_batch,
