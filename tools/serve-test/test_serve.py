@@ -215,7 +215,7 @@ def t_seeded(s, a):
     assert one == two, (one, two)
     # The same seed and settings through `keep run`: the same text. keep serve does not draft;
     # `keep run` drafts with the bundled model's MTP module by default, which keeps the sampled
-    # distribution but not the seed's draws (docs/mtp.md), so it runs with --draft none here.
+    # distribution but not the draws a given seed makes (docs/mtp.md), so it runs with --draft none here.
     want = keep_run(a.keep, "class ", 16, temperature=0.9, top_p=0.95, seed=1234, draft="none")
     assert one == want, ("served vs keep run", one, want)
     # Another seed, or another temperature, samples another text.

@@ -628,7 +628,10 @@ impl Parser<'_> {
                     .as_array()
                     .ok_or_else(|| format!("`{r}` is not an array"))?;
                 a.iter()
-                    .map(|v| v.as_f64().ok_or_else(|| format!("`{r}` holds a non-number")))
+                    .map(|v| {
+                        v.as_f64()
+                            .ok_or_else(|| format!("`{r}` holds a non-number"))
+                    })
                     .sum()
             }
             Tok::Ref(r) => self

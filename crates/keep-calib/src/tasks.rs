@@ -171,7 +171,7 @@ impl Spec {
         self.tasks.iter().any(|t| t.check.needs_python())
     }
 
-    /// The seed of sample `i` of task `t`.
+    /// Sample `i` of task `t`: its seed.
     pub fn seed_of(&self, t: usize, i: usize) -> u64 {
         self.seed
             .wrapping_add((t as u64).wrapping_mul(self.samples as u64))

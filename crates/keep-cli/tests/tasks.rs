@@ -76,7 +76,7 @@ fn teacher_and_students_sample_with_the_same_seeds_and_every_sample_is_checked()
     }
     // The same checkpoint with the same seeds: the same completions, sample for sample.
     assert_eq!(models[0]["tasks"], models[1]["tasks"]);
-    // Different seeds within a task give different samples (the seeds are really used).
+    // Different seeds within a task give different samples (every seed is used).
     let texts: std::collections::HashSet<&str> = models[0]["tasks"][0]["outcomes"]
         .as_array()
         .unwrap()
