@@ -37,9 +37,8 @@ PYEOF
 rows=()
 for f in ${FORMATS:-e8p2 e8p2+e81 e8p2+e8p2}; do
   l0=$(cat /proc/loadavg)
-  /usr/bin/time -f "%e %U %S" -o "$W/time-$f.txt" "$KEEP" quant "$W/flash" --imatrix "$W/imatrix.safetensors" --format "$f" --force --out "$W/q-$f" > "$W/quant-$f.log" 2>&1
+  /usr/bin/time -f "%e %U %S" -o "$W/time-$f.txt" "$KEEP" quant "$W/flash" --imatrix "$W/imatrix.safetensors" --format "$f" --force --json --out "$W/q-$f" > "$W/report-$f.json" 2> "$W/quant-$f.log"
   l1=$(cat /proc/loadavg)
-  cp "$W/q-$f/quant-report.json" "$W/report-$f.json"
   rm -rf "$W/q-$f"
   rows+=("$f|$l0|$l1")
 done

@@ -233,8 +233,14 @@ pub struct QuantReport {
     pub version: u32,
     pub method: String,
     pub source: String,
+    /// Where this call wrote (the run record: this field, `layers_fitted`,
+    /// `source_bytes_fitted` and `fit_seconds` describe the call, are printed by `keep quant
+    /// --json` and are not stored in the checkpoint's `quant-report.json`, so that an output
+    /// is the same bytes however its layers were shared out).
+    #[serde(default)]
     pub output: String,
     /// Layers fitted by this call (others were done by earlier calls or other shards).
+    #[serde(default)]
     pub layers_fitted: Vec<usize>,
     /// Layers whose part is still missing (empty once joined).
     pub layers_missing: Vec<usize>,
@@ -242,8 +248,10 @@ pub struct QuantReport {
     pub joined: bool,
     pub tensors_quantized: usize,
     /// Bytes of the source expert weights (and their scales) fitted by this call.
+    #[serde(default)]
     pub source_bytes_fitted: u64,
     /// Seconds spent fitting in this call.
+    #[serde(default)]
     pub fit_seconds: f64,
     /// Quantized tensors stored rotated (incoherence processing), all parts included.
     #[serde(default)]
@@ -252,6 +260,26 @@ pub struct QuantReport {
     pub bits_per_weight: f64,
     pub experts: Vec<ExpertErrors>,
     pub tensors: Vec<TensorErrors>,
+}
+
+/// The fields of a [`QuantReport`] that describe one call rather than the output.
+pub const RUN_RECORD: [&str; 4] = [
+    "output",
+    "layers_fitted",
+    "source_bytes_fitted",
+    "fit_seconds",
+];
+
+/// `quant-report.json` as stored in the checkpoint: the report without its run record, so a
+/// checkpoint joined from shards (or resumed) is byte-identical to one made in one call.
+pub fn report_file_json(report: &QuantReport) -> String {
+    let mut v = serde_json::to_value(report).expect("a QuantReport is JSON");
+    if let Some(o) = v.as_object_mut() {
+        for k in RUN_RECORD {
+            o.remove(k);
+        }
+    }
+    serde_json::to_string_pretty(&v).expect("JSON")
 }
 
 /// The f32 values of a source weight (`[rows, cols]`, its scale tensor if any) in any layout
@@ -808,12 +836,7 @@ pub fn quantize_with(
         })
         .collect();
     report.joined = true;
-    w.add_file(
-        REPORT_FILE,
-        serde_json::to_string_pretty(&report)
-            .expect("JSON")
-            .as_bytes(),
-    )?;
+    w.add_file(REPORT_FILE, report_file_json(&report).as_bytes())?;
     w.finish()?;
     drop(part_cks);
     let _ = std::fs::remove_dir_all(&parts);

@@ -391,3 +391,49 @@ fn concurrent_writers_with_other_arguments_never_mix() {
         );
     }
 }
+
+/// A checkpoint joined from shards is the same bytes, every file and its `quant-report.json`
+/// included, as one made in one call: the report keeps the call's run record (where, which
+/// layers, how long) out of the file.
+#[test]
+fn sharded_and_whole_outputs_are_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let im = write_imatrix(&tmp.path().join("full"), None);
+    let opts = QuantOptions {
+        format: QuantFormat::E8p2,
+        experts: few_experts(),
+        shard: (0, 1),
+        force: false,
+        mlx_bits: None,
+    };
+    let whole = tmp.path().join("whole");
+    let r = quantize(&bundled(), &im, &whole, &opts, &|_, _| {}).unwrap();
+    assert!(r.joined && r.fit_seconds > 0.0 && !r.layers_fitted.is_empty());
+    let sharded = tmp.path().join("sharded");
+    for i in [1, 0] {
+        let o = QuantOptions {
+            shard: (i, 2),
+            ..opts.clone()
+        };
+        quantize(&bundled(), &im, &sharded, &o, &|_, _| {}).unwrap();
+    }
+    let names = |d: &std::path::Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&whole), names(&sharded));
+    for n in names(&whole) {
+        assert!(
+            std::fs::read(whole.join(&n)).unwrap() == std::fs::read(sharded.join(&n)).unwrap(),
+            "{n} differs between the whole and the sharded output"
+        );
+    }
+    // The stored report still reads, without its run record.
+    let text = std::fs::read_to_string(whole.join(REPORT_FILE)).unwrap();
+    let back: QuantReport = serde_json::from_str(&text).unwrap();
+    assert!(back.joined && back.output.is_empty() && back.fit_seconds == 0.0);
+}
