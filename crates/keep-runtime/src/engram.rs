@@ -138,7 +138,16 @@ impl Shared {
 
     /// Read rows `rows` (sorted, one run) of `slot`: the FP8 run and the scale run.
     fn read_run(&self, slot: usize, rows: &[u64]) -> Result<(Vec<u8>, u64, u64)> {
-        let t = &self.tables[slot];
+        let t = self
+            .tables
+            .get(slot)
+            .ok_or_else(|| RuntimeError::Invalid(format!("no engram table for slot {slot}")))?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= t.rows) {
+            return Err(RuntimeError::Invalid(format!(
+                "engram row {bad} of slot {slot} is outside its table ({} rows)",
+                t.rows
+            )));
+        }
         let sb = (self.hd / 32) as u64;
         let (r0, r1) = (rows[0], rows[rows.len() - 1] + 1);
         let mut out = vec![0u8; rows.len() * self.row_bytes];
@@ -256,7 +265,8 @@ impl EngramStore {
             .map(|s| ShardReader::open(s.path(), direct))
             .collect::<Result<Vec<_>>>()?;
         let rb = row_bytes(hd);
-        let capacity_rows = ((cache_bytes / rb as u64) as usize).max(1);
+        // 0 rows (a budget that leaves nothing for the cache): every row is read when used.
+        let capacity_rows = (cache_bytes / rb as u64) as usize;
         let inner = Inner {
             map: HashMap::new(),
             order: VecDeque::new(),
@@ -324,6 +334,14 @@ impl EngramStore {
             )));
         }
         let mut g = sh.lock();
+        if self.capacity_rows == 0 {
+            // Nothing can be held: `rows` reads every row when it is used.
+            if count {
+                g.stats.rows_requested += rows.len() as u64;
+                g.stats.misses += rows.len() as u64;
+            }
+            return Ok(0);
+        }
         let mut miss = vec![];
         for &r in &rows {
             let key = (slot as u32, r);
@@ -412,6 +430,7 @@ impl EngramStore {
             let mut g = sh.lock();
             g.stats.bytes_read += bytes;
             g.stats.reads += reads;
+            g.stats.useful_bytes += sh.row_bytes as u64;
             g.stats.sync_rows += 1;
         }
         let hd = sh.hd;
@@ -427,6 +446,12 @@ impl EngramRows for EngramStore {
         let hd = self.shared.hd;
         if out.len() < ids.len() * hd {
             return Err(ModelError::Config("engram row buffer too small".into()));
+        }
+        if self.capacity_rows == 0 {
+            for (k, &id) in ids.iter().enumerate() {
+                self.read_now(slot, id, &mut out[k * hd..(k + 1) * hd])?;
+            }
+            return Ok(());
         }
         self.request(slot, ids, false)?;
         let mut done = vec![false; ids.len()];

@@ -91,6 +91,57 @@ fn engram_rows_from_ssd_give_identical_logits() {
 }
 
 #[test]
+fn the_default_row_cache_takes_what_the_budget_leaves() {
+    // Unset, the row cache is cut to what the budget leaves after the residents, the context
+    // and top-k slots per layer: at the least budget that holds those it is empty (every row
+    // read when used) and the logits are still the plain model's; a larger budget gives it
+    // part of the rest, never past the budget.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..19u32).map(|i| (i * 43 + 11) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        4,
+        v,
+    );
+    let mut opts = RuntimeOptions::new(1);
+    opts.context = Some(prompt.len() + 4);
+    let need = match BudgetedModel::load(&ck, &opts) {
+        Err(keep_runtime::RuntimeError::BudgetTooSmall { needed, held, .. }) => {
+            assert!(held.is_empty(), "no row cache is named: {held}");
+            needed
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a one-byte budget runs"),
+    };
+    for budget in [need, need + (64 << 10)] {
+        opts.budget = budget;
+        let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+        let e = m.engram().unwrap().cache_bytes();
+        assert!(m.plan().planned() <= budget && m.plan().residents >= e);
+        let mut c = m.new_cache();
+        let got = greedy(|t, w| m.forward(t, &mut c, w, None).unwrap(), &prompt, 4, v);
+        for (a, b) in want.iter().zip(&got) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "budget {budget}: logits differ"
+            );
+        }
+        let s = m.engram().unwrap().stats();
+        if budget == need {
+            assert_eq!(e, 0);
+            assert!(s.misses > 0 && s.sync_rows >= s.misses, "{s:?}");
+        } else {
+            assert!(e > 0, "the row cache gets part of what is left");
+            assert_eq!(s.sync_rows, 0, "{s:?}");
+        }
+    }
+}
+
+#[test]
 fn compressed_engram_vocabulary_runs_under_a_budget() {
     // The fixture with a compressed Engram vocabulary (the bundled keep-tiny tokenizer copied
     // in; it compresses to 2690 ids): the budgeted runtime builds the same token map as the

@@ -39,8 +39,11 @@ pub struct BudgetArgs {
     /// layer L computes; reports how often the guess was right and the reads it saved.
     #[arg(long, requires = "memory_budget")]
     pub prefetch_next: bool,
-    /// Bytes of the Engram row cache inside the budget (default: the smaller of the tables and
-    /// 256MiB); Engram rows are read from the checkpoint's shards, never resident.
+    /// Bytes of the Engram row cache inside the budget (default: half of what the budget leaves
+    /// after the resident weights, the context and top-k expert slots per layer — all of it
+    /// past what slots for every expert take — at most the tables and 256MiB); Engram rows are
+    /// read from the checkpoint's shards, never resident. A size the budget cannot hold is
+    /// refused.
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES", requires = "memory_budget")]
     pub engram_cache: Option<u64>,
     /// Threads reading experts.
