@@ -256,4 +256,14 @@ fn engram_tables_larger_than_the_budget_run_inside_it() {
     );
     let e = s.prefill_engram.expect("prefill Engram counters");
     assert!(e.misses > 0 && e.bytes_read >= e.useful_bytes, "{e:?}");
+    // Reads are whole blocks of the device, said how it was found.
+    assert!(
+        e.block_bytes.is_power_of_two() && e.block_bytes <= 4096,
+        "{e:?}"
+    );
+    assert!(e.bytes_read.is_multiple_of(e.block_bytes), "{e:?}");
+    assert!(
+        ["statx", "sysfs", "default"].contains(&e.block_source.as_str()),
+        "{e:?}"
+    );
 }

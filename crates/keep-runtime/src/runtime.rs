@@ -61,7 +61,7 @@ pub struct RuntimeOptions {
     /// Bytes of the Engram row cache, taken out of the budget (`None`: what the budget leaves
     /// after the residents, the context, the other caches and `top_k` slots per layer, shared
     /// with more slots and capped at the smaller of the tables and [`DEFAULT_ENGRAM_CACHE`]:
-    /// [`default_engram_cache`](crate::budget::default_engram_cache)). A set size the budget
+    /// [`default_engram_cache`]). A set size the budget
     /// cannot hold is refused naming it. Engram tables are never resident.
     pub engram_cache: Option<u64>,
     /// Tokens the run will hold (prompt + generated); its decoding cache and one forward pass's

@@ -279,7 +279,7 @@ pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
     for (phase, s) in [("prefill", &r.prefill_engram), ("decode", &r.decode_engram)] {
         if let Some(s) = s {
             eprintln!(
-                "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads); waited {:.3} s",
+                "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads of {}-byte blocks, {}); waited {:.3} s",
                 100.0 * s.hit_rate(),
                 s.hits,
                 s.rows_requested,
@@ -287,6 +287,8 @@ pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
                 human(s.useful_bytes),
                 s.read_amplification(),
                 s.reads,
+                s.block_bytes,
+                s.block_source.map_or("unknown", |b| b.as_str()),
                 s.wait_secs
             );
         }
