@@ -43,7 +43,7 @@ the single-anchor inference form above for every anchor.
 Usage:
   dspark_ref.py check [DIR]                       self-check (synthesises a module when no DIR)
   dspark_ref.py run DIR --inputs IN.safetensors --out OUT.safetensors
-  dspark_ref.py fixture OUTDIR [--seed N]         synthetic module + inputs + expected outputs
+  dspark_ref.py fixture OUTDIR [--seed N]         synthetic module (OUTDIR/model) + inputs + expected
 IN holds `target_hidden` f32 [C, L·dim], `first_token` i32 [1], `start_pos` i32 [1].
 """
 import argparse
@@ -522,12 +522,13 @@ def check(d: Path | None):
 
 
 def fixture(dest: Path, seed: int):
-    """A synthetic module (dspark_synth) with inputs and the expected outputs beside it."""
+    """A synthetic module (dspark_synth) in DEST/model, with inputs.safetensors and
+    expected.safetensors in DEST (beside the checkpoint directory, not in it)."""
     import dspark_synth
 
     dest.mkdir(parents=True, exist_ok=True)
-    dspark_synth.write_checkpoint(dest, seed=seed)
-    cfg, W = load(dest)
+    dspark_synth.write_checkpoint(dest / "model", seed=seed)
+    cfg, W = load(dest / "model")
     g = torch.Generator().manual_seed(seed + 1)
     C = cfg.window + 3
     inputs = {
@@ -536,7 +537,7 @@ def fixture(dest: Path, seed: int):
         "start_pos": np.array([17], np.int32),
     }
     save_file(inputs, str(dest / "inputs.safetensors"))
-    run(dest, dest / "inputs.safetensors", dest / "expected.safetensors")
+    run(dest / "model", dest / "inputs.safetensors", dest / "expected.safetensors")
 
 
 def main(argv=None):

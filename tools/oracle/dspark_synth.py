@@ -6,9 +6,9 @@ The shapes are deliberately odd and mutually distinct (hidden 22, 4 heads of 10 
 groups, 4 rotary channels, q rank 9, o rank 7, 3 streams, 5 experts of width 13 with 2 active,
 Markov rank 6, vocabulary 41, a 6-row window), so a transposed or mis-sliced weight cannot go
 unnoticed. Every tensor is float32: the fixture is exact, and FP8 decoding is covered elsewhere.
-A `config.json` in V4.1 form (three window-only draft layers at the end of `compress_ratios`)
-is written beside `model.safetensors`; the main model itself is not written, only the shared
-`embed.weight` and `head.weight` the drafter uses.
+A `config.json` in V4.1 form (window-only layers, the three draft layers at the end of
+`compress_ratios`) is written beside `model.safetensors`; the main model itself is not written,
+only the shared `embed.weight` and `head.weight` the drafter uses.
 
 Usage: dspark_synth.py DIR [--seed N]
 """
@@ -45,7 +45,7 @@ SHAPE = {
     "hc_eps": 1e-6,
     "rope_theta": 10000.0,
     "sliding_window": 6,
-    "compress_ratios": [0, 0, 2, 1, 1, 0, 0, 0, 0, 0],
+    "compress_ratios": [0] * 10,
     "num_nextn_predict_layers": 3,
     "dspark_block_size": 5,
     "dspark_noise_token_id": 40,
