@@ -90,6 +90,10 @@ pub const MAX_ENGRAM_COLUMNS: usize = 4096;
 /// Largest Engram vocabulary / table size (the published tables hold ~2^23 rows a layer).
 pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
 
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
 /// The DSpark drafter's keys with their defaults applied ([`DeepSeekConfig::dspark`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DSparkKeys {
@@ -231,22 +235,24 @@ pub struct DeepSeekConfig {
     pub num_nextn_predict_layers: usize,
     /// DSpark (V4.1's parallel drafter under `mtp.N.*`, docs/dspark.md): draft positions per
     /// block. Absent or 0 with no `dspark_target_layer_ids`: the `mtp.N.*` modules are not DSpark.
-    #[serde(default)]
+    /// The `dspark_*` keys are written only when set, so a config without them round-trips
+    /// without them.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub dspark_block_size: usize,
     /// DSpark: the target layers whose hidden states the drafter reads, in concatenation order.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dspark_target_layer_ids: Vec<usize>,
     /// DSpark: the token whose embedding fills the draft slots after the first.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dspark_noise_token_id: Option<usize>,
     /// DSpark: rank of the Markov head.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dspark_markov_rank: Option<usize>,
     /// DSpark: routed experts of each drafter stage.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dspark_n_routed_experts: Option<usize>,
     /// DSpark: experts chosen per draft row.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dspark_num_experts_per_tok: Option<usize>,
     #[serde(default)]
     pub quantization_config: Option<QuantizationConfig>,
@@ -878,6 +884,18 @@ mod tests {
         assert_eq!((k.n_routed_experts, k.num_experts_per_tok), (128, 3));
         let plain = DeepSeekConfig::from_json(Path::new("c.json"), "{}").unwrap();
         assert_eq!(plain.dspark(), None);
+        // Written back only when set (a writer that serialises the struct adds no keys).
+        let v = serde_json::to_value(&plain).unwrap();
+        assert!(
+            v.as_object()
+                .unwrap()
+                .keys()
+                .all(|k| !k.starts_with("dspark")),
+            "{v}"
+        );
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["dspark_markov_rank"], 6);
+        assert!(v.get("dspark_n_routed_experts").is_none());
         let with = |extra: &str| ok.replacen('{', &format!("{{{extra},"), 1);
         for (bad, key) in [
             (
