@@ -90,6 +90,27 @@ pub const MAX_ENGRAM_COLUMNS: usize = 4096;
 /// Largest Engram vocabulary / table size (the published tables hold ~2^23 rows a layer).
 pub const MAX_ENGRAM_VOCAB: u64 = 1 << 40;
 
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
+/// The DSpark drafter's keys with their defaults applied ([`DeepSeekConfig::dspark`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DSparkKeys {
+    /// Draft positions per block (`dspark_block_size`).
+    pub block_size: usize,
+    /// Target layers read, in concatenation order (`dspark_target_layer_ids`).
+    pub target_layer_ids: Vec<usize>,
+    /// Token of the draft slots after the first (`dspark_noise_token_id`).
+    pub noise_token_id: usize,
+    /// Markov-head rank (`dspark_markov_rank`).
+    pub markov_rank: usize,
+    /// Routed experts per stage (`dspark_n_routed_experts`).
+    pub n_routed_experts: usize,
+    /// Experts per draft row (`dspark_num_experts_per_tok`).
+    pub num_experts_per_tok: usize,
+}
+
 /// The DeepSeek-V4/V4.1 configuration keys keep reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeepSeekConfig {
@@ -212,6 +233,27 @@ pub struct DeepSeekConfig {
     /// Multi-token-prediction layers stored under `mtp.N.*`.
     #[serde(default)]
     pub num_nextn_predict_layers: usize,
+    /// DSpark (V4.1's parallel drafter under `mtp.N.*`, docs/dspark.md): draft positions per
+    /// block. Absent or 0 with no `dspark_target_layer_ids`: the `mtp.N.*` modules are not DSpark.
+    /// The `dspark_*` keys are written only when set, so a config without them round-trips
+    /// without them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dspark_block_size: usize,
+    /// DSpark: the target layers whose hidden states the drafter reads, in concatenation order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dspark_target_layer_ids: Vec<usize>,
+    /// DSpark: the token whose embedding fills the draft slots after the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dspark_noise_token_id: Option<usize>,
+    /// DSpark: rank of the Markov head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dspark_markov_rank: Option<usize>,
+    /// DSpark: routed experts of each drafter stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dspark_n_routed_experts: Option<usize>,
+    /// DSpark: experts chosen per draft row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dspark_num_experts_per_tok: Option<usize>,
     #[serde(default)]
     pub quantization_config: Option<QuantizationConfig>,
     /// A Qwen3-MoE checkpoint's own config (`model_type` `qwen3_moe`): this struct is then its
@@ -451,6 +493,7 @@ impl DeepSeekConfig {
         }
         self.validate_family()?;
         self.validate_engram()?;
+        self.validate_dspark()?;
         for (key, ids) in [
             ("kv_source_layer_ids", &self.kv_source_layer_ids),
             ("index_source_layer_ids", &self.index_source_layer_ids),
@@ -529,6 +572,105 @@ impl DeepSeekConfig {
             return Err(format!(
                 "candidate_source_layer_id = {} must be -1 (none) or a layer below num_hidden_layers ({})",
                 self.candidate_source_layer_id, self.num_hidden_layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// DSpark keys, resolved: the drafter's shape when the config declares one (a block size or
+    /// target layers), each absent key at the default of NeMo Automodel's
+    /// `DeepseekV41TextConfig` (the followed copy, docs/dspark.md).
+    pub fn dspark(&self) -> Option<DSparkKeys> {
+        if self.dspark_block_size == 0 && self.dspark_target_layer_ids.is_empty() {
+            return None;
+        }
+        Some(DSparkKeys {
+            block_size: self.dspark_block_size,
+            target_layer_ids: self.dspark_target_layer_ids.clone(),
+            noise_token_id: self.dspark_noise_token_id.unwrap_or(128_799),
+            markov_rank: self.dspark_markov_rank.unwrap_or(256),
+            n_routed_experts: self.dspark_n_routed_experts.unwrap_or(128),
+            num_experts_per_tok: self.dspark_num_experts_per_tok.unwrap_or(3),
+        })
+    }
+
+    /// DSpark keys: stages to run, a block of 1..=64, target layers that exist (each once), a
+    /// noise token inside the vocabulary, a bounded Markov rank, expert counts a router can
+    /// hold, and window-only draft layers where `compress_ratios` lists them.
+    fn validate_dspark(&self) -> std::result::Result<(), String> {
+        let Some(k) = self.dspark() else {
+            return Ok(());
+        };
+        if self.num_nextn_predict_layers == 0 {
+            return Err(
+                "dspark_* keys declare a DSpark drafter but num_nextn_predict_layers is 0 \
+                 (its stages are the mtp.N.* modules)"
+                    .into(),
+            );
+        }
+        if !(1..=64).contains(&k.block_size) {
+            return Err(format!(
+                "dspark_block_size = {} must be in 1..=64",
+                k.block_size
+            ));
+        }
+        if k.target_layer_ids.is_empty() {
+            return Err(
+                "dspark_target_layer_ids is empty: DSpark reads at least one target layer".into(),
+            );
+        }
+        if let Some(bad) = k
+            .target_layer_ids
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            return Err(format!(
+                "dspark_target_layer_ids names layer {bad} but num_hidden_layers is {}",
+                self.num_hidden_layers
+            ));
+        }
+        let mut seen = k.target_layer_ids.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != k.target_layer_ids.len() {
+            return Err(format!(
+                "dspark_target_layer_ids {:?} names a layer twice",
+                k.target_layer_ids
+            ));
+        }
+        if k.noise_token_id >= self.vocab_size {
+            return Err(format!(
+                "dspark_noise_token_id = {} must be below vocab_size ({})",
+                k.noise_token_id, self.vocab_size
+            ));
+        }
+        if !(1..=1 << 16).contains(&k.markov_rank) {
+            return Err(format!(
+                "dspark_markov_rank = {} must be in 1..=65536",
+                k.markov_rank
+            ));
+        }
+        if !(1..=MAX_EXPERTS).contains(&k.n_routed_experts) {
+            return Err(format!(
+                "dspark_n_routed_experts = {} must be in 1..={MAX_EXPERTS}",
+                k.n_routed_experts
+            ));
+        }
+        if k.num_experts_per_tok == 0 || k.num_experts_per_tok > k.n_routed_experts {
+            return Err(format!(
+                "dspark_num_experts_per_tok = {} must be in 1..=dspark_n_routed_experts ({})",
+                k.num_experts_per_tok, k.n_routed_experts
+            ));
+        }
+        let first = self.num_hidden_layers;
+        if let Some(l) =
+            (first..first + self.num_nextn_predict_layers).find(|&l| self.compress_ratio(l) != 0)
+        {
+            return Err(format!(
+                "compress_ratios gives draft layer {l} (DSpark stage {}) ratio {}: DSpark stages \
+                 attend over a window only (ratio 0)",
+                l - first,
+                self.compress_ratio(l)
             ));
         }
         Ok(())
@@ -719,6 +861,83 @@ mod tests {
         for bad in ["[16, 8]", "[16, 16, 2]"] {
             let e = DeepSeekConfig::from_json(Path::new("c.json"), &j(bad)).unwrap_err();
             assert!(e.to_string().contains("n_routed_experts_per_layer"), "{e}");
+        }
+    }
+
+    #[test]
+    fn dspark_keys_resolve_and_refuse_by_name() {
+        let ok = r#"{"num_hidden_layers":4,"num_nextn_predict_layers":3,"vocab_size":50,
+            "compress_ratios":[0,0,4,4,0,0,0],"dspark_block_size":5,
+            "dspark_target_layer_ids":[1,3],"dspark_noise_token_id":49,"dspark_markov_rank":6}"#;
+        let c = DeepSeekConfig::from_json(Path::new("c.json"), ok).unwrap();
+        let k = c.dspark().unwrap();
+        assert_eq!(
+            (
+                k.block_size,
+                k.target_layer_ids.clone(),
+                k.noise_token_id,
+                k.markov_rank
+            ),
+            (5, vec![1, 3], 49, 6)
+        );
+        // Absent keys take NeMo's DeepseekV41TextConfig defaults.
+        assert_eq!((k.n_routed_experts, k.num_experts_per_tok), (128, 3));
+        let plain = DeepSeekConfig::from_json(Path::new("c.json"), "{}").unwrap();
+        assert_eq!(plain.dspark(), None);
+        // Written back only when set (a writer that serialises the struct adds no keys).
+        let v = serde_json::to_value(&plain).unwrap();
+        assert!(
+            v.as_object()
+                .unwrap()
+                .keys()
+                .all(|k| !k.starts_with("dspark")),
+            "{v}"
+        );
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["dspark_markov_rank"], 6);
+        assert!(v.get("dspark_n_routed_experts").is_none());
+        let with = |extra: &str| ok.replacen('{', &format!("{{{extra},"), 1);
+        for (bad, key) in [
+            (
+                ok.replace(r#""dspark_block_size":5"#, r#""dspark_block_size":0"#),
+                "dspark_block_size",
+            ),
+            (
+                ok.replace(r#""dspark_block_size":5"#, r#""dspark_block_size":65"#),
+                "dspark_block_size",
+            ),
+            (ok.replace("[1,3]", "[1,4]"), "dspark_target_layer_ids"),
+            (ok.replace("[1,3]", "[3,3]"), "dspark_target_layer_ids"),
+            (ok.replace("[1,3]", "[]"), "dspark_target_layer_ids"),
+            (
+                ok.replace(
+                    r#""dspark_noise_token_id":49"#,
+                    r#""dspark_noise_token_id":50"#,
+                ),
+                "dspark_noise_token_id",
+            ),
+            (
+                ok.replace(r#""dspark_markov_rank":6"#, r#""dspark_markov_rank":0"#),
+                "dspark_markov_rank",
+            ),
+            (
+                with(r#""dspark_n_routed_experts":2"#),
+                "dspark_num_experts_per_tok",
+            ),
+            (
+                ok.replace("[0,0,4,4,0,0,0]", "[0,0,4,4,0,4,0]"),
+                "compress_ratios",
+            ),
+            (
+                ok.replace(
+                    r#""num_nextn_predict_layers":3"#,
+                    r#""num_nextn_predict_layers":0"#,
+                ),
+                "num_nextn_predict_layers",
+            ),
+        ] {
+            let e = DeepSeekConfig::from_json(Path::new("c.json"), &bad).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
         }
     }
 

@@ -36,7 +36,7 @@ pub mod tensor_file;
 pub mod writer;
 
 pub use checkpoint::{Checkpoint, TensorRef};
-pub use config::DeepSeekConfig;
+pub use config::{DSparkKeys, DeepSeekConfig};
 pub use dtype::Dtype;
 pub use error::CheckpointError;
 pub use safetensors::{ShardFile, TensorInfo};

@@ -29,6 +29,7 @@ pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod drafting;
+pub mod dspark;
 pub mod engram;
 pub mod engram_hash;
 pub mod engram_tokens;
@@ -52,6 +53,7 @@ pub mod weights;
 
 pub use cache::{Cache, LayerCache};
 pub use config::ModelConfig;
+pub use dspark::{DSpark, DraftBlock};
 pub use engram::{Engram, EngramRows, TableRows};
 pub use engram_hash::EngramLayout;
 pub use error::ModelError;
