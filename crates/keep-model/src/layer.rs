@@ -27,7 +27,7 @@ use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::{rht_input, rht_output, ExpertSource, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
-use crate::linear::{lin, note_input};
+use crate::linear::{lin, note_input, proj};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
@@ -461,9 +461,9 @@ impl LayerWeights<'_> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
@@ -471,7 +471,7 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
@@ -622,13 +622,14 @@ impl LayerWeights<'_> {
                     });
                 }
             }
-            keep_kernels::matmul_rows(&xin, t, &self.wo_a, gi * ol, (gi + 1) * ol, &mut yg)?;
+            let wg = self.wo_a.slice_rows(gi * ol, (gi + 1) * ol)?;
+            keep_kernels::matmul_with(cfg.kernels, &xin, t, &wg, &mut yg)?;
             for i in 0..t {
                 oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol]
                     .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
-        lin(&oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
+        proj(cfg.kernels, &oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
     }
 
     /// `Attention._compress` with `Compressor.__call__`.
@@ -916,14 +917,41 @@ impl LayerWeights<'_> {
         }
         let shared_span = profile::span(Part::SharedExpert);
         let [sw1, sw2, sw3] = &self.shared;
-        let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
-        let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
+        let g = proj(
+            cfg.kernels,
+            x,
+            t,
+            sw1,
+            obs,
+            l,
+            "ffn.shared_experts.w1",
+            None,
+        )?;
+        let u = proj(
+            cfg.kernels,
+            x,
+            t,
+            sw3,
+            obs,
+            l,
+            "ffn.shared_experts.w3",
+            None,
+        )?;
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
             .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
             .collect();
-        let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
+        let sh = proj(
+            cfg.kernels,
+            &act,
+            t,
+            sw2,
+            obs,
+            l,
+            "ffn.shared_experts.w2",
+            None,
+        )?;
         drop(shared_span);
         let _p = profile::span(Part::Experts);
         let mut out = vec![0f32; t * d];
@@ -1335,9 +1363,9 @@ impl LayerWeights<'_> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         head_norm(&mut q, hd, cfg.eps);
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
@@ -1346,7 +1374,7 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(
