@@ -291,12 +291,33 @@ impl<'a> BfSrc<'a> {
                 row0,
                 ..
             } => {
-                let base = ((row0 + r) / block_rows) * cols.div_ceil(block_cols);
-                for (c, o) in dst[..nc].iter_mut().enumerate() {
-                    *o = block_scale(scales, base + c * CHUNK / block_cols);
+                // Chunk c lies in column block 32c / block_cols: one scale per block, written
+                // over its chunks (block_cols a multiple of 32, or one block across the row).
+                let nb = cols.div_ceil(block_cols);
+                let base = ((row0 + r) / block_rows) * nb;
+                if block_cols >= cols {
+                    dst[..nc].fill(block_scale(scales, base));
+                } else {
+                    let per = block_cols / CHUNK;
+                    for (b, d) in dst[..nc].chunks_mut(per).enumerate() {
+                        d.fill(block_scale(scales, base + b));
+                    }
                 }
                 true
             }
+        }
+    }
+
+    /// The block row whose scales row `r` uses (FP8-block: rows of one block row share their
+    /// chunk scales, so a kernel walking rows in order computes them once per block row);
+    /// `None` where each row has its own (MXFP8) or none (bf16).
+    #[inline]
+    pub fn scale_row(&self, r: usize) -> Option<usize> {
+        match *self {
+            BfSrc::Fp8Block {
+                block_rows, row0, ..
+            } => Some((row0 + r) / block_rows),
+            _ => None,
         }
     }
 

@@ -198,14 +198,21 @@ unsafe fn rows_impl<const VBMI: bool>(
     let mut s = SCRATCH.with(|c| c.take());
     s.w.resize(cols, 0);
     s.s.resize(nc, 0.0);
+    // The block row whose scales `s.s` holds (FP8-block rows of one block row share them).
+    let mut have: Option<usize> = None;
     for r in r0..r1 {
-        if VBMI && a.m == 1 {
+        let key = src.scale_row(r);
+        let scaled = if key.is_some() && key == have {
+            true
+        } else {
+            have = key;
+            chunk_scales_avx512(src, r, cols, &mut s.s)
+        };
+        if VBMI && a.m == 1 && scaled {
             if let BfSrc::Mxfp8 { q, .. } | BfSrc::Fp8Block { q, .. } = *src {
-                if chunk_scales_avx512(src, r, cols, &mut s.s) {
-                    let v = row_m1_fused(q.as_ptr().add(r * cols), a.x.as_ptr(), s.s.as_ptr(), nc);
-                    *out.add(r) = v;
-                    continue;
-                }
+                let v = row_m1_fused(q.as_ptr().add(r * cols), a.x.as_ptr(), s.s.as_ptr(), nc);
+                *out.add(r) = v;
+                continue;
             }
         }
         let wp: *const u16 = match *src {
@@ -215,7 +222,6 @@ unsafe fn rows_impl<const VBMI: bool>(
                 s.w.as_ptr()
             }
         };
-        let scaled = chunk_scales_avx512(src, r, cols, &mut s.s);
         for i in 0..a.m {
             let xp = a.x.as_ptr().add(i * cols);
             let mut acc = [_mm512_setzero_ps(); 4];
