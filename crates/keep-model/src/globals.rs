@@ -147,7 +147,9 @@ impl<'a> Globals<'a> {
         crate::linear::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
         let mut out = vec![0f32; rows.len() * cfg.vocab];
         profile::read(self.head.nbytes());
-        matmul(&h, rows.len(), &self.head, &mut out)?;
+        // One product over every vocab row: threads split the rows, on the fast kernels under
+        // `Kernels::Fast` (bf16 and FP8 heads on the bf16 kernels where the CPU has them).
+        keep_kernels::matmul_with(cfg.kernels, &h, rows.len(), &self.head, &mut out)?;
         if !out.iter().all(|v| v.is_finite()) {
             return Err(ModelError::NonFinite("the output head".into()));
         }

@@ -27,7 +27,7 @@ use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::{rht_input, rht_output, ExpertSource, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
-use crate::linear::{lin, note_input};
+use crate::linear::{lin, note_input, proj};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
@@ -461,9 +461,9 @@ impl LayerWeights<'_> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
@@ -471,7 +471,7 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
@@ -622,13 +622,14 @@ impl LayerWeights<'_> {
                     });
                 }
             }
-            keep_kernels::matmul_rows(&xin, t, &self.wo_a, gi * ol, (gi + 1) * ol, &mut yg)?;
+            let wg = self.wo_a.slice_rows(gi * ol, (gi + 1) * ol)?;
+            keep_kernels::matmul_with(cfg.kernels, &xin, t, &wg, &mut yg)?;
             for i in 0..t {
                 oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol]
                     .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
-        lin(&oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
+        proj(cfg.kernels, &oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
     }
 
     /// `Attention._compress` with `Compressor.__call__`.
@@ -916,14 +917,41 @@ impl LayerWeights<'_> {
         }
         let shared_span = profile::span(Part::SharedExpert);
         let [sw1, sw2, sw3] = &self.shared;
-        let g = lin(x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
-        let u = lin(x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
+        let g = proj(
+            cfg.kernels,
+            x,
+            t,
+            sw1,
+            obs,
+            l,
+            "ffn.shared_experts.w1",
+            None,
+        )?;
+        let u = proj(
+            cfg.kernels,
+            x,
+            t,
+            sw3,
+            obs,
+            l,
+            "ffn.shared_experts.w3",
+            None,
+        )?;
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
             .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
             .collect();
-        let sh = lin(&act, t, sw2, obs, l, "ffn.shared_experts.w2", None)?;
+        let sh = proj(
+            cfg.kernels,
+            &act,
+            t,
+            sw2,
+            obs,
+            l,
+            "ffn.shared_experts.w2",
+            None,
+        )?;
         drop(shared_span);
         let _p = profile::span(Part::Experts);
         let mut out = vec![0f32; t * d];
@@ -1217,87 +1245,84 @@ pub(crate) fn routed_experts(
             });
         }
         let by_expert = &by_key;
-        let xins: Vec<Vec<f32>> = chunk
-            .iter()
-            .map(|&j| {
-                let mut xin = Vec::with_capacity(by_expert[j].len() * d);
-                for &(i, _) in &by_expert[j] {
-                    xin.extend_from_slice(&x[i * d..(i + 1) * d]);
-                }
-                xin
-            })
-            .collect();
-        for ((&j, ew), xin) in chunk.iter().zip(&views).zip(&xins) {
-            let m = by_expert[j].len();
+        // Each expert's rows live in one buffer per stage (inputs, gate, up, activation,
+        // output), expert `c` of the chunk at rows `offs[c]..offs[c + 1]`: five allocations per
+        // chunk whatever its number of experts.
+        let mut offs = Vec::with_capacity(chunk.len() + 1);
+        offs.push(0usize);
+        for &j in &chunk {
+            offs.push(offs[offs.len() - 1] + by_expert[j].len());
+        }
+        let rows_total = offs[chunk.len()];
+        let span = |c: usize, w: usize| offs[c] * w..offs[c + 1] * w;
+        let mut xin_all = Vec::with_capacity(rows_total * d);
+        for &j in &chunk {
+            for &(i, _) in &by_expert[j] {
+                xin_all.extend_from_slice(&x[i * d..(i + 1) * d]);
+            }
+        }
+        for (c, (&j, ew)) in chunk.iter().zip(&views).enumerate() {
+            let (m, xin) = (by_expert[j].len(), &xin_all[span(c, d)]);
             note_input(obs, l, "ffn.experts.w1", Some(j / 2), xin, m, ew.w1.cols);
             note_input(obs, l, "ffn.experts.w3", Some(j / 2), xin, m, ew.w3.cols);
         }
-        let mut gs: Vec<Vec<f32>> = chunk
-            .iter()
-            .map(|&j| vec![0f32; by_expert[j].len() * inter])
-            .collect();
-        let mut us = gs.clone();
+        let mut g_all = vec![0f32; rows_total * inter];
+        let mut u_all = vec![0f32; rows_total * inter];
         {
             // matrices stored rotated multiply the rotated activations (a copy each)
             let x1s = views
                 .iter()
-                .zip(&xins)
-                .map(|(ew, xin)| rht_input(ew.rht.w1, xin))
+                .enumerate()
+                .map(|(c, ew)| rht_input(ew.rht.w1, &xin_all[span(c, d)]))
                 .collect::<Result<Vec<_>>>()?;
             let x3s = views
                 .iter()
-                .zip(&xins)
-                .map(|(ew, xin)| rht_input(ew.rht.w3, xin))
+                .enumerate()
+                .map(|(c, ew)| rht_input(ew.rht.w3, &xin_all[span(c, d)]))
                 .collect::<Result<Vec<_>>>()?;
             let mut jobs = Vec::with_capacity(2 * chunk.len());
-            for (((((&j, ew), x1), x3), g), u) in chunk
-                .iter()
-                .zip(&views)
-                .zip(&x1s)
-                .zip(&x3s)
-                .zip(gs.iter_mut())
-                .zip(us.iter_mut())
-            {
+            let (mut g_rest, mut u_rest) = (&mut g_all[..], &mut u_all[..]);
+            for (((&j, ew), x1), x3) in chunk.iter().zip(&views).zip(&x1s).zip(&x3s) {
                 let m = by_expert[j].len();
+                let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(m * inter);
+                let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(m * inter);
+                (g_rest, u_rest) = (gr, ur);
                 jobs.push(Job::view(&ew.w1, x1, m, g)?);
                 jobs.push(Job::view(&ew.w3, x3, m, u)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
         }
-        for ((ew, g), u) in views.iter().zip(gs.iter_mut()).zip(us.iter_mut()) {
-            rht_output(ew.rht.w1, g)?;
-            rht_output(ew.rht.w3, u)?;
+        for (c, ew) in views.iter().enumerate() {
+            rht_output(ew.rht.w1, &mut g_all[span(c, inter)])?;
+            rht_output(ew.rht.w3, &mut u_all[span(c, inter)])?;
         }
-        let acts: Vec<Vec<f32>> = gs
-            .iter()
-            .zip(&us)
-            .map(|(g, u)| g.iter().zip(u).map(|(&g, &u)| act(g, u)).collect())
-            .collect();
-        for ((&j, ew), act) in chunk.iter().zip(&views).zip(&acts) {
-            let m = by_expert[j].len();
-            note_input(obs, l, "ffn.experts.w2", Some(j / 2), act, m, ew.w2.cols);
+        let act_all: Vec<f32> = g_all.iter().zip(&u_all).map(|(&g, &u)| act(g, u)).collect();
+        for (c, (&j, ew)) in chunk.iter().zip(&views).enumerate() {
+            let (m, a) = (by_expert[j].len(), &act_all[span(c, inter)]);
+            note_input(obs, l, "ffn.experts.w2", Some(j / 2), a, m, ew.w2.cols);
         }
-        let mut outs: Vec<Vec<f32>> = chunk
-            .iter()
-            .map(|&j| vec![0f32; by_expert[j].len() * d])
-            .collect();
+        let mut out_all = vec![0f32; rows_total * d];
         {
             let a2s = views
                 .iter()
-                .zip(&acts)
-                .map(|(ew, a)| rht_input(ew.rht.w2, a))
+                .enumerate()
+                .map(|(c, ew)| rht_input(ew.rht.w2, &act_all[span(c, inter)]))
                 .collect::<Result<Vec<_>>>()?;
             let mut jobs = Vec::with_capacity(chunk.len());
-            for (((&j, ew), act), y) in chunk.iter().zip(&views).zip(&a2s).zip(outs.iter_mut()) {
-                jobs.push(Job::view(&ew.w2, act, by_expert[j].len(), y)?);
+            let mut y_rest = &mut out_all[..];
+            for ((&j, ew), a) in chunk.iter().zip(&views).zip(&a2s) {
+                let m = by_expert[j].len();
+                let (y, yr) = std::mem::take(&mut y_rest).split_at_mut(m * d);
+                y_rest = yr;
+                jobs.push(Job::view(&ew.w2, a, m, y)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
         }
-        for (ew, y) in views.iter().zip(outs.iter_mut()) {
-            rht_output(ew.rht.w2, y)?;
+        for (c, ew) in views.iter().enumerate() {
+            rht_output(ew.rht.w2, &mut out_all[span(c, d)])?;
         }
-        for (&j, y) in chunk.iter().zip(&outs) {
-            let routes = &by_expert[j];
+        for (c, &j) in chunk.iter().enumerate() {
+            let (routes, y) = (&by_expert[j], &out_all[span(c, d)]);
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_expert_outputs() {
                     let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
@@ -1335,9 +1360,9 @@ impl LayerWeights<'_> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = lin(x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
+        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
         crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = lin(&qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
         head_norm(&mut q, hd, cfg.eps);
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
@@ -1346,7 +1371,7 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = lin(x, t, &self.wkv, obs, l, "attn.wkv", None)?;
+        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
         crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(

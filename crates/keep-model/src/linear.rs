@@ -3,13 +3,33 @@
 //! top-k order the routers and the V4 indexer share. A leaf: it knows the kernels and the
 //! observer, nothing of layers.
 
-use keep_kernels::{matmul, profile, WeightView};
+use keep_kernels::{matmul_with, profile, Kernels, WeightView};
 
 use crate::observer::{LinearInputEvent, RouteObserver};
 use crate::Result;
 
-/// `y = x · Wᵀ` for `m` rows, reporting the input to an observer that wants linear inputs.
+/// `y = x · Wᵀ` for `m` rows on the exact kernels, reporting the input to an observer that
+/// wants linear inputs (the router gates, the compressor, the indexer: products whose results
+/// pick experts or rows, kept exact under either [`Kernels`]).
 pub(crate) fn lin(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+) -> Result<Vec<f32>> {
+    proj(Kernels::Exact, x, m, w, obs, layer, name, expert)
+}
+
+/// [`lin`] on the chosen kernels: the dense projections (attention, shared expert, Qwen3's
+/// attention and dense MLP) take [`Kernels::Fast`] where the format has a fast kernel
+/// (FP8-block and MXFP8 on the bf16 kernels, MXFP4 / affine on the integer ones), so under
+/// `--kernels fast` they run as the routed experts do.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn proj(
+    kernels: Kernels,
     x: &[f32],
     m: usize,
     w: &WeightView,
@@ -21,7 +41,7 @@ pub(crate) fn lin(
     note_input(obs, layer, name, expert, x, m, w.cols);
     profile::read(w.nbytes());
     let mut y = vec![0f32; m * w.rows];
-    matmul(x, m, w, &mut y)?;
+    matmul_with(kernels, x, m, w, &mut y)?;
     Ok(y)
 }
 

@@ -24,7 +24,7 @@ use crate::config::ModelConfig;
 pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
 use crate::layer::route;
-use crate::linear::lin;
+use crate::linear::{lin, proj};
 use crate::observer::{RouteEvent, RouteObserver};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
@@ -150,10 +150,28 @@ impl<'a> Qwen3Layer<'a> {
             Ffn::Dense { gate, up, down } => {
                 let _p = profile::span(Part::SharedExpert);
                 let l = self.layer;
-                let g = lin(&hn, t, gate, &mut obs, l, "mlp.gate_proj", None)?;
-                let u = lin(&hn, t, up, &mut obs, l, "mlp.up_proj", None)?;
+                let g = proj(
+                    cfg.kernels,
+                    &hn,
+                    t,
+                    gate,
+                    &mut obs,
+                    l,
+                    "mlp.gate_proj",
+                    None,
+                )?;
+                let u = proj(cfg.kernels, &hn, t, up, &mut obs, l, "mlp.up_proj", None)?;
                 let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::silu(g) * u).collect();
-                lin(&act, t, down, &mut obs, l, "mlp.down_proj", None)?
+                proj(
+                    cfg.kernels,
+                    &act,
+                    t,
+                    down,
+                    &mut obs,
+                    l,
+                    "mlp.down_proj",
+                    None,
+                )?
             }
         };
         let _p = profile::span(Part::Experts);
@@ -177,9 +195,9 @@ impl<'a> Qwen3Layer<'a> {
         let l = self.layer;
         let hd = self.q_norm.len();
         let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
-        let mut q = lin(x, t, &self.q, obs, l, "self_attn.q_proj", None)?;
-        let mut k = lin(x, t, &self.k, obs, l, "self_attn.k_proj", None)?;
-        let v = lin(x, t, &self.v, obs, l, "self_attn.v_proj", None)?;
+        let mut q = proj(cfg.kernels, x, t, &self.q, obs, l, "self_attn.q_proj", None)?;
+        let mut k = proj(cfg.kernels, x, t, &self.k, obs, l, "self_attn.k_proj", None)?;
+        let v = proj(cfg.kernels, x, t, &self.v, obs, l, "self_attn.v_proj", None)?;
         crate::linear::rms_norm(&mut q, hd, Some(&self.q_norm), cfg.eps);
         crate::linear::rms_norm(&mut k, hd, Some(&self.k_norm), cfg.eps);
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
@@ -236,7 +254,16 @@ impl<'a> Qwen3Layer<'a> {
             }
         }
         drop(scores_span);
-        lin(&out, t, &self.o, obs, l, "self_attn.o_proj", None)
+        proj(
+            cfg.kernels,
+            &out,
+            t,
+            &self.o,
+            obs,
+            l,
+            "self_attn.o_proj",
+            None,
+        )
     }
 
     /// `Qwen3MoeSparseMoeBlock.__call__`: softmax router, top-k (experts in `mask` never

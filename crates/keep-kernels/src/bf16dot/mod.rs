@@ -102,6 +102,13 @@ pub struct Bf16Acts {
 impl Bf16Acts {
     /// Round `m` rows of `cols` f32 to bf16.
     pub fn round(x: &[f32], m: usize, cols: usize) -> Result<Self> {
+        let mut a = Bf16Acts::default();
+        a.reround(x, m, cols)?;
+        Ok(a)
+    }
+
+    /// [`Bf16Acts::round`] into this buffer (no allocation when it already holds `m × cols`).
+    pub fn reround(&mut self, x: &[f32], m: usize, cols: usize) -> Result<()> {
         if m.checked_mul(cols) != Some(x.len()) {
             return Err(KernelError::Operand {
                 what: "x",
@@ -110,12 +117,35 @@ impl Bf16Acts {
             });
         }
         let _round = crate::profile::quant_span();
-        Ok(Bf16Acts {
-            m,
-            cols,
-            x: x.iter().map(|&v| f32_to_bf16_rne(v)).collect(),
-        })
+        self.m = m;
+        self.cols = cols;
+        self.x.clear();
+        self.x.extend(x.iter().map(|&v| f32_to_bf16_rne(v)));
+        Ok(())
     }
+}
+
+/// Most rounded activation buffers a thread keeps between calls.
+const SPARE_MAX: usize = 32;
+/// Largest buffer kept (`m × cols` values: decode-sized; a prefill chunk's are dropped).
+const SPARE_MAX_VALUES: usize = 1 << 16;
+
+thread_local! {
+    /// Rounded activation buffers of finished calls, for the next (a decode step rounds the
+    /// same few shapes every layer: no allocation once they are warm).
+    static SPARE_ACTS: std::cell::RefCell<Vec<Bf16Acts>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's spare buffers (empty when none are kept).
+fn take_spare() -> Vec<Bf16Acts> {
+    SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()))
+}
+
+/// Keep the decode-sized buffers of `spare` (at most [`SPARE_MAX`]) for this thread's next call.
+fn keep_spare(mut spare: Vec<Bf16Acts>) {
+    spare.retain(|a| a.x.capacity() <= SPARE_MAX_VALUES);
+    spare.truncate(SPARE_MAX);
+    SPARE_ACTS.with(|s| *s.borrow_mut() = spare);
 }
 
 /// Denormal bf16 input read as (signed) zero.
@@ -261,12 +291,33 @@ impl<'a> BfSrc<'a> {
                 row0,
                 ..
             } => {
-                let base = ((row0 + r) / block_rows) * cols.div_ceil(block_cols);
-                for (c, o) in dst[..nc].iter_mut().enumerate() {
-                    *o = block_scale(scales, base + c * CHUNK / block_cols);
+                // Chunk c lies in column block 32c / block_cols: one scale per block, written
+                // over its chunks (block_cols a multiple of 32, or one block across the row).
+                let nb = cols.div_ceil(block_cols);
+                let base = ((row0 + r) / block_rows) * nb;
+                if block_cols >= cols {
+                    dst[..nc].fill(block_scale(scales, base));
+                } else {
+                    let per = block_cols / CHUNK;
+                    for (b, d) in dst[..nc].chunks_mut(per).enumerate() {
+                        d.fill(block_scale(scales, base + b));
+                    }
                 }
                 true
             }
+        }
+    }
+
+    /// The block row whose scales row `r` uses (FP8-block: rows of one block row share their
+    /// chunk scales, so a kernel walking rows in order computes them once per block row);
+    /// `None` where each row has its own (MXFP8) or none (bf16).
+    #[inline]
+    pub fn scale_row(&self, r: usize) -> Option<usize> {
+        match *self {
+            BfSrc::Fp8Block {
+                block_rows, row0, ..
+            } => Some((row0 + r) / block_rows),
+            _ => None,
         }
     }
 
@@ -457,9 +508,14 @@ pub fn bf_matmul(
     let Some(level) = bf_level() else {
         return Ok(false);
     };
-    let a = Bf16Acts::round(x, m, cols)?;
-    bf_matmul_at(level, src, rows, &a, out)?;
-    Ok(true)
+    let mut spare = take_spare();
+    let mut a = spare.pop().unwrap_or_default();
+    let r = a
+        .reround(x, m, cols)
+        .and_then(|()| bf_matmul_at(level, src, rows, &a, out));
+    spare.push(a);
+    keep_spare(spare);
+    r.map(|()| true)
 }
 
 /// One product of a [`bf_matmul_many`] batch.
@@ -479,8 +535,19 @@ pub fn bf_matmul_many_at(level: BfLevel, jobs: &mut [BfJob]) -> Result<()> {
         check_operands(j.x, j.m, j.rows, j.cols, j.out)?;
         j.w.check(j.rows, j.cols)?;
     }
-    let (acts, which) =
-        prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), Bf16Acts::round)?;
+    let mut spare = take_spare();
+    let prepared = prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), |x, m, cols| {
+        let mut a = spare.pop().unwrap_or_default();
+        a.reround(x, m, cols)?;
+        Ok::<_, KernelError>(a)
+    });
+    let (acts, which) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            keep_spare(spare);
+            return Err(e);
+        }
+    };
     let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
     let outs: Vec<SyncPtr> = jobs
         .iter_mut()
@@ -493,6 +560,8 @@ pub fn bf_matmul_many_at(level: BfLevel, jobs: &mut [BfJob]) -> Result<()> {
         // disjoint row range of its job's m×rows output.
         unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
     });
+    spare.extend(acts);
+    keep_spare(spare);
     Ok(())
 }
 

@@ -400,3 +400,90 @@ fn vector_decoders_and_scales_equal_the_tables_on_every_code() {
         .zip(&b)
         .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
 }
+
+/// An FP8-block weight with power-of-two block scales (E8M0, or f32 / bf16 holding exact powers
+/// of two) is, row by row, MXFP8 with each 32-column chunk scaled by its block's scale: the
+/// fast kernels give the two the same bits (whole matrices and row slices that start inside a
+/// block, columns not a multiple of the 128-column block, M across the row kernel and the
+/// GEMM), and both stay within the tolerance of the exact product of the bf16-rounded
+/// activations.
+#[test]
+fn fp8_block_with_power_of_two_scales_equals_mxfp8() {
+    let mut rng = Rng::new(77);
+    let b = 128usize;
+    for &(rows, cols) in &[(300usize, 160usize), (131, 416), (129, 32)] {
+        let q: Vec<u8> = rng
+            .bytes(rows * cols)
+            .into_iter()
+            .map(|v| if v & 0x7F == 0x7F { v ^ 1 } else { v })
+            .collect();
+        let (br, bc) = (rows.div_ceil(b), cols.div_ceil(b));
+        let e8: Vec<u8> = rng.scales(br * bc);
+        let f32s: Vec<u8> = e8
+            .iter()
+            .flat_map(|&e| crate::codec::e8m0_to_f32(e).to_le_bytes())
+            .collect();
+        let bf16s: Vec<u8> = f32s.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+        // MXFP8 scales: chunk k of row r carries block (r / 128, 32k / 128)'s byte.
+        let nc = cols / CHUNK;
+        let mx: Vec<u8> = (0..rows * nc)
+            .map(|i| e8[(i / nc) / b * bc + (i % nc) * CHUNK / b])
+            .collect();
+        let mxv = WeightView::mxfp8(&q, &mx, rows, cols).unwrap();
+        let blocks = [
+            ("e8m0", BlockScales::E8m0(&e8)),
+            ("f32", BlockScales::F32(&f32s)),
+            ("bf16", BlockScales::Bf16(&bf16s)),
+        ];
+        for (sname, sc) in blocks {
+            let fbv = WeightView::fp8_block(&q, sc, rows, cols, b, b).unwrap();
+            for (r0, r1) in [(0, rows), (rows / 3, rows), (1, rows.min(130))] {
+                let (fs, ms) = (
+                    fbv.slice_rows(r0, r1).unwrap(),
+                    mxv.slice_rows(r0, r1).unwrap(),
+                );
+                let n = r1 - r0;
+                for m in [1usize, 3, GEMM_MIN_M + 2] {
+                    let x: Vec<f32> = (0..m * cols).map(|_| rng.f() * 2.0).collect();
+                    let a = Bf16Acts::round(&x, m, cols).unwrap();
+                    let xr: Vec<f32> = a.x.iter().map(|&h| bf16_to_f32(h)).collect();
+                    let mut exact = vec![0f32; m * n];
+                    matmul_ref(&xr, m, &ms, &mut exact).unwrap();
+                    let mag: Vec<f64> = (0..m * n)
+                        .map(|k| {
+                            let (i, r) = (k / n, k % n);
+                            (0..cols)
+                                .map(|c| (xr[i * cols + c] as f64 * ms.get_ref(r, c) as f64).abs())
+                                .sum()
+                        })
+                        .collect();
+                    for level in bf_levels_available() {
+                        let mut got = [vec![0f32; m * n], vec![0f32; m * n]];
+                        for (o, v) in got.iter_mut().zip([&fs, &ms]) {
+                            let src = BfSrc::from_view(v).expect("supported");
+                            bf_matmul_at(level, &src, n, &a, o).unwrap();
+                        }
+                        let what = format!("{sname} {rows}x{cols} [{r0}..{r1}) m={m}");
+                        assert!(
+                            got[0].iter().zip(&got[1]).all(|(p, q)| same(*p, *q)),
+                            "{what} {}: FP8-block and MXFP8 differ",
+                            level.name()
+                        );
+                        for (k, (g, e)) in got[0].iter().zip(&exact).enumerate() {
+                            let d = (g - e).abs() as f64;
+                            assert!(d <= REL_TOL as f64 * mag[k].max(1e-30), "{what} [{k}]");
+                        }
+                    }
+                    // What `--kernels fast` runs: `matmul_with` takes the same path for both.
+                    let (mut p, mut q2) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    crate::matmul_with(crate::Kernels::Fast, &x, m, &fs, &mut p).unwrap();
+                    crate::matmul_with(crate::Kernels::Fast, &x, m, &ms, &mut q2).unwrap();
+                    assert!(
+                        p.iter().zip(&q2).all(|(a, b)| same(*a, *b)),
+                        "{sname} matmul_with"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -191,17 +191,28 @@ unsafe fn rows_impl<const VBMI: bool>(
 ) {
     let cols = a.cols;
     let nc = cols / CHUNK;
+    if let (BfSrc::Bf16(b), 1) = (*src, a.m) {
+        bf16_rows_m1(b.as_ptr() as *const u16, cols, a.x.as_ptr(), r0, r1, out);
+        return;
+    }
     let mut s = SCRATCH.with(|c| c.take());
     s.w.resize(cols, 0);
     s.s.resize(nc, 0.0);
+    // The block row whose scales `s.s` holds (FP8-block rows of one block row share them).
+    let mut have: Option<usize> = None;
     for r in r0..r1 {
-        if VBMI && a.m == 1 {
+        let key = src.scale_row(r);
+        let scaled = if key.is_some() && key == have {
+            true
+        } else {
+            have = key;
+            chunk_scales_avx512(src, r, cols, &mut s.s)
+        };
+        if VBMI && a.m == 1 && scaled {
             if let BfSrc::Mxfp8 { q, .. } | BfSrc::Fp8Block { q, .. } = *src {
-                if chunk_scales_avx512(src, r, cols, &mut s.s) {
-                    let v = row_m1_fused(q.as_ptr().add(r * cols), a.x.as_ptr(), s.s.as_ptr(), nc);
-                    *out.add(r) = v;
-                    continue;
-                }
+                let v = row_m1_fused(q.as_ptr().add(r * cols), a.x.as_ptr(), s.s.as_ptr(), nc);
+                *out.add(r) = v;
+                continue;
             }
         }
         let wp: *const u16 = match *src {
@@ -211,7 +222,6 @@ unsafe fn rows_impl<const VBMI: bool>(
                 s.w.as_ptr()
             }
         };
-        let scaled = chunk_scales_avx512(src, r, cols, &mut s.s);
         for i in 0..a.m {
             let xp = a.x.as_ptr().add(i * cols);
             let mut acc = [_mm512_setzero_ps(); 4];
@@ -248,6 +258,72 @@ unsafe fn rows_impl<const VBMI: bool>(
     }
     SCRATCH.with(|c| c.replace(s));
 }
+
+/// bf16 rows `r0..r1` of `w` (`cols` wide) against one input row `xp`, written to
+/// `out[r]`: [`M1_ROWS`] rows at a time, each row's four accumulator chains exactly the
+/// contract's unscaled form, the rows' chains interleaved (sixteen independent `vdpbf16ps`
+/// chains where one row has four, so the instruction's latency is hidden) and every input
+/// chunk loaded once for all of them; the rows left over go one at a time. Each result is the
+/// same bits as a row on its own.
+///
+/// # Safety
+/// AVX-512 F/BW/BF16; `w` holds `r1` rows of `cols` (a multiple of 32) bf16, `xp` `cols`
+/// bf16, `out` valid for writes at `r0..r1`.
+#[inline(always)]
+unsafe fn bf16_rows_m1(
+    w: *const u16,
+    cols: usize,
+    xp: *const u16,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+) {
+    let nc = cols / CHUNK;
+    let full = nc / 4 * 4;
+    let mut r = r0;
+    while r + M1_ROWS <= r1 {
+        let wp: [*const u16; M1_ROWS] = std::array::from_fn(|j| w.add((r + j) * cols));
+        let mut acc = [[_mm512_setzero_ps(); 4]; M1_ROWS];
+        let mut c = 0;
+        while c < full {
+            for k in 0..4 {
+                let xv = ld16(xp, c + k);
+                for j in 0..M1_ROWS {
+                    acc[j][k] = _mm512_dpbf16_ps(acc[j][k], ld16(wp[j], c + k), xv);
+                }
+            }
+            c += 4;
+        }
+        for c in full..nc {
+            let xv = ld16(xp, c);
+            for j in 0..M1_ROWS {
+                acc[j][c % 4] = _mm512_dpbf16_ps(acc[j][c % 4], ld16(wp[j], c), xv);
+            }
+        }
+        for j in 0..M1_ROWS {
+            *out.add(r + j) = finish(acc[j]);
+        }
+        r += M1_ROWS;
+    }
+    for r in r..r1 {
+        let wp = w.add(r * cols);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut c = 0;
+        while c < full {
+            for k in 0..4 {
+                acc[k] = _mm512_dpbf16_ps(acc[k], ld16(wp, c + k), ld16(xp, c + k));
+            }
+            c += 4;
+        }
+        for c in full..nc {
+            acc[c % 4] = _mm512_dpbf16_ps(acc[c % 4], ld16(wp, c), ld16(xp, c));
+        }
+        *out.add(r) = finish(acc);
+    }
+}
+
+/// Rows [`bf16_rows_m1`] runs together (4 × 4 accumulators, 4 weight and 1 input register).
+const M1_ROWS: usize = 4;
 
 /// One input row against one scaled E4M3 row (`nc` chunks), decoded in registers 64 bytes
 /// at a time ([`decode64_vbmi`]) and dotted at once, without the row buffer: the contract's
