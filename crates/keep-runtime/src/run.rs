@@ -150,6 +150,12 @@ impl Generate for RunModel<'_> {
             RunModel::Budgeted(m) => m.stop_drafting(),
         }
     }
+    fn pause_drafting(&mut self, paused: bool) {
+        match self {
+            RunModel::Mapped(m, _) => m.pause_drafting(paused),
+            RunModel::Budgeted(m) => m.pause_drafting(paused),
+        }
+    }
     fn draft(
         &mut self,
         last: u32,
