@@ -242,6 +242,15 @@ pub struct HashLayerCounters {
 /// The Engram row cache's counters over one phase.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngramCounters {
+    /// The alignment of the row reads: the tables' device's logical block size (0 in files
+    /// written before it was recorded).
+    #[serde(default)]
+    pub block_bytes: u64,
+    /// How `block_bytes` was found: `statx` (STATX_DIOALIGN), `sysfs` (the device's
+    /// `queue/logical_block_size`) or `default` (4096).
+    #[serde(default)]
+    pub block_source: String,
+    /// Bytes read from the files (whole blocks).
     pub bytes_read: u64,
     pub hit_rate: f64,
     pub hits: u64,
@@ -250,6 +259,8 @@ pub struct EngramCounters {
     pub reads: u64,
     pub rows_requested: u64,
     pub sync_rows: u64,
+    /// Bytes of the rows read (what was asked of the files); `bytes_read / useful_bytes` is
+    /// `read_amplification`.
     pub useful_bytes: u64,
     pub wait_secs: f64,
 }
@@ -345,6 +356,8 @@ mod tests {
             command: "keep run m --memory-budget 2GiB".into(),
             decode_cache: Some(cache(2)),
             decode_engram: Some(EngramCounters {
+                block_bytes: 512,
+                block_source: "statx".into(),
                 bytes_read: 8192,
                 hit_rate: 0.5,
                 hits: 2,

@@ -18,6 +18,7 @@ const PROMPTS: [usize; 3] = [16, 200, 700];
 
 struct Outcome {
     code: i32,
+    stdout: String,
     stderr: String,
     peak_rss: u64,
 }
@@ -26,6 +27,8 @@ struct Outcome {
 fn keep_run(args: &[String], dir: &Path) -> Outcome {
     let err_path = dir.join(format!("stderr-{}", args.join("_").replace('/', "_")));
     let err = std::fs::File::create(&err_path).unwrap();
+    let out_path = dir.join(format!("stdout-{}", args.join("_").replace('/', "_")));
+    let out = std::fs::File::create(&out_path).unwrap();
     // Reaped by wait4 below (for its rusage), not by Child::wait.
     #[allow(clippy::zombie_processes)]
     let child = Command::new(env!("CARGO_BIN_EXE_keep"))
@@ -33,7 +36,7 @@ fn keep_run(args: &[String], dir: &Path) -> Outcome {
         .args(args)
         .env("KEEP_CACHE_DIR", dir.join("cache"))
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(out)
         .stderr(err)
         .spawn()
         .unwrap();
@@ -45,6 +48,7 @@ fn keep_run(args: &[String], dir: &Path) -> Outcome {
     assert!(libc::WIFEXITED(status), "keep run was killed: {status}");
     Outcome {
         code: libc::WEXITSTATUS(status),
+        stdout: std::fs::read_to_string(&out_path).unwrap(),
         stderr: std::fs::read_to_string(&err_path).unwrap(),
         peak_rss: ru.ru_maxrss as u64 * 1024,
     }
@@ -199,4 +203,67 @@ fn long_contexts_that_cannot_fit_are_refused() {
         o.stderr
     );
     assert!(needed(&o) > 3 << 20);
+}
+
+/// Engram tables larger than the budget are never resident, and the default row cache is cut to
+/// what the budget leaves: `keep synth --engram-bytes 64MiB` (67 MiB of tables) runs at a
+/// 48 MiB budget, writes the same greedy tokens as the run without a budget, and its peak
+/// resident set stays within the budget plus `FIXED_OVERHEAD`.
+#[cfg(target_os = "linux")]
+#[test]
+fn engram_tables_larger_than_the_budget_run_inside_it() {
+    let td = tempfile::tempdir().unwrap();
+    let model = td.path().join("eng");
+    let st = Command::new(env!("CARGO_BIN_EXE_keep"))
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--engram-bytes",
+            "64MiB",
+            "--out",
+        ])
+        .arg(&model)
+        .env("KEEP_CACHE_DIR", td.path().join("cache"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success(), "keep synth failed");
+    let budget: u64 = 48 << 20;
+    assert!(model_bytes(&model) > budget + (16 << 20));
+    let m = Some(model.as_path());
+    let plain = keep_run(&args(m, None, 24, 12), td.path());
+    assert_eq!(plain.code, 0, "without a budget: {}", plain.stderr);
+    let stats = td.path().join("stats.json");
+    let mut a = args(m, Some(budget), 24, 12);
+    a.extend(["--stats-json".to_string(), stats.display().to_string()]);
+    let ok = keep_run(&a, td.path());
+    assert_eq!(ok.code, 0, "at {budget}: {}", ok.stderr);
+    assert!(!plain.stdout.trim().is_empty());
+    assert_eq!(ok.stdout, plain.stdout, "the same greedy tokens");
+    assert!(
+        ok.peak_rss <= budget + FIXED_OVERHEAD,
+        "peak RSS {} > budget {budget} + overhead {FIXED_OVERHEAD}",
+        ok.peak_rss
+    );
+    let s = keep_artifacts::run_stats::read(&stats).unwrap();
+    let p = s.plan.expect("a budgeted run has a plan");
+    let cache = p.engram_cache_bytes.expect("the model has Engram layers");
+    assert!(cache > 0 && cache < budget, "row cache {cache}");
+    assert!(
+        p.residents >= cache,
+        "the row cache is counted in the budget"
+    );
+    let e = s.prefill_engram.expect("prefill Engram counters");
+    assert!(e.misses > 0 && e.bytes_read >= e.useful_bytes, "{e:?}");
+    // Reads are whole blocks of the device, said how it was found.
+    assert!(
+        e.block_bytes.is_power_of_two() && e.block_bytes <= 4096,
+        "{e:?}"
+    );
+    assert!(e.bytes_read.is_multiple_of(e.block_bytes), "{e:?}");
+    assert!(
+        ["statx", "sysfs", "default"].contains(&e.block_source.as_str()),
+        "{e:?}"
+    );
 }

@@ -212,6 +212,35 @@ impl BudgetPlan {
     }
 }
 
+/// The Engram row cache of a budgeted run that sets none: what `budget` leaves after `fixed`
+/// (residents, the context's cache and activations, the other caches) and `top_k` slots per
+/// layer is split evenly between the row cache and more expert slots (the row cache takes the
+/// rest where the slots need less than half to hold every expert), capped at `cap` and rounded
+/// down to whole rows of `row_bytes`. 0 when the budget leaves nothing: the rows are then read
+/// directly, never held. Never more than the budget leaves, so the row cache alone never makes
+/// a budget too small.
+#[allow(clippy::too_many_arguments)]
+pub fn default_engram_cache(
+    budget: u64,
+    fixed: u64,
+    slot_bytes: u64,
+    n_layers: usize,
+    top_k: usize,
+    n_experts: usize,
+    cap: u64,
+    row_bytes: u64,
+) -> u64 {
+    let spare = budget.saturating_sub(BudgetPlan::minimum(fixed, slot_bytes, n_layers, top_k));
+    let more_slots = slot_bytes
+        .saturating_mul(n_experts.saturating_sub(top_k) as u64)
+        .saturating_mul(n_layers as u64);
+    let share = (spare / 2).max(spare.saturating_sub(more_slots)).min(cap);
+    match row_bytes {
+        0 => 0,
+        r => share / r * r,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,6 +279,26 @@ mod tests {
         assert_eq!(p.slots_per_layer, 3);
         assert_eq!(p.planned(), need + 4 * 100);
         assert!(p.planned() <= p.budget);
+    }
+
+    #[test]
+    fn default_engram_cache_fits_what_the_budget_leaves() {
+        // residents 1000, 4 layers × top-k 2 × 100-byte slots, 64 experts a layer.
+        let min = 1000 + 4 * 2 * 100;
+        let cache = |budget, cap| default_engram_cache(budget, 1000, 100, 4, 2, 64, cap, 33);
+        // Nothing left: no row cache (and the budget is not refused for it).
+        assert_eq!(cache(min, 1 << 20), 0);
+        assert_eq!(cache(min - 1, 1 << 20), 0);
+        // Half of what is left, in whole rows; the plan with it still holds top-k slots.
+        let c = cache(min + 10_000, 1 << 20);
+        assert_eq!(c, 5_000 / 33 * 33);
+        let p = BudgetPlan::new(min + 10_000, 1000 + c, 100, 4, 2, 64).unwrap();
+        assert!(p.planned() <= p.budget && p.slots_per_layer >= 2);
+        // Capped by the tables (or the default size).
+        assert_eq!(cache(min + 10_000, 660), 660);
+        // Slots that hold every expert take no more: the row cache gets the rest.
+        let all = 4 * 62 * 100;
+        assert_eq!(cache(min + all + 30_000, 1 << 20), 30_000 / 33 * 33);
     }
 
     #[test]

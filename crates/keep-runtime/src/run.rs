@@ -413,6 +413,8 @@ pub fn profile_numbers(steps: &[profile::Step]) -> ProfileNumbers {
 
 fn engram_counters(s: &EngramStats) -> EngramCounters {
     EngramCounters {
+        block_bytes: s.block_bytes,
+        block_source: s.block_source.map_or("", |b| b.as_str()).into(),
         bytes_read: s.bytes_read,
         hit_rate: s.hit_rate(),
         hits: s.hits,

@@ -33,7 +33,7 @@ use keep_model::{
     ModelConfig, RouteEvent, RouteObserver,
 };
 
-use crate::budget::{check_machine, resident_bytes, BudgetPlan};
+use crate::budget::{check_machine, default_engram_cache, resident_bytes, BudgetPlan};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
 use crate::engram::{engram_table_bytes, EngramStats, EngramStore};
 use crate::io::DEFAULT_IO_THREADS;
@@ -58,8 +58,11 @@ pub struct RuntimeOptions {
     pub prefetch_next: bool,
     /// Which kernels the products run on.
     pub kernels: keep_kernels::Kernels,
-    /// Bytes of the Engram row cache, taken out of the budget (`None`: the smaller of the
-    /// tables and [`DEFAULT_ENGRAM_CACHE`]). Engram tables are never resident.
+    /// Bytes of the Engram row cache, taken out of the budget (`None`: what the budget leaves
+    /// after the residents, the context, the other caches and `top_k` slots per layer, shared
+    /// with more slots and capped at the smaller of the tables and [`DEFAULT_ENGRAM_CACHE`]:
+    /// [`default_engram_cache`]). A set size the budget
+    /// cannot hold is refused naming it. Engram tables are never resident.
     pub engram_cache: Option<u64>,
     /// Tokens the run will hold (prompt + generated); its decoding cache and one forward pass's
     /// activations come out of the budget and forwards past it are refused. `None`: the
@@ -413,20 +416,31 @@ impl<'a> BudgetedModel<'a> {
             None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
         };
         let residual_cache = opts.tiers.as_ref().map_or(0, |t| t.residual_cache);
-        let engram_cache = match &cfg.engram {
-            Some(_) => opts
-                .engram_cache
-                .unwrap_or_else(|| engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE)),
-            None => 0,
-        };
         let drafting = if opts.draft_tokens > 0 {
             draft_bytes(ck, &memory)
         } else {
             0
         };
+        let others = resident_bytes(ck) + residual_cache + drafting;
+        let engram_cache = match (&cfg.engram, opts.engram_cache) {
+            (None, _) => 0,
+            (Some(_), Some(set)) => set,
+            // Unset: what the budget leaves after the rest and top-k slots (a budget too small
+            // for those is refused below as without Engram layers).
+            (Some(layout), None) => default_engram_cache(
+                opts.budget,
+                others.saturating_add(memory.total()),
+                store.slot_bytes(),
+                cfg.n_layers,
+                cfg.top_k,
+                cfg.n_experts,
+                engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE),
+                crate::engram::row_bytes(layout.head_dim) as u64,
+            ),
+        };
         let plan = BudgetPlan::with_memory(
             opts.budget,
-            resident_bytes(ck) + engram_cache + residual_cache + drafting,
+            others + engram_cache,
             memory,
             store.slot_bytes(),
             cfg.n_layers,

@@ -25,7 +25,7 @@ use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
 use keep_model::{ExpertWeights, ModelConfig};
 
-use crate::aligned::{align_down, align_up, ALIGN};
+use crate::aligned::{align_down, align_up, read_block, BlockSource, ALIGN};
 use crate::{Result, RuntimeError};
 
 /// Extents of one shard with a gap of at most this many bytes are read as one.
@@ -99,6 +99,8 @@ pub(crate) struct ShardReader {
     direct: Option<File>,
     direct_ok: AtomicBool,
     buffered: File,
+    /// The alignment the file's direct reads need ([`read_block`]) and how it was found.
+    block: (u64, BlockSource),
 }
 
 #[cfg(target_os = "linux")]
@@ -153,12 +155,26 @@ impl ShardReader {
     pub(crate) fn open(path: &Path, want_direct: bool) -> Result<ShardReader> {
         let buffered = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
         let direct = if want_direct { open_direct(path) } else { None };
+        let block = read_block(direct.as_ref().unwrap_or(&buffered));
         Ok(ShardReader {
             path: path.to_path_buf(),
             direct_ok: AtomicBool::new(direct.is_some()),
             direct,
             buffered,
+            block,
         })
+    }
+
+    /// The alignment (bytes) a read's offset and length need, and how it was found.
+    pub(crate) fn block(&self) -> (u64, BlockSource) {
+        self.block
+    }
+
+    /// The same reader with reads aligned to `bytes` (tests of other device block sizes).
+    #[cfg(test)]
+    pub(crate) fn with_block(mut self, bytes: u64) -> ShardReader {
+        self.block = (bytes, BlockSource::Default);
+        self
     }
 
     /// Read `dst.len()` bytes (aligned) from `offset` (aligned), of which `need` must exist.

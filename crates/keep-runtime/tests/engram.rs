@@ -2,7 +2,7 @@
 //! budgeted run whose Engram row cache holds a few rows (so rows are evicted, re-read and, when a
 //! forward needs more rows than the cache holds, read directly) gives logits bit-identical to the
 //! plain model, and the counters add up (with a cache that holds them, every requested row is a
-//! hit or a miss; bytes read are whole 4 KiB pages, at least the useful bytes). With a compressed
+//! hit or a miss; bytes read are whole blocks of the device, at least the useful bytes). With a compressed
 //! Engram vocabulary (a tokenizer.json next to the config) the runtime builds the same token map
 //! as the plain model and gives the same logits.
 
@@ -69,7 +69,7 @@ fn engram_rows_from_ssd_give_identical_logits() {
         }
         let s = m.engram().unwrap().stats();
         assert!(
-            s.bytes_read >= s.useful_bytes && s.bytes_read % 4096 == 0,
+            s.bytes_read >= s.useful_bytes && s.bytes_read.is_multiple_of(s.block_bytes),
             "{s:?}"
         );
         assert!(s.rows_requested > 0 && s.misses > 0, "{s:?}");
@@ -86,6 +86,57 @@ fn engram_rows_from_ssd_give_identical_logits() {
                 s.hits > 0,
                 "decode reuses rows of the prompt's n-grams: {s:?}"
             );
+        }
+    }
+}
+
+#[test]
+fn the_default_row_cache_takes_what_the_budget_leaves() {
+    // Unset, the row cache is cut to what the budget leaves after the residents, the context
+    // and top-k slots per layer: at the least budget that holds those it is empty (every row
+    // read when used) and the logits are still the plain model's; a larger budget gives it
+    // part of the rest, never past the budget.
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let plain = Model::load(&ck).unwrap();
+    let v = plain.cfg.vocab;
+    let prompt: Vec<u32> = (0..19u32).map(|i| (i * 43 + 11) % v as u32).collect();
+    let mut c = plain.new_cache();
+    let want = greedy(
+        |t, w| plain.forward(t, &mut c, w, None).unwrap(),
+        &prompt,
+        4,
+        v,
+    );
+    let mut opts = RuntimeOptions::new(1);
+    opts.context = Some(prompt.len() + 4);
+    let need = match BudgetedModel::load(&ck, &opts) {
+        Err(keep_runtime::RuntimeError::BudgetTooSmall { needed, held, .. }) => {
+            assert!(held.is_empty(), "no row cache is named: {held}");
+            needed
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a one-byte budget runs"),
+    };
+    for budget in [need, need + (64 << 10)] {
+        opts.budget = budget;
+        let mut m = BudgetedModel::load(&ck, &opts).unwrap();
+        let e = m.engram().unwrap().cache_bytes();
+        assert!(m.plan().planned() <= budget && m.plan().residents >= e);
+        let mut c = m.new_cache();
+        let got = greedy(|t, w| m.forward(t, &mut c, w, None).unwrap(), &prompt, 4, v);
+        for (a, b) in want.iter().zip(&got) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "budget {budget}: logits differ"
+            );
+        }
+        let s = m.engram().unwrap().stats();
+        if budget == need {
+            assert_eq!(e, 0);
+            assert!(s.misses > 0 && s.sync_rows >= s.misses, "{s:?}");
+        } else {
+            assert!(e > 0, "the row cache gets part of what is left");
+            assert_eq!(s.sync_rows, 0, "{s:?}");
         }
     }
 }

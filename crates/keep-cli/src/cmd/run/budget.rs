@@ -39,8 +39,11 @@ pub struct BudgetArgs {
     /// layer L computes; reports how often the guess was right and the reads it saved.
     #[arg(long, requires = "memory_budget")]
     pub prefetch_next: bool,
-    /// Bytes of the Engram row cache inside the budget (default: the smaller of the tables and
-    /// 256MiB); Engram rows are read from the checkpoint's shards, never resident.
+    /// Bytes of the Engram row cache inside the budget (default: half of what the budget leaves
+    /// after the resident weights, the context and top-k expert slots per layer — all of it
+    /// past what slots for every expert take — at most the tables and 256MiB); Engram rows are
+    /// read from the checkpoint's shards, never resident. A size the budget cannot hold is
+    /// refused.
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES", requires = "memory_budget")]
     pub engram_cache: Option<u64>,
     /// Threads reading experts.
@@ -276,7 +279,7 @@ pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
     for (phase, s) in [("prefill", &r.prefill_engram), ("decode", &r.decode_engram)] {
         if let Some(s) = s {
             eprintln!(
-                "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads); waited {:.3} s",
+                "{phase} engram rows: hit rate {:.1}% ({} of {} rows); read {} for {} of rows ({:.1}x, {} reads of {}-byte blocks, {}); waited {:.3} s",
                 100.0 * s.hit_rate(),
                 s.hits,
                 s.rows_requested,
@@ -284,6 +287,8 @@ pub fn print_report(r: &RunReport, memory_budget: Option<u64>) {
                 human(s.useful_bytes),
                 s.read_amplification(),
                 s.reads,
+                s.block_bytes,
+                s.block_source.map_or("unknown", |b| b.as_str()),
                 s.wait_secs
             );
         }
