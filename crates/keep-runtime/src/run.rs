@@ -494,6 +494,7 @@ impl RunReport {
             prefill_tps: g.prefill_tps(),
             profile: self.profile.as_deref().map(profile_numbers),
             prompt_tokens: g.prompt_tokens as u64,
+            threads: keep_kernels::cpu::threads() as u64,
             version: run_stats::VERSION,
         }
     }
