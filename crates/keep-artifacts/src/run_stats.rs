@@ -61,6 +61,10 @@ pub struct RunStats {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<ProfileNumbers>,
     pub prompt_tokens: u64,
+    /// Compute threads of the run's parallel kernels (`--threads`, else `RAYON_NUM_THREADS`,
+    /// else one per core; 0 in files that predate the field).
+    #[serde(default)]
+    pub threads: u64,
     /// [`VERSION`].
     pub version: u32,
 }
@@ -403,6 +407,7 @@ mod tests {
             prefill_tps: 0.0,
             profile: None,
             prompt_tokens: 3,
+            threads: 2,
             version: VERSION,
         }
     }
@@ -457,6 +462,7 @@ mod tests {
                 "prefill_secs",
                 "prefill_tps",
                 "prompt_tokens",
+                "threads",
                 "version"
             ]
         );

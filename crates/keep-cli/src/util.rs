@@ -155,3 +155,23 @@ mod tests {
         }
     }
 }
+
+/// `--threads N`, shared by the verbs that run a model: the compute threads of every parallel
+/// kernel (the process's one worker pool). Default: `RAYON_NUM_THREADS`, else one per core.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ThreadsArg {
+    /// Compute threads (default: RAYON_NUM_THREADS, else one per core). Expert reads under
+    /// --memory-budget have their own I/O threads besides these.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub threads: Option<u64>,
+}
+
+impl ThreadsArg {
+    /// Size the worker pool, before the verb runs anything.
+    pub fn apply(&self) -> anyhow::Result<()> {
+        if let Some(n) = self.threads {
+            keep_runtime::set_threads(n as usize).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
+        }
+        Ok(())
+    }
+}

@@ -1327,3 +1327,36 @@ fn bad_paths_are_named_with_what_they_are() {
         "No such file or directory",
     );
 }
+
+#[test]
+fn threads_sizes_the_worker_pool_and_zero_is_refused() {
+    let w = workdir("threads");
+    let stats = w.join("stats.json");
+    // 5: more threads than a test machine has cores, so the default could not give it.
+    keep()
+        .arg("run")
+        .arg(&scratch().model)
+        .args([
+            "--prompt-tokens",
+            "2",
+            "--max-tokens",
+            "2",
+            "--threads",
+            "5",
+        ])
+        .arg("--stats-json")
+        .arg(&stats)
+        .assert()
+        .success();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(v["threads"], 5, "{v}");
+    keep()
+        .arg("logits")
+        .arg(&scratch().model)
+        .args(["--tokens", "1,2", "--threads", "0", "--out"])
+        .arg(w.join("l.safetensors"))
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("--threads"));
+}

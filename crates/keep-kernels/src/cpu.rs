@@ -177,3 +177,28 @@ pub(crate) fn check_operands(
     }
     Ok(())
 }
+
+/// The compute threads every parallel kernel runs on: the process's one worker pool (rayon's
+/// global pool; `RAYON_NUM_THREADS`, else one per core, unless [`set_threads`] chose).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// Size the process's worker pool to `n` threads. Only before any kernel has run: once the
+/// pool exists its size is fixed, and a different `n` is refused (the same `n` is accepted).
+pub fn set_threads(n: usize) -> std::result::Result<(), String> {
+    if n == 0 {
+        return Err("0 compute threads: give at least 1".into());
+    }
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+    {
+        Ok(()) => Ok(()),
+        Err(_) if threads() == n => Ok(()),
+        Err(e) => Err(format!(
+            "cannot size the worker pool to {n} threads: it already runs {} ({e})",
+            threads()
+        )),
+    }
+}

@@ -45,8 +45,19 @@ impl<'a> Model<'a> {
             cache,
             pending: None,
             verify: None,
+            paused: false,
+            backlog: None,
         }));
         Ok(true)
+    }
+
+    /// Switch drafting off for now (`paused`) or back on (`--draft auto`): while off, the
+    /// forwards hand the drafter their (streams, next token) pairs without running the MTP
+    /// module on them; the next [`Model::draft`] runs them all in one forward first.
+    pub fn pause_drafting(&mut self, paused: bool) {
+        if let Some(d) = self.mtp.as_mut() {
+            d.paused = paused;
+        }
     }
 
     /// Drop the drafter (drafting off; forwards no longer feed the MTP module).
@@ -91,6 +102,7 @@ impl<'a> Model<'a> {
             dr.cache = dr.mtp.new_cache();
             dr.pending = None;
             dr.verify = None;
+            dr.backlog = None;
         }
         dr.feed(&s, tokens, tokens.len())?;
         Ok(logits)
@@ -108,6 +120,8 @@ impl<'a> Model<'a> {
         let Some(dr) = self.mtp.as_mut() else {
             return Ok(vec![]);
         };
+        dr.paused = false;
+        dr.catch_up()?;
         let Some(h) = dr.pending.take() else {
             return Ok(vec![]);
         };

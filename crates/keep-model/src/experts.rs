@@ -218,6 +218,13 @@ pub trait ExpertSource: Send + Sync {
     /// forward, with every expert the batch routes to). Default: nothing.
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 
+    /// Which of `experts` of `layer` [`ExpertSource::experts`] would hand out now without
+    /// waiting on a read (one flag each, in order). The MoE layer multiplies those first and
+    /// the rest as their bytes land. Never blocks. Default: all (a source that never reads).
+    fn ready(&self, _layer: usize, experts: &[usize]) -> Vec<bool> {
+        vec![true; experts.len()]
+    }
+
     /// Experts `experts` of `layer` at once, so that one kernel call can multiply a token by
     /// all of them: every returned view stays valid until the next call into `self` for
     /// `layer`. At most [`ExpertSource::max_batch`] experts are asked for per call. The default
@@ -273,6 +280,9 @@ impl<S: ExpertSource, T: ExpertTiers> ExpertSource for Tiered<S, T> {
     }
     fn prefetch(&self, layer: usize, experts: &[usize]) {
         self.source.prefetch(layer, experts)
+    }
+    fn ready(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        self.source.ready(layer, experts)
     }
     fn experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertWeights<'_>>> {
         self.source.experts(layer, experts)

@@ -344,6 +344,9 @@ pub trait Generate {
     }
     /// Drafting is over for this generation (the drafter need not be kept in step any more).
     fn stop_drafting(&mut self) {}
+    /// Drafting is switched off for now (`true`) or back on: a drafter may then hold back the
+    /// work of keeping in step until it drafts again.
+    fn pause_drafting(&mut self, _paused: bool) {}
     /// Draft up to `k` tokens after `last` (sampled, not yet fed), each with the drafter's
     /// logits it was picked from by `pick`; empty when the model cannot draft now.
     fn draft(
@@ -417,6 +420,9 @@ impl Generate for Model<'_> {
     }
     fn stop_drafting(&mut self) {
         self.detach_mtp();
+    }
+    fn pause_drafting(&mut self, paused: bool) {
+        Model::pause_drafting(self, paused);
     }
     fn draft(
         &mut self,
@@ -873,9 +879,14 @@ fn auto_switched<G: Generate + ?Sized>(
     sw: crate::autodraft::Switch,
     d: &mut DraftStats,
 ) {
-    if sw == crate::autodraft::Switch::Stop {
-        model.stop_drafting();
-        d.auto_stopped = true;
+    match sw {
+        crate::autodraft::Switch::Stop => {
+            model.stop_drafting();
+            d.auto_stopped = true;
+        }
+        crate::autodraft::Switch::Off => model.pause_drafting(true),
+        crate::autodraft::Switch::On => model.pause_drafting(false),
+        crate::autodraft::Switch::Keep => {}
     }
     d.auto_offs = a.offs;
     d.auto_ons = a.ons;

@@ -20,7 +20,7 @@ use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::profile::{self, Part};
 use keep_kernels::simd::Job;
-use keep_kernels::{matmul, WeightView};
+use keep_kernels::{matmul, Kernels, WeightView};
 
 use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
@@ -897,6 +897,9 @@ impl LayerWeights<'_> {
         drop(router_span);
         // Routed experts, grouped by expert.
         let limit = cfg.swiglu_limit;
+        // The shared expert is computed while routed experts' reads are in flight (or after
+        // the routed experts when none is).
+        let mut sh: Vec<f32> = Vec::new();
         let ys = routed_experts(
             cfg,
             experts,
@@ -906,6 +909,10 @@ impl LayerWeights<'_> {
             &chosen,
             &weights,
             |g, u| ops::swiglu_clamped(g, u, limit),
+            &mut |obs| {
+                sh = self.shared_expert(cfg.kernels, x, t, limit, obs)?;
+                Ok(())
+            },
             obs,
         )?;
         if self.hash.is_some() {
@@ -915,44 +922,6 @@ impl LayerWeights<'_> {
                 }
             }
         }
-        let shared_span = profile::span(Part::SharedExpert);
-        let [sw1, sw2, sw3] = &self.shared;
-        let g = proj(
-            cfg.kernels,
-            x,
-            t,
-            sw1,
-            obs,
-            l,
-            "ffn.shared_experts.w1",
-            None,
-        )?;
-        let u = proj(
-            cfg.kernels,
-            x,
-            t,
-            sw3,
-            obs,
-            l,
-            "ffn.shared_experts.w3",
-            None,
-        )?;
-        let act: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
-            .collect();
-        let sh = proj(
-            cfg.kernels,
-            &act,
-            t,
-            sw2,
-            obs,
-            l,
-            "ffn.shared_experts.w2",
-            None,
-        )?;
-        drop(shared_span);
         let _p = profile::span(Part::Experts);
         let mut out = vec![0f32; t * d];
         for i in 0..t {
@@ -968,6 +937,30 @@ impl LayerWeights<'_> {
             }
         }
         Ok(out)
+    }
+}
+
+impl LayerWeights<'_> {
+    /// The shared expert on `t` rows of `x`: clamped SwiGLU of `w1`/`w3`, then `w2`.
+    fn shared_expert(
+        &self,
+        kernels: Kernels,
+        x: &[f32],
+        t: usize,
+        limit: f32,
+        obs: &mut Option<&mut dyn RouteObserver>,
+    ) -> Result<Vec<f32>> {
+        let _span = profile::span(Part::SharedExpert);
+        let l = self.layer;
+        let [sw1, sw2, sw3] = &self.shared;
+        let g = proj(kernels, x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
+        let u = proj(kernels, x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
+            .collect();
+        proj(kernels, &act, t, sw2, obs, l, "ffn.shared_experts.w2", None)
     }
 }
 
@@ -1173,6 +1166,7 @@ pub(crate) fn routed_experts(
     chosen: &[u32],
     weights: &[f32],
     act: impl Fn(f32, f32) -> f32,
+    while_reading: WhileReading<'_>,
     obs: &mut Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<f32>> {
     let _p = profile::span(Part::Experts);
@@ -1219,8 +1213,14 @@ pub(crate) fn routed_experts(
     let inter = cfg.inter;
     // The experts of a chunk are multiplied together: one parallel kernel pass for all
     // their gate and up projections, one for all their down projections (a decode token's
-    // top-k experts are one chunk). Each product equals `matmul` of that expert alone.
-    for chunk_keys in keys.chunks(experts.max_batch().max(1)) {
+    // top-k experts are one chunk). Each product equals `matmul` of that expert alone, so
+    // the order of the chunks changes no bit: experts in memory go first, then
+    // `while_reading`, then each missed expert as its read lands.
+    let batch = experts.max_batch().max(1);
+    let mut left = keys.clone();
+    let mut while_reading = Some(while_reading);
+    while !left.is_empty() {
+        let chunk_keys = &next_batch(experts, l, &mut left, batch, &mut while_reading, obs)?[..];
         let views = {
             let _io = profile::span(Part::IoWait);
             match tiers {
@@ -1343,7 +1343,47 @@ pub(crate) fn routed_experts(
             }
         }
     }
+    if let Some(f) = while_reading.take() {
+        f(obs)?;
+    }
     Ok(ys)
+}
+
+/// Work a MoE layer does beside its routed experts (the shared expert), given to
+/// [`routed_experts`] to run while expert reads are in flight.
+pub(crate) type WhileReading<'w> =
+    &'w mut dyn FnMut(&mut Option<&mut dyn RouteObserver>) -> Result<()>;
+
+/// The next (expert, rung) keys of `left` to multiply, taken out of it in order: the first
+/// `batch` whose weights are in memory; when none is, `while_reading` first (once, then
+/// readiness is asked again), else the first key alone, which waits for its read.
+fn next_batch(
+    experts: &dyn ExpertSource,
+    l: usize,
+    left: &mut Vec<(usize, Rung)>,
+    batch: usize,
+    while_reading: &mut Option<WhileReading<'_>>,
+    obs: &mut Option<&mut dyn RouteObserver>,
+) -> Result<Vec<(usize, Rung)>> {
+    loop {
+        let ids: Vec<usize> = left.iter().map(|p| p.0).collect();
+        let ready = experts.ready(l, &ids);
+        let take: Vec<usize> = (0..left.len())
+            .filter(|&i| ready.get(i).copied().unwrap_or(true))
+            .take(batch)
+            .collect();
+        if !take.is_empty() {
+            let picked = take.iter().map(|&i| left[i]).collect();
+            for &i in take.iter().rev() {
+                left.remove(i);
+            }
+            return Ok(picked);
+        }
+        match while_reading.take() {
+            Some(f) => f(obs)?,
+            None => return Ok(vec![left.remove(0)]),
+        }
+    }
 }
 
 impl LayerWeights<'_> {

@@ -262,22 +262,56 @@ pub struct Drafter<'a> {
     /// The main model's streams of the last token fed whose successor is not known yet.
     pub(crate) pending: Option<Streams>,
     pub(crate) verify: Option<Verify>,
+    /// Drafting is switched off for now (`--draft auto`): the pairs fed wait in `backlog` and
+    /// go through the module in one forward when drafting resumes (or the backlog is full).
+    pub(crate) paused: bool,
+    /// Pairs (main streams, next token) not yet through the module, in order.
+    pub(crate) backlog: Option<(Streams, Vec<u32>)>,
 }
+
+/// The most pairs a paused drafter holds back before it runs them through the module (their
+/// streams are `hc × dim` floats a token).
+pub const MAX_BACKLOG: usize = 128;
 
 impl Drafter<'_> {
     /// Feed the pairs that the first `n` rows of a main forward (`s`, `tokens`) complete: the
     /// pending row with `tokens[0]` (unless drafting already fed it), each row `i < n − 1` with
     /// `tokens[i + 1]`; row `n − 1` becomes pending.
+    /// While [`Drafter::paused`] the pairs are held back (see [`Drafter::catch_up`]).
     pub(crate) fn feed(&mut self, s: &Streams, tokens: &[u32], n: usize) -> Result<()> {
         let (hidden, next) = match self.pending.take() {
             Some(p) => (join(Some(&p), s, 0, n - 1), tokens[..n].to_vec()),
             None => (join(None, s, 0, n - 1), tokens[1..n].to_vec()),
         };
-        if hidden.t > 0 {
+        self.pending = Some(s.rows(n - 1, n));
+        if hidden.t == 0 {
+            return Ok(());
+        }
+        let (hidden, next) = match self.backlog.take() {
+            Some((mut h, mut t)) => {
+                h = join(Some(&h), &hidden, 0, hidden.t);
+                t.extend_from_slice(&next);
+                (h, t)
+            }
+            None => (hidden, next),
+        };
+        if self.paused && hidden.t < MAX_BACKLOG {
+            self.backlog = Some((hidden, next));
+            return Ok(());
+        }
+        self.mtp
+            .forward(&hidden, &next, &mut self.cache, Logits::None)?;
+        Ok(())
+    }
+
+    /// Run the held-back pairs through the module in one forward (the module's cache is then
+    /// what feeding them one by one makes, bit for bit: a forward's rows do not depend on how
+    /// many come together).
+    pub(crate) fn catch_up(&mut self) -> Result<()> {
+        if let Some((hidden, next)) = self.backlog.take() {
             self.mtp
                 .forward(&hidden, &next, &mut self.cache, Logits::None)?;
         }
-        self.pending = Some(s.rows(n - 1, n));
         Ok(())
     }
 }

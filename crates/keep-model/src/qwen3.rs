@@ -327,6 +327,7 @@ impl<'a> Qwen3Layer<'a> {
             &chosen,
             &weights,
             |g, u| ops::silu(g) * u,
+            &mut |_| Ok(()),
             obs,
         )?;
         let mut out = vec![0f32; t * d];

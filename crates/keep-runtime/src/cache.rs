@@ -823,6 +823,24 @@ impl SlotCache {
         st.guess = guess;
     }
 
+    /// Which of `es` of layer `l` are in a slot and read (their views are handed out without
+    /// waiting). A layer whose lock is poisoned answers `true`, so the call that follows
+    /// reports the error.
+    pub(crate) fn ready(&self, l: usize, es: &[usize]) -> Vec<bool> {
+        let Ok(layer) = self.layer(l) else {
+            return vec![true; es.len()];
+        };
+        let Ok(st) = layer.st.lock() else {
+            return vec![true; es.len()];
+        };
+        es.iter()
+            .map(|&e| match st.map.get(e).copied().flatten() {
+                Some(s) => st.status[s] == Status::Ready,
+                None => false,
+            })
+            .collect()
+    }
+
     /// Views of experts `es` of layer `l`, all valid together until the next call for `l`,
     /// reading each first if needed (see the module doc). At most one per slot.
     pub(crate) fn expert_views_many(
@@ -1099,6 +1117,10 @@ impl ExpertSource for CacheSource {
     fn prefetch(&self, layer: usize, experts: &[usize]) {
         self.0.tiers_pass(layer);
         self.0.prefetch_layer(layer, experts)
+    }
+
+    fn ready(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        self.0.ready(layer, experts)
     }
 
     fn tiers(&self) -> Option<&dyn ExpertTiers> {

@@ -39,6 +39,7 @@ pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;
 pub use io::{IoPool, DEFAULT_IO_THREADS};
 /// keep-kernels' forward profiler (`keep run --profile`), re-exported for the CLI.
+pub use keep_kernels::cpu::set_threads;
 pub use keep_kernels::profile;
 pub use policy::Policy;
 pub use routes::{warm_scores, RouteLog};

@@ -150,6 +150,12 @@ impl Generate for RunModel<'_> {
             RunModel::Budgeted(m) => m.stop_drafting(),
         }
     }
+    fn pause_drafting(&mut self, paused: bool) {
+        match self {
+            RunModel::Mapped(m, _) => m.pause_drafting(paused),
+            RunModel::Budgeted(m) => m.pause_drafting(paused),
+        }
+    }
     fn draft(
         &mut self,
         last: u32,
@@ -488,6 +494,7 @@ impl RunReport {
             prefill_tps: g.prefill_tps(),
             profile: self.profile.as_deref().map(profile_numbers),
             prompt_tokens: g.prompt_tokens as u64,
+            threads: keep_kernels::cpu::threads() as u64,
             version: run_stats::VERSION,
         }
     }

@@ -687,6 +687,9 @@ impl Generate for BudgetedModel<'_> {
     fn stop_drafting(&mut self) {
         self.model.detach_mtp();
     }
+    fn pause_drafting(&mut self, paused: bool) {
+        self.model.pause_drafting(paused);
+    }
     fn draft(
         &mut self,
         last: u32,

@@ -172,3 +172,48 @@ fn greedy_drafting_is_identical_on_v41() {
 fn greedy_drafting_is_identical_on_v4flash() {
     check("tiny-v4flash");
 }
+
+/// The drafts after `steps` greedy tokens, the drafter paused for tokens `pause` (its pairs
+/// held back and run through the module when it drafts again): token ids and logits bits.
+fn drafts_after(
+    ck: &Checkpoint,
+    prompt: &[u32],
+    steps: usize,
+    pause: std::ops::Range<usize>,
+) -> Vec<(u32, Vec<u32>)> {
+    let mut m = Model::load(ck).unwrap();
+    assert!(m.attach_mtp(ck, 3).unwrap());
+    let mut cache = m.new_cache();
+    let mut logits = Generate::forward_last(&mut m, prompt, &mut cache, None).unwrap();
+    for i in 0..steps {
+        m.pause_drafting(pause.contains(&i));
+        let tok = keep_model::generate::argmax(&logits);
+        logits = Generate::forward_last(&mut m, &[tok], &mut cache, None).unwrap();
+    }
+    let last = keep_model::generate::argmax(&logits);
+    let d = m
+        .draft(last, 3, &mut |q| keep_model::generate::argmax(q))
+        .unwrap();
+    assert_eq!(d.len(), 3);
+    d.into_iter()
+        .map(|(t, q)| (t, q.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+#[test]
+fn a_paused_drafter_catches_up_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth_with_mtp(dir.path(), "tiny");
+    let ck = Checkpoint::open(&path).unwrap();
+    let prompt = common::prompt(9, Model::load(&ck).unwrap().cfg.vocab);
+    let steps = keep_model::mtp::MAX_BACKLOG + 20;
+    let want = drafts_after(&ck, &prompt, steps, 0..0);
+    // held back for a few tokens, and for more than the backlog holds (it runs when full)
+    for pause in [3..10, 2..steps] {
+        let got = drafts_after(&ck, &prompt, steps, pause.clone());
+        assert!(
+            got == want,
+            "paused for tokens {pause:?}: the drafts differ from a drafter fed every token"
+        );
+    }
+}

@@ -59,6 +59,8 @@ pub struct CalibrateArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 fn parse_split(s: &str) -> Result<Split, String> {
@@ -82,6 +84,7 @@ pub fn peak_rss() -> Option<u64> {
 }
 
 pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let model = match &a.model {
         Some(m) => m.clone(),
         None => crate::bundled::default_model_dir()?,

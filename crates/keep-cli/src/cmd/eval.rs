@@ -98,9 +98,12 @@ pub struct EvalArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     if let Some(p) = &a.plot {
         crate::util::check_out_file(p, a.force, &[])?;
     }

@@ -99,6 +99,8 @@ pub struct FitArgs {
     /// With --check: build the plan's derived checkpoint when it is missing.
     #[arg(long)]
     build: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 /// `--knob`.
@@ -206,6 +208,7 @@ fn print_check(r: &CheckReport) {
 }
 
 pub fn run(a: FitArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     if let Some(plan) = &a.check {
         let teacher = match &a.teacher {
             Some(t) => Some((

@@ -54,6 +54,8 @@ pub struct LogitsArgs {
     /// head_dim/32], the scale's power of two). For comparing with a reference's own rounding.
     #[arg(long)]
     fp8_kv: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 /// The model directory: the argument, or the bundled model.
@@ -65,6 +67,7 @@ pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let dir = model_dir(a.model)?;
     crate::util::check_out_file(&a.out, a.force, &[&dir])?;
     let ids: Option<Vec<u32>> = match (&a.tokens, &a.prompt) {

@@ -78,6 +78,8 @@ pub struct QuantArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 fn parse_format(s: &str) -> Result<(QuantFormat, Option<u32>), String> {
@@ -111,6 +113,7 @@ fn parse_incoherence(s: &str) -> Result<Incoherence, String> {
 }
 
 pub fn run(a: QuantArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let model = match a.model {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,

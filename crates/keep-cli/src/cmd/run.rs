@@ -85,6 +85,8 @@ pub struct RunArgs {
     /// chunk, and add every step to the --stats-json file. The tokens are the same as without.
     #[arg(long)]
     profile: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 /// `--draft`.
@@ -123,6 +125,7 @@ fn flag_error(e: RuntimeError) -> anyhow::Error {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let b = &a.budget;
     let sampling = SamplerConfig {
         temperature: a.temperature,

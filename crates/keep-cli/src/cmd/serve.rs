@@ -99,6 +99,8 @@ pub struct ServeArgs {
     /// a run has written it) and kernels.
     #[arg(long, value_name = "PLAN", conflicts_with_all = ["model", "memory_budget", "kernels"])]
     plan: Option<PathBuf>,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 /// Seconds (`2`, `0.5`, `30s`), zero included.
@@ -148,6 +150,7 @@ fn api_key(flag: Option<&str>) -> anyhow::Result<Option<String>> {
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let api_key = api_key(a.api_key.as_deref())?;
     anyhow::ensure!(
         a.max_connections >= 1,
