@@ -10,7 +10,8 @@
 //! each (no draft accepted) lose without a comparison: a forward of K + 1 rows never costs
 //! less than one of a single row. A settled side is measured as it runs;
 //! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
-//! slot cache warms, acceptance drifts with the text). After [`GIVE_UP`] comparisons in a row
+//! slot cache warms, acceptance drifts with the text), and each comparison drafting loses in a
+//! row doubles the plain side's run before the next. After [`GIVE_UP`] comparisons in a row
 //! that drafting lost, it is stopped for the rest of the generation (the drafter is then no
 //! longer fed, which saves its block's forward on every token).
 //!
@@ -99,6 +100,18 @@ impl AutoDraft {
         }
     }
 
+    /// Tokens the settled side runs before the other is measured again: [`RECHECK_TOKENS`]
+    /// while drafting, doubled for each comparison drafting has lost in a row while decoding
+    /// plainly (a drafter that keeps losing is rechecked less often: each recheck costs its
+    /// verify forwards and the drafter's catch-up).
+    pub fn recheck_tokens(&self) -> u64 {
+        if self.drafting {
+            RECHECK_TOKENS
+        } else {
+            RECHECK_TOKENS << self.losses.saturating_sub(1).min(16)
+        }
+    }
+
     /// Whether the next step drafts.
     pub fn drafting(&self) -> bool {
         self.drafting && self.phase != Phase::Stopped
@@ -131,7 +144,7 @@ impl AutoDraft {
         let done = match self.phase {
             Phase::Measure if self.drafting => self.steps >= MEASURE_FORWARDS,
             Phase::Measure => self.tokens >= MEASURE_TOKENS,
-            Phase::Settled => self.tokens >= RECHECK_TOKENS,
+            Phase::Settled => self.tokens >= self.recheck_tokens(),
             Phase::Stopped => false,
         };
         if !done {
@@ -248,6 +261,35 @@ mod tests {
         }
         assert!(b.stopped());
         assert!(b.draft_spt.unwrap() > b.plain_spt.unwrap());
+    }
+
+    #[test]
+    fn a_drafter_that_keeps_losing_is_rechecked_less_often() {
+        let mut a = AutoDraft::new();
+        // Drafting accepts some drafts but loses: 4 tokens in 3 forwards of 3 plain steps.
+        let mut rechecks = vec![];
+        let (mut n, mut plain_run) = (0u64, 0u64);
+        while !a.stopped() && n < 10_000 {
+            if a.drafting() {
+                if plain_run > 0 {
+                    rechecks.push(plain_run);
+                    plain_run = 0;
+                }
+                a.step(true, 3.0, if n % 3 == 0 { 2 } else { 1 });
+            } else {
+                a.step(false, 1.0, 1);
+                plain_run += 1;
+            }
+            n += 1;
+        }
+        // The plain runs between measurements of drafting: the measuring tokens and the first
+        // settled run, then a settled run twice as long after the second loss; the third stops.
+        assert_eq!(
+            rechecks,
+            [MEASURE_TOKENS + RECHECK_TOKENS, 2 * RECHECK_TOKENS],
+            "plain runs between rechecks"
+        );
+        assert!(a.stopped());
     }
 
     #[test]

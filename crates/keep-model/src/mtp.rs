@@ -289,7 +289,10 @@ impl Drafter<'_> {
         }
         let (hidden, next) = match self.backlog.take() {
             Some((mut h, mut t)) => {
-                h = join(Some(&h), &hidden, 0, hidden.t);
+                h.t += hidden.t;
+                h.x.extend_from_slice(&hidden.x);
+                h.pre_mix.extend_from_slice(&hidden.pre_mix);
+                h.tokens.extend_from_slice(&hidden.tokens);
                 t.extend_from_slice(&next);
                 (h, t)
             }
