@@ -10,8 +10,8 @@
 //! each (no draft accepted) lose without a comparison: a forward of K + 1 rows never costs
 //! less than one of a single row. A settled side is measured as it runs;
 //! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
-//! slot cache warms, acceptance drifts with the text), and each comparison drafting loses in a
-//! row doubles the plain side's run before the next. After [`GIVE_UP`] comparisons in a row
+//! slot cache warms, acceptance drifts with the text); the plain side, settled because drafting
+//! lost, runs twice as long, and twice again for each further loss in a row. After [`GIVE_UP`] comparisons in a row
 //! that drafting lost, it is stopped for the rest of the generation (the drafter is then no
 //! longer fed, which saves its block's forward on every token).
 //!
@@ -25,7 +25,7 @@
 //! greedy output is identical to no drafting whatever the switch does.
 
 /// Verify forwards measured in a drafting phase before comparing.
-pub const MEASURE_FORWARDS: u64 = 4;
+pub const MEASURE_FORWARDS: u64 = 2;
 /// Tokens decoded without drafts in a measuring phase before comparing.
 pub const MEASURE_TOKENS: u64 = 4;
 /// Tokens a settled side runs before the other is measured again.
@@ -101,14 +101,14 @@ impl AutoDraft {
     }
 
     /// Tokens the settled side runs before the other is measured again: [`RECHECK_TOKENS`]
-    /// while drafting, doubled for each comparison drafting has lost in a row while decoding
-    /// plainly (a drafter that keeps losing is rechecked less often: each recheck costs its
+    /// while drafting; while decoding plainly, twice that, doubled again for each further
+    /// comparison drafting has lost in a row (a drafter that keeps losing is rechecked less often: each recheck costs its
     /// verify forwards and the drafter's catch-up).
     pub fn recheck_tokens(&self) -> u64 {
         if self.drafting {
             RECHECK_TOKENS
         } else {
-            RECHECK_TOKENS << self.losses.saturating_sub(1).min(16)
+            RECHECK_TOKENS << self.losses.min(16)
         }
     }
 
@@ -283,10 +283,11 @@ mod tests {
             n += 1;
         }
         // The plain runs between measurements of drafting: the measuring tokens and the first
-        // settled run, then a settled run twice as long after the second loss; the third stops.
+        // settled run (twice the recheck), then one twice as long after the second loss; the
+        // third stops.
         assert_eq!(
             rechecks,
-            [MEASURE_TOKENS + RECHECK_TOKENS, 2 * RECHECK_TOKENS],
+            [MEASURE_TOKENS + 2 * RECHECK_TOKENS, 4 * RECHECK_TOKENS],
             "plain runs between rechecks"
         );
         assert!(a.stopped());
