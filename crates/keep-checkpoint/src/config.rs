@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use crate::{CheckpointError, Result};
 
+pub mod deepseek_v3;
 pub(crate) mod qwen3;
 
 /// `quantization_config` of a published checkpoint.
@@ -260,6 +261,10 @@ pub struct DeepSeekConfig {
     /// role view (`qwen3::Qwen3MoeConfig::role_view`).
     #[serde(skip)]
     pub qwen3: Option<qwen3::Qwen3MoeConfig>,
+    /// A DeepSeek-V3 checkpoint's own config (`model_type` `deepseek_v3`): this struct is then
+    /// its role view (`deepseek_v3::DeepseekV3Config::role_view`).
+    #[serde(skip)]
+    pub deepseek_v3: Option<deepseek_v3::DeepseekV3Config>,
     /// The file as read (after `text_config` flattening is *not* applied), for writers.
     #[serde(skip)]
     pub raw: Value,
@@ -298,6 +303,10 @@ impl DeepSeekConfig {
             let q = qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
             return Ok(q.role_view(raw));
         }
+        if flat.get("model_type").and_then(Value::as_str) == Some(deepseek_v3::MODEL_TYPE) {
+            let c = deepseek_v3::DeepseekV3Config::from_value(flat).map_err(cerr)?;
+            return Ok(c.role_view(raw));
+        }
         // The Engram pad id under both its names (the published key and the inference
         // argument): one value is read; two different values are refused.
         let mut flat = flat;
@@ -333,6 +342,15 @@ impl DeepSeekConfig {
             // The role view of a Qwen3-MoE config: the family's own validation.
             return match &self.qwen3 {
                 Some(q) => q.validate(),
+                None => Err(format!(
+                    "model_type `{}` without its family config",
+                    self.model_type
+                )),
+            };
+        }
+        if self.model_type == deepseek_v3::MODEL_TYPE {
+            return match &self.deepseek_v3 {
+                Some(c) => c.validate(),
                 None => Err(format!(
                     "model_type `{}` without its family config",
                     self.model_type

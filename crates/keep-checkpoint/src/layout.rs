@@ -490,9 +490,11 @@ pub fn expert_matrix<'a>(
             });
         }
     }
-    let name = match cfg.qwen3 {
-        Some(_) => naming::qwen3::expert_tensor(layer, expert, mat, "weight"),
-        None => naming::expert_tensor(layer, expert, mat, "weight"),
+    // Qwen3-MoE and DeepSeek-V3 share Hugging Face's per-expert names.
+    let name = if cfg.qwen3.is_some() || cfg.deepseek_v3.is_some() {
+        naming::qwen3::expert_tensor(layer, expert, mat, "weight")
+    } else {
+        naming::expert_tensor(layer, expert, mat, "weight")
     };
     let w = ck
         .get(&name)
@@ -584,6 +586,9 @@ pub const MAX_PROBLEMS: usize = 64;
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     if let Some(q) = &cfg.qwen3 {
         return qwen3::model_problems(ck, q);
+    }
+    if let Some(c) = &cfg.deepseek_v3 {
+        return crate::config::deepseek_v3::model_problems(ck, c);
     }
     let mut out = vec![];
     let hint = cfg.weight_block_size();

@@ -35,8 +35,9 @@ impl Model<'_> {
         if tokens.is_empty() {
             return Ok(vec![]);
         }
-        if cfg.family == crate::config::Family::Qwen3Moe {
-            // Qwen3-MoE has no batched step yet: one sequence at a time
+        use crate::config::Family;
+        if matches!(cfg.family, Family::Qwen3Moe | Family::DeepseekV3) {
+            // Qwen3-MoE and DeepSeek-V3 have no batched step yet: one sequence at a time
             // (the same logits, one weight read per sequence).
             let mut out = Vec::with_capacity(tokens.len() * cfg.vocab);
             for (&t, c) in tokens.iter().zip(caches.iter_mut()) {

@@ -25,6 +25,9 @@ pub enum Family {
     /// Qwen3-MoE (mlx-lm `qwen3_moe`, [`crate::qwen3`]): GQA with q/k norms, softmax top-k
     /// router, no shared expert; one residual stream (`hc` = 1).
     Qwen3Moe,
+    /// DeepSeek-V3 / R1 / V3.1 / Kimi-K2 (`deepseek_v3`, [`crate::deepseek_v3`]): multi-head
+    /// latent attention, group-limited sigmoid router with shared experts; one residual stream.
+    DeepseekV3,
 }
 
 /// How router logits become scores.
@@ -217,6 +220,8 @@ impl ModelConfig {
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
         let family = if c.qwen3.is_some() {
             Family::Qwen3Moe
+        } else if c.deepseek_v3.is_some() {
+            Family::DeepseekV3
         } else if c.model_type == "deepseek_v4" {
             Family::V4
         } else {
@@ -296,7 +301,7 @@ impl ModelConfig {
             rope_theta: c.rope_theta,
             compress_rope_theta: c.compress_rope_theta,
             yarn,
-            hc: if family == Family::Qwen3Moe {
+            hc: if matches!(family, Family::Qwen3Moe | Family::DeepseekV3) {
                 1
             } else {
                 c.hc_mult

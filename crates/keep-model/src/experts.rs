@@ -336,8 +336,12 @@ impl<'a> CheckpointExperts<'a> {
                     });
                     continue;
                 }
-                if cfg.family == Family::Qwen3Moe {
-                    if !crate::config::family_config(cfg)?.is_moe_layer(l) {
+                if matches!(cfg.family, Family::Qwen3Moe | Family::DeepseekV3) {
+                    let moe = match &cfg.raw.deepseek_v3 {
+                        Some(c) => c.is_moe_layer(l),
+                        None => crate::config::family_config(cfg)?.is_moe_layer(l),
+                    };
+                    if !moe {
                         // A dense layer has no routed experts.
                         experts.push(ExpertWeights {
                             w1: WeightView::f32(&[], 0, 0)?,

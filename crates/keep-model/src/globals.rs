@@ -37,13 +37,19 @@ impl<'a> Globals<'a> {
     /// Resolve `embed.weight`, `head.weight`, `norm.weight`.
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let hint = cfg.raw.weight_block_size();
-        if let Some(q) = &cfg.raw.qwen3 {
+        // Hugging Face's names (Qwen3-MoE, DeepSeek-V3): the same three tensors.
+        let tied = match (&cfg.raw.qwen3, &cfg.raw.deepseek_v3) {
+            (Some(q), _) => Some(q.tie_word_embeddings),
+            (_, Some(c)) => Some(c.tie_word_embeddings),
+            _ => None,
+        };
+        if let Some(tied) = tied {
             use keep_checkpoint::qwen3::{EMBED, HEAD, NORM};
             // One stream (`hc` = 1): the embedding row itself; a tied head is the embedding.
             let embed = weight(ck, EMBED, cfg.vocab, cfg.dim, hint)?;
             return Ok(Globals {
                 embed,
-                head: if q.tie_word_embeddings {
+                head: if tied {
                     embed
                 } else {
                     weight(ck, HEAD, cfg.vocab, cfg.dim, hint)?

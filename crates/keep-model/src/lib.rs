@@ -28,6 +28,7 @@ pub mod autodraft;
 pub mod batch;
 pub mod cache;
 pub mod config;
+pub mod deepseek_v3;
 pub mod drafting;
 pub mod dspark;
 pub mod engram;

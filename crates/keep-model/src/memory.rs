@@ -87,6 +87,15 @@ impl ModelConfig {
                 ..Default::default()
             };
         }
+        if self.family == Family::DeepseekV3 {
+            // The compressed KV, `kv_lora_rank` a position (the RoPE key, smaller, is
+            // reserved alike).
+            let kvl = self.raw.deepseek_v3.as_ref().map_or(0, |c| c.kv_lora_rank);
+            return LayerCacheRows {
+                qwen3_kv: context * kvl,
+                ..Default::default()
+            };
+        }
         let ratio = roles.ratio;
         if ratio == 0 {
             return r;
@@ -103,7 +112,7 @@ impl ModelConfig {
                     }
                 }
             }
-            Family::Qwen3Moe => {}
+            Family::Qwen3Moe | Family::DeepseekV3 => {}
             Family::V4 => {
                 let csa = ratio == 4;
                 let pool = |dim_out: usize, overlap: bool| {
@@ -239,8 +248,9 @@ impl ModelConfig {
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
         // Qwen3-MoE's attention: q, k, v, the attention output and one head's scores over
-        // the whole context (the DeepSeek terms above bound the rest).
-        let qwen3 = if self.family == Family::Qwen3Moe {
+        // the whole context (the DeepSeek terms above bound the rest); DeepSeek-V3's latent
+        // attention holds less (q and the output per head, one head's `kv_b_proj` rows).
+        let qwen3 = if matches!(self.family, Family::Qwen3Moe | Family::DeepseekV3) {
             3 * t * h * hd * F + t * d * F + (context as u64 + t) * F + hd * F
         } else {
             0

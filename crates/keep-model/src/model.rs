@@ -68,6 +68,8 @@ pub struct Model<'a> {
     pub engram: Option<Engram<'a>>,
     /// Qwen3-MoE's decoder layers (`layers` is then empty).
     pub qwen3: Vec<crate::qwen3::Qwen3Layer<'a>>,
+    /// DeepSeek-V3's decoder layers (`layers` is then empty).
+    pub deepseek_v3: Vec<crate::deepseek_v3::DeepseekV3Layer<'a>>,
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
 }
@@ -87,11 +89,17 @@ impl<'a> Model<'a> {
         experts: Box<dyn ExpertSource + 'a>,
     ) -> Result<Self> {
         let globals = Globals::load(ck, &cfg)?;
+        let mut deepseek_v3 = vec![];
         let (layers, qwen3) = if cfg.family == Family::Qwen3Moe {
             let q = (0..cfg.n_layers)
                 .map(|l| crate::qwen3::Qwen3Layer::load(ck, &cfg, l))
                 .collect::<Result<Vec<_>>>()?;
             (vec![], q)
+        } else if cfg.family == Family::DeepseekV3 {
+            deepseek_v3 = (0..cfg.n_layers)
+                .map(|l| crate::deepseek_v3::DeepseekV3Layer::load(ck, &cfg, l))
+                .collect::<Result<Vec<_>>>()?;
+            (vec![], vec![])
         } else {
             let layers = (0..cfg.n_layers)
                 .map(|l| LayerWeights::load(ck, &cfg, l))
@@ -108,6 +116,7 @@ impl<'a> Model<'a> {
             masks,
             engram,
             qwen3,
+            deepseek_v3,
             mtp: None,
         })
     }
@@ -252,6 +261,23 @@ impl<'a> Model<'a> {
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family == Family::Qwen3Moe {
             for lw in &self.qwen3 {
+                lw.forward(
+                    &self.cfg,
+                    self.experts.as_ref(),
+                    self.masks[lw.layer].as_deref(),
+                    &mut s.x,
+                    cache.pos,
+                    &mut cache.layers[lw.layer].qwen3,
+                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                )?;
+                s.check_finite(|| format!("layer {}", lw.layer))?;
+            }
+            cache.pos += tokens.len();
+            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
+        }
+        if self.cfg.family == Family::DeepseekV3 {
+            // The compressed KV of each layer lives in its `qwen3` rows (see `deepseek_v3`).
+            for lw in &self.deepseek_v3 {
                 lw.forward(
                     &self.cfg,
                     self.experts.as_ref(),

@@ -367,13 +367,17 @@ impl ExpertStore {
         let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
         let (mut upper_buf, mut upper_total) = (0u64, 0u64);
         let q3 = cfg.raw.qwen3.as_ref();
+        let v3 = cfg.raw.deepseek_v3.as_ref();
         for l in 0..cfg.n_layers {
             for x in 0..cfg.n_experts {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
                 let mut biases = [None; 3];
-                if q3.is_some_and(|q| !q.is_moe_layer(l)) || x >= cfg.experts_in_layer(l) {
-                    // A Qwen3-MoE dense layer, or past the layer's own count where layers have
+                if q3.is_some_and(|q| !q.is_moe_layer(l))
+                    || v3.is_some_and(|c| !c.is_moe_layer(l))
+                    || x >= cfg.experts_in_layer(l)
+                {
+                    // A Qwen3-MoE or DeepSeek-V3 dense layer, or past the layer's own count where layers have
                     // different counts: no routed expert, never asked for one.
                     rht.push(keep_model::ExpertRht::default());
                     layouts.push(ExpertLayout {
@@ -388,9 +392,11 @@ impl ExpertStore {
                     });
                     continue;
                 }
-                let bases: [String; 3] = match q3 {
-                    Some(_) => keep_model::qwen3::expert_bases(l, x),
-                    None => ["w1", "w2", "w3"].map(|w| format!("layers.{l}.ffn.experts.{x}.{w}")),
+                // Qwen3-MoE and DeepSeek-V3 share Hugging Face's expert names.
+                let bases: [String; 3] = if q3.is_some() || v3.is_some() {
+                    keep_model::qwen3::expert_bases(l, x)
+                } else {
+                    ["w1", "w2", "w3"].map(|w| format!("layers.{l}.ffn.experts.{x}.{w}"))
                 };
                 rht.push(keep_model::experts::expert_rht(
                     &marker,
