@@ -30,6 +30,7 @@ pub mod cache;
 pub mod config;
 pub mod drafting;
 pub mod dspark;
+mod dspark_drafting;
 pub mod engram;
 pub mod engram_hash;
 pub mod engram_tokens;
