@@ -33,6 +33,9 @@ pub(crate) struct DSparkDrafter<'a> {
     pub(crate) k: usize,
     /// Drafting may be turned off when it does not pay.
     pub(crate) auto: bool,
+    /// Verify only the drafts whose predicted chance of all being accepted (the product of
+    /// their confidences' sigmoids) is at least this ([`Model::set_dspark_confidence`]).
+    min_confidence: Option<f32>,
     /// Projected context rows (`[rows × dim]`), the last ending at position `next − 1`.
     ctx: Vec<f32>,
     next: usize,
@@ -98,11 +101,23 @@ impl<'a> Model<'a> {
             ds,
             k,
             auto: false,
+            min_confidence: None,
             ctx: vec![],
             next: 0,
             verify: None,
         }));
         Ok(true)
+    }
+
+    /// Verify, of each drafted block, only the leading drafts whose predicted chance of all
+    /// being accepted — the product of `sigmoid(c_j)` of the confidence head's logits, the
+    /// estimate NeMo trains it for (docs/dspark.md, "Confidence") — is at least `p`; none
+    /// when the first is below it (that step decodes without drafts). `None`: every draft
+    /// (up to K). No effect without a DSpark drafter.
+    pub fn set_dspark_confidence(&mut self, p: Option<f32>) {
+        if let Some(d) = self.dspark.as_mut() {
+            d.min_confidence = p;
+        }
     }
 
     /// The DSpark drafter's block size (0 when none is attached).
@@ -148,6 +163,10 @@ impl<'a> Model<'a> {
         }
         let block = dr.ds.draft_with(&dr.ctx, rows, dr.next - 1, last, pick)?;
         let v = dr.ds.cfg.vocab;
+        let k = match dr.min_confidence {
+            Some(p) => confident_prefix(&block.confidence[..k], p),
+            None => k,
+        };
         Ok((0..k)
             .map(|j| {
                 (
@@ -196,5 +215,32 @@ impl<'a> Model<'a> {
         }
         let dr = self.dspark.as_mut().expect("checked above");
         dr.push(&v.rows, start, keep)
+    }
+}
+
+/// How many leading drafts keep the product of their confidences' sigmoids at least `p`.
+fn confident_prefix(confidence: &[f32], p: f32) -> usize {
+    let mut all = 1f64;
+    confidence
+        .iter()
+        .take_while(|&&c| {
+            all /= 1.0 + (-(c as f64)).exp();
+            all >= p as f64
+        })
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::confident_prefix;
+
+    #[test]
+    fn the_confident_prefix_stops_where_the_product_falls_below() {
+        // sigmoid(0) = 0.5: products 0.5, 0.25, 0.125.
+        assert_eq!(confident_prefix(&[0.0, 0.0, 0.0], 0.3), 1);
+        assert_eq!(confident_prefix(&[0.0, 0.0, 0.0], 0.25), 2);
+        assert_eq!(confident_prefix(&[0.0, 0.0, 0.0], 0.6), 0);
+        assert_eq!(confident_prefix(&[20.0, 20.0, 0.0], 0.9), 2);
+        assert_eq!(confident_prefix(&[20.0, 20.0, 20.0], 0.0), 3);
     }
 }

@@ -118,6 +118,15 @@ impl<'a> RunModel<'a> {
         }
     }
 
+    /// Verify only the DSpark drafts whose predicted chance of all being accepted is at least
+    /// `p` ([`Model::set_dspark_confidence`]); no effect without a DSpark drafter.
+    pub fn set_dspark_confidence(&mut self, p: Option<f32>) {
+        match self {
+            RunModel::Mapped(m, _) => m.set_dspark_confidence(p),
+            RunModel::Budgeted(m) => m.model_mut().set_dspark_confidence(p),
+        }
+    }
+
     /// The budgeted model, if this run has a budget.
     pub fn budgeted(&self) -> Option<&BudgetedModel<'a>> {
         match self {

@@ -365,3 +365,45 @@ fn dspark_context_follows_the_kept_prefix() {
         "all kept"
     );
 }
+
+/// With a confidence floor the DSpark drafter proposes the leading part of its block (none
+/// when even the first draft is below it) and greedy output is still the reference.
+#[test]
+fn dspark_confidence_floor_shortens_verify_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth_with_dspark(dir.path());
+    let ck = Checkpoint::open(&path).unwrap();
+    let mut model = Model::load(&ck).unwrap();
+    let prompt = common::prompt(9, model.cfg.vocab);
+    let (reference, _) = run(&mut model, &prompt);
+    let mut m = Model::load(&ck).unwrap();
+    assert!(m.attach_dspark(&ck, 5).unwrap());
+    let mut cache = m.new_cache();
+    m.forward_drafting(&prompt, &mut cache, keep_model::Logits::Last, None)
+        .unwrap();
+    let greedy = &mut |l: &[f32]| keep_model::generate::argmax(l);
+    let lasts: Vec<u32> = (0..40).map(|i| i * 11 % m.cfg.vocab as u32).collect();
+    let whole: Vec<_> = lasts
+        .iter()
+        .map(|&t| m.draft(t, 5, greedy).unwrap())
+        .collect();
+    assert!(whole.iter().all(|d| d.len() == 5));
+    for p in [0.05f32, 0.2] {
+        m.set_dspark_confidence(Some(p));
+        let mut lens = vec![];
+        for (&t, w) in lasts.iter().zip(&whole) {
+            let d = m.draft(t, 5, greedy).unwrap();
+            assert_eq!(d[..], w[..d.len()], "floor {p}: not a prefix of the block");
+            lens.push(d.len());
+        }
+        assert!(
+            lens.iter().any(|&n| n < 5),
+            "floor {p}: no block was shortened ({lens:?})"
+        );
+        let mut g = Model::load(&ck).unwrap();
+        assert!(g.attach_dspark(&ck, 5).unwrap());
+        g.set_dspark_confidence(Some(p));
+        let (got, _) = run(&mut g, &prompt);
+        assert_eq!(got, reference, "confidence floor {p} changed the output");
+    }
+}

@@ -72,6 +72,12 @@ pub struct RunArgs {
     /// at most 8, with DSpark, which drafts no more than its block).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=8))]
     draft_tokens: Option<u64>,
+    /// With DSpark: verify only the leading drafts whose predicted chance of all being
+    /// accepted (the product of the confidence head's sigmoids) is at least P, in (0, 1];
+    /// fewer rows per verify forward when the drafter is unsure, none when even the first
+    /// draft is below P. Off by default (every draft verified).
+    #[arg(long, value_name = "P", value_parser = parse_probability)]
+    draft_confidence: Option<f32>,
     #[command(flatten)]
     budget: budget::BudgetArgs,
     /// Apply a plan from `keep fit` whole: its checkpoint, budget (for at least its context),
@@ -250,6 +256,15 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     model
         .set_draft(&ck, draft.into(), draft_k.max(1))
         .with_context(|| format!("--draft {}", draft_name(draft)))?;
+    if let Some(p) = a.draft_confidence {
+        if !keep_model::dspark::present(&ck) || draft_k == 0 {
+            anyhow::bail!(
+                "--draft-confidence {p}: it applies to the DSpark drafter, and this run does \
+                 not draft with one (use --draft dspark on a checkpoint that carries it)"
+            );
+        }
+        model.set_dspark_confidence(Some(p));
+    }
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
@@ -408,6 +423,16 @@ fn print_profile(steps: &[keep_runtime::profile::Step]) {
         )
     };
     eprintln!("{:<26} {}   {}", "total", total(&dec, nd), total(&pre, np));
+}
+
+/// A probability in (0, 1].
+fn parse_probability(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|e| format!("{s}: {e}"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(format!("{s} is not in (0, 1]"))
+    }
 }
 
 fn draft_name(d: DraftArg) -> &'static str {
