@@ -787,12 +787,14 @@ impl DeepSeekConfig {
             .unwrap_or(self.n_routed_experts)
     }
 
-    /// Routed experts in MTP module `mtp.N` (`n_routed_experts` unless pruning left it another
-    /// count, `n_routed_experts_mtp`).
+    /// Routed experts in MTP module `mtp.N`: `n_routed_experts_mtp` where pruning left a count,
+    /// else `dspark_n_routed_experts` when the modules are a DSpark drafter, else
+    /// `n_routed_experts`.
     pub fn experts_in_mtp(&self, n: usize) -> usize {
         self.n_routed_experts_mtp
             .as_ref()
             .and_then(|v| v.get(n).copied())
+            .or_else(|| self.dspark().map(|k| k.n_routed_experts))
             .unwrap_or(self.n_routed_experts)
     }
 

@@ -272,6 +272,12 @@ fn layer_role(rest: &str) -> Role {
 fn mtp_role(rest: &str) -> Role {
     match stem(rest) {
         "e_proj" | "h_proj" | "enorm" | "hnorm" | "norm" | "head" | "embed" => Role::MtpProj,
+        // DSpark's (docs/dspark.md): the target-feature projection and the heads.
+        "main_proj"
+        | "main_norm"
+        | "markov_head.embed"
+        | "markov_head.head"
+        | "confidence_head.proj" => Role::MtpProj,
         s if s.starts_with("hc_head") => Role::Hc,
         _ => Role::Unknown,
     }
@@ -383,6 +389,16 @@ mod tests {
         );
         assert_eq!(role("layers.1.engram.table.weight"), Role::Engram);
         assert_eq!(role("mtp.0.e_proj.scale"), Role::MtpProj);
+        for name in [
+            "mtp.0.main_proj.weight",
+            "mtp.0.main_proj.scale",
+            "mtp.2.markov_head.embed.weight",
+            "mtp.2.markov_head.head.weight",
+            "mtp.2.confidence_head.proj.weight",
+        ] {
+            assert_eq!(role(name), Role::MtpProj, "{name}");
+        }
+        assert_eq!(role("mtp.0.main_norm.weight"), Role::Norm);
         assert_eq!(parse("mtp.0.ffn.experts.2.w1.weight").scope, Scope::Mtp(0));
         assert_eq!(role("vision.blocks.0.attn.qkv.weight"), Role::Vision);
         assert_eq!(role("layers.x.attn.wq_a.weight"), Role::Unknown);

@@ -39,6 +39,51 @@ impl Storage {
     };
 }
 
+/// Give `cfg` a DSpark drafter (docs/dspark.md): three stages (`num_nextn_predict_layers` 3,
+/// window-only), blocks of 5, reading the last three layers (or all, if fewer), the last
+/// token of the vocabulary as the noise token, Markov rank 8, `dspark_n_routed_experts` = the
+/// main count (at least 2) with 2 active per row. `keep synth` then writes the drafter's tensors.
+pub fn with_dspark(cfg: &mut DeepSeekConfig) {
+    let n = 3;
+    let layers = cfg.num_hidden_layers;
+    cfg.num_nextn_predict_layers = n;
+    cfg.compress_ratios.truncate(layers);
+    cfg.compress_ratios.resize(layers, 0);
+    cfg.compress_ratios.extend([0; 3]);
+    cfg.dspark_block_size = 5;
+    cfg.dspark_target_layer_ids = (layers.saturating_sub(3)..layers).collect();
+    cfg.dspark_noise_token_id = Some(cfg.vocab_size - 1);
+    cfg.dspark_markov_rank = Some(8);
+    let experts = cfg.n_routed_experts.max(2);
+    cfg.dspark_n_routed_experts = Some(experts);
+    cfg.dspark_num_experts_per_tok = Some(2.min(experts));
+    cfg.n_routed_experts_mtp = None;
+    if let Some(m) = cfg.raw.as_object_mut() {
+        for (k, v) in [
+            ("num_nextn_predict_layers", json!(n)),
+            ("compress_ratios", json!(cfg.compress_ratios)),
+            ("dspark_block_size", json!(cfg.dspark_block_size)),
+            (
+                "dspark_target_layer_ids",
+                json!(cfg.dspark_target_layer_ids),
+            ),
+            ("dspark_noise_token_id", json!(cfg.dspark_noise_token_id)),
+            ("dspark_markov_rank", json!(cfg.dspark_markov_rank)),
+            (
+                "dspark_n_routed_experts",
+                json!(cfg.dspark_n_routed_experts),
+            ),
+            (
+                "dspark_num_experts_per_tok",
+                json!(cfg.dspark_num_experts_per_tok),
+            ),
+        ] {
+            m.insert(k.into(), v);
+        }
+        m.remove("n_routed_experts_mtp");
+    }
+}
+
 /// The preset names.
 pub const PRESETS: [&str; 4] = ["tiny", "tiny-v4flash", "flash", "v4flash"];
 

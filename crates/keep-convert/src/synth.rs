@@ -316,19 +316,19 @@ pub fn plan(cfg: &DeepSeekConfig, st: &Storage) -> Result<Vec<Planned>> {
             std: (1.0 / h as f32).sqrt(),
         },
     ));
-    for k in 0..cfg.num_nextn_predict_layers {
-        out.extend(mtp_plan(cfg, st, k)?);
+    if let Some(keys) = cfg.dspark() {
+        out.extend(dspark_plan(cfg, st, &keys)?);
+    } else {
+        for k in 0..cfg.num_nextn_predict_layers {
+            out.extend(mtp_plan(cfg, st, k)?);
+        }
     }
     Ok(out)
 }
 
-/// The tensors of MTP module `k` as DeepSeek-V4 publishes them (`mtp.{k}.*`): one decoder block
-/// of the model's kind without a compressor (compress ratio 0, score-routed, no Engram) under
-/// `mtp.{k}.`, FP8 block-scaled `e_proj`/`h_proj` `[dim, dim]`, bf16 `enorm`/`hnorm`/`norm`, and
-/// f32 `hc_head_{fn,base,scale}` (the module's own stream collapse).
-fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>> {
-    let h = cfg.hidden_size;
-    let hc = cfg.hc_mult;
+/// The decoder block of module `k` under `mtp.{k}.`: a layer of the model's kind without a
+/// compressor (compress ratio 0, score-routed, no Engram) with the module's expert count.
+fn module_block(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>> {
     let mut one = cfg.clone();
     one.num_hidden_layers = 1;
     one.compress_ratios = vec![0];
@@ -339,12 +339,14 @@ fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>
     one.n_routed_experts = cfg.experts_in_mtp(k);
     one.n_routed_experts_mtp = None;
     one.num_nextn_predict_layers = 0;
+    one.dspark_block_size = 0;
+    one.dspark_target_layer_ids = vec![];
     let st1 = Storage {
         hash_layers: 0,
         ..*st
     };
     let pre = format!("mtp.{k}.");
-    let mut out: Vec<Planned> = plan(&one, &st1)?
+    Ok(plan(&one, &st1)?
         .into_iter()
         .filter_map(|t| {
             t.name.strip_prefix("layers.0.").map(|rest| Planned {
@@ -352,7 +354,67 @@ fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>
                 ..t
             })
         })
-        .collect();
+        .collect())
+}
+
+/// The tensors of a DSpark drafter (docs/dspark.md, "Tensors"): `num_nextn_predict_layers`
+/// stages under `mtp.{k}.`, each a window-only decoder block with `dspark_n_routed_experts`
+/// experts; stage 0's FP8 block-scaled `main_proj` `[dim, L·dim]` and bf16 `main_norm`; the
+/// last stage's bf16 `norm`, Markov head (`markov_head.embed` and `.head`, `[vocab, rank]`,
+/// bf16) and f32 `confidence_head.proj` `[1, dim + rank]`.
+fn dspark_plan(
+    cfg: &DeepSeekConfig,
+    st: &Storage,
+    keys: &keep_checkpoint::DSparkKeys,
+) -> Result<Vec<Planned>> {
+    let (h, v, r) = (cfg.hidden_size, cfg.vocab_size, keys.markov_rank);
+    let n = cfg.num_nextn_predict_layers;
+    let cols = h * keys.target_layer_ids.len();
+    let norm = Kind::Bf16Ones { std: 0.05 };
+    let mut out = vec![];
+    for k in 0..n {
+        out.extend(module_block(cfg, st, k)?);
+    }
+    out.push(p(
+        "mtp.0.main_proj.weight".into(),
+        &[h, cols],
+        Kind::Fp8 { rows: h, cols },
+    ));
+    out.push(p("mtp.0.main_norm.weight".into(), &[h], norm.clone()));
+    let last = format!("mtp.{}.", n.saturating_sub(1));
+    out.push(p(format!("{last}norm.weight"), &[h], norm));
+    out.push(p(
+        format!("{last}markov_head.embed.weight"),
+        &[v, r],
+        Kind::Bf16 { std: 1.0 },
+    ));
+    out.push(p(
+        format!("{last}markov_head.head.weight"),
+        &[v, r],
+        Kind::Bf16 {
+            std: (1.0 / r as f32).sqrt(),
+        },
+    ));
+    out.push(p(
+        format!("{last}confidence_head.proj.weight"),
+        &[1, h + r],
+        Kind::F32 {
+            mean: 0.0,
+            std: (1.0 / (h + r) as f32).sqrt(),
+        },
+    ));
+    Ok(out)
+}
+
+/// The tensors of MTP module `k` as DeepSeek-V4 publishes them (`mtp.{k}.*`): one decoder block
+/// of the model's kind without a compressor (compress ratio 0, score-routed, no Engram) under
+/// `mtp.{k}.`, FP8 block-scaled `e_proj`/`h_proj` `[dim, dim]`, bf16 `enorm`/`hnorm`/`norm`, and
+/// f32 `hc_head_{fn,base,scale}` (the module's own stream collapse).
+fn mtp_plan(cfg: &DeepSeekConfig, st: &Storage, k: usize) -> Result<Vec<Planned>> {
+    let h = cfg.hidden_size;
+    let hc = cfg.hc_mult;
+    let pre = format!("mtp.{k}.");
+    let mut out = module_block(cfg, st, k)?;
     let norm = Kind::Bf16Ones { std: 0.05 };
     out.push(p(format!("{pre}enorm.weight"), &[h], norm.clone()));
     out.push(p(format!("{pre}hnorm.weight"), &[h], norm.clone()));

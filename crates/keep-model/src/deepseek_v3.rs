@@ -452,6 +452,7 @@ impl<'a> DeepseekV3Layer<'a> {
             &chosen,
             &weights,
             |g, u| ops::silu(g) * u,
+            &mut |_| Ok(()),
             obs,
         )?;
         let mut out = vec![0f32; t * d];

@@ -38,6 +38,7 @@ impl<'a> Model<'a> {
             return Ok(false);
         };
         let cache = mtp.new_cache();
+        self.dspark = None;
         self.mtp = Some(Box::new(Drafter {
             mtp,
             k: k.clamp(1, MAX_DRAFT),
@@ -60,9 +61,10 @@ impl<'a> Model<'a> {
         }
     }
 
-    /// Drop the drafter (drafting off; forwards no longer feed the MTP module).
+    /// Drop the drafter, MTP or DSpark (drafting off; forwards no longer feed it).
     pub fn detach_mtp(&mut self) {
         self.mtp = None;
+        self.dspark = None;
     }
 
     /// Let generation turn drafting off when it does not pay (`--draft auto`).
@@ -70,16 +72,22 @@ impl<'a> Model<'a> {
         if let Some(d) = self.mtp.as_mut() {
             d.auto = auto;
         }
+        if let Some(d) = self.dspark.as_mut() {
+            d.auto = auto;
+        }
     }
 
     /// Whether generation may turn drafting off ([`Model::set_mtp_auto`]).
     pub fn mtp_auto(&self) -> bool {
-        self.mtp.as_ref().is_some_and(|d| d.auto)
+        self.mtp.as_ref().is_some_and(|d| d.auto) || self.dspark.as_ref().is_some_and(|d| d.auto)
     }
 
     /// Tokens drafted per verify forward (0: no drafter attached).
     pub fn draft_tokens(&self) -> usize {
-        self.mtp.as_ref().map_or(0, |m| m.k)
+        match &self.dspark {
+            Some(d) => d.k,
+            None => self.mtp.as_ref().map_or(0, |m| m.k),
+        }
     }
 
     /// [`Model::forward`] that keeps an attached drafter in step: the MTP module is fed every
@@ -92,6 +100,9 @@ impl<'a> Model<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        if self.dspark.is_some() && !tokens.is_empty() {
+            return self.dspark_forward(tokens, cache, which, obs);
+        }
         if self.mtp.is_none() || tokens.is_empty() {
             return self.forward(tokens, cache, which, obs);
         }
@@ -117,6 +128,9 @@ impl<'a> Model<'a> {
         k: usize,
         pick: &mut dyn FnMut(&[f32]) -> u32,
     ) -> Result<Vec<(u32, Vec<f32>)>> {
+        if self.dspark.is_some() {
+            return self.dspark_draft(last, k, pick);
+        }
         let Some(dr) = self.mtp.as_mut() else {
             return Ok(vec![]);
         };
@@ -157,6 +171,9 @@ impl<'a> Model<'a> {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        if self.dspark.is_some() {
+            return self.dspark_verify(tokens, cache, obs);
+        }
         if self.mtp.is_none() {
             return self.forward(tokens, cache, Logits::All, obs);
         }
@@ -175,6 +192,9 @@ impl<'a> Model<'a> {
     /// back to them (snapshot restored, the kept rows replayed) when fewer than all stay, and
     /// the MTP module is fed the kept pairs.
     pub fn accept_drafts(&mut self, cache: &mut Cache, keep: usize) -> Result<()> {
+        if self.dspark.is_some() {
+            return self.dspark_accept(cache, keep);
+        }
         let Some(v) = self.mtp.as_mut().and_then(|d| d.verify.take()) else {
             return Ok(());
         };

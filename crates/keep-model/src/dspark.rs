@@ -28,6 +28,15 @@ use crate::layer::{attend, collapse, expand, hc_mix, LayerWeights, Step, Streams
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
+/// The tensor whose presence marks a checkpoint carrying a DSpark drafter.
+pub const MARKER: &str = "mtp.0.main_proj.weight";
+
+/// Whether `ck` carries a DSpark drafter: its config declares the `dspark_*` keys and its first
+/// module has the target-feature projection.
+pub fn present(ck: &Checkpoint) -> bool {
+    ck.contains(MARKER) && ck.config().is_some_and(|c| c.dspark().is_some())
+}
+
 /// A stage's routed experts (`mtp.k.ffn.experts.E.w{1,2,3}`), answered as layer `layer`.
 struct StageExperts<'a> {
     layer: usize,
@@ -188,6 +197,20 @@ impl<'a> DSpark<'a> {
         anchor_pos: usize,
         first: u32,
     ) -> Result<DraftBlock> {
+        self.draft_with(context, rows, anchor_pos, first, &mut |l| argmax(l) as u32)
+    }
+
+    /// [`DSpark::draft`] with each draft token chosen by `pick` from its Markov-corrected
+    /// logits (greedy: the arg-max; sampling: a draw from `softmax(ℓ / T)`); the next row's
+    /// Markov bias follows the token picked.
+    pub fn draft_with(
+        &self,
+        context: &[f32],
+        rows: usize,
+        anchor_pos: usize,
+        first: u32,
+        pick: &mut dyn FnMut(&[f32]) -> u32,
+    ) -> Result<DraftBlock> {
         let cfg = &self.cfg;
         let (hc, d, v, b) = (cfg.hc, cfg.dim, cfg.vocab, self.keys.block_size);
         if context.len() != rows * d || rows == 0 || rows > anchor_pos + 1 {
@@ -252,7 +275,10 @@ impl<'a> DSpark<'a> {
                 dot(&self.confidence[..d], &hidden[j * d..(j + 1) * d])
                     + dot(&self.confidence[d..], &e),
             );
-            prev = argmax(l) as u32;
+            prev = pick(l);
+            if prev as usize >= v {
+                return Err(ModelError::Token { id: prev, vocab: v });
+            }
             tokens.push(prev);
         }
         Ok(DraftBlock {

@@ -31,6 +31,7 @@ pub mod config;
 pub mod deepseek_v3;
 pub mod drafting;
 pub mod dspark;
+mod dspark_drafting;
 pub mod engram;
 pub mod engram_hash;
 pub mod engram_tokens;

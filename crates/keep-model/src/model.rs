@@ -57,6 +57,54 @@ pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
     }
 }
 
+/// What a forward records for the DSpark drafter: for every row, the streams entering each
+/// layer of `layers` averaged over the hyper-connection streams, concatenated in list order
+/// (`[rows × layers.len() · dim]`; docs/dspark.md, "Which hidden states are the target's").
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Capture {
+    pub(crate) layers: Vec<usize>,
+    /// Every row recorded so far.
+    pub(crate) rows: Vec<f32>,
+    /// The rows of the chunk running.
+    chunk: Vec<f32>,
+}
+
+impl Capture {
+    pub(crate) fn new(layers: Vec<usize>) -> Capture {
+        Capture {
+            layers,
+            ..Capture::default()
+        }
+    }
+
+    fn begin(&mut self, t: usize, dim: usize) {
+        self.chunk = vec![0f32; t * self.layers.len() * dim];
+    }
+
+    /// The streams `s` entering `layer`.
+    fn record(&mut self, layer: usize, s: &Streams, hc: usize, dim: usize) {
+        let Some(li) = self.layers.iter().position(|&l| l == layer) else {
+            return;
+        };
+        let n = self.layers.len();
+        let inv = 1.0 / hc as f32;
+        for i in 0..s.t {
+            let out = &mut self.chunk[(i * n + li) * dim..(i * n + li + 1) * dim];
+            for k in 0..hc {
+                let row = &s.x[(i * hc + k) * dim..(i * hc + k + 1) * dim];
+                for (o, x) in out.iter_mut().zip(row) {
+                    *o += x;
+                }
+            }
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+
+    fn end(&mut self) {
+        self.rows.append(&mut self.chunk);
+    }
+}
+
 /// The whole model, borrowing its weights from an open checkpoint.
 pub struct Model<'a> {
     pub cfg: ModelConfig,
@@ -72,6 +120,8 @@ pub struct Model<'a> {
     pub deepseek_v3: Vec<crate::deepseek_v3::DeepseekV3Layer<'a>>,
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
+    /// The DSpark drafter, once attached ([`Model::attach_dspark`]).
+    pub(crate) dspark: Option<Box<crate::dspark_drafting::DSparkDrafter<'a>>>,
 }
 
 impl<'a> Model<'a> {
@@ -118,6 +168,7 @@ impl<'a> Model<'a> {
             qwen3,
             deepseek_v3,
             mtp: None,
+            dspark: None,
         })
     }
 
@@ -204,7 +255,20 @@ impl<'a> Model<'a> {
         tokens: &[u32],
         cache: &mut Cache,
         which: Logits,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<(Vec<f32>, Streams)> {
+        self.forward_captured(tokens, cache, which, obs, None)
+    }
+
+    /// [`Model::forward_streams`] that also records, when `capture` is given, the streams
+    /// entering its layers (what the DSpark drafter reads).
+    pub(crate) fn forward_captured(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
+        mut capture: Option<&mut Capture>,
     ) -> Result<(Vec<f32>, Streams)> {
         if cache.layers.len() != self.cfg.n_layers {
             return Err(ModelError::Cache(format!(
@@ -227,6 +291,7 @@ impl<'a> Model<'a> {
                 cache,
                 w,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                capture.as_deref_mut(),
             )?;
             all.t += s.t;
             all.x.extend_from_slice(&s.x);
@@ -245,7 +310,9 @@ impl<'a> Model<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
-        Ok(self.forward_chunk_streams(tokens, cache, which, obs)?.0)
+        Ok(self
+            .forward_chunk_streams(tokens, cache, which, obs, None)?
+            .0)
     }
 
     /// [`Model::forward_chunk`] with the last layer's streams.
@@ -255,6 +322,7 @@ impl<'a> Model<'a> {
         cache: &mut Cache,
         which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
+        mut capture: Option<&mut Capture>,
     ) -> Result<(Vec<f32>, Streams)> {
         profile::begin_step(tokens.len());
         let mut s = self.globals.embed(&self.cfg, tokens)?;
@@ -301,7 +369,13 @@ impl<'a> Model<'a> {
             }
             None => vec![],
         };
+        if let Some(c) = capture.as_deref_mut() {
+            c.begin(tokens.len(), self.cfg.dim);
+        }
         for lw in &self.layers {
+            if let Some(c) = capture.as_deref_mut() {
+                c.record(lw.layer, &s, self.cfg.hc, self.cfg.dim);
+            }
             if let Some(e) = &self.engram {
                 let _p = profile::span(profile::Part::Engram);
                 e.apply(&self.cfg, lw.layer, &mut s, &engram_ids)?;
@@ -318,8 +392,47 @@ impl<'a> Model<'a> {
             )?;
             s.check_finite(|| format!("layer {}", lw.layer))?;
         }
+        if let Some(c) = capture {
+            c.end();
+        }
         cache.pos += tokens.len();
         let logits = self.globals.finish(&self.cfg, &s, which)?;
         Ok((logits, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capture_averages_the_streams_entering_the_listed_layers_in_list_order() {
+        // Two rows, two streams of width three; layers 5 then 2 are listed.
+        let s = Streams {
+            t: 2,
+            x: vec![
+                1.0, 2.0, 3.0, 3.0, 4.0, 5.0, // row 0: streams 0 and 1
+                -1.0, 0.0, 1.0, 1.0, 0.0, 3.0, // row 1
+            ],
+            pre_mix: vec![1.0, 0.0, 1.0, 0.0],
+            tokens: vec![0, 0],
+        };
+        let mut c = Capture::new(vec![5, 2]);
+        c.begin(2, 3);
+        c.record(2, &s, 2, 3);
+        c.record(3, &s, 2, 3);
+        let doubled = Streams {
+            x: s.x.iter().map(|v| v * 2.0).collect(),
+            ..s.clone()
+        };
+        c.record(5, &doubled, 2, 3);
+        c.end();
+        assert_eq!(
+            c.rows,
+            vec![
+                4.0, 6.0, 8.0, 2.0, 3.0, 4.0, // row 0: layer 5, layer 2
+                0.0, 0.0, 4.0, 0.0, 0.0, 2.0, // row 1
+            ]
+        );
     }
 }

@@ -83,22 +83,47 @@ impl<'a> RunModel<'a> {
         if mode == DraftMode::None {
             return Ok(0);
         }
-        let has = keep_model::mtp::present(ck);
-        match self {
-            RunModel::Mapped(m, _) if has => {
-                m.attach_mtp(ck, k)?;
-                m.set_mtp_auto(mode == DraftMode::Auto);
-                Ok(m.draft_tokens())
+        let dspark = keep_model::dspark::present(ck);
+        let use_dspark = match mode {
+            DraftMode::DSpark if !dspark => {
+                return Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
+                    "the checkpoint has no DSpark drafter (dspark_* config keys and \
+                     mtp.0.main_proj.weight) to draft with; use --draft mtp or none"
+                        .into(),
+                )))
             }
-            RunModel::Budgeted(m) if has => {
-                m.attach_mtp(ck, k)?;
-                m.set_mtp_auto(mode == DraftMode::Auto);
-                Ok(Generate::draft_tokens(m))
+            DraftMode::DSpark => true,
+            DraftMode::Auto => dspark,
+            _ => false,
+        };
+        let has = use_dspark || keep_model::mtp::present(ck);
+        let model = match self {
+            RunModel::Mapped(m, _) => m,
+            RunModel::Budgeted(m) => m.model_mut(),
+        };
+        match () {
+            _ if has => {
+                if use_dspark {
+                    model.attach_dspark(ck, k)?;
+                } else {
+                    model.attach_mtp(ck, k)?;
+                }
+                model.set_mtp_auto(mode == DraftMode::Auto);
+                Ok(model.draft_tokens())
             }
             _ if mode == DraftMode::Auto => Ok(0),
             _ => Err(crate::RuntimeError::Model(keep_model::ModelError::Config(
                 "the checkpoint has no MTP module (mtp.0.*) to draft with".into(),
             ))),
+        }
+    }
+
+    /// Verify only the DSpark drafts whose predicted chance of all being accepted is at least
+    /// `p` ([`Model::set_dspark_confidence`]); no effect without a DSpark drafter.
+    pub fn set_dspark_confidence(&mut self, p: Option<f32>) {
+        match self {
+            RunModel::Mapped(m, _) => m.set_dspark_confidence(p),
+            RunModel::Budgeted(m) => m.model_mut().set_dspark_confidence(p),
         }
     }
 
@@ -221,6 +246,8 @@ impl Generate for RunModel<'_> {
 pub enum DraftMode {
     None,
     Mtp,
+    /// The DSpark drafter V4.1 checkpoints carry under `mtp.0.*` … (docs/dspark.md).
+    DSpark,
     Auto,
 }
 

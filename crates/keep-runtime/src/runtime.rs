@@ -80,16 +80,21 @@ pub struct RuntimeOptions {
     pub draft_tokens: usize,
 }
 
-/// Bytes drafting adds to a budgeted run of `ck` planned with `memory`: the MTP module's
-/// tensors (`mtp.*`, mapped and read on every draft) plus one copy of the decoding cache (the
-/// snapshot a verify forward restores when a draft is rejected). 0 without an MTP module.
+/// Bytes drafting adds to a budgeted run of `ck` planned with `memory`: the drafter's tensors
+/// (the MTP module's `mtp.0.*`, or every DSpark stage's `mtp.*`; mapped and read on every
+/// draft) plus one copy of the decoding cache (the snapshot a verify forward restores when a
+/// draft is rejected). 0 without a drafter.
 pub fn draft_bytes(ck: &Checkpoint, memory: &MemoryEstimate) -> u64 {
-    if !keep_model::mtp::present(ck) {
+    let prefix = if keep_model::dspark::present(ck) {
+        "mtp."
+    } else if keep_model::mtp::present(ck) {
+        keep_model::mtp::PREFIX
+    } else {
         return 0;
-    }
+    };
     let mtp: u64 = ck
         .tensors()
-        .filter(|t| t.name.starts_with(keep_model::mtp::PREFIX))
+        .filter(|t| t.name.starts_with(prefix))
         .map(|t| t.bytes.len() as u64)
         .sum();
     mtp.saturating_add(memory.cache)
@@ -609,6 +614,17 @@ impl<'a> BudgetedModel<'a> {
     /// checkpoint has none. Its experts are the module's own, mapped (not the slots).
     pub fn attach_mtp(&mut self, ck: &'a Checkpoint, k: usize) -> Result<bool> {
         Ok(self.model.attach_mtp(ck, k)?)
+    }
+
+    /// Attach the DSpark drafter of `ck` (K drafts verified per forward); `false` when the
+    /// checkpoint has none. Its experts are the drafter's own, mapped (not the slots).
+    pub fn attach_dspark(&mut self, ck: &'a Checkpoint, k: usize) -> Result<bool> {
+        Ok(self.model.attach_dspark(ck, k)?)
+    }
+
+    /// The model the slots serve (drafters attach to it).
+    pub(crate) fn model_mut(&mut self) -> &mut Model<'a> {
+        &mut self.model
     }
 
     /// Let generation switch drafting off and on by its running estimate (`--draft auto`).

@@ -55,18 +55,29 @@ pub struct RunArgs {
     /// exact model (`keep eval --kernels fast`; the rule is KL ≤ 1e-3 and top-1 ≥ 99%).
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
     kernels: super::KernelsArg,
-    /// Speculative decoding with the checkpoint's MTP module (`mtp.0.*`): mtp drafts
-    /// --draft-tokens tokens and verifies them in one forward (greedy output is identical to
-    /// none); auto, the default, does so when the checkpoint has an MTP module and switches
-    /// drafting off and back on from a running measurement of the seconds per token with and
-    /// without it (it stops for good after losing three comparisons in a row). Under
-    /// --memory-budget the verify window's experts go through the slots, and the budget also
-    /// holds the MTP module and one copy of the decoding cache.
+    /// Speculative decoding: mtp drafts --draft-tokens tokens one after another with the
+    /// checkpoint's MTP module (`mtp.0.*`, DeepSeek-V4) and verifies them in one forward;
+    /// dspark drafts a block in one pass with the DSpark drafter of a DeepSeek-V4.1 checkpoint
+    /// (`mtp.0.*` … with the `dspark_*` config keys) and verifies the token just sampled and
+    /// the block in one forward (refused without a DSpark drafter); greedy output is identical
+    /// to none either way. auto, the default, drafts with DSpark when the checkpoint carries
+    /// it, else with an MTP module when it has one, and switches drafting off and back on from
+    /// a running measurement of the seconds per token with and without it (it stops for good
+    /// after losing three comparisons in a row). Under --memory-budget the verify window's
+    /// experts go through the slots, and the budget also holds the drafter's tensors and one
+    /// copy of the decoding cache.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
-    /// Tokens drafted per verify forward (1..=8).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=8))]
-    draft_tokens: u64,
+    /// Tokens drafted per verify forward (1..=8; default 2 with MTP, DSpark's block size,
+    /// at most 8, with DSpark, which drafts no more than its block).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=8))]
+    draft_tokens: Option<u64>,
+    /// With DSpark: verify only the leading drafts whose predicted chance of all being
+    /// accepted (the product of the confidence head's sigmoids) is at least P, in (0, 1];
+    /// fewer rows per verify forward when the drafter is unsure, none when even the first
+    /// draft is below P. Off by default (every draft verified).
+    #[arg(long, value_name = "P", value_parser = parse_probability)]
+    draft_confidence: Option<f32>,
     #[command(flatten)]
     budget: budget::BudgetArgs,
     /// Apply a plan from `keep fit` whole: its checkpoint, budget (for at least its context),
@@ -93,6 +104,7 @@ pub struct RunArgs {
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum DraftArg {
     Mtp,
+    Dspark,
     None,
     Auto,
 }
@@ -101,6 +113,7 @@ impl From<DraftArg> for keep_runtime::run::DraftMode {
     fn from(d: DraftArg) -> Self {
         match d {
             DraftArg::Mtp => Self::Mtp,
+            DraftArg::Dspark => Self::DSpark,
             DraftArg::None => Self::None,
             DraftArg::Auto => Self::Auto,
         }
@@ -185,8 +198,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             (keep_runtime::run::DraftMode::Mtp, k) => (DraftArg::Mtp, k),
             _ => (DraftArg::None, 0),
         },
+        None if a.draft == DraftArg::Dspark && !keep_model::dspark::present(&ck) => {
+            anyhow::bail!(
+                "--draft dspark: {} has no DSpark drafter (dspark_* keys in config.json and \
+                 mtp.0.main_proj.weight); use --draft mtp for a DeepSeek-V4 MTP module, or \
+                 --draft none",
+                dir.display()
+            )
+        }
+        None if matches!(a.draft, DraftArg::Dspark | DraftArg::Auto)
+            && keep_model::dspark::present(&ck) =>
+        {
+            let block = ck
+                .config()
+                .and_then(|c| c.dspark())
+                .map_or(1, |k| k.block_size);
+            let most = block.min(keep_model::mtp::MAX_DRAFT);
+            let k = a.draft_tokens.map_or(most, |k| (k as usize).min(most));
+            (a.draft, k)
+        }
         None if a.draft != DraftArg::None && keep_model::mtp::present(&ck) => {
-            (a.draft, a.draft_tokens as usize)
+            (a.draft, a.draft_tokens.unwrap_or(2) as usize)
         }
         None => (a.draft, 0),
     };
@@ -227,6 +259,15 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     model
         .set_draft(&ck, draft.into(), draft_k.max(1))
         .with_context(|| format!("--draft {}", draft_name(draft)))?;
+    if let Some(p) = a.draft_confidence {
+        if !keep_model::dspark::present(&ck) || draft_k == 0 {
+            anyhow::bail!(
+                "--draft-confidence {p}: it applies to the DSpark drafter, and this run does \
+                 not draft with one (use --draft dspark on a checkpoint that carries it)"
+            );
+        }
+        model.set_dspark_confidence(Some(p));
+    }
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
@@ -387,9 +428,20 @@ fn print_profile(steps: &[keep_runtime::profile::Step]) {
     eprintln!("{:<26} {}   {}", "total", total(&dec, nd), total(&pre, np));
 }
 
+/// A probability in (0, 1].
+fn parse_probability(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|e| format!("{s}: {e}"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(format!("{s} is not in (0, 1]"))
+    }
+}
+
 fn draft_name(d: DraftArg) -> &'static str {
     match d {
         DraftArg::Mtp => "mtp",
+        DraftArg::Dspark => "dspark",
         DraftArg::None => "none",
         DraftArg::Auto => "auto",
     }

@@ -11,6 +11,12 @@ use keep_convert::synth::{experts_for_bytes, synth, with_engram_bytes, SynthOpti
 
 use crate::util::{byte_bar, human, parse_bytes};
 
+/// `keep synth --draft`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SynthDraft {
+    Dspark,
+}
+
 /// Write a random-weight checkpoint in DeepSeek's published format, for any V4.1 or V4 config.
 ///
 /// Weights are drawn N(0, 1/fan_in) and stored as DeepSeek ships them: FP8 E4M3 residents with
@@ -28,6 +34,7 @@ use crate::util::{byte_bar, human, parse_bytes};
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
 ///          keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers 4 --format fp8 --out /tmp/q
 ///          keep synth --preset tiny --engram-bytes 4MiB --out /tmp/tiny-engram
+///          keep synth --preset tiny --draft dspark --out /tmp/tiny-dspark
 #[derive(Args)]
 #[command(verbatim_doc_comment)]
 pub struct SynthArgs {
@@ -69,6 +76,11 @@ pub struct SynthArgs {
     /// qwen3-30b-a3b, qwen3-tiny; a --config whose model_type is qwen3_moe picks it too).
     #[arg(long)]
     family: Option<String>,
+    /// Give the checkpoint a drafter: dspark writes a DeepSeek-V4.1 DSpark drafter (three
+    /// stages under `mtp.0.*` … `mtp.2.*`, blocks of 5, reading the last three layers; the
+    /// `dspark_*` keys in config.json), what `keep run --draft dspark` drafts with.
+    #[arg(long, value_enum)]
+    draft: Option<SynthDraft>,
     /// Keep only the first N decoder layers (qwen3_moe).
     #[arg(long)]
     layers: Option<usize>,
@@ -82,8 +94,15 @@ pub struct SynthArgs {
 fn run_qwen3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
     use keep_checkpoint::qwen3::Qwen3MoeConfig;
     use keep_convert::synth_qwen3::{experts_for_bytes, synth_qwen3, QwenFormat, QwenSynthOptions};
-    if a.engram_bytes.is_some() || a.block.is_some() || a.f32_scales || a.hash_layers.is_some() {
-        anyhow::bail!("--engram-bytes, --block, --f32-scales and --hash-layers are DeepSeek's");
+    if a.engram_bytes.is_some()
+        || a.block.is_some()
+        || a.f32_scales
+        || a.hash_layers.is_some()
+        || a.draft.is_some()
+    {
+        anyhow::bail!(
+            "--engram-bytes, --block, --f32-scales, --hash-layers and --draft are DeepSeek's"
+        );
     }
     let format = QwenFormat::parse(a.format.as_deref().unwrap_or("bf16"))?;
     let m = raw
@@ -185,6 +204,17 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     }
     if let Some(bytes) = a.engram_bytes {
         with_engram_bytes(&mut cfg, bytes)?;
+    }
+    if a.draft == Some(SynthDraft::Dspark) {
+        if cfg.model_type != "deepseek_v41" {
+            anyhow::bail!(
+                "--draft dspark: DSpark is DeepSeek-V4.1's drafter; this config's model_type is {}",
+                cfg.model_type
+            );
+        }
+        presets::with_dspark(&mut cfg);
+        cfg.validate()
+            .map_err(|e| anyhow::anyhow!("--draft dspark: {e}"))?;
     }
     let opts = SynthOptions {
         seed: a.seed,
