@@ -5,7 +5,8 @@
 //! What it is: [`pack`] (local text → `keep-pack` directory), [`calibrate`] (a run directory of
 //! session files, sharded across processes, resumable), [`finalize`] (`imatrix.safetensors`,
 //! `reap-stats.safetensors`), [`select`] (a `keep-prune-plan` with the REAP-vs-frequency kill
-//! test and super-expert candidates) and [`plot`]. The observer [`stats::Collector`] only reads
+//! test and super-expert candidates), [`sidecar`] (reduced-rank ridge sidecars of a plan, fitted
+//! layer by layer against the teacher) and [`plot`]. The observer [`stats::Collector`] only reads
 //! what keep-model's forward reports, so the forward is bit-identical with it attached.
 //!
 //! What it is not: no printing, no CLI, no model code (keep-model computes, this crate watches),
@@ -14,7 +15,7 @@
 //! Depends on: keep-model (forward, observers), keep-checkpoint (safetensors reading, atomic
 //! writer), keep-artifacts (the session files, REAP statistics and prune plans — their formats,
 //! readers and writers; this crate gathers and sums what goes in them), `tokenizers`,
-//! `plotters`.
+//! `plotters`, `faer` (the sidecars' f64 linear algebra).
 //!
 //! # Files
 //!
@@ -68,6 +69,7 @@ pub mod pack;
 pub mod plot;
 pub mod select;
 pub mod session;
+pub mod sidecar;
 pub mod st;
 pub mod stats;
 pub mod tasks;

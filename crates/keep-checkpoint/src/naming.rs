@@ -85,6 +85,8 @@ pub enum Role {
     MtpProj,
     Engram,
     Vision,
+    /// `ffn.sidecar.{a,b}`: a pruned MoE block's low-rank sidecar (`keep sidecar`).
+    Sidecar,
     Unknown,
 }
 
@@ -110,6 +112,7 @@ impl Role {
             Role::MtpProj => "mtp_proj",
             Role::Engram => "engram",
             Role::Vision => "vision",
+            Role::Sidecar => "sidecar",
             Role::Unknown => "unknown",
         }
     }
@@ -250,6 +253,7 @@ fn layer_role(rest: &str) -> Role {
             "gate.bias" => return Role::RouterBias,
             "gate.bias_vl" => return Role::RouterBiasVl,
             "gate.tid2eid" => return Role::RouterTid2eid,
+            "sidecar.a" | "sidecar.b" => return Role::Sidecar,
             _ => {}
         }
         if let Some(e) = f.strip_prefix("experts.") {
@@ -402,6 +406,8 @@ mod tests {
         assert_eq!(parse("mtp.0.ffn.experts.2.w1.weight").scope, Scope::Mtp(0));
         assert_eq!(role("vision.blocks.0.attn.qkv.weight"), Role::Vision);
         assert_eq!(role("layers.x.attn.wq_a.weight"), Role::Unknown);
+        assert_eq!(role("layers.3.ffn.sidecar.a.weight"), Role::Sidecar);
+        assert_eq!(role("layers.3.ffn.sidecar.c.weight"), Role::Unknown);
         assert_eq!(role("layers.3.ffn.experts.1.w4.weight"), Role::Unknown);
     }
 

@@ -39,6 +39,9 @@ pub struct Report {
     pub shared_experts: Option<usize>,
     pub top_k: Option<usize>,
     pub quantization_config: Option<serde_json::Value>,
+    /// `keep_sidecar` of config.json (rank, ridge, layers of the low-rank sidecars `keep
+    /// sidecar` added; their tensors are the `sidecar` role).
+    pub sidecar: Option<serde_json::Value>,
     pub hash_layers: Vec<usize>,
     pub engram_layers: Vec<usize>,
     /// Engram tables (`layers.N.engram.embed.*`): rows read on demand, never resident.
@@ -356,6 +359,7 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         shared_experts: cfg.map(|c| c.n_shared_experts),
         top_k: cfg.map(|c| c.num_experts_per_tok),
         quantization_config: cfg.and_then(|c| c.raw.get("quantization_config").cloned()),
+        sidecar: cfg.and_then(|c| c.raw.get("keep_sidecar").cloned()),
         hash_layers: hash.into_iter().collect(),
         engram_layers: engram.into_iter().collect(),
         engram_tables: engram_tables(ck, &mut problems),

@@ -134,12 +134,35 @@ fn rewrite_tid2eid(
     Ok(out)
 }
 
+/// Tensors and `config.json` fields written into the pruned checkpoint beside the copied ones
+/// (`keep sidecar`'s low-rank maps and its `keep_sidecar` field).
+#[derive(Debug, Clone, Default)]
+pub struct PruneExtra {
+    /// Whole tensors in their own bytes, written after the copied ones.
+    pub tensors: Vec<(TensorMeta, Vec<u8>)>,
+    /// Top-level `config.json` fields set (added or replaced).
+    pub config: Vec<(String, serde_json::Value)>,
+}
+
 /// Prune `src` into `out`. `progress(bytes_done, bytes_total)` is called as it copies.
 pub fn prune(
     src: &Path,
     plan: &PrunePlan,
     out: &Path,
     opts: &PruneOptions,
+    progress: &dyn Fn(u64, u64),
+) -> Result<(PathBuf, PruneReport)> {
+    prune_with(src, plan, out, opts, &PruneExtra::default(), progress)
+}
+
+/// [`prune`] that also writes `extra`'s tensors and `config.json` fields into the output. An
+/// extra tensor named like one of the source's is refused.
+pub fn prune_with(
+    src: &Path,
+    plan: &PrunePlan,
+    out: &Path,
+    opts: &PruneOptions,
+    extra: &PruneExtra,
     progress: &dyn Fn(u64, u64),
 ) -> Result<(PathBuf, PruneReport)> {
     keep_checkpoint::writer::check_dir_target(out, opts.force, &[src.to_path_buf()])?;
@@ -358,7 +381,7 @@ pub fn prune(
         }
     }
 
-    let metas: Vec<TensorMeta> = actions
+    let mut metas: Vec<TensorMeta> = actions
         .iter()
         .map(|a| match a {
             Action::Copy(t, name) => TensorMeta::new(name.clone(), t.dtype, t.shape),
@@ -370,6 +393,25 @@ pub fn prune(
             }
         })
         .collect();
+    for (m, bytes) in &extra.tensors {
+        if metas.iter().any(|t| t.name == m.name) {
+            return Err(ConvertError::Invalid(format!(
+                "tensor `{}` is already in {}: an added tensor cannot replace one of the source's",
+                m.name,
+                src.display()
+            )));
+        }
+        if m.nbytes() != bytes.len() as u64 {
+            return Err(ConvertError::Invalid(format!(
+                "added tensor `{}`: {} bytes for {} {:?}",
+                m.name,
+                bytes.len(),
+                m.dtype,
+                m.shape
+            )));
+        }
+        metas.push(m.clone());
+    }
     let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
     let max_shard = ck.shards().iter().map(|s| s.len()).max().unwrap_or(0);
     let wopts = WriterOptions {
@@ -408,6 +450,11 @@ pub fn prune(
         }
         progress(done, total);
     }
+    for (m, bytes) in &extra.tensors {
+        w.write_tensor(&m.name, bytes)?;
+        done += bytes.len() as u64;
+        progress(done, total);
+    }
     let experts_key = match cfg.qwen3 {
         Some(_) => keep_checkpoint::qwen3::Qwen3MoeConfig::EXPERTS_KEY,
         None => "n_routed_experts",
@@ -420,6 +467,9 @@ pub fn prune(
         && (per_mtp.iter().any(|&n| n != e_after) || cfg.n_routed_experts_mtp.is_some())
     {
         edits.push(("n_routed_experts_mtp", json!(per_mtp)));
+    }
+    for (k, v) in &extra.config {
+        edits.push((k.as_str(), v.clone()));
     }
     let raw = cfg.raw_with(&edits);
     w.add_file(

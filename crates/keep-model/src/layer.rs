@@ -31,6 +31,7 @@ use crate::linear::{lin, note_input, proj};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
+use crate::sidecar::Sidecar;
 use crate::v4::{head_norm, index_topk, pool_step, V4Attn};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
@@ -87,6 +88,9 @@ pub struct LayerWeights<'a> {
     pub v4: Option<V4Attn<'a>>,
     /// V4-Flash: the layer's `tid2eid` table (hash-routed layers only).
     pub hash: Option<HashTable>,
+    /// The reduced-rank sidecar added to the MoE block's output (`keep sidecar`; `None`:
+    /// none, the block runs as the checkpoint's experts alone).
+    pub sidecar: Option<Sidecar>,
 }
 
 /// What one forward call shares between layers (the reference's `shared` dict).
@@ -273,6 +277,7 @@ impl<'a> LayerWeights<'a> {
             } else {
                 None
             },
+            sidecar: Sidecar::load(ck, &p, d)?,
         })
     }
 }
@@ -936,7 +941,37 @@ impl LayerWeights<'_> {
                 *a += b;
             }
         }
+        if let Some(sc) = &self.sidecar {
+            sc.add_to(x, t, &mut out)?;
+        }
         Ok(out)
+    }
+
+    /// The MoE block's output on its input rows `x` (`[t × dim]`, one per token of `tokens`)
+    /// with router mask `mask`: what [`LayerWeights::forward`] adds to the streams, sidecar
+    /// included. No observer is told.
+    pub fn moe_output(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &[f32],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        if x.len() != tokens.len() * cfg.dim {
+            return Err(ModelError::Config(format!(
+                "layer {}: MoE input of {} numbers for {} tokens of {}",
+                self.layer,
+                x.len(),
+                tokens.len(),
+                cfg.dim
+            )));
+        }
+        let step = Step {
+            start_pos: 0,
+            previous: 0,
+        };
+        self.moe(cfg, experts, mask, x, tokens, step, &mut None)
     }
 }
 

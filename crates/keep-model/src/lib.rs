@@ -8,7 +8,8 @@
 //! decoding, [`Model::forward`] (prefill and decode share one code path), a layer-streamed path
 //! ([`streamed::forward_streamed`]) that loads one layer at a time and runs every record through
 //! it with the same per-layer function (so its logits are bit-identical to the whole-model
-//! forward), [`RouteObserver`] hooks for calibration (no cost when none is attached), a router
+//! forward), low-rank [`Sidecar`]s added to a pruned MoE block's output when the checkpoint
+//! has them, [`RouteObserver`] hooks for calibration (no cost when none is attached), a router
 //! mask hook, and keep's one [`generate()`] (prompt encoding with the model's tokenizer,
 //! sampling, end-of-sequence stops, the streaming detokenizer, timings) over the [`Generate`]
 //! trait, and `keep logits`' forward ([`logits::logits`], gathered into keep-artifacts'
@@ -49,6 +50,7 @@ pub mod model;
 pub mod mtp;
 pub mod observer;
 pub mod qwen3;
+pub mod sidecar;
 pub mod streamed;
 pub mod v4;
 pub mod weights;
@@ -74,6 +76,7 @@ pub use mtp::{Mtp, MtpCache};
 pub use observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
+pub use sidecar::Sidecar;
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -9,7 +9,7 @@ use keep_convert::inspect::inspect;
 use crate::util::human;
 
 /// Report what a checkpoint holds: architecture, layers, routed and shared experts, top-k,
-/// hash-routed, engram and MTP layers, bytes and bits per weight by role × format, FP8 block
+/// hash-routed, engram and MTP layers, sidecars, bytes and bits per weight by role × format, FP8 block
 /// shapes and scale kinds, per-layer expert counts, everything unknown or inconsistent, and
 /// every reason the model's loader (keep run, keep logits) refuses the checkpoint — inspect
 /// runs the same checks, so it never passes a checkpoint that run refuses.
@@ -80,6 +80,19 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     );
     if let Some(q) = &r.quantization_config {
         println!("  quantization_config {q}");
+    }
+    if let Some(s) = &r.sidecar {
+        let bytes = r
+            .by_role_format
+            .get("sidecar")
+            .map_or(0, |row| row.values().map(|c| c.bytes).sum::<u64>());
+        println!(
+            "  sidecars (keep sidecar): rank {} on layers {} (ridge {}), {}",
+            s["rank"],
+            s["layers"],
+            s["ridge"],
+            human(bytes)
+        );
     }
     println!();
     println!(

@@ -16,6 +16,7 @@ pub mod residency;
 pub mod run;
 pub mod select;
 pub mod serve;
+pub mod sidecar;
 pub mod synth;
 pub mod tasks;
 pub mod verify;
