@@ -19,6 +19,9 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
              (tools/oracle/v4flash_conformance.py)
   model-qwen3  keep's Qwen3-MoE forward, pipeline and synth against mlx-lm's qwen3_moe
              (tools/oracle/qwen3_conformance.py)
+  model-deepseek-v3  keep's DeepSeek-V3 forward (bf16 and FP8 `weight_scale_inv`) against
+             transformers' DeepseekV3ForCausalLM and mlx-lm's deepseek_v3
+             (tools/oracle/deepseek_v3_conformance.py)
   quant-mlx  keep quant --format mlx2|mlx3|mlx4 on the bundled model: every quantized routed
              expert's codes, scales and biases equal mx.quantize(bits=B, group_size=64) of the
              same weights (the shipped FP4 decoded, in bf16) byte for byte; the mlx4 model
@@ -248,6 +251,13 @@ def section_model_qwen3(args):
           r.returncode == 0)
 
 
+def section_model_deepseek_v3(args):
+    script = ROOT / "tools/oracle/deepseek_v3_conformance.py"
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("model-deepseek-v3: keep's DeepSeek-V3 forward agrees with transformers and mlx-lm "
+          "(deepseek_v3_conformance.py)", r.returncode == 0)
+
+
 def section_mtp(args):
     """keep's MTP module (`keep logits --mtp`) against tools/oracle/mtp_ref.py (transformers'
     decoder layer for the block, the MTP wrapper transcribed from DeepSeek's model.py) on random
@@ -375,7 +385,8 @@ def section_fixtures(args):
 
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
             "model": section_model, "model-v4": section_model_v4,
-            "model-qwen3": section_model_qwen3, "mtp": section_mtp, "quant-mlx": section_quant_mlx,
+            "model-qwen3": section_model_qwen3, "model-deepseek-v3": section_model_deepseek_v3,
+            "mtp": section_mtp, "quant-mlx": section_quant_mlx,
             "fixtures": section_fixtures}
 
 
