@@ -33,6 +33,7 @@
 
 use crate::naming;
 
+pub(crate) mod deepseek_v3;
 pub(crate) mod qwen3;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
 
@@ -588,7 +589,7 @@ pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
         return qwen3::model_problems(ck, q);
     }
     if let Some(c) = &cfg.deepseek_v3 {
-        return crate::config::deepseek_v3::model_problems(ck, c);
+        return deepseek_v3::model_problems(ck, c);
     }
     let mut out = vec![];
     let hint = cfg.weight_block_size();

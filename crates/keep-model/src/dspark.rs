@@ -22,6 +22,7 @@ use keep_checkpoint::{Checkpoint, DSparkKeys};
 use keep_kernels::matmul::dot;
 use keep_kernels::{matmul, WeightView};
 
+use crate::cache::Cache;
 use crate::config::{LayerRoles, ModelConfig};
 use crate::experts::{ExpertSource, ExpertWeights};
 use crate::layer::{attend, collapse, expand, hc_mix, LayerWeights, Step, Streams};
@@ -385,4 +386,106 @@ fn argmax(x: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// What a forward records for the DSpark drafter: for every row, the streams entering each
+/// layer of `layers` averaged over the hyper-connection streams, concatenated in list order
+/// (`[rows × layers.len() · dim]`; docs/dspark.md, "Which hidden states are the target's").
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Capture {
+    pub(crate) layers: Vec<usize>,
+    /// Every row recorded so far.
+    pub(crate) rows: Vec<f32>,
+    /// The rows of the chunk running.
+    chunk: Vec<f32>,
+}
+
+impl Capture {
+    pub(crate) fn new(layers: Vec<usize>) -> Capture {
+        Capture {
+            layers,
+            ..Capture::default()
+        }
+    }
+
+    pub(crate) fn begin(&mut self, t: usize, dim: usize) {
+        self.chunk = vec![0f32; t * self.layers.len() * dim];
+    }
+
+    /// The streams `s` entering `layer`.
+    pub(crate) fn record(&mut self, layer: usize, s: &Streams, hc: usize, dim: usize) {
+        let Some(li) = self.layers.iter().position(|&l| l == layer) else {
+            return;
+        };
+        let n = self.layers.len();
+        let inv = 1.0 / hc as f32;
+        for i in 0..s.t {
+            let out = &mut self.chunk[(i * n + li) * dim..(i * n + li + 1) * dim];
+            for k in 0..hc {
+                let row = &s.x[(i * hc + k) * dim..(i * hc + k + 1) * dim];
+                for (o, x) in out.iter_mut().zip(row) {
+                    *o += x;
+                }
+            }
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+
+    pub(crate) fn end(&mut self) {
+        self.rows.append(&mut self.chunk);
+    }
+}
+
+/// The last verify forward: the main cache before it, the tokens and their projected rows.
+pub(crate) struct DSparkVerify {
+    pub(crate) before: Cache,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) rows: Vec<f32>,
+}
+
+/// The DSpark drafter attached to a [`crate::Model`] (`Model::attach_dspark`).
+pub(crate) struct DSparkDrafter<'a> {
+    pub(crate) ds: DSpark<'a>,
+    /// Drafts verified per forward (at most the block size).
+    pub(crate) k: usize,
+    /// Drafting may be turned off when it does not pay.
+    pub(crate) auto: bool,
+    /// Verify only the drafts whose predicted chance of all being accepted (the product of
+    /// their confidences' sigmoids) is at least this ([`Model::set_dspark_confidence`]).
+    pub(crate) min_confidence: Option<f32>,
+    /// Projected context rows (`[rows × dim]`), the last ending at position `next − 1`.
+    pub(crate) ctx: Vec<f32>,
+    pub(crate) next: usize,
+    pub(crate) verify: Option<DSparkVerify>,
+}
+
+impl DSparkDrafter<'_> {
+    pub(crate) fn capture(&self) -> Capture {
+        Capture::new(self.ds.keys.target_layer_ids.clone())
+    }
+
+    /// Append the projected rows of the first `n` of `features`' rows, which sit at positions
+    /// `start ..`; only the window's rows are kept.
+    pub(crate) fn push(&mut self, features: &[f32], start: usize, n: usize) -> Result<()> {
+        let d = self.ds.cfg.dim;
+        let width = d * self.ds.keys.target_layer_ids.len();
+        if start != self.next {
+            return Err(ModelError::Cache(format!(
+                "DSpark context rows end at position {} but the forward started at {start}",
+                self.next
+            )));
+        }
+        let w = self.ds.cfg.window.max(1);
+        let skip = n.saturating_sub(w);
+        let rows = self
+            .ds
+            .project(&features[skip * width..n * width], n - skip)?;
+        self.ctx.extend_from_slice(&rows);
+        let have = self.ctx.len() / d;
+        if have > w {
+            self.ctx.drain(..(have - w) * d);
+        }
+        self.next = start + n;
+        Ok(())
+    }
 }

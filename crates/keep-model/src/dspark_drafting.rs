@@ -14,64 +14,11 @@ use keep_checkpoint::Checkpoint;
 
 use crate::cache::Cache;
 use crate::dspark::DSpark;
-use crate::model::{Capture, Logits, Model};
+use crate::dspark::{DSparkDrafter, DSparkVerify};
+use crate::model::{Logits, Model};
 use crate::mtp::MAX_DRAFT;
 use crate::observer::RouteObserver;
 use crate::{ModelError, Result};
-
-/// The last verify forward: the main cache before it, the tokens and their projected rows.
-pub(crate) struct DSparkVerify {
-    before: Cache,
-    tokens: Vec<u32>,
-    rows: Vec<f32>,
-}
-
-/// The DSpark drafter attached to a [`Model`].
-pub(crate) struct DSparkDrafter<'a> {
-    pub(crate) ds: DSpark<'a>,
-    /// Drafts verified per forward (at most the block size).
-    pub(crate) k: usize,
-    /// Drafting may be turned off when it does not pay.
-    pub(crate) auto: bool,
-    /// Verify only the drafts whose predicted chance of all being accepted (the product of
-    /// their confidences' sigmoids) is at least this ([`Model::set_dspark_confidence`]).
-    min_confidence: Option<f32>,
-    /// Projected context rows (`[rows × dim]`), the last ending at position `next − 1`.
-    ctx: Vec<f32>,
-    next: usize,
-    verify: Option<DSparkVerify>,
-}
-
-impl DSparkDrafter<'_> {
-    fn capture(&self) -> Capture {
-        Capture::new(self.ds.keys.target_layer_ids.clone())
-    }
-
-    /// Append the projected rows of the first `n` of `features`' rows, which sit at positions
-    /// `start ..`; only the window's rows are kept.
-    fn push(&mut self, features: &[f32], start: usize, n: usize) -> Result<()> {
-        let d = self.ds.cfg.dim;
-        let width = d * self.ds.keys.target_layer_ids.len();
-        if start != self.next {
-            return Err(ModelError::Cache(format!(
-                "DSpark context rows end at position {} but the forward started at {start}",
-                self.next
-            )));
-        }
-        let w = self.ds.cfg.window.max(1);
-        let skip = n.saturating_sub(w);
-        let rows = self
-            .ds
-            .project(&features[skip * width..n * width], n - skip)?;
-        self.ctx.extend_from_slice(&rows);
-        let have = self.ctx.len() / d;
-        if have > w {
-            self.ctx.drain(..(have - w) * d);
-        }
-        self.next = start + n;
-        Ok(())
-    }
-}
 
 impl<'a> Model<'a> {
     /// Draft with the DSpark drafter of `ck`, verifying `k` drafts per forward (clamped to

@@ -57,54 +57,6 @@ pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
     }
 }
 
-/// What a forward records for the DSpark drafter: for every row, the streams entering each
-/// layer of `layers` averaged over the hyper-connection streams, concatenated in list order
-/// (`[rows × layers.len() · dim]`; docs/dspark.md, "Which hidden states are the target's").
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Capture {
-    pub(crate) layers: Vec<usize>,
-    /// Every row recorded so far.
-    pub(crate) rows: Vec<f32>,
-    /// The rows of the chunk running.
-    chunk: Vec<f32>,
-}
-
-impl Capture {
-    pub(crate) fn new(layers: Vec<usize>) -> Capture {
-        Capture {
-            layers,
-            ..Capture::default()
-        }
-    }
-
-    fn begin(&mut self, t: usize, dim: usize) {
-        self.chunk = vec![0f32; t * self.layers.len() * dim];
-    }
-
-    /// The streams `s` entering `layer`.
-    fn record(&mut self, layer: usize, s: &Streams, hc: usize, dim: usize) {
-        let Some(li) = self.layers.iter().position(|&l| l == layer) else {
-            return;
-        };
-        let n = self.layers.len();
-        let inv = 1.0 / hc as f32;
-        for i in 0..s.t {
-            let out = &mut self.chunk[(i * n + li) * dim..(i * n + li + 1) * dim];
-            for k in 0..hc {
-                let row = &s.x[(i * hc + k) * dim..(i * hc + k + 1) * dim];
-                for (o, x) in out.iter_mut().zip(row) {
-                    *o += x;
-                }
-            }
-            out.iter_mut().for_each(|o| *o *= inv);
-        }
-    }
-
-    fn end(&mut self) {
-        self.rows.append(&mut self.chunk);
-    }
-}
-
 /// The whole model, borrowing its weights from an open checkpoint.
 pub struct Model<'a> {
     pub cfg: ModelConfig,
@@ -121,7 +73,7 @@ pub struct Model<'a> {
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
     /// The DSpark drafter, once attached ([`Model::attach_dspark`]).
-    pub(crate) dspark: Option<Box<crate::dspark_drafting::DSparkDrafter<'a>>>,
+    pub(crate) dspark: Option<Box<crate::dspark::DSparkDrafter<'a>>>,
 }
 
 impl<'a> Model<'a> {
@@ -268,7 +220,7 @@ impl<'a> Model<'a> {
         cache: &mut Cache,
         which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
-        mut capture: Option<&mut Capture>,
+        mut capture: Option<&mut crate::dspark::Capture>,
     ) -> Result<(Vec<f32>, Streams)> {
         if cache.layers.len() != self.cfg.n_layers {
             return Err(ModelError::Cache(format!(
@@ -322,7 +274,7 @@ impl<'a> Model<'a> {
         cache: &mut Cache,
         which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
-        mut capture: Option<&mut Capture>,
+        mut capture: Option<&mut crate::dspark::Capture>,
     ) -> Result<(Vec<f32>, Streams)> {
         profile::begin_step(tokens.len());
         let mut s = self.globals.embed(&self.cfg, tokens)?;
@@ -404,6 +356,7 @@ impl<'a> Model<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dspark::Capture;
 
     #[test]
     fn capture_averages_the_streams_entering_the_listed_layers_in_list_order() {
