@@ -2,9 +2,11 @@
 //! global allocator: the bf16 kernels round the activations into buffers kept between calls,
 //! so a second product of the same shape (bf16, MXFP8, FP8-block; one row) allocates
 //! nothing. Where the CPU lacks AVX-512 BF16 these formats run the exact
-//! kernels, which allocate nothing either.
+//! kernels, which allocate nothing either. Only the measuring thread's allocations count: the
+//! worker pool may start its threads (and they allocate) while the product runs.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use keep_kernels::{matmul_with, BlockScales, Kernels, WeightView};
@@ -13,18 +15,29 @@ struct Counting;
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// Whether this thread is the measuring one (no destructor: safe inside the allocator).
+    static MEASURING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn count() {
+    if MEASURING.with(|m| m.get()) {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 // SAFETY: every call is forwarded to the system allocator unchanged.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         System.alloc(layout)
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         System.alloc_zeroed(layout)
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         System.realloc(ptr, layout, new)
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -52,6 +65,7 @@ fn warm_fast_products_allocate_nothing() {
     ];
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0f32; rows];
+    MEASURING.with(|m| m.set(true));
     for w in &views {
         let one = |out: &mut Vec<f32>| matmul_with(Kernels::Fast, &x, 1, w, out).unwrap();
         one(&mut out);
