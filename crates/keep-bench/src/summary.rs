@@ -391,15 +391,13 @@ mod tests {
     }
 
     fn dir_with(rows: &[Row]) -> PathBuf {
+        // One directory a call: tests run in parallel and build rows of the same shape.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let d = std::env::temp_dir().join(format!(
-            "keep-summary-test-{}-{}",
+            "keep-summary-test-{}-{n}-{}",
             std::process::id(),
-            rows.len() * 10
-                + rows
-                    .iter()
-                    .map(|r| r.quiet.gate_version as usize)
-                    .sum::<usize>()
-                + rows.iter().map(|r| r.resident_format.len()).sum::<usize>() * 100
+            rows.len()
         ));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
