@@ -309,6 +309,27 @@ pub fn rungs_of_layer(
     Ok(kept)
 }
 
+/// For the `n` experts of `layer` a checkpoint holds, the id of each in the original checkpoint
+/// the allocation was made for: a pruned checkpoint holds the allocation's survivors in order
+/// (its `pruned` experts dropped, the rest renumbered); without an allocation, or for a layer it
+/// does not list, the same ids. Where the shipped upper stage of a checkpoint expert is read from.
+pub fn original_ids(
+    alloc: Option<&keep_artifacts::alloc::Alloc>,
+    layer: usize,
+    n: usize,
+) -> Vec<usize> {
+    match alloc.and_then(|a| a.layers.iter().find(|x| x.layer == layer)) {
+        Some(la) => la
+            .rungs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.as_str() != keep_artifacts::alloc::PRUNED)
+            .map(|(j, _)| j)
+            .collect(),
+        None => (0..n).collect(),
+    }
+}
+
 /// One routed slot's answer from a [`TierPolicy`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Choice {
@@ -765,6 +786,19 @@ pub fn shipped_bytes(dir: &std::path::Path, layers: &[usize]) -> Result<Vec<Vec<
     expert_bytes(dir, layers, false)
 }
 
+/// [`shipped_bytes`] of an open original checkpoint.
+pub fn shipped_bytes_of(
+    ck: &keep_checkpoint::Checkpoint,
+    layers: &[usize],
+) -> Result<Vec<Vec<u64>>> {
+    expert_bytes_of(
+        ck,
+        std::path::Path::new("the original checkpoint"),
+        layers,
+        false,
+    )
+}
+
 /// [`residual_bytes`] of an open checkpoint.
 pub fn residual_bytes_of(
     ck: &keep_checkpoint::Checkpoint,
@@ -834,17 +868,7 @@ pub fn upper_stages(
     let mut out = Vec::with_capacity(layers.len());
     for (i, (&l, res)) in layers.iter().zip(residual).enumerate() {
         let rungs = rungs_of_layer(alloc, l, res.len(), &|e| res[e] > 0)?;
-        // Checkpoint expert e → original expert (a pruned checkpoint holds the survivors).
-        let orig: Vec<usize> = match alloc.and_then(|a| a.layers.iter().find(|x| x.layer == l)) {
-            Some(la) => la
-                .rungs
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| r.as_str() != keep_artifacts::alloc::PRUNED)
-                .map(|(j, _)| j)
-                .collect(),
-            None => (0..res.len()).collect(),
-        };
+        let orig = original_ids(alloc, l, res.len());
         let mut v = Vec::with_capacity(res.len());
         for (e, rung) in rungs.iter().enumerate() {
             let has_res = res[e] > 0;

@@ -102,18 +102,26 @@ pub fn draft_bytes(ck: &Checkpoint, memory: &MemoryEstimate) -> u64 {
 
 /// Precision tiers at run time: each routed expert's base — its allocated rung — in the slots,
 /// its upper stage (keep-residency's [`upper_stage`](keep_residency::tiers::upper_stage): the
-/// residual codes the checkpoint carries above an `e8p2` base) read apart from SSD into an LRU
-/// residual cache whose bytes come out of the budget; a routed slot with gate weight ≥ `tau` is
-/// computed at the upper rung only if the stage is in memory, else at the base now with the
-/// stage's read queued (never waited for).
+/// residual codes the checkpoint carries above an `e8p2` base, or with
+/// [`TierOptions::upper_from`] the shipped expert of the original checkpoint above the top
+/// quantized rung) read apart from SSD by the residual reader threads into an LRU residual
+/// cache whose bytes come out of the budget; a routed slot with gate weight ≥ `tau` is computed
+/// at the upper rung only if the stage is in memory, else at the base now with the stage's read
+/// queued (never waited for).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TierOptions {
     pub tau: f32,
     /// The allocation the checkpoint holds (`None`: every E8P expert at its `e8p2` base, the
     /// residual codes it carries its upper stage). An expert allocated `e8p2+e81` or
-    /// `e8p2+e8p2` keeps its residual in its slot and has no upper stage here (the shipped
-    /// upper stage is keep eval's and keep residency's `--upper-from`, not the runtime's).
+    /// `e8p2+e8p2` keeps its residual in its slot; its upper stage is its shipped expert with
+    /// `upper_from`, else it has none.
     pub alloc: Option<std::sync::Arc<keep_artifacts::alloc::Alloc>>,
+    /// The original checkpoint (the one the allocation was made for and the checkpoint was
+    /// quantized from): experts at the top quantized rung (`e8p2+e81`, `e8p2+e8p2`), and `e8p2`
+    /// ones without residual codes, have its expert as their upper stage (a pruned checkpoint's
+    /// expert: the original expert the allocation's survivors map it to). Checked: the
+    /// allocation's fingerprint, the family, the shapes and each layer's expert count.
+    pub upper_from: Option<PathBuf>,
     /// Bytes of the residual cache.
     pub residual_cache: u64,
     /// Threads reading residual stages (apart from the slots' readers).
@@ -374,6 +382,126 @@ fn name_held(e: RuntimeError, parts: &[(&str, u64)]) -> RuntimeError {
     }
 }
 
+/// The expert store of a run with precision tiers: each expert's upper stage by keep-residency's
+/// rule ([`upper_stages`](keep_residency::tiers::upper_stages)) — residual codes read apart
+/// from the base, and with [`TierOptions::upper_from`] shipped experts of the original
+/// checkpoint ([`ExpertStore::attach_shipped`]).
+fn tiered_store(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    t: &TierOptions,
+    direct_io: bool,
+) -> Result<ExpertStore> {
+    use keep_residency::tiers::{original_ids, residual_bytes_of, upper_stages, UpperStage};
+    let invalid = |e: keep_residency::ResidencyError| RuntimeError::Invalid(e.to_string());
+    let alloc = t.alloc.as_deref();
+    let layers: Vec<usize> = (0..cfg.n_layers).collect();
+    let residual = residual_bytes_of(ck, &layers).map_err(invalid)?;
+    let original = match &t.upper_from {
+        Some(dir) => Some(open_original(dir, cfg, alloc, &layers, direct_io)?),
+        None => None,
+    };
+    let stages = upper_stages(
+        alloc,
+        &layers,
+        &residual,
+        original.as_ref().map(|o| o.1.as_slice()),
+    )
+    .map_err(invalid)?;
+    let apart: Vec<Vec<bool>> = stages
+        .iter()
+        .map(|v| v.iter().map(|s| s.0 == UpperStage::Residual).collect())
+        .collect();
+    let mut store = ExpertStore::open_tiered(ck, cfg, direct_io, &apart)?;
+    if let Some((orig, _)) = original {
+        let ids: Vec<Vec<Option<usize>>> = stages
+            .iter()
+            .zip(&layers)
+            .map(|(v, &l)| {
+                let o = original_ids(alloc, l, v.len());
+                v.iter()
+                    .zip(o)
+                    .map(|(s, o)| (s.0 == UpperStage::Shipped).then_some(o))
+                    .collect()
+            })
+            .collect();
+        store.attach_shipped(orig, &ids)?;
+    }
+    Ok(store)
+}
+
+/// The original checkpoint at `dir` for the shipped upper stages of a checkpoint of `cfg` under
+/// `alloc`: its routed experts and the bytes of each (keep-residency's
+/// [`shipped_bytes_of`](keep_residency::tiers::shipped_bytes_of)), after checking that it is
+/// the checkpoint the allocation was made for (its fingerprint) and that it has this model's
+/// family, shapes and, per layer, the experts the allocation lists (or the checkpoint holds).
+fn open_original(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    alloc: Option<&keep_artifacts::alloc::Alloc>,
+    layers: &[usize],
+    direct_io: bool,
+) -> Result<(ExpertStore, Vec<Vec<u64>>)> {
+    let bad = |msg: String| {
+        RuntimeError::Invalid(format!(
+            "the original checkpoint {} (--upper-from): {msg}",
+            dir.display()
+        ))
+    };
+    if let Some(a) = alloc {
+        let fp = keep_checkpoint::fingerprint::model_fingerprint(dir)?;
+        if fp != a.model_fingerprint {
+            return Err(bad(format!(
+                "its fingerprint is {fp}, the allocation's model {} has {}: give the checkpoint                  the allocation was made for (keep alloc's MODEL)",
+                a.model, a.model_fingerprint
+            )));
+        }
+    }
+    let ock = Checkpoint::open(dir)?;
+    let ocfg = ModelConfig::from_checkpoint(&ock)?;
+    let differs = |what: &str, o: String, q: String| {
+        bad(format!(
+            "its {what} is {o}, this checkpoint's {q}: give the checkpoint this one was              quantized from"
+        ))
+    };
+    if ocfg.family != cfg.family {
+        return Err(differs(
+            "model family",
+            format!("{:?}", ocfg.family),
+            format!("{:?}", cfg.family),
+        ));
+    }
+    for (what, o, q) in [
+        ("hidden size", ocfg.dim, cfg.dim),
+        (
+            "expert width (moe_intermediate_size)",
+            ocfg.inter,
+            cfg.inter,
+        ),
+        ("layer count", ocfg.n_layers, cfg.n_layers),
+    ] {
+        if o != q {
+            return Err(differs(what, o.to_string(), q.to_string()));
+        }
+    }
+    for &l in layers {
+        let have = ocfg.experts_in_layer(l);
+        let (want, by) = match alloc.and_then(|a| a.layers.iter().find(|x| x.layer == l)) {
+            Some(la) => (la.rungs.len(), "the allocation lists"),
+            None => (cfg.experts_in_layer(l), "this checkpoint has"),
+        };
+        if have != want {
+            return Err(bad(format!(
+                "layer {l} has {have} routed experts, {by} {want}: give the checkpoint                  this one was quantized from"
+            )));
+        }
+    }
+    let bytes =
+        keep_residency::tiers::shipped_bytes_of(&ock, layers).map_err(|e| bad(e.to_string()))?;
+    let store = ExpertStore::open(&ock, &ocfg, direct_io)?;
+    Ok((store, bytes))
+}
+
 impl<'a> BudgetedModel<'a> {
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
@@ -397,27 +525,7 @@ impl<'a> BudgetedModel<'a> {
         }
         let memory = cfg.memory_estimate(context);
         let store = match &opts.tiers {
-            Some(t) => {
-                let layers: Vec<usize> = (0..cfg.n_layers).collect();
-                let residual = keep_residency::tiers::residual_bytes_of(ck, &layers)
-                    .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-                let stages = keep_residency::tiers::upper_stages(
-                    t.alloc.as_deref(),
-                    &layers,
-                    &residual,
-                    None,
-                )
-                .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-                let apart: Vec<Vec<bool>> = stages
-                    .iter()
-                    .map(|v| {
-                        v.iter()
-                            .map(|s| s.0 == keep_residency::tiers::UpperStage::Residual)
-                            .collect()
-                    })
-                    .collect();
-                ExpertStore::open_tiered(ck, &cfg, opts.direct_io, &apart)?
-            }
+            Some(t) => tiered_store(ck, &cfg, t, opts.direct_io)?,
             None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
         };
         let residual_cache = opts.tiers.as_ref().map_or(0, |t| t.residual_cache);

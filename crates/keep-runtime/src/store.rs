@@ -273,6 +273,21 @@ pub struct ExpertStore {
     upper_gate: std::sync::Mutex<Option<std::sync::Arc<ReadGate>>>,
     /// Per (layer, expert), the incoherence transforms of matrices stored rotated.
     rht: Vec<keep_model::ExpertRht>,
+    /// Shipped upper stages: experts whose upper rung is an expert of the original checkpoint
+    /// ([`Self::attach_shipped`]).
+    shipped: Option<Box<Shipped>>,
+}
+
+/// The original checkpoint's experts that are upper stages of this store's experts.
+#[derive(Debug)]
+struct Shipped {
+    /// The original checkpoint's routed experts.
+    store: ExpertStore,
+    /// Per (layer, expert) of this store (stride `n_experts`): the original expert that is its
+    /// upper stage, if it is one.
+    ids: Vec<Option<usize>>,
+    /// Experts with a shipped upper stage.
+    count: usize,
 }
 
 fn part_of(t: TensorRef<'_>) -> TensorPart {
@@ -511,25 +526,103 @@ impl ExpertStore {
             upper_total_bytes: upper_total,
             upper_gate: std::sync::Mutex::new(None),
             rht,
+            shipped: None,
         })
     }
 
-    /// Bytes of the largest residual buffer (0 unless [`Self::open_tiered`] found residual
-    /// stages).
+    /// Make experts of the original checkpoint the upper stages of this store's experts: the
+    /// expert `original_ids[layer][expert]` of `original` (an [`ExpertStore::open`] of the
+    /// checkpoint this one was quantized from) where it is `Some`. Such a stage is the whole
+    /// shipped expert: [`Self::read_upper_into`] reads it into a buffer of its own and
+    /// [`Self::views_upper`] gives its views (the base in the slot is not used). Refused when
+    /// the shapes differ, an id is not an expert of `original`, or the expert already has its
+    /// residual codes as its upper stage.
+    pub fn attach_shipped(
+        &mut self,
+        original: ExpertStore,
+        original_ids: &[Vec<Option<usize>>],
+    ) -> Result<()> {
+        if (original.dim, original.inter, original.n_layers)
+            != (self.dim, self.inter, self.n_layers)
+        {
+            return Err(RuntimeError::Invalid(format!(
+                "the original checkpoint's experts are {} × {} in {} layers, this checkpoint's                  {} × {} in {}: it is not the checkpoint this one was quantized from",
+                original.inter, original.dim, original.n_layers, self.inter, self.dim, self.n_layers
+            )));
+        }
+        let mut ids = vec![None; self.layouts.len()];
+        let (mut count, mut buf, mut total) = (0usize, 0u64, 0u64);
+        for (l, row) in original_ids.iter().enumerate().take(self.n_layers) {
+            for (e, &o) in row.iter().enumerate().take(self.experts_in(l)) {
+                let Some(o) = o else { continue };
+                let lay = original.layout(l, o).ok_or_else(|| RuntimeError::Layout {
+                    layer: l,
+                    expert: e,
+                    msg: format!(
+                        "its shipped upper stage would be expert {o} of the original                          checkpoint, which has {} experts in this layer",
+                        original.experts_in(l)
+                    ),
+                })?;
+                if self.layout(l, e).is_some_and(|x| x.upper.is_some()) {
+                    return Err(RuntimeError::Layout {
+                        layer: l,
+                        expert: e,
+                        msg: "its residual codes are its upper stage: it cannot also have a                               shipped one"
+                            .into(),
+                    });
+                }
+                ids[l * self.n_experts + e] = Some(o);
+                count += 1;
+                buf = buf.max(lay.slot_bytes);
+                total += lay.bytes;
+            }
+        }
+        self.upper_buf_bytes = self.upper_buf_bytes.max(buf);
+        self.upper_total_bytes += total;
+        self.shipped = Some(Box::new(Shipped {
+            store: original,
+            ids,
+            count,
+        }));
+        Ok(())
+    }
+
+    /// The original expert that is the shipped upper stage of an expert (`None`: it has none).
+    pub fn shipped_upper(&self, layer: usize, expert: usize) -> Option<usize> {
+        let sh = self.shipped.as_ref()?;
+        self.layout(layer, expert)?;
+        sh.ids
+            .get(layer * self.n_experts + expert)
+            .copied()
+            .flatten()
+    }
+
+    /// Experts whose upper stage is an expert of the original checkpoint.
+    pub fn experts_with_shipped_upper(&self) -> usize {
+        self.shipped.as_ref().map_or(0, |s| s.count)
+    }
+
+    /// Bytes of the largest upper-stage buffer (0 unless [`Self::open_tiered`] found residual
+    /// stages or [`Self::attach_shipped`] added shipped ones).
     pub fn upper_buf_bytes(&self) -> u64 {
         self.upper_buf_bytes
     }
-    /// Bytes of all residual stages of all layers (0 unless tiered).
+    /// Bytes of all upper stages of all layers, residual and shipped (0 unless tiered).
     pub fn upper_total_bytes(&self) -> u64 {
         self.upper_total_bytes
     }
-    /// Experts with a residual stage read apart (0 unless tiered).
+    /// Experts with an upper stage: a residual stage read apart or a shipped expert (0 unless
+    /// tiered).
     pub fn experts_with_upper(&self) -> usize {
         self.layouts.iter().filter(|l| l.upper.is_some()).count()
+            + self.experts_with_shipped_upper()
     }
 
-    /// Bytes of the residual buffer of an expert (`None`: it has no upper stage here).
+    /// Bytes of the upper-stage buffer of an expert (`None`: it has no upper stage here).
     pub fn upper_bytes(&self, layer: usize, expert: usize) -> Option<u64> {
+        if let (Some(o), Some(sh)) = (self.shipped_upper(layer, expert), &self.shipped) {
+            return sh.store.layout(layer, o).map(|l| l.slot_bytes);
+        }
         self.layout(layer, expert)
             .and_then(|l| l.upper.as_ref())
             .map(|u| u.buf_bytes)
@@ -542,12 +635,16 @@ impl ExpertStore {
         }
     }
 
-    /// Read the residual stages of an expert into `buf` (at least its
-    /// [`Self::upper_bytes`] long and [`ALIGN`]-aligned). Returns the bytes read.
+    /// Read the upper stage of an expert (its residual stages, or its shipped expert from the
+    /// original checkpoint) into `buf` (at least its [`Self::upper_bytes`] long and
+    /// [`ALIGN`]-aligned). Returns the bytes read.
     pub fn read_upper_into(&self, layer: usize, expert: usize, buf: &mut [u8]) -> Result<u64> {
         let gate = self.upper_gate.lock().ok().and_then(|g| g.clone());
         if let Some(g) = gate {
             g.wait();
+        }
+        if let (Some(o), Some(sh)) = (self.shipped_upper(layer, expert), &self.shipped) {
+            return sh.store.read_into(layer, o, buf);
         }
         let up = self
             .layout_or_err(layer, expert)?
@@ -666,7 +763,8 @@ impl ExpertStore {
 
     /// The three matrices of an expert at its upper rung: the base in `slot` (as
     /// [`Self::read_into`] put it) with the residual stages in `upper` (as
-    /// [`Self::read_upper_into`] put them).
+    /// [`Self::read_upper_into`] put them); for a shipped upper stage, the original expert in
+    /// `upper` alone, in its stored format.
     pub fn views_upper<'a>(
         &'a self,
         layer: usize,
@@ -674,6 +772,9 @@ impl ExpertStore {
         slot: &'a [u8],
         upper: &'a [u8],
     ) -> Result<ExpertWeights<'a>> {
+        if let (Some(o), Some(sh)) = (self.shipped_upper(layer, expert), &self.shipped) {
+            return sh.store.views(layer, o, upper);
+        }
         self.views_with(layer, expert, slot, Some(upper))
     }
 

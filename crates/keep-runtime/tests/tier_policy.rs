@@ -1,10 +1,11 @@
 //! One tier policy, three places: on a tiny synthetic model quantized to E8P2+E81 and an
 //! allocation that gives half of each layer's experts `e8p2` (their residual codes are then
-//! their upper stage) and half `e8p2+e81` (their residual is part of their base: no upper
-//! stage), the deterministic evaluation (`keep eval --tiers`), the replay (`keep residency
-//! --tau`) and the runtime (`keep run --tiers`, its residual reads completed by the test after
-//! each forward: an admission delay of one token) serve the same routed slots at the same rungs,
-//! token by token, with a prefill forward first.
+//! their upper stage) and half `e8p2+e81` (their residual is part of their base: without the
+//! original checkpoint no upper stage, with it (`--upper-from`) their shipped expert), the
+//! deterministic evaluation (`keep eval --tiers`), the replay (`keep residency --tau`) and the
+//! runtime (`keep run --tiers`, its upper-stage reads completed by the test after each forward:
+//! an admission delay of one token) serve the same routed slots at the same rungs, token by
+//! token, with a prefill forward first.
 
 mod common;
 
@@ -22,7 +23,7 @@ use keep_model::{Logits, RouteEvent, RouteObserver, RungEvent};
 use keep_quant::checkpoint::{quantize, ExpertSelection, QuantOptions};
 use keep_quant::QuantFormat;
 use keep_residency::tiers::{
-    replay_tiers_with, residual_bytes, stage_bytes, upper_stages, TierSpec,
+    replay_tiers_with, residual_bytes, shipped_bytes, stage_bytes, upper_stages, TierSpec,
 };
 use keep_runtime::{BudgetedModel, ReadGate, RuntimeOptions, TierOptions};
 
@@ -33,6 +34,8 @@ struct Log {
     routes: BTreeMap<usize, (Vec<u16>, Vec<f32>, usize)>,
     /// Every slot's rung, in the order the passes chose them.
     upper: Vec<bool>,
+    /// The experts of the slots served at the upper rung.
+    upper_experts: Vec<u32>,
 }
 
 impl RouteObserver for Log {
@@ -44,6 +47,13 @@ impl RouteObserver for Log {
     }
     fn on_rungs(&mut self, ev: &RungEvent) {
         self.upper.extend_from_slice(ev.upper);
+        self.upper_experts.extend(
+            ev.experts
+                .iter()
+                .zip(ev.upper)
+                .filter(|x| *x.1)
+                .map(|x| *x.0),
+        );
     }
 }
 
@@ -72,9 +82,21 @@ fn pack(dir: &Path, vocab: usize) -> Pack {
 #[test]
 fn eval_replay_and_runtime_serve_the_same_rungs() {
     let dir = tempfile::tempdir().unwrap();
-    let src = common::synth_tiny(dir.path(), "tiny", Some(16), None);
-    let im = common::flat_imatrix(&src, dir.path());
-    let q = dir.path().join("q");
+    let residual_only = serve_the_same_rungs(dir.path(), false);
+    let with_shipped = serve_the_same_rungs(dir.path(), true);
+    // The shipped stages add upper slots (at τ = 0 every slot wants its upper rung).
+    assert!(with_shipped.upper > residual_only.upper);
+}
+
+/// The comparison, with the original checkpoint as the shipped upper stage of the `e8p2+e81`
+/// experts when `shipped` (`keep eval --upper-from`, `keep residency --upper-from`, `keep run
+/// --upper-from`). Returns the runtime's counters.
+fn serve_the_same_rungs(dir: &Path, shipped: bool) -> keep_runtime::TierStats {
+    let dir = &dir.join(if shipped { "shipped" } else { "residual" });
+    std::fs::create_dir_all(dir).unwrap();
+    let src = common::synth_tiny(dir, "tiny", Some(16), None);
+    let im = common::flat_imatrix(&src, dir);
+    let q = dir.join("q");
     let qo = QuantOptions {
         format: QuantFormat::E8p2E81,
         experts: ExpertSelection::All,
@@ -114,12 +136,12 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
             .collect(),
         extra: BTreeMap::new(),
     };
-    let ap = dir.path().join("alloc.json");
+    let ap = dir.join("alloc.json");
     alloc.write(&ap, false).unwrap();
 
     // The evaluation: one eval record, its first `prefill` tokens one forward.
-    let pack = pack(dir.path(), c.vocab_size);
-    let teacher = dir.path().join("teacher");
+    let pack = pack(dir, c.vocab_size);
+    let teacher = dir.join("teacher");
     let co = CalibrateOptions {
         split: Split::Eval,
         chunk_tokens: 48,
@@ -131,7 +153,7 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
         taus: vec![tau],
         cache_bytes: cache,
         admit_delay: 1,
-        upper_shipped: false,
+        upper_shipped: shipped,
         prefill_tokens: prefill,
         record: true,
     };
@@ -146,7 +168,8 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
     )
     .unwrap();
     assert_eq!(r.upper_stages.get("residual"), Some(&(nl * ne / 2)));
-    assert_eq!(r.upper_stages.get("none"), Some(&(nl * ne / 2)));
+    let other = if shipped { "shipped" } else { "none" };
+    assert_eq!(r.upper_stages.get(other), Some(&(nl * ne / 2)));
     let tokens = r.record_tokens.clone().unwrap()[0].clone();
     let eval_served: Vec<bool> = r.students[1]
         .served
@@ -168,12 +191,14 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
                 alloc: Some(Arc::new(alloc.clone())),
                 residual_cache: cache,
                 io_threads: 1,
+                upper_from: shipped.then(|| src.clone()),
             }),
             ..RuntimeOptions::new(u64::MAX / 4)
         },
     )
     .unwrap();
-    assert_eq!(m.cache().store().experts_with_upper(), nl * ne / 2);
+    let with_upper = if shipped { nl * ne } else { nl * ne / 2 };
+    assert_eq!(m.cache().store().experts_with_upper(), with_upper);
     let gate = Arc::new(ReadGate::new());
     m.cache().store().hold_upper_reads(gate.clone());
     let mut log = Log::default();
@@ -198,11 +223,12 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
 
     // The replay of the runtime's routes.
     let layers: Vec<usize> = (0..nl).collect();
+    let shipped_bytes = shipped.then(|| shipped_bytes(&src, &layers).unwrap());
     let stages = upper_stages(
         Some(&alloc),
         &layers,
         &residual_bytes(&q, &layers).unwrap(),
-        None,
+        shipped_bytes.as_deref(),
     )
     .unwrap();
     let trace = RouteTrace {
@@ -245,10 +271,14 @@ fn eval_replay_and_runtime_serve_the_same_rungs() {
     assert_eq!(replay_served, log.upper, "replay vs runtime, slot by slot");
     assert_eq!((counts.upper, counts.admissions), (t.upper, t.admissions));
     // (The evaluation's mix pools all its records; the comparison above is its first.)
-    // The rule is exercised: some slots upper, some found their stage in flight (the prefill),
-    // and the `e8p2+e81` experts never upgrade.
-    assert!(
-        t.upper > 0 && t.in_flight > 0 && t.base > t.upper_misses,
-        "{t:?}"
-    );
+    // The rule is exercised: some slots upper, some found their stage in flight (the prefill);
+    // the `e8p2+e81` (odd) experts upgrade to their shipped expert exactly when it is given.
+    assert!(t.upper > 0 && t.in_flight > 0, "{t:?}");
+    let odd_upper = log.upper_experts.iter().filter(|&&e| e % 2 == 1).count();
+    if shipped {
+        assert!(odd_upper > 0 && t.base == t.upper_misses, "{t:?}");
+    } else {
+        assert!(odd_upper == 0 && t.base > t.upper_misses, "{t:?}");
+    }
+    t
 }

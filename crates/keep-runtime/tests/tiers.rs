@@ -41,6 +41,12 @@ fn strip_residuals(src: &Path, out: &Path) -> PathBuf {
 
 /// The tiny preset (32 experts) quantized to E8P2+E81, and its base model.
 fn models(dir: &Path) -> (PathBuf, PathBuf) {
+    let (_, q, base) = models_and_original(dir);
+    (q, base)
+}
+
+/// The tiny preset (32 experts), it quantized to E8P2+E81, and the latter's base model.
+fn models_and_original(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let src = common::synth_tiny(dir, "tiny", Some(32), None);
     let im = common::flat_imatrix(&src, dir);
     let q = dir.join("q");
@@ -53,7 +59,7 @@ fn models(dir: &Path) -> (PathBuf, PathBuf) {
     };
     quantize(&src, &im, &q, &opts, &|_, _| {}).unwrap();
     let base = strip_residuals(&q, &dir.join("base"));
-    (q, base)
+    (src, q, base)
 }
 
 fn run_plain(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
@@ -98,15 +104,24 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 
 /// A budget with 8 slots per layer (of 32 experts) and a residual cache of `cache` bytes.
 fn tiered(ck: &Checkpoint, tau: f32, cache: u64) -> BudgetedModel<'_> {
+    tiered_with(
+        ck,
+        TierOptions {
+            tau,
+            alloc: None,
+            residual_cache: cache,
+            io_threads: 2,
+            upper_from: None,
+        },
+    )
+}
+
+/// [`tiered`] with these tier options.
+fn tiered_with(ck: &Checkpoint, t: TierOptions) -> BudgetedModel<'_> {
     let probe = BudgetedModel::load(
         ck,
         &RuntimeOptions {
-            tiers: Some(TierOptions {
-                tau,
-                alloc: None,
-                residual_cache: cache,
-                io_threads: 2,
-            }),
+            tiers: Some(t.clone()),
             ..RuntimeOptions::new(u64::MAX / 4)
         },
     )
@@ -118,16 +133,67 @@ fn tiered(ck: &Checkpoint, tau: f32, cache: u64) -> BudgetedModel<'_> {
     BudgetedModel::load(
         ck,
         &RuntimeOptions {
-            tiers: Some(TierOptions {
-                tau,
-                alloc: None,
-                residual_cache: cache,
-                io_threads: 2,
-            }),
+            tiers: Some(t),
             ..RuntimeOptions::new(budget)
         },
     )
     .unwrap()
+}
+
+/// An allocation of `src` giving every routed expert `rung`.
+fn alloc_all(src: &Path, rung: &str) -> keep_artifacts::alloc::Alloc {
+    use keep_artifacts::alloc::{Alloc, LayerAlloc};
+    let c = Checkpoint::open(src)
+        .unwrap()
+        .require_config()
+        .unwrap()
+        .clone();
+    Alloc {
+        format: Alloc::FORMAT.into(),
+        version: Alloc::VERSION,
+        model: src.display().to_string(),
+        model_fingerprint: keep_checkpoint::fingerprint::model_fingerprint(src).unwrap(),
+        budget_bytes: 1,
+        bytes: 1,
+        rungs: vec![],
+        solver: "test".into(),
+        grain_bytes: 1,
+        predicted_loss: 0.0,
+        saliency: "reap".into(),
+        layers: (0..c.num_hidden_layers)
+            .map(|l| LayerAlloc {
+                layer: l,
+                rungs: vec![rung.to_string(); c.experts_in_layer(l)],
+            })
+            .collect(),
+        extra: Default::default(),
+    }
+}
+
+/// Run until a pass admits nothing (every stage its routes want is in memory), waiting for the
+/// reads between passes; returns the logits of that last pass.
+fn warm_until_every_stage_is_in_memory(
+    m: &mut BudgetedModel,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<Vec<u32>> {
+    loop {
+        run_budget(m, prompt, steps);
+        while {
+            let t = m.cache().tier_stats().unwrap();
+            t.reads_done + t.failed < t.admissions
+        } {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        m.cache().reset_stats();
+        let got = bits(&run_budget(m, prompt, steps));
+        let t = m.cache().tier_stats().unwrap();
+        assert_eq!(t.failed, 0, "{t:?}");
+        if t.admissions == 0 {
+            assert_eq!(t.base, 0, "{t:?}");
+            return got;
+        }
+    }
 }
 
 #[test]
@@ -228,4 +294,78 @@ fn every_stage_in_memory_gives_the_full_rung() {
             break;
         }
     }
+}
+
+#[test]
+fn every_shipped_stage_in_memory_gives_the_original_model() {
+    // Every expert allocated `e8p2+e81` (its residual in its slot) with the original checkpoint
+    // as --upper-from, τ = 0: once every shipped stage is in the residual cache, every slot is
+    // computed with the original expert — exactly the original model's logits. Without the
+    // original, no expert has an upper stage.
+    let dir = tempfile::tempdir().unwrap();
+    let (src, q, _) = models_and_original(dir.path());
+    let qck = Checkpoint::open(&q).unwrap();
+    let sck = Checkpoint::open(&src).unwrap();
+    let original = Model::load(&sck).unwrap();
+    let quantized = Model::load(&qck).unwrap();
+    let prompt = common::prompt(12, original.cfg.vocab);
+    let want = bits(&run_plain(&original, &prompt, 4));
+    assert_ne!(want, bits(&run_plain(&quantized, &prompt, 4)));
+    let alloc = Arc::new(alloc_all(&src, "e8p2+e81"));
+    let opts = |upper_from: Option<PathBuf>| TierOptions {
+        tau: 0.0,
+        alloc: Some(alloc.clone()),
+        residual_cache: 256 << 20,
+        io_threads: 2,
+        upper_from,
+    };
+    let m = tiered_with(&qck, opts(None));
+    assert_eq!(m.cache().store().experts_with_upper(), 0);
+    drop(m);
+    let mut m = tiered_with(&qck, opts(Some(src.clone())));
+    let st = m.cache().store();
+    let c = &m.cfg().clone();
+    assert_eq!(st.experts_with_upper(), c.n_layers * c.n_experts);
+    assert_eq!(st.experts_with_shipped_upper(), c.n_layers * c.n_experts);
+    let got = warm_until_every_stage_is_in_memory(&mut m, &prompt, 4);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn an_upper_from_that_is_not_the_original_is_refused_naming_the_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, q, _) = models_and_original(dir.path());
+    let qck = Checkpoint::open(&q).unwrap();
+    let load = |alloc: Option<keep_artifacts::alloc::Alloc>, upper_from: &Path| {
+        BudgetedModel::load(
+            &qck,
+            &RuntimeOptions {
+                tiers: Some(TierOptions {
+                    tau: 0.0,
+                    alloc: alloc.map(Arc::new),
+                    residual_cache: 1 << 20,
+                    io_threads: 1,
+                    upper_from: Some(upper_from.to_path_buf()),
+                }),
+                ..RuntimeOptions::new(u64::MAX / 4)
+            },
+        )
+        .err()
+        .map(|e| e.to_string())
+    };
+    // Another model than the allocation's: its fingerprint.
+    let other = common::synth_tiny(dir.path(), "other", Some(16), None);
+    let msg = load(Some(alloc_all(&src, "e8p2+e81")), &other).unwrap();
+    assert!(
+        msg.contains("fingerprint") && msg.contains("--upper-from"),
+        "{msg}"
+    );
+    // Without an allocation to check it against: its expert count, then its expert width.
+    let msg = load(None, &other).unwrap();
+    assert!(msg.contains("layer 0 has 16 routed experts"), "{msg}");
+    let wide = common::synth_tiny(dir.path(), "wide", Some(32), Some(128));
+    let msg = load(None, &wide).unwrap();
+    assert!(msg.contains("expert width"), "{msg}");
+    // The original itself is accepted either way.
+    assert_eq!(load(Some(alloc_all(&src, "e8p2+e81")), &src), None);
 }

@@ -234,7 +234,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 ..o
             }
         }),
-        None => b.runtime_options(kernels, context)?,
+        None => b.runtime_options(&ck, kernels, context)?,
     };
     if let Some(o) = opts.as_mut() {
         o.draft_tokens = draft_k;

@@ -70,17 +70,25 @@ pub struct BudgetArgs {
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
     /// Precision tiers, with the allocation the checkpoint holds (checked): each expert's base
-    /// is its allocated rung, in the slots; its upper stage is what the checkpoint carries above
-    /// it — the residual codes of an `e8p2` expert (e.g. a `keep quant --format e8p2+e81`
-    /// checkpoint under an allocation of `e8p2` and `e8p2+e81`) — read apart from SSD into a
-    /// residual cache inside the budget. Experts at `e8p2+e81`/`e8p2+e8p2` or `shipped` have no
-    /// upper stage here (the shipped upper stage is keep eval's and keep residency's
-    /// --upper-from). A routed slot with gate weight ≥ --tau uses the upper rung only if its
-    /// stage is in memory, else the base now while the stage is read in the background; a
-    /// forward never waits for a residual read. Without --tiers every E8P expert's base is
+    /// is its allocated rung, in the slots; its upper stage is what lies above it — the
+    /// residual codes the checkpoint carries for an `e8p2` expert (e.g. a `keep quant --alloc`
+    /// checkpoint under an allocation of `e8p2` and `e8p2+e81`), and for an expert at
+    /// `e8p2+e81`/`e8p2+e8p2` (or `e8p2` without residual codes) its shipped expert in the
+    /// original checkpoint (--upper-from, required when the allocation has such experts); an
+    /// expert at `shipped` has none. Upper stages are read apart from SSD into a residual cache
+    /// inside the budget. A routed slot with gate weight ≥ --tau uses the upper rung only if
+    /// its stage is in memory, else the base now while the stage is read in the background; a
+    /// forward never waits for an upper-stage read. Without --tiers every E8P expert's base is
     /// its `e8p2` codes and its residual its upper stage.
     #[arg(long, value_name = "ALLOC.json", requires_all = ["memory_budget", "tau"])]
     pub tiers: Option<PathBuf>,
+    /// The original checkpoint (the model `keep alloc` was run on and MODEL quantized from;
+    /// checked: the allocation's fingerprint, family, shapes, experts per layer): the shipped
+    /// upper stages of --tiers are its experts (a pruned MODEL's experts are mapped to the
+    /// original's by the allocation), read by the same reader threads into the same residual
+    /// cache as residual codes.
+    #[arg(long, value_name = "ORIGINAL", requires = "tau")]
+    pub upper_from: Option<PathBuf>,
     /// Gate weight from which a routed slot wants its expert's upper rung: turns the tiers on
     /// (with or without --tiers).
     #[arg(long, value_name = "T", requires = "memory_budget")]
@@ -131,10 +139,11 @@ impl BudgetArgs {
         Ok(())
     }
 
-    /// The runtime's options when `--memory-budget` is given, planned for a run of `context`
-    /// positions (prompt + generated tokens).
+    /// The runtime's options when `--memory-budget` is given, planned for a run of `ck`
+    /// (the checkpoint) over `context` positions (prompt + generated tokens).
     pub fn runtime_options(
         &self,
+        ck: &keep_checkpoint::Checkpoint,
         kernels: keep_model::Kernels,
         context: usize,
     ) -> anyhow::Result<Option<RuntimeOptions>> {
@@ -163,6 +172,17 @@ impl BudgetArgs {
             )),
             None => None,
         };
+        if let (Some(a), Some(f), None) = (&alloc, &self.tiers, &self.upper_from) {
+            let n =
+                shipped_upper_rungs(ck, a).with_context(|| format!("--tiers {}", f.display()))?;
+            anyhow::ensure!(
+                n == 0,
+                "--tiers {}: {n} experts are allocated `e8p2+e81`/`e8p2+e8p2` (or `e8p2` without \
+                 residual codes), whose upper rung is their shipped expert in the original \
+                 checkpoint: give it with --upper-from ORIGINAL (the model keep alloc was run on)",
+                f.display()
+            );
+        }
         Ok(Some(RuntimeOptions {
             policy,
             io_threads: self.io_threads,
@@ -178,10 +198,37 @@ impl BudgetArgs {
                 alloc: alloc.clone(),
                 residual_cache: self.residual_cache,
                 io_threads: DEFAULT_RESIDUAL_IO_THREADS,
+                upper_from: self.upper_from.clone(),
             }),
             ..RuntimeOptions::new(budget)
         }))
     }
+}
+
+/// Experts of `ck` whose upper stage under `alloc` would be their shipped expert (keep-residency's
+/// rule with an original checkpoint given).
+fn shipped_upper_rungs(
+    ck: &keep_checkpoint::Checkpoint,
+    alloc: &keep_artifacts::alloc::Alloc,
+) -> anyhow::Result<usize> {
+    use keep_residency::tiers::{residual_bytes_of, stage_mix, upper_stages};
+    let cfg = ck.require_config()?;
+    let layers: Vec<usize> = (0..cfg.num_hidden_layers).collect();
+    let residual = residual_bytes_of(ck, &layers)?;
+    // Any original expert, one byte each: only which stages are shipped matters here.
+    let any: Vec<Vec<u64>> = layers
+        .iter()
+        .map(|&l| {
+            let n = alloc
+                .layers
+                .iter()
+                .find(|x| x.layer == l)
+                .map_or(cfg.experts_in_layer(l), |x| x.rungs.len());
+            vec![1; n]
+        })
+        .collect();
+    let stages = upper_stages(Some(alloc), &layers, &residual, Some(&any))?;
+    Ok(stage_mix(&stages).1)
 }
 
 /// The budget split, before the run.
@@ -210,11 +257,13 @@ pub fn print_plan(m: &BudgetedModel) {
     );
     if let Some(t) = m.cache().tier_stats() {
         eprintln!(
-            "tiers: τ {}, residual cache {} inside the budget; {} of {} experts have an upper stage (their residual codes, {} on SSD); the others are served at their allocated rung only (an `e8p2+e81`/`e8p2+e8p2` expert's upper stage would be the shipped expert, which keep run does not read)",
+            "tiers: τ {}, residual cache {} inside the budget; {} of {} experts have an upper stage ({} their residual codes, {} their shipped expert of --upper-from; {} on SSD); the others are served at their allocated rung only",
             t.tau,
             human(t.cache_bytes),
             st.experts_with_upper(),
             st.n_layers() * st.n_experts(),
+            st.experts_with_upper() - st.experts_with_shipped_upper(),
+            st.experts_with_shipped_upper(),
             human(st.upper_total_bytes())
         );
     }
