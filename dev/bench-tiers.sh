@@ -2,14 +2,17 @@
 # dev/bench-tiers.sh: `keep run --memory-budget --tau` (precision tiers) decode speed and serving
 # mix against `keep residency --tau`'s prediction for the same trace, measured in one run.
 #
-#   dev/bench-tiers.sh MODEL BUDGET TAU RESIDUAL_CACHE OUT [PROMPT_TOKENS=4] [DECODE_TOKENS=32] [ALLOC]
+#   dev/bench-tiers.sh MODEL BUDGET TAU RESIDUAL_CACHE OUT [PROMPT_TOKENS=4] [DECODE_TOKENS=32] [ALLOC] [ORIGINAL]
 #
 # MODEL is a checkpoint with E8P experts (`keep quant --format e8p2+e81`, or `keep quant
 # --alloc`), ALLOC the allocation it holds: an expert's base is its allocated rung, and an
 # `e8p2` expert whose residual codes MODEL carries has them as its upper stage (without ALLOC,
-# every E8P expert's base is its `e8p2` codes).
+# every E8P expert's base is its `e8p2` codes); ORIGINAL the checkpoint MODEL was quantized
+# from, whose experts are the upper stages of the `e8p2+e81`/`e8p2+e8p2` ones (--upper-from;
+# keep run refuses such an allocation without it).
 # 1. keep run MODEL --memory-budget BUDGET --tau TAU --residual-cache RESIDUAL_CACHE [--tiers
-#    ALLOC] (greedy, synthetic prompt), recording its routes and numbers (run.json).
+#    ALLOC] [--upper-from ORIGINAL] (greedy, synthetic prompt), recording its routes and numbers
+#    (run.json).
 # 2. The bandwidths the cost model needs, measured now (bandwidth.json; keep-runtime's example
 #    `bandwidth`); the SSD rate is the faster of the probe and the run's own decode reads.
 # 3. keep residency replays the recorded routes with LRU at the run's slots per layer and the
@@ -19,13 +22,14 @@
 #    residual admissions, pooled over prompt and decode), and the verdict
 #    (rule: decode tokens/s >= 0.8 x the tiered residency bound), plus a compute-inclusive bound.
 set -euo pipefail
-MODEL=$1 BUDGET=$2 TAU=$3 RC=$4 OUT=$5 P=${6:-4} D=${7:-32} ALLOC=${8:-}
+MODEL=$1 BUDGET=$2 TAU=$3 RC=$4 OUT=$5 P=${6:-4} D=${7:-32} ALLOC=${8:-} ORIGINAL=${9:-}
 KEEP=${KEEP:-target/release/keep}
 BW=${BW:-target/release/examples/bandwidth}
 mkdir -p "$OUT"
 tiers=(--tau "$TAU" --residual-cache "$RC")
 res_alloc=()
 if [ -n "$ALLOC" ]; then tiers+=(--tiers "$ALLOC"); res_alloc=(--alloc "$ALLOC"); fi
+if [ -n "$ORIGINAL" ]; then tiers+=(--upper-from "$ORIGINAL"); res_alloc+=(--upper-from "$ORIGINAL"); fi
 run_cmd=("$KEEP" run "$MODEL" --memory-budget "$BUDGET" "${tiers[@]}" --prompt-tokens "$P"
   --max-tokens "$((D + 1))" --temperature 0 --record-routes "$OUT/routes.safetensors"
   --stats-json "$OUT/run.json" --force)

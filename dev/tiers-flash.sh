@@ -11,8 +11,8 @@
 #
 # The tier rule (keep-residency's `upper_stage`, shared by eval, run and residency): an expert's
 # base is its allocated rung; an `e8p2` expert's upper stage is the residual codes the
-# checkpoint carries, an `e8p2+e81` expert has none (its residual is part of its base; the
-# shipped expert above it is keep eval's and keep residency's --upper-from, not keep run's).
+# checkpoint carries, an `e8p2+e81` expert's (its residual is part of its base) is its shipped
+# expert in the original model (--upper-from, given to eval, run and residency alike).
 # The memory budget holds SLOTS expert slots per layer (below the 8 routed experts, so decode
 # reads experts from SSD) plus the residual cache.
 #
@@ -110,13 +110,13 @@ step alloc "$W/alloc-e8p.json" -- "$KEEP" alloc "$W/run" --model "$W/model" --bu
 #    allocation in memory first, the score keep eval --alloc gives, then the per-token tiers at
 #    each τ, each record's first PROMPT tokens one prefill forward as keep run computes them)
 step eval-uniform "$W/eval-uniform.json" -- bash -c "'$KEEP' eval '$W/q-e8p2+e81' --teacher '$W/teacher' --pack '$W/pack' --json > '$W/eval-uniform.json.tmp' && mv '$W/eval-uniform.json.tmp' '$W/eval-uniform.json'"
-step eval-tiers "$W/eval-tiers-e8p.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc-e8p.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --prefill-tokens '$PROMPT' --plot '$W/tiers-e8p.svg' --force --json > '$W/eval-tiers-e8p.json.tmp' && mv '$W/eval-tiers-e8p.json.tmp' '$W/eval-tiers-e8p.json'"
+step eval-tiers "$W/eval-tiers-e8p.json" -- bash -c "'$KEEP' eval '$W/model' --teacher '$W/teacher' --pack '$W/pack' --tiers '$W/alloc-e8p.json' --quant '$W/q-e8p2+e81' --tau '$TAUS' --residual-cache '$CACHE' --upper-from '$W/model' --prefill-tokens '$PROMPT' --plot '$W/tiers-e8p.svg' --force --json > '$W/eval-tiers-e8p.json.tmp' && mv '$W/eval-tiers-e8p.json.tmp' '$W/eval-tiers-e8p.json'"
 
 # 7. the budgeted runtime with tiers against the simulator: the memory budget holds SLOTS slots
 #    per layer (a probe run of the same prompt and length reads the plan's resident bytes,
 #    context bytes and slot size)
 if [ ! -e "$W/mem-plan.json" ]; then
-  "$KEEP" run "$W/q-e8p2+e81" --memory-budget 1T --tau "$TAU" --tiers "$W/alloc-e8p.json" --residual-cache "$CACHE" \
+  "$KEEP" run "$W/q-e8p2+e81" --memory-budget 1T --tau "$TAU" --tiers "$W/alloc-e8p.json" --upper-from "$W/model" --residual-cache "$CACHE" \
     --prompt-tokens "$PROMPT" --max-tokens "$((DECODE + 1))" --temperature 0 --stats-json "$W/mem-probe.json" --force \
     >/dev/null 2>"$W/mem-probe.log" || { cat "$W/mem-probe.log" >&2; exit 1; }
   python3 - "$W/mem-probe.json" "$SLOTS" "$W/mem-plan.json" <<'PY'
@@ -131,7 +131,7 @@ PY
 fi
 MEM=$(python3 -c "import json;print(json.load(open('$W/mem-plan.json'))['memory_budget'])")
 MODEL_BYTES=$(du -sbL "$W/q-e8p2+e81" | cut -f1)
-step run "$W/bench/bench.json" -- "$ROOT/dev/bench-tiers.sh" "$W/q-e8p2+e81" "$MEM" "$TAU" "$CACHE" "$W/bench" "$PROMPT" "$DECODE" "$W/alloc-e8p.json"
+step run "$W/bench/bench.json" -- "$ROOT/dev/bench-tiers.sh" "$W/q-e8p2+e81" "$MEM" "$TAU" "$CACHE" "$W/bench" "$PROMPT" "$DECODE" "$W/alloc-e8p.json" "$W/model"
 
 # 8. evidence
 mkdir -p "$ROOT/dev/evidence"

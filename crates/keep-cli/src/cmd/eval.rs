@@ -84,8 +84,8 @@ pub struct EvalArgs {
     admit_delay: u64,
     /// The original checkpoint (this model: the shipped experts --tiers reads): experts at the
     /// top quantized rung (`e8p2+e81`, `e8p2+e8p2`), and `e8p2` ones no --quant checkpoint
-    /// carries residual codes for, upgrade to their shipped expert. Without it they have no
-    /// upper stage, as in keep run.
+    /// carries residual codes for, upgrade to their shipped expert, as in keep run --tiers
+    /// --upper-from. Without it they have no upper stage.
     #[arg(long, value_name = "DIR", requires = "tiers")]
     upper_from: Option<PathBuf>,
     /// Tokens of each record computed as one prefill forward (keep run's prompt pass) before
