@@ -16,8 +16,11 @@
 #    that one check answered "qwen2" (the vocabulary plays no part in the timings).
 # 4. ROUNDS rounds, interleaved per pair: `llama-bench -t THREADS -p P -n N` (its own prompt
 #    and generation timings), then `keep run --prompt-tokens P --max-tokens N --temperature 0
-#    --kernels fast --stats-json` with RAYON_NUM_THREADS=THREADS. The files are read into the
+#    --kernels fast --threads THREADS --stats-json`. The files are read into the
 #    page cache first (resident comparison: the whole model must fit in memory).
+#    Each side reads the head in the same format: the q8_0 GGUF keeps a bf16 head
+#    (`--output-tensor-type bf16`, as Qwen's FP8 release and keep read it), the q4_0 GGUF a q4_0
+#    one (`--output-tensor-type q4_0`, as the MLX 4-bit checkpoint quantizes its head).
 #    Pairs: bf16 vs keep bf16; q8_0 vs keep FP8 (8 bits per weight on both sides); q4_0 vs
 #    keep on mlx-community's MLX affine 4-bit layout (`keep synth --format mlx4` of the same seed:
 #    mlx-lm's quantization of the same bf16 weights, experts stacked in `switch_mlp`; 4.5 bits
@@ -103,7 +106,8 @@ PYEOF
 fi
 if [[ " $PAIRS " == *" q8 "* ]]; then
   if [[ ! -f "$Q/q8_0.gguf" ]]; then
-    nice -n 10 "$LQ" "$Q/bf16.gguf" "$Q/q8_0.gguf.part" Q8_0 "$(nproc)" >"$Q/quantize.log" 2>&1
+    nice -n 10 "$LQ" --output-tensor-type bf16 "$Q/bf16.gguf" "$Q/q8_0.gguf.part" Q8_0 "$(nproc)" \
+      >"$Q/quantize.log" 2>&1
     mv "$Q/q8_0.gguf.part" "$Q/q8_0.gguf"
   fi
   if [[ ! -f "$Q/mxfp8/config.json" ]]; then
@@ -116,7 +120,8 @@ fi
 
 if [[ " $PAIRS " == *" q4 "* ]]; then
   if [[ ! -f "$Q/q4_0.gguf" ]]; then
-    nice -n 10 "$LQ" "$Q/bf16.gguf" "$Q/q4_0.gguf.part" Q4_0 "$(nproc)" >"$Q/quantize-q4.log" 2>&1
+    nice -n 10 "$LQ" --output-tensor-type q4_0 "$Q/bf16.gguf" "$Q/q4_0.gguf.part" Q4_0 "$(nproc)" \
+      >"$Q/quantize-q4.log" 2>&1
     mv "$Q/q4_0.gguf.part" "$Q/q4_0.gguf"
   fi
   if [[ ! -f "$Q/mlx4/config.json" ]]; then
@@ -148,7 +153,7 @@ for r in $(seq 1 "$ROUNDS"); do
     "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 -o json >"$RAW/$pair-$r.llama.json" 2>"$RAW/$pair-$r.llama.err"
     page_in "$k"/*.safetensors
     echo "$(load1)" >"$RAW/$pair-$r.keep.load"
-    RAYON_NUM_THREADS="$THREADS" "$KEEP" run "$k" --prompt-tokens "$P" --max-tokens "$N" \
+    "$KEEP" run "$k" --threads "$THREADS" --prompt-tokens "$P" --max-tokens "$N" \
       --temperature 0 --kernels fast --stats-json "$RAW/$pair-$r.keep.json" --force \
       >"$RAW/$pair-$r.keep.out" 2>&1
   done
@@ -192,6 +197,11 @@ for pair in pairs.split():
                  "q8": "Qwen FP8 128x128 experts, MXFP8 residents (fast kernels)",
                  "q4": "mlx-community MLX affine 4-bit, group 64, stacked switch_mlp experts "
                        "(fast kernels)"}[pair],
+        "head": {"bf16": "bf16 on both sides",
+                 "q8": "bf16 on both sides (Qwen's FP8 release ships a bf16 head; the GGUF is "
+                       "quantized with --output-tensor-type bf16)",
+                 "q4": "4.5 bits on both sides (MLX affine 4-bit head; the GGUF is quantized "
+                       "with --output-tensor-type q4_0)"}[pair],
         "rounds": rows,
         "median": {k: med(k) for k in ("llama_prefill_tps", "llama_decode_tps",
                                         "keep_prefill_tps", "keep_decode_tps")},
