@@ -1,0 +1,184 @@
+//! [`Scratch`]: the forward's working buffers, typed and named, kept in the [`crate::Cache`]
+//! between calls so that a warm decode step allocates nothing. Each op writes into its buffer
+//! (emptied and resized to the call's shape: no allocation once it has held that shape), the
+//! values are exactly those of a freshly zeroed vector, and the buffers grow, never shrink, to
+//! the largest forward seen up to [`KEEP_ROWS`] rows (a longer pass gives its buffers back).
+//! [`Scratch::for_context`] sizes the buffers that grow with the position (the indexer's
+//! scores over every compressed row) for a whole run up front.
+//!
+//! A clone is empty (a cloned cache shares no working state); buffers of borrowed views (kernel
+//! jobs, expert weight views) are kept in their `'static` form and recycled into the borrowing
+//! one for each call ([`keep_kernels::scratch::recycle`]). A leaf of the model: it names the
+//! config and the expert views, no layer.
+
+use std::borrow::Cow;
+
+use keep_kernels::simd::Job;
+
+use crate::config::ModelConfig;
+use crate::experts::{ExpertWeights, Rung};
+
+/// `v` emptied and resized to `n` zeros (the values of `vec![0.0; n]`), as a slice.
+pub(crate) fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    &mut v[..]
+}
+
+/// The forward's working buffers (see the module documentation).
+#[derive(Default)]
+pub struct Scratch {
+    // The hidden state of the running chunk (the forward's `Streams`, lent out per call).
+    pub(crate) x: Vec<f32>,
+    pub(crate) pre_mix: Vec<f32>,
+    pub(crate) tokens: Vec<u32>,
+    // Hyper-connections: the normalised streams, the mix, the block's pre / post / comb and
+    // the attention block's pre kept for the feed-forward collapse (V4.1).
+    pub(crate) hc_flat: Vec<f32>,
+    pub(crate) hc_mix: Vec<f32>,
+    pub(crate) pre: Vec<f32>,
+    pub(crate) post: Vec<f32>,
+    pub(crate) comb: Vec<f32>,
+    pub(crate) attn_pre: Vec<f32>,
+    // A block's collapsed input, its output, and the expand's mixed streams.
+    pub(crate) h: Vec<f32>,
+    pub(crate) block_out: Vec<f32>,
+    pub(crate) mixed: Vec<f32>,
+    // Attention: projections, the heads' outputs, the rows each query reads and their
+    // scores, the grouped output projection.
+    pub(crate) qr: Vec<f32>,
+    pub(crate) q: Vec<f32>,
+    pub(crate) kv: Vec<f32>,
+    pub(crate) heads: Vec<f32>,
+    pub(crate) keys: Vec<usize>,
+    pub(crate) scores: Vec<f32>,
+    pub(crate) oa: Vec<f32>,
+    pub(crate) xin: Vec<f32>,
+    pub(crate) yg: Vec<f32>,
+    // The compressor: projections, pooled latent, the rows stored, index keys, a gate column.
+    pub(crate) lat: Vec<f32>,
+    pub(crate) kvp: Vec<f32>,
+    pub(crate) gp: Vec<f32>,
+    pub(crate) ckv: Vec<f32>,
+    pub(crate) ik: Vec<f32>,
+    pub(crate) gcol: Vec<f32>,
+    // The indexer: queries, head weights, scores, block and row rankings, and spare buffers
+    // for what it shares with the next layers (top-k rows per query, the candidate mask),
+    // which a call's `layer::Shared` holds while it runs.
+    pub(crate) iq: Vec<f32>,
+    pub(crate) iw: Vec<f32>,
+    pub(crate) iscores: Vec<f32>,
+    pub(crate) blocks: Vec<(f32, usize)>,
+    pub(crate) ranked: Vec<(f32, usize)>,
+    pub(crate) topk: Vec<i32>,
+    pub(crate) candidates: Vec<bool>,
+    // The MoE block: router logits, picks, gate weights, scores, ranking; the shared
+    // expert's gate, up, activation and output; the routed experts' outputs.
+    pub(crate) logits: Vec<f32>,
+    pub(crate) chosen: Vec<u32>,
+    pub(crate) weights: Vec<f32>,
+    pub(crate) rscores: Vec<f32>,
+    pub(crate) rcand: Vec<(f32, usize)>,
+    pub(crate) sg: Vec<f32>,
+    pub(crate) su: Vec<f32>,
+    pub(crate) sact: Vec<f32>,
+    pub(crate) sh: Vec<f32>,
+    pub(crate) ys: Vec<f32>,
+    pub(crate) experts: ExpertScratch,
+    // The head: rows asked for, their collapse and norm.
+    pub(crate) head_rows: Vec<usize>,
+    pub(crate) head_flat: Vec<f32>,
+    pub(crate) head_mix: Vec<f32>,
+    pub(crate) head_h: Vec<f32>,
+    /// What [`Scratch::for_context`] reserved (compressed rows, attended rows).
+    reserved: (usize, usize),
+}
+
+/// The routed experts' working buffers: routes grouped by (expert, rung), the batch taken,
+/// the expert views, and one buffer per stage for all experts of a batch.
+#[derive(Default)]
+pub(crate) struct ExpertScratch {
+    pub(crate) by_key: Vec<Vec<(usize, usize)>>,
+    pub(crate) upper: Vec<bool>,
+    pub(crate) keys: Vec<(usize, Rung)>,
+    pub(crate) used: Vec<usize>,
+    pub(crate) left: Vec<(usize, Rung)>,
+    pub(crate) batch: Vec<(usize, Rung)>,
+    pub(crate) ids: Vec<usize>,
+    pub(crate) ready: Vec<bool>,
+    pub(crate) take: Vec<usize>,
+    pub(crate) views: Vec<ExpertWeights<'static>>,
+    pub(crate) chunk: Vec<usize>,
+    pub(crate) offs: Vec<usize>,
+    pub(crate) xin: Vec<f32>,
+    pub(crate) g: Vec<f32>,
+    pub(crate) u: Vec<f32>,
+    pub(crate) act: Vec<f32>,
+    pub(crate) out: Vec<f32>,
+    pub(crate) x1s: Vec<Cow<'static, [f32]>>,
+    pub(crate) x3s: Vec<Cow<'static, [f32]>>,
+    pub(crate) a2s: Vec<Cow<'static, [f32]>>,
+    pub(crate) jobs: Vec<Job<'static, 'static>>,
+}
+
+/// Most rows of a pass whose buffers the scratch keeps after it (decode, a drafter's verify
+/// pass); a longer pass (a prompt chunk) gives them back, so that a cache holds decode-sized
+/// working memory between calls, not a prefill chunk's.
+pub const KEEP_ROWS: usize = 8;
+
+impl Scratch {
+    /// Buffers for a run of `context` tokens of `cfg`: those that grow with the position
+    /// reserved for the whole run (the indexer's scores and rankings over every compressed
+    /// row, the rows a query attends), so that no decode step reallocates them.
+    pub fn for_context(cfg: &ModelConfig, context: usize) -> Scratch {
+        let rows = (0..cfg.n_layers)
+            .map(|l| {
+                let r = cfg.cache_rows(l, context);
+                r.compress_kv
+                    .max(r.index_k)
+                    .max(r.v4_kv[2] / cfg.head_dim.max(1))
+            })
+            .max()
+            .unwrap_or(0);
+        Scratch::reserved(rows, cfg.window.min(context) + rows)
+    }
+
+    /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows,
+    /// `attended` rows a query reads.
+    fn reserved(rows: usize, attended: usize) -> Scratch {
+        let mut s = Scratch {
+            reserved: (rows, attended),
+            ..Scratch::default()
+        };
+        s.iscores.reserve_exact(rows);
+        s.ranked.reserve_exact(rows);
+        s.candidates.reserve_exact(rows);
+        s.blocks.reserve_exact(rows);
+        s.keys.reserve_exact(attended);
+        s.scores.reserve_exact(attended);
+        s
+    }
+
+    /// After a pass of `rows` rows: past [`KEEP_ROWS`], give every buffer back and keep only
+    /// the reservation of [`Scratch::for_context`].
+    pub(crate) fn after_pass(&mut self, rows: usize) {
+        if rows > KEEP_ROWS {
+            let (r, a) = self.reserved;
+            *self = Scratch::reserved(r, a);
+        }
+    }
+}
+
+impl Clone for Scratch {
+    /// An empty scratch (with the same reservation): working buffers carry no state between
+    /// forwards.
+    fn clone(&self) -> Scratch {
+        Scratch::reserved(self.reserved.0, self.reserved.1)
+    }
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scratch")
+    }
+}
