@@ -939,8 +939,8 @@ impl LayerWeights<'_> {
                 let mut acc = 0f32;
                 for hh in 0..nh {
                     let qq = &q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
-                    let sc = keep_kernels::matmul::dot(qq, kr).max(0.0) * sscale;
-                    acc += sc * w[i * nh + hh];
+                    let score = keep_kernels::matmul::dot(qq, kr).max(0.0) * sscale;
+                    acc += score * w[i * nh + hh];
                 }
                 scores[i * n + j] = acc;
             }
@@ -967,8 +967,8 @@ impl LayerWeights<'_> {
                     bs[(lens - 1) / b].0 = f32::INFINITY;
                 }
                 top_k_by(bs, kb);
-                for &(sc, bi) in &bs[..kb] {
-                    if sc > f32::NEG_INFINITY {
+                for &(best, bi) in &bs[..kb] {
+                    if best > f32::NEG_INFINITY {
                         for j in bi * b..((bi + 1) * b).min(n) {
                             cand[i * n + j] = true;
                         }
@@ -1512,7 +1512,10 @@ pub(crate) fn routed_experts_into(
     // Without tiers every slot is at the base rung and the groups are the experts.
     let tiers = experts.tiers();
     if es.by_key.len() < 2 * e {
-        es.by_key.resize_with(2 * e, Vec::new);
+        // Each group sized for a decode pass's routes when made: an expert first chosen late
+        // in a run does not allocate then.
+        es.by_key
+            .resize_with(2 * e, || Vec::with_capacity(crate::scratch::KEEP_ROWS));
     }
     let by_key = &mut es.by_key[..2 * e];
     by_key.iter_mut().for_each(Vec::clear);

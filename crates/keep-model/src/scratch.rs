@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use keep_kernels::simd::Job;
 
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 use crate::experts::{ExpertWeights, Rung};
 
 /// `v` emptied and resized to `n` zeros (the values of `vec![0.0; n]`), as a slice.
@@ -90,8 +90,9 @@ pub struct Scratch {
     pub(crate) head_flat: Vec<f32>,
     pub(crate) head_mix: Vec<f32>,
     pub(crate) head_h: Vec<f32>,
-    /// What [`Scratch::for_context`] reserved (compressed rows, attended rows).
-    reserved: (usize, usize),
+    /// What [`Scratch::for_context`] reserved (compressed rows, candidate blocks, attended
+    /// rows).
+    reserved: [usize; 3],
 }
 
 /// The routed experts' working buffers: routes grouped by (expert, rung), the batch taken,
@@ -128,32 +129,39 @@ pub const KEEP_ROWS: usize = 8;
 
 impl Scratch {
     /// Buffers for a run of `context` tokens of `cfg`: those that grow with the position
-    /// reserved for the whole run (the indexer's scores and rankings over every compressed
-    /// row, the rows a query attends), so that no decode step reallocates them.
+    /// reserved for the whole run (the V4.1 indexer's scores, ranking and candidate mask over
+    /// every compressed row, the rows a query attends), so that no decode step reallocates
+    /// them.
     pub fn for_context(cfg: &ModelConfig, context: usize) -> Scratch {
+        if cfg.family != Family::V41 {
+            // Those buffers are the V4.1 attention's; the other families' layers keep theirs.
+            return Scratch::default();
+        }
         let rows = (0..cfg.n_layers)
             .map(|l| {
                 let r = cfg.cache_rows(l, context);
-                r.compress_kv
-                    .max(r.index_k)
-                    .max(r.v4_kv[2] / cfg.head_dim.max(1))
+                r.compress_kv.max(r.index_k)
             })
             .max()
             .unwrap_or(0);
-        Scratch::reserved(rows, cfg.window.min(context) + rows)
+        let blocks = rows.div_ceil(cfg.candidate_block_size.max(1));
+        // A query reads its window and at most `index_topk` compressed rows.
+        let attended = cfg.window.min(context) + cfg.index_topk.min(rows);
+        Scratch::reserved([rows, blocks, attended])
     }
 
-    /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows,
+    /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows
+    /// (the indexer's scores, ranking and candidate mask), `blocks` candidate blocks,
     /// `attended` rows a query reads.
-    fn reserved(rows: usize, attended: usize) -> Scratch {
+    fn reserved([rows, blocks, attended]: [usize; 3]) -> Scratch {
         let mut s = Scratch {
-            reserved: (rows, attended),
+            reserved: [rows, blocks, attended],
             ..Scratch::default()
         };
         s.iscores.reserve_exact(rows);
         s.ranked.reserve_exact(rows);
         s.candidates.reserve_exact(rows);
-        s.blocks.reserve_exact(rows);
+        s.blocks.reserve_exact(blocks);
         s.keys.reserve_exact(attended);
         s.scores.reserve_exact(attended);
         s
@@ -163,8 +171,7 @@ impl Scratch {
     /// the reservation of [`Scratch::for_context`].
     pub(crate) fn after_pass(&mut self, rows: usize) {
         if rows > KEEP_ROWS {
-            let (r, a) = self.reserved;
-            *self = Scratch::reserved(r, a);
+            *self = Scratch::reserved(self.reserved);
         }
     }
 }
@@ -173,7 +180,7 @@ impl Clone for Scratch {
     /// An empty scratch (with the same reservation): working buffers carry no state between
     /// forwards.
     fn clone(&self) -> Scratch {
-        Scratch::reserved(self.reserved.0, self.reserved.1)
+        Scratch::reserved(self.reserved)
     }
 }
 

@@ -149,10 +149,11 @@ fn where_decode_allocates() {
     }
 }
 
-/// No heap allocation per decoded token, on any thread.
+/// No heap allocation per decoded token, on any thread, over a run long enough to pass the
+/// sliding window, grow every compressed cache and reach experts first chosen late.
 #[test]
 fn decode_allocates_nothing_per_token() {
-    if let Some((per, _)) = allocs_per_token(8, 16, false) {
+    if let Some((per, _)) = allocs_per_token(8, 200, false) {
         assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
     }
 }
