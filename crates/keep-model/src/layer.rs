@@ -30,13 +30,13 @@ use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
 use crate::experts::{rht_input, rht_output, ExpertSource, ExpertWeights, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
-use crate::linear::{lin_into, note_input, proj, proj_into};
+use crate::linear::{lin_into, note_input, proj_into};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
 use crate::scratch::{zeroed, ExpertScratch, Scratch};
 use crate::sidecar::Sidecar;
-use crate::v4::{head_norm, index_topk, pool_step, V4Attn};
+use crate::v4::{head_norm, index_topk_into, pool_step_with, V4Attn};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -518,7 +518,7 @@ impl LayerWeights<'_> {
         let h = std::mem::take(&mut sc.h);
         let mut a = std::mem::take(&mut sc.block_out);
         if v4 {
-            a = self.attention_v4(cfg, &h, s.t, step, caches, &mut obs)?;
+            self.attention_v4_into(cfg, &h, s.t, step, caches, &mut obs, sc, &mut a)?;
         } else {
             self.attention_into(cfg, &h, s.t, step, caches, shared, &mut obs, &mut a)?;
         }
@@ -1784,13 +1784,34 @@ impl LayerWeights<'_> {
         caches: &mut [crate::cache::LayerCache],
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut y = Vec::new();
+        let mut sc = Scratch::default();
+        self.attention_v4_into(cfg, x, t, step, caches, obs, &mut sc, &mut y)?;
+        Ok(y)
+    }
+
+    /// [`LayerWeights::attention_v4`] into `y`, its intermediates in `sc`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_v4_into(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [crate::cache::LayerCache],
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
-        head_norm(&mut q, hd, cfg.eps);
+        let k = cfg.kernels;
+        proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
+        crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
+        let q = &mut sc.q;
+        proj_into(k, &sc.qr, t, &self.wq_b, obs, l, "attn.wq_b", None, q)?;
+        head_norm(q, hd, cfg.eps);
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
@@ -1798,8 +1819,9 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        let kv = &mut sc.kv;
+        proj_into(k, x, t, &self.wkv, obs, l, "attn.wkv", None, kv)?;
+        crate::linear::rms_norm(kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(
                 &mut kv[i * hd..(i + 1) * hd],
@@ -1814,14 +1836,14 @@ impl LayerWeights<'_> {
                 c.window_rows, step.previous
             )));
         }
-        c.window.extend_from_slice(&kv);
+        c.window.extend_from_slice(kv);
         c.window_rows += t;
 
-        // Compressed rows and, for CSA, the indexer's pick per query.
-        let mut picks: Option<(Vec<i32>, usize)> = None;
+        // Compressed rows and, for CSA, the indexer's pick per query (`sc.picks`, k of them).
+        let mut picks: Option<usize> = None;
         if let Some(va) = &self.v4 {
             let compressor_span = profile::span(Part::Compressor);
-            pool_step(
+            pool_step_with(
                 cfg,
                 &va.pool,
                 &mut c.v4.kv,
@@ -1831,11 +1853,12 @@ impl LayerWeights<'_> {
                 obs,
                 l,
                 ["attn.compressor.wkv", "attn.compressor.wgate"],
+                sc,
             )?;
             drop(compressor_span);
             if let Some(ix) = &va.indexer {
                 let _ix = profile::span(Part::Indexer);
-                pool_step(
+                pool_step_with(
                     cfg,
                     &ix.pool,
                     &mut c.v4.index,
@@ -1848,9 +1871,12 @@ impl LayerWeights<'_> {
                         "attn.indexer.compressor.wkv",
                         "attn.indexer.compressor.wgate",
                     ],
+                    sc,
                 )?;
                 let st = &c.v4.index;
-                picks = Some(index_topk(
+                let mut out = std::mem::take(&mut sc.picks);
+                let qr = std::mem::take(&mut sc.qr);
+                let r = index_topk_into(
                     cfg,
                     ix,
                     &st.entries,
@@ -1862,7 +1888,11 @@ impl LayerWeights<'_> {
                     &self.rope,
                     obs,
                     l,
-                )?);
+                    sc,
+                    &mut out,
+                );
+                (sc.picks, sc.qr) = (out, qr);
+                picks = Some(r?);
             }
         }
 
@@ -1870,45 +1900,49 @@ impl LayerWeights<'_> {
         let scale = (hd as f32).powf(-0.5);
         let comp = &c.v4.kv;
         let ratio = self.roles.ratio.max(1);
-        let mut out = vec![0f32; t * h * hd];
-        let mut scores: Vec<f32> = Vec::new();
-        let mut rows: Vec<&[f32]> = Vec::new();
+        let out = zeroed(&mut sc.heads, t * h * hd);
+        let (keys, scores, q, idx) = (&mut sc.keys, &mut sc.scores, &sc.q, &sc.picks);
+        let window = &c.window;
         for i in 0..t {
             let end = step.previous + i;
             let start = (end + 1).saturating_sub(cfg.window);
-            rows.clear();
-            for key in start..=end {
-                rows.push(&c.window[key * hd..(key + 1) * hd]);
-            }
+            keys.clear();
+            // Window rows are ids 0.., compressed entries are ids offset by 1<<40.
+            keys.extend(start..=end);
             if self.v4.is_some() {
                 let visible = ((step.start_pos + 1 + i) / ratio).min(comp.n);
-                match &picks {
-                    Some((idx, k)) => {
+                match picks {
+                    Some(k) => {
                         for &j in &idx[i * k..(i + 1) * k] {
                             if j >= 0 && (j as usize) < visible {
-                                let j = j as usize;
-                                rows.push(&comp.entries[j * hd..(j + 1) * hd]);
+                                keys.push((1usize << 40) + j as usize);
                             }
                         }
                     }
-                    None => {
-                        for j in 0..visible {
-                            rows.push(&comp.entries[j * hd..(j + 1) * hd]);
-                        }
-                    }
+                    None => keys.extend((0..visible).map(|j| (1usize << 40) + j)),
                 }
             }
-            profile::read(rows.len() * hd * 4);
+            let row = |r: usize| -> &[f32] {
+                let key = keys[r];
+                if key >= 1 << 40 {
+                    let j = key - (1 << 40);
+                    &comp.entries[j * hd..(j + 1) * hd]
+                } else {
+                    &window[key * hd..(key + 1) * hd]
+                }
+            };
+            profile::read(keys.len() * hd * 4);
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
                 let o = &mut out[qo..qo + hd];
-                attend(
+                attend_rows(
                     &q[qo..qo + hd],
                     scale,
-                    &rows,
+                    keys.len(),
+                    row,
                     self.sinks[hh],
                     o,
-                    &mut scores,
+                    scores,
                 );
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
@@ -1919,7 +1953,10 @@ impl LayerWeights<'_> {
             c.window_rows = cfg.window;
         }
         drop(scores_span);
-        self.grouped_out(cfg, &out, t, obs)
+        let heads = std::mem::take(&mut sc.heads);
+        let r = self.grouped_out_into(cfg, &heads, t, obs, sc, y);
+        sc.heads = heads;
+        r
     }
 }
 

@@ -62,6 +62,10 @@ pub struct Scratch {
     pub(crate) ckv: Vec<f32>,
     pub(crate) ik: Vec<f32>,
     pub(crate) gcol: Vec<f32>,
+    // DeepSeek-V4's pools: a value column and the entry being pooled; its indexer's picks.
+    pub(crate) vcol: Vec<f32>,
+    pub(crate) entry: Vec<f32>,
+    pub(crate) picks: Vec<i32>,
     // The indexer: queries, head weights, scores, block and row rankings, and spare buffers
     // for what it shares with the next layers (top-k rows per query, the candidate mask),
     // which a call's `layer::Shared` holds while it runs.
@@ -129,24 +133,31 @@ pub const KEEP_ROWS: usize = 8;
 
 impl Scratch {
     /// Buffers for a run of `context` tokens of `cfg`: those that grow with the position
-    /// reserved for the whole run (the V4.1 indexer's scores, ranking and candidate mask over
-    /// every compressed row, the rows a query attends), so that no decode step reallocates
-    /// them.
+    /// reserved for the whole run (the indexer's scores, ranking and candidate mask over every
+    /// compressed row, the rows a query attends), so that no decode step reallocates them.
     pub fn for_context(cfg: &ModelConfig, context: usize) -> Scratch {
-        if cfg.family != Family::V41 {
-            // Those buffers are the V4.1 attention's; the other families' layers keep theirs.
-            return Scratch::default();
-        }
-        let rows = (0..cfg.n_layers)
-            .map(|l| {
-                let r = cfg.cache_rows(l, context);
-                r.compress_kv.max(r.index_k)
-            })
-            .max()
-            .unwrap_or(0);
+        let most = |rows: &dyn Fn(usize) -> usize| (0..cfg.n_layers).map(rows).max().unwrap_or(0);
+        let window = cfg.window.min(context);
+        let (hd, ihd) = (cfg.head_dim.max(1), cfg.index_head_dim.max(1));
+        let (rows, attended) = match cfg.family {
+            Family::V41 => {
+                let rows = most(&|l| {
+                    let r = cfg.cache_rows(l, context);
+                    r.compress_kv.max(r.index_k)
+                });
+                // A query reads its window and at most `index_topk` compressed rows.
+                (rows, window + cfg.index_topk.min(rows))
+            }
+            Family::V4 => {
+                // The indexer ranks every index entry; an HCA query reads every KV entry.
+                let index = most(&|l| cfg.cache_rows(l, context).v4_index[2] / ihd);
+                let kv = most(&|l| cfg.cache_rows(l, context).v4_kv[2] / hd);
+                (index.max(kv), window + kv)
+            }
+            // Those buffers are the V4 families' attention's; the others' layers keep theirs.
+            _ => return Scratch::default(),
+        };
         let blocks = rows.div_ceil(cfg.candidate_block_size.max(1));
-        // A query reads its window and at most `index_topk` compressed rows.
-        let attended = cfg.window.min(context) + cfg.index_topk.min(rows);
         Scratch::reserved([rows, blocks, attended])
     }
 

@@ -60,22 +60,37 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// The bundled model.
+fn keep_tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
+}
+
 /// Allocations per decoded token on the bundled model after `warm` tokens, over `n` tokens,
 /// and the measuring thread's by profile part when `by_part` (`None` when the model is not in
 /// the tree).
 fn allocs_per_token(warm: usize, n: usize, by_part: bool) -> Option<(f64, [u64; PARTS + 1])> {
+    allocs_per_token_of(&keep_tiny(), warm, n, by_part)
+}
+
+/// [`allocs_per_token`] on the model in `dir`.
+fn allocs_per_token_of(
+    dir: &std::path::Path,
+    warm: usize,
+    n: usize,
+    by_part: bool,
+) -> Option<(f64, [u64; PARTS + 1])> {
     // One measurement at a time: the counter is the whole process's.
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny");
     if !dir.join("config.json").is_file() {
-        eprintln!("models/keep-tiny is not here: skipped");
+        eprintln!("{} is not here: skipped", dir.display());
         return None;
     }
-    let ck = Checkpoint::open(&dir).unwrap();
+    let ck = Checkpoint::open(dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
     model.cfg.kernels = keep_model::Kernels::Fast;
-    let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + 7) % 4096).collect();
+    let vocab = model.cfg.vocab as u32;
+    let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + 7) % vocab).collect();
     let mut cache: Cache = Cache::for_context(&model.cfg, prompt.len() + warm + n);
     let l = model
         .forward(&prompt, &mut cache, Logits::Last, None)
@@ -154,6 +169,16 @@ fn where_decode_allocates() {
 #[test]
 fn decode_allocates_nothing_per_token() {
     if let Some((per, _)) = allocs_per_token(8, 200, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// DeepSeek-V4 / V4-Flash decode (`tests/data/small-v4flash`: hash-routed layers, CSA and HCA
+/// compressors, the indexer): no heap allocation per decoded token either.
+#[test]
+fn v4flash_decode_allocates_nothing_per_token() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/small-v4flash");
+    if let Some((per, _)) = allocs_per_token_of(&dir, 8, 100, false) {
         assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
     }
 }
