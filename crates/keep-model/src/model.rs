@@ -320,7 +320,9 @@ impl<'a> Model<'a> {
         logits: &mut Vec<f32>,
         streams: Option<&mut Streams>,
     ) -> Result<()> {
-        let mut shared = Shared::with(std::mem::take(&mut cache.scratch));
+        let mut sc = std::mem::take(&mut cache.scratch);
+        sc.ensure_reserved();
+        let mut shared = Shared::with(sc);
         let sc = &mut shared.scratch;
         let mut s = Streams {
             t: 0,

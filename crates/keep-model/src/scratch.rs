@@ -1,15 +1,16 @@
 //! [`Scratch`]: the forward's working buffers, typed and named, kept in the [`crate::Cache`]
 //! between calls so that a warm decode step allocates nothing. Each op writes into its buffer
 //! (emptied and resized to the call's shape: no allocation once it has held that shape), the
-//! values are exactly those of a freshly zeroed vector, and the buffers grow, never shrink, to
-//! the largest forward seen up to [`KEEP_ROWS`] rows (a longer pass gives its buffers back).
+//! values are exactly those of a freshly zeroed vector. Buffers keep the capacity of passes of
+//! up to [`KEEP_ROWS`] rows; a longer pass (a prompt chunk) gives them back after it.
 //! [`Scratch::for_context`] sizes the buffers that grow with the position (the indexer's
-//! scores over every compressed row) for a whole run up front.
+//! scores over every compressed row, the rows a query reads) for a whole run up front.
 //!
-//! A clone is empty (a cloned cache shares no working state); buffers of borrowed views (kernel
-//! jobs, expert weight views) are kept in their `'static` form and recycled into the borrowing
-//! one for each call ([`keep_kernels::scratch::recycle`]). A leaf of the model: it names the
-//! config and the expert views, no layer.
+//! A clone is empty (a cloned cache, such as a drafter's snapshot, holds no working memory).
+//! Buffers of borrowed views (kernel jobs, expert weight views) are kept in their `'static`
+//! form and recycled into the borrowing one for each call
+//! ([`keep_kernels::scratch::recycle`]). A leaf of the model: it names the config and the
+//! expert views, no layer.
 
 use std::borrow::Cow;
 
@@ -164,18 +165,30 @@ impl Scratch {
     /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows
     /// (the indexer's scores, ranking and candidate mask), `blocks` candidate blocks,
     /// `attended` rows a query reads.
-    fn reserved([rows, blocks, attended]: [usize; 3]) -> Scratch {
+    fn reserved(reserved: [usize; 3]) -> Scratch {
         let mut s = Scratch {
-            reserved: [rows, blocks, attended],
+            reserved,
             ..Scratch::default()
         };
-        s.iscores.reserve_exact(rows);
-        s.ranked.reserve_exact(rows);
-        s.candidates.reserve_exact(rows);
-        s.blocks.reserve_exact(blocks);
-        s.keys.reserve_exact(attended);
-        s.scores.reserve_exact(attended);
+        s.ensure_reserved();
         s
+    }
+
+    /// Reserve what [`Scratch::for_context`] asked for where a buffer holds less (nothing to do
+    /// but after a clone, whose buffers are empty).
+    pub(crate) fn ensure_reserved(&mut self) {
+        fn at_least<T>(v: &mut Vec<T>, n: usize) {
+            if v.capacity() < n {
+                v.reserve_exact(n - v.len());
+            }
+        }
+        let [rows, blocks, attended] = self.reserved;
+        at_least(&mut self.iscores, rows);
+        at_least(&mut self.ranked, rows);
+        at_least(&mut self.candidates, rows);
+        at_least(&mut self.blocks, blocks);
+        at_least(&mut self.keys, attended);
+        at_least(&mut self.scores, attended);
     }
 
     /// After a pass of `rows` rows: past [`KEEP_ROWS`], give every buffer back and keep only
@@ -188,15 +201,48 @@ impl Scratch {
 }
 
 impl Clone for Scratch {
-    /// An empty scratch (with the same reservation): working buffers carry no state between
-    /// forwards.
+    /// An empty scratch that remembers the reservation (made again by the next forward on it,
+    /// so a cache snapshot holds no working memory): buffers carry no state between forwards.
     fn clone(&self) -> Scratch {
-        Scratch::reserved(self.reserved)
+        Scratch {
+            reserved: self.reserved,
+            ..Scratch::default()
+        }
     }
 }
 
 impl std::fmt::Debug for Scratch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Scratch")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// keep-tiny's config (V4.1 with compressors and an indexer), `None` when not in the tree.
+    fn tiny() -> Option<ModelConfig> {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/keep-tiny/config.json");
+        let text = std::fs::read_to_string(&p).ok()?;
+        let c = keep_checkpoint::DeepSeekConfig::from_json(&p, &text).unwrap();
+        Some(ModelConfig::from_deepseek(&c).unwrap())
+    }
+
+    #[test]
+    fn a_clone_holds_no_buffers_and_the_next_forward_reserves_again() {
+        let Some(cfg) = tiny() else {
+            return;
+        };
+        let s = Scratch::for_context(&cfg, 1000);
+        // keep-tiny compresses by 1 on some layers: every position is a compressed row.
+        assert!(s.iscores.capacity() >= 1000 && s.keys.capacity() >= 64);
+        let mut c = s.clone();
+        let held = [c.iscores.capacity(), c.ranked.capacity(), c.keys.capacity()];
+        assert_eq!(held, [0, 0, 0], "a snapshot's scratch holds buffers");
+        c.ensure_reserved();
+        assert_eq!(c.iscores.capacity(), s.iscores.capacity());
+        assert_eq!(c.keys.capacity(), s.keys.capacity());
     }
 }
