@@ -270,15 +270,15 @@ pub fn matmul_with(
         {
             if e8p_int_stages(codes, scales, resid, w.cols).is_some() {
                 // One batch of one job: its main and residual stages share the activations.
-                let mut jobs = vec![crate::simd::Job {
+                let mut job = crate::simd::Job {
                     w: crate::simd::Src::view(w),
                     rows: w.rows,
                     cols: w.cols,
                     x,
                     m,
                     out,
-                }];
-                return matmul_many_with(kernels, &mut jobs);
+                };
+                return matmul_many_with(kernels, std::slice::from_mut(&mut job));
             }
         }
         if let Some(src) = crate::bf16dot::BfSrc::from_view(w) {

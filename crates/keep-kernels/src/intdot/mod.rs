@@ -899,8 +899,15 @@ pub fn int_matmul(
     out: &mut [f32],
 ) -> Result<()> {
     check_operands(x, m, rows, cols, out)?;
-    let a = Q8Acts::quantize(x, m, cols)?;
-    int_matmul_at(int_level(), src, rows, &a, out)
+    // Quantized into a buffer this thread keeps between calls (as `int_matmul_many` does).
+    let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let mut a = spare.pop().unwrap_or_default();
+    let r = a
+        .requantize(x, m, cols)
+        .and_then(|()| int_matmul_at(int_level(), src, rows, &a, out));
+    spare.push(a);
+    keep_spare(spare);
+    r
 }
 
 /// One product of an [`int_matmul_many`] batch.
