@@ -6,7 +6,12 @@
 //! none (`decode_allocates_nothing_per_token`): every activation lives in the cache's scratch
 //! and the kernels keep their bookkeeping per thread. `where_decode_allocates` prints them by
 //! profile part (run it with `--nocapture`), checks that the parts account for every
-//! allocation of the measuring thread, and that no part allocates.
+//! allocation of the measuring thread, and that no part allocates. DeepSeek-V4 / V4-Flash
+//! decode (`tests/data/small-v4flash`) allocates nothing either
+//! (`v4flash_decode_allocates_nothing_per_token`).
+//! These models' products are all below the kernels' threading threshold; a threaded product
+//! called from outside the pool costs rayon's global queue an allocation every few dozen calls
+//! (keep-kernels' `tests/fast_allocs.rs` checks the threaded kernels on a pool thread).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
