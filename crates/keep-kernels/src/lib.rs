@@ -25,6 +25,10 @@
 //! regions report to (`keep run --profile`): exclusive time, bytes read and thread waits per
 //! part of each forward pass, one relaxed atomic load per entry point when off.
 //!
+//! Buffers are kept between calls so that a warm decode step allocates nothing: the batched
+//! kernels' bookkeeping (job lists, output pointers, row tasks, prepared inputs) lives in
+//! per-thread buffers, and [`scratch::recycle`] keeps a buffer of borrowed views across calls.
+//!
 //! [`hadamard`] holds the fast Walsh–Hadamard transform and seeded random-sign transforms
 //! that undo incoherence processing on the activations.
 //!
@@ -43,6 +47,7 @@ pub mod matmul;
 pub mod ops;
 pub mod profile;
 pub(crate) mod rows;
+pub mod scratch;
 pub mod simd;
 pub mod sinkhorn_fused;
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! which decoded a tile of rows once for four input rows at a time. [`dot`] and [`dot4`] remain
 //! for the attention's vector products.
 
+use crate::scratch::recycle;
 use crate::{Result, WeightView};
 
 use crate::cpu::check_operands;
@@ -269,15 +270,15 @@ pub fn matmul_with(
         {
             if e8p_int_stages(codes, scales, resid, w.cols).is_some() {
                 // One batch of one job: its main and residual stages share the activations.
-                let mut jobs = vec![crate::simd::Job {
+                let mut job = crate::simd::Job {
                     w: crate::simd::Src::view(w),
                     rows: w.rows,
                     cols: w.cols,
                     x,
                     m,
                     out,
-                }];
-                return matmul_many_with(kernels, &mut jobs);
+                };
+                return matmul_many_with(kernels, std::slice::from_mut(&mut job));
             }
         }
         if let Some(src) = crate::bf16dot::BfSrc::from_view(w) {
@@ -313,6 +314,20 @@ pub fn matmul_rows(
     matmul(x, m, &sub, out)
 }
 
+/// The job lists of [`matmul_many_with`] (integer, bf16, exact), kept per thread between
+/// calls in their `'static` form (see [`recycle`]).
+type SplitJobs = (
+    Vec<crate::intdot::IntJob<'static, 'static>>,
+    Vec<crate::bf16dot::BfJob<'static, 'static>>,
+    Vec<crate::simd::Job<'static, 'static>>,
+);
+
+thread_local! {
+    static SPLIT: std::cell::RefCell<SplitJobs> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new()))
+    };
+}
+
 /// [`crate::simd::matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
 /// weight has an integer kernel (MXFP4, affine-8, MLX affine-4) run through [`crate::intdot::int_matmul_many`] (activations
 /// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
@@ -341,11 +356,13 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
         })
         .collect();
     let mut resid_bufs = resid_out.iter_mut().map(|(_, b)| b);
+    // The three job lists are this thread's, kept between calls.
+    let kept = SPLIT.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let (mut int_jobs, mut bf_jobs, mut rest): (
         Vec<crate::intdot::IntJob>,
         Vec<crate::bf16dot::BfJob>,
         Vec<crate::simd::Job>,
-    ) = (vec![], vec![], vec![]);
+    ) = (recycle(kept.0), recycle(kept.1), recycle(kept.2));
     for j in jobs.iter_mut() {
         let int = match j.w {
             crate::simd::Src::Mxfp4 { packed, scales }
@@ -424,7 +441,8 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
     if !rest.is_empty() {
         crate::simd::matmul_many(&mut rest);
     }
-    drop((int_jobs, bf_jobs, rest));
+    let kept = (recycle(int_jobs), recycle(bf_jobs), recycle(rest));
+    SPLIT.with(|s| *s.borrow_mut() = kept);
     for (k, b) in &resid_out {
         jobs[*k].out.iter_mut().zip(b).for_each(|(o, r)| *o += r);
     }

@@ -32,9 +32,20 @@ pub(crate) fn row_tasks(
     shapes: impl Iterator<Item = (usize, usize, usize)> + Clone,
     threads: usize,
 ) -> Vec<(usize, usize, usize)> {
+    let mut tasks = vec![];
+    row_tasks_into(shapes, threads, &mut tasks);
+    tasks
+}
+
+/// [`row_tasks`] into `tasks` (emptied first; no allocation when it holds enough).
+pub(crate) fn row_tasks_into(
+    shapes: impl Iterator<Item = (usize, usize, usize)> + Clone,
+    threads: usize,
+    tasks: &mut Vec<(usize, usize, usize)>,
+) {
+    tasks.clear();
     let total: usize = shapes.clone().map(|(m, rows, cols)| m * rows * cols).sum();
     let target = (total / (threads.max(1) * 4)).max(1);
-    let mut tasks = vec![];
     for (ji, (m, rows, cols)) in shapes.enumerate() {
         let rows_per = (target / (m * cols).max(1)).clamp(1, rows.max(1));
         let mut r0 = 0;
@@ -44,40 +55,83 @@ pub(crate) fn row_tasks(
             r0 = r1;
         }
     }
-    tasks
+}
+
+/// The bookkeeping of one batched kernel call (shapes, output pointers, row tasks, the
+/// prepared input of each job), kept per thread between calls so that a warm decode step
+/// allocates none of it. Taken out of the thread's slot for the call and put back after
+/// ([`Books::take`], [`Books::keep`]): a call nested inside another on the same thread finds
+/// the slot empty and allocates its own, which is correct, only not free.
+#[derive(Default)]
+pub(crate) struct Books {
+    pub(crate) shapes: Vec<(usize, usize, usize)>,
+    pub(crate) outs: Vec<SyncPtr>,
+    pub(crate) tasks: Vec<(usize, usize, usize)>,
+    pub(crate) which: Vec<usize>,
+    pub(crate) keys: Vec<(*const f32, usize, usize)>,
+}
+
+thread_local! {
+    static BOOKS: std::cell::RefCell<Books> = std::cell::RefCell::new(Books::default());
+}
+
+impl Books {
+    /// This thread's kept bookkeeping (empty buffers with their capacity).
+    pub(crate) fn take() -> Books {
+        BOOKS.with(|b| std::mem::take(&mut *b.borrow_mut()))
+    }
+
+    /// Empty the buffers (no pointer outlives the call) and keep them for this thread's next
+    /// call.
+    pub(crate) fn keep(mut self) {
+        self.shapes.clear();
+        self.outs.clear();
+        self.tasks.clear();
+        self.which.clear();
+        self.keys.clear();
+        BOOKS.with(|b| *b.borrow_mut() = self);
+    }
 }
 
 /// Prepare one activation form per distinct input of a batch: jobs whose input is the same
-/// slice (same pointer, length and width) share it. Returns the prepared forms and, per job,
-/// the index of its form. `jobs` yields `(x, m, cols)`.
-pub(crate) fn prepare_per_input<'x, A, E>(
+/// slice (same pointer, length and width) share it. The `k`-th distinct input is prepared into
+/// `pool[k]` (the pool grows with default forms where it is short: buffers of earlier calls
+/// are reused); `which` gets, per job, the index of its form, `keys` is scratch. `jobs` yields
+/// `(x, m, cols)`.
+pub(crate) fn prepare_per_input<'x, A: Default, E>(
     jobs: impl Iterator<Item = (&'x [f32], usize, usize)>,
-    mut prepare: impl FnMut(&'x [f32], usize, usize) -> std::result::Result<A, E>,
-) -> std::result::Result<(Vec<A>, Vec<usize>), E> {
-    let mut acts: Vec<A> = vec![];
-    let mut which = vec![];
-    let mut keys: Vec<(*const f32, usize, usize)> = vec![];
+    pool: &mut Vec<A>,
+    which: &mut Vec<usize>,
+    keys: &mut Vec<(*const f32, usize, usize)>,
+    mut prepare: impl FnMut(&mut A, &'x [f32], usize, usize) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    which.clear();
+    keys.clear();
     for (x, m, cols) in jobs {
         let key = (x.as_ptr(), x.len(), cols);
         match keys.iter().position(|k| *k == key) {
             Some(p) => which.push(p),
             None => {
                 keys.push(key);
-                acts.push(prepare(x, m, cols)?);
-                which.push(acts.len() - 1);
+                if pool.len() < keys.len() {
+                    pool.push(A::default());
+                }
+                prepare(&mut pool[keys.len() - 1], x, m, cols)?;
+                which.push(keys.len() - 1);
             }
         }
     }
-    Ok((acts, which))
+    Ok(())
 }
 
 /// Run a batch of products given as `(m, rows, cols)` shapes and output pointers: on this
 /// thread when small, else as [`row_tasks`] over rayon. `run(job, r0, r1, out)` computes output
 /// rows `r0..r1` of job `job` into `out` (the job's `m × rows` output, leading dimension
-/// `rows`); tasks of one job cover disjoint row ranges.
+/// `rows`); tasks of one job cover disjoint row ranges. `tasks` is scratch.
 pub(crate) fn run_row_jobs(
     shapes: &[(usize, usize, usize)],
     outs: &[SyncPtr],
+    tasks: &mut Vec<(usize, usize, usize)>,
     run: impl Fn(usize, usize, usize, *mut f32) + Sync,
 ) {
     let threads = rayon::current_num_threads();
@@ -88,7 +142,7 @@ pub(crate) fn run_row_jobs(
         }
         return;
     }
-    let tasks = row_tasks(shapes.iter().copied(), threads);
+    row_tasks_into(shapes.iter().copied(), threads, tasks);
     let region = crate::profile::Region::begin();
     let reg = region.as_ref();
     tasks

@@ -1,6 +1,9 @@
 //! Decoding state, as the reference's `LayerCache`: per layer the sliding window of KV rows, the
 //! rows of the compressor group still open (`pending_kv`, `pending_gate`), the closed compressed
-//! KV rows and their index keys. The token position is kept once for the whole model.
+//! KV rows and their index keys. The token position is kept once for the whole model, and so
+//! are the forward's working buffers ([`crate::scratch::Scratch`]).
+
+use crate::scratch::Scratch;
 
 /// One layer's cache.
 #[derive(Debug, Clone, Default)]
@@ -56,6 +59,8 @@ pub struct Cache {
     pub pos: usize,
     /// Engram: the compressed ids of the last `max_ngram − 1` tokens (n-gram look-back).
     pub engram_history: Vec<u32>,
+    /// The forward's working buffers, kept between calls (no state: a clone is empty).
+    pub(crate) scratch: Scratch,
 }
 
 impl Cache {
@@ -65,6 +70,7 @@ impl Cache {
             layers: vec![LayerCache::default(); n_layers],
             pos: 0,
             engram_history: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 

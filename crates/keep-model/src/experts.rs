@@ -234,6 +234,26 @@ pub trait ExpertSource: Send + Sync {
         experts.iter().map(|&e| self.expert(layer, e)).collect()
     }
 
+    /// [`ExpertSource::experts`] appended to `out` (the MoE layer's kept buffer). Default:
+    /// through [`ExpertSource::experts`]; a source whose views need no list of their own
+    /// overrides it to allocate nothing.
+    fn experts_into<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<ExpertWeights<'s>>,
+    ) -> Result<()> {
+        out.extend(self.experts(layer, experts)?);
+        Ok(())
+    }
+
+    /// [`ExpertSource::ready`] into `out` (emptied first). Default: through
+    /// [`ExpertSource::ready`]; a source that never reads overrides it to allocate nothing.
+    fn ready_into(&self, layer: usize, experts: &[usize], out: &mut Vec<bool>) {
+        out.clear();
+        out.extend(self.ready(layer, experts));
+    }
+
     /// The most experts of one layer that [`ExpertSource::experts`] can hand out together
     /// (at least 1). Default: no limit.
     fn max_batch(&self) -> usize {
@@ -286,6 +306,17 @@ impl<S: ExpertSource, T: ExpertTiers> ExpertSource for Tiered<S, T> {
     }
     fn experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertWeights<'_>>> {
         self.source.experts(layer, experts)
+    }
+    fn experts_into<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<ExpertWeights<'s>>,
+    ) -> Result<()> {
+        self.source.experts_into(layer, experts, out)
+    }
+    fn ready_into(&self, layer: usize, experts: &[usize], out: &mut Vec<bool>) {
+        self.source.ready_into(layer, experts, out)
     }
     fn max_batch(&self) -> usize {
         self.source.max_batch()
@@ -392,6 +423,23 @@ impl<'a> CheckpointExperts<'a> {
 }
 
 impl ExpertSource for CheckpointExperts<'_> {
+    fn experts_into<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<ExpertWeights<'s>>,
+    ) -> Result<()> {
+        for &e in experts {
+            out.push(self.expert(layer, e)?);
+        }
+        Ok(())
+    }
+
+    fn ready_into(&self, _layer: usize, experts: &[usize], out: &mut Vec<bool>) {
+        out.clear();
+        out.resize(experts.len(), true);
+    }
+
     fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights<'_>> {
         let w = self
             .experts

@@ -9,6 +9,7 @@ use keep_kernels::{matmul, ops, WeightView};
 
 use crate::config::{Family, ModelConfig};
 use crate::layer::Streams;
+use crate::scratch::{zeroed, Scratch};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -78,10 +79,17 @@ impl<'a> Globals<'a> {
     /// The initial streams: each token's embedding copied into all `hc` streams, pre-mix
     /// `[1, 0, …]`.
     pub fn embed(&self, cfg: &ModelConfig, tokens: &[u32]) -> Result<Streams> {
+        let mut s = Streams::default();
+        self.embed_into(cfg, tokens, &mut s)?;
+        Ok(s)
+    }
+
+    /// [`Globals::embed`] into `s` (its buffers reused).
+    pub fn embed_into(&self, cfg: &ModelConfig, tokens: &[u32], s: &mut Streams) -> Result<()> {
         let (hc, d) = (cfg.hc, cfg.dim);
         let t = tokens.len();
-        let mut x = vec![0f32; t * hc * d];
-        let mut row = vec![0f32; d];
+        s.t = t;
+        let x = zeroed(&mut s.x, t * hc * d);
         for (i, &id) in tokens.iter().enumerate() {
             if id as usize >= cfg.vocab {
                 return Err(ModelError::Token {
@@ -89,44 +97,62 @@ impl<'a> Globals<'a> {
                     vocab: cfg.vocab,
                 });
             }
-            self.embed.decode_row(id as usize, &mut row);
+            let first = i * hc * d;
+            self.embed.decode_row(id as usize, &mut x[first..first + d]);
             profile::read(self.embed.nbytes() / self.embed.rows.max(1));
-            for k in 0..hc {
-                x[(i * hc + k) * d..(i * hc + k + 1) * d].copy_from_slice(&row);
+            for k in 1..hc {
+                x.copy_within(first..first + d, first + k * d);
             }
         }
-        let mut pre_mix = vec![0f32; t * hc];
+        let pre_mix = zeroed(&mut s.pre_mix, t * hc);
         for i in 0..t {
             pre_mix[i * hc] = 1.0;
         }
-        Ok(Streams {
-            t,
-            x,
-            pre_mix,
-            tokens: tokens.to_vec(),
-        })
+        s.tokens.clear();
+        s.tokens.extend_from_slice(tokens);
+        Ok(())
     }
 
     /// Final collapse, norm and head for the rows `which` asks for.
     pub fn finish(&self, cfg: &ModelConfig, s: &Streams, which: Logits) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.finish_into(cfg, s, which, &mut Scratch::default(), &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Globals::finish`] into `out`, its intermediates in `sc`.
+    pub fn finish_into(
+        &self,
+        cfg: &ModelConfig,
+        s: &Streams,
+        which: Logits,
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let (hc, d) = (cfg.hc, cfg.dim);
-        let rows: Vec<usize> = match which {
-            Logits::All => (0..s.t).collect(),
-            Logits::Last => s.t.checked_sub(1).into_iter().collect(),
-            Logits::None => return Ok(vec![]),
-        };
+        let rows = &mut sc.head_rows;
+        rows.clear();
+        match which {
+            Logits::All => rows.extend(0..s.t),
+            Logits::Last => rows.extend(s.t.checked_sub(1)),
+            Logits::None => {
+                out.clear();
+                return Ok(());
+            }
+        }
         let _p = profile::span(Part::Head);
         // V4: `DeepseekV4HyperHead`, pre = sigmoid(rms(streams)·fnᵀ·scale + base) + hc_eps.
-        let head_mix: Option<Vec<f32>> = match &self.hc_head {
+        let head_mix: Option<&[f32]> = match &self.hc_head {
             Some((fn_, base, scale)) => {
-                let mut flat = Vec::with_capacity(rows.len() * hc * d);
-                for &i in &rows {
+                let flat = &mut sc.head_flat;
+                flat.clear();
+                for &i in rows.iter() {
                     flat.extend_from_slice(&s.x[i * hc * d..(i + 1) * hc * d]);
                 }
-                crate::linear::rms_norm(&mut flat, hc * d, None, cfg.eps);
-                let mut mix = vec![0f32; rows.len() * hc];
+                crate::linear::rms_norm(flat, hc * d, None, cfg.eps);
+                let mix = zeroed(&mut sc.head_mix, rows.len() * hc);
                 profile::read(fn_.nbytes());
-                matmul(&flat, rows.len(), fn_, &mut mix)?;
+                matmul(flat, rows.len(), fn_, mix)?;
                 for (j, v) in mix.iter_mut().enumerate() {
                     *v = ops::sigmoid(*v * scale + base[j % hc]) + cfg.hc_eps;
                 }
@@ -134,11 +160,11 @@ impl<'a> Globals<'a> {
             }
             None => None,
         };
-        let mut h = vec![0f32; rows.len() * d];
+        let h = zeroed(&mut sc.head_h, rows.len() * d);
         for (r, &i) in rows.iter().enumerate() {
             let o = &mut h[r * d..(r + 1) * d];
             for k in 0..hc {
-                let m = match &head_mix {
+                let m = match head_mix {
                     Some(mix) => mix[r * hc + k],
                     None => s.pre_mix[i * hc + k],
                 };
@@ -150,16 +176,16 @@ impl<'a> Globals<'a> {
                 }
             }
         }
-        crate::linear::rms_norm(&mut h, d, Some(&self.norm), cfg.eps);
-        let mut out = vec![0f32; rows.len() * cfg.vocab];
+        crate::linear::rms_norm(h, d, Some(&self.norm), cfg.eps);
+        let out = zeroed(out, rows.len() * cfg.vocab);
         profile::read(self.head.nbytes());
         // One product over every vocab row: threads split the rows, on the fast kernels under
         // `Kernels::Fast` (bf16 and FP8 heads on the bf16 kernels where the CPU has them).
-        keep_kernels::matmul_with(cfg.kernels, &h, rows.len(), &self.head, &mut out)?;
+        keep_kernels::matmul_with(cfg.kernels, h, rows.len(), &self.head, out)?;
         if !out.iter().all(|v| v.is_finite()) {
             return Err(ModelError::NonFinite("the output head".into()));
         }
-        Ok(out)
+        Ok(())
     }
 }
 

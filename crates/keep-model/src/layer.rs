@@ -15,24 +15,28 @@
 //! The whole-model forward and the layer-streamed forward both call this one function, which is
 //! what makes them bit-identical.
 
+use std::borrow::Cow;
+
 use keep_checkpoint::Checkpoint;
 use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::profile::{self, Part};
+use keep_kernels::scratch::recycle;
 use keep_kernels::simd::Job;
 use keep_kernels::{matmul, Kernels, WeightView};
 
 use crate::cache::LayerCache;
 use crate::config::{Family, LayerRoles, ModelConfig, Scoring};
-use crate::experts::{rht_input, rht_output, ExpertSource, Rung};
+use crate::experts::{rht_input, rht_output, ExpertSource, ExpertWeights, Rung};
 use crate::hash::{route_hash, HashTable};
 pub use crate::linear::top_k_by;
-use crate::linear::{lin, note_input, proj};
+use crate::linear::{lin_into, note_input, proj_into};
 use crate::observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
+use crate::scratch::{zeroed, ExpertScratch, Scratch};
 use crate::sidecar::Sidecar;
-use crate::v4::{head_norm, index_topk, pool_step, V4Attn};
+use crate::v4::{head_norm, index_topk_into, pool_step_with, V4Attn};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -93,22 +97,52 @@ pub struct LayerWeights<'a> {
     pub sidecar: Option<Sidecar>,
 }
 
-/// What one forward call shares between layers (the reference's `shared` dict).
+/// What one forward call shares between layers (the reference's `shared` dict), and the
+/// call's working buffers.
 #[derive(Default)]
 pub struct Shared {
     /// Layer whose cache holds the compressed KV the next layers read.
     pub compress_kv: Option<usize>,
     /// Layer whose cache holds the index keys.
     pub index_k: Option<usize>,
-    /// Top-k compressed rows per query `[T × k]` (-1: none), with k.
-    pub topk: Option<(Vec<i32>, usize)>,
-    /// Candidate mask `[T × n]` over index keys, with n.
-    pub candidates: Option<(Vec<bool>, usize)>,
+    /// k of the top-k compressed rows per query (`topk_rows`).
+    pub topk: Option<usize>,
+    /// Top-k compressed rows per query `[T × k]` (-1: none).
+    pub topk_rows: Vec<i32>,
+    /// n of the candidate mask over index keys (`candidate_mask`).
+    pub candidates: Option<usize>,
+    /// Candidate mask `[T × n]` over index keys.
+    pub candidate_mask: Vec<bool>,
+    /// The forward's working buffers (a [`crate::Cache`]'s, lent for the call; what the layers
+    /// pass on lives in the fields above, never here).
+    pub scratch: Scratch,
+}
+
+impl Shared {
+    /// The state of a new forward call over `scratch` (nothing shared yet; the shared rows'
+    /// buffers are the scratch's spare ones).
+    pub fn with(mut scratch: Scratch) -> Shared {
+        Shared {
+            topk_rows: std::mem::take(&mut scratch.topk),
+            candidate_mask: std::mem::take(&mut scratch.candidates),
+            scratch,
+            ..Shared::default()
+        }
+    }
+
+    /// The working buffers back, with the shared rows' buffers as spares.
+    pub fn into_scratch(self) -> Scratch {
+        let mut sc = self.scratch;
+        (sc.topk, sc.candidates) = (self.topk_rows, self.candidate_mask);
+        sc.topk.clear();
+        sc.candidates.clear();
+        sc
+    }
 }
 
 /// The hidden state between layers: `hc` residual streams per token and the pre-mix the next
 /// layer collapses them with.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Streams {
     pub t: usize,
     /// `[T × hc × dim]`.
@@ -319,17 +353,38 @@ pub(crate) fn hc_mix(
     s: &Streams,
     cfg: &ModelConfig,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (mut flat, mut mix) = (Vec::new(), Vec::new());
+    let (mut pre, mut post, mut comb) = (Vec::new(), Vec::new(), Vec::new());
+    hc_mix_into(
+        hcw, s, cfg, &mut flat, &mut mix, &mut pre, &mut post, &mut comb,
+    )?;
+    Ok((pre, post, comb))
+}
+
+/// [`hc_mix`] into `pre`, `post`, `comb` (`flat`, `mix`: scratch).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn hc_mix_into(
+    hcw: &Hc,
+    s: &Streams,
+    cfg: &ModelConfig,
+    flat: &mut Vec<f32>,
+    mix: &mut Vec<f32>,
+    pre: &mut Vec<f32>,
+    post: &mut Vec<f32>,
+    comb: &mut Vec<f32>,
+) -> Result<()> {
     let _p = profile::span(Part::HyperConn);
     let (t, hc, d) = (s.t, cfg.hc, cfg.dim);
-    let mut flat = s.x.clone();
-    crate::linear::rms_norm(&mut flat, hc * d, None, cfg.eps);
+    flat.clear();
+    flat.extend_from_slice(&s.x);
+    crate::linear::rms_norm(flat, hc * d, None, cfg.eps);
     let nm = (2 + hc) * hc;
-    let mut mix = vec![0f32; t * nm];
+    let mix = zeroed(mix, t * nm);
     profile::read(hcw.fn_.nbytes());
-    matmul(&flat, t, &hcw.fn_, &mut mix)?;
-    let mut pre = vec![0f32; t * hc];
-    let mut post = vec![0f32; t * hc];
-    let mut comb = vec![0f32; t * hc * hc];
+    matmul(flat, t, &hcw.fn_, mix)?;
+    let pre = zeroed(pre, t * hc);
+    let post = zeroed(post, t * hc);
+    let comb = zeroed(comb, t * hc * hc);
     for i in 0..t {
         let m = &mut mix[i * nm..(i + 1) * nm];
         for (j, v) in m.iter_mut().enumerate() {
@@ -357,13 +412,20 @@ pub(crate) fn hc_mix(
         }
         ops::sinkhorn(c, hc, cfg.hc_iters, cfg.hc_eps);
     }
-    Ok((pre, post, comb))
+    Ok(())
 }
 
 /// `_collapse`: `Σ_k mix[k] · streams[k]` per token.
 pub(crate) fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    collapse_into(s, mix, hc, d, &mut out);
+    out
+}
+
+/// [`collapse`] into `out`.
+pub(crate) fn collapse_into(s: &Streams, mix: &[f32], hc: usize, d: usize, out: &mut Vec<f32>) {
     let _p = profile::span(Part::HyperConn);
-    let mut out = vec![0f32; s.t * d];
+    let out = zeroed(out, s.t * d);
     for i in 0..s.t {
         let o = &mut out[i * d..(i + 1) * d];
         for k in 0..hc {
@@ -374,13 +436,25 @@ pub(crate) fn collapse(s: &Streams, mix: &[f32], hc: usize, d: usize) -> Vec<f32
             }
         }
     }
-    out
 }
 
 /// `_expand`: `streams'[j] = post[j] · x + Σ_i comb[i, j] · streams[i]` per token.
 pub(crate) fn expand(x: &[f32], s: &mut Streams, post: &[f32], comb: &[f32], hc: usize, d: usize) {
+    expand_with(x, s, post, comb, hc, d, &mut Vec::new())
+}
+
+/// [`expand`] with `mixed` as scratch.
+pub(crate) fn expand_with(
+    x: &[f32],
+    s: &mut Streams,
+    post: &[f32],
+    comb: &[f32],
+    hc: usize,
+    d: usize,
+    mixed: &mut Vec<f32>,
+) {
     let _p = profile::span(Part::HyperConn);
-    let mut mixed = vec![0f32; hc * d];
+    let mixed = zeroed(mixed, hc * d);
     for i in 0..s.t {
         mixed.iter_mut().for_each(|v| *v = 0.0);
         let res = &s.x[i * hc * d..(i + 1) * hc * d];
@@ -423,32 +497,58 @@ impl LayerWeights<'_> {
         mut obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
         let (hc, d) = (cfg.hc, cfg.dim);
-        if cfg.family == Family::V4 {
-            let (pre, post, comb) = hc_mix(&self.hc_attn, s, cfg)?;
-            let mut h = collapse(s, &pre, hc, d);
-            crate::linear::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
-            let a = self.attention_v4(cfg, &h, s.t, step, caches, &mut obs)?;
-            expand(&a, s, &post, &comb, hc, d);
-            let (pre, post, comb) = hc_mix(&self.hc_ffn, s, cfg)?;
-            let mut h = collapse(s, &pre, hc, d);
-            crate::linear::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
-            let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
-            expand(&m, s, &post, &comb, hc, d);
-            let _ = shared;
-            return Ok(());
+        // Every intermediate lives in the call's scratch: a buffer the next op needs while
+        // `shared` is lent again is taken out (no allocation) and put back after.
+        let v4 = cfg.family == Family::V4;
+        let sc = &mut shared.scratch;
+        hc_mix_into(
+            &self.hc_attn,
+            s,
+            cfg,
+            &mut sc.hc_flat,
+            &mut sc.hc_mix,
+            &mut sc.attn_pre,
+            &mut sc.post,
+            &mut sc.comb,
+        )?;
+        // V4 collapses with its own pre-mix, V4.1 with the previous block's.
+        let mix = if v4 { &sc.attn_pre } else { &s.pre_mix };
+        collapse_into(s, mix, hc, d, &mut sc.h);
+        crate::linear::rms_norm(&mut sc.h, d, Some(&self.attn_norm), cfg.eps);
+        let h = std::mem::take(&mut sc.h);
+        let mut a = std::mem::take(&mut sc.block_out);
+        if v4 {
+            self.attention_v4_into(cfg, &h, s.t, step, caches, &mut obs, sc, &mut a)?;
+        } else {
+            self.attention_into(cfg, &h, s.t, step, caches, shared, &mut obs, &mut a)?;
         }
-        let (attn_pre, attn_post, attn_comb) = hc_mix(&self.hc_attn, s, cfg)?;
-        let mut h = collapse(s, &s.pre_mix, hc, d);
-        crate::linear::rms_norm(&mut h, d, Some(&self.attn_norm), cfg.eps);
-        let a = self.attention(cfg, &h, s.t, step, caches, shared, &mut obs)?;
-        expand(&a, s, &attn_post, &attn_comb, hc, d);
+        let sc = &mut shared.scratch;
+        expand_with(&a, s, &sc.post, &sc.comb, hc, d, &mut sc.mixed);
 
-        let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&self.hc_ffn, s, cfg)?;
-        let mut h = collapse(s, &attn_pre, hc, d);
+        hc_mix_into(
+            &self.hc_ffn,
+            s,
+            cfg,
+            &mut sc.hc_flat,
+            &mut sc.hc_mix,
+            &mut sc.pre,
+            &mut sc.post,
+            &mut sc.comb,
+        )?;
+        let mut h = h;
+        let mix = if v4 { &sc.pre } else { &sc.attn_pre };
+        collapse_into(s, mix, hc, d, &mut h);
         crate::linear::rms_norm(&mut h, d, Some(&self.ffn_norm), cfg.eps);
-        let m = self.moe(cfg, experts, mask, &h, &s.tokens, step, &mut obs)?;
-        expand(&m, s, &ffn_post, &ffn_comb, hc, d);
-        s.pre_mix = ffn_pre;
+        let mut m = a;
+        self.moe_into(
+            cfg, experts, mask, &h, &s.tokens, step, &mut obs, sc, &mut m,
+        )?;
+        expand_with(&m, s, &sc.post, &sc.comb, hc, d, &mut sc.mixed);
+        if !v4 {
+            s.pre_mix.clear();
+            s.pre_mix.extend_from_slice(&sc.pre);
+        }
+        (sc.h, sc.block_out) = (h, m);
         Ok(())
     }
 
@@ -463,21 +563,53 @@ impl LayerWeights<'_> {
         shared: &mut Shared,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.attention_into(cfg, x, t, step, caches, shared, obs, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`LayerWeights::attention`] into `y` (`[t × dim]`), its intermediates in
+    /// `shared.scratch`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_into(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [LayerCache],
+        shared: &mut Shared,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
+        let sc = &mut shared.scratch;
+        let k = cfg.kernels;
+        proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
+        crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
+        proj_into(
+            k,
+            &sc.qr,
+            t,
+            &self.wq_b,
+            obs,
+            l,
+            "attn.wq_b",
+            None,
+            &mut sc.q,
+        )?;
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
                 let o = (i * h + hh) * hd;
-                self.rope.apply(&mut q[o..o + hd], pos, false);
+                self.rope.apply(&mut sc.q[o..o + hd], pos, false);
             }
         }
-        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        let kv = &mut sc.kv;
+        proj_into(k, x, t, &self.wkv, obs, l, "attn.wkv", None, kv)?;
+        crate::linear::rms_norm(kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
             self.rope.apply(row, (step.start_pos + i) as f32, false);
@@ -496,7 +628,7 @@ impl LayerWeights<'_> {
                 rows: t,
                 cols: hd,
                 before: &before,
-                after: &kv,
+                after: kv,
             });
         }
         // The window with the new rows appended (truncated after attending).
@@ -508,32 +640,32 @@ impl LayerWeights<'_> {
                     c.window_rows, step.previous
                 )));
             }
-            c.window.extend_from_slice(&kv);
+            c.window.extend_from_slice(kv);
             c.window_rows += t;
         }
 
-        let mut topk_here = false;
         if self.roles.ratio > 0 {
             if self.compressor.is_some() {
                 self.compress(cfg, x, t, step, caches, shared, obs)?;
             }
             if let Some(ix) = &self.indexer {
-                let (topk, k) = self.index(cfg, ix, x, &qr, t, step, caches, shared, obs)?;
-                shared.topk = Some((topk, k));
-                topk_here = true;
+                let qr = std::mem::take(&mut shared.scratch.qr);
+                let k = self.index(cfg, ix, x, &qr, t, step, caches, shared, obs);
+                shared.scratch.qr = qr;
+                shared.topk = Some(k?);
             }
         }
-        let _ = topk_here;
 
         // Sparse attention over the window rows and the selected compressed rows.
         let scale = (hd as f32).powf(-0.5);
         let window = &caches[l].window;
+        let sc = &mut shared.scratch;
         let comp: Option<(&[f32], &[i32], usize)> = if self.roles.ratio > 0 {
-            match (shared.compress_kv, &shared.topk) {
-                (Some(src), Some((idx, k)))
-                    if *k > 0 && visible(cfg, src, caches[src].n_compressed, step, t) > 0 =>
+            match (shared.compress_kv, shared.topk) {
+                (Some(src), Some(k))
+                    if k > 0 && visible(cfg, src, caches[src].n_compressed, step, t) > 0 =>
                 {
-                    Some((&caches[src].compress_kv[..], &idx[..], *k))
+                    Some((&caches[src].compress_kv[..], &shared.topk_rows[..], k))
                 }
                 _ => None,
             }
@@ -541,10 +673,9 @@ impl LayerWeights<'_> {
             None
         };
         let scores_span = profile::span(Part::AttnScores);
-        let mut out = vec![0f32; t * h * hd];
-        let mut keys: Vec<usize> = Vec::new();
-        let mut scores: Vec<f32> = Vec::new();
-        let mut rows: Vec<&[f32]> = Vec::new();
+        let out = zeroed(&mut sc.heads, t * h * hd);
+        let (keys, scores) = (&mut sc.keys, &mut sc.scores);
+        let q = &sc.q;
         for i in 0..t {
             let end = step.previous + i;
             let start = (end + 1).saturating_sub(cfg.window);
@@ -558,26 +689,27 @@ impl LayerWeights<'_> {
                     }
                 }
             }
-            rows.clear();
-            for &key in &keys {
-                rows.push(if key >= 1 << 40 {
+            let row = |r: usize| -> &[f32] {
+                let key = keys[r];
+                if key >= 1 << 40 {
                     let j = key - (1 << 40);
                     &comp.unwrap().0[j * hd..(j + 1) * hd]
                 } else {
                     &window[key * hd..(key + 1) * hd]
-                });
-            }
-            profile::read(rows.len() * hd * 4);
+                }
+            };
+            profile::read(keys.len() * hd * 4);
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
                 let o = &mut out[qo..qo + hd];
-                attend(
+                attend_rows(
                     &q[qo..qo + hd],
                     scale,
-                    &rows,
+                    keys.len(),
+                    row,
                     self.sinks[hh],
                     o,
-                    &mut scores,
+                    scores,
                 );
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
@@ -592,7 +724,10 @@ impl LayerWeights<'_> {
         }
         drop(scores_span);
 
-        self.grouped_out(cfg, &out, t, obs)
+        let heads = std::mem::take(&mut sc.heads);
+        let r = self.grouped_out_into(cfg, &heads, t, obs, sc, y);
+        sc.heads = heads;
+        r
     }
 
     /// Grouped `wo_a` (group g reads its own heads' slice) then `wo_b`.
@@ -603,13 +738,28 @@ impl LayerWeights<'_> {
         t: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut y = Vec::new();
+        self.grouped_out_into(cfg, out, t, obs, &mut Scratch::default(), &mut y)?;
+        Ok(y)
+    }
+
+    /// [`LayerWeights::grouped_out`] into `y`, its intermediates in `sc`.
+    pub(crate) fn grouped_out_into(
+        &self,
+        cfg: &ModelConfig,
+        out: &[f32],
+        t: usize,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         let l = self.layer;
         let (h, hd) = (cfg.heads, cfg.head_dim);
         let (g, ol) = (cfg.o_groups, cfg.o_lora);
         let ig = h * hd / g;
-        let mut oa = vec![0f32; t * g * ol];
-        let mut xin = vec![0f32; t * ig];
-        let mut yg = vec![0f32; t * ol];
+        let oa = zeroed(&mut sc.oa, t * g * ol);
+        let xin = zeroed(&mut sc.xin, t * ig);
+        let yg = zeroed(&mut sc.yg, t * ol);
         for gi in 0..g {
             for i in 0..t {
                 xin[i * ig..(i + 1) * ig]
@@ -623,18 +773,18 @@ impl LayerWeights<'_> {
                         expert: Some(gi),
                         rows: t,
                         cols: ig,
-                        x: &xin,
+                        x: xin,
                     });
                 }
             }
             let wg = self.wo_a.slice_rows(gi * ol, (gi + 1) * ol)?;
-            keep_kernels::matmul_with(cfg.kernels, &xin, t, &wg, &mut yg)?;
+            keep_kernels::matmul_with(cfg.kernels, xin, t, &wg, yg)?;
             for i in 0..t {
                 oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol]
                     .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
-        proj(cfg.kernels, &oa, t, &self.wo_b, obs, l, "attn.wo_b", None)
+        proj_into(cfg.kernels, oa, t, &self.wo_b, obs, l, "attn.wo_b", None, y)
     }
 
     /// `Attention._compress` with `Compressor.__call__`.
@@ -655,48 +805,63 @@ impl LayerWeights<'_> {
         let hd = cfg.head_dim;
         let ratio = self.roles.ratio;
         let c = &mut caches[l];
-        let (latent, n, first) = if ratio == 1 {
-            let mut lat = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
-            crate::linear::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
-            (lat, t, step.start_pos)
+        let sc = &mut shared.scratch;
+        let lat = &mut sc.lat;
+        let (n, first) = if ratio == 1 {
+            lin_into(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None, lat)?;
+            crate::linear::rms_norm(lat, hd, Some(&cp.norm), cfg.eps);
+            (t, step.start_pos)
         } else {
-            let kvp = lin(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None)?;
+            let kvp = &mut sc.kvp;
+            lin_into(x, t, &cp.wkv, obs, l, "attn.compressor.wkv", None, kvp)?;
             let gw = cp.wgate.as_ref().expect("loaded for ratio > 1");
-            let gp = lin(x, t, gw, obs, l, "attn.compressor.wgate", None)?;
+            let gp = &mut sc.gp;
+            lin_into(x, t, gw, obs, l, "attn.compressor.wgate", None, gp)?;
             let pending = c.n_pending;
-            c.pending_kv.extend_from_slice(&kvp);
-            c.pending_gate.extend_from_slice(&gp);
+            c.pending_kv.extend_from_slice(kvp);
+            c.pending_gate.extend_from_slice(gp);
             let total = pending + t;
             let full = total - total % ratio;
             let first = (step.start_pos - pending) / ratio;
             let n = full / ratio;
-            let mut lat = pool_groups(&c.pending_kv, &c.pending_gate, n, ratio, hd);
+            pool_groups_into(
+                &c.pending_kv,
+                &c.pending_gate,
+                n,
+                ratio,
+                hd,
+                lat,
+                &mut sc.gcol,
+            );
             c.pending_kv.drain(..full * hd);
             c.pending_gate.drain(..full * hd);
             c.n_pending = total - full;
-            crate::linear::rms_norm(&mut lat, hd, Some(&cp.norm), cfg.eps);
-            (lat, n, first)
+            crate::linear::rms_norm(lat, hd, Some(&cp.norm), cfg.eps);
+            (n, first)
         };
         if n > 0 {
-            let mut kv = latent.clone();
+            let kv = &mut sc.ckv;
+            kv.clear();
+            kv.extend_from_slice(lat);
             for i in 0..n {
                 let row = &mut kv[i * hd..(i + 1) * hd];
                 self.rope.apply(row, ((first + i) * ratio) as f32, false);
                 ops::fake_quant_fp4(row, 16, true);
             }
-            c.compress_kv.extend_from_slice(&kv);
+            c.compress_kv.extend_from_slice(kv);
             c.n_compressed += n;
             if self.roles.index_source {
                 if let Some((wk, kn)) = self.indexer.as_ref().and_then(|ix| ix.wk.as_ref()) {
                     let ihd = cfg.index_head_dim;
-                    let mut k = lin(&latent, n, wk, obs, l, "attn.indexer.wk", None)?;
-                    crate::linear::rms_norm(&mut k, ihd, Some(kn), cfg.eps);
+                    let k = &mut sc.ik;
+                    lin_into(lat, n, wk, obs, l, "attn.indexer.wk", None, k)?;
+                    crate::linear::rms_norm(k, ihd, Some(kn), cfg.eps);
                     for i in 0..n {
                         let row = &mut k[i * ihd..(i + 1) * ihd];
                         self.rope.apply(row, ((first + i) * ratio) as f32, false);
                         ops::fake_quant_fp4(row, 32, false);
                     }
-                    c.index_k.extend_from_slice(&k);
+                    c.index_k.extend_from_slice(k);
                     c.n_index += n;
                 }
             }
@@ -708,7 +873,8 @@ impl LayerWeights<'_> {
         Ok(())
     }
 
-    /// `Indexer.__call__`: top-k compressed rows per query (`-1`: none) and the candidate mask.
+    /// `Indexer.__call__`: top-k compressed rows per query into `shared.topk_rows`
+    /// (`[t × k]`, `-1`: none; k returned) and the candidate mask.
     #[allow(clippy::too_many_arguments)]
     fn index(
         &self,
@@ -721,7 +887,7 @@ impl LayerWeights<'_> {
         caches: &[LayerCache],
         shared: &mut Shared,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<(Vec<i32>, usize)> {
+    ) -> Result<usize> {
         let _p = profile::span(Part::Indexer);
         let l = self.layer;
         let (keys, n) = match shared.index_k {
@@ -729,14 +895,16 @@ impl LayerWeights<'_> {
                 &caches[src],
                 visible(cfg, src, caches[src].n_index, step, t),
             ),
-            None => return Ok((vec![], 0)),
+            None => return Ok(0),
         };
         if n == 0 {
-            return Ok((vec![], 0));
+            return Ok(0);
         }
+        let sc = &mut shared.scratch;
         let keys = &keys.index_k[..n * cfg.index_head_dim];
         let (nh, ihd) = (cfg.index_heads, cfg.index_head_dim);
-        let mut q = lin(qr, t, &ix.wq_b, obs, l, "attn.indexer.wq_b", None)?;
+        let q = &mut sc.iq;
+        lin_into(qr, t, &ix.wq_b, obs, l, "attn.indexer.wq_b", None, q)?;
         for i in 0..t {
             for hh in 0..nh {
                 let row = &mut q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
@@ -744,7 +912,8 @@ impl LayerWeights<'_> {
                 ops::fake_quant_fp4(row, 32, false);
             }
         }
-        let mut w = lin(
+        let w = &mut sc.iw;
+        lin_into(
             x,
             t,
             &ix.weights_proj,
@@ -752,12 +921,13 @@ impl LayerWeights<'_> {
             l,
             "attn.indexer.weights_proj",
             None,
+            w,
         )?;
         let wscale = (nh as f32).powf(-0.5);
         w.iter_mut().for_each(|v| *v *= wscale);
         let sscale = (ihd as f32).powf(-0.5);
         let ratio = self.roles.ratio;
-        let mut scores = vec![0f32; t * n];
+        let scores = zeroed(&mut sc.iscores, t * n);
         for i in 0..t {
             let lens = (step.start_pos + 1 + i) / ratio;
             for j in 0..n {
@@ -769,8 +939,8 @@ impl LayerWeights<'_> {
                 let mut acc = 0f32;
                 for hh in 0..nh {
                     let qq = &q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
-                    let sc = keep_kernels::matmul::dot(qq, kr).max(0.0) * sscale;
-                    acc += sc * w[i * nh + hh];
+                    let score = keep_kernels::matmul::dot(qq, kr).max(0.0) * sscale;
+                    acc += score * w[i * nh + hh];
                 }
                 scores[i * n + j] = acc;
             }
@@ -779,8 +949,10 @@ impl LayerWeights<'_> {
             let b = cfg.candidate_block_size;
             let nb = n.div_ceil(b);
             let kb = cfg.candidate_topk_blocks.min(nb);
-            let mut cand = vec![false; t * n];
-            let mut bs: Vec<(f32, usize)> = Vec::with_capacity(nb);
+            let cand = &mut shared.candidate_mask;
+            cand.clear();
+            cand.resize(t * n, false);
+            let bs = &mut sc.blocks;
             for i in 0..t {
                 let lens = (step.start_pos + 1 + i) / ratio;
                 bs.clear();
@@ -794,42 +966,44 @@ impl LayerWeights<'_> {
                 if lens > 0 {
                     bs[(lens - 1) / b].0 = f32::INFINITY;
                 }
-                top_k_by(&mut bs, kb);
-                for &(sc, bi) in &bs[..kb] {
-                    if sc > f32::NEG_INFINITY {
+                top_k_by(bs, kb);
+                for &(best, bi) in &bs[..kb] {
+                    if best > f32::NEG_INFINITY {
                         for j in bi * b..((bi + 1) * b).min(n) {
                             cand[i * n + j] = true;
                         }
                     }
                 }
             }
-            shared.candidates = Some((cand, n));
-        } else if let Some((cand, cn)) = &shared.candidates {
-            if *cn != n {
+            shared.candidates = Some(n);
+        } else if let Some(cn) = shared.candidates {
+            if cn != n {
                 return Err(ModelError::Config(format!(
                     "layer {l}: the candidate mask covers {cn} index keys but the indexer scores {n}; \
                      candidate_source_layer_id must read the same index keys"
                 )));
             }
-            for (s, &c) in scores.iter_mut().zip(cand.iter()) {
+            for (s, &c) in scores.iter_mut().zip(shared.candidate_mask.iter()) {
                 if !c {
                     *s = f32::NEG_INFINITY;
                 }
             }
         }
         let k = cfg.index_topk.min(n);
-        let mut out = vec![-1i32; t * k];
-        let mut row: Vec<(f32, usize)> = Vec::with_capacity(n);
+        let out = &mut shared.topk_rows;
+        out.clear();
+        out.resize(t * k, -1);
+        let row = &mut sc.ranked;
         for i in 0..t {
             let lens = (step.start_pos + 1 + i) / ratio;
             row.clear();
             row.extend((0..n).map(|j| (scores[i * n + j], j)));
-            top_k_by(&mut row, k);
+            top_k_by(row, k);
             for (slot, &(_, j)) in row[..k].iter().enumerate() {
                 out[i * k + slot] = if j < lens { j as i32 } else { -1 };
             }
         }
-        Ok((out, k))
+        Ok(k)
     }
 
     /// `MoE.__call__`: router, routed experts (grouped by expert), shared expert.
@@ -844,14 +1018,37 @@ impl LayerWeights<'_> {
         step: Step,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        let mut sc = Scratch::default();
+        self.moe_into(cfg, experts, mask, x, tokens, step, obs, &mut sc, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`LayerWeights::moe`] into `out` (`[t × dim]`), its intermediates in `sc`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &[f32],
+        tokens: &[u32],
+        step: Step,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let router_span = profile::span(Part::Router);
         let l = self.layer;
         let t = tokens.len();
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
-        let mut logits = lin(x, t, &self.gate, obs, l, "ffn.gate", None)?;
-        let mut chosen = vec![0u32; t * k];
-        let mut weights = vec![0f32; t * k];
-        let mut scores = vec![0f32; t * e];
+        let logits = &mut sc.logits;
+        lin_into(x, t, &self.gate, obs, l, "ffn.gate", None, logits)?;
+        let chosen = &mut sc.chosen;
+        chosen.clear();
+        chosen.resize(t * k, 0);
+        let weights = zeroed(&mut sc.weights, t * k);
+        let scores = zeroed(&mut sc.rscores, t * e);
         for i in 0..t {
             if let Some(table) = &self.hash {
                 let ids = table.experts(tokens[i]).ok_or(ModelError::Token {
@@ -877,7 +1074,7 @@ impl LayerWeights<'_> {
                 );
                 continue;
             }
-            route(
+            route_with(
                 cfg,
                 &mut logits[i * e..(i + 1) * e],
                 &self.gate_bias,
@@ -885,6 +1082,7 @@ impl LayerWeights<'_> {
                 &mut chosen[i * k..(i + 1) * k],
                 &mut weights[i * k..(i + 1) * k],
                 &mut scores[i * e..(i + 1) * e],
+                &mut sc.rcand,
             );
         }
         if let Some(o) = obs.as_deref_mut() {
@@ -893,9 +1091,9 @@ impl LayerWeights<'_> {
                 start_pos: step.start_pos,
                 tokens: t,
                 top_k: k,
-                experts: &chosen,
-                weights: &weights,
-                scores: &scores,
+                experts: chosen,
+                weights,
+                scores,
             });
         }
 
@@ -904,31 +1102,32 @@ impl LayerWeights<'_> {
         let limit = cfg.swiglu_limit;
         // The shared expert is computed while routed experts' reads are in flight (or after
         // the routed experts when none is).
-        let mut sh: Vec<f32> = Vec::new();
-        let ys = routed_experts(
+        let (chosen, weights) = (&sc.chosen, &sc.weights);
+        let (sg, su, sact, sh) = (&mut sc.sg, &mut sc.su, &mut sc.sact, &mut sc.sh);
+        let ys = &mut sc.ys;
+        routed_experts_into(
             cfg,
             experts,
             l,
             x,
             t,
-            &chosen,
-            &weights,
+            chosen,
+            weights,
             |g, u| ops::swiglu_clamped(g, u, limit),
-            &mut |obs| {
-                sh = self.shared_expert(cfg.kernels, x, t, limit, obs)?;
-                Ok(())
-            },
+            &mut |obs| self.shared_expert_into(cfg.kernels, x, t, limit, obs, sg, su, sact, sh),
             obs,
+            &mut sc.experts,
+            ys,
         )?;
         if self.hash.is_some() {
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_candidate_outputs(l) {
-                    candidate_outputs(cfg, experts, l, x, t, &chosen, &ys, o)?;
+                    candidate_outputs(cfg, experts, l, x, t, chosen, ys, o)?;
                 }
             }
         }
         let _p = profile::span(Part::Experts);
-        let mut out = vec![0f32; t * d];
+        let out = zeroed(out, t * d);
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
             for s in 0..k {
@@ -937,14 +1136,14 @@ impl LayerWeights<'_> {
                     *a += b * w;
                 }
             }
-            for (a, b) in o.iter_mut().zip(&sh[i * d..(i + 1) * d]) {
+            for (a, b) in o.iter_mut().zip(&sc.sh[i * d..(i + 1) * d]) {
                 *a += b;
             }
         }
-        if let Some(sc) = &self.sidecar {
-            sc.add_to(x, t, &mut out)?;
+        if let Some(sidecar) = &self.sidecar {
+            sidecar.add_to(x, t, out)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The MoE block's output on its input rows `x` (`[t × dim]`, one per token of `tokens`)
@@ -976,26 +1175,43 @@ impl LayerWeights<'_> {
 }
 
 impl LayerWeights<'_> {
-    /// The shared expert on `t` rows of `x`: clamped SwiGLU of `w1`/`w3`, then `w2`.
-    fn shared_expert(
+    /// The shared expert on `t` rows of `x`: clamped SwiGLU of `w1`/`w3`, then `w2`, into `y`
+    /// (`g`, `u`, `act`: scratch).
+    #[allow(clippy::too_many_arguments)]
+    fn shared_expert_into(
         &self,
         kernels: Kernels,
         x: &[f32],
         t: usize,
         limit: f32,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        g: &mut Vec<f32>,
+        u: &mut Vec<f32>,
+        act: &mut Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         let _span = profile::span(Part::SharedExpert);
         let l = self.layer;
         let [sw1, sw2, sw3] = &self.shared;
-        let g = proj(kernels, x, t, sw1, obs, l, "ffn.shared_experts.w1", None)?;
-        let u = proj(kernels, x, t, sw3, obs, l, "ffn.shared_experts.w3", None)?;
-        let act: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit))
-            .collect();
-        proj(kernels, &act, t, sw2, obs, l, "ffn.shared_experts.w2", None)
+        proj_into(kernels, x, t, sw1, obs, l, "ffn.shared_experts.w1", None, g)?;
+        proj_into(kernels, x, t, sw3, obs, l, "ffn.shared_experts.w3", None, u)?;
+        act.clear();
+        act.extend(
+            g.iter()
+                .zip(u.iter())
+                .map(|(&g, &u)| ops::swiglu_clamped(g, u, limit)),
+        );
+        proj_into(
+            kernels,
+            act,
+            t,
+            sw2,
+            obs,
+            l,
+            "ffn.shared_experts.w2",
+            None,
+            y,
+        )
     }
 }
 
@@ -1071,18 +1287,33 @@ pub fn attend(
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
+    attend_rows(q, scale, rows.len(), |r| rows[r], sink, out, scores)
+}
+
+/// [`attend`] over `n` rows given by `row(r)` (no list of row slices to build).
+pub fn attend_rows<'r>(
+    q: &[f32],
+    scale: f32,
+    n: usize,
+    row: impl Fn(usize) -> &'r [f32],
+    sink: f32,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
     let mut qs = [0f32; 1024];
+    let mut long = Vec::new();
     let qs: &mut [f32] = if q.len() <= qs.len() {
         &mut qs[..q.len()]
     } else {
-        &mut vec![0f32; q.len()][..]
+        long.resize(q.len(), 0f32);
+        &mut long[..]
     };
     for (a, b) in qs.iter_mut().zip(q) {
         *a = b * scale;
     }
     scores.clear();
-    for r in rows {
-        scores.push(keep_kernels::matmul::dot(qs, r));
+    for r in 0..n {
+        scores.push(keep_kernels::matmul::dot(qs, row(r)));
     }
     let m = scores.iter().copied().fold(sink, f32::max);
     let mut sum = (sink - m).exp();
@@ -1090,9 +1321,9 @@ pub fn attend(
         *v = (*v - m).exp();
         sum += *v;
     }
-    for (r, &p) in rows.iter().zip(scores.iter()) {
+    for (r, &p) in scores.iter().enumerate() {
         let w = p / sum;
-        for (a, b) in out.iter_mut().zip(r.iter()) {
+        for (a, b) in out.iter_mut().zip(row(r).iter()) {
             *a += w * b;
         }
     }
@@ -1101,14 +1332,29 @@ pub fn attend(
 /// `Compressor.__call__`'s pooling: each of `n` groups of `ratio` rows becomes
 /// `Σ_r kv[r] · softmax_r(gate[r])` per feature (rows `[n·ratio × hd]` in, `[n × hd]` out).
 pub fn pool_groups(kv: &[f32], gate: &[f32], n: usize, ratio: usize, hd: usize) -> Vec<f32> {
-    let mut lat = vec![0f32; n * hd];
-    let mut gcol = vec![0f32; ratio];
+    let mut lat = Vec::new();
+    pool_groups_into(kv, gate, n, ratio, hd, &mut lat, &mut Vec::new());
+    lat
+}
+
+/// [`pool_groups`] into `lat` (`gcol`: scratch).
+pub(crate) fn pool_groups_into(
+    kv: &[f32],
+    gate: &[f32],
+    n: usize,
+    ratio: usize,
+    hd: usize,
+    lat: &mut Vec<f32>,
+    gcol: &mut Vec<f32>,
+) {
+    let lat = zeroed(lat, n * hd);
+    let gcol = zeroed(gcol, ratio);
     for gi in 0..n {
         for dd in 0..hd {
             for r in 0..ratio {
                 gcol[r] = gate[(gi * ratio + r) * hd + dd];
             }
-            ops::softmax(&mut gcol);
+            ops::softmax(gcol);
             let mut acc = 0f32;
             for r in 0..ratio {
                 acc += kv[(gi * ratio + r) * hd + dd] * gcol[r];
@@ -1116,7 +1362,6 @@ pub fn pool_groups(kv: &[f32], gate: &[f32], n: usize, ratio: usize, hd: usize) 
             lat[gi * hd + dd] = acc;
         }
     }
-    lat
 }
 
 /// `Router.__call__` for one token: scores from the logits (divided by `gate_temp` in place),
@@ -1130,6 +1375,30 @@ pub fn route(
     chosen: &mut [u32],
     weights: &mut [f32],
     scores: &mut [f32],
+) {
+    route_with(
+        cfg,
+        logits,
+        bias,
+        mask,
+        chosen,
+        weights,
+        scores,
+        &mut Vec::new(),
+    )
+}
+
+/// [`route`] with `cand` as scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn route_with(
+    cfg: &ModelConfig,
+    logits: &mut [f32],
+    bias: &[f32],
+    mask: Option<&[bool]>,
+    chosen: &mut [u32],
+    weights: &mut [f32],
+    scores: &mut [f32],
+    cand: &mut Vec<(f32, usize)>,
 ) {
     let (e, k) = (logits.len(), chosen.len());
     for v in logits.iter_mut() {
@@ -1156,18 +1425,17 @@ pub fn route(
             ops::softmax(scores);
         }
     }
-    let mut cand: Vec<(f32, usize)> = (0..e)
-        .map(|j| {
-            let dead = mask.is_some_and(|m| m[j]);
-            let b = if dead {
-                f32::NEG_INFINITY
-            } else {
-                scores[j] + bias[j]
-            };
-            (b, j)
-        })
-        .collect();
-    top_k_by(&mut cand, k);
+    cand.clear();
+    cand.extend((0..e).map(|j| {
+        let dead = mask.is_some_and(|m| m[j]);
+        let b = if dead {
+            f32::NEG_INFINITY
+        } else {
+            scores[j] + bias[j]
+        };
+        (b, j)
+    }));
+    top_k_by(cand, k);
     let mut sum = 0f32;
     for s in 0..k {
         let j = cand[s].1;
@@ -1204,13 +1472,56 @@ pub(crate) fn routed_experts(
     while_reading: WhileReading<'_>,
     obs: &mut Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<f32>> {
+    let mut ys = Vec::new();
+    routed_experts_into(
+        cfg,
+        experts,
+        l,
+        x,
+        t,
+        chosen,
+        weights,
+        act,
+        while_reading,
+        obs,
+        &mut ExpertScratch::default(),
+        &mut ys,
+    )?;
+    Ok(ys)
+}
+
+/// [`routed_experts`] into `ys`, its intermediates in `es`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn routed_experts_into(
+    cfg: &ModelConfig,
+    experts: &dyn ExpertSource,
+    l: usize,
+    x: &[f32],
+    t: usize,
+    chosen: &[u32],
+    weights: &[f32],
+    act: impl Fn(f32, f32) -> f32,
+    while_reading: WhileReading<'_>,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    es: &mut ExpertScratch,
+    ys: &mut Vec<f32>,
+) -> Result<()> {
     let _p = profile::span(Part::Experts);
     let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
     // Routed experts, grouped by (expert, rung): per group, the (token, slot) routes to it.
     // Without tiers every slot is at the base rung and the groups are the experts.
     let tiers = experts.tiers();
-    let mut by_key: Vec<Vec<(usize, usize)>> = vec![Vec::new(); 2 * e];
-    let mut upper = vec![false; if tiers.is_some() { t * k } else { 0 }];
+    if es.by_key.len() < 2 * e {
+        // Each group sized for a decode pass's routes when made: an expert first chosen late
+        // in a run does not allocate then.
+        es.by_key
+            .resize_with(2 * e, || Vec::with_capacity(crate::scratch::KEEP_ROWS));
+    }
+    let by_key = &mut es.by_key[..2 * e];
+    by_key.iter_mut().for_each(Vec::clear);
+    let upper = &mut es.upper;
+    upper.clear();
+    upper.resize(if tiers.is_some() { t * k } else { 0 }, false);
     for i in 0..t {
         for s in 0..k {
             let j = chosen[i * k + s] as usize;
@@ -1230,21 +1541,26 @@ pub(crate) fn routed_experts(
             tokens: t,
             top_k: k,
             experts: chosen,
-            upper: &upper,
+            upper,
         });
     }
-    let keys: Vec<(usize, Rung)> = (0..2 * e)
-        .filter(|&q| !by_key[q].is_empty())
-        .map(|q| (q / 2, if q % 2 == 1 { Rung::Upper } else { Rung::Base }))
-        .collect();
+    let keys = &mut es.keys;
+    keys.clear();
+    keys.extend(
+        (0..2 * e)
+            .filter(|&q| !by_key[q].is_empty())
+            .map(|q| (q / 2, if q % 2 == 1 { Rung::Upper } else { Rung::Base })),
+    );
     let key = |&(j, r): &(usize, Rung)| 2 * j + (r == Rung::Upper) as usize;
-    let mut used: Vec<usize> = keys.iter().map(|p| p.0).collect();
+    let used = &mut es.used;
+    used.clear();
+    used.extend(keys.iter().map(|p| p.0));
     used.dedup();
     {
         let _io = profile::span(Part::IoWait);
-        experts.prefetch(l, &used);
+        experts.prefetch(l, used);
     }
-    let mut ys = vec![0f32; t * k * d];
+    let ys = zeroed(ys, t * k * d);
     let inter = cfg.inter;
     // The experts of a chunk are multiplied together: one parallel kernel pass for all
     // their gate and up projections, one for all their down projections (a decode token's
@@ -1252,26 +1568,45 @@ pub(crate) fn routed_experts(
     // the order of the chunks changes no bit: experts in memory go first, then
     // `while_reading`, then each missed expert as its read lands.
     let batch = experts.max_batch().max(1);
-    let mut left = keys.clone();
+    let left = &mut es.left;
+    left.clear();
+    left.extend_from_slice(keys);
     let mut while_reading = Some(while_reading);
+    // Buffers of borrowed views, kept between calls in their `'static` form.
+    let mut views: Vec<ExpertWeights<'_>> = recycle(std::mem::take(&mut es.views));
     while !left.is_empty() {
-        let chunk_keys = &next_batch(experts, l, &mut left, batch, &mut while_reading, obs)?[..];
-        let views = {
+        let chunk_keys = &mut es.batch;
+        next_batch(
+            experts,
+            l,
+            left,
+            batch,
+            &mut while_reading,
+            obs,
+            (&mut es.ids, &mut es.ready, &mut es.take),
+            chunk_keys,
+        )?;
+        views.clear();
+        {
             let _io = profile::span(Part::IoWait);
             match tiers {
                 None => {
-                    let ids: Vec<usize> = chunk_keys.iter().map(|p| p.0).collect();
-                    experts.experts(l, &ids)?
+                    let ids = &mut es.ids;
+                    ids.clear();
+                    ids.extend(chunk_keys.iter().map(|p| p.0));
+                    experts.experts_into(l, ids, &mut views)?;
                 }
-                Some(_) => experts.experts_at(l, chunk_keys)?,
+                Some(_) => views.extend(experts.experts_at(l, chunk_keys)?),
             }
-        };
+        }
         if profile::enabled() {
             for ew in &views {
                 profile::read(ew.w1.nbytes() + ew.w2.nbytes() + ew.w3.nbytes());
             }
         }
-        let chunk: Vec<usize> = chunk_keys.iter().map(key).collect();
+        let chunk = &mut es.chunk;
+        chunk.clear();
+        chunk.extend(chunk_keys.iter().map(key));
         if views.len() != chunk.len() {
             return Err(ModelError::Expert {
                 layer: l,
@@ -1279,19 +1614,22 @@ pub(crate) fn routed_experts(
                 msg: format!("asked for {} experts, got {}", chunk.len(), views.len()),
             });
         }
-        let by_expert = &by_key;
+        let by_expert = &*by_key;
         // Each expert's rows live in one buffer per stage (inputs, gate, up, activation,
-        // output), expert `c` of the chunk at rows `offs[c]..offs[c + 1]`: five allocations per
-        // chunk whatever its number of experts.
-        let mut offs = Vec::with_capacity(chunk.len() + 1);
+        // output), expert `c` of the chunk at rows `offs[c]..offs[c + 1]`: the buffers are
+        // the scratch's, whatever the chunk's number of experts.
+        let offs = &mut es.offs;
+        offs.clear();
         offs.push(0usize);
-        for &j in &chunk {
+        for &j in chunk.iter() {
             offs.push(offs[offs.len() - 1] + by_expert[j].len());
         }
+        let offs = &*offs;
         let rows_total = offs[chunk.len()];
         let span = |c: usize, w: usize| offs[c] * w..offs[c + 1] * w;
-        let mut xin_all = Vec::with_capacity(rows_total * d);
-        for &j in &chunk {
+        let xin_all = &mut es.xin;
+        xin_all.clear();
+        for &j in chunk.iter() {
             for &(i, _) in &by_expert[j] {
                 xin_all.extend_from_slice(&x[i * d..(i + 1) * d]);
             }
@@ -1301,21 +1639,18 @@ pub(crate) fn routed_experts(
             note_input(obs, l, "ffn.experts.w1", Some(j / 2), xin, m, ew.w1.cols);
             note_input(obs, l, "ffn.experts.w3", Some(j / 2), xin, m, ew.w3.cols);
         }
-        let mut g_all = vec![0f32; rows_total * inter];
-        let mut u_all = vec![0f32; rows_total * inter];
+        let g_all = zeroed(&mut es.g, rows_total * inter);
+        let u_all = zeroed(&mut es.u, rows_total * inter);
         {
-            // matrices stored rotated multiply the rotated activations (a copy each)
-            let x1s = views
-                .iter()
-                .enumerate()
-                .map(|(c, ew)| rht_input(ew.rht.w1, &xin_all[span(c, d)]))
-                .collect::<Result<Vec<_>>>()?;
-            let x3s = views
-                .iter()
-                .enumerate()
-                .map(|(c, ew)| rht_input(ew.rht.w3, &xin_all[span(c, d)]))
-                .collect::<Result<Vec<_>>>()?;
-            let mut jobs = Vec::with_capacity(2 * chunk.len());
+            // matrices stored rotated multiply the rotated activations (a copy each); the
+            // lists borrowing this pass's inputs and outputs are recycled per pass
+            let mut x1s: Vec<Cow<'_, [f32]>> = recycle(std::mem::take(&mut es.x1s));
+            let mut x3s: Vec<Cow<'_, [f32]>> = recycle(std::mem::take(&mut es.x3s));
+            let mut jobs: Vec<Job<'_, '_>> = recycle(std::mem::take(&mut es.jobs));
+            for (c, ew) in views.iter().enumerate() {
+                x1s.push(rht_input(ew.rht.w1, &xin_all[span(c, d)])?);
+                x3s.push(rht_input(ew.rht.w3, &xin_all[span(c, d)])?);
+            }
             let (mut g_rest, mut u_rest) = (&mut g_all[..], &mut u_all[..]);
             for (((&j, ew), x1), x3) in chunk.iter().zip(&views).zip(&x1s).zip(&x3s) {
                 let m = by_expert[j].len();
@@ -1326,24 +1661,27 @@ pub(crate) fn routed_experts(
                 jobs.push(Job::view(&ew.w3, x3, m, u)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
+            es.jobs = recycle(jobs);
+            (es.x1s, es.x3s) = (recycle(x1s), recycle(x3s));
         }
         for (c, ew) in views.iter().enumerate() {
             rht_output(ew.rht.w1, &mut g_all[span(c, inter)])?;
             rht_output(ew.rht.w3, &mut u_all[span(c, inter)])?;
         }
-        let act_all: Vec<f32> = g_all.iter().zip(&u_all).map(|(&g, &u)| act(g, u)).collect();
+        let act_all = &mut es.act;
+        act_all.clear();
+        act_all.extend(g_all.iter().zip(u_all.iter()).map(|(&g, &u)| act(g, u)));
         for (c, (&j, ew)) in chunk.iter().zip(&views).enumerate() {
             let (m, a) = (by_expert[j].len(), &act_all[span(c, inter)]);
             note_input(obs, l, "ffn.experts.w2", Some(j / 2), a, m, ew.w2.cols);
         }
-        let mut out_all = vec![0f32; rows_total * d];
+        let out_all = zeroed(&mut es.out, rows_total * d);
         {
-            let a2s = views
-                .iter()
-                .enumerate()
-                .map(|(c, ew)| rht_input(ew.rht.w2, &act_all[span(c, inter)]))
-                .collect::<Result<Vec<_>>>()?;
-            let mut jobs = Vec::with_capacity(chunk.len());
+            let mut a2s: Vec<Cow<'_, [f32]>> = recycle(std::mem::take(&mut es.a2s));
+            let mut jobs: Vec<Job<'_, '_>> = recycle(std::mem::take(&mut es.jobs));
+            for (c, ew) in views.iter().enumerate() {
+                a2s.push(rht_input(ew.rht.w2, &act_all[span(c, inter)])?);
+            }
             let mut y_rest = &mut out_all[..];
             for ((&j, ew), a) in chunk.iter().zip(&views).zip(&a2s) {
                 let m = by_expert[j].len();
@@ -1352,6 +1690,8 @@ pub(crate) fn routed_experts(
                 jobs.push(Job::view(&ew.w2, a, m, y)?);
             }
             matmul_many_with(cfg.kernels, &mut jobs)?;
+            es.jobs = recycle(jobs);
+            es.a2s = recycle(a2s);
         }
         for (c, ew) in views.iter().enumerate() {
             rht_output(ew.rht.w2, &mut out_all[span(c, d)])?;
@@ -1378,10 +1718,11 @@ pub(crate) fn routed_experts(
             }
         }
     }
+    es.views = recycle(views);
     if let Some(f) = while_reading.take() {
         f(obs)?;
     }
-    Ok(ys)
+    Ok(())
 }
 
 /// Work a MoE layer does beside its routed experts (the shared expert), given to
@@ -1389,9 +1730,11 @@ pub(crate) fn routed_experts(
 pub(crate) type WhileReading<'w> =
     &'w mut dyn FnMut(&mut Option<&mut dyn RouteObserver>) -> Result<()>;
 
-/// The next (expert, rung) keys of `left` to multiply, taken out of it in order: the first
-/// `batch` whose weights are in memory; when none is, `while_reading` first (once, then
-/// readiness is asked again), else the first key alone, which waits for its read.
+/// The next (expert, rung) keys of `left` to multiply, taken out of it in order into
+/// `picked`: the first `batch` whose weights are in memory; when none is, `while_reading`
+/// first (once, then readiness is asked again), else the first key alone, which waits for its
+/// read. `scratch`: expert ids, their readiness, the positions taken.
+#[allow(clippy::too_many_arguments)]
 fn next_batch(
     experts: &dyn ExpertSource,
     l: usize,
@@ -1399,24 +1742,33 @@ fn next_batch(
     batch: usize,
     while_reading: &mut Option<WhileReading<'_>>,
     obs: &mut Option<&mut dyn RouteObserver>,
-) -> Result<Vec<(usize, Rung)>> {
+    (ids, ready, take): (&mut Vec<usize>, &mut Vec<bool>, &mut Vec<usize>),
+    picked: &mut Vec<(usize, Rung)>,
+) -> Result<()> {
+    picked.clear();
     loop {
-        let ids: Vec<usize> = left.iter().map(|p| p.0).collect();
-        let ready = experts.ready(l, &ids);
-        let take: Vec<usize> = (0..left.len())
-            .filter(|&i| ready.get(i).copied().unwrap_or(true))
-            .take(batch)
-            .collect();
+        ids.clear();
+        ids.extend(left.iter().map(|p| p.0));
+        experts.ready_into(l, ids, ready);
+        take.clear();
+        take.extend(
+            (0..left.len())
+                .filter(|&i| ready.get(i).copied().unwrap_or(true))
+                .take(batch),
+        );
         if !take.is_empty() {
-            let picked = take.iter().map(|&i| left[i]).collect();
+            picked.extend(take.iter().map(|&i| left[i]));
             for &i in take.iter().rev() {
                 left.remove(i);
             }
-            return Ok(picked);
+            return Ok(());
         }
         match while_reading.take() {
             Some(f) => f(obs)?,
-            None => return Ok(vec![left.remove(0)]),
+            None => {
+                picked.push(left.remove(0));
+                return Ok(());
+            }
         }
     }
 }
@@ -1432,13 +1784,34 @@ impl LayerWeights<'_> {
         caches: &mut [crate::cache::LayerCache],
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut y = Vec::new();
+        let mut sc = Scratch::default();
+        self.attention_v4_into(cfg, x, t, step, caches, obs, &mut sc, &mut y)?;
+        Ok(y)
+    }
+
+    /// [`LayerWeights::attention_v4`] into `y`, its intermediates in `sc`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_v4_into(
+        &self,
+        cfg: &ModelConfig,
+        x: &[f32],
+        t: usize,
+        step: Step,
+        caches: &mut [crate::cache::LayerCache],
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let mut qr = proj(cfg.kernels, x, t, &self.wq_a, obs, l, "attn.wq_a", None)?;
-        crate::linear::rms_norm(&mut qr, ql, Some(&self.q_norm), cfg.eps);
-        let mut q = proj(cfg.kernels, &qr, t, &self.wq_b, obs, l, "attn.wq_b", None)?;
-        head_norm(&mut q, hd, cfg.eps);
+        let k = cfg.kernels;
+        proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
+        crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
+        let q = &mut sc.q;
+        proj_into(k, &sc.qr, t, &self.wq_b, obs, l, "attn.wq_b", None, q)?;
+        head_norm(q, hd, cfg.eps);
         for i in 0..t {
             let pos = (step.start_pos + i) as f32;
             for hh in 0..h {
@@ -1446,8 +1819,9 @@ impl LayerWeights<'_> {
                 self.rope.apply(&mut q[o..o + hd], pos, false);
             }
         }
-        let mut kv = proj(cfg.kernels, x, t, &self.wkv, obs, l, "attn.wkv", None)?;
-        crate::linear::rms_norm(&mut kv, hd, Some(&self.kv_norm), cfg.eps);
+        let kv = &mut sc.kv;
+        proj_into(k, x, t, &self.wkv, obs, l, "attn.wkv", None, kv)?;
+        crate::linear::rms_norm(kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(
                 &mut kv[i * hd..(i + 1) * hd],
@@ -1462,14 +1836,14 @@ impl LayerWeights<'_> {
                 c.window_rows, step.previous
             )));
         }
-        c.window.extend_from_slice(&kv);
+        c.window.extend_from_slice(kv);
         c.window_rows += t;
 
-        // Compressed rows and, for CSA, the indexer's pick per query.
-        let mut picks: Option<(Vec<i32>, usize)> = None;
+        // Compressed rows and, for CSA, the indexer's pick per query (`sc.picks`, k of them).
+        let mut picks: Option<usize> = None;
         if let Some(va) = &self.v4 {
             let compressor_span = profile::span(Part::Compressor);
-            pool_step(
+            pool_step_with(
                 cfg,
                 &va.pool,
                 &mut c.v4.kv,
@@ -1479,11 +1853,12 @@ impl LayerWeights<'_> {
                 obs,
                 l,
                 ["attn.compressor.wkv", "attn.compressor.wgate"],
+                sc,
             )?;
             drop(compressor_span);
             if let Some(ix) = &va.indexer {
                 let _ix = profile::span(Part::Indexer);
-                pool_step(
+                pool_step_with(
                     cfg,
                     &ix.pool,
                     &mut c.v4.index,
@@ -1496,9 +1871,12 @@ impl LayerWeights<'_> {
                         "attn.indexer.compressor.wkv",
                         "attn.indexer.compressor.wgate",
                     ],
+                    sc,
                 )?;
                 let st = &c.v4.index;
-                picks = Some(index_topk(
+                let mut out = std::mem::take(&mut sc.picks);
+                let qr = std::mem::take(&mut sc.qr);
+                let r = index_topk_into(
                     cfg,
                     ix,
                     &st.entries,
@@ -1510,7 +1888,11 @@ impl LayerWeights<'_> {
                     &self.rope,
                     obs,
                     l,
-                )?);
+                    sc,
+                    &mut out,
+                );
+                (sc.picks, sc.qr) = (out, qr);
+                picks = Some(r?);
             }
         }
 
@@ -1518,45 +1900,49 @@ impl LayerWeights<'_> {
         let scale = (hd as f32).powf(-0.5);
         let comp = &c.v4.kv;
         let ratio = self.roles.ratio.max(1);
-        let mut out = vec![0f32; t * h * hd];
-        let mut scores: Vec<f32> = Vec::new();
-        let mut rows: Vec<&[f32]> = Vec::new();
+        let out = zeroed(&mut sc.heads, t * h * hd);
+        let (keys, scores, q, idx) = (&mut sc.keys, &mut sc.scores, &sc.q, &sc.picks);
+        let window = &c.window;
         for i in 0..t {
             let end = step.previous + i;
             let start = (end + 1).saturating_sub(cfg.window);
-            rows.clear();
-            for key in start..=end {
-                rows.push(&c.window[key * hd..(key + 1) * hd]);
-            }
+            keys.clear();
+            // Window rows are ids 0.., compressed entries are ids offset by 1<<40.
+            keys.extend(start..=end);
             if self.v4.is_some() {
                 let visible = ((step.start_pos + 1 + i) / ratio).min(comp.n);
-                match &picks {
-                    Some((idx, k)) => {
+                match picks {
+                    Some(k) => {
                         for &j in &idx[i * k..(i + 1) * k] {
                             if j >= 0 && (j as usize) < visible {
-                                let j = j as usize;
-                                rows.push(&comp.entries[j * hd..(j + 1) * hd]);
+                                keys.push((1usize << 40) + j as usize);
                             }
                         }
                     }
-                    None => {
-                        for j in 0..visible {
-                            rows.push(&comp.entries[j * hd..(j + 1) * hd]);
-                        }
-                    }
+                    None => keys.extend((0..visible).map(|j| (1usize << 40) + j)),
                 }
             }
-            profile::read(rows.len() * hd * 4);
+            let row = |r: usize| -> &[f32] {
+                let key = keys[r];
+                if key >= 1 << 40 {
+                    let j = key - (1 << 40);
+                    &comp.entries[j * hd..(j + 1) * hd]
+                } else {
+                    &window[key * hd..(key + 1) * hd]
+                }
+            };
+            profile::read(keys.len() * hd * 4);
             for hh in 0..h {
                 let qo = (i * h + hh) * hd;
                 let o = &mut out[qo..qo + hd];
-                attend(
+                attend_rows(
                     &q[qo..qo + hd],
                     scale,
-                    &rows,
+                    keys.len(),
+                    row,
                     self.sinks[hh],
                     o,
-                    &mut scores,
+                    scores,
                 );
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
@@ -1567,7 +1953,10 @@ impl LayerWeights<'_> {
             c.window_rows = cfg.window;
         }
         drop(scores_span);
-        self.grouped_out(cfg, &out, t, obs)
+        let heads = std::mem::take(&mut sc.heads);
+        let r = self.grouped_out_into(cfg, &heads, t, obs, sc, y);
+        sc.heads = heads;
+        r
     }
 }
 

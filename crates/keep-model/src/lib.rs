@@ -50,6 +50,7 @@ pub mod model;
 pub mod mtp;
 pub mod observer;
 pub mod qwen3;
+pub mod scratch;
 pub mod sidecar;
 pub mod streamed;
 pub mod v4;

@@ -1,11 +1,13 @@
 //! Linear layers as the model calls them, and top-k selection: `y = x · Wᵀ` with the observer
 //! told the input (calibration's imatrix and REAP read it there), and the deterministic
-//! top-k order the routers and the V4 indexer share. A leaf: it knows the kernels and the
-//! observer, nothing of layers.
+//! top-k order the routers and the V4 indexer share, each product also into a caller's buffer
+//! (`_into`: the forward's scratch). A leaf: it knows the kernels and the observer, nothing of
+//! layers.
 
 use keep_kernels::{matmul_with, profile, Kernels, WeightView};
 
 use crate::observer::{LinearInputEvent, RouteObserver};
+use crate::scratch::zeroed;
 use crate::Result;
 
 /// `y = x · Wᵀ` for `m` rows on the exact kernels, reporting the input to an observer that
@@ -38,11 +40,43 @@ pub(crate) fn proj(
     name: &'static str,
     expert: Option<usize>,
 ) -> Result<Vec<f32>> {
+    let mut y = Vec::new();
+    proj_into(kernels, x, m, w, obs, layer, name, expert, &mut y)?;
+    Ok(y)
+}
+
+/// [`proj`] into `y` (resized to `m × rows`; no allocation once it has held that many).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn proj_into(
+    kernels: Kernels,
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+    y: &mut Vec<f32>,
+) -> Result<()> {
     note_input(obs, layer, name, expert, x, m, w.cols);
     profile::read(w.nbytes());
-    let mut y = vec![0f32; m * w.rows];
-    matmul_with(kernels, x, m, w, &mut y)?;
-    Ok(y)
+    matmul_with(kernels, x, m, w, zeroed(y, m * w.rows))?;
+    Ok(())
+}
+
+/// [`lin`] into `y` (see [`proj_into`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn lin_into(
+    x: &[f32],
+    m: usize,
+    w: &WeightView,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    name: &'static str,
+    expert: Option<usize>,
+    y: &mut Vec<f32>,
+) -> Result<()> {
+    proj_into(Kernels::Exact, x, m, w, obs, layer, name, expert, y)
 }
 
 /// Tell the observer (if it wants them) the input of a linear layer.

@@ -312,6 +312,7 @@ impl Cache {
                 st.entries.reserve_exact(rows[2]);
             }
         }
+        c.scratch = crate::scratch::Scratch::for_context(cfg, context);
         c
     }
 

@@ -171,8 +171,24 @@ impl<'a> Model<'a> {
         tokens: &[u32],
         cache: &mut Cache,
         which: Logits,
-        mut obs: Option<&mut dyn RouteObserver>,
+        obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        self.forward_into(tokens, cache, which, obs, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// [`Model::forward`] into `logits` (emptied first): with the cache's working buffers and
+    /// a `logits` kept by the caller, a warm decode step allocates nothing.
+    pub fn forward_into(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        mut obs: Option<&mut dyn RouteObserver>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        logits.clear();
         if cache.layers.len() != self.cfg.n_layers {
             return Err(ModelError::Cache(format!(
                 "{} layer caches for a {}-layer model",
@@ -181,23 +197,24 @@ impl<'a> Model<'a> {
             )));
         }
         if tokens.is_empty() {
-            return Ok(vec![]);
+            return Ok(());
         }
         check_context(&self.cfg, cache.pos, tokens.len())?;
         let chunk = self.cfg.prefill_chunk.max(1);
         if tokens.len() <= chunk {
-            return self.forward_chunk(tokens, cache, which, obs);
+            return self.chunk_into(tokens, cache, which, obs, None, logits, None);
         }
         // A long prompt runs as consecutive chunks (see `crate::memory`): the same logits bit
         // for bit, activations bounded by the chunk.
-        run_chunked(tokens, chunk, which, |part, w| {
+        *logits = run_chunked(tokens, chunk, which, |part, w| {
             self.forward_chunk(
                 part,
                 cache,
                 w,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
             )
-        })
+        })?;
+        Ok(())
     }
 
     /// [`Model::forward`] that also returns the last layer's streams of every token (the hidden
@@ -262,9 +279,9 @@ impl<'a> Model<'a> {
         which: Logits,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
-        Ok(self
-            .forward_chunk_streams(tokens, cache, which, obs, None)?
-            .0)
+        let mut logits = Vec::new();
+        self.chunk_into(tokens, cache, which, obs, None, &mut logits, None)?;
+        Ok(logits)
     }
 
     /// [`Model::forward_chunk`] with the last layer's streams.
@@ -273,11 +290,81 @@ impl<'a> Model<'a> {
         tokens: &[u32],
         cache: &mut Cache,
         which: Logits,
+        obs: Option<&mut dyn RouteObserver>,
+        capture: Option<&mut crate::dspark::Capture>,
+    ) -> Result<(Vec<f32>, Streams)> {
+        let (mut logits, mut s) = (Vec::new(), Streams::default());
+        self.chunk_into(
+            tokens,
+            cache,
+            which,
+            obs,
+            capture,
+            &mut logits,
+            Some(&mut s),
+        )?;
+        Ok((logits, s))
+    }
+
+    /// One forward pass over `tokens` (at most a chunk) into `logits`, the hidden state and
+    /// every intermediate in the cache's working buffers (lent for the pass and kept after);
+    /// the last layer's streams copied into `streams` when asked.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_into(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+        obs: Option<&mut dyn RouteObserver>,
+        capture: Option<&mut crate::dspark::Capture>,
+        logits: &mut Vec<f32>,
+        streams: Option<&mut Streams>,
+    ) -> Result<()> {
+        let mut sc = std::mem::take(&mut cache.scratch);
+        sc.ensure_reserved();
+        let mut shared = Shared::with(sc);
+        let sc = &mut shared.scratch;
+        let mut s = Streams {
+            t: 0,
+            x: std::mem::take(&mut sc.x),
+            pre_mix: std::mem::take(&mut sc.pre_mix),
+            tokens: std::mem::take(&mut sc.tokens),
+        };
+        let r = self.chunk_with(
+            tokens,
+            cache,
+            which,
+            obs,
+            capture,
+            &mut s,
+            &mut shared,
+            logits,
+        );
+        if let (Ok(()), Some(out)) = (&r, streams) {
+            out.clone_from(&s);
+        }
+        let mut sc = shared.into_scratch();
+        (sc.x, sc.pre_mix, sc.tokens) = (s.x, s.pre_mix, s.tokens);
+        sc.after_pass(tokens.len());
+        cache.scratch = sc;
+        r
+    }
+
+    /// [`Model::chunk_into`] on the lent streams `s` and call state `shared`.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_with(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
         mut obs: Option<&mut dyn RouteObserver>,
         mut capture: Option<&mut crate::dspark::Capture>,
-    ) -> Result<(Vec<f32>, Streams)> {
+        s: &mut Streams,
+        shared: &mut Shared,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         profile::begin_step(tokens.len());
-        let mut s = self.globals.embed(&self.cfg, tokens)?;
+        self.globals.embed_into(&self.cfg, tokens, s)?;
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family == Family::Qwen3Moe {
             for lw in &self.qwen3 {
@@ -293,7 +380,9 @@ impl<'a> Model<'a> {
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
             cache.pos += tokens.len();
-            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
+            return self
+                .globals
+                .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
         }
         if self.cfg.family == Family::DeepseekV3 {
             // The compressed KV of each layer lives in its `qwen3` rows (see `deepseek_v3`).
@@ -310,10 +399,11 @@ impl<'a> Model<'a> {
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
             cache.pos += tokens.len();
-            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
+            return self
+                .globals
+                .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
         }
         let step = step_of(&self.cfg, cache);
-        let mut shared = Shared::default();
         let engram_ids = match &self.engram {
             Some(e) => {
                 let _p = profile::span(profile::Part::Engram);
@@ -326,20 +416,20 @@ impl<'a> Model<'a> {
         }
         for lw in &self.layers {
             if let Some(c) = capture.as_deref_mut() {
-                c.record(lw.layer, &s, self.cfg.hc, self.cfg.dim);
+                c.record(lw.layer, s, self.cfg.hc, self.cfg.dim);
             }
             if let Some(e) = &self.engram {
                 let _p = profile::span(profile::Part::Engram);
-                e.apply(&self.cfg, lw.layer, &mut s, &engram_ids)?;
+                e.apply(&self.cfg, lw.layer, s, &engram_ids)?;
             }
             lw.forward(
                 &self.cfg,
                 self.experts.as_ref(),
                 self.masks[lw.layer].as_deref(),
-                &mut s,
+                s,
                 step,
                 &mut cache.layers,
-                &mut shared,
+                shared,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
             )?;
             s.check_finite(|| format!("layer {}", lw.layer))?;
@@ -348,8 +438,8 @@ impl<'a> Model<'a> {
             c.end();
         }
         cache.pos += tokens.len();
-        let logits = self.globals.finish(&self.cfg, &s, which)?;
-        Ok((logits, s))
+        self.globals
+            .finish_into(&self.cfg, s, which, &mut shared.scratch, logits)
     }
 }
 

@@ -24,6 +24,7 @@ use crate::hash::HashTable;
 use crate::layer::{LayerWeights, Shared, Step};
 use crate::model::{check_context, Globals, Logits};
 use crate::observer::RouteObserver;
+use crate::scratch::Scratch;
 use crate::Result;
 
 /// Options of a streamed run.
@@ -97,6 +98,7 @@ pub fn forward_streamed(
     }
     let globals = Globals::load(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
+    let mut scratch = Scratch::default();
     let mut engram_ids = Vec::with_capacity(records.len());
     for r in records {
         let mut cache = Cache::new(cfg.n_layers);
@@ -195,7 +197,10 @@ pub fn forward_streamed(
                     let per = lay.layer_ids.len() * lay.cols();
                     el.forward(&cfg, lay, p, &ids[a * per..b * per], rows)?;
                 }
-                lw.forward(
+                // One set of working buffers for every record's chunks, lent to each in turn
+                // (each chunk's shared state keeps only what its layers pass on).
+                sh.scratch = std::mem::take(&mut scratch);
+                let r = lw.forward(
                     &cfg,
                     &experts as &dyn ExpertSource,
                     mask,
@@ -204,7 +209,9 @@ pub fn forward_streamed(
                     &mut cache.layers,
                     sh,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-                )?;
+                );
+                scratch = std::mem::take(&mut sh.scratch);
+                r?;
                 p.check_finite(|| format!("layer {l}"))?;
                 if let Some(p) = part {
                     s.set_rows(a, &p);

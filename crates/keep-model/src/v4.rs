@@ -24,8 +24,9 @@ use keep_kernels::WeightView;
 
 pub use crate::cache::{PoolState, V4Cache};
 use crate::config::ModelConfig;
-use crate::linear::{lin, top_k_by};
+use crate::linear::{lin_into, top_k_by};
 use crate::observer::RouteObserver;
+use crate::scratch::{zeroed, Scratch};
 use crate::weights::{vec_f32, weight};
 use crate::Result;
 
@@ -129,21 +130,40 @@ pub fn pool_step(
     layer: usize,
     names: [&'static str; 2],
 ) -> Result<()> {
-    let kvp = lin(x, t, &pw.wkv, obs, layer, names[0], None)?;
-    let gp = lin(x, t, &pw.wgate, obs, layer, names[1], None)?;
+    let mut sc = Scratch::default();
+    pool_step_with(cfg, pw, st, x, t, rope, obs, layer, names, &mut sc)
+}
+
+/// [`pool_step`] with its intermediates in `sc`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pool_step_with(
+    cfg: &ModelConfig,
+    pw: &Pool,
+    st: &mut PoolState,
+    x: &[f32],
+    t: usize,
+    rope: &Rope,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    names: [&'static str; 2],
+    sc: &mut Scratch,
+) -> Result<()> {
+    let (kvp, gp) = (&mut sc.kvp, &mut sc.gp);
+    lin_into(x, t, &pw.wkv, obs, layer, names[0], None, kvp)?;
+    lin_into(x, t, &pw.wgate, obs, layer, names[1], None, gp)?;
     let w = pw.wkv.rows;
     let (m, hd) = (pw.ratio, pw.dim_out);
-    st.pending_kv.extend_from_slice(&kvp);
-    st.pending_gate.extend_from_slice(&gp);
+    st.pending_kv.extend_from_slice(kvp);
+    st.pending_gate.extend_from_slice(gp);
     st.n_pending += t;
     let closed = st.n_pending / m;
     let slots = if pw.overlap { 2 * m } else { m };
-    let mut g = vec![0f32; slots];
-    let mut v = vec![0f32; slots];
+    let g = zeroed(&mut sc.gcol, slots);
+    let v = zeroed(&mut sc.vcol, slots);
     for c in 0..closed {
         let cur_kv = &st.pending_kv[c * m * w..(c + 1) * m * w];
         let cur_gate = &st.pending_gate[c * m * w..(c + 1) * m * w];
-        let mut e = vec![0f32; hd];
+        let e = zeroed(&mut sc.entry, hd);
         for (dd, out) in e.iter_mut().enumerate() {
             let mut n = 0;
             if pw.overlap {
@@ -169,9 +189,9 @@ pub fn pool_step(
             ops::softmax(&mut g[..n]);
             *out = v[..n].iter().zip(&g[..n]).map(|(a, b)| a * b).sum();
         }
-        crate::linear::rms_norm(&mut e, hd, Some(&pw.norm), cfg.eps);
-        rope.apply(&mut e, (st.n * m) as f32, false);
-        st.entries.extend_from_slice(&e);
+        crate::linear::rms_norm(e, hd, Some(&pw.norm), cfg.eps);
+        rope.apply(e, (st.n * m) as f32, false);
+        st.entries.extend_from_slice(e);
         st.n += 1;
         if pw.overlap {
             st.prev_kv.clear();
@@ -202,19 +222,47 @@ pub fn index_topk(
     obs: &mut Option<&mut dyn RouteObserver>,
     layer: usize,
 ) -> Result<(Vec<i32>, usize)> {
+    let mut out = Vec::new();
+    let mut sc = Scratch::default();
+    let k = index_topk_into(
+        cfg, ix, keys, n, x, qr, t, start_pos, rope, obs, layer, &mut sc, &mut out,
+    )?;
+    Ok((out, k))
+}
+
+/// [`index_topk`] into `out` (`[t × k]`; k returned), its intermediates in `sc`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn index_topk_into(
+    cfg: &ModelConfig,
+    ix: &Indexer,
+    keys: &[f32],
+    n: usize,
+    x: &[f32],
+    qr: &[f32],
+    t: usize,
+    start_pos: usize,
+    rope: &Rope,
+    obs: &mut Option<&mut dyn RouteObserver>,
+    layer: usize,
+    sc: &mut Scratch,
+    out: &mut Vec<i32>,
+) -> Result<usize> {
+    out.clear();
     let k = cfg.index_topk.min(n);
     if n == 0 {
-        return Ok((vec![], 0));
+        return Ok(0);
     }
     let (nh, ihd, m) = (cfg.index_heads, cfg.index_head_dim, ix.pool.ratio);
-    let mut q = lin(qr, t, &ix.wq_b, obs, layer, "attn.indexer.wq_b", None)?;
+    let q = &mut sc.iq;
+    lin_into(qr, t, &ix.wq_b, obs, layer, "attn.indexer.wq_b", None, q)?;
     for i in 0..t {
         for hh in 0..nh {
             let row = &mut q[(i * nh + hh) * ihd..(i * nh + hh + 1) * ihd];
             rope.apply(row, (start_pos + i) as f32, false);
         }
     }
-    let mut w = lin(
+    let w = &mut sc.iw;
+    lin_into(
         x,
         t,
         &ix.weights_proj,
@@ -222,12 +270,13 @@ pub fn index_topk(
         layer,
         "attn.indexer.weights_proj",
         None,
+        w,
     )?;
     let wscale = (nh as f32).powf(-0.5);
     w.iter_mut().for_each(|v| *v *= wscale);
     let sscale = (ihd as f32).powf(-0.5);
-    let mut out = vec![-1i32; t * k];
-    let mut row: Vec<(f32, usize)> = Vec::with_capacity(n);
+    out.resize(t * k, -1);
+    let row = &mut sc.ranked;
     for i in 0..t {
         let visible = ((start_pos + 1 + i) / m).min(n);
         row.clear();
@@ -241,12 +290,12 @@ pub fn index_topk(
             row.push((acc, j));
         }
         let kk = k.min(visible);
-        top_k_by(&mut row, kk);
+        top_k_by(row, kk);
         for (slot, &(_, j)) in row[..kk].iter().enumerate() {
             out[i * k + slot] = j as i32;
         }
     }
-    Ok((out, k))
+    Ok(k)
 }
 
 /// The unweighted per-head RMSNorm transformers applies to V4's queries (`q_b_norm`).

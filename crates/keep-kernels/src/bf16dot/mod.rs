@@ -43,7 +43,7 @@ use std::sync::LazyLock;
 
 use crate::codec::{e4m3_to_f32_ref, e8m0_to_f32};
 use crate::cpu::{check_operands, PAR_MIN_MACS};
-use crate::rows::{block_scale, prepare_per_input, run_row_jobs, SyncPtr};
+use crate::rows::{block_scale, prepare_per_input, run_row_jobs, Books, SyncPtr};
 use crate::weight::{BlockScales, WeightView};
 use crate::{KernelError, Result};
 
@@ -536,32 +536,40 @@ pub fn bf_matmul_many_at(level: BfLevel, jobs: &mut [BfJob]) -> Result<()> {
         j.w.check(j.rows, j.cols)?;
     }
     let mut spare = take_spare();
-    let prepared = prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), |x, m, cols| {
-        let mut a = spare.pop().unwrap_or_default();
-        a.reround(x, m, cols)?;
-        Ok::<_, KernelError>(a)
-    });
-    let (acts, which) = match prepared {
-        Ok(p) => p,
-        Err(e) => {
-            keep_spare(spare);
-            return Err(e);
-        }
-    };
-    let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
-    let outs: Vec<SyncPtr> = jobs
-        .iter_mut()
-        .map(|j| SyncPtr(j.out.as_mut_ptr()))
-        .collect();
+    let mut books = Books::take();
+    let prepared = prepare_per_input(
+        jobs.iter().map(|j| (j.x, j.m, j.cols)),
+        &mut spare,
+        &mut books.which,
+        &mut books.keys,
+        |a, x, m, cols| a.reround(x, m, cols),
+    );
+    if let Err(e) = prepared {
+        keep_spare(spare);
+        books.keep();
+        return Err(e);
+    }
+    books
+        .shapes
+        .extend(jobs.iter().map(|j| (j.m, j.rows, j.cols)));
+    books
+        .outs
+        .extend(jobs.iter_mut().map(|j| SyncPtr(j.out.as_mut_ptr())));
     let jobs_ro: &[BfJob] = jobs;
-    run_row_jobs(&shapes, &outs, |ji, r0, r1, out| {
-        let j = &jobs_ro[ji];
-        // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
-        // disjoint row range of its job's m×rows output.
-        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
-    });
-    spare.extend(acts);
+    let (acts, which) = (&spare, &books.which);
+    run_row_jobs(
+        &books.shapes,
+        &books.outs,
+        &mut books.tasks,
+        |ji, r0, r1, out| {
+            let j = &jobs_ro[ji];
+            // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
+            // disjoint row range of its job's m×rows output.
+            unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
+        },
+    );
     keep_spare(spare);
+    books.keep();
     Ok(())
 }
 

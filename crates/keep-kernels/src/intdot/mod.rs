@@ -74,7 +74,7 @@ use crate::affine::AFFINE8_GROUP;
 use crate::codec::bf16_at;
 use crate::cpu::{check_operands, PAR_MIN_MACS};
 use crate::e8p::E8pView;
-use crate::rows::{prepare_per_input, run_row_jobs, SyncPtr};
+use crate::rows::{prepare_per_input, run_row_jobs, Books, SyncPtr};
 use crate::weight::{WeightKind, WeightView};
 use crate::{KernelError, Result};
 
@@ -899,8 +899,15 @@ pub fn int_matmul(
     out: &mut [f32],
 ) -> Result<()> {
     check_operands(x, m, rows, cols, out)?;
-    let a = Q8Acts::quantize(x, m, cols)?;
-    int_matmul_at(int_level(), src, rows, &a, out)
+    // Quantized into a buffer this thread keeps between calls (as `int_matmul_many` does).
+    let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let mut a = spare.pop().unwrap_or_default();
+    let r = a
+        .requantize(x, m, cols)
+        .and_then(|()| int_matmul_at(int_level(), src, rows, &a, out));
+    spare.push(a);
+    keep_spare(spare);
+    r
 }
 
 /// One product of an [`int_matmul_many`] batch.
@@ -925,33 +932,41 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
     // thread (a decode step quantizes the same few shapes every layer: no allocation once
     // they are warm).
     let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    let prepared = prepare_per_input(jobs.iter().map(|j| (j.x, j.m, j.cols)), |x, m, cols| {
-        let mut a = spare.pop().unwrap_or_default();
-        a.requantize(x, m, cols)?;
-        Ok::<_, KernelError>(a)
-    });
-    let (acts, which) = match prepared {
-        Ok(p) => p,
-        Err(e) => {
-            keep_spare(spare);
-            return Err(e);
-        }
-    };
+    let mut books = Books::take();
+    let prepared = prepare_per_input(
+        jobs.iter().map(|j| (j.x, j.m, j.cols)),
+        &mut spare,
+        &mut books.which,
+        &mut books.keys,
+        |a, x, m, cols| a.requantize(x, m, cols),
+    );
+    if let Err(e) = prepared {
+        keep_spare(spare);
+        books.keep();
+        return Err(e);
+    }
     let level = int_level();
-    let shapes: Vec<(usize, usize, usize)> = jobs.iter().map(|j| (j.m, j.rows, j.cols)).collect();
-    let outs: Vec<SyncPtr> = jobs
-        .iter_mut()
-        .map(|j| SyncPtr(j.out.as_mut_ptr()))
-        .collect();
+    books
+        .shapes
+        .extend(jobs.iter().map(|j| (j.m, j.rows, j.cols)));
+    books
+        .outs
+        .extend(jobs.iter_mut().map(|j| SyncPtr(j.out.as_mut_ptr())));
     let jobs_ro: &[IntJob] = jobs;
-    run_row_jobs(&shapes, &outs, |ji, r0, r1, out| {
-        let j = &jobs_ro[ji];
-        // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
-        // disjoint row range of its job's m×rows output.
-        unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
-    });
-    spare.extend(acts);
+    let (acts, which) = (&spare, &books.which);
+    run_row_jobs(
+        &books.shapes,
+        &books.outs,
+        &mut books.tasks,
+        |ji, r0, r1, out| {
+            let j = &jobs_ro[ji];
+            // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
+            // disjoint row range of its job's m×rows output.
+            unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
+        },
+    );
     keep_spare(spare);
+    books.keep();
     Ok(())
 }
 

@@ -25,7 +25,7 @@
 use rayon::prelude::*;
 
 use crate::affine::{Affine8View, AFFINE8_GROUP};
-use crate::rows::{row_tasks, SyncPtr};
+use crate::rows::{row_tasks_into, Books, SyncPtr};
 use crate::weight::{BlockScales, E8pResidual, WeightKind};
 use crate::{Result, WeightView};
 
@@ -472,12 +472,17 @@ pub fn matmul_many(jobs: &mut [Job]) {
         }
         return;
     }
-    let tasks = row_tasks(jobs.iter().map(|j| (j.m, j.rows, j.cols)), threads);
-    let ptrs: Vec<SyncPtr> = jobs
-        .iter_mut()
-        .map(|j| SyncPtr(j.out.as_mut_ptr()))
-        .collect();
+    let mut books = Books::take();
+    row_tasks_into(
+        jobs.iter().map(|j| (j.m, j.rows, j.cols)),
+        threads,
+        &mut books.tasks,
+    );
+    books
+        .outs
+        .extend(jobs.iter_mut().map(|j| SyncPtr(j.out.as_mut_ptr())));
     let jobs_ro: &[Job] = jobs;
+    let (tasks, ptrs) = (&books.tasks, &books.outs);
     let region = crate::profile::Region::begin();
     let reg = region.as_ref();
     tasks.par_iter().for_each(|&(ji, r0, r1)| {
@@ -490,6 +495,7 @@ pub fn matmul_many(jobs: &mut [Job]) {
     if let Some(r) = region {
         r.finish();
     }
+    books.keep();
 }
 
 #[cfg(test)]
