@@ -19,7 +19,7 @@
 //! - `warm_start`: the file the slots are filled from before the run (REAP statistics, a route
 //!   file or a route profile), or null; `profile`: the persistent route profile the runtime
 //!   updates at exit and warm-starts from when it exists (a `keep-route-profile` file).
-//! - `kernels` (fast or exact), `draft` (none or mtp), `tiers` (reserved for per-expert
+//! - `kernels` (fast or exact), `draft` (none, mtp or dspark), `tiers` (reserved for per-expert
 //!   precision tiers: null in this version).
 //! - `probes`: what `keep fit` measured on this machine (read bandwidth of the model's own
 //!   expert bytes with direct I/O, compute seconds per token, memory).
@@ -187,7 +187,7 @@ pub struct FitPlan {
 
 const POLICIES: [&str; 3] = ["lru", "decay", "static"];
 const KERNELS: [&str; 2] = ["fast", "exact"];
-const DRAFTS: [&str; 2] = ["none", "mtp"];
+const DRAFTS: [&str; 3] = ["none", "mtp", "dspark"];
 
 /// How a fit plan file is named in errors.
 const KIND: crate::json::Kind = crate::json::Kind {
@@ -215,7 +215,7 @@ impl FitPlan {
             return Err(format!("kernels `{}` is not fast or exact", self.kernels));
         }
         if !DRAFTS.contains(&self.draft.as_str()) {
-            return Err(format!("draft `{}` is not none or mtp", self.draft));
+            return Err(format!("draft `{}` is not none, mtp or dspark", self.draft));
         }
         if self.context == 0 {
             return Err("context is 0 positions".into());

@@ -259,3 +259,60 @@ fn a_plan_names_its_model_wherever_it_is_run_from() {
         .assert()
         .success();
 }
+
+/// A plan whose `draft` is `dspark` makes `keep run --plan` draft with the checkpoint's DSpark
+/// drafter, a whole block per verify forward, with the output of the plan without drafting.
+#[test]
+fn a_dspark_plan_runs_drafting() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let model = dir.path().join("tds");
+    keep(&cache)
+        .args(["synth", "--preset", "tiny", "--draft", "dspark", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    let plan = dir.path().join("plan.json");
+    keep(&cache)
+        .arg("fit")
+        .arg(&model)
+        .args([
+            "--memory",
+            "1GiB",
+            "--context",
+            "64",
+            "--probe-tokens",
+            "4",
+            "--out",
+        ])
+        .arg(&plan)
+        .assert()
+        .success();
+    let run = || {
+        let o = keep(&cache)
+            .args(["run", "--plan"])
+            .arg(&plan)
+            .args([
+                "--prompt-tokens",
+                "8",
+                "--max-tokens",
+                "24",
+                "--temperature",
+                "0",
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        (String::from_utf8_lossy(&o.stdout).into_owned(), err)
+    };
+    let (plain, err) = run();
+    assert!(!err.contains("draft: K ="), "{err}");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    v["draft"] = "dspark".into();
+    std::fs::write(&plan, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    let (drafted, err) = run();
+    assert!(err.contains("draft: K = 5"), "{err}");
+    assert_eq!(drafted, plain, "drafting changed the greedy output");
+}

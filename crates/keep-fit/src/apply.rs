@@ -78,14 +78,26 @@ pub fn kernels(plan: &FitPlan) -> Kernels {
 pub const DRAFT_TOKENS: usize = 2;
 
 /// The plan's drafting on checkpoint `ck`: the mode and the tokens drafted per verify forward
-/// (0 when the run does not draft). `keep run --plan`, `keep serve --plan` and `keep fit
-/// --check` all draft this way, and [`runtime_options`] holds the MTP module and the cache copy
-/// in the budget exactly when it drafts.
+/// (0 when the run does not draft): `mtp` drafts [`DRAFT_TOKENS`] with the MTP module, `dspark`
+/// a whole block with the DSpark drafter (its `dspark_block_size`, at most
+/// [`keep_model::mtp::MAX_DRAFT`], as `keep run --draft dspark`), each only on a checkpoint that
+/// carries that drafter. `keep run --plan`, `keep serve --plan` and `keep fit --check` all
+/// draft this way, and [`runtime_options`] holds the drafter's tensors and the cache copy in
+/// the budget exactly when it drafts.
 pub fn draft(plan: &FitPlan, ck: &keep_checkpoint::Checkpoint) -> (DraftMode, usize) {
-    if plan.draft == "mtp" && keep_model::mtp::present(ck) {
-        (DraftMode::Mtp, DRAFT_TOKENS)
-    } else {
-        (DraftMode::None, 0)
+    match plan.draft.as_str() {
+        "mtp" if keep_model::mtp::present(ck) => (DraftMode::Mtp, DRAFT_TOKENS),
+        "dspark" if keep_model::dspark::present(ck) => {
+            let block = ck
+                .config()
+                .and_then(|c| c.dspark())
+                .map_or(0, |k| k.block_size);
+            match block.min(keep_model::mtp::MAX_DRAFT) {
+                0 => (DraftMode::None, 0),
+                k => (DraftMode::DSpark, k),
+            }
+        }
+        _ => (DraftMode::None, 0),
     }
 }
 

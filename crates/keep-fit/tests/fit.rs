@@ -239,3 +239,73 @@ fn the_check_sets_routes_do_not_depend_on_the_budget() {
     assert_eq!(traces[0].sessions.len(), 2);
     assert_eq!(traces[0], traces[1]);
 }
+
+/// A plan whose `draft` is `dspark` runs the checkpoint's DSpark drafter with a whole block per
+/// verify forward (as `keep run --draft dspark`), its runtime options plan the budget for
+/// drafting (the drafter's tensors and the cache copy held), and `keep fit --check` runs it so.
+#[test]
+fn a_dspark_plan_drafts_with_the_dspark_drafter() {
+    use keep_runtime::run::DraftMode;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, storage) = presets::preset("tiny").unwrap();
+    presets::with_dspark(&mut cfg);
+    let opts = SynthOptions {
+        seed: 13,
+        storage,
+        force: true,
+        max_shard_bytes: 64 << 20,
+    };
+    let model = synth(&cfg, &dir.path().join("tiny-dspark"), &opts, &|_, _| {}).unwrap();
+    let ck = Checkpoint::open(&model).unwrap();
+    let dspark: u64 = ck
+        .tensors()
+        .filter(|t| t.name.starts_with("mtp."))
+        .map(|t| t.bytes.len() as u64)
+        .sum();
+    assert!(dspark > 0);
+    // Room for the drafter and a cache copy beside four slots per layer.
+    let bytes = budget(&model, 4) + 2 * dspark;
+    let out = dir.path().join("plan.json");
+    let o = fit(&options(&model, bytes, None, out.clone())).unwrap();
+    keep_fit::search::write(&o, &out, false).unwrap();
+    let mut plan = o.plan.clone();
+    assert_eq!(apply::draft(&plan, &ck), (DraftMode::None, 0));
+    plan.draft = "dspark".into();
+    plan.write(&out, true).unwrap();
+    let plan = FitPlan::read(&out).unwrap();
+    assert_eq!(apply::draft(&plan, &ck), (DraftMode::DSpark, 5));
+    let ro = apply::runtime_options(&out, &plan, &ck, 16)
+        .unwrap()
+        .unwrap();
+    assert_eq!(ro.draft_tokens, 5);
+    // The drafting budget holds every DSpark tensor beside the rest.
+    let drafting = keep_runtime::BudgetedModel::load(&ck, &ro)
+        .unwrap()
+        .plan()
+        .fixed();
+    let mut plain = ro.clone();
+    plain.draft_tokens = 0;
+    let plain = keep_runtime::BudgetedModel::load(&ck, &plain)
+        .unwrap()
+        .plan()
+        .fixed();
+    assert!(
+        drafting >= plain + dspark,
+        "the plan's drafting budget ({drafting} B) does not hold the DSpark tensors ({dspark} B) beside the rest ({plain} B)"
+    );
+    // A plan naming a drafter its checkpoint lacks does not draft.
+    let tiny = tiny(dir.path());
+    let tck = Checkpoint::open(&tiny).unwrap();
+    assert_eq!(apply::draft(&plan, &tck), (DraftMode::None, 0));
+    let r = check(
+        &out,
+        &CheckOptions {
+            prompt_tokens: 4,
+            decode_tokens: 4,
+            teacher: None,
+            build: false,
+        },
+    )
+    .unwrap();
+    assert!(r.measured_tps > 0.0);
+}

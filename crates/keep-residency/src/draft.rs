@@ -4,9 +4,10 @@
 //! Without drafting every token is one forward: each layer reads its `top_k` experts (misses
 //! from SSD, hits from memory) and the resident weights once. With K drafts a verify forward
 //! feeds K + 1 rows: each layer reads the **union** of the experts its rows route to, the
-//! resident weights once, and the MTP module once per draft plus once for the pairs it is fed;
-//! when a draft is rejected the kept rows are replayed (the resident weights again, their experts
-//! from memory). The rows of a window are the trace's next K + 1 tokens — exact for accepted
+//! resident weights once, and the drafter ([`Drafter`]): the MTP module once per draft plus
+//! once for the pairs it is fed (K + 1 passes), or DSpark's one pass per window (its block of
+//! `dspark_block_size` rows through every stage, whatever K); when a draft is rejected the kept
+//! rows are replayed (the resident weights again, their experts from memory). The rows of a window are the trace's next K + 1 tokens — exact for accepted
 //! drafts, a stand-in for rejected ones (their real routes are of tokens that were never kept).
 //! Each window keeps `1 + accepted` tokens, the accepted count drawn with the measured acceptance
 //! by draft position (each conditional on the previous being accepted, as `keep run` reports
@@ -19,7 +20,7 @@
 //! reads, which is where drafting can lose.
 //!
 //! With a [`ComputeCost`] (seconds measured on the model with its weights in memory: a forward
-//! of each row count, the replay, the cache snapshot, the MTP module's passes) the memory term
+//! of each row count, the replay, the cache snapshot, the drafter's passes) the memory term
 //! is replaced by that compute — it already includes reading the weights from memory — and each
 //! side costs SSD bytes / SSD bandwidth + its forwards' measured seconds
 //! ([`ComputeCost::plain_s`], [`ComputeCost::window_s`]). On a small model the verify window's
@@ -32,16 +33,51 @@ use serde::Serialize;
 
 use crate::cost::CostModel;
 
+/// Which drafter proposes the drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Drafter {
+    /// DeepSeek-V4's autoregressive MTP module (`mtp.0.*`): one pass per draft, and one that
+    /// feeds the kept pairs — K + 1 passes per window of K drafts.
+    #[default]
+    Mtp,
+    /// DeepSeek-V4.1's DSpark (docs/dspark.md): one pass per window drafts its whole block, and
+    /// the kept rows' target features are projected once (`main_proj`).
+    DSpark,
+}
+
+impl Drafter {
+    /// The name `--drafter` takes and the JSON writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Drafter::Mtp => "mtp",
+            Drafter::DSpark => "dspark",
+        }
+    }
+
+    /// Passes of the drafter in a verify window of `rows` rows (the last token and `rows − 1`
+    /// drafts): the MTP module once per draft plus once for the fed pairs, DSpark once.
+    pub fn passes(self, rows: usize) -> u64 {
+        match self {
+            Drafter::Mtp => rows as u64,
+            Drafter::DSpark => 1,
+        }
+    }
+}
+
 /// What drafting does, for the replay.
 #[derive(Debug, Clone, Serialize)]
 pub struct DraftSpec {
-    /// Drafts per verify forward.
+    /// Drafts per verify forward (for DSpark at most its block size).
     pub k: usize,
     /// Acceptance at each draft position (given the previous ones were accepted); missing
     /// positions are never accepted.
     pub acceptance: Vec<f64>,
-    /// Bytes one pass of the MTP module reads (its block's weights and `top_k` of its experts).
-    pub mtp_pass_bytes: u64,
+    /// The drafter.
+    pub drafter: Drafter,
+    /// Bytes one pass of the drafter reads from memory: [`mtp_pass_bytes`] (its block's weights
+    /// and `top_k` of its experts) or [`dspark_pass_bytes`] (every stage over the block).
+    pub pass_bytes: u64,
     /// Seed of the acceptance draws.
     pub seed: u64,
     /// Measured compute of the forwards (`None`: reads only).
@@ -66,6 +102,12 @@ pub struct ComputeCost {
     pub mtp_feed_s: Vec<f64>,
     /// Snapshot of the MTP module's cache around the provisional rows (K > 1).
     pub mtp_snapshot_s: f64,
+    /// One DSpark pass: its whole block drafted (the stages over the window's projected rows,
+    /// the heads and the Markov chain), whatever K.
+    pub dspark_draft_s: f64,
+    /// The projection (`main_proj`, `main_norm`) of `i + 1` kept rows' target features into
+    /// DSpark's context rows.
+    pub dspark_project_s: Vec<f64>,
 }
 
 /// Entry `n − 1` of per-row-count seconds (0 for `n = 0`); past the last entry, extended
@@ -86,22 +128,33 @@ impl ComputeCost {
     }
 
     /// Seconds of one verify window of `rows` rows (the last token and `rows − 1` drafts) that
-    /// keeps `kept` tokens, as `keep_model`'s drafter runs it: the first draft (one MTP row
-    /// with logits), the other `rows − 2` chained on the module's own output (their cache
+    /// keeps `kept` tokens, as `keep_model`'s `drafter` runs it. MTP: the first draft (one MTP
+    /// row with logits), the other `rows − 2` chained on the module's own output (their cache
     /// snapshot around them), the main cache's snapshot, the verify forward of `rows` rows, the
     /// replay of the `kept` rows when a draft was rejected, and the MTP pass that feeds the
-    /// `kept − 1` pairs not fed while drafting.
-    pub fn window_s(&self, rows: usize, kept: usize) -> f64 {
+    /// `kept − 1` pairs not fed while drafting. DSpark: one pass drafts the block, then the
+    /// same snapshot, verify forward and replay, and the projection of the `kept` rows'
+    /// features into its context.
+    pub fn window_s(&self, drafter: Drafter, rows: usize, kept: usize) -> f64 {
         let drafts = rows.saturating_sub(1);
-        let mut s = self.mtp_draft_s * drafts as f64;
-        if drafts > 1 {
-            s += self.mtp_snapshot_s;
-        }
+        let mut s = match drafter {
+            Drafter::Mtp => {
+                let mut s = self.mtp_draft_s * drafts as f64;
+                if drafts > 1 {
+                    s += self.mtp_snapshot_s;
+                }
+                s
+            }
+            Drafter::DSpark => self.dspark_draft_s,
+        };
         s += self.snapshot_s + by_rows(&self.verify_s, rows);
         if kept < rows {
             s += by_rows(&self.replay_s, kept);
         }
-        s + by_rows(&self.mtp_feed_s, kept.saturating_sub(1))
+        s + match drafter {
+            Drafter::Mtp => by_rows(&self.mtp_feed_s, kept.saturating_sub(1)),
+            Drafter::DSpark => by_rows(&self.dspark_project_s, kept),
+        }
     }
 }
 
@@ -290,7 +343,7 @@ pub fn predict(
 ) -> Vec<DraftPrediction> {
     let k = spec.k.max(1);
     let resident = cost.resident_bytes as f64;
-    let mtp = spec.mtp_pass_bytes as f64;
+    let pass = spec.pass_bytes as f64;
     let compute = spec.compute.as_ref();
     let engram: f64 = cost
         .engram
@@ -330,11 +383,12 @@ pub fn predict(
                         (rows, acc + 1)
                     },
                     |rows, kept| {
-                        // Resident weights once, again for a replay; the MTP module once per
-                        // draft and once for the pairs fed.
+                        // Resident weights once, again for a replay; the drafter's passes
+                        // (MTP: once per draft and once for the pairs fed; DSpark: once).
                         let replay = if kept < rows { resident } else { 0.0 };
-                        let secs = compute.map_or(0.0, |c| c.window_s(rows, kept));
-                        (resident + replay + mtp * rows as f64, secs)
+                        let secs = compute.map_or(0.0, |c| c.window_s(spec.drafter, rows, kept));
+                        let drafter = pass * spec.drafter.passes(rows) as f64;
+                        (resident + replay + drafter, secs)
                     },
                     &mut draft,
                 );
@@ -374,6 +428,66 @@ pub fn mtp_pass_bytes(dir: &std::path::Path) -> crate::Result<u64> {
         }
     }
     Ok(block + top_k * expert0)
+}
+
+/// Bytes one pass of the DSpark drafter of the checkpoint at `dir` reads from memory (0 without
+/// one; docs/dspark.md): a pass drafts a block of B = `dspark_block_size` rows through every
+/// stage `mtp.k.*` and projects the kept rows' target features once (`main_proj`,
+/// `main_norm`). Every `mtp.*` tensor but the routed experts and the Markov head is read once;
+/// `markov_head.head` once per row (B matrix–vector products) and B rows of
+/// `markov_head.embed`; each stage's routed experts are the union over the block's rows, at
+/// most `min(B · dspark_num_experts_per_tok, experts of the stage)` of them (the drafter's
+/// routes are not recorded, so every row is taken to route to experts of its own), each at
+/// expert 0's size. The target's embedding and head, which DSpark shares, are not counted
+/// (as for [`mtp_pass_bytes`]).
+pub fn dspark_pass_bytes(dir: &std::path::Path) -> crate::Result<u64> {
+    use keep_checkpoint::naming::{self, Role, Scope};
+    let ck = keep_checkpoint::Checkpoint::open(dir)?;
+    let Some(keys) = ck.config().and_then(|c| c.dspark()) else {
+        return Ok(0);
+    };
+    let b = keys.block_size as u64;
+    let vocab = ck.config().map_or(1, |c| c.vocab_size.max(1)) as u64;
+    // Per stage: expert 0's bytes, the distinct experts stored, stacked experts' bytes.
+    let mut stages: std::collections::BTreeMap<
+        usize,
+        (u64, std::collections::BTreeSet<usize>, u64),
+    > = Default::default();
+    let mut once = 0u64;
+    for t in ck.tensors() {
+        let n = naming::parse(t.name);
+        let Scope::Mtp(k) = n.scope else {
+            continue;
+        };
+        let bytes = t.bytes.len() as u64;
+        let stage = stages.entry(k).or_default();
+        match n.role {
+            Role::RoutedExpert { expert, .. } => {
+                stage.1.insert(expert);
+                if expert == 0 {
+                    stage.0 += bytes;
+                }
+            }
+            Role::StackedExperts(_) => stage.2 += bytes,
+            _ if t.name.contains(".markov_head.head.") => once += b * bytes,
+            _ if t.name.contains(".markov_head.embed.") => once += bytes * b.min(vocab) / vocab,
+            _ => once += bytes,
+        }
+    }
+    let per_row = keys.num_experts_per_tok as u64;
+    let experts: u64 = stages
+        .values()
+        .map(|(expert0, ids, stacked)| {
+            let (n, each) = if ids.is_empty() {
+                let n = keys.n_routed_experts.max(1) as u64;
+                (n, stacked / n)
+            } else {
+                (ids.len() as u64, *expert0)
+            };
+            (b * per_row).min(n) * each
+        })
+        .sum();
+    Ok(once + experts)
 }
 
 #[cfg(test)]
@@ -433,7 +547,8 @@ mod tests {
         let spec = DraftSpec {
             k: 3,
             acceptance: vec![1.0; 3],
-            mtp_pass_bytes: 0,
+            drafter: Drafter::Mtp,
+            pass_bytes: 0,
             seed: 1,
             compute: None,
         };
@@ -454,7 +569,8 @@ mod tests {
         let spec = DraftSpec {
             k: 2,
             acceptance: vec![0.0; 2],
-            mtp_pass_bytes: 0,
+            drafter: Drafter::Mtp,
+            pass_bytes: 0,
             seed: 1,
             compute: None,
         };
@@ -475,6 +591,8 @@ mod tests {
             mtp_draft_s: 0.2,
             mtp_feed_s: vec![0.15, 0.25],
             mtp_snapshot_s: 0.01,
+            dspark_draft_s: 0.3,
+            dspark_project_s: vec![0.02, 0.03, 0.04],
         }
     }
 
@@ -486,11 +604,13 @@ mod tests {
         let c = probe();
         // K = 2, nothing accepted: two drafts (chained: MTP snapshot), the main snapshot, the
         // 3-row verify forward, the replay of the 1 kept row, nothing to feed.
-        assert!((c.window_s(3, 1) - (0.2 * 2.0 + 0.01 + 0.1 + 2.0 + 0.9)).abs() < SUM_TOL);
+        assert!(
+            (c.window_s(Drafter::Mtp, 3, 1) - (0.2 * 2.0 + 0.01 + 0.1 + 2.0 + 0.9)).abs() < SUM_TOL
+        );
         // K = 2, everything accepted: no replay; the 2 pairs not fed while drafting are fed.
-        assert!((c.window_s(3, 3) - (0.4 + 0.01 + 0.1 + 2.0 + 0.25)).abs() < SUM_TOL);
+        assert!((c.window_s(Drafter::Mtp, 3, 3) - (0.4 + 0.01 + 0.1 + 2.0 + 0.25)).abs() < SUM_TOL);
         // K = 1, accepted: one draft, no MTP snapshot; feed one pair.
-        assert!((c.window_s(2, 2) - (0.2 + 0.1 + 1.5 + 0.15)).abs() < SUM_TOL);
+        assert!((c.window_s(Drafter::Mtp, 2, 2) - (0.2 + 0.1 + 1.5 + 0.15)).abs() < SUM_TOL);
         // Past the measured row counts: extended linearly from the last two.
         assert!((by_rows(&c.verify_s, 5) - 3.0).abs() < SUM_TOL);
         assert!((by_rows(&[0.5], 3) - 1.5).abs() < SUM_TOL);
@@ -508,7 +628,8 @@ mod tests {
         let mut spec = DraftSpec {
             k: 2,
             acceptance: vec![0.0; 2],
-            mtp_pass_bytes: 0,
+            drafter: Drafter::Mtp,
+            pass_bytes: 0,
             seed: 1,
             compute: Some(probe()),
         };
@@ -530,5 +651,74 @@ mod tests {
         let reads = &predict(&t, &[2], &c, &spec)[0];
         // (1e9 resident bytes at 1000 GB/s, plus the two experts' hits: 2e-6 s.)
         assert!((reads.plain.seconds_per_token - 1e-3).abs() < 3e-6);
+    }
+
+    #[test]
+    fn a_dspark_window_costs_one_pass_and_the_projection_of_the_kept_rows() {
+        let c = probe();
+        // K = 2, nothing accepted: one DSpark pass (no per-draft passes, no drafter snapshot),
+        // the main snapshot, the 3-row verify forward, the replay of the 1 kept row and the
+        // projection of that row.
+        let ds = c.window_s(Drafter::DSpark, 3, 1);
+        assert!((ds - (0.3 + 0.1 + 2.0 + 0.9 + 0.02)).abs() < SUM_TOL);
+        // Everything accepted: no replay; the 3 kept rows projected.
+        let ds = c.window_s(Drafter::DSpark, 3, 3);
+        assert!((ds - (0.3 + 0.1 + 2.0 + 0.04)).abs() < SUM_TOL);
+        // The same windows with MTP: two drafts, its snapshot, the feed of the kept pairs.
+        let mtp = c.window_s(Drafter::Mtp, 3, 3);
+        assert!((mtp - ds - (0.2 * 2.0 + 0.01 + 0.25 - 0.3 - 0.04)).abs() < SUM_TOL);
+        assert_eq!(Drafter::DSpark.passes(4), 1);
+        assert_eq!(Drafter::Mtp.passes(4), 4);
+    }
+
+    #[test]
+    fn a_dspark_window_reads_its_pass_once_where_mtp_reads_k_plus_one() {
+        // Every token routes to {0, 1}, held by 2 slots; every draft accepted with K = 3: 16
+        // windows of 4 rows over 64 tokens. Each window reads the resident weights once and
+        // the two experts (from memory after the first window's two misses).
+        let t = trace([0u16, 1].repeat(64), 2, 8);
+        let mut c = cost();
+        c.resident_bytes = 1_000_000;
+        c.ssd_gbps = 1000.0;
+        let pass = 3_000_000u64;
+        let mut spec = DraftSpec {
+            k: 3,
+            acceptance: vec![1.0; 3],
+            drafter: Drafter::DSpark,
+            pass_bytes: pass,
+            seed: 1,
+            compute: None,
+        };
+        let ds = predict(&t, &[2], &c, &spec)[0].clone();
+        assert_eq!(ds.tokens_per_forward, 4.0);
+        let hits = 15.0 * 2.0 * 1e6;
+        // DSpark: one pass per window.
+        let want = (16.0 * (1e6 + pass as f64) + hits) / 64.0;
+        assert_eq!(ds.drafting.mem_bytes_per_token, want);
+        // MTP: K + 1 = 4 passes per window (three drafts and the feed).
+        spec.drafter = Drafter::Mtp;
+        let mtp = predict(&t, &[2], &c, &spec)[0].clone();
+        let want = (16.0 * (1e6 + 4.0 * pass as f64) + hits) / 64.0;
+        assert_eq!(mtp.drafting.mem_bytes_per_token, want);
+        // The difference is exactly K passes per window, in bytes and in seconds.
+        let diff = mtp.drafting.mem_bytes_per_token - ds.drafting.mem_bytes_per_token;
+        assert_eq!(diff, 16.0 * 3.0 * pass as f64 / 64.0);
+        let secs = diff / (c.mem_gbps * 1e9);
+        let got = mtp.drafting.seconds_per_token - ds.drafting.seconds_per_token;
+        assert!((got - secs).abs() < 1e-15, "{got} vs {secs}");
+        // Without drafting both are the same.
+        assert_eq!(ds.plain.seconds_per_token, mtp.plain.seconds_per_token);
+
+        // With measured compute: 16 windows of 4 rows keeping 4 at DSpark's window seconds.
+        let mut p = probe();
+        p.verify_s.push(2.5);
+        spec.compute = Some(p.clone());
+        spec.drafter = Drafter::DSpark;
+        let ds = &predict(&t, &[2], &c, &spec)[0];
+        let w = 0.3 + 0.1 + 2.5 + by_rows(&p.dspark_project_s, 4);
+        assert!((w - p.window_s(Drafter::DSpark, 4, 4)).abs() < SUM_TOL);
+        // (The two cold misses at 1000 GB/s: 2e-6 s.)
+        let want = (16.0 * w + 2e6 / 1e12) / 64.0;
+        assert!((ds.drafting.seconds_per_token - want).abs() < 1e-12);
     }
 }

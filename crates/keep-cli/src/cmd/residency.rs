@@ -105,17 +105,27 @@ pub struct ResidencyArgs {
     #[arg(long, default_value_t = 1, value_name = "K")]
     admit_delay: usize,
     /// Also predict the tokens/s of speculative decoding at each hot-set size: the acceptance
-    /// at each draft position (comma list, one per draft: `keep run --draft mtp` prints it),
-    /// K = its length. Each verify forward reads the union of its K + 1 rows' experts (LRU
-    /// slots), the MTP module (with --model) once per draft, and replays the kept rows on a
-    /// rejection; needs --model or --expert-bytes. Replay a trace recorded with --draft none.
+    /// at each draft position (comma list, one per draft: `keep run --draft mtp|dspark` prints
+    /// it), K = its length (for DSpark at most its block size). Each verify forward reads the
+    /// union of its K + 1 rows' experts (LRU slots) and the drafter (with --model): the MTP
+    /// module once per draft and once for the fed pairs, or DSpark's one pass per window (its
+    /// block through every stage, the union of its own experts over the block's rows); and
+    /// replays the kept rows on a rejection. Needs --model or --expert-bytes. Replay a trace
+    /// recorded with --draft none.
     #[arg(long, value_delimiter = ',', value_name = "A1,A2,..")]
     draft_acceptance: Vec<f64>,
+    /// The drafter --draft-acceptance predicts: mtp (DeepSeek-V4's MTP module) or dspark
+    /// (DeepSeek-V4.1's DSpark). Default: the one --model carries, DSpark when it carries it
+    /// (as `keep run --draft auto`), else mtp.
+    #[arg(long, value_enum, requires = "draft_acceptance")]
+    drafter: Option<DrafterArg>,
     /// With --draft-acceptance: add the measured compute of drafting to the prediction. A short
     /// probe on --model (weights in memory, after a prompt of --draft-probe-context tokens)
     /// times a decode forward, verify forwards of 1..K + 1 rows, the replay, the cache snapshot
-    /// and the MTP module's passes; these seconds replace the memory-read term on both sides
-    /// (they include reading the weights from memory). Without it the prediction counts reads only.
+    /// and the drafter's passes (MTP: a draft, the fed pairs, its cache snapshot; DSpark: a
+    /// block, the projection of the kept rows); these seconds replace the memory-read term on
+    /// both sides (they include reading the weights from memory). Without it the prediction
+    /// counts reads only.
     #[arg(long, requires = "draft_acceptance")]
     draft_probe: bool,
     /// Prompt tokens before the probe's forwards (the context the decode runs at).
@@ -127,6 +137,62 @@ pub struct ResidencyArgs {
     /// Kernels the probe runs (as `keep run --kernels`, whose default is fast).
     #[arg(long, value_enum, default_value_t = super::KernelsArg::Fast)]
     draft_probe_kernels: super::KernelsArg,
+}
+
+/// `--drafter`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DrafterArg {
+    Mtp,
+    Dspark,
+}
+
+/// The drafter `--draft-acceptance` predicts and its K: `--drafter`, else what `model`
+/// carries (DSpark preferred); DSpark's K is at most its block size.
+fn drafter(a: &ResidencyArgs) -> anyhow::Result<(keep_residency::draft::Drafter, u64)> {
+    use keep_residency::draft::{dspark_pass_bytes, mtp_pass_bytes, Drafter};
+    let Some(dir) = &a.model else {
+        let d = match a.drafter {
+            Some(DrafterArg::Dspark) => Drafter::DSpark,
+            _ => Drafter::Mtp,
+        };
+        return Ok((d, 0));
+    };
+    let ck = keep_checkpoint::Checkpoint::open(dir)?;
+    let (dspark, mtp) = (
+        keep_model::dspark::present(&ck),
+        keep_model::mtp::present(&ck),
+    );
+    let d = match a.drafter {
+        Some(DrafterArg::Dspark) if !dspark => bail!(
+            "--drafter dspark: {} has no DSpark drafter (dspark_* keys in config.json and \
+             mtp.0.main_proj.weight); use --drafter mtp for a DeepSeek-V4 MTP module",
+            dir.display()
+        ),
+        Some(DrafterArg::Mtp) if dspark && !mtp => bail!(
+            "--drafter mtp: {} carries a DSpark drafter, not an MTP module (mtp.0.e_proj); \
+             use --drafter dspark",
+            dir.display()
+        ),
+        Some(DrafterArg::Dspark) => Drafter::DSpark,
+        Some(DrafterArg::Mtp) => Drafter::Mtp,
+        None if dspark => Drafter::DSpark,
+        None => Drafter::Mtp,
+    };
+    if d == Drafter::DSpark {
+        let block = ck
+            .config()
+            .and_then(|c| c.dspark())
+            .map_or(0, |k| k.block_size);
+        anyhow::ensure!(
+            a.draft_acceptance.len() <= block,
+            "--draft-acceptance: {} rates, but the DSpark drafter of {} drafts blocks of {block}; \
+             give at most {block}",
+            a.draft_acceptance.len(),
+            dir.display()
+        );
+        return Ok((d, dspark_pass_bytes(dir)?));
+    }
+    Ok((d, mtp_pass_bytes(dir)?))
 }
 
 fn write_synthetic(dir: &Path, spec: &str) -> anyhow::Result<()> {
@@ -296,13 +362,12 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
     }
     let drafting = match (&opts.cost, a.draft_acceptance.is_empty()) {
         (Some(cost), false) => {
+            let (drafter, pass_bytes) = drafter(&a)?;
             let spec = keep_residency::draft::DraftSpec {
                 k: a.draft_acceptance.len(),
                 acceptance: a.draft_acceptance.clone(),
-                mtp_pass_bytes: match &a.model {
-                    Some(d) => keep_residency::draft::mtp_pass_bytes(d)?,
-                    None => 0,
-                },
+                drafter,
+                pass_bytes,
                 seed: 0,
                 compute: if a.draft_probe {
                     let Some(d) = &a.model else {
@@ -313,6 +378,7 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
                         keep_runtime::probe::draft_compute(
                             &ck,
                             a.draft_probe_kernels.into(),
+                            drafter,
                             a.draft_acceptance.len(),
                             a.draft_probe_context,
                             a.draft_probe_reps,
@@ -347,10 +413,15 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
         print_table(&report, &bytes_from);
         if let Some((spec, rows)) = &drafting {
             println!(
-                "drafting (K = {}, acceptance {:?}, LRU slots, MTP pass {} bytes, {}): predicted tokens/s",
+                "drafting ({}, K = {}, acceptance {:?}, LRU slots, {} pass {} bytes, {}): predicted tokens/s",
+                spec.drafter.name(),
                 spec.k,
                 spec.acceptance,
-                spec.mtp_pass_bytes,
+                match spec.drafter {
+                    keep_residency::draft::Drafter::Mtp => "MTP",
+                    keep_residency::draft::Drafter::DSpark => "DSpark",
+                },
+                spec.pass_bytes,
                 match &spec.compute {
                     Some(c) => format!(
                         "measured compute: decode {:.2} ms, verify {:?} ms",

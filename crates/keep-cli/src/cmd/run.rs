@@ -196,6 +196,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let (draft, draft_k) = match &plan {
         Some((_, p)) => match keep_fit::apply::draft(p, &ck) {
             (keep_runtime::run::DraftMode::Mtp, k) => (DraftArg::Mtp, k),
+            (keep_runtime::run::DraftMode::DSpark, k) => (DraftArg::Dspark, k),
             _ => (DraftArg::None, 0),
         },
         None if a.draft == DraftArg::Dspark && !keep_model::dspark::present(&ck) => {
