@@ -34,6 +34,7 @@
 use crate::naming;
 
 pub(crate) mod deepseek_v3;
+pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
 
@@ -587,6 +588,9 @@ pub const MAX_PROBLEMS: usize = 64;
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     if let Some(q) = &cfg.qwen3 {
         return qwen3::model_problems(ck, q);
+    }
+    if let Some(c) = &cfg.gpt_oss {
+        return gpt_oss::model_problems(ck, c);
     }
     if let Some(c) = &cfg.deepseek_v3 {
         return deepseek_v3::model_problems(ck, c);
