@@ -22,7 +22,9 @@ For each: a pseudo-random sequence through `keep logits --routes` (one prefill) 
 (one forward without cache): top-1 agreement >= 99.5%, mean KL(ref||keep) <= 1e-4 nats per
 position, routed experts equal on >= 99.9% of (token, layer) pairs; keep's logits decoding the
 sequence one token at a time (`keep logits --decode`) equal its prefill logits bit for bit;
-mlx-lm against keep and transformers. mlx-lm's `YarnRoPE` always rounds the correction range
+`keep run` (greedy, exact kernels; the checkpoint carries a word-level `tokenizer.json`, token
+`i` the word `t<i>`) continues a 20-token prompt with transformers' greedy tokens; mlx-lm against
+keep and transformers. mlx-lm's `YarnRoPE` always rounds the correction range
 (it does not read `truncate`), OpenAI's code never does: on the `truncate: false` checkpoint
 mlx-lm runs once as shipped (reported, expected to differ) and once with its frequencies
 recomputed without the rounding (checked); on the `truncate: true` one it runs as shipped.
@@ -129,6 +131,11 @@ def write(cfg_kw, seed, d):
                    "model.layers.*.self_attn", "model.layers.*.mlp.router",
                    "model.embed_tokens", "lm_head"]})
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    # A word-level tokenizer (token i is the word `t<i>`), so that `keep run` can take a prompt.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
 
 
 def reference_model(d):
@@ -226,6 +233,24 @@ def case(keep, d, tag, tokens, tmp, truncated):
     check(f"gpt_oss {tag}: keep's decode logits equal its prefill logits",
           np.array_equal(dl, k["logits"]),
           f"max|diff| {float(np.abs(dl - k['logits']).max()):.2e}")
+    # `keep run` (greedy, exact kernels) against transformers' greedy continuation.
+    prompt, n = tokens[:20], 12
+    model = reference_model(d)
+    want = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([want])).logits[0, -1].argmax())
+            want.append(nxt)
+            if nxt in (json.loads((d / "config.json").read_text()).get("eos_token_id"),):
+                break
+    r = subprocess.run([str(keep), "run", str(d), "--prompt", " ".join(f"t{i}" for i in prompt),
+                        "--max-tokens", str(n), "--temperature", "0", "--kernels", "exact"],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+    import re
+    # keep run prints the prompt, then the generated text.
+    got = [int(x) for x in re.findall(r"t(\d+)", r.stdout)]
+    check(f"gpt_oss {tag}: keep run's greedy tokens equal transformers' greedy continuation",
+          got == want, f"keep {got[len(prompt):]} transformers {want[len(prompt):]}")
     m = mlx_logits(d, tokens, untruncate=not truncated)
     if m is not None:
         cm = compare({"logits": ref_logits}, {"logits": m})
