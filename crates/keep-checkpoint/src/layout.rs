@@ -13,6 +13,7 @@
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0 [rows, cols/32]` | MXFP8 (FP8 block 1×32, E8M0) |
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0` or `F32` `[ceil(rows/b), ceil(cols/b)]` | FP8 b×b blocks; b from `quantization_config.weight_block_size` when it fits, else 32, 64, 128 or 256 |
 //! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
+//! | `U8 [.., rows, cols/32, 16]` named `*_blocks` | `U8 [.., rows, cols/32]` named `*_scales` | MXFP4 (gpt-oss's expert stacks, `layout::gpt_oss`) |
 //! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
 //! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
 //! | `U32 [rows, cols·bits/32]` | `BF16 [rows, cols/64]` named `*.scales` | MLX affine, `bits` ∈ {2, 3, 4, 8}, group 64 (mlx-lm's files, `keep quant --format mlxN`) |
@@ -28,7 +29,8 @@
 //! Refused, with the reason: an FP8 or I8 weight without a scale, a scale on any other weight
 //! dtype, a scale that is not 2-D, a scale grid no block shape fits, and `U8` scales or packed
 //! weights (DeepSeek and mlx-lm's loader store E8M0 scales as `F8_E8M0` and FP4 as `I8`; a
-//! `U8` tensor says nothing about what its bytes are). Scales are looked up as `<base>.scale`,
+//! `U8` tensor says nothing about what its bytes are, except in gpt-oss's named
+//! `*_blocks` / `*_scales` pairs). Scales are looked up as `<base>.scale`,
 //! then `<base>.weight_scale_inv` (V3 naming) ([`scale_of`]).
 
 use crate::naming;
@@ -211,6 +213,9 @@ pub fn classify<'a>(
     scale: Option<TensorRef<'a>>,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
+    if let Some(l) = gpt_oss::classify_stack(weight, scale) {
+        return l;
+    }
     let wd = dims(&weight);
     let (rows, cols) = match wd.as_slice() {
         [r, c] => (*r, *c),

@@ -429,6 +429,57 @@ pub const HEAD: &str = "lm_head";
 /// The final norm's weight.
 pub const NORM: &str = "model.norm.weight";
 
+/// How an expert stack's packed FP4 tensor's name ends.
+pub const BLOCKS: &str = "_blocks";
+/// How an expert stack's E8M0 scale tensor's name ends.
+pub const SCALES: &str = "_scales";
+
+/// keep's scope, role and part of a gpt-oss tensor the Hugging Face naming does not know
+/// (`None` for every other name): the attention sinks and projection biases, the router and
+/// its bias, and the expert stacks (`gate_up_proj_*` as the gate matrix's stack, `down_proj_*`
+/// the down matrix's; `_blocks` the weight, `_scales` its scale, `_bias` other).
+pub fn parse_name(name: &str) -> Option<crate::naming::TensorName> {
+    use crate::naming::{ExpertMat, Part, Role, Scope, TensorName};
+    let rest = name.strip_prefix("model.layers.")?;
+    let dot = rest.find('.')?;
+    let layer = rest[..dot].parse::<usize>().ok()?;
+    let rest = &rest[dot + 1..];
+    let (role, part) = match rest {
+        "self_attn.sinks" => (Role::AttnSink, Part::Other),
+        "mlp.router.weight" => (Role::RouterWeight, Part::Weight),
+        "mlp.router.bias" => (Role::RouterBias, Part::Other),
+        _ => {
+            if let Some(p) = rest
+                .strip_prefix("self_attn.")
+                .and_then(|r| r.strip_suffix(".bias"))
+                .filter(|p| matches!(*p, "q_proj" | "k_proj" | "v_proj" | "o_proj"))
+            {
+                (Role::AttnProj(p.to_string()), Part::Other)
+            } else {
+                let e = rest.strip_prefix("mlp.experts.")?;
+                let (stem, part) = [
+                    (BLOCKS, Part::Weight),
+                    (SCALES, Part::Scale),
+                    ("_bias", Part::Other),
+                ]
+                .into_iter()
+                .find_map(|(suffix, part)| Some((e.strip_suffix(suffix)?, part)))?;
+                let mat = match stem {
+                    "gate_up_proj" => ExpertMat::W1,
+                    "down_proj" => ExpertMat::W2,
+                    _ => return None,
+                };
+                (Role::StackedExperts(mat), part)
+            }
+        }
+    };
+    Some(TensorName {
+        scope: Scope::Layer(layer),
+        role,
+        part,
+    })
+}
+
 /// A layer's two expert stacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stack {
@@ -568,6 +619,64 @@ mod tests {
             (g.rope_theta, g.yarn().unwrap().unwrap().factor),
             (5000.0, 8.0)
         );
+    }
+
+    #[test]
+    fn names_parse_to_roles() {
+        use crate::naming::{parse, ExpertMat, Part, Role, Scope};
+        for (name, role, part) in [
+            (
+                "model.layers.3.self_attn.sinks",
+                Role::AttnSink,
+                Part::Other,
+            ),
+            (
+                "model.layers.3.self_attn.o_proj.bias",
+                Role::AttnProj("o_proj".into()),
+                Part::Other,
+            ),
+            (
+                "model.layers.3.mlp.router.weight",
+                Role::RouterWeight,
+                Part::Weight,
+            ),
+            (
+                "model.layers.3.mlp.router.bias",
+                Role::RouterBias,
+                Part::Other,
+            ),
+            (
+                "model.layers.3.mlp.experts.gate_up_proj_blocks",
+                Role::StackedExperts(ExpertMat::W1),
+                Part::Weight,
+            ),
+            (
+                "model.layers.3.mlp.experts.down_proj_scales",
+                Role::StackedExperts(ExpertMat::W2),
+                Part::Scale,
+            ),
+            (
+                "model.layers.3.mlp.experts.down_proj_bias",
+                Role::StackedExperts(ExpertMat::W2),
+                Part::Other,
+            ),
+        ] {
+            let n = parse(name);
+            assert_eq!(
+                (n.scope, n.role, n.part),
+                (Scope::Layer(3), role, part),
+                "{name}"
+            );
+        }
+        // Hugging Face's other names are the Qwen3 naming's, unchanged.
+        assert_eq!(
+            parse("model.layers.3.self_attn.q_proj.weight").role,
+            Role::AttnProj("q_proj".into())
+        );
+        let b = "model.layers.0.mlp.experts.down_proj_blocks";
+        let s = crate::naming::scale_candidates(b);
+        assert_eq!(s, vec!["model.layers.0.mlp.experts.down_proj_scales"]);
+        assert_eq!(crate::naming::weight_of_scale(&s[0]).as_deref(), Some(b));
     }
 
     #[test]
