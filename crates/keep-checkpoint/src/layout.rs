@@ -365,7 +365,9 @@ pub fn classify_as<'a>(
     cols: usize,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
-    if weight.shape.len() != 2 {
+    // gpt-oss's MXFP4 blocks are `[rows, cols/32, 16]` an expert (`gpt_oss::classify_stack`).
+    let stack = weight.shape.len() == 3 && weight.name.ends_with(crate::config::gpt_oss::BLOCKS);
+    if weight.shape.len() != 2 && !stack {
         return Err(format!(
             "has shape {:?}, expected a [{rows}, {cols}] matrix",
             weight.shape
@@ -477,7 +479,9 @@ pub fn expert_slice(t: TensorRef<'_>, e: usize, n: usize) -> Result<TensorRef<'_
 /// Matrix `mat` of routed expert `expert` of `layer`, wherever the checkpoint keeps it:
 /// DeepSeek's `layers.L.ffn.experts.E.wN`, Hugging Face's Qwen3-MoE `mlp.experts.E.*_proj`, or
 /// the `E`-th slice of mlx-lm's stacked `mlp.switch_mlp.*_proj` (weight, `.scales` and
-/// `.biases` sliced alike). Names and shapes only; the layout is checked by the caller.
+/// `.biases` sliced alike), or gpt-oss's slices of its MXFP4 stacks (`W1` the interleaved
+/// gate-up matrix, no `W3`; `layout::gpt_oss`). Names and shapes only; the layout is checked by
+/// the caller.
 pub fn expert_matrix<'a>(
     ck: &'a Checkpoint,
     cfg: &DeepSeekConfig,
@@ -485,6 +489,9 @@ pub fn expert_matrix<'a>(
     expert: usize,
     mat: naming::ExpertMat,
 ) -> Result<ExpertMatrix<'a>, String> {
+    if let Some(g) = &cfg.gpt_oss {
+        return gpt_oss::expert_matrix(ck, g, layer, expert, mat);
+    }
     let n = cfg.experts_in_layer(layer);
     if cfg.qwen3.is_some() {
         let stacked = naming::qwen3::stacked_tensor(layer, mat, "weight");

@@ -4,8 +4,39 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::gpt_oss::{layer_prefix, GptOssConfig, Mxfp4Stack, Stack, EMBED, HEAD, NORM};
 use crate::config::gpt_oss::{BLOCKS, SCALES};
-use crate::layout::{vector_problem, weight_as, Layout, WeightLayout, MAX_PROBLEMS};
+use crate::layout::{
+    expert_slice, vector_problem, weight_as, ExpertMatrix, Layout, WeightLayout, MAX_PROBLEMS,
+};
+use crate::naming::ExpertMat;
 use crate::{Dtype, TensorRef};
+
+/// Matrix `mat` of expert `expert` of `layer`: `W1` its `[2·intermediate, hidden]` slice of
+/// the gate-up stack (gate and up rows interleaved), `W2` its slice of the down stack (blocks and
+/// scales sliced alike, nothing copied). gpt-oss has no `W3`: the up rows are in `W1`.
+pub(crate) fn expert_matrix<'a>(
+    ck: &'a Checkpoint,
+    cfg: &GptOssConfig,
+    layer: usize,
+    expert: usize,
+    mat: ExpertMat,
+) -> Result<ExpertMatrix<'a>, String> {
+    let s = match mat {
+        ExpertMat::W1 => Stack::GateUp,
+        ExpertMat::W2 => Stack::Down,
+        ExpertMat::W3 => {
+            return Err(format!(
+                "layer {layer}, expert {expert}: gpt-oss has no separate up matrix (its up rows \
+                 are interleaved with the gate's in gate_up_proj)"
+            ))
+        }
+    };
+    let st = Mxfp4Stack::open(ck, cfg, layer, s)?;
+    Ok(ExpertMatrix {
+        weight: expert_slice(st.blocks, expert, st.experts)?,
+        scale: Some(expert_slice(st.scales, expert, st.experts)?),
+        biases: None,
+    })
+}
 
 /// The classification of a gpt-oss expert stack (or one expert's slice of it): `*_blocks`
 /// `U8 [.., rows, cols/32, 16]` with its `*_scales` `U8 [.., rows, cols/32]` is MXFP4 of
