@@ -29,8 +29,10 @@
 //! layer. Under `Kernels::Exact` every product decodes the MXFP4 bytes exactly (E2M1 value ·
 //! `2^(scale − 127)`), the dequantized weights transformers computes with.
 //!
-//! The KV cache of a layer is [`KvRows`] (every position's rotated keys and values); a sliding
-//! layer reads only its window of them. Each position is computed by the same instructions in a
+//! The KV cache of a layer is [`KvRows`]: `rows` counts the positions seen; a full layer holds
+//! every position's rotated keys and values, a sliding layer only the last `sliding_window − 1`
+//! between forwards (what the next query can see; the oldest are dropped after each forward).
+//! Each position is computed by the same instructions in a
 //! prefill, a chunked prefill and a decode, so all three give the same logits bit for bit.
 
 use keep_checkpoint::config::gpt_oss::{
@@ -302,11 +304,13 @@ impl<'a> GptOssLayer<'a> {
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
         kv.rows += t;
+        // Position `r` is held at row `r - base` (a sliding layer dropped the rows before).
+        let kw = kvh * hd;
+        let base = kv.rows - kv.k.len() / kw;
         drop(proj_span);
         let scores_span = profile::span(Part::AttnScores);
         let scale = (hd as f32).powf(-0.5);
         let group = h / kvh;
-        let kw = kvh * hd;
         let mut out = vec![0f32; t * h * hd];
         let mut scores = Vec::with_capacity(kv.rows);
         let mut read = 0usize;
@@ -321,7 +325,7 @@ impl<'a> GptOssLayer<'a> {
                 let g = head / group;
                 let qh = &q[(i * h + head) * hd..(i * h + head + 1) * hd];
                 scores.clear();
-                for r in first..=pos {
+                for r in first - base..=pos - base {
                     let krow = &kv.k[r * kw + g * hd..r * kw + (g + 1) * hd];
                     scores.push(keep_kernels::matmul::dot(qh, krow) * scale);
                 }
@@ -335,7 +339,7 @@ impl<'a> GptOssLayer<'a> {
                 }
                 let o = &mut out[(i * h + head) * hd..(i * h + head + 1) * hd];
                 for (j, &p) in scores.iter().enumerate() {
-                    let r = first + j;
+                    let r = first - base + j;
                     let p = p / sum;
                     let vrow = &kv.v[r * kw + g * hd..r * kw + (g + 1) * hd];
                     for (a, b) in o.iter_mut().zip(vrow) {
@@ -345,6 +349,12 @@ impl<'a> GptOssLayer<'a> {
             }
         }
         profile::read(read * 2 * kw * 4);
+        if let Some(w) = self.window {
+            // Keep what the next query sees: the last `w - 1` positions.
+            let drop_rows = (kv.k.len() / kw).saturating_sub(w - 1);
+            kv.k.drain(..drop_rows * kw);
+            kv.v.drain(..drop_rows * kw);
+        }
         drop(scores_span);
         let _p = profile::span(Part::AttnProj);
         self.o.apply(cfg, &out, t, obs, l, "self_attn.o_proj")

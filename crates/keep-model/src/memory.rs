@@ -81,14 +81,19 @@ impl ModelConfig {
             ..Default::default()
         };
         if matches!(self.family, Family::Qwen3Moe | Family::GptOss) {
-            // Every position's keys and values (gpt-oss's sliding layers keep them all too).
-            let kv = match (&self.raw.qwen3, &self.raw.gpt_oss) {
-                (Some(q), _) => q.num_key_value_heads,
-                (_, Some(g)) => g.num_key_value_heads,
-                _ => 0,
+            // Every position's keys and values; a gpt-oss sliding layer's window (the last
+            // `window - 1` positions, plus a chunk appended before the oldest are dropped).
+            let (kv, rows) = match (&self.raw.qwen3, &self.raw.gpt_oss) {
+                (Some(q), _) => (q.num_key_value_heads, context),
+                (_, Some(g)) => (
+                    g.num_key_value_heads,
+                    g.window(layer)
+                        .map_or(context, |w| (w - 1 + chunk).min(context)),
+                ),
+                _ => (0, context),
             };
             return LayerCacheRows {
-                qwen3_kv: context * kv * self.head_dim,
+                qwen3_kv: rows * kv * self.head_dim,
                 ..Default::default()
             };
         }

@@ -136,8 +136,34 @@ fn mxfp4_checkpoint_matches_transformers() {
         );
     }
 
-    // A prefill in chunks of 5 equals one pass.
+    // The sliding layers (0 and 2) hold the last window − 1 positions, the full layer all.
+    let w = c.sliding_window.unwrap();
+    let kw = c.num_key_value_heads * c.head_dim;
+    for (l, held) in [(0, w - 1), (1, t), (2, w - 1)] {
+        let kv = &cache.layers[l].qwen3;
+        assert_eq!(
+            (kv.rows, kv.k.len() / kw, kv.v.len() / kw),
+            (t, held, held),
+            "layer {l}"
+        );
+    }
+
+    // The cache reserved for the context (chunks of 5: a prefill, then decode) never grows.
     model.cfg.prefill_chunk = 5;
+    let mut cache = keep_model::Cache::for_context(&model.cfg, t + 3);
+    let reserved = cache.capacity_bytes();
+    assert!(reserved as u64 <= model.cfg.cache_bytes(t + 3));
+    model
+        .forward(&tokens, &mut cache, Logits::Last, None)
+        .unwrap();
+    for &tok in &tokens[..3] {
+        model
+            .forward(&[tok], &mut cache, Logits::Last, None)
+            .unwrap();
+    }
+    assert_eq!(cache.capacity_bytes(), reserved, "the cache grew");
+
+    // A prefill in chunks of 5 equals one pass.
     let chunked = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
