@@ -22,6 +22,9 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
   model-deepseek-v3  keep's DeepSeek-V3 forward (bf16 and FP8 `weight_scale_inv`) against
              transformers' DeepseekV3ForCausalLM and mlx-lm's deepseek_v3
              (tools/oracle/deepseek_v3_conformance.py)
+  model-gpt-oss  keep's gpt-oss forward (MXFP4 experts as published, sinks, sliding and full
+             layers, YaRN with and without `truncate`) against transformers' GptOssForCausalLM
+             and mlx-lm's gpt_oss (tools/oracle/gpt_oss_conformance.py)
   quant-mlx  keep quant --format mlx2|mlx3|mlx4 on the bundled model: every quantized routed
              expert's codes, scales and biases equal mx.quantize(bits=B, group_size=64) of the
              same weights (the shipped FP4 decoded, in bf16) byte for byte; the mlx4 model
@@ -258,6 +261,13 @@ def section_model_deepseek_v3(args):
           "(deepseek_v3_conformance.py)", r.returncode == 0)
 
 
+def section_model_gpt_oss(args):
+    script = ROOT / "tools/oracle/gpt_oss_conformance.py"
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("model-gpt-oss: keep's gpt-oss forward agrees with transformers and mlx-lm "
+          "(gpt_oss_conformance.py)", r.returncode == 0)
+
+
 def section_mtp(args):
     """keep's MTP module (`keep logits --mtp`) against tools/oracle/mtp_ref.py (transformers'
     decoder layer for the block, the MTP wrapper transcribed from DeepSeek's model.py) on random
@@ -386,6 +396,7 @@ def section_fixtures(args):
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
             "model": section_model, "model-v4": section_model_v4,
             "model-qwen3": section_model_qwen3, "model-deepseek-v3": section_model_deepseek_v3,
+            "model-gpt-oss": section_model_gpt_oss,
             "mtp": section_mtp, "quant-mlx": section_quant_mlx,
             "fixtures": section_fixtures}
 

@@ -13,6 +13,7 @@ use serde_json::Value;
 use crate::{CheckpointError, Result};
 
 pub mod deepseek_v3;
+pub mod gpt_oss;
 pub(crate) mod qwen3;
 
 /// `quantization_config` of a published checkpoint.
@@ -265,6 +266,10 @@ pub struct DeepSeekConfig {
     /// its role view (`deepseek_v3::DeepseekV3Config::role_view`).
     #[serde(skip)]
     pub deepseek_v3: Option<deepseek_v3::DeepseekV3Config>,
+    /// A gpt-oss checkpoint's own config (`model_type` `gpt_oss`): this struct is then its role
+    /// view (`gpt_oss::GptOssConfig::role_view`).
+    #[serde(skip)]
+    pub gpt_oss: Option<gpt_oss::GptOssConfig>,
     /// The file as read (after `text_config` flattening is *not* applied), for writers.
     #[serde(skip)]
     pub raw: Value,
@@ -305,6 +310,10 @@ impl DeepSeekConfig {
         }
         if flat.get("model_type").and_then(Value::as_str) == Some(deepseek_v3::MODEL_TYPE) {
             let c = deepseek_v3::DeepseekV3Config::from_value(flat).map_err(cerr)?;
+            return Ok(c.role_view(raw));
+        }
+        if flat.get("model_type").and_then(Value::as_str) == Some(gpt_oss::MODEL_TYPE) {
+            let c = gpt_oss::GptOssConfig::from_value(flat).map_err(cerr)?;
             return Ok(c.role_view(raw));
         }
         // The Engram pad id under both its names (the published key and the inference
@@ -350,6 +359,15 @@ impl DeepSeekConfig {
         }
         if self.model_type == deepseek_v3::MODEL_TYPE {
             return match &self.deepseek_v3 {
+                Some(c) => c.validate(),
+                None => Err(format!(
+                    "model_type `{}` without its family config",
+                    self.model_type
+                )),
+            };
+        }
+        if self.model_type == gpt_oss::MODEL_TYPE {
+            return match &self.gpt_oss {
                 Some(c) => c.validate(),
                 None => Err(format!(
                     "model_type `{}` without its family config",

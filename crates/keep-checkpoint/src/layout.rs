@@ -13,6 +13,7 @@
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0 [rows, cols/32]` | MXFP8 (FP8 block 1×32, E8M0) |
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0` or `F32` `[ceil(rows/b), ceil(cols/b)]` | FP8 b×b blocks; b from `quantization_config.weight_block_size` when it fits, else 32, 64, 128 or 256 |
 //! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
+//! | `U8 [.., rows, cols/32, 16]` named `*_blocks` | `U8 [.., rows, cols/32]` named `*_scales` | MXFP4 (gpt-oss's expert stacks, `layout::gpt_oss`) |
 //! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
 //! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
 //! | `U32 [rows, cols·bits/32]` | `BF16 [rows, cols/64]` named `*.scales` | MLX affine, `bits` ∈ {2, 3, 4, 8}, group 64 (mlx-lm's files, `keep quant --format mlxN`) |
@@ -28,12 +29,14 @@
 //! Refused, with the reason: an FP8 or I8 weight without a scale, a scale on any other weight
 //! dtype, a scale that is not 2-D, a scale grid no block shape fits, and `U8` scales or packed
 //! weights (DeepSeek and mlx-lm's loader store E8M0 scales as `F8_E8M0` and FP4 as `I8`; a
-//! `U8` tensor says nothing about what its bytes are). Scales are looked up as `<base>.scale`,
+//! `U8` tensor says nothing about what its bytes are, except in gpt-oss's named
+//! `*_blocks` / `*_scales` pairs). Scales are looked up as `<base>.scale`,
 //! then `<base>.weight_scale_inv` (V3 naming) ([`scale_of`]).
 
 use crate::naming;
 
 pub(crate) mod deepseek_v3;
+pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
 
@@ -210,6 +213,9 @@ pub fn classify<'a>(
     scale: Option<TensorRef<'a>>,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
+    if let Some(l) = gpt_oss::classify_stack(weight, scale) {
+        return l;
+    }
     let wd = dims(&weight);
     let (rows, cols) = match wd.as_slice() {
         [r, c] => (*r, *c),
@@ -359,7 +365,9 @@ pub fn classify_as<'a>(
     cols: usize,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
-    if weight.shape.len() != 2 {
+    // gpt-oss's MXFP4 blocks are `[rows, cols/32, 16]` an expert (`gpt_oss::classify_stack`).
+    let stack = weight.shape.len() == 3 && weight.name.ends_with(crate::config::gpt_oss::BLOCKS);
+    if weight.shape.len() != 2 && !stack {
         return Err(format!(
             "has shape {:?}, expected a [{rows}, {cols}] matrix",
             weight.shape
@@ -471,7 +479,9 @@ pub fn expert_slice(t: TensorRef<'_>, e: usize, n: usize) -> Result<TensorRef<'_
 /// Matrix `mat` of routed expert `expert` of `layer`, wherever the checkpoint keeps it:
 /// DeepSeek's `layers.L.ffn.experts.E.wN`, Hugging Face's Qwen3-MoE `mlp.experts.E.*_proj`, or
 /// the `E`-th slice of mlx-lm's stacked `mlp.switch_mlp.*_proj` (weight, `.scales` and
-/// `.biases` sliced alike). Names and shapes only; the layout is checked by the caller.
+/// `.biases` sliced alike), or gpt-oss's slices of its MXFP4 stacks (`W1` the interleaved
+/// gate-up matrix, no `W3`; `layout::gpt_oss`). Names and shapes only; the layout is checked by
+/// the caller.
 pub fn expert_matrix<'a>(
     ck: &'a Checkpoint,
     cfg: &DeepSeekConfig,
@@ -479,6 +489,9 @@ pub fn expert_matrix<'a>(
     expert: usize,
     mat: naming::ExpertMat,
 ) -> Result<ExpertMatrix<'a>, String> {
+    if let Some(g) = &cfg.gpt_oss {
+        return gpt_oss::expert_matrix(ck, g, layer, expert, mat);
+    }
     let n = cfg.experts_in_layer(layer);
     if cfg.qwen3.is_some() {
         let stacked = naming::qwen3::stacked_tensor(layer, mat, "weight");
@@ -587,6 +600,9 @@ pub const MAX_PROBLEMS: usize = 64;
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     if let Some(q) = &cfg.qwen3 {
         return qwen3::model_problems(ck, q);
+    }
+    if let Some(c) = &cfg.gpt_oss {
+        return gpt_oss::model_problems(ck, c);
     }
     if let Some(c) = &cfg.deepseek_v3 {
         return deepseek_v3::model_problems(ck, c);

@@ -307,6 +307,9 @@ pub const MLX_BIASES: &str = ".biases";
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
 /// `.weight_scale_inv`, then MLX's `.scales`); empty for a name that is not a `.weight`.
 pub fn scale_candidates(name: &str) -> Vec<String> {
+    if let Some(s) = name.strip_suffix(crate::config::gpt_oss::BLOCKS) {
+        return vec![format!("{s}{}", crate::config::gpt_oss::SCALES)];
+    }
     match name.strip_suffix(".weight") {
         Some(s) => vec![
             format!("{s}.scale"),
@@ -327,6 +330,9 @@ pub fn biases_name(name: &str) -> Option<String> {
 pub fn weight_of_scale(name: &str) -> Option<String> {
     if let Some(s) = name.strip_suffix(".weight_scale_inv") {
         return Some(format!("{s}.weight"));
+    }
+    if let Some(s) = name.strip_suffix(crate::config::gpt_oss::SCALES) {
+        return Some(format!("{s}{}", crate::config::gpt_oss::BLOCKS));
     }
     name.strip_suffix(".scale")
         .or_else(|| name.strip_suffix(MLX_SCALES))

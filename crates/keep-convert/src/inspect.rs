@@ -196,10 +196,11 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Role::RoutedExpert { expert, .. } = name.role {
             experts.entry(name.scope).or_default().insert(expert);
         }
-        // mlx-lm's stacked `switch_mlp`: every slice of the first axis is an expert.
+        // mlx-lm's stacked `switch_mlp` (3-D) and gpt-oss's MXFP4 `*_blocks` (4-D): every slice of
+        // the first axis is an expert.
         let stacked = match (name.role.clone(), t.shape.first()) {
             (Role::StackedExperts(_), Some(&n))
-                if name.part == Part::Weight && t.shape.len() == 3 =>
+                if name.part == Part::Weight && t.shape.len() >= 3 =>
             {
                 experts.entry(name.scope).or_default().extend(0..n as usize);
                 Some(n as usize)

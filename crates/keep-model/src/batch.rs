@@ -36,8 +36,11 @@ impl Model<'_> {
             return Ok(vec![]);
         }
         use crate::config::Family;
-        if matches!(cfg.family, Family::Qwen3Moe | Family::DeepseekV3) {
-            // Qwen3-MoE and DeepSeek-V3 have no batched step yet: one sequence at a time
+        if matches!(
+            cfg.family,
+            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
+        ) {
+            // Qwen3-MoE, DeepSeek-V3 and gpt-oss have no batched step yet: one sequence at a time
             // (the same logits, one weight read per sequence).
             let mut out = Vec::with_capacity(tokens.len() * cfg.vocab);
             for (&t, c) in tokens.iter().zip(caches.iter_mut()) {

@@ -28,6 +28,10 @@ pub enum Family {
     /// DeepSeek-V3 / R1 / V3.1 / Kimi-K2 (`deepseek_v3`, [`crate::deepseek_v3`]): multi-head
     /// latent attention, group-limited sigmoid router with shared experts; one residual stream.
     DeepseekV3,
+    /// gpt-oss-20b / 120b (`gpt_oss`, [`crate::gpt_oss`]): GQA with attention sinks,
+    /// alternating sliding and full layers, MXFP4 experts with biases and a clamped SwiGLU;
+    /// one residual stream.
+    GptOss,
 }
 
 /// How router logits become scores.
@@ -222,6 +226,8 @@ impl ModelConfig {
             Family::Qwen3Moe
         } else if c.deepseek_v3.is_some() {
             Family::DeepseekV3
+        } else if c.gpt_oss.is_some() {
+            Family::GptOss
         } else if c.model_type == "deepseek_v4" {
             Family::V4
         } else {
@@ -301,7 +307,10 @@ impl ModelConfig {
             rope_theta: c.rope_theta,
             compress_rope_theta: c.compress_rope_theta,
             yarn,
-            hc: if matches!(family, Family::Qwen3Moe | Family::DeepseekV3) {
+            hc: if matches!(
+                family,
+                Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
+            ) {
                 1
             } else {
                 c.hc_mult

@@ -41,6 +41,7 @@ pub mod experts;
 pub mod fuzzing;
 pub mod generate;
 pub mod globals;
+pub mod gpt_oss;
 pub mod hash;
 pub mod layer;
 pub mod linear;

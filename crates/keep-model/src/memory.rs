@@ -80,10 +80,20 @@ impl ModelConfig {
             window: self.window.min(context) + chunk,
             ..Default::default()
         };
-        if self.family == Family::Qwen3Moe {
-            let kv = self.raw.qwen3.as_ref().map_or(0, |q| q.num_key_value_heads);
+        if matches!(self.family, Family::Qwen3Moe | Family::GptOss) {
+            // Every position's keys and values; a gpt-oss sliding layer's window (the last
+            // `window - 1` positions, plus a chunk appended before the oldest are dropped).
+            let (kv, rows) = match (&self.raw.qwen3, &self.raw.gpt_oss) {
+                (Some(q), _) => (q.num_key_value_heads, context),
+                (_, Some(g)) => (
+                    g.num_key_value_heads,
+                    g.window(layer)
+                        .map_or(context, |w| (w - 1 + chunk).min(context)),
+                ),
+                _ => (0, context),
+            };
             return LayerCacheRows {
-                qwen3_kv: context * kv * self.head_dim,
+                qwen3_kv: rows * kv * self.head_dim,
                 ..Default::default()
             };
         }
@@ -112,7 +122,7 @@ impl ModelConfig {
                     }
                 }
             }
-            Family::Qwen3Moe | Family::DeepseekV3 => {}
+            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss => {}
             Family::V4 => {
                 let csa = ratio == 4;
                 let pool = |dim_out: usize, overlap: bool| {
@@ -250,7 +260,10 @@ impl ModelConfig {
         // Qwen3-MoE's attention: q, k, v, the attention output and one head's scores over
         // the whole context (the DeepSeek terms above bound the rest); DeepSeek-V3's latent
         // attention holds less (q and the output per head, one head's `kv_b_proj` rows).
-        let qwen3 = if matches!(self.family, Family::Qwen3Moe | Family::DeepseekV3) {
+        let qwen3 = if matches!(
+            self.family,
+            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
+        ) {
             3 * t * h * hd * F + t * d * F + (context as u64 + t) * F + hd * F
         } else {
             0

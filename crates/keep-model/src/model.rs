@@ -70,6 +70,8 @@ pub struct Model<'a> {
     pub qwen3: Vec<crate::qwen3::Qwen3Layer<'a>>,
     /// DeepSeek-V3's decoder layers (`layers` is then empty).
     pub deepseek_v3: Vec<crate::deepseek_v3::DeepseekV3Layer<'a>>,
+    /// gpt-oss's decoder layers (`layers` is then empty).
+    pub gpt_oss: Vec<crate::gpt_oss::GptOssLayer<'a>>,
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
     /// The DSpark drafter, once attached ([`Model::attach_dspark`]).
@@ -80,7 +82,11 @@ impl<'a> Model<'a> {
     /// Load the model with routed experts read from the checkpoint itself.
     pub fn load(ck: &'a Checkpoint) -> Result<Self> {
         let cfg = ModelConfig::from_checkpoint(ck)?;
-        let experts = Box::new(CheckpointExperts::new(ck, &cfg)?);
+        let experts: Box<dyn ExpertSource> = if cfg.family == Family::GptOss {
+            Box::new(crate::gpt_oss::GptOssExperts::new(ck, &cfg)?)
+        } else {
+            Box::new(CheckpointExperts::new(ck, &cfg)?)
+        };
         Self::load_with(ck, cfg, experts)
     }
 
@@ -90,8 +96,12 @@ impl<'a> Model<'a> {
         cfg: ModelConfig,
         experts: Box<dyn ExpertSource + 'a>,
     ) -> Result<Self> {
-        let globals = Globals::load(ck, &cfg)?;
-        let mut deepseek_v3 = vec![];
+        let globals = if cfg.family == Family::GptOss {
+            crate::gpt_oss::globals(ck, &cfg)?
+        } else {
+            Globals::load(ck, &cfg)?
+        };
+        let (mut deepseek_v3, mut gpt_oss) = (vec![], vec![]);
         let (layers, qwen3) = if cfg.family == Family::Qwen3Moe {
             let q = (0..cfg.n_layers)
                 .map(|l| crate::qwen3::Qwen3Layer::load(ck, &cfg, l))
@@ -100,6 +110,11 @@ impl<'a> Model<'a> {
         } else if cfg.family == Family::DeepseekV3 {
             deepseek_v3 = (0..cfg.n_layers)
                 .map(|l| crate::deepseek_v3::DeepseekV3Layer::load(ck, &cfg, l))
+                .collect::<Result<Vec<_>>>()?;
+            (vec![], vec![])
+        } else if cfg.family == Family::GptOss {
+            gpt_oss = (0..cfg.n_layers)
+                .map(|l| crate::gpt_oss::GptOssLayer::load(ck, &cfg, l))
                 .collect::<Result<Vec<_>>>()?;
             (vec![], vec![])
         } else {
@@ -119,6 +134,7 @@ impl<'a> Model<'a> {
             engram,
             qwen3,
             deepseek_v3,
+            gpt_oss,
             mtp: None,
             dspark: None,
         })
@@ -402,6 +418,22 @@ impl<'a> Model<'a> {
             return self
                 .globals
                 .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
+        }
+        if self.cfg.family == Family::GptOss {
+            for lw in &self.gpt_oss {
+                lw.forward(
+                    &self.cfg,
+                    self.experts.as_ref(),
+                    self.masks[lw.layer].as_deref(),
+                    &mut s.x,
+                    cache.pos,
+                    &mut cache.layers[lw.layer].qwen3,
+                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                )?;
+                s.check_finite(|| format!("layer {}", lw.layer))?;
+            }
+            cache.pos += tokens.len();
+            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
         }
         let step = step_of(&self.cfg, cache);
         let engram_ids = match &self.engram {

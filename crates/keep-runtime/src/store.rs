@@ -263,6 +263,8 @@ pub struct ExpertStore {
     per_layer: Vec<usize>,
     dim: usize,
     inter: usize,
+    /// gpt-oss: `w1` is the interleaved gate-up matrix `[2·inter, dim]` and there is no `w3`.
+    gpt_oss: bool,
     block_hint: Option<(usize, usize)>,
     slot_bytes: u64,
     expert_bytes: u64,
@@ -383,6 +385,7 @@ impl ExpertStore {
         let (mut upper_buf, mut upper_total) = (0u64, 0u64);
         let q3 = cfg.raw.qwen3.as_ref();
         let v3 = cfg.raw.deepseek_v3.as_ref();
+        let gpt_oss = cfg.raw.gpt_oss.is_some();
         for l in 0..cfg.n_layers {
             for x in 0..cfg.n_experts {
                 let mut tensors = vec![];
@@ -427,14 +430,17 @@ impl ExpertStore {
                 let mut resid = [None; 3];
                 let mut up_tensors: Vec<TensorPart> = vec![];
                 let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];
-                for (m, (mat, rows, cols)) in [
-                    (ExpertMat::W1, i, d),
-                    (ExpertMat::W2, d, i),
-                    (ExpertMat::W3, i, d),
-                ]
-                .into_iter()
-                .enumerate()
-                {
+                let mats_of = if gpt_oss {
+                    // gpt-oss: the gate-up matrix (gate and up rows interleaved) and down.
+                    &[(ExpertMat::W1, 2 * i, d), (ExpertMat::W2, d, i)][..]
+                } else {
+                    &[
+                        (ExpertMat::W1, i, d),
+                        (ExpertMat::W2, d, i),
+                        (ExpertMat::W3, i, d),
+                    ][..]
+                };
+                for (m, &(mat, rows, cols)) in mats_of.iter().enumerate() {
                     // The expert's own tensors, or its slices of mlx-lm's stacked `switch_mlp`
                     // (weight, scales and biases each one extent of its stacked tensor).
                     let em = keep_checkpoint::layout::expert_matrix(ck, &cfg.raw, l, x, mat)
@@ -518,6 +524,7 @@ impl ExpertStore {
             per_layer: (0..cfg.n_layers).map(|l| cfg.experts_in_layer(l)).collect(),
             dim: d,
             inter: i,
+            gpt_oss,
             block_hint: hint,
             slot_bytes: slot_bytes.max(ALIGN as u64),
             expert_bytes,
@@ -831,8 +838,13 @@ impl ExpertStore {
             })
         };
         let (d, i) = (self.dim, self.inter);
+        let shapes = if self.gpt_oss {
+            &[(2 * i, d), (d, i)][..]
+        } else {
+            &[(i, d), (d, i), (i, d)][..]
+        };
         let mut out = vec![];
-        for (m, (rows, cols)) in [(i, d), (d, i), (i, d)].into_iter().enumerate() {
+        for (m, &(rows, cols)) in shapes.iter().enumerate() {
             let (wi, si) = lay.mats[m];
             let w = tref(wi)?;
             let s = si.map(tref).transpose()?;
@@ -853,6 +865,13 @@ impl ExpertStore {
                 cols,
                 self.block_hint,
             )?);
+        }
+        if self.gpt_oss {
+            // No up matrix of its own (see `gpt_oss`): an empty view, as the checkpoint's.
+            out.push(
+                keep_kernels::WeightView::f32(&[], 0, 0)
+                    .map_err(|e| RuntimeError::Invalid(e.to_string()))?,
+            );
         }
         Ok(ExpertWeights {
             w1: out[0],
