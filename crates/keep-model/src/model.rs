@@ -433,7 +433,9 @@ impl<'a> Model<'a> {
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
             cache.pos += tokens.len();
-            return Ok((self.globals.finish(&self.cfg, &s, which)?, s));
+            return self
+                .globals
+                .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
         }
         let step = step_of(&self.cfg, cache);
         let engram_ids = match &self.engram {
