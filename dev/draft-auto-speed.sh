@@ -71,6 +71,8 @@ res = {
     "median_tps": {d: statistics.median(v) for d, v in rows.items()},
     "ratio_auto_none": ratios,
     "median_ratio_auto_none": statistics.median(ratios),
+    "ratio_min": min(ratios),
+    "ratio_max": max(ratios),
     "greedy_identical": True,
 }
 pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
