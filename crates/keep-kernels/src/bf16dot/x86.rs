@@ -260,11 +260,12 @@ unsafe fn rows_impl<const VBMI: bool>(
 }
 
 /// bf16 rows `r0..r1` of `w` (`cols` wide) against one input row `xp`, written to
-/// `out[r]`: [`M1_ROWS`] rows at a time, each row's four accumulator chains exactly the
-/// contract's unscaled form, the rows' chains interleaved (sixteen independent `vdpbf16ps`
-/// chains where one row has four, so the instruction's latency is hidden) and every input
-/// chunk loaded once for all of them; the rows left over go one at a time. Each result is the
-/// same bits as a row on its own.
+/// `out[r]`: one row at a time, its four accumulator chains exactly the contract's unscaled
+/// form. Consecutive rows are consecutive in memory, so the weights stream in order: on one
+/// thread a 151,936×2048 matrix read 22–25 GB/s this way against 17 with four rows
+/// interleaved (four streams a row apart), and a cache-resident 4096×2048 one 50 against 38
+/// GB/s (`keep bench matmul --format bf16 --m 1 --threads 1`, the two built side by side and
+/// run alternately).
 ///
 /// # Safety
 /// AVX-512 F/BW/BF16; `w` holds `r1` rows of `cols` (a multiple of 32) bf16, `xp` `cols`
@@ -280,32 +281,7 @@ unsafe fn bf16_rows_m1(
 ) {
     let nc = cols / CHUNK;
     let full = nc / 4 * 4;
-    let mut r = r0;
-    while r + M1_ROWS <= r1 {
-        let wp: [*const u16; M1_ROWS] = std::array::from_fn(|j| w.add((r + j) * cols));
-        let mut acc = [[_mm512_setzero_ps(); 4]; M1_ROWS];
-        let mut c = 0;
-        while c < full {
-            for k in 0..4 {
-                let xv = ld16(xp, c + k);
-                for j in 0..M1_ROWS {
-                    acc[j][k] = _mm512_dpbf16_ps(acc[j][k], ld16(wp[j], c + k), xv);
-                }
-            }
-            c += 4;
-        }
-        for c in full..nc {
-            let xv = ld16(xp, c);
-            for j in 0..M1_ROWS {
-                acc[j][c % 4] = _mm512_dpbf16_ps(acc[j][c % 4], ld16(wp[j], c), xv);
-            }
-        }
-        for j in 0..M1_ROWS {
-            *out.add(r + j) = finish(acc[j]);
-        }
-        r += M1_ROWS;
-    }
-    for r in r..r1 {
+    for r in r0..r1 {
         let wp = w.add(r * cols);
         let mut acc = [_mm512_setzero_ps(); 4];
         let mut c = 0;
@@ -321,9 +297,6 @@ unsafe fn bf16_rows_m1(
         *out.add(r) = finish(acc);
     }
 }
-
-/// Rows [`bf16_rows_m1`] runs together (4 × 4 accumulators, 4 weight and 1 input register).
-const M1_ROWS: usize = 4;
 
 /// One input row against one scaled E4M3 row (`nc` chunks), decoded in registers 64 bytes
 /// at a time ([`decode64_vbmi`]) and dotted at once, without the row buffer: the contract's
