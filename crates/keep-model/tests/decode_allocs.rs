@@ -2,13 +2,19 @@
 //! model on `keep run`'s default kernels (fast), its cache reserved for the context
 //! (`Cache::for_context`, which also sizes the forward's working buffers), a prompt, a warm-up,
 //! then N decoded tokens through `Model::forward_into` (the logits in one buffer kept by the
-//! caller) whose allocations are counted (every thread's: the kernels' workers too). There are
+//! caller) whose allocations are counted: the measuring thread's and the kernels' workers' (the
+//! worker pool's threads, each marked by a broadcast), not those of the test harness, which
+//! starts and reports other tests while one measures (one measurement runs at a time). There are
 //! none (`decode_allocates_nothing_per_token`): every activation lives in the cache's scratch
 //! and the kernels keep their bookkeeping per thread. `where_decode_allocates` prints them by
 //! profile part (run it with `--nocapture`), checks that the parts account for every
 //! allocation of the measuring thread, and that no part allocates. DeepSeek-V4 / V4-Flash
 //! decode (`tests/data/small-v4flash`) allocates nothing either
-//! (`v4flash_decode_allocates_nothing_per_token`).
+//! (`v4flash_decode_allocates_nothing_per_token`), nor does the decode of the other families on
+//! their committed fixtures: Qwen3-MoE (`fixtures/qwen3-tiny-*`: bf16, FP8 and MLX 4-bit, a
+//! dense layer beside the MoE ones), DeepSeek-V3 (`fixtures/deepseek-v3`: latent attention, the
+//! group-limited router, a dense first layer, shared experts) and gpt-oss (`fixtures/gpt-oss`:
+//! sliding and full layers, sinks, MXFP4 experts with biases).
 //! These models' products are all below the kernels' threading threshold; a threaded product
 //! called from outside the pool costs rayon's global queue an allocation every few dozen calls
 //! (keep-kernels' `tests/fast_allocs.rs` checks the threaded kernels on a pool thread).
@@ -33,11 +39,17 @@ static BY_PART: [AtomicU64; PARTS + 1] = [const { AtomicU64::new(0) }; PARTS + 1
 thread_local! {
     /// Whether this thread is the measuring one (no destructor: safe inside the allocator).
     static MEASURING: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread is one of the kernels' worker pool.
+    static WORKER: Cell<bool> = const { Cell::new(false) };
 }
 
 fn count() {
+    let measuring = MEASURING.with(|m| m.get());
+    if !measuring && !WORKER.with(|w| w.get()) {
+        return;
+    }
     ALLOCS.fetch_add(1, Ordering::Relaxed);
-    if MEASURING.with(|m| m.get()) {
+    if measuring {
         let p = profile::current().map_or(PARTS, |p| p as usize);
         BY_PART[p].fetch_add(1, Ordering::Relaxed);
     }
@@ -87,6 +99,8 @@ fn allocs_per_token_of(
     // One measurement at a time: the counter is the whole process's.
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    // The kernels' workers (rayon's global pool) count as the measuring thread does.
+    rayon::broadcast(|_| WORKER.with(|w| w.set(true)));
     if !dir.join("config.json").is_file() {
         eprintln!("{} is not here: skipped", dir.display());
         return None;
@@ -184,6 +198,39 @@ fn decode_allocates_nothing_per_token() {
 fn v4flash_decode_allocates_nothing_per_token() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/small-v4flash");
     if let Some((per, _)) = allocs_per_token_of(&dir, 8, 100, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// The committed fixture `name` (under the workspace's `fixtures/`).
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// Qwen3-MoE decode (bf16, FP8 and MLX 4-bit fixtures): no heap allocation per decoded token.
+#[test]
+fn qwen3_decode_allocates_nothing_per_token() {
+    for name in ["qwen3-tiny-bf16", "qwen3-tiny-fp8", "qwen3-tiny-mlx4"] {
+        if let Some((per, _)) = allocs_per_token_of(&fixture(name), 8, 100, false) {
+            assert_eq!(per, 0.0, "{name}: {per} heap allocations per decoded token");
+        }
+    }
+}
+
+/// DeepSeek-V3 decode: no heap allocation per decoded token.
+#[test]
+fn deepseek_v3_decode_allocates_nothing_per_token() {
+    if let Some((per, _)) = allocs_per_token_of(&fixture("deepseek-v3"), 8, 100, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// gpt-oss decode, past its sliding window: no heap allocation per decoded token.
+#[test]
+fn gpt_oss_decode_allocates_nothing_per_token() {
+    if let Some((per, _)) = allocs_per_token_of(&fixture("gpt-oss"), 8, 100, false) {
         assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
     }
 }
