@@ -26,11 +26,13 @@
 //! score is positive, and DeepSeek's own inference code uses `-inf`); top-k of the biased
 //! scores; weights the unbiased scores, divided by their sum (+1e-20, transformers') when
 //! `norm_topk_prob`, times `routed_scaling_factor`. Routed experts come from the model's
-//! [`ExpertSource`] through `layer::routed_experts` (the runtime's SSD slot cache, tiers and
+//! [`ExpertSource`] through `layer::routed_experts_into` (the runtime's SSD slot cache, tiers and
 //! observers work unchanged); the shared experts are one SwiGLU of width `n_shared_experts ×
 //! moe_intermediate_size`. An MoE layer is `layer >= first_k_dense_replace and layer %
 //! moe_layer_freq == 0` (mlx-lm's and DeepSeek's rule; transformers ignores `moe_layer_freq`,
 //! which every published model sets to 1).
+
+use std::mem::take;
 
 use keep_checkpoint::config::deepseek_v3::{layer_prefix, DeepseekV3Config, Yarn};
 use keep_checkpoint::Checkpoint;
@@ -41,8 +43,9 @@ use keep_kernels::WeightView;
 pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
 use crate::experts::ExpertSource;
-use crate::linear::{lin, top_k_by};
+use crate::linear::{lin_into, top_k_by};
 use crate::observer::{RouteEvent, RouteObserver};
+use crate::scratch::{zeroed, FamilyScratch, Scratch};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -217,64 +220,98 @@ impl<'a> DeepseekV3Layer<'a> {
         x: &mut [f32],
         start_pos: usize,
         kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let mut sc = Scratch::default();
+        self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
+    }
+
+    /// [`DeepseekV3Layer::forward`] with its intermediates in `sc` (no allocation once warm).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
         mut obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        // The normalised input and the block's output, lent out of the scratch for the call.
+        let (mut hn, mut y) = (take(&mut sc.h), take(&mut sc.block_out));
+        let r = self.blocks(
+            cfg, experts, mask, x, start_pos, kv, &mut obs, sc, &mut hn, &mut y,
+        );
+        (sc.h, sc.block_out) = (hn, y);
+        r
+    }
+
+    /// The attention and feed-forward blocks of [`DeepseekV3Layer::forward_into`], `hn` and `y`
+    /// the blocks' input and output.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        hn: &mut Vec<f32>,
+        y: &mut Vec<f32>,
     ) -> Result<()> {
         let c = family_config(cfg)?;
         let d = cfg.dim;
         let t = x.len() / d;
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
-        let a = self.attention(c, &hn, t, start_pos, kv, &mut obs)?;
-        for (xi, ai) in x.iter_mut().zip(&a) {
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.input_norm), cfg.eps);
+        self.attention(c, hn, t, start_pos, kv, obs, sc, y)?;
+        for (xi, ai) in x.iter_mut().zip(y.iter()) {
             *xi += ai;
         }
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.post_norm), cfg.eps);
         let l = self.layer;
-        let f = match &self.ffn {
+        match &self.ffn {
             Ffn::Dense(m) => {
                 let _p = profile::span(Part::SharedExpert);
-                swiglu(
-                    m,
-                    &hn,
-                    t,
-                    l,
-                    &mut obs,
-                    ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
-                )?
+                let names = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
+                let (g, u, act) = (&mut sc.sg, &mut sc.su, &mut sc.sact);
+                swiglu_into(m, hn, t, l, obs, names, [g, u, act], y)?;
             }
             Ffn::Moe { gate, bias, shared } => {
-                let mut y = self.moe(
-                    cfg, c, gate, bias, experts, mask, &hn, t, start_pos, &mut obs,
+                self.moe(
+                    cfg, c, gate, bias, experts, mask, hn, t, start_pos, obs, sc, y,
                 )?;
                 if let Some(m) = shared {
                     let _p = profile::span(Part::SharedExpert);
-                    let s = swiglu(
-                        m,
-                        &hn,
-                        t,
-                        l,
-                        &mut obs,
-                        [
-                            "mlp.shared_experts.gate_proj",
-                            "mlp.shared_experts.up_proj",
-                            "mlp.shared_experts.down_proj",
-                        ],
-                    )?;
-                    for (a, b) in y.iter_mut().zip(&s) {
+                    let names = [
+                        "mlp.shared_experts.gate_proj",
+                        "mlp.shared_experts.up_proj",
+                        "mlp.shared_experts.down_proj",
+                    ];
+                    let (g, u, act) = (&mut sc.sg, &mut sc.su, &mut sc.sact);
+                    swiglu_into(m, hn, t, l, obs, names, [g, u, act], &mut sc.sh)?;
+                    for (a, b) in y.iter_mut().zip(&sc.sh) {
                         *a += b;
                     }
                 }
-                y
             }
-        };
-        for (xi, fi) in x.iter_mut().zip(&f) {
+        }
+        for (xi, fi) in x.iter_mut().zip(y.iter()) {
             *xi += fi;
         }
         Ok(())
     }
 
-    /// Multi-head latent attention: returns `o_proj` of the heads' outputs `[t × hidden]`.
+    /// Multi-head latent attention: `o_proj` of the heads' outputs into `out` (`[t × hidden]`).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         c: &DeepseekV3Config,
@@ -283,7 +320,9 @@ impl<'a> DeepseekV3Layer<'a> {
         start_pos: usize,
         kv: &mut KvRows,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let proj_span = profile::span(Part::AttnProj);
         let l = self.layer;
         let h = c.num_attention_heads;
@@ -294,53 +333,54 @@ impl<'a> DeepseekV3Layer<'a> {
             c.kv_lora_rank,
         );
         let qk = nope + rope;
-        let mut q = match &self.q {
+        let q = &mut sc.q;
+        match &self.q {
             QProj::Lora { a, norm, b } => {
-                let mut qa = lin(x, t, a, obs, l, "self_attn.q_a_proj", None)?;
-                crate::linear::rms_norm(&mut qa, a.rows, Some(norm), LATENT_EPS);
-                lin(&qa, t, b, obs, l, "self_attn.q_b_proj", None)?
+                let qa = &mut sc.qr;
+                lin_into(x, t, a, obs, l, "self_attn.q_a_proj", None, qa)?;
+                crate::linear::rms_norm(qa, a.rows, Some(norm), LATENT_EPS);
+                lin_into(qa, t, b, obs, l, "self_attn.q_b_proj", None, q)?;
             }
-            QProj::Full(w) => lin(x, t, w, obs, l, "self_attn.q_proj", None)?,
-        };
-        let kva = lin(
-            x,
-            t,
-            &self.kv_a,
-            obs,
-            l,
-            "self_attn.kv_a_proj_with_mqa",
-            None,
-        )?;
+            QProj::Full(w) => lin_into(x, t, w, obs, l, "self_attn.q_proj", None, q)?,
+        }
+        let kva = &mut sc.kv;
+        let name = "self_attn.kv_a_proj_with_mqa";
+        lin_into(x, t, &self.kv_a, obs, l, name, None, kva)?;
         if kv.rows != start_pos {
             return Err(ModelError::Cache(format!(
                 "layer {l} holds {} positions, the forward starts at {start_pos}",
                 kv.rows
             )));
         }
+        let f = &mut sc.fam;
         for i in 0..t {
             let pos = (start_pos + i) as f32;
             for head in q[i * h * qk..(i + 1) * h * qk].chunks_exact_mut(qk) {
                 self.rope.apply(head, pos, false);
             }
             let row = &kva[i * (kvl + rope)..(i + 1) * (kvl + rope)];
-            let mut ckv = row[..kvl].to_vec();
-            crate::linear::rms_norm(&mut ckv, kvl, Some(&self.kv_norm), LATENT_EPS);
-            let mut kpe = row[kvl..].to_vec();
-            self.rope.apply(&mut kpe, pos, false);
-            kv.k.extend_from_slice(&ckv);
-            kv.v.extend_from_slice(&kpe);
+            let ckv = &mut sc.ckv;
+            ckv.clear();
+            ckv.extend_from_slice(&row[..kvl]);
+            crate::linear::rms_norm(ckv, kvl, Some(&self.kv_norm), LATENT_EPS);
+            let kpe = &mut f.kpe;
+            kpe.clear();
+            kpe.extend_from_slice(&row[kvl..]);
+            self.rope.apply(kpe, pos, false);
+            kv.k.extend_from_slice(ckv);
+            kv.v.extend_from_slice(kpe);
         }
         kv.rows += t;
         drop(proj_span);
         let scores_span = profile::span(Part::AttnScores);
         // Each query reads the compressed KV and RoPE keys of the positions up to its own.
         profile::read((t * start_pos + t * (t + 1) / 2) * (kvl + rope) * 4);
-        let mut out = vec![0f32; t * h * vd];
-        let mut wk = vec![0f32; nope * kvl];
-        let mut wv = vec![0f32; vd * kvl];
-        let mut q_lat = vec![0f32; kvl];
-        let mut o_lat = vec![0f32; kvl];
-        let mut scores = Vec::with_capacity(kv.rows);
+        let heads = zeroed(&mut sc.heads, t * h * vd);
+        let wk = zeroed(&mut f.wk, nope * kvl);
+        let wv = zeroed(&mut f.wv, vd * kvl);
+        let q_lat = zeroed(&mut f.q_lat, kvl);
+        let o_lat = zeroed(&mut f.o_lat, kvl);
+        let (q_pe, scores) = (&mut f.q_pe, &mut sc.scores);
         for head in 0..h {
             // The head's key and value rows of `kv_b_proj`, decoded once for all queries.
             let r0 = head * (nope + vd);
@@ -362,34 +402,35 @@ impl<'a> DeepseekV3Layer<'a> {
                         *o += a * w;
                     }
                 }
-                let q_pe: Vec<f32> = qh[nope..].iter().map(|v| v * self.scale).collect();
+                q_pe.clear();
+                q_pe.extend(qh[nope..].iter().map(|v| v * self.scale));
                 let visible = start_pos + i + 1;
                 scores.clear();
                 for r in 0..visible {
-                    let s = keep_kernels::matmul::dot(&q_lat, &kv.k[r * kvl..(r + 1) * kvl])
-                        + keep_kernels::matmul::dot(&q_pe, &kv.v[r * rope..(r + 1) * rope]);
+                    let s = keep_kernels::matmul::dot(q_lat, &kv.k[r * kvl..(r + 1) * kvl])
+                        + keep_kernels::matmul::dot(q_pe, &kv.v[r * rope..(r + 1) * rope]);
                     scores.push(s);
                 }
-                ops::softmax(&mut scores);
+                ops::softmax(scores);
                 o_lat.fill(0.0);
                 for (r, &p) in scores.iter().enumerate() {
                     for (o, ck) in o_lat.iter_mut().zip(&kv.k[r * kvl..(r + 1) * kvl]) {
                         *o += p * ck;
                     }
                 }
-                let oh = &mut out[(i * h + head) * vd..(i * h + head + 1) * vd];
+                let oh = &mut heads[(i * h + head) * vd..(i * h + head + 1) * vd];
                 for (j, o) in oh.iter_mut().enumerate() {
-                    *o = keep_kernels::matmul::dot(&o_lat, &wv[j * kvl..(j + 1) * kvl]);
+                    *o = keep_kernels::matmul::dot(o_lat, &wv[j * kvl..(j + 1) * kvl]);
                 }
             }
         }
         drop(scores_span);
         let _p = profile::span(Part::AttnProj);
-        lin(&out, t, &self.o, obs, l, "self_attn.o_proj", None)
+        lin_into(heads, t, &self.o, obs, l, "self_attn.o_proj", None, out)
     }
 
     /// `DeepseekV3MoE.forward` without the shared experts: the group-limited sigmoid router and
-    /// the weighted sum of the chosen routed experts.
+    /// the weighted sum of the chosen routed experts, into `out`.
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
@@ -403,7 +444,9 @@ impl<'a> DeepseekV3Layer<'a> {
         t: usize,
         start_pos: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let router_span = profile::span(Part::Router);
         let l = self.layer;
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
@@ -415,12 +458,15 @@ impl<'a> DeepseekV3Layer<'a> {
                 bias.len()
             )));
         }
-        let logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
-        let mut chosen = vec![0u32; t * k];
-        let mut weights = vec![0f32; t * k];
-        let mut scores = vec![0f32; t * e];
+        let logits = &mut sc.logits;
+        lin_into(x, t, gate, obs, l, "ffn.gate", None, logits)?;
+        let chosen = &mut sc.chosen;
+        chosen.clear();
+        chosen.resize(t * k, 0);
+        let weights = zeroed(&mut sc.weights, t * k);
+        let scores = zeroed(&mut sc.rscores, t * e);
         for i in 0..t {
-            route(
+            route_with(
                 c,
                 &logits[i * e..(i + 1) * e],
                 bias,
@@ -428,6 +474,7 @@ impl<'a> DeepseekV3Layer<'a> {
                 &mut chosen[i * k..(i + 1) * k],
                 &mut weights[i * k..(i + 1) * k],
                 &mut scores[i * e..(i + 1) * e],
+                (&mut sc.fam, &mut sc.rcand),
             );
         }
         if let Some(o) = obs.as_deref_mut() {
@@ -436,26 +483,29 @@ impl<'a> DeepseekV3Layer<'a> {
                 start_pos,
                 tokens: t,
                 top_k: k,
-                experts: &chosen,
-                weights: &weights,
-                scores: &scores,
+                experts: chosen,
+                weights,
+                scores,
             });
         }
         drop(router_span);
         let _p = profile::span(Part::Experts);
-        let ys = crate::layer::routed_experts(
+        let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
+        crate::layer::routed_experts_into(
             cfg,
             experts,
             l,
             x,
             t,
-            &chosen,
-            &weights,
+            chosen,
+            weights,
             |g, u| ops::silu(g) * u,
             &mut |_| Ok(()),
             obs,
+            &mut sc.experts,
+            ys,
         )?;
-        let mut out = vec![0f32; t * d];
+        let out = zeroed(out, t * d);
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
             for s in 0..k {
@@ -465,7 +515,7 @@ impl<'a> DeepseekV3Layer<'a> {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -482,32 +532,61 @@ pub fn route(
     weights: &mut [f32],
     scores: &mut [f32],
 ) {
+    let mut f = FamilyScratch::default();
+    let mut cand = Vec::new();
+    route_with(
+        c,
+        logits,
+        bias,
+        mask,
+        chosen,
+        weights,
+        scores,
+        (&mut f, &mut cand),
+    )
+}
+
+/// [`route`] with its intermediates in `buf` (the biased scores, the groups' scores, one
+/// group's ranking and the groups kept; the candidates' ranking).
+#[allow(clippy::too_many_arguments)]
+fn route_with(
+    c: &DeepseekV3Config,
+    logits: &[f32],
+    bias: &[f32],
+    mask: Option<&[bool]>,
+    chosen: &mut [u32],
+    weights: &mut [f32],
+    scores: &mut [f32],
+    buf: (&mut FamilyScratch, &mut Vec<(f32, usize)>),
+) {
+    let (f, cand) = buf;
     let e = logits.len();
     for (s, &v) in scores.iter_mut().zip(logits) {
         *s = ops::sigmoid(v);
     }
-    let mut biased: Vec<f32> = (0..e)
-        .map(|j| {
-            if mask.is_some_and(|m| m[j]) {
-                f32::NEG_INFINITY
-            } else {
-                scores[j] + bias[j]
-            }
-        })
-        .collect();
+    let biased = &mut f.biased;
+    biased.clear();
+    biased.extend((0..e).map(|j| {
+        if mask.is_some_and(|m| m[j]) {
+            f32::NEG_INFINITY
+        } else {
+            scores[j] + bias[j]
+        }
+    }));
     if c.n_group > 1 {
         let per = e / c.n_group;
-        let mut groups: Vec<(f32, usize)> = biased
-            .chunks_exact(per)
-            .enumerate()
-            .map(|(g, s)| {
-                let mut v: Vec<(f32, usize)> = s.iter().copied().zip(0..).collect();
-                top_k_by(&mut v, 2);
-                (v[0].0 + v[1].0, g)
-            })
-            .collect();
-        top_k_by(&mut groups, c.topk_group);
-        let mut keep = vec![false; c.n_group];
+        let (groups, v) = (&mut f.groups, &mut f.group);
+        groups.clear();
+        for (g, s) in biased.chunks_exact(per).enumerate() {
+            v.clear();
+            v.extend(s.iter().copied().zip(0..));
+            top_k_by(v, 2);
+            groups.push((v[0].0 + v[1].0, g));
+        }
+        top_k_by(groups, c.topk_group);
+        let keep = &mut f.keep;
+        keep.clear();
+        keep.resize(c.n_group, false);
         for &(_, g) in &groups[..c.topk_group] {
             keep[g] = true;
         }
@@ -517,9 +596,10 @@ pub fn route(
             }
         }
     }
-    let mut cand: Vec<(f32, usize)> = biased.iter().copied().zip(0..).collect();
+    cand.clear();
+    cand.extend(biased.iter().copied().zip(0..));
     let k = chosen.len();
-    top_k_by(&mut cand, k);
+    top_k_by(cand, k);
     let mut sum = 0f32;
     for s in 0..k {
         let j = cand[s].1;
@@ -535,19 +615,24 @@ pub fn route(
     }
 }
 
-/// `down(silu(gate(x)) · up(x))` over `t` rows.
-fn swiglu(
+/// `down(silu(gate(x)) · up(x))` over `t` rows into `y` (`bufs`: the gate, up and activation).
+#[allow(clippy::too_many_arguments)]
+fn swiglu_into(
     m: &Mlp,
     x: &[f32],
     t: usize,
     l: usize,
     obs: &mut Option<&mut dyn RouteObserver>,
     names: [&'static str; 3],
-) -> Result<Vec<f32>> {
-    let g = lin(x, t, &m.gate, obs, l, names[0], None)?;
-    let u = lin(x, t, &m.up, obs, l, names[1], None)?;
-    let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::silu(g) * u).collect();
-    lin(&act, t, &m.down, obs, l, names[2], None)
+    bufs: [&mut Vec<f32>; 3],
+    y: &mut Vec<f32>,
+) -> Result<()> {
+    let [g, u, act] = bufs;
+    lin_into(x, t, &m.gate, obs, l, names[0], None, g)?;
+    lin_into(x, t, &m.up, obs, l, names[1], None, u)?;
+    act.clear();
+    act.extend(g.iter().zip(u.iter()).map(|(&g, &u)| ops::silu(g) * u));
+    lin_into(act, t, &m.down, obs, l, names[2], None, y)
 }
 
 #[cfg(test)]

@@ -57,6 +57,9 @@ impl SamplerConfig {
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: keep_rng::SplitMix64,
+    /// The nucleus of the last sampled row (kept: sampling a row allocates nothing once it
+    /// has held a vocabulary's worth).
+    nucleus: Vec<(f64, u32)>,
 }
 
 impl Sampler {
@@ -64,6 +67,7 @@ impl Sampler {
         Sampler {
             cfg,
             rng: keep_rng::splitmix(cfg.seed ^ 0x9E37_79B9_7F4A_7C15),
+            nucleus: Vec::new(),
         }
     }
 
@@ -73,29 +77,38 @@ impl Sampler {
         if self.is_greedy() {
             return argmax(logits);
         }
-        let (p, mass) = self.nucleus(logits);
+        let mut p = std::mem::take(&mut self.nucleus);
+        let mass = self.nucleus_into(logits, &mut p);
         let mut u = self.rng.unit() * mass;
+        let mut id = p[p.len() - 1].1;
         for x in &p {
             u -= x.0;
             if u <= 0.0 {
-                return x.1;
+                id = x.1;
+                break;
             }
         }
-        p[p.len() - 1].1
+        self.nucleus = p;
+        id
     }
 
-    /// The temperature-scaled weights of the top-p nucleus, largest first (ties by id), and
-    /// their sum: what [`Sampler::sample`] draws from and [`Sampler::probs`] normalises.
-    fn nucleus(&self, logits: &[f32]) -> (Vec<(f64, u32)>, f64) {
+    /// The temperature-scaled weights of the top-p nucleus, largest first (ties by id), into
+    /// `p`, and their sum: what [`Sampler::sample`] draws from and [`Sampler::probs`]
+    /// normalises.
+    fn nucleus_into(&self, logits: &[f32], p: &mut Vec<(f64, u32)>) -> f64 {
         let t = self.cfg.temperature;
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut p: Vec<(f64, u32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| ((((v - m) / t) as f64).exp(), i as u32))
-            .collect();
+        p.clear();
+        p.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| ((((v - m) / t) as f64).exp(), i as u32)),
+        );
         let z: f64 = p.iter().map(|x| x.0).sum();
-        p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        // A total order (no two ids equal): the unstable sort, in place, orders as a stable
+        // one would.
+        p.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut keep = p.len();
         if self.cfg.top_p < 1.0 {
             let mut c = 0.0;
@@ -109,7 +122,7 @@ impl Sampler {
         }
         let mass: f64 = p[..keep].iter().map(|x| x.0).sum();
         p.truncate(keep);
-        (p, mass)
+        mass
     }
 }
 
@@ -131,7 +144,8 @@ impl Sampler {
             out[argmax(logits) as usize] = 1.0;
             return out;
         }
-        let (p, mass) = self.nucleus(logits);
+        let mut p = Vec::new();
+        let mass = self.nucleus_into(logits, &mut p);
         for x in &p {
             out[x.1 as usize] = x.0 / mass;
         }
@@ -333,6 +347,26 @@ pub trait Generate {
         cache: &mut Cache,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>>;
+    /// [`Generate::forward_last`] into `logits` (replaced), the buffer [`generate`] keeps for
+    /// the whole run. Default: through `forward_last`; a model that writes into the caller's
+    /// buffer overrides it, so that a warm decode step allocates nothing.
+    fn forward_last_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        *logits = self.forward_last(tokens, cache, obs)?;
+        Ok(())
+    }
+    /// An empty KV cache for a run of `context` tokens (the prompt and every token to
+    /// sample). Default: [`Generate::new_cache`]; a model whose cache can be reserved up front
+    /// overrides it, so that no decode step grows it.
+    fn new_cache_for(&self, context: usize) -> Cache {
+        let _ = context;
+        self.new_cache()
+    }
     /// Tokens drafted per verify forward (0, the default: this model does not draft).
     fn draft_tokens(&self) -> usize {
         0
@@ -411,6 +445,24 @@ impl Generate for Model<'_> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         self.forward_drafting(tokens, cache, Logits::Last, obs)
+    }
+    /// Without a drafter, [`Model::forward_into`]: a warm decode step allocates nothing.
+    fn forward_last_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        if self.mtp.is_some() || self.dspark.is_some() {
+            *logits = self.forward_drafting(tokens, cache, Logits::Last, obs)?;
+            return Ok(());
+        }
+        self.forward_into(tokens, cache, Logits::Last, obs, logits)
+    }
+    /// [`Cache::for_context`]: every buffer reserved for the run.
+    fn new_cache_for(&self, context: usize) -> Cache {
+        Cache::for_context(&self.cfg, context)
     }
     fn draft_tokens(&self) -> usize {
         Model::draft_tokens(self)
@@ -682,14 +734,18 @@ pub fn generate<G: Generate + ?Sized>(
     if on_piece(Piece::Prompt(&prompt)).is_break() {
         return Ok(stats);
     }
-    let mut cache = model.new_cache();
+    // The cache reserved for the whole run and one logits buffer kept for it: a decode step
+    // of a model that writes into them allocates nothing.
+    let mut cache = model.new_cache_for(prompt.len().saturating_add(opts.max_tokens));
+    let mut logits = Vec::new();
     model.starting();
     profile::set_phase(Phase::Prefill);
     let t0 = Instant::now();
-    let mut logits = model.forward_last(
+    model.forward_last_into(
         &prompt,
         &mut cache,
         obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+        &mut logits,
     )?;
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     model.prefilled();
@@ -744,10 +800,11 @@ pub fn generate<G: Generate + ?Sized>(
             vec![]
         };
         if drafts.is_empty() {
-            logits = model.forward_last(
+            model.forward_last_into(
                 &[tok],
                 &mut cache,
                 obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                &mut logits,
             )?;
             stats.generated += 1;
             if let Some(a) = auto.as_mut() {
@@ -794,7 +851,8 @@ pub fn generate<G: Generate + ?Sized>(
         if keep < fed.len() {
             stats.draft.replays += 1;
         } else {
-            logits = rows[drafts.len() * vocab..].to_vec();
+            logits.clear();
+            logits.extend_from_slice(&rows[drafts.len() * vocab..]);
         }
         model.accept_drafts(&mut cache, keep)?;
         stats.generated += keep;

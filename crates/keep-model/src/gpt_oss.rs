@@ -35,12 +35,15 @@
 //! Each position is computed by the same instructions in a
 //! prefill, a chunked prefill and a decode, so all three give the same logits bit for bit.
 
+use std::mem::take;
+
 use keep_checkpoint::config::gpt_oss::{
     layer_prefix, GptOssConfig, Mxfp4Stack, Stack, EMBED, HEAD, NORM,
 };
 use keep_checkpoint::Checkpoint;
 use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::profile::{self, Part};
+use keep_kernels::scratch::recycle;
 use keep_kernels::simd::Job;
 use keep_kernels::{ops, WeightView};
 
@@ -48,8 +51,9 @@ pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
 use crate::experts::{ExpertRht, ExpertSource, ExpertWeights};
 use crate::globals::Globals;
-use crate::linear::{lin, proj, top_k_by};
+use crate::linear::{lin_into, proj_into, top_k_by};
 use crate::observer::{RouteEvent, RouteObserver};
+use crate::scratch::{zeroed, ExpertScratch, Scratch, KEEP_ROWS};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -143,7 +147,9 @@ pub struct Linear<'a> {
 }
 
 impl Linear<'_> {
-    fn apply(
+    /// `x · Wᵀ + b` over `t` rows into `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_into(
         &self,
         cfg: &ModelConfig,
         x: &[f32],
@@ -151,10 +157,11 @@ impl Linear<'_> {
         obs: &mut Option<&mut dyn RouteObserver>,
         l: usize,
         name: &'static str,
-    ) -> Result<Vec<f32>> {
-        let mut y = proj(cfg.kernels, x, t, &self.w, obs, l, name, None)?;
-        add_rows(&mut y, self.bias.as_deref());
-        Ok(y)
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
+        proj_into(cfg.kernels, x, t, &self.w, obs, l, name, None, y)?;
+        add_rows(y, self.bias.as_deref());
+        Ok(())
     }
 }
 
@@ -248,27 +255,72 @@ impl<'a> GptOssLayer<'a> {
         x: &mut [f32],
         start_pos: usize,
         kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let mut sc = Scratch::default();
+        self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
+    }
+
+    /// [`GptOssLayer::forward`] with its intermediates in `sc` (no allocation once warm).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
         mut obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        // The normalised input and the block's output, lent out of the scratch for the call.
+        let (mut hn, mut y) = (take(&mut sc.h), take(&mut sc.block_out));
+        let r = self.blocks(
+            cfg, experts, mask, x, start_pos, kv, &mut obs, sc, &mut hn, &mut y,
+        );
+        (sc.h, sc.block_out) = (hn, y);
+        r
+    }
+
+    /// The attention and MoE blocks of [`GptOssLayer::forward_into`], `hn` and `y` the blocks'
+    /// input and output.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        hn: &mut Vec<f32>,
+        y: &mut Vec<f32>,
     ) -> Result<()> {
         let c = family_config(cfg)?;
         let d = cfg.dim;
         let t = x.len() / d;
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
-        let a = self.attention(cfg, &hn, t, start_pos, kv, &mut obs)?;
-        for (xi, ai) in x.iter_mut().zip(&a) {
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.input_norm), cfg.eps);
+        self.attention(cfg, hn, t, start_pos, kv, obs, sc, y)?;
+        for (xi, ai) in x.iter_mut().zip(y.iter()) {
             *xi += ai;
         }
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
-        let f = self.moe(cfg, c, experts, mask, &hn, t, start_pos, &mut obs)?;
-        for (xi, fi) in x.iter_mut().zip(&f) {
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.post_norm), cfg.eps);
+        self.moe(cfg, c, experts, mask, hn, t, start_pos, obs, sc, y)?;
+        for (xi, fi) in x.iter_mut().zip(y.iter()) {
             *xi += fi;
         }
         Ok(())
     }
 
-    /// `GptOssAttention.forward`: returns `o_proj` of the heads' outputs `[t × hidden]`.
+    /// `GptOssAttention.forward`: `o_proj` of the heads' outputs into `out` (`[t × hidden]`).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cfg: &ModelConfig,
@@ -277,14 +329,20 @@ impl<'a> GptOssLayer<'a> {
         start_pos: usize,
         kv: &mut KvRows,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let proj_span = profile::span(Part::AttnProj);
         let l = self.layer;
         let hd = self.head_dim;
         let (h, kvh) = (self.q.w.rows / hd, self.k.w.rows / hd);
-        let mut q = self.q.apply(cfg, x, t, obs, l, "self_attn.q_proj")?;
-        let mut k = self.k.apply(cfg, x, t, obs, l, "self_attn.k_proj")?;
-        let v = self.v.apply(cfg, x, t, obs, l, "self_attn.v_proj")?;
+        let (q, k, v) = (&mut sc.q, &mut sc.fam.k, &mut sc.fam.v);
+        self.q
+            .apply_into(cfg, x, t, obs, l, "self_attn.q_proj", q)?;
+        self.k
+            .apply_into(cfg, x, t, obs, l, "self_attn.k_proj", k)?;
+        self.v
+            .apply_into(cfg, x, t, obs, l, "self_attn.v_proj", v)?;
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
             for head in row.chunks_exact_mut(hd) {
                 self.rope.apply(head, start_pos + i);
@@ -301,8 +359,8 @@ impl<'a> GptOssLayer<'a> {
                 kv.rows
             )));
         }
-        kv.k.extend_from_slice(&k);
-        kv.v.extend_from_slice(&v);
+        kv.k.extend_from_slice(k);
+        kv.v.extend_from_slice(v);
         kv.rows += t;
         // Position `r` is held at row `r - base` (a sliding layer dropped the rows before).
         let kw = kvh * hd;
@@ -311,8 +369,8 @@ impl<'a> GptOssLayer<'a> {
         let scores_span = profile::span(Part::AttnScores);
         let scale = (hd as f32).powf(-0.5);
         let group = h / kvh;
-        let mut out = vec![0f32; t * h * hd];
-        let mut scores = Vec::with_capacity(kv.rows);
+        let heads = zeroed(&mut sc.heads, t * h * hd);
+        let scores = &mut sc.scores;
         let mut read = 0usize;
         for i in 0..t {
             let pos = start_pos + i;
@@ -337,7 +395,7 @@ impl<'a> GptOssLayer<'a> {
                     *s = (*s - m).exp();
                     sum += *s;
                 }
-                let o = &mut out[(i * h + head) * hd..(i * h + head + 1) * hd];
+                let o = &mut heads[(i * h + head) * hd..(i * h + head + 1) * hd];
                 for (j, &p) in scores.iter().enumerate() {
                     let r = first - base + j;
                     let p = p / sum;
@@ -357,11 +415,12 @@ impl<'a> GptOssLayer<'a> {
         }
         drop(scores_span);
         let _p = profile::span(Part::AttnProj);
-        self.o.apply(cfg, &out, t, obs, l, "self_attn.o_proj")
+        self.o
+            .apply_into(cfg, heads, t, obs, l, "self_attn.o_proj", out)
     }
 
     /// `GptOssMLP.forward`: the router (linear with bias, top-k, softmax over the k), each
-    /// chosen expert's clamped SwiGLU with its biases, the weighted sum.
+    /// chosen expert's clamped SwiGLU with its biases, the weighted sum into `out`.
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
@@ -373,7 +432,9 @@ impl<'a> GptOssLayer<'a> {
         t: usize,
         start_pos: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let router_span = profile::span(Part::Router);
         let l = self.layer;
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
@@ -384,18 +445,22 @@ impl<'a> GptOssLayer<'a> {
                 c.num_local_experts
             )));
         }
-        let mut logits = lin(x, t, &self.router, obs, l, "ffn.gate", None)?;
-        add_rows(&mut logits, Some(&self.router_bias));
-        let mut chosen = vec![0u32; t * k];
-        let mut weights = vec![0f32; t * k];
-        let mut scores = vec![0f32; t * e];
+        let logits = &mut sc.logits;
+        lin_into(x, t, &self.router, obs, l, "ffn.gate", None, logits)?;
+        add_rows(logits, Some(&self.router_bias));
+        let chosen = &mut sc.chosen;
+        chosen.clear();
+        chosen.resize(t * k, 0);
+        let weights = zeroed(&mut sc.weights, t * k);
+        let scores = zeroed(&mut sc.rscores, t * e);
         for i in 0..t {
             let row = &logits[i * e..(i + 1) * e];
-            route(
+            route_with(
                 row,
                 mask,
                 &mut chosen[i * k..(i + 1) * k],
                 &mut weights[i * k..(i + 1) * k],
+                &mut sc.rcand,
             );
             let s = &mut scores[i * e..(i + 1) * e];
             s.copy_from_slice(row);
@@ -407,15 +472,17 @@ impl<'a> GptOssLayer<'a> {
                 start_pos,
                 tokens: t,
                 top_k: k,
-                experts: &chosen,
-                weights: &weights,
-                scores: &scores,
+                experts: chosen,
+                weights,
+                scores,
             });
         }
         drop(router_span);
         let _p = profile::span(Part::Experts);
-        let ys = self.experts(cfg, c, experts, x, t, &chosen)?;
-        let mut out = vec![0f32; t * d];
+        let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
+        let bufs = (&mut sc.experts, &mut sc.fam.routes);
+        self.experts_into(cfg, c, experts, x, t, chosen, bufs, ys)?;
+        let out = zeroed(out, t * d);
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
             for s in 0..k {
@@ -425,14 +492,16 @@ impl<'a> GptOssLayer<'a> {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// Each route's expert output `[t × top_k × hidden]` (unweighted): the routes grouped by
-    /// expert, the experts of a batch multiplied together (one kernel pass for their gate-up
-    /// products, one for their down products). Each product equals the expert's alone, so the
-    /// grouping changes no bit.
-    fn experts(
+    /// Each route's expert output `[t × top_k × hidden]` (unweighted) into `ys`: the routes
+    /// grouped by expert, the experts of a batch multiplied together (one kernel pass for their
+    /// gate-up products, one for their down products). Each product equals the expert's alone,
+    /// so the grouping changes no bit. `bufs`: the experts' working buffers and the routes of
+    /// each expert.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_into(
         &self,
         cfg: &ModelConfig,
         c: &GptOssConfig,
@@ -440,26 +509,39 @@ impl<'a> GptOssLayer<'a> {
         x: &[f32],
         t: usize,
         chosen: &[u32],
-    ) -> Result<Vec<f32>> {
+        bufs: (&mut ExpertScratch, &mut Vec<Vec<usize>>),
+        ys: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (es, routes) = bufs;
         let l = self.layer;
         let (d, k, inter) = (cfg.dim, cfg.top_k, c.intermediate_size);
         let e = c.num_local_experts;
-        let mut routes: Vec<Vec<usize>> = vec![vec![]; e];
+        if routes.len() < e {
+            // Each expert's list sized for a decode pass's routes when made.
+            routes.resize_with(e, || Vec::with_capacity(KEEP_ROWS));
+        }
+        let routes = &mut routes[..e];
+        routes.iter_mut().for_each(Vec::clear);
         for (r, &j) in chosen.iter().enumerate() {
             routes[j as usize].push(r);
         }
-        let used: Vec<usize> = (0..e).filter(|&j| !routes[j].is_empty()).collect();
+        let used = &mut es.used;
+        used.clear();
+        used.extend((0..e).filter(|&j| !routes[j].is_empty()));
         {
             let _io = profile::span(Part::IoWait);
-            experts.prefetch(l, &used);
+            experts.prefetch(l, used);
         }
         let (limit, alpha) = (c.swiglu_limit as f32, c.swiglu_alpha as f32);
-        let mut ys = vec![0f32; t * k * d];
-        for ids in used.chunks(experts.max_batch().max(1)) {
-            let views = {
+        let ys = zeroed(ys, t * k * d);
+        // Buffers of borrowed views and jobs, kept between calls in their `'static` form.
+        let mut views: Vec<ExpertWeights<'_>> = recycle(take(&mut es.views));
+        for ids in es.used.chunks(experts.max_batch().max(1)) {
+            views.clear();
+            {
                 let _io = profile::span(Part::IoWait);
-                experts.experts(l, ids)?
-            };
+                experts.experts_into(l, ids, &mut views)?;
+            }
             if views.len() != ids.len() {
                 return Err(ModelError::Expert {
                     layer: l,
@@ -484,30 +566,34 @@ impl<'a> GptOssLayer<'a> {
                 }
                 profile::read(ew.w1.nbytes() + ew.w2.nbytes());
             }
-            let m: Vec<usize> = ids.iter().map(|&j| routes[j].len()).collect();
+            let m = &mut es.chunk;
+            m.clear();
+            m.extend(ids.iter().map(|&j| routes[j].len()));
             let rows: usize = m.iter().sum();
-            let mut xin = Vec::with_capacity(rows * d);
+            let xin = &mut es.xin;
+            xin.clear();
             for &j in ids {
                 for &r in &routes[j] {
                     let i = r / k;
                     xin.extend_from_slice(&x[i * d..(i + 1) * d]);
                 }
             }
-            let mut gu = vec![0f32; rows * 2 * inter];
+            let gu = zeroed(&mut es.g, rows * 2 * inter);
             {
-                let mut jobs = Vec::with_capacity(ids.len());
+                let mut jobs: Vec<Job<'_, '_>> = recycle(take(&mut es.jobs));
                 let (mut xs, mut gs) = (&xin[..], &mut gu[..]);
-                for (ew, &mi) in views.iter().zip(&m) {
+                for (ew, &mi) in views.iter().zip(m.iter()) {
                     let (xa, xr) = xs.split_at(mi * d);
-                    let (ga, gr) = std::mem::take(&mut gs).split_at_mut(mi * 2 * inter);
+                    let (ga, gr) = take(&mut gs).split_at_mut(mi * 2 * inter);
                     (xs, gs) = (xr, gr);
                     jobs.push(Job::view(&ew.w1, xa, mi, ga)?);
                 }
                 matmul_many_with(cfg.kernels, &mut jobs)?;
+                es.jobs = recycle(jobs);
             }
-            let mut act = vec![0f32; rows * inter];
+            let act = zeroed(&mut es.act, rows * inter);
             let mut row = 0;
-            for (&j, &mi) in ids.iter().zip(&m) {
+            for (&j, &mi) in ids.iter().zip(m.iter()) {
                 let b = &self.gate_up_bias[j * 2 * inter..(j + 1) * 2 * inter];
                 for _ in 0..mi {
                     let g = &gu[row * 2 * inter..(row + 1) * 2 * inter];
@@ -523,17 +609,18 @@ impl<'a> GptOssLayer<'a> {
                     row += 1;
                 }
             }
-            let mut y = vec![0f32; rows * d];
+            let y = zeroed(&mut es.out, rows * d);
             {
-                let mut jobs = Vec::with_capacity(ids.len());
+                let mut jobs: Vec<Job<'_, '_>> = recycle(take(&mut es.jobs));
                 let (mut xs, mut ys_) = (&act[..], &mut y[..]);
-                for (ew, &mi) in views.iter().zip(&m) {
+                for (ew, &mi) in views.iter().zip(m.iter()) {
                     let (xa, xr) = xs.split_at(mi * inter);
-                    let (ya, yr) = std::mem::take(&mut ys_).split_at_mut(mi * d);
+                    let (ya, yr) = take(&mut ys_).split_at_mut(mi * d);
                     (xs, ys_) = (xr, yr);
                     jobs.push(Job::view(&ew.w2, xa, mi, ya)?);
                 }
                 matmul_many_with(cfg.kernels, &mut jobs)?;
+                es.jobs = recycle(jobs);
             }
             let mut row = 0;
             for &j in ids {
@@ -547,7 +634,8 @@ impl<'a> GptOssLayer<'a> {
                 }
             }
         }
-        Ok(ys)
+        es.views = recycle(views);
+        Ok(())
     }
 }
 
@@ -564,19 +652,27 @@ pub fn swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
 /// bias; experts marked dead in `mask` never chosen; ties to the lower id), ordered by logit;
 /// `weights` the softmax over the chosen logits.
 pub fn route(logits: &[f32], mask: Option<&[bool]>, chosen: &mut [u32], weights: &mut [f32]) {
-    let mut cand: Vec<(f32, usize)> = logits
-        .iter()
-        .enumerate()
-        .map(|(j, &v)| {
-            if mask.is_some_and(|m| m[j]) {
-                (f32::NEG_INFINITY, j)
-            } else {
-                (v, j)
-            }
-        })
-        .collect();
+    route_with(logits, mask, chosen, weights, &mut Vec::new())
+}
+
+/// [`route`] with `cand` as scratch.
+fn route_with(
+    logits: &[f32],
+    mask: Option<&[bool]>,
+    chosen: &mut [u32],
+    weights: &mut [f32],
+    cand: &mut Vec<(f32, usize)>,
+) {
+    cand.clear();
+    cand.extend(logits.iter().enumerate().map(|(j, &v)| {
+        if mask.is_some_and(|m| m[j]) {
+            (f32::NEG_INFINITY, j)
+        } else {
+            (v, j)
+        }
+    }));
     let k = chosen.len();
-    top_k_by(&mut cand, k);
+    top_k_by(cand, k);
     for s in 0..k {
         chosen[s] = cand[s].1 as u32;
         weights[s] = cand[s].0;
@@ -643,6 +739,18 @@ impl<'a> GptOssExperts<'a> {
 }
 
 impl ExpertSource for GptOssExperts<'_> {
+    fn experts_into<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<ExpertWeights<'s>>,
+    ) -> Result<()> {
+        for &e in experts {
+            out.push(self.expert(layer, e)?);
+        }
+        Ok(())
+    }
+
     fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights<'_>> {
         self.per_layer
             .get(layer)

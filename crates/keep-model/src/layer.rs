@@ -1454,43 +1454,12 @@ pub fn route_with(
 /// The routed experts of layer `l` over `t` rows of `x` (`chosen`/`weights`: `[t × top_k]`):
 /// grouped by expert, each expert's chunk multiplied together (one kernel pass for all gate and
 /// up projections, one for all down projections), `act(gate, up)` between them, the observer
-/// told every expert input and output. Returns each route's output, `[t × top_k × dim]`
-/// (row i, slot s), unweighted. Every family's MoE layer runs its experts through this.
+/// told every expert input and output. Writes each route's output into `ys`, `[t × top_k ×
+/// dim]` (row i, slot s), unweighted, its intermediates in `es`. Every family's MoE layer but
+/// gpt-oss's (whose experts carry biases) runs its experts through this.
 /// With a tiered source ([`ExpertSource::tiers`]) each slot's rung is chosen first (in token
 /// then slot order), the routes are grouped by (expert, rung), base before upper, the views come
 /// from [`ExpertSource::experts_at`] and the observer is told the rungs ([`RungEvent`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn routed_experts(
-    cfg: &ModelConfig,
-    experts: &dyn ExpertSource,
-    l: usize,
-    x: &[f32],
-    t: usize,
-    chosen: &[u32],
-    weights: &[f32],
-    act: impl Fn(f32, f32) -> f32,
-    while_reading: WhileReading<'_>,
-    obs: &mut Option<&mut dyn RouteObserver>,
-) -> Result<Vec<f32>> {
-    let mut ys = Vec::new();
-    routed_experts_into(
-        cfg,
-        experts,
-        l,
-        x,
-        t,
-        chosen,
-        weights,
-        act,
-        while_reading,
-        obs,
-        &mut ExpertScratch::default(),
-        &mut ys,
-    )?;
-    Ok(ys)
-}
-
-/// [`routed_experts`] into `ys`, its intermediates in `es`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn routed_experts_into(
     cfg: &ModelConfig,
@@ -1726,7 +1695,7 @@ pub(crate) fn routed_experts_into(
 }
 
 /// Work a MoE layer does beside its routed experts (the shared expert), given to
-/// [`routed_experts`] to run while expert reads are in flight.
+/// [`routed_experts_into`] to run while expert reads are in flight.
 pub(crate) type WhileReading<'w> =
     &'w mut dyn FnMut(&mut Option<&mut dyn RouteObserver>) -> Result<()>;
 

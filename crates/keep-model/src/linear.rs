@@ -10,42 +10,12 @@ use crate::observer::{LinearInputEvent, RouteObserver};
 use crate::scratch::zeroed;
 use crate::Result;
 
-/// `y = x · Wᵀ` for `m` rows on the exact kernels, reporting the input to an observer that
-/// wants linear inputs (the router gates, the compressor, the indexer: products whose results
-/// pick experts or rows, kept exact under either [`Kernels`]).
-pub(crate) fn lin(
-    x: &[f32],
-    m: usize,
-    w: &WeightView,
-    obs: &mut Option<&mut dyn RouteObserver>,
-    layer: usize,
-    name: &'static str,
-    expert: Option<usize>,
-) -> Result<Vec<f32>> {
-    proj(Kernels::Exact, x, m, w, obs, layer, name, expert)
-}
-
-/// [`lin`] on the chosen kernels: the dense projections (attention, shared expert, Qwen3's
-/// attention and dense MLP) take [`Kernels::Fast`] where the format has a fast kernel
-/// (FP8-block and MXFP8 on the bf16 kernels, MXFP4 / affine on the integer ones), so under
-/// `--kernels fast` they run as the routed experts do.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn proj(
-    kernels: Kernels,
-    x: &[f32],
-    m: usize,
-    w: &WeightView,
-    obs: &mut Option<&mut dyn RouteObserver>,
-    layer: usize,
-    name: &'static str,
-    expert: Option<usize>,
-) -> Result<Vec<f32>> {
-    let mut y = Vec::new();
-    proj_into(kernels, x, m, w, obs, layer, name, expert, &mut y)?;
-    Ok(y)
-}
-
-/// [`proj`] into `y` (resized to `m × rows`; no allocation once it has held that many).
+/// `y = x · Wᵀ` for `m` rows into `y` (resized to `m × rows`; no allocation once it has held
+/// that many) on the chosen kernels, reporting the input to an observer that wants linear
+/// inputs: the dense projections (attention, shared expert, Qwen3's attention and dense MLP)
+/// take [`Kernels::Fast`] where the format has a fast kernel (FP8-block and MXFP8 on the bf16
+/// kernels, MXFP4 / affine on the integer ones), so under `--kernels fast` they run as the
+/// routed experts do.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn proj_into(
     kernels: Kernels,
@@ -64,7 +34,8 @@ pub(crate) fn proj_into(
     Ok(())
 }
 
-/// [`lin`] into `y` (see [`proj_into`]).
+/// [`proj_into`] on the exact kernels: the router gates, the compressor, the indexer (products
+/// whose results pick experts or rows, kept exact under either [`Kernels`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn lin_into(
     x: &[f32],

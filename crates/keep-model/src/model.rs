@@ -384,7 +384,7 @@ impl<'a> Model<'a> {
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family == Family::Qwen3Moe {
             for lw in &self.qwen3 {
-                lw.forward(
+                lw.forward_into(
                     &self.cfg,
                     self.experts.as_ref(),
                     self.masks[lw.layer].as_deref(),
@@ -392,6 +392,7 @@ impl<'a> Model<'a> {
                     cache.pos,
                     &mut cache.layers[lw.layer].qwen3,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                    &mut shared.scratch,
                 )?;
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
@@ -403,7 +404,7 @@ impl<'a> Model<'a> {
         if self.cfg.family == Family::DeepseekV3 {
             // The compressed KV of each layer lives in its `qwen3` rows (see `deepseek_v3`).
             for lw in &self.deepseek_v3 {
-                lw.forward(
+                lw.forward_into(
                     &self.cfg,
                     self.experts.as_ref(),
                     self.masks[lw.layer].as_deref(),
@@ -411,6 +412,7 @@ impl<'a> Model<'a> {
                     cache.pos,
                     &mut cache.layers[lw.layer].qwen3,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                    &mut shared.scratch,
                 )?;
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }
@@ -421,7 +423,7 @@ impl<'a> Model<'a> {
         }
         if self.cfg.family == Family::GptOss {
             for lw in &self.gpt_oss {
-                lw.forward(
+                lw.forward_into(
                     &self.cfg,
                     self.experts.as_ref(),
                     self.masks[lw.layer].as_deref(),
@@ -429,6 +431,7 @@ impl<'a> Model<'a> {
                     cache.pos,
                     &mut cache.layers[lw.layer].qwen3,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
+                    &mut shared.scratch,
                 )?;
                 s.check_finite(|| format!("layer {}", lw.layer))?;
             }

@@ -13,6 +13,8 @@
 //! keys and values; no window).
 
 use keep_checkpoint::qwen3 as names;
+use std::mem::take;
+
 use keep_checkpoint::Checkpoint;
 use keep_kernels::ops;
 use keep_kernels::profile::{self, Part};
@@ -23,9 +25,10 @@ pub use crate::config::family_config;
 use crate::config::ModelConfig;
 pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
-use crate::layer::route;
-use crate::linear::{lin, proj};
+use crate::layer::route_with;
+use crate::linear::{lin_into, proj_into};
 use crate::observer::{RouteEvent, RouteObserver};
+use crate::scratch::{zeroed, Scratch};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -130,58 +133,89 @@ impl<'a> Qwen3Layer<'a> {
         x: &mut [f32],
         start_pos: usize,
         kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+    ) -> Result<()> {
+        let mut sc = Scratch::default();
+        self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
+    }
+
+    /// [`Qwen3Layer::forward`] with its intermediates in `sc` (no allocation once warm).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
         mut obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        // The normalised input and the block's output, lent out of the scratch for the call.
+        let (mut hn, mut y) = (take(&mut sc.h), take(&mut sc.block_out));
+        let r = self.blocks(
+            cfg, experts, mask, x, start_pos, kv, &mut obs, sc, &mut hn, &mut y,
+        );
+        (sc.h, sc.block_out) = (hn, y);
+        r
+    }
+
+    /// The attention and feed-forward blocks of [`Qwen3Layer::forward_into`], `hn` and `y` the
+    /// blocks' input and output.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: &mut Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+        hn: &mut Vec<f32>,
+        y: &mut Vec<f32>,
     ) -> Result<()> {
         let d = cfg.dim;
         let t = x.len() / d;
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.input_norm), cfg.eps);
-        let a = self.attention(cfg, &hn, t, start_pos, kv, &mut obs)?;
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.input_norm), cfg.eps);
+        self.attention(cfg, hn, t, start_pos, kv, obs, sc, y)?;
         {
             let _p = profile::span(Part::AttnProj);
-            for (xi, ai) in x.iter_mut().zip(&a) {
+            for (xi, ai) in x.iter_mut().zip(y.iter()) {
                 *xi += ai;
             }
         }
-        let mut hn = x.to_vec();
-        crate::linear::rms_norm(&mut hn, d, Some(&self.post_norm), cfg.eps);
-        let f = match &self.ffn {
-            Ffn::Moe { gate } => self.moe(cfg, gate, experts, mask, &hn, t, start_pos, &mut obs)?,
+        hn.clear();
+        hn.extend_from_slice(x);
+        crate::linear::rms_norm(hn, d, Some(&self.post_norm), cfg.eps);
+        match &self.ffn {
+            Ffn::Moe { gate } => {
+                self.moe(cfg, gate, experts, mask, hn, t, start_pos, obs, sc, y)?
+            }
             Ffn::Dense { gate, up, down } => {
                 let _p = profile::span(Part::SharedExpert);
-                let l = self.layer;
-                let g = proj(
-                    cfg.kernels,
-                    &hn,
-                    t,
-                    gate,
-                    &mut obs,
-                    l,
-                    "mlp.gate_proj",
-                    None,
-                )?;
-                let u = proj(cfg.kernels, &hn, t, up, &mut obs, l, "mlp.up_proj", None)?;
-                let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| ops::silu(g) * u).collect();
-                proj(
-                    cfg.kernels,
-                    &act,
-                    t,
-                    down,
-                    &mut obs,
-                    l,
-                    "mlp.down_proj",
-                    None,
-                )?
+                let (l, k) = (self.layer, cfg.kernels);
+                proj_into(k, hn, t, gate, obs, l, "mlp.gate_proj", None, &mut sc.sg)?;
+                proj_into(k, hn, t, up, obs, l, "mlp.up_proj", None, &mut sc.su)?;
+                let act = &mut sc.sact;
+                act.clear();
+                act.extend(sc.sg.iter().zip(&sc.su).map(|(&g, &u)| ops::silu(g) * u));
+                proj_into(k, act, t, down, obs, l, "mlp.down_proj", None, y)?;
             }
-        };
+        }
         let _p = profile::span(Part::Experts);
-        for (xi, fi) in x.iter_mut().zip(&f) {
+        for (xi, fi) in x.iter_mut().zip(y.iter()) {
             *xi += fi;
         }
         Ok(())
     }
 
-    /// `Attention.__call__`: returns `o_proj` of the attention output `[t × hidden]`.
+    /// `Attention.__call__`: `o_proj` of the attention output into `out` (`[t × hidden]`).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cfg: &ModelConfig,
@@ -190,16 +224,20 @@ impl<'a> Qwen3Layer<'a> {
         start_pos: usize,
         kv: &mut KvRows,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let hd = self.q_norm.len();
         let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
-        let mut q = proj(cfg.kernels, x, t, &self.q, obs, l, "self_attn.q_proj", None)?;
-        let mut k = proj(cfg.kernels, x, t, &self.k, obs, l, "self_attn.k_proj", None)?;
-        let v = proj(cfg.kernels, x, t, &self.v, obs, l, "self_attn.v_proj", None)?;
-        crate::linear::rms_norm(&mut q, hd, Some(&self.q_norm), cfg.eps);
-        crate::linear::rms_norm(&mut k, hd, Some(&self.k_norm), cfg.eps);
+        let kn = cfg.kernels;
+        let (q, k, v) = (&mut sc.q, &mut sc.fam.k, &mut sc.fam.v);
+        proj_into(kn, x, t, &self.q, obs, l, "self_attn.q_proj", None, q)?;
+        proj_into(kn, x, t, &self.k, obs, l, "self_attn.k_proj", None, k)?;
+        proj_into(kn, x, t, &self.v, obs, l, "self_attn.v_proj", None, v)?;
+        crate::linear::rms_norm(q, hd, Some(&self.q_norm), cfg.eps);
+        crate::linear::rms_norm(k, hd, Some(&self.k_norm), cfg.eps);
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
             for head in row.chunks_exact_mut(hd) {
                 rope_halves(head, &self.inv_freq, start_pos + i);
@@ -216,8 +254,8 @@ impl<'a> Qwen3Layer<'a> {
                 kv.rows
             )));
         }
-        kv.k.extend_from_slice(&k);
-        kv.v.extend_from_slice(&v);
+        kv.k.extend_from_slice(k);
+        kv.v.extend_from_slice(v);
         kv.rows += t;
         let scores_span = profile::span(Part::AttnScores);
         // Each query reads the keys and values of the positions up to its own.
@@ -225,9 +263,9 @@ impl<'a> Qwen3Layer<'a> {
         let scale = (hd as f32).powf(-0.5);
         let group = h / kvh;
         let kw = kvh * hd;
-        let mut out = vec![0f32; t * h * hd];
-        let mut scores = Vec::with_capacity(kv.rows);
-        let mut qs = vec![0f32; hd];
+        let heads = zeroed(&mut sc.heads, t * h * hd);
+        let scores = &mut sc.scores;
+        let qs = zeroed(&mut sc.fam.qs, hd);
         for i in 0..t {
             let visible = start_pos + i + 1;
             for head in 0..h {
@@ -241,10 +279,10 @@ impl<'a> Qwen3Layer<'a> {
                 scores.clear();
                 for r in 0..visible {
                     let krow = &kv.k[r * kw + g * hd..r * kw + (g + 1) * hd];
-                    scores.push(keep_kernels::matmul::dot(&qs, krow));
+                    scores.push(keep_kernels::matmul::dot(qs, krow));
                 }
-                ops::softmax(&mut scores);
-                let o = &mut out[(i * h + head) * hd..(i * h + head + 1) * hd];
+                ops::softmax(scores);
+                let o = &mut heads[(i * h + head) * hd..(i * h + head + 1) * hd];
                 for (r, &p) in scores.iter().enumerate() {
                     let vrow = &kv.v[r * kw + g * hd..r * kw + (g + 1) * hd];
                     for (a, b) in o.iter_mut().zip(vrow) {
@@ -254,20 +292,11 @@ impl<'a> Qwen3Layer<'a> {
             }
         }
         drop(scores_span);
-        proj(
-            cfg.kernels,
-            &out,
-            t,
-            &self.o,
-            obs,
-            l,
-            "self_attn.o_proj",
-            None,
-        )
+        proj_into(kn, heads, t, &self.o, obs, l, "self_attn.o_proj", None, out)
     }
 
     /// `Qwen3MoeSparseMoeBlock.__call__`: softmax router, top-k (experts in `mask` never
-    /// chosen), renormalised weights, each chosen expert's SwiGLU, weighted sum.
+    /// chosen), renormalised weights, each chosen expert's SwiGLU, weighted sum into `out`.
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
@@ -279,27 +308,33 @@ impl<'a> Qwen3Layer<'a> {
         t: usize,
         start_pos: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
-    ) -> Result<Vec<f32>> {
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let router_span = profile::span(Part::Router);
         let l = self.layer;
         let (d, e, k) = (cfg.dim, cfg.experts_in_layer(l), cfg.top_k);
-        let mut logits = lin(x, t, gate, obs, l, "ffn.gate", None)?;
-        let mut chosen = vec![0u32; t * k];
-        let mut weights = vec![0f32; t * k];
-        let mut scores = vec![0f32; t * e];
-        let no_bias = vec![0f32; e];
+        let logits = &mut sc.logits;
+        lin_into(x, t, gate, obs, l, "ffn.gate", None, logits)?;
+        let chosen = &mut sc.chosen;
+        chosen.clear();
+        chosen.resize(t * k, 0);
+        let weights = zeroed(&mut sc.weights, t * k);
+        let scores = zeroed(&mut sc.rscores, t * e);
+        let no_bias = zeroed(&mut sc.fam.zeros, e);
         for i in 0..t {
             // keep's router with `softmax` scoring, no bias, temperature 1, scale 1 is exactly
             // the reference's; only its renormalisation skips k = 1, where the reference's
             // `scores / sum(scores)` is 1.
-            route(
+            route_with(
                 cfg,
                 &mut logits[i * e..(i + 1) * e],
-                &no_bias,
+                no_bias,
                 mask,
                 &mut chosen[i * k..(i + 1) * k],
                 &mut weights[i * k..(i + 1) * k],
                 &mut scores[i * e..(i + 1) * e],
+                &mut sc.rcand,
             );
             if k == 1 && cfg.norm_topk_prob {
                 weights[i] = 1.0;
@@ -311,26 +346,29 @@ impl<'a> Qwen3Layer<'a> {
                 start_pos,
                 tokens: t,
                 top_k: k,
-                experts: &chosen,
-                weights: &weights,
-                scores: &scores,
+                experts: chosen,
+                weights,
+                scores,
             });
         }
         drop(router_span);
         let _p = profile::span(Part::Experts);
-        let ys = crate::layer::routed_experts(
+        let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
+        crate::layer::routed_experts_into(
             cfg,
             experts,
             l,
             x,
             t,
-            &chosen,
-            &weights,
+            chosen,
+            weights,
             |g, u| ops::silu(g) * u,
             &mut |_| Ok(()),
             obs,
+            &mut sc.experts,
+            ys,
         )?;
-        let mut out = vec![0f32; t * d];
+        let out = zeroed(out, t * d);
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];
             for s in 0..k {
@@ -340,7 +378,7 @@ impl<'a> Qwen3Layer<'a> {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

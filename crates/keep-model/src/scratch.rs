@@ -95,9 +95,12 @@ pub struct Scratch {
     pub(crate) head_flat: Vec<f32>,
     pub(crate) head_mix: Vec<f32>,
     pub(crate) head_h: Vec<f32>,
+    // The Qwen3-MoE, DeepSeek-V3 and gpt-oss layers' own buffers (beside the ones above they
+    // share with the V4 layers).
+    pub(crate) fam: FamilyScratch,
     /// What [`Scratch::for_context`] reserved (compressed rows, candidate blocks, attended
-    /// rows).
-    reserved: [usize; 3],
+    /// rows, attention scores).
+    reserved: [usize; 4],
 }
 
 /// The routed experts' working buffers: routes grouped by (expert, rung), the batch taken,
@@ -127,6 +130,31 @@ pub(crate) struct ExpertScratch {
     pub(crate) jobs: Vec<Job<'static, 'static>>,
 }
 
+/// The buffers of the Qwen3-MoE, DeepSeek-V3 and gpt-oss layers that the V4 layers have no
+/// counterpart of: the key and value projections, a scaled query head, DeepSeek-V3's absorbed
+/// attention (a head's `kv_b_proj` key and value rows, the latent query and output, the RoPE
+/// query, a position's normalised latent and RoPE key) and its group-limited router (biased
+/// scores, group scores, one group's ranking, the groups kept), Qwen3's zero router bias and
+/// gpt-oss's routes per expert.
+#[derive(Default)]
+pub(crate) struct FamilyScratch {
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) qs: Vec<f32>,
+    pub(crate) wk: Vec<f32>,
+    pub(crate) wv: Vec<f32>,
+    pub(crate) q_lat: Vec<f32>,
+    pub(crate) o_lat: Vec<f32>,
+    pub(crate) q_pe: Vec<f32>,
+    pub(crate) kpe: Vec<f32>,
+    pub(crate) biased: Vec<f32>,
+    pub(crate) groups: Vec<(f32, usize)>,
+    pub(crate) group: Vec<(f32, usize)>,
+    pub(crate) keep: Vec<bool>,
+    pub(crate) zeros: Vec<f32>,
+    pub(crate) routes: Vec<Vec<usize>>,
+}
+
 /// Most rows of a pass whose buffers the scratch keeps after it (decode, a drafter's verify
 /// pass); a longer pass (a prompt chunk) gives them back, so that a cache holds decode-sized
 /// working memory between calls, not a prefill chunk's.
@@ -135,7 +163,9 @@ pub const KEEP_ROWS: usize = 8;
 impl Scratch {
     /// Buffers for a run of `context` tokens of `cfg`: those that grow with the position
     /// reserved for the whole run (the indexer's scores, ranking and candidate mask over every
-    /// compressed row, the rows a query attends), so that no decode step reallocates them.
+    /// compressed row, the rows a query attends; for Qwen3-MoE, DeepSeek-V3 and gpt-oss one
+    /// query head's attention scores over every position), so that no decode step reallocates
+    /// them.
     pub fn for_context(cfg: &ModelConfig, context: usize) -> Scratch {
         let most = |rows: &dyn Fn(usize) -> usize| (0..cfg.n_layers).map(rows).max().unwrap_or(0);
         let window = cfg.window.min(context);
@@ -155,17 +185,20 @@ impl Scratch {
                 let kv = most(&|l| cfg.cache_rows(l, context).v4_kv[2] / hd);
                 (index.max(kv), window + kv)
             }
-            // Those buffers are the V4 families' attention's; the others' layers keep theirs.
-            _ => return Scratch::default(),
+            // A query reads every earlier position (a gpt-oss sliding layer fewer): only the
+            // attention scores grow with the position.
+            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss => {
+                return Scratch::reserved([0, 0, 0, context]);
+            }
         };
         let blocks = rows.div_ceil(cfg.candidate_block_size.max(1));
-        Scratch::reserved([rows, blocks, attended])
+        Scratch::reserved([rows, blocks, attended, attended])
     }
 
     /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows
     /// (the indexer's scores, ranking and candidate mask), `blocks` candidate blocks,
-    /// `attended` rows a query reads.
-    fn reserved(reserved: [usize; 3]) -> Scratch {
+    /// `attended` rows a query reads, `scores` attention scores of one query (one head).
+    fn reserved(reserved: [usize; 4]) -> Scratch {
         let mut s = Scratch {
             reserved,
             ..Scratch::default()
@@ -182,13 +215,13 @@ impl Scratch {
                 v.reserve_exact(n - v.len());
             }
         }
-        let [rows, blocks, attended] = self.reserved;
+        let [rows, blocks, attended, scores] = self.reserved;
         at_least(&mut self.iscores, rows);
         at_least(&mut self.ranked, rows);
         at_least(&mut self.candidates, rows);
         at_least(&mut self.blocks, blocks);
         at_least(&mut self.keys, attended);
-        at_least(&mut self.scores, attended);
+        at_least(&mut self.scores, scores);
     }
 
     /// After a pass of `rows` rows: past [`KEEP_ROWS`], give every buffer back and keep only

@@ -2,13 +2,22 @@
 //! model on `keep run`'s default kernels (fast), its cache reserved for the context
 //! (`Cache::for_context`, which also sizes the forward's working buffers), a prompt, a warm-up,
 //! then N decoded tokens through `Model::forward_into` (the logits in one buffer kept by the
-//! caller) whose allocations are counted (every thread's: the kernels' workers too). There are
+//! caller) whose allocations are counted: the measuring thread's and the kernels' workers' (the
+//! worker pool's threads, each marked by a broadcast), not those of the test harness, which
+//! starts and reports other tests while one measures (one measurement runs at a time). There are
 //! none (`decode_allocates_nothing_per_token`): every activation lives in the cache's scratch
 //! and the kernels keep their bookkeeping per thread. `where_decode_allocates` prints them by
 //! profile part (run it with `--nocapture`), checks that the parts account for every
 //! allocation of the measuring thread, and that no part allocates. DeepSeek-V4 / V4-Flash
 //! decode (`tests/data/small-v4flash`) allocates nothing either
-//! (`v4flash_decode_allocates_nothing_per_token`).
+//! (`v4flash_decode_allocates_nothing_per_token`), nor does the decode of the other families on
+//! their committed fixtures: Qwen3-MoE (`fixtures/qwen3-tiny-*`: bf16, FP8 and MLX 4-bit, a
+//! dense layer beside the MoE ones), DeepSeek-V3 (`fixtures/deepseek-v3`: latent attention, the
+//! group-limited router, a dense first layer, shared experts) and gpt-oss (`fixtures/gpt-oss`:
+//! sliding and full layers, sinks, MXFP4 experts with biases). `keep run`'s loop, `generate`
+//! on the bundled model (its cache reserved for the run, one logits buffer, the sampler's
+//! nucleus kept), allocates nothing per sampled token either, greedy or temperature + top-p
+//! (`generate_allocates_nothing_per_token`).
 //! These models' products are all below the kernels' threading threshold; a threaded product
 //! called from outside the pool costs rayon's global queue an allocation every few dozen calls
 //! (keep-kernels' `tests/fast_allocs.rs` checks the threaded kernels on a pool thread).
@@ -33,11 +42,17 @@ static BY_PART: [AtomicU64; PARTS + 1] = [const { AtomicU64::new(0) }; PARTS + 1
 thread_local! {
     /// Whether this thread is the measuring one (no destructor: safe inside the allocator).
     static MEASURING: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread is one of the kernels' worker pool.
+    static WORKER: Cell<bool> = const { Cell::new(false) };
 }
 
 fn count() {
+    let measuring = MEASURING.with(|m| m.get());
+    if !measuring && !WORKER.with(|w| w.get()) {
+        return;
+    }
     ALLOCS.fetch_add(1, Ordering::Relaxed);
-    if MEASURING.with(|m| m.get()) {
+    if measuring {
         let p = profile::current().map_or(PARTS, |p| p as usize);
         BY_PART[p].fetch_add(1, Ordering::Relaxed);
     }
@@ -65,6 +80,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// One measurement at a time: the counter is every counted thread's.
+static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The bundled model.
 fn keep_tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/keep-tiny")
@@ -84,9 +102,9 @@ fn allocs_per_token_of(
     n: usize,
     by_part: bool,
 ) -> Option<(f64, [u64; PARTS + 1])> {
-    // One measurement at a time: the counter is the whole process's.
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    // The kernels' workers (rayon's global pool) count as the measuring thread does.
+    rayon::broadcast(|_| WORKER.with(|w| w.set(true)));
     if !dir.join("config.json").is_file() {
         eprintln!("{} is not here: skipped", dir.display());
         return None;
@@ -185,5 +203,108 @@ fn v4flash_decode_allocates_nothing_per_token() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/small-v4flash");
     if let Some((per, _)) = allocs_per_token_of(&dir, 8, 100, false) {
         assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// The committed fixture `name` (under the workspace's `fixtures/`).
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// Qwen3-MoE decode (bf16, FP8 and MLX 4-bit fixtures): no heap allocation per decoded token.
+#[test]
+fn qwen3_decode_allocates_nothing_per_token() {
+    for name in ["qwen3-tiny-bf16", "qwen3-tiny-fp8", "qwen3-tiny-mlx4"] {
+        if let Some((per, _)) = allocs_per_token_of(&fixture(name), 8, 100, false) {
+            assert_eq!(per, 0.0, "{name}: {per} heap allocations per decoded token");
+        }
+    }
+}
+
+/// DeepSeek-V3 decode: no heap allocation per decoded token.
+#[test]
+fn deepseek_v3_decode_allocates_nothing_per_token() {
+    if let Some((per, _)) = allocs_per_token_of(&fixture("deepseek-v3"), 8, 100, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// gpt-oss decode, past its sliding window: no heap allocation per decoded token.
+#[test]
+fn gpt_oss_decode_allocates_nothing_per_token() {
+    if let Some((per, _)) = allocs_per_token_of(&fixture("gpt-oss"), 8, 100, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
+/// Allocations per sampled token of [`keep_model::generate::generate`] on the bundled model
+/// with `sampling`, counted from the `warm`-th token handed on to the `warm + n`-th (each step:
+/// sample, hand on, one decode forward); `None` when the model is not in the tree.
+fn generate_allocs_per_token(
+    sampling: keep_model::generate::SamplerConfig,
+    warm: usize,
+    n: usize,
+) -> Option<f64> {
+    use keep_model::generate::{generate, GenerateOptions, Piece, Prompt};
+    use std::ops::ControlFlow;
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = keep_tiny();
+    if !dir.join("config.json").is_file() {
+        eprintln!("{} is not here: skipped", dir.display());
+        return None;
+    }
+    rayon::broadcast(|_| WORKER.with(|w| w.set(true)));
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut model = Model::load(&ck).unwrap();
+    model.cfg.kernels = keep_model::Kernels::Fast;
+    // No end-of-sequence token: every run samples all its tokens.
+    model.cfg.eos.clear();
+    let opts = GenerateOptions {
+        max_tokens: warm + n + 1,
+        sampling,
+        tokenizer: None,
+    };
+    let (mut seen, mut before, mut after) = (0, 0, 0);
+    generate(&mut model, Prompt::Synthetic(16), &opts, None, |p| {
+        if let Piece::Token(_) = p {
+            seen += 1;
+            if seen == warm {
+                before = ALLOCS.load(Ordering::Relaxed);
+                MEASURING.with(|m| m.set(true));
+            } else if seen == warm + n {
+                MEASURING.with(|m| m.set(false));
+                after = ALLOCS.load(Ordering::Relaxed);
+            }
+        }
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(seen, warm + n + 1, "tokens handed on");
+    let per = (after - before) as f64 / n as f64;
+    eprintln!("generate: {per:.2} heap allocations per sampled token ({n} after {warm})");
+    Some(per)
+}
+
+/// `keep run`'s generation loop, greedy and temperature + top-p: no heap allocation per
+/// sampled token on any thread (sampling, handing the token on, the decode forward).
+#[test]
+fn generate_allocates_nothing_per_token() {
+    use keep_model::generate::SamplerConfig;
+    let greedy = SamplerConfig {
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let top_p = SamplerConfig {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 7,
+    };
+    for (name, s) in [("greedy", greedy), ("top-p", top_p)] {
+        if let Some(per) = generate_allocs_per_token(s, 8, 100) {
+            assert_eq!(per, 0.0, "{name}: {per} heap allocations per sampled token");
+        }
     }
 }

@@ -157,6 +157,24 @@ impl Generate for RunModel<'_> {
             RunModel::Budgeted(m) => m.forward_last(tokens, cache, obs),
         }
     }
+    fn forward_last_into(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        obs: Option<&mut dyn RouteObserver>,
+        logits: &mut Vec<f32>,
+    ) -> keep_model::Result<()> {
+        match self {
+            RunModel::Mapped(m, _) => Generate::forward_last_into(m, tokens, cache, obs, logits),
+            RunModel::Budgeted(m) => Generate::forward_last_into(m, tokens, cache, obs, logits),
+        }
+    }
+    fn new_cache_for(&self, context: usize) -> Cache {
+        match self {
+            RunModel::Mapped(m, _) => Generate::new_cache_for(m, context),
+            RunModel::Budgeted(m) => Generate::new_cache_for(m, context),
+        }
+    }
     fn draft_tokens(&self) -> usize {
         match self {
             RunModel::Mapped(m, _) => m.draft_tokens(),
