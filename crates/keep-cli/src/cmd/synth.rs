@@ -53,7 +53,7 @@ pub struct SynthArgs {
     /// A config.json (DeepSeek V4.1 or V4 schema) to synthesise.
     #[arg(long, conflicts_with = "preset")]
     config: Option<PathBuf>,
-    /// A named preset: tiny, tiny-v4flash, flash, v4flash.
+    /// A named preset: tiny, tiny-v4flash, flash, v4flash (see --family for the others').
     #[arg(long)]
     preset: Option<String>,
     /// Output directory (refused if it exists, unless --force).
@@ -308,7 +308,7 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         }
     }
     if a.layers.is_some() || a.format.is_some() {
-        anyhow::bail!("--layers and --format are for --family qwen3_moe");
+        anyhow::bail!("--layers and --format are for --family qwen3_moe, deepseek_v3 or gpt_oss");
     }
     let (mut cfg, mut storage) = match (&a.config, &a.preset) {
         (Some(p), None) => {
