@@ -23,6 +23,8 @@ pub mod prune;
 pub mod repack;
 pub mod resident;
 pub mod synth;
+pub mod synth_deepseek_v3;
+pub mod synth_gpt_oss;
 pub mod synth_qwen3;
 
 pub use error::ConvertError;

@@ -79,38 +79,55 @@ impl ChatTemplate {
         })
     }
 
-    /// The template of `dir/tokenizer_config.json` (`chat_template`: a string, or a list of
-    /// named templates of which `default` is used); `None` when the file or the key is absent.
+    /// The template of the model in `dir`: `dir/chat_template.jinja` when present (newer Hugging
+    /// Face releases, gpt-oss among them, ship the template so; transformers reads the file
+    /// over the key), else `chat_template` of `dir/tokenizer_config.json` (a string, or a list
+    /// of named templates of which `default` is used); `bos_token` and `eos_token` from
+    /// `tokenizer_config.json` either way. `None` when there is no template.
     pub fn from_model_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
+        let read = |p: &Path| {
+            keep_checkpoint::small_file::read_text(p, keep_checkpoint::small_file::MAX_SMALL_FILE)
+                .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))
+        };
         let p = dir.join("tokenizer_config.json");
-        if !p.is_file() {
-            return Ok(None);
-        }
-        let text =
-            keep_checkpoint::small_file::read_text(&p, keep_checkpoint::small_file::MAX_SMALL_FILE)
-                .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))?;
-        let source = match v.get("chat_template") {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(list)) => {
-                let named = |want: &str| {
-                    list.iter().find_map(|t| {
-                        (t.get("name")?.as_str()? == want)
-                            .then(|| t.get("template")?.as_str().map(String::from))
-                            .flatten()
-                    })
-                };
-                match named("default") {
-                    Some(s) => s,
-                    None => return Ok(None),
+        let v: serde_json::Value = if p.is_file() {
+            serde_json::from_str(&read(&p)?)
+                .map_err(|e| ServeError::Template(format!("{}: {e}", p.display())))?
+        } else {
+            serde_json::Value::Null
+        };
+        let file = dir.join("chat_template.jinja");
+        let source = if file.is_file() {
+            read(&file)?
+        } else {
+            match v.get("chat_template") {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(list)) => {
+                    let named = |want: &str| {
+                        list.iter().find_map(|t| {
+                            (t.get("name")?.as_str()? == want)
+                                .then(|| t.get("template")?.as_str().map(String::from))
+                                .flatten()
+                        })
+                    };
+                    match named("default") {
+                        Some(s) => s,
+                        None => return Ok(None),
+                    }
                 }
+                _ => return Ok(None),
             }
-            _ => return Ok(None),
         };
         let bos = token_text(v.get("bos_token"));
         let eos = token_text(v.get("eos_token"));
-        ChatTemplate::new(&source, &bos, &eos).map(Some)
+        ChatTemplate::new(&source, &bos, &eos)
+            .map_err(|e| match (e, file.is_file()) {
+                (ServeError::Template(m), true) => {
+                    ServeError::Template(format!("{}: {m}", file.display()))
+                }
+                (e, _) => e,
+            })
+            .map(Some)
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn opened
@@ -344,6 +361,48 @@ mod tests {
             tok.decode(&ids[at[1] + 1..at[2]], false).unwrap(),
             "<|endoftext|>"
         );
+    }
+
+    #[test]
+    fn the_template_file_beside_the_checkpoint_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // No template at all: none.
+        assert!(ChatTemplate::from_model_dir(d).unwrap().is_none());
+        std::fs::write(
+            d.join("tokenizer_config.json"),
+            r#"{"bos_token":"<b>","eos_token":{"content":"<e>"}}"#,
+        )
+        .unwrap();
+        assert!(ChatTemplate::from_model_dir(d).unwrap().is_none());
+        // tokenizer_config.json carries none; chat_template.jinja has one, with the file's
+        // special tokens.
+        std::fs::write(
+            d.join("chat_template.jinja"),
+            "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}\n{% if add_generation_prompt %}<|assistant|>{% endif %}{{ eos_token }}",
+        )
+        .unwrap();
+        let t = ChatTemplate::from_model_dir(d).unwrap().unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "hi")])).unwrap(),
+            // trim_blocks drops the newline after `endfor`.
+            "<b><|user|>hi<|assistant|><e>"
+        );
+        // The file is read over the key, as transformers does.
+        std::fs::write(
+            d.join("tokenizer_config.json"),
+            r#"{"chat_template":"key","bos_token":"<b>"}"#,
+        )
+        .unwrap();
+        let t = ChatTemplate::from_model_dir(d).unwrap().unwrap();
+        assert!(t
+            .render(&msgs(&[("user", "hi")]))
+            .unwrap()
+            .starts_with("<b><|user|>"));
+        // A broken file is refused, naming it.
+        std::fs::write(d.join("chat_template.jinja"), "{% for %}").unwrap();
+        let e = ChatTemplate::from_model_dir(d).err().unwrap();
+        assert!(e.to_string().contains("chat_template.jinja"), "{e}");
     }
 
     #[test]

@@ -31,8 +31,20 @@ enum SynthDraft {
 /// stacked in `switch_mlp`, as `mlx_lm.convert --quantize` writes), from a preset (qwen3-30b-a3b: real shapes; qwen3-tiny) or a
 /// config; --layers N keeps the first N layers.
 ///
+/// With --family deepseek_v3: a DeepSeek-V3-family checkpoint with Hugging Face's names, in
+/// bf16 or DeepSeek's FP8 layout (128×128 E4M3 blocks, float32 weight_scale_inv; embedding,
+/// head, norms and routers bf16), from a preset (deepseek-v3, kimi-k2: real shapes) or a config;
+/// --layers N keeps the first N layers.
+///
+/// With --family gpt_oss: a gpt-oss checkpoint as OpenAI publishes it (experts stacked per
+/// layer in MXFP4 `*_blocks`/`*_scales` with their biases, attention sinks, sliding and full
+/// layers alternating, YaRN; bf16 elsewhere), from a preset (gpt-oss-20b, gpt-oss-120b: real
+/// shapes) or a config; --layers N keeps the first N layers.
+///
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
 ///          keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers 4 --format fp8 --out /tmp/q
+///          keep synth --family deepseek_v3 --preset kimi-k2 --layers 1 --format fp8 --out /tmp/k
+///          keep synth --family gpt_oss --preset gpt-oss-20b --layers 2 --out /tmp/g
 ///          keep synth --preset tiny --engram-bytes 4MiB --out /tmp/tiny-engram
 ///          keep synth --preset tiny --draft dspark --out /tmp/tiny-dspark
 #[derive(Args)]
@@ -41,7 +53,7 @@ pub struct SynthArgs {
     /// A config.json (DeepSeek V4.1 or V4 schema) to synthesise.
     #[arg(long, conflicts_with = "preset")]
     config: Option<PathBuf>,
-    /// A named preset: tiny, tiny-v4flash, flash, v4flash.
+    /// A named preset: tiny, tiny-v4flash, flash, v4flash (see --family for the others').
     #[arg(long)]
     preset: Option<String>,
     /// Output directory (refused if it exists, unless --force).
@@ -72,8 +84,10 @@ pub struct SynthArgs {
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
-    /// Model family: deepseek (default) or qwen3_moe (Hugging Face names; presets
-    /// qwen3-30b-a3b, qwen3-tiny; a --config whose model_type is qwen3_moe picks it too).
+    /// Model family: deepseek (default), qwen3_moe (Hugging Face names; presets
+    /// qwen3-30b-a3b, qwen3-tiny), deepseek_v3 (presets deepseek-v3, kimi-k2) or gpt_oss
+    /// (presets gpt-oss-20b, gpt-oss-120b); a --config whose model_type is one of these picks
+    /// its family too.
     #[arg(long)]
     family: Option<String>,
     /// Give the checkpoint a drafter: dspark writes a DeepSeek-V4.1 DSpark drafter (three
@@ -81,11 +95,13 @@ pub struct SynthArgs {
     /// `dspark_*` keys in config.json), what `keep run --draft dspark` drafts with.
     #[arg(long, value_enum)]
     draft: Option<SynthDraft>,
-    /// Keep only the first N decoder layers (qwen3_moe).
+    /// Keep only the first N decoder layers (qwen3_moe, deepseek_v3, gpt_oss).
     #[arg(long)]
     layers: Option<usize>,
     /// Storage of a qwen3_moe checkpoint: bf16 (default), fp8 (128×128 blocks, bf16
-    /// weight_scale_inv), mlx4 or mlx8 (mlx-lm's affine layout, group 64, stacked experts).
+    /// weight_scale_inv), mlx4 or mlx8 (mlx-lm's affine layout, group 64, stacked experts); of a
+    /// deepseek_v3 one: bf16 (default) or fp8 (128×128 blocks, float32 weight_scale_inv); a
+    /// gpt_oss one is mxfp4 (OpenAI's layout) only.
     #[arg(long)]
     format: Option<String>,
 }
@@ -149,6 +165,104 @@ fn run_qwen3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `keep synth --family deepseek_v3`: keep-convert's `synth_deepseek_v3`.
+fn run_deepseek_v3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
+    use keep_convert::synth_deepseek_v3::{
+        synth_deepseek_v3, with_layers, DsV3Format, DsV3SynthOptions,
+    };
+    if a.engram_bytes.is_some()
+        || a.block.is_some()
+        || a.f32_scales
+        || a.hash_layers.is_some()
+        || a.draft.is_some()
+        || a.experts_bytes.is_some()
+    {
+        anyhow::bail!(
+            "--engram-bytes, --block, --f32-scales, --hash-layers, --draft and --experts-bytes \
+             are not for --family deepseek_v3"
+        );
+    }
+    let format = DsV3Format::parse(a.format.as_deref().unwrap_or("bf16"))?;
+    if let Some(n) = a.layers {
+        with_layers(&mut raw, n);
+    }
+    let opts = DsV3SynthOptions {
+        seed: a.seed,
+        format,
+        force: a.force,
+        max_shard_bytes: a.max_shard,
+    };
+    let bar = byte_bar(0, "synth");
+    let out = synth_deepseek_v3(&raw, &a.out, &opts, &|done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    let size: u64 = std::fs::read_dir(&out)?
+        .flatten()
+        .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+        .sum();
+    println!(
+        "wrote {} ({}, deepseek_v3, {} layers, {} routed experts per layer, {:?}, seed {})",
+        out.display(),
+        human(size),
+        raw["num_hidden_layers"],
+        raw["n_routed_experts"],
+        format,
+        a.seed
+    );
+    Ok(())
+}
+
+/// `keep synth --family gpt_oss`: keep-convert's `synth_gpt_oss`.
+fn run_gpt_oss(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> {
+    use keep_convert::synth_gpt_oss::{synth_gpt_oss, with_layers, GptOssSynthOptions};
+    if a.engram_bytes.is_some()
+        || a.block.is_some()
+        || a.f32_scales
+        || a.hash_layers.is_some()
+        || a.draft.is_some()
+        || a.experts_bytes.is_some()
+    {
+        anyhow::bail!(
+            "--engram-bytes, --block, --f32-scales, --hash-layers, --draft and --experts-bytes \
+             are not for --family gpt_oss"
+        );
+    }
+    if let Some(f) = a.format.as_deref().filter(|&f| f != "mxfp4") {
+        anyhow::bail!("--format {f}: gpt_oss checkpoints are written as OpenAI ships them (mxfp4)");
+    }
+    if let Some(n) = a.layers {
+        with_layers(&mut raw, n);
+    }
+    let opts = GptOssSynthOptions {
+        seed: a.seed,
+        force: a.force,
+        max_shard_bytes: a.max_shard,
+    };
+    let bar = byte_bar(0, "synth");
+    let out = synth_gpt_oss(&raw, &a.out, &opts, &|done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    let size: u64 = std::fs::read_dir(&out)?
+        .flatten()
+        .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+        .sum();
+    println!(
+        "wrote {} ({}, gpt_oss, {} layers, {} routed experts per layer, mxfp4, seed {})",
+        out.display(),
+        human(size),
+        raw["num_hidden_layers"],
+        raw["num_local_experts"],
+        a.seed
+    );
+    Ok(())
+}
+
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     crate::util::check_out_of_cache(&a.out)?;
     match a.family.as_deref() {
@@ -161,16 +275,40 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
             };
             return run_qwen3(&a, raw);
         }
-        Some(f) => anyhow::bail!("unknown --family `{f}` (deepseek, qwen3_moe)"),
+        Some("deepseek_v3") => {
+            let raw = match (&a.config, &a.preset) {
+                (Some(p), None) => DeepSeekConfig::read(p)?.raw,
+                (None, Some(name)) => keep_convert::synth_deepseek_v3::preset_json(name)?,
+                _ => anyhow::bail!("give --config FILE.json or --preset deepseek-v3|kimi-k2"),
+            };
+            return run_deepseek_v3(&a, raw);
+        }
+        Some("gpt_oss") => {
+            let raw = match (&a.config, &a.preset) {
+                (Some(p), None) => DeepSeekConfig::read(p)?.raw,
+                (None, Some(name)) => keep_convert::synth_gpt_oss::preset_json(name)?,
+                _ => anyhow::bail!("give --config FILE.json or --preset gpt-oss-20b|gpt-oss-120b"),
+            };
+            return run_gpt_oss(&a, raw);
+        }
+        Some(f) => {
+            anyhow::bail!("unknown --family `{f}` (deepseek, qwen3_moe, deepseek_v3, gpt_oss)")
+        }
     }
     if let Some(p) = &a.config {
         let cfg = DeepSeekConfig::read(p)?;
         if cfg.qwen3.is_some() {
             return run_qwen3(&a, cfg.raw);
         }
+        if cfg.deepseek_v3.is_some() {
+            return run_deepseek_v3(&a, cfg.raw);
+        }
+        if cfg.gpt_oss.is_some() {
+            return run_gpt_oss(&a, cfg.raw);
+        }
     }
     if a.layers.is_some() || a.format.is_some() {
-        anyhow::bail!("--layers and --format are for --family qwen3_moe");
+        anyhow::bail!("--layers and --format are for --family qwen3_moe, deepseek_v3 or gpt_oss");
     }
     let (mut cfg, mut storage) = match (&a.config, &a.preset) {
         (Some(p), None) => {
