@@ -714,6 +714,15 @@ impl<'t> Decoder<'t> {
     }
 }
 
+/// Positions [`generate`] reserves its cache for up front: a run's prompt and `max_tokens`, up
+/// to this many (a `max_tokens` far past what a run will use must not reserve memory for it).
+pub const MAX_RESERVED_CONTEXT: usize = 8192;
+
+/// Positions [`generate`] reserves for a prompt of `prompt` tokens and `max_tokens` more.
+fn reserved_context(prompt: usize, max_tokens: usize) -> usize {
+    prompt.saturating_add(max_tokens).min(MAX_RESERVED_CONTEXT)
+}
+
 /// Encode `prompt`, prefill it, then sample up to `opts.max_tokens` tokens, handing each to
 /// `on_piece` (as text with a tokenizer, else as an id); stops early at one of the config's
 /// end-of-sequence tokens (neither handed on nor fed back) or when `on_piece` breaks. `obs`
@@ -734,9 +743,10 @@ pub fn generate<G: Generate + ?Sized>(
     if on_piece(Piece::Prompt(&prompt)).is_break() {
         return Ok(stats);
     }
-    // The cache reserved for the whole run and one logits buffer kept for it: a decode step
-    // of a model that writes into them allocates nothing.
-    let mut cache = model.new_cache_for(prompt.len().saturating_add(opts.max_tokens));
+    // The cache reserved for the run (at most MAX_RESERVED_CONTEXT positions: a run asked for
+    // more grows its cache past that as it goes) and one logits buffer kept for it: a decode
+    // step of a model that writes into them allocates nothing.
+    let mut cache = model.new_cache_for(reserved_context(prompt.len(), opts.max_tokens));
     let mut logits = Vec::new();
     model.starting();
     profile::set_phase(Phase::Prefill);
@@ -955,6 +965,15 @@ fn auto_switched<G: Generate + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_is_reserved_for_the_run_up_to_the_cap() {
+        // A run's prompt and tokens, up to MAX_RESERVED_CONTEXT positions: a model with a
+        // context of a million positions asked for all of it reserves no more than the cap.
+        assert_eq!(reserved_context(8, 100), 108);
+        assert_eq!(reserved_context(100, 1 << 20), MAX_RESERVED_CONTEXT);
+        assert_eq!(reserved_context(usize::MAX, 1), MAX_RESERVED_CONTEXT);
+    }
 
     /// A model whose logits favour `(last token + 1) % vocab`, for the loop's bookkeeping.
     struct Counter {
