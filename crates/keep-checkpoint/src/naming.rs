@@ -6,6 +6,7 @@
 //! projection, engram, vision), whether it is a weight, a block scale or something else, and its
 //! scale partner. Names have no `model.` prefix (DeepSeek's own tree, not mlx-lm's).
 
+pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
 
 /// Where a tensor lives.
@@ -307,8 +308,8 @@ pub const MLX_BIASES: &str = ".biases";
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
 /// `.weight_scale_inv`, then MLX's `.scales`); empty for a name that is not a `.weight`.
 pub fn scale_candidates(name: &str) -> Vec<String> {
-    if let Some(s) = name.strip_suffix(crate::config::gpt_oss::BLOCKS) {
-        return vec![format!("{s}{}", crate::config::gpt_oss::SCALES)];
+    if let Some(s) = name.strip_suffix(gpt_oss::BLOCKS) {
+        return vec![format!("{s}{}", gpt_oss::SCALES)];
     }
     match name.strip_suffix(".weight") {
         Some(s) => vec![
@@ -331,8 +332,8 @@ pub fn weight_of_scale(name: &str) -> Option<String> {
     if let Some(s) = name.strip_suffix(".weight_scale_inv") {
         return Some(format!("{s}.weight"));
     }
-    if let Some(s) = name.strip_suffix(crate::config::gpt_oss::SCALES) {
-        return Some(format!("{s}{}", crate::config::gpt_oss::BLOCKS));
+    if let Some(s) = name.strip_suffix(gpt_oss::SCALES) {
+        return Some(format!("{s}{}", gpt_oss::BLOCKS));
     }
     name.strip_suffix(".scale")
         .or_else(|| name.strip_suffix(MLX_SCALES))

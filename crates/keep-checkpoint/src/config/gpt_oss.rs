@@ -429,56 +429,7 @@ pub const HEAD: &str = "lm_head";
 /// The final norm's weight.
 pub const NORM: &str = "model.norm.weight";
 
-/// How an expert stack's packed FP4 tensor's name ends.
-pub const BLOCKS: &str = "_blocks";
-/// How an expert stack's E8M0 scale tensor's name ends.
-pub const SCALES: &str = "_scales";
-
-/// keep's scope, role and part of a gpt-oss tensor the Hugging Face naming does not know
-/// (`None` for every other name): the attention sinks and projection biases, the router and
-/// its bias, and the expert stacks (`gate_up_proj_*` as the gate matrix's stack, `down_proj_*`
-/// the down matrix's; `_blocks` the weight, `_scales` its scale, `_bias` other).
-pub fn parse_name(name: &str) -> Option<crate::naming::TensorName> {
-    use crate::naming::{ExpertMat, Part, Role, Scope, TensorName};
-    let rest = name.strip_prefix("model.layers.")?;
-    let dot = rest.find('.')?;
-    let layer = rest[..dot].parse::<usize>().ok()?;
-    let rest = &rest[dot + 1..];
-    let (role, part) = match rest {
-        "self_attn.sinks" => (Role::AttnSink, Part::Other),
-        "mlp.router.weight" => (Role::RouterWeight, Part::Weight),
-        "mlp.router.bias" => (Role::RouterBias, Part::Other),
-        _ => {
-            if let Some(p) = rest
-                .strip_prefix("self_attn.")
-                .and_then(|r| r.strip_suffix(".bias"))
-                .filter(|p| matches!(*p, "q_proj" | "k_proj" | "v_proj" | "o_proj"))
-            {
-                (Role::AttnProj(p.to_string()), Part::Other)
-            } else {
-                let e = rest.strip_prefix("mlp.experts.")?;
-                let (stem, part) = [
-                    (BLOCKS, Part::Weight),
-                    (SCALES, Part::Scale),
-                    ("_bias", Part::Other),
-                ]
-                .into_iter()
-                .find_map(|(suffix, part)| Some((e.strip_suffix(suffix)?, part)))?;
-                let mat = match stem {
-                    "gate_up_proj" => ExpertMat::W1,
-                    "down_proj" => ExpertMat::W2,
-                    _ => return None,
-                };
-                (Role::StackedExperts(mat), part)
-            }
-        }
-    };
-    Some(TensorName {
-        scope: Scope::Layer(layer),
-        role,
-        part,
-    })
-}
+pub use crate::naming::gpt_oss::{parse_name, BLOCKS, SCALES};
 
 /// A layer's two expert stacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
