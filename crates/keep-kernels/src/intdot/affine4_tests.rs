@@ -127,6 +127,8 @@ fn every_level_matches_the_contract_on_odd_shapes() {
         (33, 256),
         (70, 1088),
         (21, 1024),
+        (9, 1280),
+        (4, 1344),
     ] {
         let q = rng.bytes(rows * cols / 2);
         let (sc, bi) = groups(&mut rng, rows, cols);

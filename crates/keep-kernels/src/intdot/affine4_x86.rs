@@ -7,15 +7,19 @@
 //! activations as they lie. Each decoded vector serves up to four (AVX2: two) activation
 //! rows. Block factors are the bf16 scales, the bias term `β_b = b` is added by the shared
 //! step-5 code, and blocks past the last whole group of four run the contract in scalar
-//! code, so every result is the scalar level's bits.
+//! code, so every result is the scalar level's bits. At M = 1 on the VNNI levels a row takes
+//! [`row_m1`] instead: 64 packed bytes per step split by `and`/shift and interleaved in
+//! registers against the activations in [`Q8Acts::qmx4`]'s order, the block coefficients and
+//! the bias term computed in the row (no per-row buffers), the same bits.
 #![allow(clippy::incompatible_msrv)]
 // Indexed loops mirror the contract's lane and accumulator numbering.
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
-use super::x86::{bias_rows_avx512, block_factors_avx512, finish_row, Row};
+use super::x86::{bias_rows_avx512, block_factors_avx512, finish_row, tail_blocks, Row};
 use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
+use crate::affine::AFFINE8_GROUP;
 
 /// Weights `2k, 2k+1` of the 32 packed bytes at `p` as 64 bytes in order (AVX-512 BW).
 #[inline(always)]
@@ -83,7 +87,12 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
     out: *mut f32,
     ld: usize,
 ) {
-    let IntSrc::Affine4 { q: packed, .. } = *src else {
+    let IntSrc::Affine4 {
+        q: packed,
+        scales,
+        biases,
+    } = *src
+    else {
         return super::rows_scalar(src, a, r0, r1, out, ld);
     };
     let (cols, nb) = (a.cols, a.cols / QBLOCK);
@@ -94,6 +103,25 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
     let s = &mut taken;
     s.w.resize(cols, 0);
     s.f.resize(nb, 0.0);
+    // M = 1 (`qmx4` is filled for every one-row `Q8Acts`; checked since the reads are
+    // unchecked): nibbles interleaved in registers, no row buffer, the bias term in the row.
+    if VNNI && a.m == 1 && a.qmx4.len() == cols {
+        let (sp, bp) = (scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
+        let ng = cols / AFFINE8_GROUP;
+        for r in r0..r1 {
+            let tail = tail_row(packed, r, cols, full, &mut s.w);
+            let v = row_m1(
+                packed.as_ptr().add(r * cols / 2),
+                sp.add(r * ng),
+                tail,
+                a,
+                nb,
+            );
+            *out.add(r) = v + bias_m1(bp.add(r * ng), a.ds.as_ptr(), nb);
+        }
+        SCRATCH.with(|c| c.replace(taken));
+        return;
+    }
     for r in r0..r1 {
         block_factors_avx512(src, r, cols, &mut s.f);
         let tail = tail_row(packed, r, cols, full, &mut s.w);
@@ -113,6 +141,120 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
         bias_rows_avx512(src, a, r, out, ld);
     }
     SCRATCH.with(|c| c.replace(taken));
+}
+
+/// One affine-4 weight row (`nb` blocks: packed nibbles at `wp`, bf16 group scales at `sp`,
+/// the tail blocks decoded in `tail`) against one activation row at M = 1, four blocks (64
+/// packed bytes) per step: the low and high nibbles (`and`, shift) interleaved back into
+/// column order within each 128-bit lane (`vpunpck{l,h}bw`: register 0 holds the first 16
+/// weights of each of the four blocks, register 1 the last 16), multiplied as unsigned bytes
+/// with [`Q8Acts::qmx4`] (the activations in that order) by `vpdpbusd`, so each 32-bit lane
+/// is exactly the contract's `p[b][g]`; then one FMA per register with the coefficients
+/// `c_b = s_g · d_b` spread four lanes each. Lane `4l + g` of the two accumulators is the
+/// contract's `acc[l][g]` and `acc[l][g + 4]`, and the blocks past the last whole step run the
+/// contract in scalar code on them, so the value (before the bias term) is the contract's bit
+/// for bit.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI; `wp` holds `16·nb` bytes and `sp` `nb / 2` scales; `a` is one row of
+/// `32·nb` with `qmx4` filled.
+#[inline(always)]
+unsafe fn row_m1(wp: *const u8, sp: *const u16, tail: Row, a: &Q8Acts, nb: usize) -> f32 {
+    let full = nb / 4 * 4;
+    let nib = _mm512_set1_epi8(0x0F);
+    let (qp, d) = (a.qmx4.as_ptr(), a.d.as_ptr());
+    let base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let idx: [__m512i; 4] =
+        std::array::from_fn(|j| _mm512_add_epi32(base, _mm512_set1_epi32(4 * j as i32)));
+    let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut b = 0;
+    while b < full {
+        // Up to 16 blocks' coefficients: their (up to 8) group scales widened, each twice,
+        // times the activation scales (lanes past the row are not read from memory).
+        let n = (full - b).min(16);
+        let kb: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+        let f16 = groups_masked(sp.add(b / 2), n);
+        let c16 = _mm512_mul_ps(f16, _mm512_maskz_loadu_ps(kb, d.add(b)));
+        for j in 0..n / 4 {
+            let bb = b + 4 * j;
+            let v = _mm512_loadu_si512(wp.add(bb * QBLOCK / 2) as *const __m512i);
+            let wl = _mm512_and_si512(v, nib);
+            let wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            let o = bb * QBLOCK;
+            let p0 = _mm512_dpbusd_epi32(
+                _mm512_setzero_si512(),
+                _mm512_unpacklo_epi8(wl, wh),
+                _mm512_loadu_si512(qp.add(o) as *const __m512i),
+            );
+            let p1 = _mm512_dpbusd_epi32(
+                _mm512_setzero_si512(),
+                _mm512_unpackhi_epi8(wl, wh),
+                _mm512_loadu_si512(qp.add(o + 64) as *const __m512i),
+            );
+            let cv = _mm512_permutexvar_ps(idx[j], c16);
+            lo = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p0), lo);
+            hi = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p1), hi);
+        }
+        b += 16;
+    }
+    let lv: [f32; 16] = std::mem::transmute(lo);
+    let hv: [f32; 16] = std::mem::transmute(hi);
+    let mut acc = [[0f32; 8]; 4];
+    for l in 0..4 {
+        for g in 0..4 {
+            acc[l][g] = lv[4 * l + g];
+            acc[l][g + 4] = hv[4 * l + g];
+        }
+    }
+    if full < nb {
+        let f = |bb: usize| f32::from_bits((*sp.add(bb * QBLOCK / AFFINE8_GROUP) as u32) << 16);
+        tail_blocks(
+            tail,
+            a.q.as_ptr(),
+            |bb| f(bb) * *d.add(bb),
+            &mut acc,
+            full,
+            nb,
+        );
+    }
+    super::finish_ref(&acc)
+}
+
+/// Up to 16 blocks' group values (bf16 at `p`, one per two blocks) as f32, each twice; lanes
+/// past `n` blocks are zero and not read from memory.
+#[inline(always)]
+unsafe fn groups_masked(p: *const u16, n: usize) -> __m512 {
+    let kg: __mmask8 = ((1u16 << n.min(16).div_ceil(2)) - 1) as u8;
+    let g = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(kg, p as *const i16)),
+        16,
+    ));
+    let spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(g))
+}
+
+/// Step 5 of the contract for one affine-4 row at M = 1: `β_b = b_g` (bf16 at `bp`) times the
+/// activations' `e_b` ([`Q8Acts::ds`]), sixteen lanes, one FMA per 16 blocks (the last
+/// masked), reduced in the contract's order: the same bits as `bias_rows_avx512`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL; `bp` holds `nb / 2` values and `ds` `nb`.
+#[inline(always)]
+unsafe fn bias_m1(bp: *const u16, ds: *const f32, nb: usize) -> f32 {
+    let mut l = _mm512_setzero_ps();
+    let mut b = 0;
+    while b < nb {
+        let n = (nb - b).min(16);
+        let k: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+        let e = _mm512_maskz_loadu_ps(k, ds.add(b));
+        l = _mm512_mask3_fmadd_ps(groups_masked(bp.add(b / 2), n), e, l, k);
+        b += 16;
+    }
+    let v = _mm256_add_ps(
+        _mm512_castps512_ps256(l),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
+    );
+    super::x86::hsum256(v)
 }
 
 /// Activation rows `i..i+MR` against weight row `r` (packed nibbles at `wp`): steps 1–4 of
