@@ -17,7 +17,9 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{bias_rows_avx512, block_factors_avx512, finish_row, tail_blocks, Row};
+use super::x86::{
+    bias_rows_avx512, block_factors_avx512, finish_m1, finish_row, m1_acc, tail_blocks, Row,
+};
 use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
 use crate::affine::AFFINE8_GROUP;
 
@@ -197,26 +199,19 @@ unsafe fn row_m1(wp: *const u8, sp: *const u16, tail: Row, a: &Q8Acts, nb: usize
         }
         b += 16;
     }
-    let lv: [f32; 16] = std::mem::transmute(lo);
-    let hv: [f32; 16] = std::mem::transmute(hi);
-    let mut acc = [[0f32; 8]; 4];
-    for l in 0..4 {
-        for g in 0..4 {
-            acc[l][g] = lv[4 * l + g];
-            acc[l][g + 4] = hv[4 * l + g];
-        }
+    if full == nb {
+        return finish_m1(lo, hi);
     }
-    if full < nb {
-        let f = |bb: usize| f32::from_bits((*sp.add(bb * QBLOCK / AFFINE8_GROUP) as u32) << 16);
-        tail_blocks(
-            tail,
-            a.q.as_ptr(),
-            |bb| f(bb) * *d.add(bb),
-            &mut acc,
-            full,
-            nb,
-        );
-    }
+    let mut acc = m1_acc(lo, hi);
+    let f = |bb: usize| f32::from_bits((*sp.add(bb * QBLOCK / AFFINE8_GROUP) as u32) << 16);
+    tail_blocks(
+        tail,
+        a.q.as_ptr(),
+        |bb| f(bb) * *d.add(bb),
+        &mut acc,
+        full,
+        nb,
+    );
     super::finish_ref(&acc)
 }
 

@@ -631,6 +631,25 @@ unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
         }
         b += 16;
     }
+    if full == nb {
+        return finish_m1(lo, hi);
+    }
+    let mut acc = m1_acc(lo, hi);
+    tail_blocks(
+        Row::Mx4(p),
+        a.q.as_ptr(),
+        |bb| super::e8m0_half(*e.add(bb)) * *d.add(bb),
+        &mut acc,
+        full,
+        nb,
+    );
+    super::finish_ref(&acc)
+}
+
+/// The contract's accumulators from the M = 1 kernels' two registers: lane `4l + g` of `lo`
+/// is `acc[l][g]`, of `hi` `acc[l][g + 4]`.
+#[inline(always)]
+pub(super) unsafe fn m1_acc(lo: __m512, hi: __m512) -> [[f32; 8]; 4] {
     let lv: [f32; 16] = std::mem::transmute(lo);
     let hv: [f32; 16] = std::mem::transmute(hi);
     let mut acc = [[0f32; 8]; 4];
@@ -640,17 +659,26 @@ unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
             acc[l][g + 4] = hv[4 * l + g];
         }
     }
-    if full < nb {
-        tail_blocks(
-            Row::Mx4(p),
-            a.q.as_ptr(),
-            |bb| super::e8m0_half(*e.add(bb)) * *d.add(bb),
-            &mut acc,
-            full,
-            nb,
+    acc
+}
+
+/// Steps 3–4 of the contract ([`super::finish_ref`]) on the M = 1 kernels' two registers (as
+/// [`m1_acc`] lays them out), in registers and in the same order, so the same bits:
+/// `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])` is the 512 → 256 → 128 halving
+/// of each register (`lo` gives `u[0..4]`, `hi` `u[4..8]`), then `v[k] = u[k] + u[k + 4]`,
+/// and the result `(v0 + v2) + (v1 + v3)`.
+#[inline(always)]
+pub(super) unsafe fn finish_m1(lo: __m512, hi: __m512) -> f32 {
+    let half = |x: __m512| {
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(x),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)),
         );
-    }
-    super::finish_ref(&acc)
+        _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))
+    };
+    let v = _mm_add_ps(half(lo), half(hi));
+    let w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)))
 }
 
 /// Sixteen activations times `id`, rounded to nearest even, clamped to ±127 (NaN → 0), as
