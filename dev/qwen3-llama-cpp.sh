@@ -34,6 +34,9 @@
 #   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit and 1.4 GiB per 4-bit copy),
 #   THREADS (1), P (64), N (32), PAIRS ("bf16 q8 q4"), KEEP (target/release/keep), PY (a Python
 #   with torch, transformers, numpy, pyyaml, tqdm: default tools/oracle/.venv's).
+#   KEEP_BASE=PATH runs a second keep build (say, the commit before a change) right after keep in
+#   every round, on the same checkpoint and flags: its medians and the ratios keep / base and
+#   base / llama.cpp are added to the pair (KEEP_BASE_COMMIT names it in the evidence).
 #   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run; PREPARE_ONLY=1 writes them and
 #   stops (run the rounds later, on a quiet machine, with the same LAYERS/PAIRS). CONFIG=FILE synthesises that
 #   Qwen3-MoE config.json instead of the preset (a quick check of the script at small shapes).
@@ -156,12 +159,22 @@ for r in $(seq 1 "$ROUNDS"); do
     "$KEEP" run "$k" --threads "$THREADS" --prompt-tokens "$P" --max-tokens "$N" \
       --temperature 0 --kernels fast --stats-json "$RAW/$pair-$r.keep.json" --force \
       >"$RAW/$pair-$r.keep.out" 2>&1
+    if [[ -n "${KEEP_BASE:-}" ]]; then
+      echo "$(load1)" >"$RAW/$pair-$r.base.load"
+      "$KEEP_BASE" run "$k" --threads "$THREADS" --prompt-tokens "$P" --max-tokens "$N" \
+        --temperature 0 --kernels fast --stats-json "$RAW/$pair-$r.base.json" --force \
+        >"$RAW/$pair-$r.base.out" 2>&1
+    fi
   done
 done
 
-python3 - "$RAW" "$OUT" "$ROUNDS" "$PAIRS" "$LAYERS" "$THREADS" "$P" "$N" "$*" "${CONFIG:-qwen3-30b-a3b}" <<'PYEOF'
+BASE_DESC=""
+if [[ -n "${KEEP_BASE:-}" ]]; then
+  BASE_DESC="$("$KEEP_BASE" --version 2>/dev/null || true) ${KEEP_BASE_COMMIT:-}"
+fi
+python3 - "$RAW" "$OUT" "$ROUNDS" "$PAIRS" "$LAYERS" "$THREADS" "$P" "$N" "$*" "${CONFIG:-qwen3-30b-a3b}" "$BASE_DESC" <<'PYEOF'
 import json, os, platform, statistics, subprocess, sys, time
-raw, out, rounds, pairs, layers, threads, p, n, args, shape = sys.argv[1:11]
+raw, out, rounds, pairs, layers, threads, p, n, args, shape, base = sys.argv[1:12]
 rounds = int(rounds)
 def lscpu():
     try:
@@ -184,7 +197,12 @@ for pair in pairs.split():
         pp = next(x for x in lj if x["n_prompt"] > 0)
         tg = next(x for x in lj if x["n_gen"] > 0)
         kj = json.load(open(f"{raw}/{pair}-{r}.keep.json"))
-        rows.append({"round": r,
+        extra = {}
+        if os.path.exists(f"{raw}/{pair}-{r}.base.json"):
+            bj = json.load(open(f"{raw}/{pair}-{r}.base.json"))
+            extra = {"base_load": float(open(f"{raw}/{pair}-{r}.base.load").read()),
+                     "base_prefill_tps": bj["prefill_tps"], "base_decode_tps": bj["decode_tps"]}
+        rows.append({"round": r, **extra,
                      "llama_load": float(open(f"{raw}/{pair}-{r}.llama.load").read()),
                      "keep_load": float(open(f"{raw}/{pair}-{r}.keep.load").read()),
                      "llama_type": pp.get("model_type"),
@@ -208,6 +226,15 @@ for pair in pairs.split():
         "ratio_keep_over_llama": {"prefill": med("keep_prefill_tps") / med("llama_prefill_tps"),
                                   "decode": med("keep_decode_tps") / med("llama_decode_tps")},
     }
+    if all("base_decode_tps" in x for x in rows):
+        v = res["pairs"][pair]
+        v["base"] = base.strip()
+        for k in ("base_prefill_tps", "base_decode_tps"):
+            v["median"][k] = med(k)
+        v["ratio_keep_over_base"] = {"prefill": med("keep_prefill_tps") / med("base_prefill_tps"),
+                                     "decode": med("keep_decode_tps") / med("base_decode_tps")}
+        v["ratio_base_over_llama"] = {"prefill": med("base_prefill_tps") / med("llama_prefill_tps"),
+                                      "decode": med("base_decode_tps") / med("llama_decode_tps")}
 tmp = out + ".part"
 with open(tmp, "w") as f:
     json.dump(res, f, indent=1)
