@@ -139,3 +139,67 @@ fn history_phrases_are_recognised() {
     assert!(history_phrase("closes #4").is_some());
     assert!(history_phrase("prefill 3 tokens").is_none());
 }
+
+/// A run of spaces inside a one-line string literal, the mark of a message wrapped over two
+/// lines without the `\` continuation (the next line's indentation lands in the text the user
+/// reads). Returns the run's start column.
+fn wrapped_string_gap(line: &str) -> Option<usize> {
+    let t = line.trim_start();
+    if t.starts_with("//") {
+        return None;
+    }
+    let q = line.find('"')?;
+    let lit = &line[q + 1..];
+    let end = lit.find('"').unwrap_or(lit.len());
+    let lit = &lit[..end];
+    // A newline escape before the run is a deliberate layout (templates, multi-line text).
+    if lit.contains("\\n") {
+        return None;
+    }
+    let b = lit.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b' ' && i > 0 && b[i - 1] != b' ' {
+            let run = b[i..].iter().take_while(|&&c| c == b' ').count();
+            if run >= 6 && i + run < b.len() {
+                return Some(q + 1 + i);
+            }
+            i += run;
+        } else {
+            i += 1;
+        }
+    }
+    None
+}
+
+#[test]
+fn no_message_carries_the_indentation_of_a_wrapped_line() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut files = vec![];
+    rust_files(&root.join("crates"), &mut files);
+    let mut found = vec![];
+    for p in &files {
+        let text = std::fs::read_to_string(p).unwrap_or_default();
+        for (n, line) in text.lines().enumerate() {
+            if let Some(c) = wrapped_string_gap(line) {
+                found.push(format!("{}:{}:{}", p.display(), n + 1, c + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "string literals with a run of spaces from a line wrapped without `\\`: {found:?}"
+    );
+}
+
+#[test]
+fn wrapped_string_gaps_are_recognised() {
+    assert!(
+        wrapped_string_gap(r#"    "give the checkpoint                  the allocation","#)
+            .is_some()
+    );
+    assert!(wrapped_string_gap(r#"    "give the checkpoint \"#).is_none());
+    assert!(wrapped_string_gap(r#"    // "a comment                 with a gap""#).is_none());
+    assert!(wrapped_string_gap(r#"    "{%- if x -%}\n    {{ y }}""#).is_none());
+    assert!(wrapped_string_gap(r#"    format!("{:>8}  {:>8}", a, b)"#).is_none());
+}

@@ -452,7 +452,7 @@ fn open_original(
         let fp = keep_checkpoint::fingerprint::model_fingerprint(dir)?;
         if fp != a.model_fingerprint {
             return Err(bad(format!(
-                "its fingerprint is {fp}, the allocation's model {} has {}: give the checkpoint                  the allocation was made for (keep alloc's MODEL)",
+                "its fingerprint is {fp}, the allocation's model {} has {}: give the checkpoint the allocation was made for (keep alloc's MODEL)",
                 a.model, a.model_fingerprint
             )));
         }
@@ -461,7 +461,7 @@ fn open_original(
     let ocfg = ModelConfig::from_checkpoint(&ock)?;
     let differs = |what: &str, o: String, q: String| {
         bad(format!(
-            "its {what} is {o}, this checkpoint's {q}: give the checkpoint this one was              quantized from"
+            "its {what} is {o}, this checkpoint's {q}: give the checkpoint this one was quantized from"
         ))
     };
     if ocfg.family != cfg.family {
@@ -492,7 +492,7 @@ fn open_original(
         };
         if have != want {
             return Err(bad(format!(
-                "layer {l} has {have} routed experts, {by} {want}: give the checkpoint                  this one was quantized from"
+                "layer {l} has {have} routed experts, {by} {want}: give the checkpoint this one was quantized from"
             )));
         }
     }

@@ -553,7 +553,7 @@ impl ExpertStore {
             != (self.dim, self.inter, self.n_layers)
         {
             return Err(RuntimeError::Invalid(format!(
-                "the original checkpoint's experts are {} × {} in {} layers, this checkpoint's                  {} × {} in {}: it is not the checkpoint this one was quantized from",
+                "the original checkpoint's experts are {} × {} in {} layers, this checkpoint's {} × {} in {}: it is not the checkpoint this one was quantized from",
                 original.inter, original.dim, original.n_layers, self.inter, self.dim, self.n_layers
             )));
         }
@@ -566,7 +566,7 @@ impl ExpertStore {
                     layer: l,
                     expert: e,
                     msg: format!(
-                        "its shipped upper stage would be expert {o} of the original                          checkpoint, which has {} experts in this layer",
+                        "its shipped upper stage would be expert {o} of the original checkpoint, which has {} experts in this layer",
                         original.experts_in(l)
                     ),
                 })?;
@@ -574,7 +574,7 @@ impl ExpertStore {
                     return Err(RuntimeError::Layout {
                         layer: l,
                         expert: e,
-                        msg: "its residual codes are its upper stage: it cannot also have a                               shipped one"
+                        msg: "its residual codes are its upper stage: it cannot also have a shipped one"
                             .into(),
                     });
                 }
