@@ -3,7 +3,7 @@
 //! `e8p2+e81` (odd experts: their upper stage is their shipped expert in the original, the
 //! bundled model). Without --upper-from the run is refused naming it; with another checkpoint
 //! than the allocation's model it is refused naming the fingerprint; with the original it runs
-//! and serves slots at the upper rung.
+//! and serves slots at the upper rung. `keep residency --upper-from` makes the same checks.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -197,5 +197,36 @@ fn run_tiers_reads_shipped_stages_from_upper_from_and_refuses_without_it() {
     // An allocation without shipped upper rungs needs no original.
     let e8p2 = alloc(&dir.join("e8p2.json"), &|_| "e8p2");
     let o = keep_run(&q, &["--tiers", e8p2.to_str().unwrap()], dir);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // keep residency makes the same checks of --upper-from before it sizes anything.
+    let residency = |run: &str, upper: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_keep"))
+            .args(["residency", run, "--model"])
+            .arg(&q)
+            .args(["--tau", "0.1", "--alloc", mixed, "--upper-from"])
+            .arg(upper)
+            .output()
+            .unwrap()
+    };
+    let run = dir.join("routes");
+    let o = Command::new(env!("CARGO_BIN_EXE_keep"))
+        .arg("residency")
+        .arg(&run)
+        .args([
+            "--make-synthetic",
+            "layers=8,experts=32,top_k=4,tokens=64,sessions=2",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = residency(run.to_str().unwrap(), &q);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("fingerprint") && err.contains("--upper-from"),
+        "{err}"
+    );
+    let o = residency(run.to_str().unwrap(), &original);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }

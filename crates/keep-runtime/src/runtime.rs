@@ -442,6 +442,22 @@ fn open_original(
     layers: &[usize],
     direct_io: bool,
 ) -> Result<(ExpertStore, Vec<Vec<u64>>)> {
+    let (ock, ocfg, bytes) = check_original(dir, cfg, alloc, layers)?;
+    let store = ExpertStore::open(&ock, &ocfg, direct_io)?;
+    Ok((store, bytes))
+}
+
+/// The checks `keep run --upper-from` makes of the original checkpoint at `dir` before
+/// anything is read (also `keep residency --upper-from`'s): the checkpoint the allocation was
+/// made for (its fingerprint), this model's family and shapes, and per layer the experts the
+/// allocation lists (or `cfg`'s checkpoint holds). Returns it open, its config and the bytes
+/// of each of its routed experts in `layers`.
+pub fn check_original(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    alloc: Option<&keep_artifacts::alloc::Alloc>,
+    layers: &[usize],
+) -> Result<(Checkpoint, ModelConfig, Vec<Vec<u64>>)> {
     let bad = |msg: String| {
         RuntimeError::Invalid(format!(
             "the original checkpoint {} (--upper-from): {msg}",
@@ -498,8 +514,7 @@ fn open_original(
     }
     let bytes =
         keep_residency::tiers::shipped_bytes_of(&ock, layers).map_err(|e| bad(e.to_string()))?;
-    let store = ExpertStore::open(&ock, &ocfg, direct_io)?;
-    Ok((store, bytes))
+    Ok((ock, ocfg, bytes))
 }
 
 impl<'a> BudgetedModel<'a> {

@@ -330,10 +330,13 @@ pub fn run(a: ResidencyArgs) -> anyhow::Result<()> {
             None => None,
         };
         let shipped = match &a.upper_from {
-            Some(d) => Some(
-                keep_residency::tiers::shipped_bytes(d, &layers)
-                    .with_context(|| format!("--upper-from {}", d.display()))?,
-            ),
+            Some(d) => {
+                let ck = keep_checkpoint::Checkpoint::open(dir)?;
+                let cfg = keep_model::ModelConfig::from_checkpoint(&ck)?;
+                let (_, _, bytes) =
+                    keep_runtime::runtime::check_original(d, &cfg, alloc.as_ref(), &layers)?;
+                Some(bytes)
+            }
             None => None,
         };
         let stages = keep_residency::tiers::upper_stages(
