@@ -145,6 +145,11 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
     SCRATCH.with(|c| c.replace(taken));
 }
 
+/// Bytes ahead of the step's weights that the M = 1 row kernel prefetches (into L1): a model's
+/// rows are streamed once from memory, and with the hardware prefetcher alone the loop waits
+/// on them.
+const PREFETCH_AHEAD: usize = 2048;
+
 /// One affine-4 weight row (`nb` blocks: packed nibbles at `wp`, bf16 group scales at `sp`,
 /// the tail blocks decoded in `tail`) against one activation row at M = 1, four blocks (64
 /// packed bytes) per step: the low and high nibbles (`and`, shift) interleaved back into
@@ -179,6 +184,10 @@ unsafe fn row_m1(wp: *const u8, sp: *const u16, tail: Row, a: &Q8Acts, nb: usize
         let c16 = _mm512_mul_ps(f16, _mm512_maskz_loadu_ps(kb, d.add(b)));
         for j in 0..n / 4 {
             let bb = b + 4 * j;
+            // A prefetch never faults, so the rows' end needs no check.
+            _mm_prefetch::<_MM_HINT_T0>(
+                wp.wrapping_add(bb * QBLOCK / 2 + PREFETCH_AHEAD) as *const i8
+            );
             let v = _mm512_loadu_si512(wp.add(bb * QBLOCK / 2) as *const __m512i);
             let wl = _mm512_and_si512(v, nib);
             let wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
