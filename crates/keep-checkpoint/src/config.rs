@@ -787,6 +787,19 @@ impl DeepSeekConfig {
         Ok(())
     }
 
+    /// Whether decoder layer `layer` has routed experts, as its family decides (Qwen3-MoE's
+    /// `mlp_only_layers`, DeepSeek-V3's `first_k_dense_replace` dense layers hold a dense MLP
+    /// instead; every layer of DeepSeek V4 and gpt-oss is routed).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        if let Some(q) = &self.qwen3 {
+            return q.is_moe_layer(layer);
+        }
+        if let Some(c) = &self.deepseek_v3 {
+            return c.is_moe_layer(layer);
+        }
+        true
+    }
+
     /// Routed experts in decoder layer `layer`.
     pub fn experts_in_layer(&self, layer: usize) -> usize {
         self.n_routed_experts_per_layer
