@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::naming;
 use crate::{CheckpointError, Result};
 
 pub mod deepseek_v3;
@@ -798,6 +799,54 @@ impl DeepSeekConfig {
             return c.is_moe_layer(layer);
         }
         true
+    }
+
+    /// Whether this is a DeepSeek V4 / V4.1 config (no other family's config behind it): the
+    /// keys only V4 has (`n_routed_experts_per_layer`, `n_routed_experts_mtp`) apply.
+    pub fn is_deepseek_v4(&self) -> bool {
+        self.qwen3.is_none() && self.deepseek_v3.is_none() && self.gpt_oss.is_none()
+    }
+
+    /// The `config.json` key that holds the routed-expert count, in the family's words (what
+    /// `keep prune` rewrites).
+    pub fn experts_key(&self) -> &'static str {
+        if self.qwen3.is_some() {
+            return qwen3::Qwen3MoeConfig::EXPERTS_KEY;
+        }
+        if self.gpt_oss.is_some() {
+            return gpt_oss::GptOssConfig::EXPERTS_KEY;
+        }
+        "n_routed_experts"
+    }
+
+    /// The prefix of routed expert `expert`'s own tensors in `scope`, as the family names them
+    /// (DeepSeek V4's `layers.N.ffn.experts.E.`, Hugging Face's
+    /// `model.layers.N.mlp.experts.E.`); `None` where the family has no such scope (a Hugging
+    /// Face family's MTP) or keeps its experts only stacked (gpt-oss).
+    pub fn expert_prefix(&self, scope: naming::Scope, expert: usize) -> Option<String> {
+        if self.gpt_oss.is_some() {
+            return None;
+        }
+        if self.is_deepseek_v4() {
+            return Some(naming::expert_prefix(scope, expert));
+        }
+        match scope {
+            naming::Scope::Layer(l) => Some(naming::qwen3::expert_prefix(l, expert)),
+            _ => None,
+        }
+    }
+
+    /// Whether decoder layer `layer` pruned to `survivors` (ascending ids; the rest removed,
+    /// the survivors renumbered in order) leaves a router the family's own code runs exactly as
+    /// it runs the original with the removed experts masked: DeepSeek-V3's group-limited router
+    /// needs every group to keep the same number ([`deepseek_v3::DeepseekV3Config::
+    /// check_survivors`]); every other family's router takes any survivors. The error says what
+    /// to do.
+    pub fn check_survivors(&self, survivors: &[usize]) -> std::result::Result<(), String> {
+        match &self.deepseek_v3 {
+            Some(c) => c.check_survivors(survivors),
+            None => Ok(()),
+        }
     }
 
     /// Routed experts in decoder layer `layer`.

@@ -346,7 +346,17 @@ pub fn weight_of_scale(name: &str) -> Option<String> {
 
 /// `layers.{layer}.ffn.experts.{expert}.{w}.{part}` (`part` is `"weight"` or `"scale"`).
 pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) -> String {
-    format!("layers.{layer}.ffn.experts.{expert}.{}.{part}", mat.name())
+    format!(
+        "{}{}.{part}",
+        expert_prefix(Scope::Layer(layer), expert),
+        mat.name()
+    )
+}
+
+/// The prefix of routed expert `expert`'s tensors in `scope` (`layers.3.ffn.experts.7.`,
+/// `mtp.0.ffn.experts.7.`).
+pub fn expert_prefix(scope: Scope, expert: usize) -> String {
+    format!("{}ffn.experts.{expert}.", scope_prefix(scope))
 }
 
 /// Prefix of a scope's tensors (`"layers.3."`, `"mtp.0."`, `""`).

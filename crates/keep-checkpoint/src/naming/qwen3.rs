@@ -30,10 +30,13 @@ pub fn layer_prefix(layer: usize) -> String {
 /// `model.layers.{layer}.mlp.experts.{expert}.{gate,down,up}_proj.{part}` (`part`: `weight`
 /// or `weight_scale_inv`).
 pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) -> String {
-    format!(
-        "model.layers.{layer}.mlp.experts.{expert}.{}.{part}",
-        mat_name(mat)
-    )
+    format!("{}{}.{part}", expert_prefix(layer, expert), mat_name(mat))
+}
+
+/// The prefix of routed expert `expert`'s tensors in `layer`
+/// (`model.layers.{layer}.mlp.experts.{expert}.`).
+pub fn expert_prefix(layer: usize, expert: usize) -> String {
+    format!("model.layers.{layer}.mlp.experts.{expert}.")
 }
 
 /// `model.layers.{layer}.mlp.switch_mlp.{gate,down,up}_proj.{part}`: every routed expert's
