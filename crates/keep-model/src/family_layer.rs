@@ -3,13 +3,14 @@
 //! forward). Each family's layer has the same `load` and `forward` (one residual stream, its KV
 //! in the layer's [`KvRows`]); DeepSeek V4's layers ([`crate::layer::LayerWeights`]) are not
 //! one of them. The routed experts come from [`FamilyLayer::experts`], the source the family's
-//! layers read them from.
+//! layers read them from, and the embedding, final norm and head from [`FamilyLayer::globals`].
 
 use keep_checkpoint::Checkpoint;
 
 use crate::cache::KvRows;
 use crate::config::{Family, ModelConfig};
 use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::globals::Globals;
 use crate::observer::RouteObserver;
 use crate::Result;
 
@@ -36,6 +37,15 @@ impl<'a> FamilyLayer<'a> {
             }
             _ => return Ok(None),
         }))
+    }
+
+    /// The embedding, final norm and head as the family names them (gpt-oss's own; every
+    /// other family's through [`Globals::load`]).
+    pub fn globals(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {
+        match cfg.family {
+            Family::GptOss => crate::gpt_oss::globals(ck, cfg),
+            _ => Globals::load(ck, cfg),
+        }
     }
 
     /// The routed experts of `layers` as the family's layers read them (gpt-oss's slices of

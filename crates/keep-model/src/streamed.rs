@@ -23,7 +23,7 @@ use crate::experts::{CheckpointExperts, ExpertSource};
 use crate::family_layer::FamilyLayer;
 use crate::hash::HashTable;
 use crate::layer::{LayerWeights, Shared, Step};
-use crate::model::{check_context, Globals, Logits};
+use crate::model::{check_context, Logits};
 use crate::observer::RouteObserver;
 use crate::scratch::Scratch;
 use crate::Result;
@@ -97,7 +97,7 @@ pub fn forward_streamed(
     if let Some(c) = opts.prefill_chunk {
         cfg.prefill_chunk = c.max(1);
     }
-    let globals = Globals::load(ck, &cfg)?;
+    let globals = FamilyLayer::globals(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
     let mut scratch = Scratch::default();
     let mut engram_ids = Vec::with_capacity(records.len());
