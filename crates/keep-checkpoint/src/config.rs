@@ -836,6 +836,27 @@ impl DeepSeekConfig {
         }
     }
 
+    /// Tensor `part` (`weight`, `scale`, …) of matrix `mat` of routed expert `expert` of decoder
+    /// layer `layer`, as the family names its per-expert tensors (DeepSeek V4's
+    /// `layers.L.ffn.experts.E.w1.weight`, Hugging Face's `model.layers.L.mlp.experts.E.
+    /// gate_proj.weight`); `None` for gpt-oss, whose experts are only stacked.
+    pub fn expert_tensor(
+        &self,
+        layer: usize,
+        expert: usize,
+        mat: naming::ExpertMat,
+        part: &str,
+    ) -> Option<String> {
+        if self.gpt_oss.is_some() {
+            return None;
+        }
+        Some(if self.is_deepseek_v4() {
+            naming::expert_tensor(layer, expert, mat, part)
+        } else {
+            naming::qwen3::expert_tensor(layer, expert, mat, part)
+        })
+    }
+
     /// Whether decoder layer `layer` pruned to `survivors` (ascending ids; the rest removed,
     /// the survivors renumbered in order) leaves a router the family's own code runs exactly as
     /// it runs the original with the removed experts masked: DeepSeek-V3's group-limited router

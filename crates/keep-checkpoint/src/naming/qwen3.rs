@@ -67,10 +67,12 @@ pub fn parse(name: &str) -> TensorName {
     let part = if name.ends_with(".weight") {
         Part::Weight
     } else if name.ends_with(".weight_scale_inv")
+        || name.ends_with(".scale")
         || name.ends_with(MLX_SCALES)
         || name.ends_with(MLX_BIASES)
     {
-        // MLX affine weights' `.scales` and `.biases` are their scale partners.
+        // MLX affine weights' `.scales` and `.biases` are their scale partners, as are the
+        // per-row `.scale`s of the lattice codes `keep quant` writes.
         Part::Scale
     } else {
         Part::Other
@@ -78,6 +80,7 @@ pub fn parse(name: &str) -> TensorName {
     let stem = name
         .strip_suffix(".weight_scale_inv")
         .or_else(|| name.strip_suffix(".weight"))
+        .or_else(|| name.strip_suffix(".scale"))
         .or_else(|| name.strip_suffix(MLX_SCALES))
         .or_else(|| name.strip_suffix(MLX_BIASES))
         .unwrap_or(name);
