@@ -1,7 +1,7 @@
 //! The pipeline on a small random DeepSeek-V3 checkpoint (`keep synth --family deepseek_v3`, FP8
 //! 128×128 blocks, 3 layers with the first dense, 16 experts in 4 groups, top-2 groups, top-4,
 //! a 4096-token vocabulary so the bundled tokenizer's packs fit): inspect, pack, calibrate
-//! (layer-streamed), finalize, select with `--groups 4` (the same number kept in every router
+//! (layer-streamed), finalize, residency over the run's routes, select with `--groups 4` (the same number kept in every router
 //! group), prune (8 of 16: experts renumbered, router rows and `e_score_correction_bias`
 //! sliced, `n_routed_experts` 8 with `n_group` / `topk_group` kept); the pruned model equals the
 //! masked one under eval and runs; `keep quant` codes its routed experts (E8P, the family's
@@ -128,6 +128,18 @@ fn deepseek_v3_through_the_pipeline() {
         .assert()
         .success();
     keep(&cache).arg("finalize").arg(&run).assert().success();
+    // Residency replays the run's routes with the experts' bytes (the dense layer has none).
+    let rep = stdout(
+        keep(&cache)
+            .arg("residency")
+            .arg(&run)
+            .args(["--hot", "4,8", "--model"])
+            .arg(&src),
+    );
+    assert!(
+        rep.contains("verdict") && !rep.contains("expert 0 B"),
+        "{rep}"
+    );
 
     // A plan blind to the router's groups leaves them uneven: refused, naming the way out.
     let blind = w.join("blind.json");
