@@ -24,7 +24,9 @@ For each: a pseudo-random sequence through `keep logits --routes` (one prefill) 
 position, routed experts equal on >= 99.9% of (token, MoE layer) pairs; keep's logits decoding
 the sequence one token at a time with its cache (`keep logits --decode`) equal its prefill
 logits bit for bit; mlx-lm on the bf16 checkpoint against transformers (the references agree;
-mlx-lm decodes FP8 to bfloat16, so the FP8 case has transformers only).
+mlx-lm decodes FP8 to bfloat16, so the FP8 case has transformers only). The same checks run
+on `keep prune`'s output of the bf16 checkpoint (2 of the 4 experts of every group kept), which
+transformers and mlx-lm load as published.
 
 `--fixture DIR` writes the small bf16 checkpoint and transformers' logits of a fixed sequence
 (`reference.safetensors`: `tokens`, `logits`) for keep-model's test.
@@ -260,6 +262,36 @@ def case(keep, d, tag, tokens, tmp, mlx=True):
     return c
 
 
+def pruned(keep, d, tmp):
+    """`keep prune` of `d` (ODD: 12 experts in 3 groups of 4) to 2 experts of every group of
+    each MoE layer, a scattered choice (`n_routed_experts` 6, `n_group` and `topk_group` kept, the
+    router rows and `e_score_correction_bias` sliced): a checkpoint transformers and mlx-lm load
+    as published, for `case` to compare keep against."""
+    cfg = json.loads((d / "config.json").read_text())
+    n, groups = cfg["n_routed_experts"], cfg["n_group"]
+    per = n // groups
+    fp = json.loads(subprocess.run([str(keep), "inspect", str(d), "--json"], check=True,
+                                   capture_output=True, text=True).stdout)["model_fingerprint"]
+    layers = []
+    for l in range(cfg["num_hidden_layers"]):
+        if l < cfg["first_k_dense_replace"]:
+            layers.append({"layer": l, "survivors": None})
+            continue
+        layers.append({"layer": l, "survivors": sorted(
+            g * per + (e * 3 + l + g) % per for g in range(groups) for e in range(2))})
+    plan = {"format": "keep-prune-plan", "version": 1, "n_experts": n, "keep": 2 * groups,
+            "saliency": "conformance", "model_fingerprint": fp, "layers": layers}
+    pp = tmp / "prune-plan.json"
+    pp.write_text(json.dumps(plan))
+    out = tmp / "odd-bf16-pruned"
+    run([keep, "prune", d, out, "--plan", pp])
+    pc = json.loads((out / "config.json").read_text())
+    check("deepseek_v3 pruned: n_routed_experts 6, n_group and topk_group kept",
+          (pc["n_routed_experts"], pc["n_group"], pc["topk_group"])
+          == (2 * groups, groups, cfg["topk_group"]), str(pc))
+    return out
+
+
 def fixture(out):
     """The committed fixture: TINY in bf16 and transformers' logits of a fixed sequence."""
     out = Path(out)
@@ -294,6 +326,8 @@ def main():
         d = tmp / "odd-bf16"
         save(build(ODD, 3), d)
         case(keep, d, "odd-bf16", tokens, tmp)
+        # keep prune's output: transformers and mlx-lm load it as published, and keep agrees.
+        case(keep, pruned(keep, d, tmp), "odd-bf16-pruned", tokens, tmp)
         if not a.no_fp8:
             d8 = tmp / "odd-fp8"
             save(build(ODD, 3), d8)

@@ -6,7 +6,8 @@
 //! saliencies (`reap`, `ean_mean`) of rarely routed experts toward the layer mean:
 //! s' = (n·s + α·m) / (n + α), with n the expert's route count and m the mean over routed
 //! experts. Every pruned layer keeps the same number of experts (at least `top_k`): the
-//! highest-saliency ones, ties broken by the lower id. Hash-routed layers are left whole and
+//! highest-saliency ones, ties broken by the lower id — with `groups` > 1, the same number
+//! from each contiguous group of experts (a group-limited router's groups stay whole). Hash-routed layers are left whole and
 //! marked, unless a remap policy is given (`hash_remap`): then they are pruned like the others
 //! (their saliency uses the hash routing's gate weights, which is what calibration records)
 //! and the plan carries each one's replacements for its removed experts
@@ -118,6 +119,9 @@ pub struct SelectOptions {
     /// Prune hash-routed layers too, remapping their `tid2eid` by this policy (`None`: leave
     /// them whole).
     pub hash_remap: Option<RemapPolicy>,
+    /// Keep the same number of experts in each of this many contiguous groups of a layer's
+    /// experts (DeepSeek-V3's `n_group`, whose router ranks whole groups); 1: no groups.
+    pub groups: usize,
 }
 
 /// One layer's selection.
@@ -184,6 +188,24 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
     let lo = pos.floor() as usize;
     let hi = pos.ceil() as usize;
     s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+}
+
+/// [`top_ids`] within each of `groups` contiguous groups of `s`: `keep / groups` from each
+/// (`forced` first within their group), ascending ids.
+pub fn top_ids_in_groups(s: &[f64], keep: usize, forced: &[usize], groups: usize) -> Vec<usize> {
+    let per = s.len() / groups.max(1);
+    let mut out = vec![];
+    for g in 0..groups.max(1) {
+        let lo = g * per;
+        let local: Vec<usize> = forced
+            .iter()
+            .filter(|&&e| (lo..lo + per).contains(&e))
+            .map(|&e| e - lo)
+            .collect();
+        let ids = top_ids(&s[lo..lo + per], keep / groups.max(1), &local);
+        out.extend(ids.into_iter().map(|e| e + lo));
+    }
+    out
 }
 
 /// The `keep` highest of `s` (ties by lower id), ascending ids; `forced` come first.
@@ -329,6 +351,13 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
             opts.keep, stats.top_k
         )));
     }
+    let groups = opts.groups;
+    if groups == 0 || !ne.is_multiple_of(groups) || !keep.is_multiple_of(groups) {
+        return Err(CalibError::Options(format!(
+            "--groups {groups} must divide both the layer's {ne} experts and the {keep} kept \
+             (the same number kept in each group)"
+        )));
+    }
     if let Some(a) = opts.shrink {
         if !(a >= 0.0 && a.is_finite()) {
             return Err(CalibError::Options(format!("--shrink {a} must be ≥ 0")));
@@ -394,9 +423,9 @@ pub fn select(stats: &ReapStats, opts: &SelectOptions) -> Result<Selection> {
             } else {
                 &[]
             };
-            let s = top_ids(&sal, keep, forced);
+            let s = top_ids_in_groups(&sal, keep, forced, groups);
             let fs: Vec<f64> = r.count.iter().map(|&c| c as f64).collect();
-            let f = top_ids(&fs, keep, &[]);
+            let f = top_ids_in_groups(&fs, keep, &[], groups);
             let j = jaccard(&s, &f);
             jac.push(j);
             (Some(s), Some(f), Some(j))
@@ -454,6 +483,7 @@ pub fn to_plan(sel: &Selection, stats: &ReapStats, opts: &SelectOptions) -> Prun
         "protect_super_experts".into(),
         opts.protect_super_experts.into(),
     );
+    extra.insert("groups".into(), opts.groups.into());
     let table: Vec<serde_json::Value> = sel
         .layers
         .iter()

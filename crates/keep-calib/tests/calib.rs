@@ -13,7 +13,7 @@ use keep_calib::pack::{
     build_pack, from_token_sources, write_pack, Document, Pack, PackOptions, Split,
 };
 use keep_calib::select::{
-    jaccard, quantile, select, to_plan, top_ids, Keep, Saliency, SelectOptions,
+    jaccard, quantile, select, to_plan, top_ids, top_ids_in_groups, Keep, Saliency, SelectOptions,
 };
 use keep_calib::session::session_path;
 use keep_calib::st::{write_atomic, StFile, Tensor};
@@ -532,6 +532,7 @@ fn select_writes_a_valid_uniform_plan() {
         shrink: None,
         protect_super_experts: false,
         hash_remap: None,
+        groups: 1,
     };
     let sel = select(&stats, &o).unwrap();
     assert_eq!(sel.keep, 8);
@@ -617,6 +618,12 @@ fn jaccard_quantile_and_ranking() {
     assert_eq!(top_ids(&[0.5, 0.9, 0.1, 0.9], 2, &[]), vec![1, 3]);
     assert_eq!(top_ids(&[0.5, 0.9, 0.1, 0.9], 2, &[2]), vec![1, 2]);
     assert_eq!(top_ids(&[0.0, 0.0, 0.0], 2, &[]), vec![0, 1]);
+    // Two groups of three: the best two of each, forced ones first within their group.
+    let s = [0.9, 0.8, 0.7, 0.1, 0.2, 0.3];
+    assert_eq!(top_ids(&s, 4, &[]), vec![0, 1, 2, 5]);
+    assert_eq!(top_ids_in_groups(&s, 4, &[], 2), vec![0, 1, 4, 5]);
+    assert_eq!(top_ids_in_groups(&s, 4, &[3], 2), vec![0, 1, 3, 5]);
+    assert_eq!(top_ids_in_groups(&s, 4, &[], 1), top_ids(&s, 4, &[]));
     assert_eq!(Keep::parse("50%"), Some(Keep::Percent(50.0)));
     assert_eq!(Keep::parse("12"), Some(Keep::Count(12)));
     assert_eq!(Keep::parse("x"), None);

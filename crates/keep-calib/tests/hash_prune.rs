@@ -120,6 +120,7 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
             shrink: None,
             protect_super_experts: false,
             hash_remap: Some(policy),
+            groups: 1,
         };
         let sel = select(&stats, &o).unwrap();
         let plan = to_plan(&sel, &stats, &o);
@@ -210,6 +211,7 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
         shrink: None,
         protect_super_experts: false,
         hash_remap: Some(RemapPolicy::ReapNext),
+        groups: 1,
     };
     let sel = select(&stats, &o).unwrap();
     let mut plan = to_plan(&sel, &stats, &o);
@@ -229,6 +231,7 @@ fn hash_layers_calibrate_select_prune_and_match_the_student() {
     // Left whole (no policy): the hash layers carry no survivors and prune accepts the plan.
     let o = SelectOptions {
         hash_remap: None,
+        groups: 1,
         ..o
     };
     let plan = to_plan(&select(&stats, &o).unwrap(), &stats, &o);

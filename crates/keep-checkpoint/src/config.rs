@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::naming;
 use crate::{CheckpointError, Result};
 
 pub mod deepseek_v3;
@@ -785,6 +786,88 @@ impl DeepSeekConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Whether decoder layer `layer` has routed experts, as its family decides (Qwen3-MoE's
+    /// `mlp_only_layers`, DeepSeek-V3's `first_k_dense_replace` dense layers hold a dense MLP
+    /// instead; every layer of DeepSeek V4 and gpt-oss is routed).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        if let Some(q) = &self.qwen3 {
+            return q.is_moe_layer(layer);
+        }
+        if let Some(c) = &self.deepseek_v3 {
+            return c.is_moe_layer(layer);
+        }
+        true
+    }
+
+    /// Whether this is a DeepSeek V4 / V4.1 config (no other family's config behind it): the
+    /// keys only V4 has (`n_routed_experts_per_layer`, `n_routed_experts_mtp`) apply.
+    pub fn is_deepseek_v4(&self) -> bool {
+        self.qwen3.is_none() && self.deepseek_v3.is_none() && self.gpt_oss.is_none()
+    }
+
+    /// The `config.json` key that holds the routed-expert count, in the family's words (what
+    /// `keep prune` rewrites).
+    pub fn experts_key(&self) -> &'static str {
+        if self.qwen3.is_some() {
+            return qwen3::Qwen3MoeConfig::EXPERTS_KEY;
+        }
+        if self.gpt_oss.is_some() {
+            return gpt_oss::GptOssConfig::EXPERTS_KEY;
+        }
+        "n_routed_experts"
+    }
+
+    /// The prefix of routed expert `expert`'s own tensors in `scope`, as the family names them
+    /// (DeepSeek V4's `layers.N.ffn.experts.E.`, Hugging Face's
+    /// `model.layers.N.mlp.experts.E.`); `None` where the family has no such scope (a Hugging
+    /// Face family's MTP) or keeps its experts only stacked (gpt-oss).
+    pub fn expert_prefix(&self, scope: naming::Scope, expert: usize) -> Option<String> {
+        if self.gpt_oss.is_some() {
+            return None;
+        }
+        if self.is_deepseek_v4() {
+            return Some(naming::expert_prefix(scope, expert));
+        }
+        match scope {
+            naming::Scope::Layer(l) => Some(naming::qwen3::expert_prefix(l, expert)),
+            _ => None,
+        }
+    }
+
+    /// Tensor `part` (`weight`, `scale`, …) of matrix `mat` of routed expert `expert` of decoder
+    /// layer `layer`, as the family names its per-expert tensors (DeepSeek V4's
+    /// `layers.L.ffn.experts.E.w1.weight`, Hugging Face's `model.layers.L.mlp.experts.E.
+    /// gate_proj.weight`); `None` for gpt-oss, whose experts are only stacked.
+    pub fn expert_tensor(
+        &self,
+        layer: usize,
+        expert: usize,
+        mat: naming::ExpertMat,
+        part: &str,
+    ) -> Option<String> {
+        if self.gpt_oss.is_some() {
+            return None;
+        }
+        Some(if self.is_deepseek_v4() {
+            naming::expert_tensor(layer, expert, mat, part)
+        } else {
+            naming::qwen3::expert_tensor(layer, expert, mat, part)
+        })
+    }
+
+    /// Whether decoder layer `layer` pruned to `survivors` (ascending ids; the rest removed,
+    /// the survivors renumbered in order) leaves a router the family's own code runs exactly as
+    /// it runs the original with the removed experts masked: DeepSeek-V3's group-limited router
+    /// needs every group to keep the same number ([`deepseek_v3::DeepseekV3Config::
+    /// check_survivors`]); every other family's router takes any survivors. The error says what
+    /// to do.
+    pub fn check_survivors(&self, survivors: &[usize]) -> std::result::Result<(), String> {
+        match &self.deepseek_v3 {
+            Some(c) => c.check_survivors(survivors),
+            None => Ok(()),
+        }
     }
 
     /// Routed experts in decoder layer `layer`.

@@ -6,6 +6,7 @@
 //! projection, engram, vision), whether it is a weight, a block scale or something else, and its
 //! scale partner. Names have no `model.` prefix (DeepSeek's own tree, not mlx-lm's).
 
+pub(crate) mod deepseek_v3;
 pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
 
@@ -155,13 +156,15 @@ impl TensorName {
     }
 }
 
-/// Parse any tensor name, DeepSeek's or (under `model.` / `lm_head.`) a Qwen3-MoE
-/// checkpoint's through [`qwen3::parse`] (never fails: unrecognised names get [`Role::Unknown`]).
+/// Parse any tensor name, DeepSeek V4's or (under `model.` / `lm_head.`) a Hugging Face
+/// family's: the names only DeepSeek-V3 has through [`deepseek_v3::parse_name`], the rest
+/// through [`qwen3::parse`] (which asks the gpt-oss module for the names only gpt-oss has).
+/// Never fails: unrecognised names get [`Role::Unknown`].
 pub fn parse(name: &str) -> TensorName {
-    // Hugging Face's `model.`-rooted tree (Qwen3-MoE) is its family module's to name; DeepSeek's
-    // own names never start so.
+    // Hugging Face's `model.`-rooted tree (Qwen3-MoE, DeepSeek-V3, gpt-oss) is its family
+    // modules' to name; DeepSeek V4's own names never start so.
     if name.starts_with("model.") || name.starts_with("lm_head.") {
-        return qwen3::parse(name);
+        return deepseek_v3::parse_name(name).unwrap_or_else(|| qwen3::parse(name));
     }
     let part = if name.ends_with(".weight") {
         Part::Weight
@@ -343,7 +346,17 @@ pub fn weight_of_scale(name: &str) -> Option<String> {
 
 /// `layers.{layer}.ffn.experts.{expert}.{w}.{part}` (`part` is `"weight"` or `"scale"`).
 pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) -> String {
-    format!("layers.{layer}.ffn.experts.{expert}.{}.{part}", mat.name())
+    format!(
+        "{}{}.{part}",
+        expert_prefix(Scope::Layer(layer), expert),
+        mat.name()
+    )
+}
+
+/// The prefix of routed expert `expert`'s tensors in `scope` (`layers.3.ffn.experts.7.`,
+/// `mtp.0.ffn.experts.7.`).
+pub fn expert_prefix(scope: Scope, expert: usize) -> String {
+    format!("{}ffn.experts.{expert}.", scope_prefix(scope))
 }
 
 /// Prefix of a scope's tensors (`"layers.3."`, `"mtp.0."`, `""`).
@@ -416,6 +429,79 @@ mod tests {
         assert_eq!(role("layers.3.ffn.sidecar.a.weight"), Role::Sidecar);
         assert_eq!(role("layers.3.ffn.sidecar.c.weight"), Role::Unknown);
         assert_eq!(role("layers.3.ffn.experts.1.w4.weight"), Role::Unknown);
+    }
+
+    #[test]
+    fn deepseek_v3_names() {
+        let p = |n: &str| {
+            let t = parse(n);
+            (t.scope, t.role, t.part)
+        };
+        let l = Scope::Layer(4);
+        for (n, role, part) in [
+            (
+                "model.layers.4.self_attn.q_a_proj.weight",
+                Role::AttnProj("q_a_proj".into()),
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.self_attn.kv_a_proj_with_mqa.weight_scale_inv",
+                Role::AttnProj("kv_a_proj_with_mqa".into()),
+                Part::Scale,
+            ),
+            (
+                "model.layers.4.self_attn.kv_b_proj.weight",
+                Role::AttnProj("kv_b_proj".into()),
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.self_attn.q_b_proj.weight",
+                Role::AttnProj("q_b_proj".into()),
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.self_attn.kv_a_layernorm.weight",
+                Role::Norm,
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.self_attn.q_a_layernorm.weight",
+                Role::Norm,
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.mlp.gate.e_score_correction_bias",
+                Role::RouterBias,
+                Part::Other,
+            ),
+            (
+                "model.layers.4.mlp.shared_experts.down_proj.weight_scale_inv",
+                Role::SharedExpert(ExpertMat::W2),
+                Part::Scale,
+            ),
+            (
+                "model.layers.4.mlp.experts.7.up_proj.weight",
+                Role::RoutedExpert {
+                    expert: 7,
+                    mat: ExpertMat::W3,
+                },
+                Part::Weight,
+            ),
+            (
+                "model.layers.4.mlp.gate.weight",
+                Role::RouterWeight,
+                Part::Weight,
+            ),
+        ] {
+            assert_eq!(p(n), (l, role, part), "{n}");
+        }
+        for n in [
+            "model.layers.4.self_attn.kv_c_proj.weight",
+            "model.layers.4.mlp.shared_experts.w1.weight",
+            "model.layers.4.mlp.gate.e_score_correction",
+        ] {
+            assert_eq!(parse(n).role, Role::Unknown, "{n}");
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `keep synth --family deepseek_v3` on a small config (3 layers, the first dense; multi-head
 //! latent attention with `q_lora_rank`, YaRN; 16 experts in 4 groups, a shared expert): the
 //! checkpoint in each layout DeepSeek ships (bf16, FP8 128×128 blocks with float32
-//! `weight_scale_inv`) passes the layout check and runs.
+//! `weight_scale_inv`) passes the layout check, `keep inspect` names every tensor and finds no
+//! problem, and it runs.
 
 use std::path::Path;
 
@@ -61,7 +62,9 @@ fn synthesised_deepseek_v3_checkpoints_load_and_run() {
             .assert()
             .success()
             .stdout(predicate::str::contains("16 in each of 2 layers"))
-            .stdout(predicate::str::contains(layout));
+            .stdout(predicate::str::contains(layout))
+            // Every tensor named, the dense first layer expected without routed experts.
+            .stdout(predicate::str::contains("no problems found"));
         keep(&cache)
             .arg("run")
             .arg(&out)

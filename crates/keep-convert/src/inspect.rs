@@ -330,7 +330,7 @@ pub fn inspect(ck: &Checkpoint) -> Report {
             ));
         }
         for l in 0..c.num_hidden_layers {
-            let dense = c.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));
+            let dense = !c.is_moe_layer(l);
             if !experts.contains_key(&Scope::Layer(l)) && c.n_routed_experts > 0 && !dense {
                 problems.push(format!("layer {l} has no routed experts"));
             }

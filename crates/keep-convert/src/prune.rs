@@ -1,8 +1,14 @@
 //! `keep prune`: write a smaller checkpoint by byte copy, following a [`PrunePlan`].
 //!
 //! Pruned experts are dropped and survivors renumbered `0..E'-1` in their original order; the
-//! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries are sliced to the
-//! survivors; `n_routed_experts` in config.json becomes `E'`. Experts stacked on a first axis
+//! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries (DeepSeek-V3's
+//! `e_score_correction_bias`, gpt-oss's `router.bias`) are sliced to the survivors; the family's
+//! expert count in config.json (`n_routed_experts`, Qwen3-MoE's `num_experts`, gpt-oss's
+//! `num_local_experts`) becomes `E'`. The family names the experts' tensors
+//! ([`keep_checkpoint::DeepSeekConfig::expert_prefix`]) and says whether its router takes the
+//! survivors ([`keep_checkpoint::DeepSeekConfig::check_survivors`]: DeepSeek-V3's
+//! group-limited router needs each group to keep the same number, and keeps `n_group` and
+//! `topk_group`). Experts stacked on a first axis
 //! (mlx-lm's `switch_mlp` weight, `.scales` and `.biases`) are sliced to the survivors the same
 //! way. FP8, FP4 and E8M0 bytes are never
 //! decoded: every tensor is either copied whole or sliced along its first dimension. Tensors
@@ -214,10 +220,19 @@ pub fn prune_with(
             .survivors(l)
             .map_or(cfg.experts_in_layer(l), <[usize]>::len);
         per_layer.push(n);
-        // A Qwen3-MoE dense layer has no routed experts to count.
-        let dense = cfg.qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l));
-        if !hash_layers.contains(&l) && !dense {
+        // A dense layer (Qwen3-MoE's `mlp_only_layers`, DeepSeek-V3's first layers) has no
+        // routed experts to count.
+        if !hash_layers.contains(&l) && cfg.is_moe_layer(l) {
             counts.insert(n);
+        }
+        // The family's router must run the survivors as it ran the masked original.
+        if let Some(s) = plan.survivors(l) {
+            cfg.check_survivors(s).map_err(|e| {
+                ConvertError::Invalid(format!(
+                    "the plan cannot prune layer {l} of {}: {e}",
+                    src.display()
+                ))
+            })?;
         }
     }
     if counts.len() > 1 {
@@ -291,17 +306,15 @@ pub fn prune_with(
         match (&n.role, surv) {
             (Role::RoutedExpert { expert, .. }, Some(s)) => match s.binary_search(expert) {
                 Ok(new) => {
-                    // The family's expert tree: DeepSeek's `layers.N.ffn.experts.`, Qwen3-MoE's
-                    // `model.layers.N.mlp.experts.`.
-                    let experts = match cfg.qwen3 {
-                        Some(_) => format!("model.{}mlp.experts.", naming::scope_prefix(n.scope)),
-                        None => format!("{}ffn.experts.", naming::scope_prefix(n.scope)),
-                    };
-                    let prefix = format!("{experts}{expert}.");
-                    let rest = t.name.strip_prefix(&prefix).ok_or_else(|| {
+                    // The family names the expert's tensors (the old prefix swapped for the
+                    // new id's).
+                    let renamed = cfg.expert_prefix(n.scope, *expert).and_then(|old| {
+                        let rest = t.name.strip_prefix(&old)?;
+                        Some(format!("{}{rest}", cfg.expert_prefix(n.scope, new)?))
+                    });
+                    let name = renamed.ok_or_else(|| {
                         ConvertError::Invalid(format!("unexpected expert tensor name `{}`", t.name))
                     })?;
-                    let name = format!("{experts}{new}.{rest}");
                     id_map
                         .entry(scope_label(n.scope))
                         .or_default()
@@ -455,15 +468,12 @@ pub fn prune_with(
         done += bytes.len() as u64;
         progress(done, total);
     }
-    let experts_key = match cfg.qwen3 {
-        Some(_) => keep_checkpoint::qwen3::Qwen3MoeConfig::EXPERTS_KEY,
-        None => "n_routed_experts",
-    };
-    let mut edits = vec![(experts_key, json!(e_after))];
-    if cfg.qwen3.is_none() && per_layer.iter().any(|&n| n != e_after) {
+    let mut edits = vec![(cfg.experts_key(), json!(e_after))];
+    // Per-layer and MTP counts are DeepSeek V4's keys (its hash-routed layers left whole).
+    if cfg.is_deepseek_v4() && per_layer.iter().any(|&n| n != e_after) {
         edits.push(("n_routed_experts_per_layer", json!(per_layer)));
     }
-    if cfg.qwen3.is_none()
+    if cfg.is_deepseek_v4()
         && (per_mtp.iter().any(|&n| n != e_after) || cfg.n_routed_experts_mtp.is_some())
     {
         edits.push(("n_routed_experts_mtp", json!(per_mtp)));

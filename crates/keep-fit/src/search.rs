@@ -292,6 +292,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             shrink: None,
             protect_super_experts: false,
             hash_remap: Some(RemapPolicy::ReapNext),
+            groups: 1,
         };
         let sel = select(stats, &sopts)?;
         let mut plan = to_plan(&sel, stats, &sopts);

@@ -394,13 +394,18 @@ impl<'a> CheckpointExperts<'a> {
                         crate::weights::expert_view(&em, resid, rows, cols, hint)
                     };
                     use keep_checkpoint::naming::ExpertMat;
+                    // keep quant's incoherence markers name the per-expert base names.
+                    let b = ExpertMat::ALL.map(|mat| {
+                        cfg.raw
+                            .expert_tensor(l, x, mat, "weight")
+                            .and_then(|n| n.strip_suffix(".weight").map(str::to_string))
+                            .unwrap_or_default()
+                    });
                     experts.push(ExpertWeights {
                         w1: m(ExpertMat::W1, i, d)?,
                         w2: m(ExpertMat::W2, d, i)?,
                         w3: m(ExpertMat::W3, i, d)?,
-                        // keep quant (the only writer of incoherence markers) codes
-                        // DeepSeek's per-expert tensors only.
-                        rht: ExpertRht::default(),
+                        rht: expert_rht(&marker, [&b[0], &b[1], &b[2]], d, i)?,
                     });
                     continue;
                 }

@@ -51,8 +51,8 @@ pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
 use crate::experts::{ExpertRht, ExpertSource, ExpertWeights};
 use crate::globals::Globals;
-use crate::linear::{lin_into, proj_into, top_k_by};
-use crate::observer::{RouteEvent, RouteObserver};
+use crate::linear::{lin_into, note_input, proj_into, top_k_by};
+use crate::observer::{ExpertOutputEvent, RouteEvent, RouteObserver};
 use crate::scratch::{zeroed, ExpertScratch, Scratch, KEEP_ROWS};
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
@@ -482,6 +482,38 @@ impl<'a> GptOssLayer<'a> {
         let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
         let bufs = (&mut sc.experts, &mut sc.fam.routes);
         self.experts_into(cfg, c, experts, x, t, chosen, bufs, ys)?;
+        // Each expert's inputs (the gate-up matrix's, `ffn.experts.w1`: the imatrix and its
+        // route counts) and its unweighted outputs on its routes (`token · top_k + slot`, in
+        // token order), as the shared MoE path reports them (REAP's ‖f‖ and g).
+        for (j, rs) in sc.fam.routes.iter().enumerate().take(e) {
+            if rs.is_empty() || obs.is_none() {
+                continue;
+            }
+            if obs.as_deref().is_some_and(|o| o.wants_linear_inputs()) {
+                let xin: Vec<f32> = rs
+                    .iter()
+                    .flat_map(|&r| x[(r / k) * d..(r / k + 1) * d].iter().copied())
+                    .collect();
+                note_input(obs, l, "ffn.experts.w1", Some(j), &xin, rs.len(), d);
+            }
+            if let Some(o) = obs.as_deref_mut().filter(|o| o.wants_expert_outputs()) {
+                let rows: Vec<usize> = rs.iter().map(|&r| r / k).collect();
+                let slots: Vec<usize> = rs.iter().map(|&r| r % k).collect();
+                let ws: Vec<f32> = rs.iter().map(|&r| weights[r]).collect();
+                let outputs: Vec<f32> = rs
+                    .iter()
+                    .flat_map(|&r| ys[r * d..(r + 1) * d].iter().copied())
+                    .collect();
+                o.on_expert_output(&ExpertOutputEvent {
+                    layer: l,
+                    expert: j,
+                    token_rows: &rows,
+                    slots: &slots,
+                    weights: &ws,
+                    outputs: &outputs,
+                });
+            }
+        }
         let out = zeroed(out, t * d);
         for i in 0..t {
             let o = &mut out[i * d..(i + 1) * d];

@@ -96,11 +96,7 @@ impl<'a> Model<'a> {
         cfg: ModelConfig,
         experts: Box<dyn ExpertSource + 'a>,
     ) -> Result<Self> {
-        let globals = if cfg.family == Family::GptOss {
-            crate::gpt_oss::globals(ck, &cfg)?
-        } else {
-            Globals::load(ck, &cfg)?
-        };
+        let globals = crate::family_layer::FamilyLayer::globals(ck, &cfg)?;
         let (mut deepseek_v3, mut gpt_oss) = (vec![], vec![]);
         let (layers, qwen3) = if cfg.family == Family::Qwen3Moe {
             let q = (0..cfg.n_layers)

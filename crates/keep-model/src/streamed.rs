@@ -17,12 +17,13 @@
 use keep_checkpoint::Checkpoint;
 
 use crate::cache::Cache;
-use crate::config::{Family, ModelConfig};
+use crate::config::ModelConfig;
 use crate::engram::{table_view, EngramLayer, TableRows};
 use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::family_layer::FamilyLayer;
 use crate::hash::HashTable;
 use crate::layer::{LayerWeights, Shared, Step};
-use crate::model::{check_context, Globals, Logits};
+use crate::model::{check_context, Logits};
 use crate::observer::RouteObserver;
 use crate::scratch::Scratch;
 use crate::Result;
@@ -96,7 +97,7 @@ pub fn forward_streamed(
     if let Some(c) = opts.prefill_chunk {
         cfg.prefill_chunk = c.max(1);
     }
-    let globals = Globals::load(ck, &cfg)?;
+    let globals = FamilyLayer::globals(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
     let mut scratch = Scratch::default();
     let mut engram_ids = Vec::with_capacity(records.len());
@@ -117,19 +118,19 @@ pub fn forward_streamed(
         ));
     }
     for l in 0..cfg.n_layers {
-        if cfg.family == Family::Qwen3Moe {
-            // Qwen3-MoE's layer over every record, chunk by chunk as the whole model runs it.
-            let ql = crate::qwen3::Qwen3Layer::load(ck, &cfg, l)?;
-            let experts = CheckpointExperts::for_layers(ck, &cfg, l..l + 1)?;
+        if let Some(fl) = FamilyLayer::load(ck, &cfg, l)? {
+            // A Hugging Face family's layer over every record, chunk by chunk as the whole
+            // model runs it.
+            let experts = FamilyLayer::experts(ck, &cfg, l..l + 1)?;
             let mask = opts.masks.get(l).and_then(|m| m.as_deref());
             let d = cfg.dim;
             for (s, cache, _) in states.iter_mut() {
                 let chunk = cfg.prefill_chunk.max(1);
                 for a in (0..s.t).step_by(chunk) {
                     let b = (a + chunk).min(s.t);
-                    ql.forward(
+                    fl.forward(
                         &cfg,
-                        &experts as &dyn ExpertSource,
+                        experts.as_ref(),
                         mask,
                         &mut s.x[a * d..b * d],
                         a,
@@ -140,7 +141,7 @@ pub fn forward_streamed(
                 s.check_finite(|| format!("layer {l}"))?;
             }
             drop(experts);
-            drop(ql);
+            drop(fl);
             if opts.release_pages {
                 release_layer_pages(ck, l);
             }

@@ -46,6 +46,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use keep_checkpoint::layout::{self, Layout, ScaleDtype};
+use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::safetensors::ShardFile;
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
 use keep_checkpoint::{Checkpoint, Dtype, TensorRef};
@@ -383,13 +384,26 @@ fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
     let cfg = ck.require_config()?;
     let (hidden, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
     let mut out = vec![];
-    for layer in 0..cfg.num_hidden_layers {
+    // A dense layer (DeepSeek-V3's first layers, Qwen3-MoE's `mlp_only_layers`) has no
+    // routed experts to code.
+    for layer in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
         for expert in 0..cfg.experts_in_layer(layer) {
             let Some(format) = opts.experts.format_of(layer, expert, opts.format) else {
                 continue;
             };
-            for part in PARTS {
-                let base = format!("layers.{layer}.ffn.experts.{expert}.{part}");
+            for (part, mat) in PARTS.into_iter().zip(ExpertMat::ALL) {
+                // The family's name of the expert's matrix, without `.weight`.
+                let base = cfg
+                    .expert_tensor(layer, expert, mat, "weight")
+                    .and_then(|n| n.strip_suffix(".weight").map(str::to_string))
+                    .ok_or_else(|| {
+                        QuantError::Input(format!(
+                            "{}: keep quant codes one tensor per expert matrix; this model \
+                             ({}) keeps its experts stacked",
+                            ck.dir().display(),
+                            cfg.model_type
+                        ))
+                    })?;
                 if !ck.contains(&format!("{base}.weight")) {
                     return Err(QuantError::Input(format!(
                         "{base}.weight is missing from the checkpoint"
@@ -724,19 +738,18 @@ pub fn quantize_with(
         report.tensors.extend(e);
         part_cks.insert(l, Checkpoint::open(&p)?);
     }
-    let quantized: BTreeSet<String> = targets.iter().map(|t| t.base.clone()).collect();
+    // Each quantized base name and its layer (the family names it).
+    let quantized: BTreeMap<String, usize> =
+        targets.iter().map(|t| (t.base.clone(), t.layer)).collect();
     let base_of = |name: &str| -> Option<String> {
+        // The source's block scale: V4's `.scale`, DeepSeek-V3's and Qwen's `.weight_scale_inv`.
         let b = name
             .strip_suffix(".weight")
-            .or_else(|| name.strip_suffix(".scale"))?;
-        quantized.contains(b).then(|| b.to_string())
+            .or_else(|| name.strip_suffix(".scale"))
+            .or_else(|| name.strip_suffix(".weight_scale_inv"))?;
+        quantized.contains_key(b).then(|| b.to_string())
     };
-    let layer_of = |b: &str| -> usize {
-        b.split('.')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
-    };
+    let layer_of = |b: &str| -> usize { quantized.get(b).copied().unwrap_or(0) };
     // output order: the source's, each quantized weight's tensors where its weight was
     let mut plan: Vec<(TensorMeta, Option<(usize, String)>)> = vec![];
     for t in ck.tensors() {

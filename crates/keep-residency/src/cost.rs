@@ -169,11 +169,11 @@ pub fn model_bytes(
         }
     }
     let mut expert_bytes = Vec::with_capacity(layers.len());
-    let qwen3 = ck.config().and_then(|c| c.qwen3.clone());
     for &l in layers {
         let mut b = 0u64;
-        if qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l)) {
-            // A Qwen3-MoE dense layer: no routed experts (its trace rows are empty).
+        if ck.config().is_some_and(|c| !c.is_moe_layer(l)) {
+            // A dense layer (Qwen3-MoE's `mlp_only_layers`, DeepSeek-V3's first layers): no
+            // routed experts (its trace rows are empty).
             expert_bytes.push(0);
             continue;
         }

@@ -820,21 +820,21 @@ fn expert_bytes_of(
 ) -> Result<Vec<Vec<u64>>> {
     use keep_checkpoint::naming::{self, ExpertMat};
     let cfg = ck.require_config()?;
-    let qwen3 = cfg.qwen3.clone();
     let mut out = Vec::with_capacity(layers.len());
     for &l in layers {
         let n = cfg.experts_in_layer(l);
         let mut v = vec![0u64; n];
-        if qwen3.as_ref().is_some_and(|q| !q.is_moe_layer(l)) {
+        if !cfg.is_moe_layer(l) {
             out.push(v);
             continue;
         }
         for (e, b) in v.iter_mut().enumerate() {
             for mat in ExpertMat::ALL {
-                let w = match &qwen3 {
-                    Some(_) => keep_checkpoint::qwen3::expert_tensor(l, e, mat, "weight"),
-                    None => naming::expert_tensor(l, e, mat, "weight"),
-                };
+                // The family's name of the expert's matrix (gpt-oss's stacks have none: its
+                // residual stages are absent, its bytes come from `expert_matrix`).
+                let w = cfg
+                    .expert_tensor(l, e, mat, "weight")
+                    .unwrap_or_else(|| naming::expert_tensor(l, e, mat, "weight"));
                 if resid {
                     if let Some((r, rs)) = keep_checkpoint::layout::residual_of(ck, &w) {
                         *b += r.bytes.len() as u64 + rs.map_or(0, |s| s.bytes.len() as u64);

@@ -345,6 +345,46 @@ impl DeepseekV3Config {
         layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
+    /// Whether pruning an MoE layer to `survivors` (ascending ids of `0..n_routed_experts`;
+    /// the rest removed, the survivors renumbered in order) keeps the router what it was with
+    /// the removed experts masked. With `n_group` > 1 the experts are `n_group` contiguous
+    /// groups, ranked by the sum of their top 2: every group must keep the same number, at
+    /// least 2, so that each renumbered expert stays in its group and `n_group` still divides
+    /// the count; `n_group` and `topk_group` are then kept as they are, and
+    /// `num_experts_per_tok` must fit in `topk_group` groups. Any other plan is refused: the
+    /// publisher's code would accept fewer groups, but it would route differently from the
+    /// masked original that calibration and selection scored.
+    pub fn check_survivors(&self, survivors: &[usize]) -> std::result::Result<(), String> {
+        if self.n_group <= 1 {
+            return Ok(());
+        }
+        let per = self.n_routed_experts / self.n_group;
+        let mut counts = vec![0usize; self.n_group];
+        for &e in survivors {
+            if let Some(c) = counts.get_mut(e / per) {
+                *c += 1;
+            }
+        }
+        let kept = counts[0];
+        if counts.iter().any(|&c| c != kept) || kept < 2 {
+            return Err(format!(
+                "it keeps {counts:?} experts of the n_group = {} groups of {per}: DeepSeek-V3's \
+                 router ranks groups of equal size by the sum of their top 2, so every group \
+                 must keep the same number, at least 2; make the plan with `keep select \
+                 --groups {}`",
+                self.n_group, self.n_group
+            ));
+        }
+        if self.num_experts_per_tok > self.topk_group * kept {
+            return Err(format!(
+                "it keeps {kept} experts per group, and num_experts_per_tok = {} does not fit \
+                 in topk_group = {} groups of {kept}; keep more experts",
+                self.num_experts_per_tok, self.topk_group
+            ));
+        }
+        Ok(())
+    }
+
     /// One query/key head: `qk_nope_head_dim + qk_rope_head_dim`.
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -431,6 +471,23 @@ mod tests {
         let text = TINY.replace("\"n_group\":2", "\"n_group\":3");
         let e = DeepSeekConfig::from_json(std::path::Path::new("config.json"), &text).unwrap_err();
         assert!(e.to_string().contains("n_group"), "{e}");
+    }
+
+    #[test]
+    fn pruning_keeps_the_router_groups_whole() {
+        // 8 experts in 2 groups of 4, top-2 from 1 group.
+        let c = DeepseekV3Config::from_value(serde_json::from_str(TINY).unwrap()).unwrap();
+        assert!(c.check_survivors(&[0, 2, 5, 7]).is_ok());
+        assert!(c.check_survivors(&(0..8).collect::<Vec<_>>()).is_ok());
+        let e = c.check_survivors(&[0, 1, 2, 5]).unwrap_err();
+        assert!(e.contains("[3, 1]") && e.contains("--groups 2"), "{e}");
+        // One per group cannot be ranked by a top-2 sum.
+        assert!(c.check_survivors(&[0, 4]).is_err());
+        // Without groups any survivors do.
+        let mut one = c.clone();
+        one.n_group = 1;
+        one.topk_group = 1;
+        assert!(one.check_survivors(&[0, 1, 2]).is_ok());
     }
 
     #[test]

@@ -386,6 +386,9 @@ impl GptOssConfig {
         Ok(Some(y))
     }
 
+    /// The config key that holds the routed-expert count (what `keep prune` rewrites).
+    pub const EXPERTS_KEY: &'static str = "num_local_experts";
+
     /// The model in keep's role terms (see the module doc); `raw` is the file as read.
     pub fn role_view(&self, raw: Value) -> DeepSeekConfig {
         let mut c: DeepSeekConfig =

@@ -30,10 +30,13 @@ pub fn layer_prefix(layer: usize) -> String {
 /// `model.layers.{layer}.mlp.experts.{expert}.{gate,down,up}_proj.{part}` (`part`: `weight`
 /// or `weight_scale_inv`).
 pub fn expert_tensor(layer: usize, expert: usize, mat: ExpertMat, part: &str) -> String {
-    format!(
-        "model.layers.{layer}.mlp.experts.{expert}.{}.{part}",
-        mat_name(mat)
-    )
+    format!("{}{}.{part}", expert_prefix(layer, expert), mat_name(mat))
+}
+
+/// The prefix of routed expert `expert`'s tensors in `layer`
+/// (`model.layers.{layer}.mlp.experts.{expert}.`).
+pub fn expert_prefix(layer: usize, expert: usize) -> String {
+    format!("model.layers.{layer}.mlp.experts.{expert}.")
 }
 
 /// `model.layers.{layer}.mlp.switch_mlp.{gate,down,up}_proj.{part}`: every routed expert's
@@ -64,10 +67,12 @@ pub fn parse(name: &str) -> TensorName {
     let part = if name.ends_with(".weight") {
         Part::Weight
     } else if name.ends_with(".weight_scale_inv")
+        || name.ends_with(".scale")
         || name.ends_with(MLX_SCALES)
         || name.ends_with(MLX_BIASES)
     {
-        // MLX affine weights' `.scales` and `.biases` are their scale partners.
+        // MLX affine weights' `.scales` and `.biases` are their scale partners, as are the
+        // per-row `.scale`s of the lattice codes `keep quant` writes.
         Part::Scale
     } else {
         Part::Other
@@ -75,6 +80,7 @@ pub fn parse(name: &str) -> TensorName {
     let stem = name
         .strip_suffix(".weight_scale_inv")
         .or_else(|| name.strip_suffix(".weight"))
+        .or_else(|| name.strip_suffix(".scale"))
         .or_else(|| name.strip_suffix(MLX_SCALES))
         .or_else(|| name.strip_suffix(MLX_BIASES))
         .unwrap_or(name);

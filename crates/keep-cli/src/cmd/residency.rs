@@ -519,7 +519,8 @@ fn print_table(r: &Report, bytes_from: &str) {
     let cost = match &i.cost {
         Some(c) => format!(
             "expert {} ({bytes_from}), resident {}, SSD {} GB/s, memory {} GB/s",
-            human(c.expert_bytes.first().copied().unwrap_or(0)),
+            // The first routed layer's (a dense layer's is 0).
+            human(c.expert_bytes.iter().copied().find(|&b| b > 0).unwrap_or(0)),
             human(c.resident_bytes),
             c.ssd_gbps,
             c.mem_gbps

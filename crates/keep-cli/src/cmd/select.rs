@@ -20,7 +20,8 @@ use keep_calib::select::{select, to_plan, Keep, Saliency, SelectOptions, KILL_JA
 /// expert the kept experts that replace it in tid2eid, in order of preference (a token takes the
 /// first one not already among its experts): reap-next (by REAP score), nearest (by the mean
 /// squared distance of the experts' outputs on the calibration tokens routed to the removed
-/// expert) or frequency (by route count, a baseline).
+/// expert) or frequency (by route count, a baseline). A DeepSeek-V3 model whose router picks
+/// among groups (n_group > 1) needs --groups N_GROUP: the same number kept in every group.
 ///
 /// Example: keep select /tmp/run --keep 50% --out plan-50.json
 #[derive(Args)]
@@ -44,6 +45,10 @@ pub struct SelectArgs {
     /// nearest or frequency (default: leave them whole).
     #[arg(long, value_name = "POLICY", value_parser = parse_remap)]
     hash_remap: Option<RemapPolicy>,
+    /// Keep the same number of experts in each of G contiguous groups of a layer's experts: a
+    /// group-limited router's groups (DeepSeek-V3's n_group), which `keep prune` needs whole.
+    #[arg(long, value_name = "G", default_value_t = 1)]
+    groups: usize,
     /// The plan to write (JSON).
     #[arg(long)]
     out: PathBuf,
@@ -102,6 +107,7 @@ pub fn run(a: SelectArgs) -> anyhow::Result<()> {
         shrink: a.shrink,
         protect_super_experts: a.protect_super_experts,
         hash_remap: a.hash_remap,
+        groups: a.groups,
     };
     let sel = select(&stats, &opts)?;
     let plan = to_plan(&sel, &stats, &opts);
