@@ -74,7 +74,7 @@ for lv in levels:
         return {"name": name, "keep_pct": lv, "experts_kept": kept, "rank": rank,
                 "sidecar_bytes_per_layer": extra, "checkpoint_bytes": ck_bytes(name),
                 "positions": s["positions"], "mean_kl": s["mean_kl"], "top1": s["top1"],
-                "mean_dnll": s["mean_dnll"]}
+                "mean_dnll": s["mean_dnll"], "sidecar_layers": 0}
     for kk in (k, k + 1, k + 2):
         rows.append(row(f"pruned-{kk}", kk, 0, 0))
     for r in ranks:

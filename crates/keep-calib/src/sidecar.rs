@@ -7,8 +7,8 @@
 //! checkpoint routes the same way).
 //!
 //! The fit is sequential: layer ℓ's inputs `x` are those of the pruned model with the sidecars
-//! of the layers before ℓ already applied, so each fit sees (and can correct) the errors of the
-//! layers before it. Layer ℓ takes one pass over the calibration records through layers 0..=ℓ,
+//! kept before ℓ already applied, so each map is fitted on the inputs it gets at run time
+//! (the target is the layer's own MoE error at those inputs). Layer ℓ takes one pass over the calibration records through layers 0..=ℓ,
 //! one record at a time; memory is one record's activations plus, per layer, the f64 sums
 //! `XᵀX` and `XᵀY` (`hidden × hidden` each, for the fitting and for the validation rows), never
 //! every activation.
@@ -27,8 +27,11 @@
 //! layer the validation rows give the share of `Σ‖y‖²` the rank-r map explains there
 //! ([`Rrr::explained_on`], from the validation sums `XᵀX`, `XᵀY`, `Σ‖y‖²` alone); `--ridge
 //! auto` ([`Ridge::Auto`]) picks, per layer, the ridge of [`AUTO_RIDGES`] that explains the most
-//! of them, and a layer whose sidecar explains nothing of them (≤ 0: the pruned output plus the
-//! sidecar is no closer to the teacher's than the pruned output alone) gets no sidecar.
+//! of them. A layer keeps its sidecar only where it explains part of them (> 0) and, with it,
+//! the whole pruned student's mean KL(teacher‖student) on the validation records falls: energy
+//! of the MoE output explained is not KL won (on the bundled model a first-layer sidecar that
+//! explains over a quarter of its validation energy raises the KL), and the check costs two
+//! whole-model passes over the validation records per layer.
 //!
 //! What it is not: no checkpoint writing (the CLI writes the pruned checkpoint with the
 //! sidecars through keep-convert's prune), no model code (keep-model adds the sidecar term in
@@ -294,6 +297,8 @@ pub struct LayerFit {
 /// where the sidecar did not help on the validation rows).
 pub struct SidecarFit {
     pub sidecars: Vec<Option<Sidecar>>,
+    /// Every pruned layer's fitted map, kept or not (`None` where the plan prunes nothing).
+    pub fitted: Vec<Option<Sidecar>>,
     pub layers: Vec<LayerFit>,
     /// Tokens fitted on, and validated on.
     pub tokens: u64,
@@ -575,6 +580,7 @@ pub fn fit(
     let experts = CheckpointExperts::new(&ck, &cfg)?;
     let src = &experts as &dyn ExpertSource;
     let mut sidecars: Vec<Option<Sidecar>> = vec![None; cfg.n_layers];
+    let mut fitted: Vec<Option<Sidecar>> = vec![None; cfg.n_layers];
     let mut layers = vec![];
     let count = |rs: &[Vec<u32>]| rs.iter().map(|r| r.len() as u64).sum::<u64>();
     let n_records = records.fit.len() + records.validation.len();
@@ -665,8 +671,9 @@ pub fn fit(
             kept = after < before;
         }
         let kl_without = kl_now;
+        fitted[l] = Some(sol.sidecar()?);
         if kept {
-            sidecars[l] = Some(sol.sidecar()?);
+            sidecars[l] = fitted[l].clone();
             if kl_with.is_some() {
                 kl_now = kl_with;
             }
@@ -689,6 +696,7 @@ pub fn fit(
     }
     Ok(SidecarFit {
         sidecars,
+        fitted,
         layers,
         tokens: count(&records.fit),
         validation_tokens: count(&records.validation),

@@ -2,8 +2,8 @@
 //! layers, the fraction of the removed experts' contribution a fitted sidecar explains, taken
 //! through the model's own application path (the student's forward with the sidecars installed,
 //! the MoE block's output with its sidecar against the same block without), is the fraction the
-//! fit reports from its sums, on its fitting rows and on its validation rows; and the validation
-//! score is what decides whether a layer keeps its sidecar.
+//! fit reports from its sums, on its fitting rows and on its validation rows; and a layer keeps
+//! its sidecar exactly where that validation share is positive and the validation KL falls.
 
 use std::path::{Path, PathBuf};
 
@@ -69,12 +69,14 @@ impl RouteObserver for MoeInput {
 
 /// `1 − Σ‖teacher − (pruned + sidecar)‖² / Σ‖teacher − pruned‖²` of layer `l` over `recs`, all
 /// through the runtime: the student (masks and the fitted sidecars of every layer installed)
-/// runs the records, and its layer `l` gives the MoE output with and without its sidecar.
+/// runs the records, and its layer `l` gives the MoE output with and without its sidecar. The
+/// layers before `l` carry the kept sidecars (`kept`), layer `l` its fitted map `map`.
 fn runtime_explained(
     ck: &Checkpoint,
     cfg: &ModelConfig,
     plan: &PrunePlan,
-    sidecars: &[Option<keep_model::Sidecar>],
+    kept: &[Option<keep_model::Sidecar>],
+    map: &keep_model::Sidecar,
     l: usize,
     recs: &[Vec<u32>],
 ) -> f64 {
@@ -82,13 +84,10 @@ fn runtime_explained(
     for k in 0..cfg.n_layers {
         student.set_router_mask(k, plan.pruned_mask(k)).unwrap();
     }
-    for (lw, sc) in student.layers.iter_mut().zip(sidecars) {
+    for (lw, sc) in student.layers.iter_mut().zip(kept).take(l) {
         lw.sidecar = sc.clone();
     }
-    assert!(
-        student.layers[l].sidecar.is_some(),
-        "layer {l} has a sidecar"
-    );
+    student.layers[l].sidecar = Some(map.clone());
     let teacher = LayerWeights::load(ck, cfg, l).unwrap();
     let experts = CheckpointExperts::new(ck, cfg).unwrap();
     let src = &experts as &dyn ExpertSource;
@@ -144,14 +143,23 @@ fn the_fit_scores_what_the_runtime_applies() {
             "layer {l}: explained on the fit rows {:.4}, on the validation rows {val:.4}",
             lf.explained
         );
-        // A sidecar is kept exactly where it explains some of the validation rows.
-        assert_eq!(lf.kept, val > 0.0, "layer {l}");
+        // A sidecar is kept exactly where it explains some of the validation rows and lowers
+        // the validation KL.
+        let kl = match (lf.validation_kl_without, lf.validation_kl_with) {
+            (Some(a), Some(b)) => {
+                assert!(
+                    val > 0.0,
+                    "layer {l}: the KL is measured only for a candidate"
+                );
+                b < a
+            }
+            _ => false,
+        };
+        assert_eq!(lf.kept, val > 0.0 && kl, "layer {l}: {lf:?}");
         assert_eq!(f.sidecars[l].is_some(), lf.kept, "layer {l}");
-        if !lf.kept {
-            continue;
-        }
-        let train = runtime_explained(&ck, &cfg, &plan, &f.sidecars, l, &recs.fit);
-        let held = runtime_explained(&ck, &cfg, &plan, &f.sidecars, l, &recs.validation);
+        let map = f.fitted[l].as_ref().expect("every pruned layer is fitted");
+        let train = runtime_explained(&ck, &cfg, &plan, &f.sidecars, map, l, &recs.fit);
+        let held = runtime_explained(&ck, &cfg, &plan, &f.sidecars, map, l, &recs.validation);
         assert!(
             (train - lf.explained).abs() < 1e-3,
             "layer {l}: the runtime explains {train} of the fit rows, the fit says {}",

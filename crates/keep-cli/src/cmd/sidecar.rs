@@ -22,10 +22,14 @@ use crate::util::{byte_bar, count_bar, human};
 /// teacher MoE(x) − pruned MoE(x), added to the block's output: out += (x·A)·B, 2·R·hidden
 /// numbers per layer (F32), resident, one small product per token. Fitted by reduced-rank ridge
 /// regression (f64) on the calibration split of the pack the run RUN was made from, layer by
-/// layer: each layer's inputs come from the pruned model with the sidecars of the layers before
-/// it applied, so each fit sees the errors before it. Memory: one record's activations and two
-/// hidden × hidden sums per layer. --ridge is relative to the mean input energy (λ·tr(XᵀX)/hidden
-/// is added to the diagonal).
+/// layer: each layer's inputs come from the pruned model with the sidecars kept before it
+/// applied. Every fifth calibration group (whole sources) is held out as validation records;
+/// fit and validation records are taken round-robin over their groups. A layer keeps its
+/// sidecar only where it explains part of the validation rows and lowers the whole pruned
+/// model's KL to the teacher on them; the report gives both per layer. Memory: one record's
+/// activations and four hidden × hidden sums per layer. --ridge is relative to the mean input
+/// energy (λ·tr(XᵀX)/hidden is added to the diagonal); auto (the default) picks it per layer
+/// by the validation rows.
 ///
 /// Writes OUT: the checkpoint `keep prune` writes (byte copy) plus the tensors
 /// layers.L.ffn.sidecar.a.weight [R × hidden] and layers.L.ffn.sidecar.b.weight [hidden × R],
