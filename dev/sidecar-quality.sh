@@ -6,7 +6,8 @@
 # variant's bytes per layer beside it.
 #
 # Usage: dev/sidecar-quality.sh WORKDIR [OUT.json]
-#   TOKENS=32768 (calibration tokens each sidecar is fitted on), RIDGE=1e-3, RANKS="8 32 128",
+#   TOKENS=8192 (calibration tokens each sidecar is fitted on; validation: a quarter of that),
+#   RIDGE=auto (or a relative ridge), RANKS="8 32 128",
 #   LEVELS="75 50 25". Needs target/release/keep (cargo build --release -p keep-cli).
 # Writes OUT.json (default dev/evidence/sidecar-quality-keep-tiny.json) and leaves every plan,
 # checkpoint report and eval report in WORKDIR.
@@ -17,8 +18,8 @@ OUT="${2:-dev/evidence/sidecar-quality-keep-tiny.json}"
 K="${KEEP:-$(pwd)/target/release/keep}"
 M="$(pwd)/models/keep-tiny"
 P="$(pwd)/models/keep-tiny-pack"
-TOKENS=${TOKENS:-32768}
-RIDGE=${RIDGE:-1e-3}
+TOKENS=${TOKENS:-8192}
+RIDGE=${RIDGE:-auto}
 RANKS=${RANKS:-8 32 128}
 LEVELS=${LEVELS:-75 50 25}
 mkdir -p "$W/plans" "$W/ck" "$W/eval" "$W/fit"
@@ -73,7 +74,7 @@ for lv in levels:
         return {"name": name, "keep_pct": lv, "experts_kept": kept, "rank": rank,
                 "sidecar_bytes_per_layer": extra, "checkpoint_bytes": ck_bytes(name),
                 "positions": s["positions"], "mean_kl": s["mean_kl"], "top1": s["top1"],
-                "mean_dnll": s["mean_dnll"]}
+                "mean_dnll": s["mean_dnll"], "sidecar_layers": 0}
     for kk in (k, k + 1, k + 2):
         rows.append(row(f"pruned-{kk}", kk, 0, 0))
     for r in ranks:
@@ -81,6 +82,8 @@ for lv in levels:
         per_layer = fit["sidecar_bytes"] / max(1, len(fit["layers"]))
         x = row(f"sc-{k}-r{r}", k, r, per_layer)
         x["fit_layers"] = fit["layers"]
+        x["sidecar_layers"] = sum(1 for l in fit["layers"] if l["kept"])
+        x["validation_tokens"] = fit["validation_tokens"]
         rows.append(x)
         more = [y for y in rows if y["keep_pct"] == lv and y["rank"] == 0 and y["experts_kept"] > k]
         equal.append({"keep_pct": lv, "experts_kept": k, "rank": r,
@@ -95,7 +98,7 @@ ev = {
     "model": "models/keep-tiny", "hidden": hidden, "layers": layers, "experts": n_exp,
     "model_bytes": full,
     "expert_bytes_per_layer": expert_bytes,
-    "saliency": "reap", "fit_tokens": int(tokens), "ridge": float(ridge),
+    "saliency": "reap", "fit_tokens": int(tokens), "ridge": ridge if ridge == "auto" else float(ridge),
     "sidecar_dtype": "F32",
     "teacher_nll": teacher_nll,
     "machine": load("machine.json") | load("machine-after.json"),

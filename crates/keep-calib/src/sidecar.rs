@@ -7,10 +7,11 @@
 //! checkpoint routes the same way).
 //!
 //! The fit is sequential: layer ℓ's inputs `x` are those of the pruned model with the sidecars
-//! of the layers before ℓ already applied, so each fit sees (and can correct) the errors of the
-//! layers before it. Layer ℓ takes one pass over the calibration records through layers 0..=ℓ,
+//! kept before ℓ already applied, so each map is fitted on the inputs it gets at run time
+//! (the target is the layer's own MoE error at those inputs). Layer ℓ takes one pass over the calibration records through layers 0..=ℓ,
 //! one record at a time; memory is one record's activations plus, per layer, the f64 sums
-//! `XᵀX` and `XᵀY` (`hidden × hidden` each), never every activation.
+//! `XᵀX` and `XᵀY` (`hidden × hidden` each, for the fitting and for the validation rows), never
+//! every activation.
 //!
 //! The solver ([`reduced_rank_ridge`]) is reduced-rank ridge regression, in f64 with `faer`:
 //! `W = (XᵀX + λ'I)⁻¹ XᵀY` with `λ' = λ · tr(XᵀX) / hidden` (the ridge is relative to the
@@ -19,6 +20,18 @@
 //! (the right singular vectors of `X W`), `A = W V_r` (`hidden × r`) and `B = V_rᵀ`, so
 //! `X A B` is the best rank-r approximation of `X W` (Eckart–Young). At `r = hidden` it is the
 //! ridge solution itself.
+//!
+//! The fit is scored on rows it did not see: [`calibration_records`] holds a fifth of the
+//! calibration split's groups (whole sources) out of the fit as validation records, and samples
+//! both parts round-robin over their groups, so a token cap still covers every source. Per
+//! layer the validation rows give the share of `Σ‖y‖²` the rank-r map explains there
+//! ([`Rrr::explained_on`], from the validation sums `XᵀX`, `XᵀY`, `Σ‖y‖²` alone); `--ridge
+//! auto` ([`Ridge::Auto`]) picks, per layer, the ridge of [`AUTO_RIDGES`] that explains the most
+//! of them. A layer keeps its sidecar only where it explains part of them (> 0) and, with it,
+//! the whole pruned student's mean KL(teacher‖student) on the validation records falls: energy
+//! of the MoE output explained is not KL won (on the bundled model a first-layer sidecar that
+//! explains over a quarter of its validation energy raises the KL), and the check costs two
+//! whole-model passes over the validation records per layer.
 //!
 //! What it is not: no checkpoint writing (the CLI writes the pruned checkpoint with the
 //! sidecars through keep-convert's prune), no model code (keep-model adds the sidecar term in
@@ -126,6 +139,37 @@ impl Rrr {
     }
 }
 
+impl Rrr {
+    /// Fraction of `Σ‖y‖²` of the rows summed in `g` that `X A B` explains:
+    /// `1 − Σ‖y − x A B‖² / Σ‖y‖²` (from the sums: `Σ‖y‖² − 2 tr(Ŵᵀ XᵀY) + tr(Ŵᵀ XᵀX Ŵ)`). On rows
+    /// the fit did not see it is a held-out score: ≤ 0 when adding the map to the pruned output
+    /// leaves it no closer to the teacher's than leaving it out.
+    pub fn explained_on(&self, g: &Gram) -> Result<f64> {
+        let (d, r) = (self.hidden, self.rank);
+        if g.hidden != d {
+            return Err(CalibError::Options(format!(
+                "a sidecar over hidden size {d} scored on sums of hidden size {}",
+                g.hidden
+            )));
+        }
+        if g.yy <= 0.0 {
+            return Ok(0.0);
+        }
+        let a = Mat::<f64>::from_fn(d, r, |i, k| self.a[i * r + k]);
+        let b = Mat::<f64>::from_fn(r, d, |k, j| self.b[k * d + j]);
+        let w = &a * &b;
+        let gw = &g.xtx * &w;
+        let (mut cross, mut quad) = (0.0, 0.0);
+        for j in 0..d {
+            for i in 0..d {
+                cross += w[(i, j)] * g.xty[(i, j)];
+                quad += w[(i, j)] * gw[(i, j)];
+            }
+        }
+        Ok(1.0 - (g.yy - 2.0 * cross + quad) / g.yy)
+    }
+}
+
 /// Reduced-rank ridge regression from the sums of `g` (see the module doc). `rank` is clamped
 /// to `hidden`; `ridge` is relative (`λ' = ridge · tr(XᵀX) / hidden`) and must be ≥ 0.
 pub fn reduced_rank_ridge(g: &Gram, rank: usize, ridge: f64) -> Result<Rrr> {
@@ -199,12 +243,24 @@ pub fn reduced_rank_ridge(g: &Gram, rank: usize, ridge: f64) -> Result<Rrr> {
     })
 }
 
+/// The relative ridges `--ridge auto` tries, per layer.
+pub const AUTO_RIDGES: [f64; 7] = [1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0];
+
+/// How a layer's ridge is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Ridge {
+    /// This relative ridge on every layer (see the module doc).
+    Relative(f64),
+    /// Per layer, the one of [`AUTO_RIDGES`] whose rank-r fit explains the most of the
+    /// validation rows (needs validation records).
+    Auto,
+}
+
 /// Options of [`fit`].
 #[derive(Debug, Clone)]
 pub struct SidecarOptions {
     pub rank: usize,
-    /// Relative ridge (see the module doc).
-    pub ridge: f64,
+    pub ridge: Ridge,
 }
 
 /// One layer's fit.
@@ -212,20 +268,41 @@ pub struct SidecarOptions {
 pub struct LayerFit {
     pub layer: usize,
     pub rows: u64,
+    /// Rows of the validation records (0: none).
+    pub validation_rows: u64,
     pub rank: usize,
+    /// The relative ridge used (chosen per layer by `--ridge auto`).
+    pub ridge: f64,
     pub ridge_abs: f64,
     /// Mean `‖y‖²` per row: the energy of what the removed experts contributed.
     pub y_energy: f64,
     /// Fraction of `Σ‖y‖²` explained on the calibration rows, full-rank ridge and rank r.
     pub explained_full: f64,
     pub explained: f64,
+    /// Fraction of `Σ‖y‖²` the rank-r sidecar explains on the validation rows (held out of
+    /// the fit); `None` without validation records.
+    pub explained_validation: Option<f64>,
+    /// Mean KL(teacher‖student) per position on the validation records, of the whole pruned
+    /// student with the sidecars kept before this layer, without and with this layer's (`None`:
+    /// not measured: no validation records, or the sidecar explains nothing of them).
+    pub validation_kl_without: Option<f64>,
+    pub validation_kl_with: Option<f64>,
+    /// Whether the sidecar is kept: only where it explains some of the validation rows
+    /// (`explained_validation > 0`) and lowers the validation KL (`validation_kl_with <
+    /// validation_kl_without`); without validation records, always.
+    pub kept: bool,
 }
 
-/// What [`fit`] found: a sidecar per decoder layer (`None` where the plan prunes nothing).
+/// What [`fit`] found: a sidecar per decoder layer (`None` where the plan prunes nothing, or
+/// where the sidecar did not help on the validation rows).
 pub struct SidecarFit {
     pub sidecars: Vec<Option<Sidecar>>,
+    /// Every pruned layer's fitted map, kept or not (`None` where the plan prunes nothing).
+    pub fitted: Vec<Option<Sidecar>>,
     pub layers: Vec<LayerFit>,
+    /// Tokens fitted on, and validated on.
     pub tokens: u64,
+    pub validation_tokens: u64,
 }
 
 /// Collects the MoE block input of one layer (the router's input rows).
@@ -245,16 +322,55 @@ impl RouteObserver for MoeInput {
     }
 }
 
-/// The calibration-split records of `pack` to fit on, in pack order, up to `max_tokens` tokens
-/// (whole records; `None`: all). `run` (a calibration run directory, either split) must have
-/// been made from this pack and from the teacher `model`: it names the data the plan was chosen
-/// on, and the fit uses the same pack's calibration split, never its held-out records.
+/// The records a fit uses: `fit` to sum the regression over, `validation` (other groups of the
+/// same split) to score it on rows it did not see.
+#[derive(Debug, Clone, Default)]
+pub struct FitRecords {
+    pub fit: Vec<Vec<u32>>,
+    pub validation: Vec<Vec<u32>>,
+}
+
+/// Every calibration group whose index is `VALIDATION_EVERY − 1` modulo this is a validation
+/// group (a fifth of the groups), when the split has at least two groups.
+pub const VALIDATION_EVERY: usize = 5;
+
+/// Records of `groups` taken round-robin (the first record of every group, then the second …)
+/// up to `cap` tokens (whole records; `None`: all): the cap samples every group, not the first
+/// few sources of the pack.
+fn round_robin(pack: &crate::pack::Pack, groups: &[&str], cap: Option<usize>) -> Vec<Vec<u32>> {
+    let per: Vec<Vec<&crate::pack::Record>> = groups
+        .iter()
+        .map(|g| pack.records_of(g).collect())
+        .collect();
+    let depth = per.iter().map(Vec::len).max().unwrap_or(0);
+    let mut out = vec![];
+    let mut total = 0usize;
+    for i in 0..depth {
+        for recs in &per {
+            let Some(r) = recs.get(i) else { continue };
+            if cap.is_some_and(|c| total >= c) {
+                return out;
+            }
+            total += r.tokens.len();
+            out.push(r.tokens.clone());
+        }
+    }
+    out
+}
+
+/// The calibration-split records of `pack` to fit on and to validate on. With at least two
+/// calibration groups, every [`VALIDATION_EVERY`]-th group (at least one) is held out of the
+/// fit for validation; the fit takes up to `max_tokens` tokens and the validation up to a
+/// quarter of that (whole records, round-robin over the groups; `None`: all). `run` (a
+/// calibration run directory, either split) must have been made from this pack and from the
+/// teacher `model`: it names the data the plan was chosen on, and the fit uses the same pack's
+/// calibration split, never its held-out records.
 pub fn calibration_records(
     run: &Path,
     pack: &crate::pack::Pack,
     model: &Path,
     max_tokens: Option<usize>,
-) -> Result<Vec<Vec<u32>>> {
+) -> Result<FitRecords> {
     let m = crate::calibrate::RunManifest::read(run)?;
     if m.pack_fingerprint != pack.fingerprint {
         return Err(CalibError::Mismatch(format!(
@@ -275,18 +391,29 @@ pub fn calibration_records(
             crate::fingerprint::short(&fp)
         )));
     }
-    let mut out = vec![];
-    let mut total = 0usize;
-    'groups: for g in pack.groups(crate::pack::Split::Calibration) {
-        for r in pack.records_of(&g.id) {
-            if max_tokens.is_some_and(|cap| total >= cap) {
-                break 'groups;
-            }
-            total += r.tokens.len();
-            out.push(r.tokens.clone());
+    let groups: Vec<&str> = pack
+        .groups(crate::pack::Split::Calibration)
+        .into_iter()
+        .map(|g| g.id.as_str())
+        .collect();
+    let held = |i: usize| {
+        groups.len() >= 2
+            && (i % VALIDATION_EVERY == VALIDATION_EVERY - 1
+                || (groups.len() < VALIDATION_EVERY && i == groups.len() - 1))
+    };
+    let (mut fit_groups, mut val_groups) = (vec![], vec![]);
+    for (i, &g) in groups.iter().enumerate() {
+        if held(i) {
+            val_groups.push(g);
+        } else {
+            fit_groups.push(g);
         }
     }
-    if total == 0 {
+    let out = FitRecords {
+        fit: round_robin(pack, &fit_groups, max_tokens),
+        validation: round_robin(pack, &val_groups, max_tokens.map(|c| (c / 4).max(1))),
+    };
+    if out.fit.iter().all(|r| r.is_empty()) {
         return Err(CalibError::Mismatch(format!(
             "{} has no calibration-split tokens to fit sidecars on",
             pack.dir.display()
@@ -319,12 +446,95 @@ pub fn check_plan(
     Ok(())
 }
 
+/// The sums of one layer `l` of `student` (the pruned model up to `l`) over `records`: the MoE
+/// block's input rows `x` and `y = teacher MoE(x) − pruned MoE(x)`, both at the student's `x`.
+#[allow(clippy::too_many_arguments)]
+fn layer_sums(
+    cfg: &ModelConfig,
+    student: &Model,
+    teacher: &keep_model::layer::LayerWeights,
+    experts: &dyn ExpertSource,
+    mask: Option<&[bool]>,
+    l: usize,
+    records: &[Vec<u32>],
+    progress: &mut dyn FnMut(usize),
+) -> Result<Gram> {
+    let d = cfg.dim;
+    let mut g = Gram::new(d);
+    for r in records {
+        if !r.is_empty() {
+            let mut obs = MoeInput {
+                layer: l,
+                x: Vec::with_capacity(r.len() * d),
+            };
+            let mut cache = student.new_cache();
+            student.forward(r, &mut cache, Logits::None, Some(&mut obs))?;
+            if obs.x.len() != r.len() * d {
+                return Err(CalibError::Mismatch(format!(
+                    "layer {l}: the forward reported {} MoE input numbers for {} tokens",
+                    obs.x.len(),
+                    r.len()
+                )));
+            }
+            let yt = teacher.moe_output(cfg, experts, None, &obs.x, r)?;
+            let yp = student.layers[l].moe_output(cfg, experts, mask, &obs.x, r)?;
+            let y: Vec<f32> = yt.iter().zip(&yp).map(|(t, p)| t - p).collect();
+            g.add(&obs.x, &y, r.len())?;
+        }
+        progress(1);
+    }
+    Ok(g)
+}
+
+/// Mean KL(teacher‖student) per position over the whole vocabulary, on `records`: the
+/// student is `model` with `masks`, `tables` and `sidecars` set, the teacher `model` as it is.
+fn validation_kl(
+    ck: &Checkpoint,
+    masks: &[Option<Vec<bool>>],
+    tables: &[Option<keep_model::hash::HashTable>],
+    sidecars: &[Option<Sidecar>],
+    records: &[Vec<u32>],
+) -> Result<f64> {
+    let teacher = Model::load(ck)?;
+    let mut student = Model::load(ck)?;
+    for (k, m) in masks.iter().enumerate() {
+        student.set_router_mask(k, m.clone())?;
+    }
+    for (k, t) in tables.iter().enumerate() {
+        if let Some(t) = t {
+            student.set_hash_table(k, t.clone())?;
+        }
+    }
+    for (lw, sc) in student.layers.iter_mut().zip(sidecars) {
+        lw.sidecar = sc.clone();
+    }
+    let v = teacher.cfg.vocab;
+    let (mut kl, mut n) = (0f64, 0usize);
+    for r in records.iter().filter(|r| !r.is_empty()) {
+        let lt = teacher.forward(r, &mut teacher.new_cache(), Logits::All, None)?;
+        let ls = student.forward(r, &mut student.new_cache(), Logits::All, None)?;
+        for (a, b) in lt.chunks_exact(v).zip(ls.chunks_exact(v)) {
+            let (p, q) = (
+                crate::eval_metrics::log_softmax(a),
+                crate::eval_metrics::log_softmax(b),
+            );
+            kl += p
+                .iter()
+                .zip(&q)
+                .map(|(p, q)| p.exp() * (p - q))
+                .sum::<f64>();
+            n += 1;
+        }
+    }
+    Ok(kl / n.max(1) as f64)
+}
+
 /// Fit the sidecars of `plan` on `model` (the teacher) from `records`, sequentially (see the
 /// module doc). `progress(layer, records_done, records_total)` is called per record.
 pub fn fit(
     model: &Path,
     plan: &PrunePlan,
-    records: &[Vec<u32>],
+    records: &FitRecords,
     opts: &SidecarOptions,
     progress: &mut dyn FnMut(usize, usize, usize),
 ) -> Result<SidecarFit> {
@@ -347,18 +557,35 @@ pub fn fit(
     if opts.rank == 0 {
         return Err(CalibError::Options("--rank must be at least 1".into()));
     }
-    if records.iter().all(|r| r.is_empty()) {
+    if let Ridge::Relative(r) = opts.ridge {
+        if !(r.is_finite() && r >= 0.0) {
+            return Err(CalibError::Options(format!(
+                "--ridge must be a finite number ≥ 0 or auto (got {r})"
+            )));
+        }
+    }
+    if records.fit.iter().all(|r| r.is_empty()) {
         return Err(CalibError::Options(
             "no calibration tokens to fit sidecars on".into(),
+        ));
+    }
+    if opts.ridge == Ridge::Auto && records.validation.iter().all(|r| r.is_empty()) {
+        return Err(CalibError::Options(
+            "--ridge auto chooses the ridge on validation records, and there are none (the pack's calibration split needs at least two groups): pass --ridge with a number"
+                .into(),
         ));
     }
     let masks: Vec<Option<Vec<bool>>> = (0..cfg.n_layers).map(|l| plan.pruned_mask(l)).collect();
     let tables = crate::eval::remapped_tables(&ck, &cfg, plan)?;
     let experts = CheckpointExperts::new(&ck, &cfg)?;
-    let d = cfg.dim;
+    let src = &experts as &dyn ExpertSource;
     let mut sidecars: Vec<Option<Sidecar>> = vec![None; cfg.n_layers];
+    let mut fitted: Vec<Option<Sidecar>> = vec![None; cfg.n_layers];
     let mut layers = vec![];
-    let tokens: u64 = records.iter().map(|r| r.len() as u64).sum();
+    let count = |rs: &[Vec<u32>]| rs.iter().map(|r| r.len() as u64).sum::<u64>();
+    let n_records = records.fit.len() + records.validation.len();
+    // The student's validation KL with the sidecars kept so far (once measured).
+    let mut kl_now: Option<f64> = None;
     for l in (0..cfg.n_layers).filter(|&l| masks[l].is_some()) {
         // The pruned model up to layer l, with the sidecars fitted so far.
         let mut student = Model::load(&ck)?;
@@ -375,47 +602,104 @@ pub fn fit(
         }
         student.layers.truncate(l + 1);
         let teacher = keep_model::layer::LayerWeights::load(&ck, &cfg, l)?;
-        let mut g = Gram::new(d);
-        for (i, r) in records.iter().enumerate() {
-            if r.is_empty() {
-                continue;
+        let mut done = 0;
+        let mut tick = |n: usize| {
+            done += n;
+            progress(l, done, n_records);
+        };
+        let mask = masks[l].as_deref();
+        let g = layer_sums(
+            &cfg,
+            &student,
+            &teacher,
+            src,
+            mask,
+            l,
+            &records.fit,
+            &mut tick,
+        )?;
+        let gv = layer_sums(
+            &cfg,
+            &student,
+            &teacher,
+            src,
+            mask,
+            l,
+            &records.validation,
+            &mut tick,
+        )?;
+        let (ridge, sol) = match opts.ridge {
+            Ridge::Relative(r) => (r, reduced_rank_ridge(&g, opts.rank, r)?),
+            Ridge::Auto => {
+                let mut best: Option<(f64, Rrr, f64)> = None;
+                for r in AUTO_RIDGES {
+                    // A ridge too small for XᵀX to factor is no candidate.
+                    let Ok(sol) = reduced_rank_ridge(&g, opts.rank, r) else {
+                        continue;
+                    };
+                    let e = sol.explained_on(&gv)?;
+                    if best.as_ref().is_none_or(|b| e > b.2) {
+                        best = Some((r, sol, e));
+                    }
+                }
+                let (r, sol, _) = best.ok_or_else(|| {
+                    CalibError::Options(format!(
+                        "layer {l}: no ridge of {AUTO_RIDGES:?} gives a positive definite XᵀX + λI"
+                    ))
+                })?;
+                (r, sol)
             }
-            let mut obs = MoeInput {
-                layer: l,
-                x: Vec::with_capacity(r.len() * d),
+        };
+        let explained_validation = match gv.rows {
+            0 => None,
+            _ => Some(sol.explained_on(&gv)?),
+        };
+        // Kept where it explains some of the validation rows and, with it, the whole student's
+        // validation KL to the teacher falls.
+        let mut kept = explained_validation.is_none_or(|e| e > 0.0);
+        let mut kl_with = None;
+        if kept && gv.rows > 0 {
+            let mut trial = sidecars.clone();
+            trial[l] = Some(sol.sidecar()?);
+            let before = match kl_now {
+                Some(k) => k,
+                None => validation_kl(&ck, &masks, &tables, &sidecars, &records.validation)?,
             };
-            let mut cache = student.new_cache();
-            student.forward(r, &mut cache, Logits::None, Some(&mut obs))?;
-            if obs.x.len() != r.len() * d {
-                return Err(CalibError::Mismatch(format!(
-                    "layer {l}: the forward reported {} MoE input numbers for {} tokens",
-                    obs.x.len(),
-                    r.len()
-                )));
-            }
-            let src = &experts as &dyn ExpertSource;
-            let yt = teacher.moe_output(&cfg, src, None, &obs.x, r)?;
-            let yp = student.layers[l].moe_output(&cfg, src, masks[l].as_deref(), &obs.x, r)?;
-            let y: Vec<f32> = yt.iter().zip(&yp).map(|(t, p)| t - p).collect();
-            g.add(&obs.x, &y, r.len())?;
-            progress(l, i + 1, records.len());
+            let after = validation_kl(&ck, &masks, &tables, &trial, &records.validation)?;
+            kl_now = Some(before);
+            kl_with = Some(after);
+            kept = after < before;
         }
-        let sol = reduced_rank_ridge(&g, opts.rank, opts.ridge)?;
-        sidecars[l] = Some(sol.sidecar()?);
+        let kl_without = kl_now;
+        fitted[l] = Some(sol.sidecar()?);
+        if kept {
+            sidecars[l] = fitted[l].clone();
+            if kl_with.is_some() {
+                kl_now = kl_with;
+            }
+        }
         layers.push(LayerFit {
             layer: l,
             rows: g.rows,
+            validation_rows: gv.rows,
             rank: sol.rank,
+            ridge,
             ridge_abs: sol.ridge_abs,
             y_energy: g.yy / g.rows.max(1) as f64,
             explained_full: sol.explained_full,
             explained: sol.explained,
+            explained_validation,
+            validation_kl_without: kl_without,
+            validation_kl_with: kl_with,
+            kept,
         });
     }
     Ok(SidecarFit {
         sidecars,
+        fitted,
         layers,
-        tokens,
+        tokens: count(&records.fit),
+        validation_tokens: count(&records.validation),
     })
 }
 
@@ -615,6 +899,45 @@ mod tests {
                 assert!((out[i * d + j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
             }
         }
+    }
+
+    #[test]
+    fn explained_on_scores_rows_the_fit_did_not_see() {
+        let (n, d, r) = (500, 9, 4);
+        let (x, y) = problem(n, d, 13);
+        let fit_rows = 300;
+        let g = gram(&x[..fit_rows * d], &y[..fit_rows * d], fit_rows, d);
+        let sol = reduced_rank_ridge(&g, r, 1e-2).unwrap();
+        // On its own rows: what the fit reports.
+        assert!((sol.explained_on(&g).unwrap() - sol.explained).abs() < 1e-9);
+        // On the other rows: 1 − Σ‖y − x A B‖² / Σ‖y‖², row by row.
+        let held = gram(&x[fit_rows * d..], &y[fit_rows * d..], n - fit_rows, d);
+        let w = product(&sol.a, &sol.b, d, r);
+        let (mut e, mut yy) = (0.0, 0.0);
+        for i in fit_rows..n {
+            for j in 0..d {
+                let p: f64 = (0..d).map(|k| x[i * d + k] as f64 * w[k * d + j]).sum();
+                e += (y[i * d + j] as f64 - p).powi(2);
+                yy += (y[i * d + j] as f64).powi(2);
+            }
+        }
+        let got = sol.explained_on(&held).unwrap();
+        assert!(
+            (got - (1.0 - e / yy)).abs() < 1e-9,
+            "{got} vs {}",
+            1.0 - e / yy
+        );
+        // Targets the inputs cannot predict: the held-out score is below zero.
+        let noise: Vec<f32> = {
+            let mut rng = Rng(99);
+            (0..n * d).map(|_| rng.f() as f32).collect()
+        };
+        let g = gram(&x[..fit_rows * d], &noise[..fit_rows * d], fit_rows, d);
+        let sol = reduced_rank_ridge(&g, d, 0.0).unwrap();
+        assert!(sol.explained > 0.0);
+        let held = gram(&x[fit_rows * d..], &noise[fit_rows * d..], n - fit_rows, d);
+        assert!(sol.explained_on(&held).unwrap() < 0.0);
+        assert!(sol.explained_on(&Gram::new(d + 1)).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use keep_artifacts::plan::PrunePlan;
 use keep_calib::pack::Pack;
-use keep_calib::sidecar::{calibration_records, fit, LayerFit, SidecarOptions};
+use keep_calib::sidecar::{calibration_records, fit, LayerFit, Ridge, SidecarOptions};
 use keep_checkpoint::writer::TensorMeta;
 use keep_checkpoint::Dtype;
 use keep_convert::prune::{prune_with, PruneExtra, PruneOptions};
@@ -22,10 +22,14 @@ use crate::util::{byte_bar, count_bar, human};
 /// teacher MoE(x) − pruned MoE(x), added to the block's output: out += (x·A)·B, 2·R·hidden
 /// numbers per layer (F32), resident, one small product per token. Fitted by reduced-rank ridge
 /// regression (f64) on the calibration split of the pack the run RUN was made from, layer by
-/// layer: each layer's inputs come from the pruned model with the sidecars of the layers before
-/// it applied, so each fit sees the errors before it. Memory: one record's activations and two
-/// hidden × hidden sums per layer. --ridge is relative to the mean input energy (λ·tr(XᵀX)/hidden
-/// is added to the diagonal).
+/// layer: each layer's inputs come from the pruned model with the sidecars kept before it
+/// applied. Every fifth calibration group (whole sources) is held out as validation records;
+/// fit and validation records are taken round-robin over their groups. A layer keeps its
+/// sidecar only where it explains part of the validation rows and lowers the whole pruned
+/// model's KL to the teacher on them; the report gives both per layer. Memory: one record's
+/// activations and four hidden × hidden sums per layer. --ridge is relative to the mean input
+/// energy (λ·tr(XᵀX)/hidden is added to the diagonal); auto (the default) picks it per layer
+/// by the validation rows.
 ///
 /// Writes OUT: the checkpoint `keep prune` writes (byte copy) plus the tensors
 /// layers.L.ffn.sidecar.a.weight [R × hidden] and layers.L.ffn.sidecar.b.weight [hidden × R],
@@ -50,9 +54,10 @@ pub struct SidecarArgs {
     /// Rank of each layer's sidecar (at most hidden).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     rank: u64,
-    /// Ridge, relative to the mean diagonal of XᵀX.
-    #[arg(long, default_value_t = 1e-3, value_parser = parse_ridge)]
-    ridge: f64,
+    /// Ridge, relative to the mean diagonal of XᵀX, or `auto`: per layer, the ridge whose
+    /// sidecar explains the most of the validation records.
+    #[arg(long, default_value = "auto", value_parser = parse_ridge)]
+    ridge: Ridge,
     /// Fit on at most this many calibration tokens (whole records, pack order; default: all).
     #[arg(long, value_name = "N")]
     max_tokens: Option<usize>,
@@ -67,10 +72,21 @@ pub struct SidecarArgs {
     json: bool,
 }
 
-fn parse_ridge(s: &str) -> Result<f64, String> {
+fn parse_ridge(s: &str) -> Result<Ridge, String> {
+    if s == "auto" {
+        return Ok(Ridge::Auto);
+    }
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("`{s}` is not a finite number ≥ 0")),
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(Ridge::Relative(v)),
+        _ => Err(format!("`{s}` is neither `auto` nor a finite number ≥ 0")),
+    }
+}
+
+/// `--ridge` as written to the report and config.json: a number or "auto".
+fn ridge_json(r: Ridge) -> serde_json::Value {
+    match r {
+        Ridge::Relative(v) => serde_json::json!(v),
+        Ridge::Auto => serde_json::json!("auto"),
     }
 }
 
@@ -82,8 +98,9 @@ struct Report {
     plan: String,
     output: String,
     rank: usize,
-    ridge: f64,
+    ridge: serde_json::Value,
     tokens: u64,
+    validation_tokens: u64,
     sidecar_bytes: u64,
     experts_kept: usize,
     experts_total: usize,
@@ -120,7 +137,10 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
         rank: a.rank as usize,
         ridge: a.ridge,
     };
-    let bar = count_bar(records.len() as u64, "sidecar");
+    let bar = count_bar(
+        (records.fit.len() + records.validation.len()) as u64,
+        "sidecar",
+    );
     let f = fit(&model, &plan, &records, &opts, &mut |l, done, total| {
         bar.set_message(format!("sidecar layer {l}"));
         bar.set_length(total as u64);
@@ -138,7 +158,7 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
     let mut extra = PruneExtra::default();
     let mut layers = vec![];
     let mut sidecar_bytes = 0u64;
-    let mut rank = 0;
+    let rank = f.layers.first().map_or(0, |l| l.rank);
     for (l, sc) in f.sidecars.iter().enumerate() {
         let Some(sc) = sc else { continue };
         let [na, nb] = keep_model::sidecar::tensor_names(&format!("layers.{l}."));
@@ -151,14 +171,13 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
             .tensors
             .push((TensorMeta::new(nb, Dtype::F32, &[d, r]), bytes(sc.b())));
         sidecar_bytes += 2 * r * d * 4;
-        rank = sc.rank;
         layers.push(l);
     }
     extra.config.push((
         "keep_sidecar".into(),
         serde_json::json!({
             "rank": rank,
-            "ridge": a.ridge,
+            "ridge": ridge_json(a.ridge),
             "layers": layers,
             "dtype": "F32",
             "tokens": f.tokens,
@@ -183,8 +202,9 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
         plan: a.plan.display().to_string(),
         output: out.display().to_string(),
         rank,
-        ridge: a.ridge,
+        ridge: ridge_json(a.ridge),
         tokens: f.tokens,
+        validation_tokens: f.validation_tokens,
         sidecar_bytes,
         experts_kept: r.n_experts_after,
         experts_total: r.n_experts_before,
@@ -208,12 +228,18 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
         rep.tokens
     );
     for l in &rep.layers {
+        let val = match l.explained_validation {
+            Some(v) => format!(", validation {:.1}%", 100.0 * v),
+            None => String::new(),
+        };
         println!(
-            "  layer {:>3}: removed experts' energy {:.4}/token, explained {:.1}% (full-rank ridge {:.1}%)",
+            "  layer {:>3}: removed experts' energy {:.4}/token, explained {:.1}% (full-rank ridge {:.1}%){val}, ridge {}{}",
             l.layer,
             l.y_energy,
             100.0 * l.explained,
-            100.0 * l.explained_full
+            100.0 * l.explained_full,
+            l.ridge,
+            if l.kept { "" } else { ": no sidecar (it explains nothing of the validation records)" }
         );
     }
     Ok(())
