@@ -87,13 +87,19 @@ SHAPE=(--preset qwen3-30b-a3b)
 [[ -n "${CONFIG:-}" ]] && SHAPE=(--config "$CONFIG")
 Q="$W/qwen3-L$LAYERS${CONFIG:+-$(basename "$CONFIG" .json)}"
 mkdir -p "$Q"
-if [[ ! -f "$Q/bf16/config.json" ]]; then
+# The bf16 checkpoint is the source of every GGUF: made only when the bf16 pair runs or a GGUF
+# is missing (12 GB at 4 layers).
+need_bf16=0
+[[ " $PAIRS " == *" bf16 "* ]] && need_bf16=1
+[[ " $PAIRS " == *" q8 "* && ! -f "$Q/q8_0.gguf" ]] && need_bf16=1
+[[ " $PAIRS " == *" q4 "* && ! -f "$Q/q4_0.gguf" ]] && need_bf16=1
+if [[ "$need_bf16" == 1 && ! -f "$Q/bf16/config.json" ]]; then
   "$KEEP" synth --family qwen3_moe "${SHAPE[@]}" --layers "$LAYERS" --format bf16 \
     --out "$Q/bf16" --force >&2
   cp "$REPO/models/keep-tiny/tokenizer.json" "$Q/bf16/"
   [[ -f "$REPO/models/keep-tiny/tokenizer_config.json" ]] && cp "$REPO/models/keep-tiny/tokenizer_config.json" "$Q/bf16/"
 fi
-if [[ ! -f "$Q/bf16.gguf" ]]; then
+if [[ "$need_bf16" == 1 && ! -f "$Q/bf16.gguf" ]]; then
   PYTHONPATH="$SRC/gguf-py:$SRC" nice -n 10 "$PY" - "$SRC" "$Q/bf16" "$Q/bf16.gguf" >&2 <<'PYEOF'
 import runpy, sys
 src, model, out = sys.argv[1:4]

@@ -226,6 +226,18 @@ impl Checkpoint {
     pub fn shards(&self) -> &[ShardFile] {
         &self.shards
     }
+    /// Bytes of all shard files together.
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().map(ShardFile::len).sum()
+    }
+    /// Fault every shard's mapping in now ([`ShardFile::populate`]); the bytes populated.
+    pub fn populate(&self) -> u64 {
+        self.shards
+            .iter()
+            .filter(|s| s.populate())
+            .map(ShardFile::len)
+            .sum()
+    }
     /// Readable inconsistencies found while opening.
     pub fn warnings(&self) -> &[String] {
         &self.warnings

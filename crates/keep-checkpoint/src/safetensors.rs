@@ -344,6 +344,18 @@ impl ShardFile {
             }
         }
     }
+    /// Fault the whole mapping in now (`madvise(MADV_POPULATE_READ)`, reading from disk what
+    /// the page cache lacks), as llama.cpp's loader does with `MAP_POPULATE`: the first
+    /// forward then reads weights from memory instead of taking a page fault per 4 KiB the
+    /// first time each is touched. Advisory: false where the kernel refuses (before Linux
+    /// 5.14, or not Linux).
+    pub fn populate(&self) -> bool {
+        match &self.mmap {
+            #[cfg(target_os = "linux")]
+            Some(m) => m.advise(memmap2::Advice::PopulateRead).is_ok(),
+            _ => false,
+        }
+    }
     /// The whole mapping, for advice calls (`madvise`) by callers that stream layers.
     pub fn mapping(&self) -> Option<&memmap2::Mmap> {
         self.mmap.as_ref()

@@ -27,13 +27,7 @@ pub const AUTO_MARGIN_FRACTION: f64 = 0.10;
 /// ... and never less than this many bytes.
 pub const AUTO_MARGIN_MIN: u64 = 512 << 20;
 
-/// MemAvailable from /proc/meminfo, in bytes.
-pub fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
+pub use keep_runtime::runtime::mem_available;
 
 /// `--memory auto`: (bytes, MemAvailable, margin).
 pub fn auto_memory() -> Result<(u64, u64, u64)> {

@@ -52,6 +52,7 @@ impl<'a> RunModel<'a> {
         Ok(match budget {
             Some(opts) => RunModel::Budgeted(BudgetedModel::load(ck, opts)?),
             None => {
+                populate_if_it_fits(ck);
                 let mut m = Model::load(ck)?;
                 m.cfg.kernels = kernels;
                 let engram = engram_rows_above(&mut m, ck, ENGRAM_SSD_THRESHOLD)?.map(|store| {
@@ -338,6 +339,23 @@ pub fn run_with(
     }
     r.peak_rss = peak_rss_bytes();
     Ok(r)
+}
+
+/// A mapped model is faulted in at load ([`Checkpoint::populate`], as llama.cpp's loader does)
+/// when its files take at most this fraction of MemAvailable: its first forward then reads
+/// memory rather than taking a page fault per page it touches first. A larger model is left to
+/// fault in as it is read, so that mapping it never pushes the machine into reclaim.
+pub const POPULATE_MAX_FRACTION: f64 = 0.5;
+
+/// Fault `ck`'s files in when they take at most [`POPULATE_MAX_FRACTION`] of MemAvailable;
+/// the bytes populated (0 when skipped, or where the kernel has no `MADV_POPULATE_READ`).
+pub fn populate_if_it_fits(ck: &Checkpoint) -> u64 {
+    match crate::runtime::mem_available() {
+        Some(avail) if ck.file_bytes() as f64 <= avail as f64 * POPULATE_MAX_FRACTION => {
+            ck.populate()
+        }
+        _ => 0,
+    }
 }
 
 /// Load timing: [`RunModel::load`] and the seconds it took.

@@ -879,6 +879,14 @@ pub fn peak_rss_bytes() -> Option<u64> {
     proc_status_kib("VmHWM:").map(|k| k * 1024)
 }
 
+/// MemAvailable from /proc/meminfo, in bytes.
+pub fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Current resident set size (`VmRSS`), in bytes.
 pub fn rss_bytes() -> Option<u64> {
     proc_status_kib("VmRSS:").map(|k| k * 1024)
