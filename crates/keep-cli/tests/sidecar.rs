@@ -62,6 +62,7 @@ struct Fixture {
     cfg: serde_json::Value,
     inspect: serde_json::Value,
     inspect_plain: serde_json::Value,
+    inspect_text: String,
     masked: serde_json::Value,
     without: serde_json::Value,
     with: serde_json::Value,
@@ -137,6 +138,9 @@ fn build() -> Fixture {
     keep(&cache).arg("verify").arg(&sc).assert().success();
     let inspect = json(keep(&cache).arg("inspect").arg(&sc).arg("--json"));
     let inspect_plain = json(keep(&cache).arg("inspect").arg(&pruned).arg("--json"));
+    let out = keep(&cache).arg("inspect").arg(&sc).output().unwrap();
+    assert!(out.status.success());
+    let inspect_text = String::from_utf8(out.stdout).unwrap();
     // Held-out KL to the teacher: with sidecars below without; without sidecars the pruned
     // checkpoint scores exactly what the plan's router-masked student scores.
     let eval = |m: &Path, mask: Option<&Path>| {
@@ -162,6 +166,7 @@ fn build() -> Fixture {
         cfg,
         inspect,
         inspect_plain,
+        inspect_text,
     }
 }
 
@@ -203,6 +208,23 @@ fn a_sidecar_checkpoint_is_what_the_fit_reports_and_the_plain_path_is_untouched(
     // The sidecars are tensors of their own, named in config.json and reported by inspect.
     assert_eq!(f.cfg["keep_sidecar"]["rank"], 32);
     assert_eq!(f.cfg["keep_sidecar"]["layers"], serde_json::json!(kept));
+    // Each kept layer's ridge, as the fit reports it.
+    let ridges: Vec<&serde_json::Value> = layers
+        .iter()
+        .filter(|l| l["kept"] == true)
+        .map(|l| &l["ridge"])
+        .collect();
+    assert_eq!(
+        f.cfg["keep_sidecar"]["layer_ridges"],
+        serde_json::json!(ridges),
+        "{}",
+        f.cfg["keep_sidecar"]
+    );
+    assert!(
+        f.inspect_text.contains("(ridge 0.01; per layer 0.01"),
+        "{}",
+        f.inspect_text
+    );
     assert_eq!(f.cfg["n_routed_experts"], 16);
     let ins = &f.inspect;
     assert_eq!(ins["problems"], serde_json::json!([]), "{ins}");

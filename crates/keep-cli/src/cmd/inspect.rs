@@ -86,11 +86,21 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
             .by_role_format
             .get("sidecar")
             .map_or(0, |row| row.values().map(|c| c.bytes).sum::<u64>());
+        // Strings without their JSON quotes (`--ridge auto`), numbers as written.
+        let plain =
+            |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
+        let per_layer = match s["layer_ridges"].as_array() {
+            Some(r) => format!(
+                "; per layer {}",
+                r.iter().map(plain).collect::<Vec<_>>().join(", ")
+            ),
+            None => String::new(),
+        };
         println!(
-            "  sidecars (keep sidecar): rank {} on layers {} (ridge {}), {}",
+            "  sidecars (keep sidecar): rank {} on layers {} (ridge {}{per_layer}), {}",
             s["rank"],
             s["layers"],
-            s["ridge"],
+            plain(&s["ridge"]),
             human(bytes)
         );
     }

@@ -179,6 +179,11 @@ pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
             "rank": rank,
             "ridge": ridge_json(a.ridge),
             "layers": layers,
+            // The relative ridge each kept layer's fit used (`--ridge auto` chooses per layer).
+            "layer_ridges": layers
+                .iter()
+                .map(|&l| f.layers.iter().find(|x| x.layer == l).map(|x| x.ridge))
+                .collect::<Vec<_>>(),
             "dtype": "F32",
             "tokens": f.tokens,
             "plan_saliency": plan.saliency,
