@@ -19,7 +19,7 @@
 //! `q = clamp(round_half_even(x / s), −8, 7)`; readers never depend on how a scale was chosen.
 
 use crate::bf16::{bf16_to_f32, f32_to_bf16};
-use crate::registry::{Encoded, FormatSpec, IntForm, PartSpec};
+use crate::spec::{Encoded, FormatSpec, IntForm, PartSpec};
 use crate::FormatError;
 
 /// Columns per scale.
@@ -35,18 +35,21 @@ pub static INT4_G32: FormatSpec = FormatSpec {
             dtype: "I32",
             shape: |r, c| vec![r as u64, (c / 8) as u64],
             row_bytes: Some(|c| c / 2),
+            fill: None,
         },
         PartSpec {
             suffix: ".weight_scale",
             dtype: "BF16",
             shape: |r, c| vec![r as u64, (c / GROUP) as u64],
             row_bytes: Some(|c| c / GROUP * 2),
+            fill: None,
         },
         PartSpec {
             suffix: ".weight_shape",
             dtype: "I32",
             shape: |_, _| vec![2],
             row_bytes: None,
+            fill: Some(shape_bytes),
         },
     ],
     col_multiple: GROUP,
@@ -58,7 +61,28 @@ pub static INT4_G32: FormatSpec = FormatSpec {
     decode_row,
     encode_ref: encode,
     int: Some(&INT_FORM),
+    hf_quantization_config: Some(HF_QUANTIZATION_CONFIG),
 };
+
+/// compressed-tensors' `quantization_config` as Kimi-K2-Thinking's `config.json` declares it:
+/// one config group of symmetric 4-bit integer weights in groups of 32 targeting `Linear`;
+/// attention, the shared experts, the dense MLPs, the routers and the head ignored (bf16).
+pub const HF_QUANTIZATION_CONFIG: &str = r#"{
+  "quant_method": "compressed-tensors",
+  "format": "pack-quantized",
+  "quantization_status": "compressed",
+  "kv_cache_scheme": null,
+  "config_groups": {"group_0": {
+    "targets": ["Linear"],
+    "input_activations": null,
+    "output_activations": null,
+    "weights": {"type": "int", "num_bits": 4, "group_size": 32, "strategy": "group",
+      "symmetric": true, "dynamic": false, "actorder": null, "block_structure": null,
+      "observer": "minmax", "observer_kwargs": {}}
+  }},
+  "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|down)_proj.*", "re:.*mlp\\.gate$"]
+}"#;
 
 static INT_FORM: IntForm = IntForm {
     decode_ref: int_row_ref,
@@ -172,11 +196,15 @@ pub fn encode(w: &[f32], rows: usize, cols: usize) -> Encoded {
             *b = q(x2[0]) | (q(x2[1]) << 4);
         }
     }
-    let shape: Vec<u8> = [rows as i32, cols as i32]
+    Ok(vec![packed, scales, shape_bytes(rows, cols)])
+}
+
+/// `weight_shape`: `[rows, cols]` as little-endian int32.
+fn shape_bytes(rows: usize, cols: usize) -> Vec<u8> {
+    [rows as i32, cols as i32]
         .iter()
         .flat_map(|v| v.to_le_bytes())
-        .collect();
-    Ok(vec![packed, scales, shape])
+        .collect()
 }
 
 #[cfg(test)]

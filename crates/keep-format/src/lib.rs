@@ -26,6 +26,7 @@ mod minifloat;
 pub mod mlx_affine;
 pub mod mx;
 pub mod registry;
+pub mod spec;
 
 #[cfg(test)]
 mod testutil;

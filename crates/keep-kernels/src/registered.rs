@@ -11,7 +11,7 @@ use keep_format::registry::FormatSpec;
 use crate::{KernelError, Result};
 
 /// Most computed parts a registered format has.
-pub const MAX_PARTS: usize = 4;
+pub const MAX_PARTS: usize = 3;
 
 /// The computed parts of a registered weight (`[rows, cols]`, the view's own rows).
 #[derive(Debug, Clone, Copy)]
