@@ -17,6 +17,7 @@
 //! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
 //! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
 //! | `U32 [rows, cols·bits/32]` | `BF16 [rows, cols/64]` named `*.scales` | MLX affine, `bits` ∈ {2, 3, 4, 8}, group 64 (mlx-lm's files, `keep quant --format mlxN`) |
+//! | named by a registered format's main suffix (`I32 [rows, cols/8]` `*.weight_packed`) | its second part (`BF16 [rows, cols/32]` `*.weight_scale`) | that format (`layout::registered`; INT4 group 32, compressed-tensors' `pack-quantized`) |
 //!
 //! An MLX affine weight also has `<base>.biases` (the scales' dtype and shape; [`biases_of`]),
 //! checked by [`weight_as`]. Its width follows from the two shapes at group 64; other group
@@ -38,6 +39,7 @@ use crate::naming;
 pub(crate) mod deepseek_v3;
 pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
+pub mod registered;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
 
 /// Block sides tried, smallest first, when the config declares none that fits. For powers of
@@ -87,6 +89,8 @@ pub enum Layout {
     /// MLX affine codes of `bits` bits packed in `uint32` words, a bf16 scale and a bf16 bias
     /// per row and 64 columns.
     MlxAffine { bits: u32 },
+    /// A format of keep-format's registry, by its entry's name (`layout::registered`).
+    Registered(&'static str),
 }
 
 impl Layout {
@@ -104,6 +108,14 @@ impl Layout {
             && !matches!(self, Layout::Plain(d) if !matches!(d, Dtype::F32 | Dtype::BF16))
     }
 
+    /// The registry entry of a [`Layout::Registered`] layout.
+    pub fn spec(self) -> Option<&'static keep_format::registry::FormatSpec> {
+        match self {
+            Layout::Registered(name) => keep_format::registry::find_by_name(name),
+            _ => None,
+        }
+    }
+
     /// Report label (`"mxfp8"`, `"fp8-block 128x128 e8m0"`, `"fp4 (mxfp4)"`, `"bf16"`).
     pub fn label(self) -> String {
         match self {
@@ -116,6 +128,9 @@ impl Layout {
             Layout::E8p => "e8p2".into(),
             Layout::E81 => "e81 (residual)".into(),
             Layout::MlxAffine { bits } => format!("mlx-affine{bits} g64"),
+            Layout::Registered(name) => keep_format::registry::find_by_name(name)
+                .map_or(name, |f| f.label)
+                .to_string(),
         }
     }
 }
@@ -214,6 +229,9 @@ pub fn classify<'a>(
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
     if let Some(l) = gpt_oss::classify_stack(weight, scale) {
+        return l;
+    }
+    if let Some(l) = registered::classify(weight, scale) {
         return l;
     }
     let wd = dims(&weight);
@@ -402,12 +420,15 @@ pub fn weight_as<'a>(
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
     let name = format!("{base}.weight");
-    let w = ck
-        .get(&name)
-        .ok_or_else(|| format!("tensor `{name}` is missing"))?;
-    let l = classify_as(w, scale_of(ck, &name), rows, cols, block_hint)
+    let w =
+        registered::main_tensor(ck, &name).ok_or_else(|| format!("tensor `{name}` is missing"))?;
+    let name = w.name;
+    let l = classify_as(w, scale_of(ck, name), rows, cols, block_hint)
         .map_err(|e| format!("tensor `{name}`: {e}"))?;
-    if let Some((rw, rs)) = residual_of(ck, &name) {
+    if let Some(e) = registered::metadata_problem(ck, &l) {
+        return Err(e);
+    }
+    if let Some((rw, rs)) = residual_of(ck, name) {
         if l.layout != Layout::E8p {
             return Err(format!(
                 "tensor `{}`: a residual stage of a {} weight (only E8P12 weights take one)",
@@ -418,7 +439,7 @@ pub fn weight_as<'a>(
         classify_residual(rw, rs, rows, cols).map_err(|e| format!("tensor `{}`: {e}", rw.name))?;
     }
     if matches!(l.layout, Layout::MlxAffine { .. }) {
-        check_biases(l.scale, biases_of(ck, &name)).map_err(|e| format!("tensor `{name}`: {e}"))?;
+        check_biases(l.scale, biases_of(ck, name)).map_err(|e| format!("tensor `{name}`: {e}"))?;
     }
     Ok(l)
 }
@@ -510,13 +531,12 @@ pub fn expert_matrix<'a>(
     } else {
         naming::expert_tensor(layer, expert, mat, "weight")
     };
-    let w = ck
-        .get(&name)
-        .ok_or_else(|| format!("tensor `{name}` is missing"))?;
+    let w =
+        registered::main_tensor(ck, &name).ok_or_else(|| format!("tensor `{name}` is missing"))?;
     Ok(ExpertMatrix {
         weight: w,
-        scale: scale_of(ck, &name),
-        biases: biases_of(ck, &name),
+        scale: scale_of(ck, w.name),
+        biases: biases_of(ck, w.name),
     })
 }
 

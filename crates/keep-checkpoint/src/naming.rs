@@ -161,6 +161,13 @@ impl TensorName {
 /// through [`qwen3::parse`] (which asks the gpt-oss module for the names only gpt-oss has).
 /// Never fails: unrecognised names get [`Role::Unknown`].
 pub fn parse(name: &str) -> TensorName {
+    // A registered format's parts (`.weight_packed`, `.weight_scale`, ...) are the weight's
+    // (the main part) and its scale partners (the others), named as `.weight` is.
+    if let Some((_, i, base)) = keep_format::registry::find_by_part(name) {
+        let mut n = parse(&format!("{base}.weight"));
+        n.part = if i == 0 { Part::Weight } else { Part::Scale };
+        return n;
+    }
     // Hugging Face's `model.`-rooted tree (Qwen3-MoE, DeepSeek-V3, gpt-oss) is its family
     // modules' to name; DeepSeek V4's own names never start so.
     if name.starts_with("model.") || name.starts_with("lm_head.") {
@@ -311,6 +318,14 @@ pub const MLX_BIASES: &str = ".biases";
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
 /// `.weight_scale_inv`, then MLX's `.scales`); empty for a name that is not a `.weight`.
 pub fn scale_candidates(name: &str) -> Vec<String> {
+    if let Some((f, 0, base)) = keep_format::registry::find_by_part(name) {
+        return f
+            .parts
+            .get(1)
+            .map(|p| format!("{base}{}", p.suffix))
+            .into_iter()
+            .collect();
+    }
     if let Some(s) = name.strip_suffix(gpt_oss::BLOCKS) {
         return vec![format!("{s}{}", gpt_oss::SCALES)];
     }
@@ -332,6 +347,9 @@ pub fn biases_name(name: &str) -> Option<String> {
 
 /// The weight a scale tensor (or MLX biases tensor) belongs to.
 pub fn weight_of_scale(name: &str) -> Option<String> {
+    if let Some((f, 1.., base)) = keep_format::registry::find_by_part(name) {
+        return Some(format!("{base}{}", f.parts[0].suffix));
+    }
     if let Some(s) = name.strip_suffix(".weight_scale_inv") {
         return Some(format!("{s}.weight"));
     }

@@ -231,7 +231,15 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Some(b) = biases {
             claimed_scales.insert(b.name.to_string());
         }
-        let bias_bytes = biases.map_or(0, |b| b.bytes.len() as u64);
+        // A registered format's other parts (compressed-tensors' `weight_shape`) are the
+        // weight's too.
+        let mut bias_bytes = biases.map_or(0, |b| b.bytes.len() as u64);
+        for p in keep_checkpoint::layout::registered::parts_of(ck, t.name) {
+            if scale.is_none_or(|s| s.name != p) {
+                bias_bytes += ck.get(&p).map_or(0, |x| x.bytes.len() as u64);
+            }
+            claimed_scales.insert(p);
+        }
         // A stacked tensor is classified by its first expert's slice (all have its shape).
         let sliced = stacked.map(|n| {
             let sl = |x| keep_checkpoint::layout::expert_slice(x, 0, n);

@@ -11,6 +11,12 @@
 //! N(0, 1/fan_in), norms 1 + N(0, 0.1²), correction biases N(0, 0.01²); the same seed gives the
 //! same bytes. The multi-token-prediction layer of the releases is not written
 //! (`num_nextn_predict_layers` 0).
+//!
+//! [`DsV3SynthOptions::experts`] stores the routed experts in a format of keep-format's registry
+//! instead (`keep synth --experts int4-g32`: Kimi-K2-Thinking's INT4 group-32 experts, each
+//! matrix as the entry's parts `weight_packed` / `weight_scale` / `weight_shape`, encoded by the
+//! entry from the same N(0, 1/fan_in) draws), with the `quantization_config` the entry says such
+//! a release declares; everything else bf16.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +24,7 @@ use keep_checkpoint::config::deepseek_v3::{self as names, DeepseekV3Config};
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
 use keep_checkpoint::Dtype;
 use keep_format::fp8block::{encode_fp8_block, BlockShape};
+use keep_format::registry::{find_by_name, FormatSpec};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
@@ -115,6 +122,8 @@ pub fn with_layers(raw: &mut Value, layers: usize) {
 enum Kind {
     /// A matrix, N(0, 1/cols); FP8 blocks when `fp8`.
     Mat { fp8: bool },
+    /// A matrix, N(0, 1/cols), in the registered format of this name.
+    Registered(&'static str),
     /// A norm weight, 1 + N(0, 0.1²), bfloat16.
     Norm,
     /// A router's correction bias, N(0, 0.01²), float32.
@@ -129,7 +138,11 @@ struct Planned {
     kind: Kind,
 }
 
-fn plan(cfg: &DeepseekV3Config, format: DsV3Format) -> Vec<Planned> {
+fn plan(
+    cfg: &DeepseekV3Config,
+    format: DsV3Format,
+    experts: Option<&'static FormatSpec>,
+) -> Vec<Planned> {
     let fp8 = format == DsV3Format::Fp8;
     let mut out = vec![];
     let mut mat = |name: String, rows, cols, q: bool| {
@@ -218,6 +231,11 @@ fn plan(cfg: &DeepseekV3Config, format: DsV3Format) -> Vec<Planned> {
             swiglu(format!("{p}mlp"), cfg.intermediate_size);
         }
     }
+    if let Some(f) = experts {
+        for t in out.iter_mut().filter(|t| t.name.contains(".mlp.experts.")) {
+            t.kind = Kind::Registered(f.name);
+        }
+    }
     out.extend(vecs.into_iter().map(|(name, len, kind)| Planned {
         name,
         rows: 1,
@@ -239,6 +257,14 @@ fn metas(plan: &[Planned]) -> Vec<TensorMeta> {
             Kind::Norm => out.push(TensorMeta::new(&t.name, Dtype::BF16, &[c])),
             Kind::Bias => out.push(TensorMeta::new(&t.name, Dtype::F32, &[c])),
             Kind::Mat { fp8: false } => out.push(TensorMeta::new(&t.name, Dtype::BF16, &[r, c])),
+            Kind::Registered(f) => {
+                let f = find_by_name(f).expect("planned from the registry");
+                for (i, p) in f.parts.iter().enumerate() {
+                    let name = f.part_name(&t.name, i).expect("a .weight name");
+                    let dtype = Dtype::parse(p.dtype).expect("a registry dtype");
+                    out.push(TensorMeta::new(name, dtype, &(p.shape)(t.rows, t.cols)));
+                }
+            }
             Kind::Mat { fp8: true } => {
                 let b = DSV3_FP8_BLOCK as u64;
                 out.push(TensorMeta::new(&t.name, Dtype::F8_E4M3, &[r, c]));
@@ -260,6 +286,8 @@ pub struct DsV3SynthOptions {
     pub format: DsV3Format,
     pub force: bool,
     pub max_shard_bytes: u64,
+    /// Routed experts in this registered format (`None`: as `format`).
+    pub experts: Option<&'static FormatSpec>,
 }
 
 /// Write a random DeepSeek-V3-family checkpoint of config `raw` (a `deepseek_v3`
@@ -274,7 +302,28 @@ pub fn synth_deepseek_v3(
     let mut raw = raw.clone();
     if let Some(m) = raw.as_object_mut() {
         m.remove("quantization_config");
-        if opts.format == DsV3Format::Fp8 {
+        if let Some(f) = opts.experts {
+            if opts.format != DsV3Format::Bf16 {
+                return Err(ConvertError::Invalid(format!(
+                    "routed experts in {} take --format bf16 for the rest (as the release)",
+                    f.name
+                )));
+            }
+            let q: Value = f
+                .hf_quantization_config
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(|e| {
+                    ConvertError::Invalid(format!("{}: quantization_config: {e}", f.name))
+                })?
+                .ok_or_else(|| {
+                    ConvertError::Invalid(format!(
+                        "no published quantization_config for {}",
+                        f.name
+                    ))
+                })?;
+            m.insert("quantization_config".into(), q);
+        } else if opts.format == DsV3Format::Fp8 {
             m.insert(
                 "quantization_config".into(),
                 json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -284,7 +333,7 @@ pub fn synth_deepseek_v3(
     }
     let cfg = DeepseekV3Config::from_value(raw.clone())
         .map_err(|e| ConvertError::Invalid(format!("config: {e}")))?;
-    let plan = plan(&cfg, opts.format);
+    let plan = plan(&cfg, opts.format, opts.experts);
     let metas = metas(&plan);
     let total: u64 = metas.iter().map(TensorMeta::nbytes).sum();
     let wopts = WriterOptions {
@@ -309,9 +358,12 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
     let (mean, std) = match t.kind {
         Kind::Norm => (1.0, 0.1),
         Kind::Bias => (0.0, 0.01),
-        Kind::Mat { .. } => (0.0, (1.0 / cols as f32).sqrt()),
+        Kind::Mat { .. } | Kind::Registered(_) => (0.0, (1.0 / cols as f32).sqrt()),
     };
     let mut written = 0u64;
+    if let Kind::Registered(f) = t.kind {
+        return write_registered(w, t, find_by_name(f).expect("planned"), seed, std);
+    }
     if t.kind != (Kind::Mat { fp8: true }) {
         let cr = chunk_rows(cols, 1);
         let starts: Vec<usize> = (0..rows).step_by(cr).collect();
@@ -368,6 +420,59 @@ fn write(w: &mut CheckpointWriter, t: &Planned, seed: u64) -> Result<u64> {
         .collect();
     written += sb.len() as u64;
     w.write_tensor(&scale_name(&t.name), &sb)?;
+    Ok(written)
+}
+
+/// A matrix in registered format `f`: the same draws as a bf16 one, encoded by the entry row
+/// chunk by row chunk (the per-row parts streamed, the others written at the end).
+fn write_registered(
+    w: &mut CheckpointWriter,
+    t: &Planned,
+    f: &'static FormatSpec,
+    seed: u64,
+    std: f32,
+) -> Result<u64> {
+    let (rows, cols) = (t.rows, t.cols);
+    let names: Vec<String> = (0..f.parts.len())
+        .map(|i| f.part_name(&t.name, i).expect("a .weight name"))
+        .collect();
+    let cr = chunk_rows(cols, 1);
+    let starts: Vec<usize> = (0..rows).step_by(cr).collect();
+    let mut rest: Vec<Vec<u8>> = vec![vec![]; f.parts.len()];
+    let mut written = 0u64;
+    for group in starts.chunks(8) {
+        let parts: Vec<Vec<Vec<u8>>> = group
+            .par_iter()
+            .map(|&r0| {
+                let n = (rows - r0).min(cr);
+                let v = normals(seed, &t.name, r0 as u64, n * cols, 0.0, std);
+                (f.encode_ref)(&v, n, cols)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| ConvertError::Format {
+                tensor: t.name.clone(),
+                err: e,
+            })?;
+        for p in parts {
+            for (i, b) in p.into_iter().enumerate() {
+                if i == 0 {
+                    written += b.len() as u64;
+                    w.write_chunk(&names[0], &b)?;
+                } else if f.parts[i].row_bytes.is_some() {
+                    written += b.len() as u64;
+                    rest[i].extend_from_slice(&b);
+                }
+            }
+        }
+    }
+    // Parts the kernels never read (the logical shape) are the whole matrix's, not a chunk's.
+    for (i, p) in f.parts.iter().enumerate().skip(1) {
+        if let Some(fill) = p.fill {
+            rest[i] = fill(rows, cols);
+            written += rest[i].len() as u64;
+        }
+        w.write_tensor(&names[i], &rest[i])?;
+    }
     Ok(written)
 }
 
@@ -442,7 +547,7 @@ mod tests {
         let mut raw = preset_json("deepseek-v3").unwrap();
         with_layers(&mut raw, 4);
         let cfg = DeepseekV3Config::from_value(raw).unwrap();
-        let p = plan(&cfg, DsV3Format::Fp8);
+        let p = plan(&cfg, DsV3Format::Fp8, None);
         let get = |n: &str| p.iter().find(|t| t.name == n).unwrap();
         // Layers 0..3 dense, layer 3 MoE: 256 experts, a shared expert, a router.
         assert_eq!(get("model.layers.2.mlp.gate_proj.weight").rows, 18432);

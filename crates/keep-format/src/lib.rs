@@ -3,7 +3,8 @@
 //! What it is: bf16, f16, FP8 E4M3FN/E5M2, E8M0, FP4 E2M1 element codecs; MXFP8/MXFP4
 //! rows in MLX's layout; DeepSeek FP8 block-scaled tensors (E8M0, power-of-two f32 and
 //! V3-style `scale_inv` scales); MLX affine 2/3/4/8-bit (packing, decode, `mx.quantize`'s
-//! rule). Each format documents its byte layout and
+//! rule); the format [`registry`], one entry per table-described format (INT4 group 32,
+//! compressed-tensors' `pack-quantized`, [`int4g32`]). Each format documents its byte layout and
 //! decode formula, has a `_ref` scalar implementation written from the definition and a
 //! fast path tested against it on every code. What it is not: I/O, tensor naming,
 //! threading or GEMV kernels (those live in `keep-checkpoint` and `keep-kernels`).
@@ -20,9 +21,12 @@ pub mod f16;
 pub mod fp4;
 pub mod fp8;
 pub mod fp8block;
+pub mod int4g32;
 mod minifloat;
 pub mod mlx_affine;
 pub mod mx;
+pub mod registry;
+pub mod spec;
 
 #[cfg(test)]
 mod testutil;

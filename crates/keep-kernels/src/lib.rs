@@ -46,6 +46,7 @@ pub mod intdot;
 pub mod matmul;
 pub mod ops;
 pub mod profile;
+pub mod registered;
 pub(crate) mod rows;
 pub mod scratch;
 pub mod simd;
@@ -56,6 +57,7 @@ pub mod weight;
 
 pub use error::KernelError;
 pub use matmul::{matmul, matmul_many_with, matmul_ref, matmul_rows, matmul_with, Kernels};
+pub use registered::RegView;
 pub use weight::{BlockScales, E8pResidual, WeightKind, WeightView};
 
 /// Result type of this crate.

@@ -329,7 +329,8 @@ thread_local! {
 }
 
 /// [`crate::simd::matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
-/// weight has an integer kernel (MXFP4, affine-8, MLX affine-4) run through [`crate::intdot::int_matmul_many`] (activations
+/// weight has an integer kernel (MXFP4, affine-8, MLX affine-4, a registered format's integer
+/// form) run through [`crate::intdot::int_matmul_many`] (activations
 /// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
 /// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
 /// to bf16 once per distinct input), the rest as [`crate::simd::matmul_many`].
@@ -379,6 +380,7 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
                 scales,
                 biases,
             } => Some(crate::intdot::IntSrc::Affine4 { q, scales, biases }),
+            crate::simd::Src::Registered(v) => crate::intdot::IntSrc::from_registered(v, j.cols),
             crate::simd::Src::E8p {
                 codes,
                 scales,

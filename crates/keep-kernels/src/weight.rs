@@ -19,6 +19,8 @@
 //!   `uint32` words read little-endian: one bit stream per row, code `j` in bits
 //!   `j·bits..(j+1)·bits`, `keep_format::mlx_affine`), bf16 scales and biases `[rows, cols/64]`:
 //!   `w[i,j] = s[i, j/64] · q[i,j] + b[i, j/64]` (an f32 product, then an f32 add).
+//! - `Registered`: any format of keep-format's registry ([`crate::RegView`]): its parts,
+//!   byte layout and decode are the registry entry's.
 
 use crate::codec::{bf16_at, e8m0_to_f32, f32_at, E2M1};
 use crate::{KernelError, Result};
@@ -152,6 +154,8 @@ pub enum WeightKind<'a> {
         scales: &'a [u8],
         biases: &'a [u8],
     },
+    /// A format of keep-format's registry (INT4 group 32, ...).
+    Registered(crate::RegView<'a>),
 }
 
 /// A borrowed weight matrix `[rows, cols]` (out × in) in its packed format.
@@ -332,6 +336,21 @@ impl<'a> WeightView<'a> {
         })
     }
 
+    /// A weight in a registered format (keep-format's registry) from its computed parts, in
+    /// the entry's order.
+    pub fn registered(
+        spec: &'static keep_format::registry::FormatSpec,
+        parts: &[&'a [u8]],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        Ok(WeightView {
+            rows,
+            cols,
+            kind: WeightKind::Registered(crate::RegView::new(spec, parts, rows, cols)?),
+        })
+    }
+
     /// This E8P weight with a residual stage added.
     pub fn with_residual(self, r: E8pResidual<'a>) -> Result<Self> {
         let (rows, cols) = (self.rows, self.cols);
@@ -423,6 +442,7 @@ impl<'a> WeightView<'a> {
                     biases: &biases[r0 * g..r1 * g],
                 }
             }
+            WeightKind::Registered(v) => WeightKind::Registered(v.slice_rows(c, r0, r1)),
         };
         Ok(WeightView {
             rows: r1 - r0,
@@ -446,6 +466,7 @@ impl<'a> WeightView<'a> {
             WeightKind::MlxAffine {
                 q, scales, biases, ..
             } => q.len() + scales.len() + biases.len(),
+            WeightKind::Registered(v) => v.nbytes(),
         }
     }
 
@@ -471,6 +492,7 @@ impl<'a> WeightView<'a> {
                 4 => "mlx-affine4",
                 _ => "mlx-affine8",
             },
+            WeightKind::Registered(v) => v.spec.name,
         }
     }
 
@@ -534,6 +556,7 @@ impl<'a> WeightView<'a> {
                 let prod = bf16_at(scales, gi) * f32::from(code);
                 prod + bf16_at(biases, gi)
             }
+            WeightKind::Registered(v) => v.get_ref(r, c, cols),
         }
     }
 
@@ -667,6 +690,7 @@ impl<'a> WeightView<'a> {
                     }
                 }
             }
+            WeightKind::Registered(v) => v.decode_row(r, cols, dst),
         }
     }
 }

@@ -39,14 +39,17 @@ pub fn weight<'a>(
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightView<'a>> {
     let wname = format!("{base}.weight");
-    let w = tensor(ck, &wname)?;
-    if let Some(b) = layout::biases_of(ck, &wname) {
-        return view_mlx_affine(w, layout::scale_of(ck, &wname), b, rows, cols);
+    // `<base>.weight`, or a registered format's main part (`<base>.weight_packed`).
+    let w = layout::registered::main_tensor(ck, &wname)
+        .ok_or_else(|| ModelError::Missing(wname.clone()))?;
+    let wname = w.name;
+    if let Some(b) = layout::biases_of(ck, wname) {
+        return view_mlx_affine(w, layout::scale_of(ck, wname), b, rows, cols);
     }
     view_with_residual(
         w,
-        layout::scale_of(ck, &wname),
-        layout::residual_of(ck, &wname),
+        layout::scale_of(ck, wname),
+        layout::residual_of(ck, wname),
         rows,
         cols,
         block_hint,
@@ -161,6 +164,14 @@ pub fn view<'a>(
                 name,
                 "an MLX affine weight is read with its `.biases` (weights::weight)",
             ));
+        }
+        Layout::Registered(format) => {
+            let Some(f) = l.layout.spec() else {
+                return Err(fmt_err(name, format!("no registered format `{format}`")));
+            };
+            // The computed parts: the main tensor and (when the entry has one) its partner.
+            let parts = [w.bytes, sbytes()];
+            WeightView::registered(f, &parts[..f.computed().count().min(2)], rows, cols)
         }
     }
     .map_err(kerr)

@@ -44,6 +44,7 @@ enum SynthDraft {
 /// Example: keep synth --preset flash --experts-bytes 8GiB --out /tmp/flash-8g
 ///          keep synth --family qwen3_moe --preset qwen3-30b-a3b --layers 4 --format fp8 --out /tmp/q
 ///          keep synth --family deepseek_v3 --preset kimi-k2 --layers 1 --format fp8 --out /tmp/k
+///          keep synth --family deepseek_v3 --preset kimi-k2 --layers 2 --experts int4-g32 --out /tmp/kt
 ///          keep synth --family gpt_oss --preset gpt-oss-20b --layers 2 --out /tmp/g
 ///          keep synth --preset tiny --engram-bytes 4MiB --out /tmp/tiny-engram
 ///          keep synth --preset tiny --draft dspark --out /tmp/tiny-dspark
@@ -104,6 +105,11 @@ pub struct SynthArgs {
     /// gpt_oss one is mxfp4 (OpenAI's layout) only.
     #[arg(long)]
     format: Option<String>,
+    /// deepseek_v3: store the routed experts in a registered number format (int4-g32: INT4
+    /// group 32, compressed-tensors' pack-quantized, as Kimi-K2-Thinking's release), the rest
+    /// bf16.
+    #[arg(long)]
+    experts: Option<String>,
 }
 
 /// `keep synth --family qwen3_moe`: keep-convert's `synth_qwen3`.
@@ -191,6 +197,19 @@ fn run_deepseek_v3(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<
         format,
         force: a.force,
         max_shard_bytes: a.max_shard,
+        experts: match a.experts.as_deref() {
+            None => None,
+            Some(n) => Some(keep_format::registry::find_by_name(n).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--experts {n}: not a registered format (known: {})",
+                    keep_format::registry::REGISTRY
+                        .iter()
+                        .map(|f| f.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?),
+        },
     };
     let bar = byte_bar(0, "synth");
     let out = synth_deepseek_v3(&raw, &a.out, &opts, &|done, total| {
@@ -265,6 +284,17 @@ fn run_gpt_oss(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> 
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     crate::util::check_out_of_cache(&a.out)?;
+    let v3 = a.family.as_deref() == Some("deepseek_v3")
+        || (a.family.is_none()
+            && a.config.is_some()
+            && a.config
+                .as_ref()
+                .is_some_and(|p| DeepSeekConfig::read(p).is_ok_and(|c| c.deepseek_v3.is_some())));
+    if a.experts.is_some() && !v3 {
+        anyhow::bail!(
+            "--experts is for --family deepseek_v3 (routed experts in a registered format)"
+        );
+    }
     match a.family.as_deref() {
         None | Some("deepseek") => {}
         Some("qwen3_moe") => {

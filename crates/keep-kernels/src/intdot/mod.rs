@@ -309,6 +309,9 @@ pub enum IntSrc<'a> {
         scales: &'a [u8],
         biases: &'a [u8],
     },
+    /// A format of keep-format's registry with an integer form (its entry decodes the integer
+    /// weights and the block factors; every level multiplies them as a decoded row).
+    Registered(crate::RegView<'a>),
 }
 
 impl<'a> IntSrc<'a> {
@@ -333,8 +336,14 @@ impl<'a> IntSrc<'a> {
                 scales,
                 biases,
             } => Some(IntSrc::Affine4 { q, scales, biases }),
+            WeightKind::Registered(v) => Self::from_registered(v, w.cols),
             _ => None,
         }
+    }
+
+    /// The integer form of a registered weight, when its entry has one (`cols % 32 == 0`).
+    pub fn from_registered(v: crate::RegView<'a>, cols: usize) -> Option<Self> {
+        (v.spec.int.is_some() && cols.is_multiple_of(QBLOCK)).then_some(IntSrc::Registered(v))
     }
 
     /// The integer form of an [`E8pView`] (`cols % 32 == 0`).
@@ -422,6 +431,11 @@ impl<'a> IntSrc<'a> {
                     *o = keep_format::mlx_affine::code_ref(row, 4, j) as i8;
                 }
             }
+            IntSrc::Registered(v) => {
+                if let Some(f) = v.spec.int {
+                    (f.decode_ref)(v.parts(), cols, r, dst)
+                }
+            }
         }
     }
 
@@ -442,6 +456,11 @@ impl<'a> IntSrc<'a> {
                     *o = bf16_at(scales, r * ng + b * QBLOCK / AFFINE8_GROUP);
                 }
             }
+            IntSrc::Registered(v) => {
+                if let Some(f) = v.spec.int {
+                    (f.block_factors)(v.parts(), cols, r, dst)
+                }
+            }
         }
     }
 
@@ -449,7 +468,10 @@ impl<'a> IntSrc<'a> {
     #[inline]
     pub fn post(&self, r: usize) -> Option<f32> {
         match *self {
-            IntSrc::Mxfp4 { .. } | IntSrc::Affine8 { .. } | IntSrc::Affine4 { .. } => None,
+            IntSrc::Mxfp4 { .. }
+            | IntSrc::Affine8 { .. }
+            | IntSrc::Affine4 { .. }
+            | IntSrc::Registered(_) => None,
             IntSrc::E8p { scales, .. } => Some(scales[r] * 0.25),
         }
     }
@@ -719,6 +741,11 @@ impl IntSrc<'_> {
             IntSrc::Affine4 { q, .. } => {
                 affine4::decode_nibbles(&q[r * cols / 2..(r + 1) * cols / 2], dst)
             }
+            IntSrc::Registered(v) => {
+                if let Some(f) = v.spec.int {
+                    (f.decode)(v.parts(), cols, r, dst)
+                }
+            }
         }
     }
 }
@@ -827,6 +854,9 @@ fn check_src(src: &IntSrc, rows: usize, cols: usize) -> Result<()> {
                     && q.len() == rows * cols / 2
                     && scales.len() == 2 * ng
                     && biases.len() == 2 * ng
+            }
+            IntSrc::Registered(v) => {
+                v.spec.int.is_some() && v.spec.check(v.parts(), rows, cols).is_ok()
             }
         };
     if ok {
@@ -990,5 +1020,7 @@ fn keep_spare(mut spare: Vec<Q8Acts>) {
 
 #[cfg(test)]
 mod affine4_tests;
+#[cfg(test)]
+mod registry_tests;
 #[cfg(test)]
 mod tests;

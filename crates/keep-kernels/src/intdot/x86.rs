@@ -190,6 +190,7 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
             }
         }
         IntSrc::E8p { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
+        IntSrc::Registered(_) => src.block_factors(r, cols, dst),
     }
 }
 
@@ -792,7 +793,7 @@ unsafe fn prep_row<const AVX512: bool, const VBMI: bool>(
             }
             Row::U8(s.w.as_ptr() as *const u8)
         }
-        IntSrc::E8p { .. } | IntSrc::Affine4 { .. } => {
+        IntSrc::E8p { .. } | IntSrc::Affine4 { .. } | IntSrc::Registered(_) => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }

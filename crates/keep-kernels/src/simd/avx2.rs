@@ -452,7 +452,9 @@ pub unsafe fn rows(
             ld,
         ),
         // never taken: `simd_ok` sends E8P to the scalar path
-        Src::E8p { .. } => super::rows_scalar(src, cols, x, m, r0, r1, out, ld),
+        Src::E8p { .. } | Src::Registered(_) => {
+            super::rows_scalar(src, cols, x, m, r0, r1, out, ld)
+        }
         Src::Affine8 { q, scales, biases } => rows_g(
             &Affine8D(q.as_ptr(), scales, biases, cols),
             src,

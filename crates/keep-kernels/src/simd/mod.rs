@@ -76,6 +76,8 @@ pub enum Src<'a> {
         scales: &'a [u8],
         biases: &'a [u8],
     },
+    /// A format of keep-format's registry (the scalar path decodes it).
+    Registered(crate::RegView<'a>),
 }
 
 impl<'a> Src<'a> {
@@ -126,6 +128,7 @@ impl<'a> Src<'a> {
                 scales,
                 biases,
             },
+            WeightKind::Registered(v) => Src::Registered(v),
         }
     }
 
@@ -142,7 +145,7 @@ impl<'a> Src<'a> {
     fn simd_ok(&self, cols: usize) -> bool {
         match *self {
             Src::Fp8Block { block_cols, .. } => block_cols % 16 == 0 || block_cols >= cols,
-            Src::E8p { .. } => false,
+            Src::E8p { .. } | Src::Registered(_) => false,
             Src::MlxAffine { bits, .. } => mlx_simd_ok(bits),
             _ => true,
         }
@@ -223,6 +226,7 @@ impl<'a> Src<'a> {
                 scales,
                 biases,
             },
+            Src::Registered(v) => WeightKind::Registered(v),
             Src::Affine8 { .. } => unreachable!("affine8 has its own view"),
         };
         WeightView { rows, cols, kind }
