@@ -4,7 +4,8 @@
 //! (layer-streamed), finalize, residency over the run's routes, select with `--groups 4` (the same number kept in every router
 //! group), prune (8 of 16: experts renumbered, router rows and `e_score_correction_bias`
 //! sliced, `n_routed_experts` 8 with `n_group` / `topk_group` kept); the pruned model equals the
-//! masked one under eval and runs; `keep quant` codes its routed experts (E8P, the family's
+//! masked one under eval and runs, whole and under the least --memory-budget it accepts with the
+//! same greedy tokens; `keep quant` codes its routed experts (E8P, the family's
 //! tensor names) and the result is scored and runs; a plan that unbalances the groups is
 //! refused; a plan that keeps every expert gives the same logits bit for bit.
 
@@ -74,6 +75,55 @@ fn kl(report: &str, student: &str) -> String {
         .find(|l| l.trim_start().starts_with(student))
         .unwrap_or_else(|| panic!("{student} in {report}"));
     line.split_whitespace().nth(2).unwrap().to_string()
+}
+
+/// The greedy tokens of `keep run MODEL` on 8 prompt tokens, whole and under the least
+/// `--memory-budget` it accepts (the one a budget of one byte is refused naming).
+fn whole_and_least_budget(cache: &Path, model: &Path) -> (String, String) {
+    let gen = |extra: &[&str]| -> String {
+        let out = stdout(
+            keep(cache)
+                .arg("run")
+                .arg(model)
+                .args([
+                    "--prompt-tokens",
+                    "8",
+                    "--max-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                ])
+                .args(extra),
+        );
+        out.lines()
+            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let refused = keep(cache)
+        .arg("run")
+        .arg(model)
+        .args([
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "6",
+            "--memory-budget",
+            "1",
+        ])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let refused = String::from_utf8(refused).unwrap();
+    let least = refused
+        .split("give a budget ≥ ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no least budget named: {refused}"))
+        .to_string();
+    (gen(&[]), gen(&["--memory-budget", &least]))
 }
 
 #[test]
@@ -245,12 +295,11 @@ fn deepseek_v3_through_the_pipeline() {
         kl(&eval(&src, Some(&plan)), "plan.json"),
         kl(&eval(&pruned, None), "model")
     );
-    keep(&cache)
-        .arg("run")
-        .arg(&pruned)
-        .args(["--prompt-tokens", "8", "--max-tokens", "4"])
-        .assert()
-        .success();
+    // Whole and under the least budget (8 experts a layer, top-4 slots: the dense layer has
+    // none): the same greedy tokens.
+    let (whole_run, budget_run) = whole_and_least_budget(&cache, &pruned);
+    assert!(!whole_run.is_empty());
+    assert_eq!(whole_run, budget_run);
 
     // Quantize the pruned model's routed experts to E8P (its own calibration's imatrix; the
     // dense layer left as it is), and score it against the same teacher.
