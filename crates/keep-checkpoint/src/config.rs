@@ -17,6 +17,20 @@ pub mod deepseek_v3;
 pub mod gpt_oss;
 pub(crate) mod qwen3;
 
+/// One routed expert matrix as `keep quant` codes it ([`DeepSeekConfig::coded_matrices`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodedMatrix {
+    /// Which of the expert's matrices (gpt-oss's gate-up matrix is `W1`, with no `W3`).
+    pub mat: naming::ExpertMat,
+    pub rows: usize,
+    pub cols: usize,
+    /// The coded tensors' base name (`{base}.weight`, `{base}.scale`, `{base}.resid.*`).
+    pub base: String,
+    /// The source tensors it is read from that the coded output drops once every matrix
+    /// listing them is coded (its own weight and scale, or the layer's stack).
+    pub replaces: Vec<String>,
+}
+
 /// `quantization_config` of a published checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct QuantizationConfig {
@@ -855,6 +869,44 @@ impl DeepSeekConfig {
         } else {
             naming::qwen3::expert_tensor(layer, expert, mat, part)
         })
+    }
+
+    /// The matrices of routed expert `expert` of decoder layer `layer` that `keep quant` codes,
+    /// as the family stores them: DeepSeek V4's `w1`/`w2`/`w3` and Hugging Face's per-expert
+    /// `gate_proj`/`down_proj`/`up_proj` each under its own name (its weight and block scale
+    /// replaced), gpt-oss's gate-up and down matrices (`gpt_oss::GptOssConfig::
+    /// coded_matrices`: coded under per-expert names, replacing the layer's stacks once every
+    /// expert of it is coded).
+    pub fn coded_matrices(&self, layer: usize, expert: usize) -> Vec<CodedMatrix> {
+        if let Some(g) = &self.gpt_oss {
+            return g.coded_matrices(layer, expert);
+        }
+        let (d, i) = (self.hidden_size, self.moe_intermediate_size);
+        naming::ExpertMat::ALL
+            .into_iter()
+            .filter_map(|mat| {
+                let w = self.expert_tensor(layer, expert, mat, "weight")?;
+                let base = w.strip_suffix(".weight")?.to_string();
+                let (rows, cols) = match mat {
+                    naming::ExpertMat::W2 => (d, i),
+                    _ => (i, d),
+                };
+                // The source's block scale: V4's `.scale`, DeepSeek-V3's and Qwen's
+                // `.weight_scale_inv`.
+                let replaces = vec![
+                    w.clone(),
+                    format!("{base}.scale"),
+                    format!("{base}.weight_scale_inv"),
+                ];
+                Some(CodedMatrix {
+                    mat,
+                    rows,
+                    cols,
+                    base,
+                    replaces,
+                })
+            })
+            .collect()
     }
 
     /// Whether decoder layer `layer` pruned to `survivors` (ascending ids; the rest removed,

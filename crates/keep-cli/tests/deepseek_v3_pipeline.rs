@@ -1,10 +1,13 @@
 //! The pipeline on a small random DeepSeek-V3 checkpoint (`keep synth --family deepseek_v3`, FP8
 //! 128×128 blocks, 3 layers with the first dense, 16 experts in 4 groups, top-2 groups, top-4,
-//! a 4096-token vocabulary so the bundled tokenizer's packs fit): inspect, pack, calibrate
+//! a 4096-token vocabulary so the bundled tokenizer's packs fit): inspect, repack (FP8 residents
+//! to MXFP8, the same logits bit for bit; a block scale that is not a power of two refused by
+//! tensor), pack, calibrate
 //! (layer-streamed), finalize, residency over the run's routes, select with `--groups 4` (the same number kept in every router
 //! group), prune (8 of 16: experts renumbered, router rows and `e_score_correction_bias`
 //! sliced, `n_routed_experts` 8 with `n_group` / `topk_group` kept); the pruned model equals the
-//! masked one under eval and runs; `keep quant` codes its routed experts (E8P, the family's
+//! masked one under eval and runs, whole and under the least --memory-budget it accepts with the
+//! same greedy tokens; `keep quant` codes its routed experts (E8P, the family's
 //! tensor names) and the result is scored and runs; a plan that unbalances the groups is
 //! refused; a plan that keeps every expert gives the same logits bit for bit.
 
@@ -76,6 +79,55 @@ fn kl(report: &str, student: &str) -> String {
     line.split_whitespace().nth(2).unwrap().to_string()
 }
 
+/// The greedy tokens of `keep run MODEL` on 8 prompt tokens, whole and under the least
+/// `--memory-budget` it accepts (the one a budget of one byte is refused naming).
+fn whole_and_least_budget(cache: &Path, model: &Path) -> (String, String) {
+    let gen = |extra: &[&str]| -> String {
+        let out = stdout(
+            keep(cache)
+                .arg("run")
+                .arg(model)
+                .args([
+                    "--prompt-tokens",
+                    "8",
+                    "--max-tokens",
+                    "6",
+                    "--temperature",
+                    "0",
+                ])
+                .args(extra),
+        );
+        out.lines()
+            .find(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let refused = keep(cache)
+        .arg("run")
+        .arg(model)
+        .args([
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "6",
+            "--memory-budget",
+            "1",
+        ])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let refused = String::from_utf8(refused).unwrap();
+    let least = refused
+        .split("give a budget ≥ ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no least budget named: {refused}"))
+        .to_string();
+    (gen(&[]), gen(&["--memory-budget", &least]))
+}
+
 #[test]
 fn deepseek_v3_through_the_pipeline() {
     let dir = tempfile::tempdir().unwrap();
@@ -103,6 +155,64 @@ fn deepseek_v3_through_the_pipeline() {
         .success();
     let report = stdout(keep(&cache).arg("inspect").arg(&src));
     assert!(report.contains("no problems found"), "{report}");
+
+    // FP8 residents (128×128 float32 `weight_scale_inv`, powers of two) → MXFP8: the same
+    // logits bit for bit.
+    let mx = w.join("mx");
+    let out = stdout(keep(&cache).arg("repack").arg(&src).arg(&mx).args([
+        "--resident-format",
+        "mxfp8",
+        "--verify",
+    ]));
+    assert!(out.contains("24 residents repacked"), "{out}");
+    assert_eq!(
+        logits(&cache, &src, &w.join("repack-a.safetensors")),
+        logits(&cache, &mx, &w.join("repack-b.safetensors"))
+    );
+    let ck = keep_checkpoint::Checkpoint::open(&mx).unwrap();
+    let s = ck
+        .get("model.layers.1.self_attn.q_a_proj.weight_scale_inv")
+        .unwrap();
+    assert_eq!(s.dtype, keep_checkpoint::Dtype::F8_E8M0, "{}", s.name);
+    // DeepSeek's own scales are any float32: one that is not a power of two has no E8M0 byte,
+    // and the repack is refused naming the weight (nothing written).
+    let bad = w.join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, bad.join(f.file_name().unwrap())).unwrap();
+    }
+    let name = "model.layers.1.self_attn.q_a_proj.weight_scale_inv";
+    let shard = std::fs::read_dir(&bad)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| {
+            p.extension().is_some_and(|e| e == "safetensors")
+                && std::fs::read(p)
+                    .unwrap()
+                    .windows(name.len())
+                    .any(|w| w == name.as_bytes())
+        })
+        .unwrap();
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 4].copy_from_slice(&1.5f32.to_le_bytes());
+    std::fs::write(&shard, bytes).unwrap();
+    let _ = std::fs::remove_file(bad.join("SHA256SUMS"));
+    keep(&cache)
+        .arg("repack")
+        .arg(&bad)
+        .arg(w.join("bad-mx"))
+        .args(["--resident-format", "mxfp8"])
+        .assert()
+        .failure()
+        .stderr(
+            predicate::str::contains("`model.layers.1.self_attn.q_a_proj.weight`")
+                .and(predicate::str::contains("not an exact power of two")),
+        );
+    assert!(!w.join("bad-mx").exists());
 
     // Pack, calibrate (layer-streamed: the dense layer, then the MoE layers), finalize.
     let pack = w.join("pack");
@@ -245,12 +355,11 @@ fn deepseek_v3_through_the_pipeline() {
         kl(&eval(&src, Some(&plan)), "plan.json"),
         kl(&eval(&pruned, None), "model")
     );
-    keep(&cache)
-        .arg("run")
-        .arg(&pruned)
-        .args(["--prompt-tokens", "8", "--max-tokens", "4"])
-        .assert()
-        .success();
+    // Whole and under the least budget (8 experts a layer, top-4 slots: the dense layer has
+    // none): the same greedy tokens.
+    let (whole_run, budget_run) = whole_and_least_budget(&cache, &pruned);
+    assert!(!whole_run.is_empty());
+    assert_eq!(whole_run, budget_run);
 
     // Quantize the pruned model's routed experts to E8P (its own calibration's imatrix; the
     // dense layer left as it is), and score it against the same teacher.

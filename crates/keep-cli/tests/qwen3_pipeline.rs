@@ -4,7 +4,9 @@
 //! bit), pack, calibrate, finalize, select (REAP), prune (8 of 16 experts, router rows sliced,
 //! `num_experts` rewritten; the pruned model equals the masked one under eval), eval, run whole
 //! and under the least --memory-budget it accepts (the same greedy tokens, with evictions),
-//! residency over the recorded routes.
+//! residency over the recorded routes; `keep quant` codes the routed experts (the dense layer
+//! left as it is), the result scores within a stated KL of the source and runs whole and under
+//! a budget. mlx-lm's stacked layout is refused by `keep quant`, naming the stacked tensor.
 
 use std::path::{Path, PathBuf};
 
@@ -268,6 +270,54 @@ fn qwen3_moe_through_the_pipeline() {
     // Run whole and under the least budget (evicting): the same greedy tokens; residency
     // replays the routes.
     assert_budget_equals_whole(&cache, w, &src, "24");
+
+    // Quantize the routed experts to E8P (the run's imatrix; the dense layer copied).
+    let q = w.join("q");
+    keep(&cache)
+        .arg("quant")
+        .arg(&src)
+        .arg("--imatrix")
+        .arg(w.join("run"))
+        .args(["--format", "e8p2", "--out"])
+        .arg(&q)
+        .assert()
+        .success();
+    keep(&cache).arg("verify").arg(&q).assert().success();
+    let ck = keep_checkpoint::Checkpoint::open(&q).unwrap();
+    let codes = ck
+        .get("model.layers.2.mlp.experts.5.up_proj.weight")
+        .unwrap();
+    assert_eq!(codes.dtype, keep_checkpoint::Dtype::U16, "E8P codes");
+    assert!(ck
+        .get("model.layers.2.mlp.experts.5.up_proj.weight_scale_inv")
+        .is_none());
+    assert!(ck
+        .get("model.layers.1.mlp.up_proj.weight_scale_inv")
+        .is_some());
+    let report = stdout(keep(&cache).arg("inspect").arg(&q));
+    assert!(report.contains("no problems found"), "{report}");
+    // KL to the source on the held-out split: measured 0.013 nats; a wrong product (the
+    // incoherence rotation not undone) is far above the bound.
+    let scored = stdout(
+        keep(&cache)
+            .arg("eval")
+            .arg(&q)
+            .arg("--teacher")
+            .arg(w.join("ev"))
+            .arg("--pack")
+            .arg(&pack),
+    );
+    let kq: f64 = scored
+        .lines()
+        .find(|l| l.trim_start().starts_with("model"))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .unwrap_or_else(|| panic!("{scored}"))
+        .parse()
+        .unwrap();
+    assert!(kq > 0.0 && kq < 0.04, "quantized KL {kq}");
+    let qb = w.join("qb");
+    std::fs::create_dir_all(&qb).unwrap();
+    assert_budget_equals_whole(&cache, &qb, &q, "24");
 }
 
 /// mlx-lm's 4-bit layout (`keep synth --format mlx4`: experts stacked in `switch_mlp`, every
@@ -321,4 +371,17 @@ fn qwen3_moe_mlx4_through_the_pipeline() {
     // Whole and under a memory budget (the expert store reads each expert's slices of the
     // stacked weight, scales and biases): the same greedy tokens; residency replays the routes.
     assert_budget_equals_whole(&cache, w, &src, "16");
+    // keep quant codes per-expert weights; the stacked ones are refused by name.
+    keep(&cache)
+        .arg("quant")
+        .arg(&src)
+        .arg("--imatrix")
+        .arg(w.join("run"))
+        .arg("--out")
+        .arg(w.join("q"))
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains(
+            "model.layers.0.mlp.switch_mlp.gate_proj.weight",
+        ));
 }

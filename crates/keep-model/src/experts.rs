@@ -107,6 +107,30 @@ pub fn expert_rht(
     })
 }
 
+/// The transforms of routed expert `expert` of `layer`, the matrices named as the family
+/// codes them (keep-checkpoint's `coded_matrices`: DeepSeek V4's, Hugging Face's per-expert
+/// names, gpt-oss's gate-up and down matrices).
+pub fn coded_rht(
+    map: &BTreeMap<String, Incoherence>,
+    cfg: &keep_checkpoint::DeepSeekConfig,
+    layer: usize,
+    expert: usize,
+) -> Result<ExpertRht> {
+    let mut r = ExpertRht::default();
+    if map.is_empty() {
+        return Ok(r);
+    }
+    for m in cfg.coded_matrices(layer, expert) {
+        let t = mat_rht(map, &m.base, m.rows, m.cols)?;
+        match m.mat {
+            keep_checkpoint::naming::ExpertMat::W1 => r.w1 = t,
+            keep_checkpoint::naming::ExpertMat::W2 => r.w2 = t,
+            keep_checkpoint::naming::ExpertMat::W3 => r.w3 = t,
+        }
+    }
+    Ok(r)
+}
+
 /// The activation rows `x` a matrix with transforms `r` multiplies: `V_in·x` row by row (a
 /// copy), or `x` itself.
 pub fn rht_input(r: Option<MatRht>, x: &[f32]) -> Result<Cow<'_, [f32]>> {

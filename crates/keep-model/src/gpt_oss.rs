@@ -25,8 +25,9 @@
 //! `swiglu_alpha` (1.702) and `limit` `swiglu_limit` (7) — then the MXFP4 `down_proj`
 //! `[hidden × intermediate]` plus its bias. Experts come from the model's [`ExpertSource`]
 //! (`w1` the gate-up matrix, `w2` the down matrix, `w3` empty; [`GptOssExperts`] serves them as
-//! views of the published stacks, nothing converted); their biases are small and held by the
-//! layer. Under `Kernels::Exact` every product decodes the MXFP4 bytes exactly (E2M1 value ·
+//! views of the published stacks, nothing converted, or of an expert's own tensors where `keep
+//! quant` coded it, with the incoherence transforms it stored rotated under); their biases are
+//! small and held by the layer. Under `Kernels::Exact` every product decodes the MXFP4 bytes exactly (E2M1 value ·
 //! `2^(scale − 127)`), the dequantized weights transformers computes with.
 //!
 //! The KV cache of a layer is [`KvRows`]: `rows` counts the positions seen; a full layer holds
@@ -37,9 +38,8 @@
 
 use std::mem::take;
 
-use keep_checkpoint::config::gpt_oss::{
-    layer_prefix, GptOssConfig, Mxfp4Stack, Stack, EMBED, HEAD, NORM,
-};
+use keep_checkpoint::config::gpt_oss::{layer_prefix, GptOssConfig, Stack, EMBED, HEAD, NORM};
+use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::Checkpoint;
 use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::profile::{self, Part};
@@ -49,7 +49,7 @@ use keep_kernels::{ops, WeightView};
 
 pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
-use crate::experts::{ExpertRht, ExpertSource, ExpertWeights};
+use crate::experts::{coded_rht, rht_output, ExpertSource, ExpertWeights};
 use crate::globals::Globals;
 use crate::linear::{lin_into, note_input, proj_into, top_k_by};
 use crate::observer::{ExpertOutputEvent, RouteEvent, RouteObserver};
@@ -481,7 +481,7 @@ impl<'a> GptOssLayer<'a> {
         let _p = profile::span(Part::Experts);
         let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
         let bufs = (&mut sc.experts, &mut sc.fam.routes);
-        self.experts_into(cfg, c, experts, x, t, chosen, bufs, ys)?;
+        self.experts_into(cfg, c, experts, x, t, chosen, bufs, ys, obs)?;
         // Each expert's inputs (the gate-up matrix's, `ffn.experts.w1`: the imatrix and its
         // route counts) and its unweighted outputs on its routes (`token · top_k + slot`, in
         // token order), as the shared MoE path reports them (REAP's ‖f‖ and g).
@@ -543,6 +543,7 @@ impl<'a> GptOssLayer<'a> {
         chosen: &[u32],
         bufs: (&mut ExpertScratch, &mut Vec<Vec<usize>>),
         ys: &mut Vec<f32>,
+        obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
         let (es, routes) = bufs;
         let l = self.layer;
@@ -610,6 +611,14 @@ impl<'a> GptOssLayer<'a> {
                     xin.extend_from_slice(&x[i * d..(i + 1) * d]);
                 }
             }
+            // A matrix stored rotated multiplies `V_in·x` (its rows in place in the copy).
+            let mut off = 0;
+            for (ew, &mi) in views.iter().zip(m.iter()) {
+                if let Some(r) = ew.rht.w1 {
+                    r.input.forward(&mut xin[off..off + mi * d])?;
+                }
+                off += mi * d;
+            }
             let gu = zeroed(&mut es.g, rows * 2 * inter);
             {
                 let mut jobs: Vec<Job<'_, '_>> = recycle(take(&mut es.jobs));
@@ -622,6 +631,11 @@ impl<'a> GptOssLayer<'a> {
                 }
                 matmul_many_with(cfg.kernels, &mut jobs)?;
                 es.jobs = recycle(jobs);
+            }
+            let mut off = 0;
+            for (ew, &mi) in views.iter().zip(m.iter()) {
+                rht_output(ew.rht.w1, &mut gu[off..off + mi * 2 * inter])?;
+                off += mi * 2 * inter;
             }
             let act = zeroed(&mut es.act, rows * inter);
             let mut row = 0;
@@ -641,6 +655,17 @@ impl<'a> GptOssLayer<'a> {
                     row += 1;
                 }
             }
+            // Each expert's down-matrix inputs (`ffn.experts.w2`: the imatrix keep quant weights
+            // the down matrix's codes by), then rotated where that matrix is stored rotated.
+            let mut off = 0;
+            for ((ew, &mi), &j) in views.iter().zip(m.iter()).zip(ids) {
+                let seg = &mut act[off..off + mi * inter];
+                note_input(obs, l, "ffn.experts.w2", Some(j), seg, mi, inter);
+                if let Some(r) = ew.rht.w2 {
+                    r.input.forward(seg)?;
+                }
+                off += mi * inter;
+            }
             let y = zeroed(&mut es.out, rows * d);
             {
                 let mut jobs: Vec<Job<'_, '_>> = recycle(take(&mut es.jobs));
@@ -653,6 +678,11 @@ impl<'a> GptOssLayer<'a> {
                 }
                 matmul_many_with(cfg.kernels, &mut jobs)?;
                 es.jobs = recycle(jobs);
+            }
+            let mut off = 0;
+            for (ew, &mi) in views.iter().zip(m.iter()) {
+                rht_output(ew.rht.w2, &mut y[off..off + mi * d])?;
+                off += mi * d;
             }
             let mut row = 0;
             for &j in ids {
@@ -731,37 +761,42 @@ pub fn globals<'a>(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>>
 /// The routed experts as views of the checkpoint's MXFP4 stacks (resolved and shape-checked
 /// once; nothing copied): `w1` expert `e`'s `[2·intermediate × hidden]` slice of
 /// `gate_up_proj_blocks` / `_scales`, `w2` its `[hidden × intermediate]` slice of `down_proj_*`,
-/// `w3` empty.
+/// `w3` empty; an expert `keep quant` coded is read from its own `mlp.experts.E.gate_up_proj.*`
+/// and `down_proj.*` instead (keep-checkpoint's `layout::expert_matrix` decides).
 pub struct GptOssExperts<'a> {
     per_layer: Vec<Vec<ExpertWeights<'a>>>,
 }
 
 impl<'a> GptOssExperts<'a> {
-    /// Resolve every expert of every layer.
+    /// Resolve every expert of every layer: its slices of the stacks, or its own tensors where
+    /// `keep quant` coded it (E8P codes with their residual stage and incoherence transforms).
     pub fn new(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let c = family_config(cfg)?;
+        let marker = crate::experts::incoherence_map(ck)?;
         let mut per_layer = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
-            let err = |expert: usize, msg: String| ModelError::Expert {
-                layer: l,
-                expert,
-                msg,
-            };
-            let open = |s: Stack| Mxfp4Stack::open(ck, c, l, s).map_err(|m| err(0, m));
-            let (gu, dn) = (open(Stack::GateUp)?, open(Stack::Down)?);
-            let view = |s: &Mxfp4Stack<'a>, e: usize| -> Result<WeightView<'a>> {
-                let (p, sc) = s
-                    .expert(e)
-                    .ok_or_else(|| err(e, "outside the stack".into()))?;
-                WeightView::mxfp4(p, sc, s.rows, s.cols).map_err(|k| err(e, k.to_string()))
-            };
             let mut layer = Vec::with_capacity(c.num_local_experts);
             for e in 0..c.num_local_experts {
+                let view = |s: Stack| -> Result<WeightView<'a>> {
+                    let mat = match s {
+                        Stack::GateUp => ExpertMat::W1,
+                        Stack::Down => ExpertMat::W2,
+                    };
+                    let em = keep_checkpoint::layout::expert_matrix(ck, &cfg.raw, l, e, mat)
+                        .map_err(|msg| ModelError::Expert {
+                            layer: l,
+                            expert: e,
+                            msg,
+                        })?;
+                    let resid = keep_checkpoint::layout::residual_of(ck, em.weight.name);
+                    let (rows, cols) = s.shape(c);
+                    crate::weights::expert_view(&em, resid, rows, cols, None)
+                };
                 layer.push(ExpertWeights {
-                    w1: view(&gu, e)?,
-                    w2: view(&dn, e)?,
+                    w1: view(Stack::GateUp)?,
+                    w2: view(Stack::Down)?,
                     w3: WeightView::f32(&[], 0, 0)?,
-                    rht: ExpertRht::default(),
+                    rht: coded_rht(&marker, &cfg.raw, l, e)?,
                 });
             }
             per_layer.push(layer);

@@ -1,6 +1,14 @@
 //! The quantized checkpoint `keep quant` writes: every selected routed expert's w1/w2/w3 fitted
 //! with [`crate::fit`], everything else copied byte for byte.
 //!
+//! Which matrices an expert has, their shapes, the base names of their codes and the source
+//! tensors the codes replace are the family's (keep-checkpoint's `coded_matrices`): DeepSeek
+//! V4's `layers.{L}.ffn.experts.{E}.w{1,2,3}`, Hugging Face's per-expert
+//! `model.layers.{L}.mlp.experts.{E}.{gate,down,up}_proj`, gpt-oss's
+//! `model.layers.{L}.mlp.experts.{E}.{gate_up_proj,down_proj}` read from its MXFP4 stacks (a
+//! stack is dropped once every expert of its layer is coded). A source tensor the codes would
+//! not replace (a stacked layout the model would go on reading) is refused by name.
+//!
 //! # Output tensors (for a quantized weight `<base>` = `layers.{L}.ffn.experts.{E}.w{1,2,3}`)
 //! | tensor | dtype, shape | meaning |
 //! |---|---|---|
@@ -322,6 +330,29 @@ pub fn decode_source(
     Ok(out)
 }
 
+/// The f32 values of a routed expert's matrix wherever the family keeps it (keep-checkpoint's
+/// `layout::expert_matrix`: its own tensors or its slice of a stack, MLX affine included).
+pub fn decode_matrix(m: &layout::ExpertMatrix<'_>, rows: usize, cols: usize) -> Result<Vec<f32>> {
+    let Some(b) = m.biases else {
+        return decode_source(m.weight, m.scale, rows, cols);
+    };
+    let l = layout::expert_matrix_as(m, rows, cols, None).map_err(QuantError::Input)?;
+    let Layout::MlxAffine { bits } = l.layout else {
+        return Err(QuantError::Input(format!(
+            "{}: cannot quantize a weight stored as {}",
+            m.weight.name,
+            l.layout.label()
+        )));
+    };
+    let sb = l.scale.map_or(&[][..], |s| s.bytes);
+    let view = WeightView::mlx_affine(bits, m.weight.bytes, sb, b.bytes, rows, cols)?;
+    let mut out = vec![0f32; rows * cols];
+    for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+        view.decode_row(r, row);
+    }
+    Ok(out)
+}
+
 /// The imatrix file (`keep finalize`'s `imatrix.safetensors`, or a run directory holding it).
 pub struct Imatrix {
     file: ShardFile,
@@ -375,14 +406,16 @@ struct Target {
     layer: usize,
     expert: usize,
     part: &'static str,
+    mat: ExpertMat,
     base: String,
     rows: usize,
     cols: usize,
+    /// The source tensors dropped once every target listing them is coded.
+    replaces: Vec<String>,
 }
 
 fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
     let cfg = ck.require_config()?;
-    let (hidden, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
     let mut out = vec![];
     // A dense layer (DeepSeek-V3's first layers, Qwen3-MoE's `mlp_only_layers`) has no
     // routed experts to code.
@@ -391,37 +424,40 @@ fn targets(ck: &Checkpoint, opts: &QuantOptions) -> Result<Vec<Target>> {
             let Some(format) = opts.experts.format_of(layer, expert, opts.format) else {
                 continue;
             };
-            for (part, mat) in PARTS.into_iter().zip(ExpertMat::ALL) {
-                // The family's name of the expert's matrix, without `.weight`.
-                let base = cfg
-                    .expert_tensor(layer, expert, mat, "weight")
-                    .and_then(|n| n.strip_suffix(".weight").map(str::to_string))
-                    .ok_or_else(|| {
-                        QuantError::Input(format!(
-                            "{}: keep quant codes one tensor per expert matrix; this model \
-                             ({}) keeps its experts stacked",
-                            ck.dir().display(),
-                            cfg.model_type
-                        ))
-                    })?;
-                if !ck.contains(&format!("{base}.weight")) {
+            // The family's matrices of the expert, under the names their codes take.
+            for m in cfg.coded_matrices(layer, expert) {
+                // Read where the family keeps it (its own tensors or a slice of a stack); the
+                // codes must take that tensor's place, or the model would go on reading it.
+                let em = layout::expert_matrix(ck, cfg, layer, expert, m.mat).map_err(|e| {
+                    QuantError::Input(format!(
+                        "{}: layer {layer}, expert {expert}: {e}",
+                        ck.dir().display()
+                    ))
+                })?;
+                if !m.replaces.iter().any(|r| r == em.weight.name) {
                     return Err(QuantError::Input(format!(
-                        "{base}.weight is missing from the checkpoint"
+                        "{}: layer {layer}, expert {expert} is read from `{}`, which keep quant \
+                         does not replace (a stacked or already coded layout of {}); quantize \
+                         the published per-expert weights",
+                        ck.dir().display(),
+                        em.weight.name,
+                        cfg.model_type
                     )));
                 }
-                let (rows, cols) = if part == "w2" {
-                    (hidden, inter)
-                } else {
-                    (inter, hidden)
-                };
+                let part = PARTS[ExpertMat::ALL
+                    .iter()
+                    .position(|&x| x == m.mat)
+                    .expect("one of the three")];
                 out.push(Target {
                     format,
                     layer,
                     expert,
                     part,
-                    base,
-                    rows,
-                    cols,
+                    mat: m.mat,
+                    base: m.base,
+                    rows: m.rows,
+                    cols: m.cols,
+                    replaces: m.replaces,
                 });
             }
         }
@@ -565,10 +601,10 @@ pub fn quantize_with(
             BTreeMap::new();
         for t in targets.iter().filter(|t| t.layer == l) {
             let wname = format!("{}.weight", t.base);
-            let w = ck.tensor(&wname)?;
-            let s = layout::scale_of(&ck, &wname);
-            source_bytes += w.bytes.len() as u64 + s.map_or(0, |s| s.bytes.len() as u64);
-            let vals = decode_source(w, s, t.rows, t.cols)?;
+            let em = layout::expert_matrix(&ck, cfg, l, t.expert, t.mat)
+                .map_err(|e| QuantError::Input(format!("{wname}: {e}")))?;
+            source_bytes += em.bytes();
+            let vals = decode_matrix(&em, t.rows, t.cols)?;
             if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
                 return Err(QuantError::Input(format!(
                     "{wname}: the source holds a non-finite value ({}) at row {}, column {}; \
@@ -738,41 +774,50 @@ pub fn quantize_with(
         report.tensors.extend(e);
         part_cks.insert(l, Checkpoint::open(&p)?);
     }
-    // Each quantized base name and its layer (the family names it).
-    let quantized: BTreeMap<String, usize> =
-        targets.iter().map(|t| (t.base.clone(), t.layer)).collect();
-    let base_of = |name: &str| -> Option<String> {
-        // The source's block scale: V4's `.scale`, DeepSeek-V3's and Qwen's `.weight_scale_inv`.
-        let b = name
-            .strip_suffix(".weight")
-            .or_else(|| name.strip_suffix(".scale"))
-            .or_else(|| name.strip_suffix(".weight_scale_inv"))?;
-        quantized.contains_key(b).then(|| b.to_string())
-    };
-    let layer_of = |b: &str| -> usize { quantized.get(b).copied().unwrap_or(0) };
-    // output order: the source's, each quantized weight's tensors where its weight was
-    let mut plan: Vec<(TensorMeta, Option<(usize, String)>)> = vec![];
-    for t in ck.tensors() {
-        match base_of(t.name) {
-            Some(b) if t.name.ends_with(".weight") => {
-                let l = layer_of(&b);
-                let pck = &part_cks[&l];
-                for suffix in [
-                    ".weight",
-                    ".scale",
-                    ".resid.weight",
-                    ".resid.scale",
-                    ".scales",
-                    ".biases",
-                ] {
-                    let n = format!("{b}{suffix}");
-                    if let Some(pt) = pck.get(&n) {
-                        plan.push((TensorMeta::new(n.clone(), pt.dtype, pt.shape), Some((l, n))));
-                    }
+    // Each quantized base name, at the source tensor it takes the place of: its own weight,
+    // or (a stacked family) the first tensor it replaces. A replaced source tensor is dropped
+    // once every matrix read from it is coded (a stack that still serves an uncoded expert
+    // stays).
+    let coded: BTreeSet<(usize, usize)> = targets.iter().map(|t| (t.layer, t.expert)).collect();
+    let mut readers: BTreeMap<String, bool> = BTreeMap::new();
+    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
+        for x in 0..cfg.experts_in_layer(l) {
+            for m in cfg.coded_matrices(l, x) {
+                for r in m.replaces {
+                    *readers.entry(r).or_insert(true) &= coded.contains(&(l, x));
                 }
             }
-            Some(_) => {} // the source scale is replaced
-            None => plan.push((TensorMeta::new(t.name, t.dtype, t.shape), None)),
+        }
+    }
+    let mut at: BTreeMap<&str, Vec<&Target>> = BTreeMap::new();
+    for t in &targets {
+        let anchor = t.replaces.first().map_or(t.base.as_str(), String::as_str);
+        at.entry(anchor).or_default().push(t);
+    }
+    // output order: the source's, each quantized weight's tensors where its source was
+    let mut plan: Vec<(TensorMeta, Option<(usize, String)>)> = vec![];
+    for t in ck.tensors() {
+        if !readers.get(t.name).copied().unwrap_or(false) {
+            plan.push((TensorMeta::new(t.name, t.dtype, t.shape), None));
+        }
+        for q in at.get(t.name).into_iter().flatten() {
+            let pck = &part_cks[&q.layer];
+            for suffix in [
+                ".weight",
+                ".scale",
+                ".resid.weight",
+                ".resid.scale",
+                ".scales",
+                ".biases",
+            ] {
+                let n = format!("{}{suffix}", q.base);
+                if let Some(pt) = pck.get(&n) {
+                    plan.push((
+                        TensorMeta::new(n.clone(), pt.dtype, pt.shape),
+                        Some((q.layer, n)),
+                    ));
+                }
+            }
         }
     }
     let mut shard_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);

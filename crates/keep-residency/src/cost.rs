@@ -178,7 +178,14 @@ pub fn model_bytes(
             continue;
         }
         let experts = ck.config().map_or(1, |c| c.experts_in_layer(l).max(1));
-        for (x, mat) in (0..experts).flat_map(|x| ExpertMat::ALL.map(|m| (x, m))) {
+        // The family's matrices of each expert (gpt-oss: gate-up and down, no up matrix).
+        let mats = |x: usize| -> Vec<ExpertMat> {
+            match ck.config() {
+                Some(c) => c.coded_matrices(l, x).into_iter().map(|m| m.mat).collect(),
+                None => ExpertMat::ALL.to_vec(),
+            }
+        };
+        for (x, mat) in (0..experts).flat_map(|x| mats(x).into_iter().map(move |m| (x, m))) {
             // The expert's own tensors or its slices of a stacked `switch_mlp` (MLX biases too).
             let found = match ck.config() {
                 Some(cfg) => keep_checkpoint::layout::expert_matrix(&ck, cfg, l, x, mat),

@@ -818,7 +818,6 @@ fn expert_bytes_of(
     layers: &[usize],
     resid: bool,
 ) -> Result<Vec<Vec<u64>>> {
-    use keep_checkpoint::naming::{self, ExpertMat};
     let cfg = ck.require_config()?;
     let mut out = Vec::with_capacity(layers.len());
     for &l in layers {
@@ -829,12 +828,9 @@ fn expert_bytes_of(
             continue;
         }
         for (e, b) in v.iter_mut().enumerate() {
-            for mat in ExpertMat::ALL {
-                // The family's name of the expert's matrix (gpt-oss's stacks have none: its
-                // residual stages are absent, its bytes come from `expert_matrix`).
-                let w = cfg
-                    .expert_tensor(l, e, mat, "weight")
-                    .unwrap_or_else(|| naming::expert_tensor(l, e, mat, "weight"));
+            // The family's matrices of the expert under the names their codes take.
+            for m in cfg.coded_matrices(l, e) {
+                let (mat, w) = (m.mat, format!("{}.weight", m.base));
                 if resid {
                     if let Some((r, rs)) = keep_checkpoint::layout::residual_of(ck, &w) {
                         *b += r.bytes.len() as u64 + rs.map_or(0, |s| s.bytes.len() as u64);

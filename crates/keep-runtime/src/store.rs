@@ -410,18 +410,8 @@ impl ExpertStore {
                     });
                     continue;
                 }
-                // Qwen3-MoE and DeepSeek-V3 share Hugging Face's expert names.
-                let bases: [String; 3] = if q3.is_some() || v3.is_some() {
-                    keep_model::qwen3::expert_bases(l, x)
-                } else {
-                    ["w1", "w2", "w3"].map(|w| format!("layers.{l}.ffn.experts.{x}.{w}"))
-                };
-                rht.push(keep_model::experts::expert_rht(
-                    &marker,
-                    [&bases[0], &bases[1], &bases[2]],
-                    d,
-                    i,
-                )?);
+                // The transforms keep quant stored, under the family's names of the matrices.
+                rht.push(keep_model::experts::coded_rht(&marker, &cfg.raw, l, x)?);
                 let split = apart
                     .get(l)
                     .and_then(|v| v.get(x))

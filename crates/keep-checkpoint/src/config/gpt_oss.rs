@@ -23,7 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{DeepSeekConfig, MAX_EXPERTS};
+use crate::config::{CodedMatrix, DeepSeekConfig, MAX_EXPERTS};
+use crate::naming::ExpertMat;
 use crate::{Dtype, TensorRef};
 
 /// The `model_type` of this family.
@@ -465,6 +466,49 @@ impl Stack {
     /// `_bias`).
     pub fn name(self, layer: usize, suffix: &str) -> String {
         format!("{}mlp.experts.{}{suffix}", layer_prefix(layer), self.stem())
+    }
+
+    /// The stack holding expert matrix `mat` (`W1` the gate-up stack, `W2` the down stack;
+    /// gpt-oss has no `W3`).
+    pub fn of(mat: ExpertMat) -> Option<Stack> {
+        match mat {
+            ExpertMat::W1 => Some(Stack::GateUp),
+            ExpertMat::W2 => Some(Stack::Down),
+            ExpertMat::W3 => None,
+        }
+    }
+
+    /// The base name (`.weight`, `.scale`, `.resid.*` follow) of expert `expert`'s matrix of
+    /// this stack once `keep quant` has coded it on its own:
+    /// `model.layers.{layer}.mlp.experts.{expert}.{stem}`. The model reads an expert from these
+    /// tensors where they exist, and from its slice of the stack otherwise.
+    pub fn coded_base(self, layer: usize, expert: usize) -> String {
+        format!(
+            "{}mlp.experts.{expert}.{}",
+            layer_prefix(layer),
+            self.stem()
+        )
+    }
+}
+
+impl GptOssConfig {
+    /// The expert matrices `keep quant` codes, one of each stack, each replacing its stack
+    /// (`_blocks` and `_scales`) once every expert of the layer is coded.
+    pub fn coded_matrices(&self, layer: usize, expert: usize) -> Vec<CodedMatrix> {
+        [ExpertMat::W1, ExpertMat::W2]
+            .into_iter()
+            .filter_map(|mat| {
+                let s = Stack::of(mat)?;
+                let (rows, cols) = s.shape(self);
+                Some(CodedMatrix {
+                    mat,
+                    rows,
+                    cols,
+                    base: s.coded_base(layer, expert),
+                    replaces: vec![s.name(layer, BLOCKS), s.name(layer, SCALES)],
+                })
+            })
+            .collect()
     }
 }
 

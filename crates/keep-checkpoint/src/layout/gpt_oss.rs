@@ -5,14 +5,16 @@ use crate::checkpoint::Checkpoint;
 use crate::config::gpt_oss::{layer_prefix, GptOssConfig, Mxfp4Stack, Stack, EMBED, HEAD, NORM};
 use crate::config::gpt_oss::{BLOCKS, SCALES};
 use crate::layout::{
-    expert_slice, vector_problem, weight_as, ExpertMatrix, Layout, WeightLayout, MAX_PROBLEMS,
+    expert_slice, scale_of, vector_problem, weight_as, ExpertMatrix, Layout, WeightLayout,
+    MAX_PROBLEMS,
 };
 use crate::naming::ExpertMat;
 use crate::{Dtype, TensorRef};
 
 /// Matrix `mat` of expert `expert` of `layer`: `W1` its `[2·intermediate, hidden]` slice of
 /// the gate-up stack (gate and up rows interleaved), `W2` its slice of the down stack (blocks and
-/// scales sliced alike, nothing copied). gpt-oss has no `W3`: the up rows are in `W1`.
+/// scales sliced alike, nothing copied), or the expert's own coded tensors where `keep quant`
+/// wrote them (`Stack::coded_base`). gpt-oss has no `W3`: the up rows are in `W1`.
 pub(crate) fn expert_matrix<'a>(
     ck: &'a Checkpoint,
     cfg: &GptOssConfig,
@@ -30,6 +32,15 @@ pub(crate) fn expert_matrix<'a>(
             ))
         }
     };
+    // An expert `keep quant` coded is read from its own tensors.
+    let coded = format!("{}.weight", s.coded_base(layer, expert));
+    if let Some(w) = ck.get(&coded) {
+        return Ok(ExpertMatrix {
+            weight: w,
+            scale: scale_of(ck, &coded),
+            biases: None,
+        });
+    }
     let st = Mxfp4Stack::open(ck, cfg, layer, s)?;
     Ok(ExpertMatrix {
         weight: expert_slice(st.blocks, expert, st.experts)?,
@@ -122,8 +133,19 @@ pub fn model_problems(ck: &Checkpoint, cfg: &GptOssConfig) -> Vec<String> {
             out.extend(vector_problem(ck, &format!("{p}{n}"), len));
         }
         for s in [Stack::GateUp, Stack::Down] {
-            if let Err(m) = Mxfp4Stack::open(ck, cfg, l, s) {
-                out.push(m);
+            // Experts `keep quant` coded have their own tensors; the rest are the stack's.
+            let (r, c) = s.shape(cfg);
+            let coded: Vec<String> = (0..e)
+                .map(|x| s.coded_base(l, x))
+                .filter(|b| ck.contains(&format!("{b}.weight")))
+                .collect();
+            if coded.len() < e {
+                if let Err(m) = Mxfp4Stack::open(ck, cfg, l, s) {
+                    out.push(m);
+                }
+            }
+            for b in &coded {
+                mat(&mut out, b, r, c);
             }
             out.extend(vector_problem(ck, &s.name(l, "_bias"), e * s.shape(cfg).0));
         }

@@ -32,6 +32,9 @@ pub fn parse_name(name: &str) -> Option<TensorName> {
                 (Role::AttnProj(p.to_string()), Part::Other)
             } else {
                 let e = rest.strip_prefix("mlp.experts.")?;
+                if let Some(n) = coded_expert(layer, e) {
+                    return Some(n);
+                }
                 let (stem, part) = [
                     (BLOCKS, Part::Weight),
                     (SCALES, Part::Scale),
@@ -51,6 +54,31 @@ pub fn parse_name(name: &str) -> Option<TensorName> {
     Some(TensorName {
         scope: Scope::Layer(layer),
         role,
+        part,
+    })
+}
+
+/// An expert matrix `keep quant` coded under its own name (`mlp.experts.{E}.{gate_up_proj|
+/// down_proj}.{weight|scale|resid.weight|resid.scale}`, `rest` after `mlp.experts.`).
+fn coded_expert(layer: usize, rest: &str) -> Option<TensorName> {
+    let dot = rest.find('.')?;
+    let expert = rest[..dot].parse::<usize>().ok()?;
+    let rest = &rest[dot + 1..];
+    let dot = rest.find('.')?;
+    let mat = match &rest[..dot] {
+        "gate_up_proj" => ExpertMat::W1,
+        "down_proj" => ExpertMat::W2,
+        _ => return None,
+    };
+    let part = match &rest[dot + 1..] {
+        "weight" => Part::Weight,
+        "scale" => Part::Scale,
+        "resid.weight" | "resid.scale" => Part::Other,
+        _ => return None,
+    };
+    Some(TensorName {
+        scope: Scope::Layer(layer),
+        role: Role::RoutedExpert { expert, mat },
         part,
     })
 }
