@@ -10,7 +10,7 @@
 # the ones fed back) after paging the model's shards in, so that a resident run waits on no
 # disk. Extra `keep run` flags go in KEEP_RUN_FLAGS (e.g. "--memory-budget 4GiB", which makes
 # io_wait the expert reads). OUT.json is the run's keep-run-stats file with an `evidence`
-# object added: the command, keep's commit, the machine (lscpu model, cores, threads, L3),
+# object added: the command, the commit of the tree it ran from and the keep binary's path and SHA-256, the machine (lscpu model, cores, threads, L3),
 # load averages before and after, and the profile table `keep run --profile` printed.
 # Threads: RAYON_NUM_THREADS (recorded). Measure on a quiet machine; this script reports, it
 # asserts nothing.
@@ -36,9 +36,9 @@ echo "+ ${cmd[*]}" >&2
 "${cmd[@]}" >/dev/null 2>"$tmp/run.log"
 load_after=$(cat /proc/loadavg)
 cat "$tmp/run.log" >&2
-python3 - "$tmp" "$OUT" "${cmd[*]}" "$load_before" "$load_after" "$*" <<'PY'
-import json, os, subprocess, sys
-tmp, out, cmd, before, after, args = sys.argv[1:7]
+python3 - "$tmp" "$OUT" "${cmd[*]}" "$load_before" "$load_after" "$*" "$KEEP" <<'PY'
+import hashlib, json, os, subprocess, sys
+tmp, out, cmd, before, after, args, keep_bin = sys.argv[1:8]
 stats = json.load(open(f"{tmp}/stats.json"))
 lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
 field = lambda k: next((l.split(":", 1)[1].strip() for l in lscpu.splitlines()
@@ -52,7 +52,11 @@ table = [l for l in log if l.startswith(("profile:", "part ")) or
 stats["evidence"] = {
     "script": f"dev/profile-forward.sh {args}",
     "command": cmd,
+    # The tree the script ran from; KEEP may name a binary built elsewhere, so the binary
+    # itself is recorded by its path and SHA-256 too.
     "keep_commit": git("rev-parse", "HEAD"),
+    "keep_binary": keep_bin,
+    "keep_binary_sha256": hashlib.sha256(open(keep_bin, "rb").read()).hexdigest(),
     "keep_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
     "machine": {
         "model_name": field("Model name"),
