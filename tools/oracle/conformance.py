@@ -25,6 +25,9 @@ Sections (each prints PASS/FAIL lines; the last line is "N passed, M failed"; ex
   model-gpt-oss  keep's gpt-oss forward (MXFP4 experts as published, sinks, sliding and full
              layers, YaRN with and without `truncate`) against transformers' GptOssForCausalLM
              and mlx-lm's gpt_oss (tools/oracle/gpt_oss_conformance.py)
+  chat-templates  `keep chat-template` (what keep serve sends) equals transformers' rendering
+             of the chat templates DeepSeek-V3.1, Kimi-K2, gpt-oss, DeepSeek-V4-Flash and Qwen3
+             are published with, on five chats (tools/oracle/chat_template_conformance.py)
   quant-mlx  keep quant --format mlx2|mlx3|mlx4 on the bundled model: every quantized routed
              expert's codes, scales and biases equal mx.quantize(bits=B, group_size=64) of the
              same weights (the shipped FP4 decoded, in bf16) byte for byte; the mlx4 model
@@ -268,6 +271,13 @@ def section_model_gpt_oss(args):
           "(gpt_oss_conformance.py)", r.returncode == 0)
 
 
+def section_chat_templates(args):
+    script = ROOT / "tools/oracle/chat_template_conformance.py"
+    r = subprocess.run([sys.executable, str(script), "--keep", str(args.keep)], cwd=ROOT)
+    check("chat-templates: keep renders the published chat templates as transformers does "
+          "(chat_template_conformance.py)", r.returncode == 0)
+
+
 def section_mtp(args):
     """keep's MTP module (`keep logits --mtp`) against tools/oracle/mtp_ref.py (transformers'
     decoder layer for the block, the MTP wrapper transcribed from DeepSeek's model.py) on random
@@ -396,7 +406,7 @@ def section_fixtures(args):
 SECTIONS = {"codes": section_codes, "repack": section_repack, "prune": section_prune,
             "model": section_model, "model-v4": section_model_v4,
             "model-qwen3": section_model_qwen3, "model-deepseek-v3": section_model_deepseek_v3,
-            "model-gpt-oss": section_model_gpt_oss,
+            "model-gpt-oss": section_model_gpt_oss, "chat-templates": section_chat_templates,
             "mtp": section_mtp, "quant-mlx": section_quant_mlx,
             "fixtures": section_fixtures}
 

@@ -564,3 +564,50 @@ fn metrics_are_scraped_with_the_api_key() {
         .unwrap_or(0.0);
     assert!(tokens >= 1.0, "{m}");
 }
+
+/// `keep chat-template` prints exactly the prompt `/v1/chat/completions` renders (the bundled
+/// model's template: what transformers' apply_chat_template renders for it), reads a request
+/// body as well as a bare list, prints the ids with `--ids`, and refuses bad messages by name.
+#[test]
+fn chat_template_prints_the_prompt_serve_renders() {
+    let run = |args: &[&str], stdin: &str| {
+        let mut c = Command::new(keep_bin())
+            .arg("chat-template")
+            .arg(tiny())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        let o = c.wait_with_output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8(o.stdout).unwrap(),
+            String::from_utf8(o.stderr).unwrap(),
+        )
+    };
+    let list = r#"[{"role":"user","content":"sort a list"}]"#;
+    let (ok, out, err) = run(&["--messages", "-"], list);
+    assert!(ok, "{err}");
+    assert_eq!(out, "# user:\nsort a list\n# assistant:\n");
+    // A request body, content as parts.
+    let body = r#"{"model":"x","messages":[{"role":"user","content":[{"type":"text","text":"sort "},{"type":"text","text":"a list"}]}]}"#;
+    assert_eq!(run(&["--messages", "-"], body).1, out);
+    // The ids, alone and beside the text.
+    let (ok, ids, err) = run(&["--messages", "-", "--ids"], list);
+    assert!(ok, "{err}");
+    let ids: Vec<u32> = serde_json::from_str(ids.trim()).unwrap();
+    assert!(!ids.is_empty());
+    let (ok, both, err) = run(&["--messages", "-", "--json"], list);
+    assert!(ok, "{err}");
+    let both: serde_json::Value = serde_json::from_str(both.trim()).unwrap();
+    assert_eq!(both["prompt"], out);
+    assert_eq!(both["ids"], serde_json::json!(ids));
+    // Bad input: named, nothing printed.
+    let (ok, out, err) = run(&["--messages", "-"], r#"{"messages": 3}"#);
+    assert!(!ok && out.is_empty() && err.contains("role"), "{err}");
+    let (ok, _, err) = run(&["--messages", "-"], "[]");
+    assert!(!ok && err.contains("no messages"), "{err}");
+}

@@ -101,6 +101,26 @@ pub struct ChatMessage {
     pub content: Option<Content>,
 }
 
+impl ChatMessage {
+    /// The message as the chat template sees it: text content as is, a list of parts joined
+    /// from its `text` parts (other parts carry nothing a text model reads), no content empty.
+    pub fn template_message(&self) -> crate::template::Message {
+        crate::template::Message {
+            role: self.role.clone(),
+            content: match &self.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(p)) => p
+                    .iter()
+                    .filter(|p| p.kind == "text")
+                    .filter_map(|p| p.text.clone())
+                    .collect::<Vec<_>>()
+                    .join(""),
+            },
+        }
+    }
+}
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {

@@ -39,7 +39,7 @@ use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::api::{self, ChatRequest, Common, CompletionRequest, Content, PromptField};
+use crate::api::{self, ChatRequest, Common, CompletionRequest, PromptField};
 use crate::conn::Limits;
 use crate::engine::{self, EngineHandle, EngineOptions, Event, Finish, Request, TokenLogprob};
 use crate::files::FileGuard;
@@ -753,23 +753,7 @@ async fn chat(State(st): State<AppState>, req: HttpRequest<Body>) -> Response {
     if r.messages.is_empty() {
         return ApiError::bad("messages is empty", Some("messages")).into_response();
     }
-    let messages: Vec<Message> = r
-        .messages
-        .iter()
-        .map(|m| Message {
-            role: m.role.clone(),
-            content: match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(p)) => p
-                    .iter()
-                    .filter(|p| p.kind == "text")
-                    .filter_map(|p| p.text.clone())
-                    .collect::<Vec<_>>()
-                    .join(""),
-            },
-        })
-        .collect();
+    let messages: Vec<Message> = r.messages.iter().map(|m| m.template_message()).collect();
     if let Some(n) = r.top_logprobs {
         if n > 20 {
             return ApiError::bad(

@@ -52,6 +52,36 @@ fn token_text(v: Option<&serde_json::Value>) -> String {
     }
 }
 
+/// `strftime_now(fmt)` as transformers defines it for templates: the local time formatted by
+/// `fmt`'s strftime directives (`%Y-%m-%d`, `%d %B %Y`, …). A directive chrono does not know is
+/// an error of the template, not a panic.
+fn strftime_now(fmt: String) -> std::result::Result<String, Error> {
+    use std::fmt::Write;
+    let items: Vec<chrono::format::Item> = chrono::format::StrftimeItems::new(&fmt).collect();
+    if items
+        .iter()
+        .any(|i| matches!(i, chrono::format::Item::Error))
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: unsupported directive in {fmt:?}"),
+        ));
+    }
+    let mut out = String::new();
+    write!(
+        out,
+        "{}",
+        chrono::Local::now().format_with_items(items.into_iter())
+    )
+    .map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: cannot format {fmt:?}"),
+        )
+    })?;
+    Ok(out)
+}
+
 impl ChatTemplate {
     /// Compile `source` with the special tokens it may name.
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
@@ -65,11 +95,7 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
-        env.add_function("strftime_now", |fmt: String| -> String {
-            // No clock formatting library: the date is the one thing templates ask for.
-            let _ = fmt;
-            String::new()
-        });
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ServeError::Template(format!("compiling the chat template: {e:#}")))?;
         Ok(ChatTemplate {
@@ -403,6 +429,36 @@ mod tests {
         std::fs::write(d.join("chat_template.jinja"), "{% for %}").unwrap();
         let e = ChatTemplate::from_model_dir(d).err().unwrap();
         assert!(e.to_string().contains("chat_template.jinja"), "{e}");
+    }
+
+    #[test]
+    fn strftime_now_writes_the_date() {
+        // gpt-oss's template writes "Current date: {{ strftime_now('%Y-%m-%d') }}".
+        let t = ChatTemplate::new(
+            "{{ strftime_now('%Y-%m-%d') }}|{{ strftime_now('%d %B %Y') }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let out = t.render(&[]).unwrap();
+        let (iso, long) = out.split_once('|').unwrap();
+        let b = iso.as_bytes();
+        assert!(
+            b.len() == 10
+                && b[4] == b'-'
+                && b[7] == b'-'
+                && iso.replace('-', "").bytes().all(|c| c.is_ascii_digit()),
+            "{out:?}"
+        );
+        let year = &iso[..4];
+        assert!(long.ends_with(year) && long.len() > 12, "{out:?}");
+        // A directive chrono does not know is the template's error.
+        let t = ChatTemplate::new("{{ strftime_now('%Q') }}", "", "").unwrap();
+        assert!(t
+            .render(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("strftime_now"));
     }
 
     #[test]

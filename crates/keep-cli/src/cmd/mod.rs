@@ -3,6 +3,7 @@
 pub mod alloc;
 pub mod bench;
 pub mod calibrate;
+pub mod chat_template;
 pub mod eval;
 pub mod finalize;
 pub mod fit;
