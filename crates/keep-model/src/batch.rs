@@ -62,20 +62,16 @@ impl Model<'_> {
         s.check_finite(|| "the embedding".into())?;
         let steps: Vec<Step> = caches.iter().map(|c| step_of(cfg, c)).collect();
         let mut shared: Vec<Shared> = caches.iter().map(|_| Shared::default()).collect();
-        let engram_ids = match &self.engram {
-            Some(e) => {
-                // Row-major per token, so the sequences' ids concatenate into the batch's.
-                let mut ids = vec![];
-                for (c, &t) in caches.iter_mut().zip(tokens) {
-                    ids.extend(e.hash(&mut c.engram_history, &[t])?);
-                }
-                ids
+        let mut engram = crate::engram::EngramScratch::default();
+        if let Some(e) = &self.engram {
+            // Row-major per token, so the sequences' ids concatenate into the batch's.
+            for (c, &t) in caches.iter_mut().zip(tokens) {
+                engram.ids.extend(e.hash(&mut c.engram_history, &[t])?);
             }
-            None => vec![],
-        };
+        }
         for lw in &self.layers {
             if let Some(e) = &self.engram {
-                e.apply(cfg, lw.layer, &mut s, &engram_ids)?;
+                e.apply(cfg, lw.layer, &mut s, &mut engram)?;
             }
             self.layer_batch(lw, &mut s, &steps, caches, &mut shared)?;
             s.check_finite(|| format!("layer {}", lw.layer))?;

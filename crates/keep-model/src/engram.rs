@@ -233,34 +233,76 @@ impl<'a> EngramLayer<'a> {
         ids: &[u64],
         rows: &dyn EngramRows,
     ) -> Result<()> {
+        let mut bufs = EngramScratch::default();
+        bufs.ids.extend_from_slice(ids);
+        self.forward_with(cfg, layout, s, rows, &mut bufs)
+    }
+
+    /// [`EngramLayer::forward`] on the ids in `bufs.ids`, its working buffers kept in `bufs`
+    /// (nothing allocated once they have the room).
+    pub fn forward_with(
+        &self,
+        cfg: &ModelConfig,
+        layout: &EngramLayout,
+        s: &mut Streams,
+        rows: &dyn EngramRows,
+        bufs: &mut EngramScratch,
+    ) -> Result<()> {
         let (t, cols, hd, ns) = (s.t, layout.cols(), layout.head_dim, layout.layer_ids.len());
+        let EngramScratch { ids, gather, e, kv } = bufs;
         if ids.len() != t * ns * cols {
             return Err(ModelError::Config(format!(
                 "{} engram row ids for {t} tokens × {ns} layers × {cols} columns",
                 ids.len()
             )));
         }
-        let mine: Vec<u64> = (0..t)
-            .flat_map(|i| {
-                ids[(i * ns + self.slot) * cols..(i * ns + self.slot + 1) * cols]
-                    .iter()
-                    .copied()
-            })
-            .collect();
-        let mut e = vec![0f32; t * cols * hd];
+        let mine = slot_ids(ids, t, ns, cols, self.slot, gather);
+        e.clear();
+        e.resize(t * cols * hd, 0.0);
         {
             let _io = profile::span(profile::Part::IoWait);
-            rows.rows(self.slot, &mine, &mut e)?;
+            rows.rows(self.slot, mine, e)?;
         }
         profile::read(self.wkv.nbytes());
         let (hc, d) = (cfg.hc, cfg.dim);
-        let mut kv = vec![0f32; t * (hc + 1) * d];
+        kv.clear();
+        kv.resize(t * (hc + 1) * d, 0.0);
         // The model's kernels, like every other product of the layer (exact unless the
         // caller chose fast).
-        matmul_with(cfg.kernels, &e, t, &self.wkv, &mut kv)?;
-        gate_ref(&mut s.x, &kv, &self.qk, t, hc, d, cfg.eps);
+        matmul_with(cfg.kernels, e, t, &self.wkv, kv)?;
+        gate_ref(&mut s.x, kv, &self.qk, t, hc, d, cfg.eps);
         Ok(())
     }
+}
+
+/// The working buffers of the Engram layers, kept between forwards: the call's row ids
+/// `[t][slot][col]`, one slot's ids gathered, its rows and their projection.
+#[derive(Debug, Default)]
+pub struct EngramScratch {
+    pub ids: Vec<u64>,
+    gather: Vec<u64>,
+    e: Vec<f32>,
+    kv: Vec<f32>,
+}
+
+/// The row ids of engram slot `slot` in `ids` (`[t][slot][col]`): a slice of `ids` for one
+/// token, else gathered into `gather`.
+fn slot_ids<'b>(
+    ids: &'b [u64],
+    t: usize,
+    ns: usize,
+    cols: usize,
+    slot: usize,
+    gather: &'b mut Vec<u64>,
+) -> &'b [u64] {
+    if t == 1 {
+        return &ids[slot * cols..(slot + 1) * cols];
+    }
+    gather.clear();
+    for i in 0..t {
+        gather.extend_from_slice(&ids[(i * ns + slot) * cols..(i * ns + slot + 1) * cols]);
+    }
+    gather
 }
 
 /// The gated write, scalar: `x[t,k] += σ(signed √dot)·value[t]` (see the module doc).
@@ -318,32 +360,39 @@ impl<'a> Engram<'a> {
 
     /// Hash `tokens` after the cache's history and tell the row source what is coming.
     pub fn hash(&self, history: &mut Vec<u32>, tokens: &[u32]) -> Result<Vec<u64>> {
-        let ids = self.layout.hash(history, tokens)?;
-        let (ns, cols) = (self.layout.layer_ids.len(), self.layout.cols());
-        for slot in 0..ns {
-            let mine: Vec<u64> = (0..tokens.len())
-                .flat_map(|i| {
-                    ids[(i * ns + slot) * cols..(i * ns + slot + 1) * cols]
-                        .iter()
-                        .copied()
-                })
-                .collect();
-            let _io = profile::span(profile::Part::IoWait);
-            self.rows.prefetch(slot, &mine);
-        }
-        Ok(ids)
+        let mut bufs = EngramScratch::default();
+        self.hash_into(history, tokens, &mut bufs)?;
+        Ok(bufs.ids)
     }
 
-    /// Apply the engram of decoder layer `layer`, if it has one.
+    /// [`Engram::hash`] into `bufs.ids`, allocating nothing once the buffers have the room.
+    pub fn hash_into(
+        &self,
+        history: &mut Vec<u32>,
+        tokens: &[u32],
+        bufs: &mut EngramScratch,
+    ) -> Result<()> {
+        self.layout.hash_into(history, tokens, &mut bufs.ids)?;
+        let (ns, cols) = (self.layout.layer_ids.len(), self.layout.cols());
+        for slot in 0..ns {
+            let mine = slot_ids(&bufs.ids, tokens.len(), ns, cols, slot, &mut bufs.gather);
+            let _io = profile::span(profile::Part::IoWait);
+            self.rows.prefetch(slot, mine);
+        }
+        Ok(())
+    }
+
+    /// Apply the engram of decoder layer `layer`, if it has one, on the row ids of the last
+    /// [`Engram::hash_into`] into `bufs`.
     pub fn apply(
         &self,
         cfg: &ModelConfig,
         layer: usize,
         s: &mut Streams,
-        ids: &[u64],
+        bufs: &mut EngramScratch,
     ) -> Result<()> {
         if let Some(slot) = self.layout.slot_of(layer) {
-            self.layers[slot].forward(cfg, &self.layout, s, ids, self.rows.as_ref())?;
+            self.layers[slot].forward_with(cfg, &self.layout, s, self.rows.as_ref(), bufs)?;
         }
         Ok(())
     }

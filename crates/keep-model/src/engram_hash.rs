@@ -437,28 +437,55 @@ impl EngramLayout {
     /// of the sequence so far; only its last `max_ngram − 1` matter). Appends the new compressed
     /// ids to `history`, keeping at most `max_ngram − 1`.
     pub fn hash(&self, history: &mut Vec<u32>, tokens: &[u32]) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        self.hash_into(history, tokens, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`EngramLayout::hash`] into `out` (cleared first), allocating nothing once `out` and
+    /// `history` have the room (decode: one token at a time). `history` is unchanged when a
+    /// token is refused.
+    pub fn hash_into(
+        &self,
+        history: &mut Vec<u32>,
+        tokens: &[u32],
+        out: &mut Vec<u64>,
+    ) -> Result<()> {
         let keep = self.max_ngram - 1;
-        let before = history.len().min(keep);
-        let mut seq: Vec<u32> = history[history.len() - before..].to_vec();
-        for &t in tokens {
-            seq.push(self.compress(t)?);
-        }
         let pad = self.compress(self.pad_id as u32)? as u64;
+        // The new compressed ids go after the history: position `p` of the sequence the
+        // n-grams see (the kept history, then the tokens) is `history[base + p]`.
+        let h0 = history.len();
+        let before = h0.min(keep);
+        let base = h0 - before;
+        for &t in tokens {
+            match self.compress(t) {
+                Ok(c) => history.push(c),
+                Err(e) => {
+                    history.truncate(h0);
+                    return Err(e);
+                }
+            }
+        }
         let (ns, cols) = (self.layer_ids.len(), self.cols());
-        let mut out = vec![0u64; tokens.len() * ns * cols];
-        let mut looked = vec![0u64; self.max_ngram];
+        out.clear();
+        out.resize(tokens.len() * ns * cols, 0);
         for i in 0..tokens.len() {
             let p = before + i;
             // Look-back before the sequence start reads the pad id (`history` always keeps
             // `max_ngram − 1` ids once the sequence is that long, so `s > p` only there).
-            for (s, v) in looked.iter_mut().enumerate() {
-                *v = if s <= p { seq[p - s] as u64 } else { pad };
-            }
+            let looked = |s: usize| {
+                if s <= p {
+                    history[base + p - s] as u64
+                } else {
+                    pad
+                }
+            };
             for slot in 0..ns {
                 let m = &self.multipliers[slot];
-                let mut rolling = looked[0].wrapping_mul(m[0]);
-                for n in 1..self.max_ngram {
-                    rolling ^= looked[n].wrapping_mul(m[n]);
+                let mut rolling = looked(0).wrapping_mul(m[0]);
+                for (n, &mn) in m.iter().enumerate().take(self.max_ngram).skip(1) {
+                    rolling ^= looked(n).wrapping_mul(mn);
                     for h in 0..self.heads {
                         let col = (n - 1) * self.heads + h;
                         out[(i * ns + slot) * cols + col] =
@@ -467,11 +494,10 @@ impl EngramLayout {
                 }
             }
         }
-        history.extend_from_slice(&seq[before..]);
         if history.len() > keep {
             history.drain(..history.len() - keep);
         }
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -437,13 +437,14 @@ impl<'a> Model<'a> {
                 .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
         }
         let step = step_of(&self.cfg, cache);
-        let engram_ids = match &self.engram {
-            Some(e) => {
-                let _p = profile::span(profile::Part::Engram);
-                e.hash(&mut cache.engram_history, tokens)?
-            }
-            None => vec![],
-        };
+        if let Some(e) = &self.engram {
+            let _p = profile::span(profile::Part::Engram);
+            e.hash_into(
+                &mut cache.engram_history,
+                tokens,
+                &mut shared.scratch.engram,
+            )?;
+        }
         if let Some(c) = capture.as_deref_mut() {
             c.begin(tokens.len(), self.cfg.dim);
         }
@@ -453,7 +454,7 @@ impl<'a> Model<'a> {
             }
             if let Some(e) = &self.engram {
                 let _p = profile::span(profile::Part::Engram);
-                e.apply(&self.cfg, lw.layer, s, &engram_ids)?;
+                e.apply(&self.cfg, lw.layer, s, &mut shared.scratch.engram)?;
             }
             lw.forward(
                 &self.cfg,

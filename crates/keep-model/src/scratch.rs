@@ -98,6 +98,9 @@ pub struct Scratch {
     // The Qwen3-MoE, DeepSeek-V3 and gpt-oss layers' own buffers (beside the ones above they
     // share with the V4 layers).
     pub(crate) fam: FamilyScratch,
+    // Engram: the call's row ids `[t][slot][col]`, one slot's ids gathered (a chunk of
+    // several tokens), the concatenated rows and their key/value projection.
+    pub(crate) engram: crate::engram::EngramScratch,
     /// What [`Scratch::for_context`] reserved (compressed rows, candidate blocks, attended
     /// rows, attention scores).
     reserved: [usize; 4],

@@ -206,6 +206,17 @@ fn v4flash_decode_allocates_nothing_per_token() {
     }
 }
 
+/// DeepSeek-V4.1 decode with Engram layers (`tests/data/small-engram`: the n-gram hash, the
+/// rows gathered from the tables, their projection and the gated write into the streams): no
+/// heap allocation per decoded token either.
+#[test]
+fn engram_decode_allocates_nothing_per_token() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/small-engram");
+    if let Some((per, _)) = allocs_per_token_of(&dir, 8, 100, false) {
+        assert_eq!(per, 0.0, "{per} heap allocations per decoded token");
+    }
+}
+
 /// The committed fixture `name` (under the workspace's `fixtures/`).
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
