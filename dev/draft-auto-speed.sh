@@ -3,7 +3,8 @@
 # run: decode tokens/s of each round from `--stats-json`, the median of each side and the ratio
 # auto / none, what auto did (verify forwards, tokens decoded with drafting off, switches), and
 # that the greedy text is identical. Writes the evidence JSON with the machine and the load.
-# Measure on a quiet machine; the script reports, it asserts only the identical text.
+# Measure on a quiet machine; the script reports, it asserts only the identical text. Odd
+# rounds run none first, even rounds auto first.
 #
 # Usage: dev/draft-auto-speed.sh [MODEL_DIR] [ROUNDS] [MAX_TOKENS] [OUT_JSON]
 #   MODEL_DIR defaults to the bundled models/keep-tiny (its trained MTP drafter), ROUNDS 7,
@@ -26,7 +27,10 @@ trap 'rm -rf "$TMP"' EXIT
 cat "$MODEL"/*.safetensors >/dev/null
 LOAD_BEFORE=$(cat /proc/loadavg)
 for r in $(seq 1 "$ROUNDS"); do
-  for d in none auto; do
+  # Alternate which side runs first: on this machine the second run of a back-to-back pair
+  # is often the slower one, which a fixed order would charge to one side.
+  if (( r % 2 )); then order="none auto"; else order="auto none"; fi
+  for d in $order; do
     "$KEEP" run "$MODEL" --prompt "$PROMPT" --max-tokens "$MAX" --temperature 0 --draft "$d" \
       --stats-json "$TMP/$d-$r.json" >"$TMP/$d-$r.out" 2>/dev/null
   done
@@ -70,6 +74,7 @@ res = {
     "auto_runs": auto,
     "median_tps": {d: statistics.median(v) for d, v in rows.items()},
     "ratio_auto_none": ratios,
+    "order": ["none first" if r % 2 else "auto first" for r in range(1, rounds + 1)],
     "median_ratio_auto_none": statistics.median(ratios),
     "ratio_min": min(ratios),
     "ratio_max": max(ratios),

@@ -16,10 +16,10 @@
 //! longer fed, which saves its block's forward on every token).
 //!
 //! While drafting is switched off the drafter holds back the pairs it is fed (the main
-//! model's streams and the next token, up to `mtp::MAX_BACKLOG` of them) and runs them through
-//! its block in one forward when drafting is switched back on, so that its cache is in step:
-//! a plain token costs no drafter forward, and the catch-up is one batched forward, not one
-//! per token. The decisions depend on wall-clock time, so
+//! model's streams and the next token; of a long pause only the last window's worth, all its
+//! window-only block can still see) and runs them through its block in one forward when
+//! drafting is switched back on, so that its cache is in step: a plain token costs no drafter
+//! forward, and the catch-up is one batched forward of at most a window. The decisions depend on wall-clock time, so
 //! with sampling (temperature > 0) the tokens a seed gives may differ from run to run under
 //! `--draft auto` (the output distribution does not: the speculative-sampling rule keeps it);
 //! greedy output is identical to no drafting whatever the switch does.

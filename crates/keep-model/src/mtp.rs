@@ -157,6 +157,54 @@ impl<'a> Mtp<'a> {
         cache: &mut MtpCache,
         which: Logits,
     ) -> Result<(Vec<f32>, Streams)> {
+        let previous = cache.pos.min(self.cfg.window);
+        self.forward_at(hidden, next, cache, which, previous)
+    }
+
+    /// Put the pairs `hidden`, `next` of positions `cache.pos + gap ..` into the block's cache,
+    /// the `gap` positions before them never run: the block's window is refilled from these
+    /// pairs alone. Its cache is then exactly what running every pair makes as long as these
+    /// are at least the window's length (or `gap` is 0): the block is window-only, and a
+    /// window row is its own position's key and value, which depend on that position's pair
+    /// alone (the attention outputs of this forward, which do read the window, are not kept).
+    pub(crate) fn refill(
+        &self,
+        hidden: &Streams,
+        next: &[u32],
+        cache: &mut MtpCache,
+        gap: usize,
+    ) -> Result<()> {
+        if gap == 0 {
+            self.forward(hidden, next, cache, Logits::None)?;
+            return Ok(());
+        }
+        if next.len() < self.cfg.window {
+            return Err(ModelError::Cache(format!(
+                "the MTP window refilled from {} pairs, fewer than its {} rows",
+                next.len(),
+                self.cfg.window
+            )));
+        }
+        let block = cache
+            .layers
+            .get_mut(self.cfg.n_layers)
+            .ok_or_else(|| ModelError::Cache("not a cache of this MTP module".into()))?;
+        block.window.clear();
+        block.window_rows = 0;
+        cache.pos += gap;
+        self.forward_at(hidden, next, cache, Logits::None, 0)?;
+        Ok(())
+    }
+
+    /// [`Mtp::forward`] with `previous` window rows in the block's cache.
+    fn forward_at(
+        &self,
+        hidden: &Streams,
+        next: &[u32],
+        cache: &mut MtpCache,
+        which: Logits,
+        previous: usize,
+    ) -> Result<(Vec<f32>, Streams)> {
         let cfg = &self.cfg;
         let (hc, d, t) = (cfg.hc, cfg.dim, next.len());
         if hidden.t != t || hidden.x.len() != t * hc * d || hidden.pre_mix.len() != t * hc {
@@ -206,7 +254,7 @@ impl<'a> Mtp<'a> {
         };
         let step = Step {
             start_pos: cache.pos,
-            previous: cache.pos.min(cfg.window),
+            previous,
         };
         self.block.forward(
             cfg,
@@ -263,21 +311,21 @@ pub struct Drafter<'a> {
     pub(crate) pending: Option<Streams>,
     pub(crate) verify: Option<Verify>,
     /// Drafting is switched off for now (`--draft auto`): the pairs fed wait in `backlog` and
-    /// go through the module in one forward when drafting resumes (or the backlog is full).
+    /// go through the module in one forward when drafting resumes.
     pub(crate) paused: bool,
-    /// Pairs (main streams, next token) not yet through the module, in order.
-    pub(crate) backlog: Option<(Streams, Vec<u32>)>,
+    /// Pairs (main streams, next token) not yet through the module, in order, and how many
+    /// pairs before them were dropped unrun (see [`Drafter::feed`]).
+    pub(crate) backlog: Option<(Streams, Vec<u32>, usize)>,
 }
-
-/// The most pairs a paused drafter holds back before it runs them through the module (their
-/// streams are `hc × dim` floats a token).
-pub const MAX_BACKLOG: usize = 128;
 
 impl Drafter<'_> {
     /// Feed the pairs that the first `n` rows of a main forward (`s`, `tokens`) complete: the
     /// pending row with `tokens[0]` (unless drafting already fed it), each row `i < n − 1` with
     /// `tokens[i + 1]`; row `n − 1` becomes pending.
-    /// While [`Drafter::paused`] the pairs are held back (see [`Drafter::catch_up`]).
+    /// While [`Drafter::paused`] the pairs are held back (see [`Drafter::catch_up`]); of a
+    /// long pause only the last window's worth is ever run: the block is window-only, so the
+    /// pairs before them cannot reach its cache ([`Mtp::refill`]). A paused drafter costs a
+    /// copy of each token's streams, never a forward of the block.
     pub(crate) fn feed(&mut self, s: &Streams, tokens: &[u32], n: usize) -> Result<()> {
         let (hidden, next) = match self.pending.take() {
             Some(p) => (join(Some(&p), s, 0, n - 1), tokens[..n].to_vec()),
@@ -287,34 +335,56 @@ impl Drafter<'_> {
         if hidden.t == 0 {
             return Ok(());
         }
-        let (hidden, next) = match self.backlog.take() {
-            Some((mut h, mut t)) => {
+        let (hidden, next, gap) = match self.backlog.take() {
+            Some((mut h, mut t, gap)) => {
                 h.t += hidden.t;
                 h.x.extend_from_slice(&hidden.x);
                 h.pre_mix.extend_from_slice(&hidden.pre_mix);
                 h.tokens.extend_from_slice(&hidden.tokens);
                 t.extend_from_slice(&next);
-                (h, t)
+                (h, t, gap)
             }
-            None => (hidden, next),
+            None => (hidden, next, 0),
         };
-        if self.paused && hidden.t < MAX_BACKLOG {
-            self.backlog = Some((hidden, next));
+        if self.paused {
+            // Past two windows, drop all but the last window (amortised: one copy per window
+            // of tokens).
+            let w = self.mtp.cfg.window.max(1);
+            self.backlog = Some(if hidden.t >= 2 * w {
+                let drop = hidden.t - w;
+                (
+                    hidden.rows(drop, hidden.t),
+                    next[drop..].to_vec(),
+                    gap + drop,
+                )
+            } else {
+                (hidden, next, gap)
+            });
             return Ok(());
         }
-        self.mtp
-            .forward(&hidden, &next, &mut self.cache, Logits::None)?;
+        self.run(hidden, next, gap)
+    }
+
+    /// Run the held-back pairs through the module in one forward. The module's cache is then
+    /// what feeding every pair one by one makes, bit for bit: a forward's rows do not depend on
+    /// how many come together, and pairs dropped unrun lie outside the window
+    /// ([`Mtp::refill`]).
+    pub(crate) fn catch_up(&mut self) -> Result<()> {
+        if let Some((hidden, next, gap)) = self.backlog.take() {
+            self.run(hidden, next, gap)?;
+        }
         Ok(())
     }
 
-    /// Run the held-back pairs through the module in one forward (the module's cache is then
-    /// what feeding them one by one makes, bit for bit: a forward's rows do not depend on how
-    /// many come together).
-    pub(crate) fn catch_up(&mut self) -> Result<()> {
-        if let Some((hidden, next)) = self.backlog.take() {
-            self.mtp
-                .forward(&hidden, &next, &mut self.cache, Logits::None)?;
+    /// Pairs `hidden`, `next` through the block, `gap` pairs before them dropped unrun; only
+    /// the last window's worth runs when any was dropped or they are more than a window.
+    fn run(&mut self, hidden: Streams, next: Vec<u32>, gap: usize) -> Result<()> {
+        let drop = hidden.t.saturating_sub(self.mtp.cfg.window.max(1));
+        if drop == 0 {
+            return self.mtp.refill(&hidden, &next, &mut self.cache, gap);
         }
-        Ok(())
+        let h = hidden.rows(drop, hidden.t);
+        self.mtp
+            .refill(&h, &next[drop..], &mut self.cache, gap + drop)
     }
 }

@@ -332,11 +332,14 @@ fn a_paused_drafter_catches_up_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     let path = synth_with_mtp(dir.path(), "tiny");
     let ck = Checkpoint::open(&path).unwrap();
-    let prompt = common::prompt(9, Model::load(&ck).unwrap().cfg.vocab);
-    let steps = keep_model::mtp::MAX_BACKLOG + 20;
+    let cfg = Model::load(&ck).unwrap().cfg;
+    let prompt = common::prompt(9, cfg.vocab);
+    let steps = 4 * cfg.window + 20;
     let want = drafts_after(&ck, &prompt, steps, 0..0);
-    // held back for a few tokens, and for more than the backlog holds (it runs when full)
-    for pause in [3..10, 2..steps] {
+    // Held back for a few tokens; for longer than two windows (only the last window's pairs
+    // run, the block's window refilled from them), caught up by the draft or by a forward
+    // fed after the pause.
+    for pause in [3..10, 2..steps, 2..steps - 5, 30..steps] {
         let got = drafts_after(&ck, &prompt, steps, pause.clone());
         assert!(
             got == want,
