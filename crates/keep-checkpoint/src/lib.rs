@@ -20,10 +20,15 @@
 pub mod atomic;
 pub mod checkpoint;
 pub mod config;
+pub mod deepseek_v3;
+pub mod deepseek_v4;
 pub mod dtype;
 pub mod error;
+pub mod families;
+pub mod family;
 pub mod fingerprint;
 pub mod fuzzing;
+pub mod gpt_oss;
 pub mod incoherence;
 pub mod index;
 pub mod layout;
@@ -39,6 +44,7 @@ pub use checkpoint::{Checkpoint, TensorRef};
 pub use config::{DSparkKeys, DeepSeekConfig};
 pub use dtype::Dtype;
 pub use error::CheckpointError;
+pub use family::Family;
 pub use safetensors::{ShardFile, TensorInfo};
 pub use writer::{CheckpointWriter, TensorMeta, WriterOptions};
 
