@@ -4,6 +4,11 @@
 //! file means the same here as in the reference. A nested `text_config` is flattened the way the
 //! reference does. The untouched JSON is kept in [`DeepSeekConfig::raw`] so that writers (repack,
 //! prune) change only the keys they mean to change.
+//!
+//! [`DeepSeekConfig`] is DeepSeek V4's own config and every family's role view: the family
+//! that owns a file's `model_type` ([`crate::family::Family`], listed in
+//! [`crate::families::FAMILIES`]) reads it, and the role view's family-dependent answers are
+//! one call to [`DeepSeekConfig::family`].
 
 use std::path::Path;
 

@@ -1,10 +1,11 @@
 //! The Qwen3-MoE family (`model_type` `qwen3_moe`): its `config.json`, the map from its tensor
 //! names to keep's roles, and the check of its tensors against the config, in one public place.
 //!
-//! Each part lives beside the module that dispatches to it, so that the crate's modules import
-//! one way: the config and its role view in `config::qwen3` (see [`Qwen3MoeConfig`]), the names
-//! in `naming::qwen3` (see [`parse`]), the tensor check in `layout::qwen3` (see
-//! [`model_problems`]). This module re-exports all three.
+//! Each part lives beside the module it belongs to, so that the crate's modules import one way:
+//! the config and its role view in `config::qwen3` (see [`Qwen3MoeConfig`]), the names in
+//! `naming::qwen3` (see [`parse`]), the tensor check in `layout::qwen3` (see
+//! [`model_problems`]). This module re-exports all three and answers for the family
+//! ([`Qwen3Moe`], its [`crate::family::Family`]).
 
 pub use crate::config::qwen3::{Qwen3MoeConfig, MODEL_TYPE};
 pub use crate::layout::qwen3::model_problems;

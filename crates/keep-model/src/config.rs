@@ -362,14 +362,6 @@ impl ModelConfig {
     }
 }
 
-/// The family config of a Qwen3-MoE model config (an error for another family).
-pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3MoeConfig> {
-    cfg.raw
-        .qwen3
-        .as_ref()
-        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,7 +21,6 @@ use keep_kernels::profile::{self, Part};
 use keep_kernels::WeightView;
 
 pub use crate::cache::KvRows;
-pub use crate::config::family_config;
 use crate::config::ModelConfig;
 pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
@@ -381,6 +380,14 @@ impl<'a> Qwen3Layer<'a> {
         }
         Ok(())
     }
+}
+
+/// The family config of a Qwen3-MoE model config (an error for another family).
+pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3MoeConfig> {
+    cfg.raw
+        .qwen3
+        .as_ref()
+        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
 }
 
 /// The Qwen3-MoE family's decoder-layer side ([`LayerFamily`]): its layers are [`Qwen3Layer`].
