@@ -1,10 +1,8 @@
 //! What a model family tells the rest of keep: the one interface between keep's roles and a
 //! family's own `config.json`, tensor names and tensor check.
 //!
-//! A family is a zero-sized type implementing [`Family`] in the family's module
-//! ([`crate::deepseek_v4::DeepSeekV4`], [`crate::qwen3::Qwen3Moe`],
-//! [`crate::deepseek_v3::DeepseekV3`], [`crate::gpt_oss::GptOss`]), listed once in
-//! [`crate::families::FAMILIES`]. Reading a `config.json` picks the family that owns its
+//! A family is a zero-sized type implementing [`Family`] in the family's own module, listed
+//! once in [`crate::families::FAMILIES`]. Reading a `config.json` picks the family that owns its
 //! `model_type` and keeps the family's answer as the role view ([`DeepSeekConfig`]); from then
 //! on every reader asks [`DeepSeekConfig::family`] (or the role view's methods, which ask it)
 //! and never tests which family config the role view carries.
@@ -23,8 +21,8 @@ use crate::naming::{ExpertMat, Scope};
 /// and its tensor check. Methods taking a [`DeepSeekConfig`] are given the role view this family
 /// returned from [`Family::role_view`].
 pub trait Family: Sync + std::fmt::Debug {
-    /// The family as keep's commands name it (`keep synth --family`): `deepseek`,
-    /// `qwen3_moe`, `deepseek_v3`, `gpt_oss`.
+    /// The family as keep's commands name it (`keep synth --family`): `deepseek` for DeepSeek
+    /// V4, a Hugging Face family's `model_type`.
     fn name(&self) -> &'static str;
 
     /// The `config.json` `model_type`s this family reads (each owned by exactly one family).

@@ -3,8 +3,8 @@
 //! its layers read routed experts from; [`DecoderLayer`] is one loaded layer's forward over the
 //! engine's shared pieces (`WeightView`s, the router, the [`ExpertSource`], the observers).
 //!
-//! Each family implements both in its own module ([`crate::qwen3`], [`crate::deepseek_v3`],
-//! [`crate::gpt_oss`]); [`crate::family_layer`] picks the family of a config. The calls are
+//! Each family implements both in its own module; [`crate::family_layer::layer_family`] lists
+//! them and picks the family of a config. The calls are
 //! per layer (one virtual call per layer and forward), never inside a layer's loops, and a
 //! warm forward allocates nothing more than the layer's own code does.
 
