@@ -4,6 +4,11 @@
 //! file means the same here as in the reference. A nested `text_config` is flattened the way the
 //! reference does. The untouched JSON is kept in [`DeepSeekConfig::raw`] so that writers (repack,
 //! prune) change only the keys they mean to change.
+//!
+//! [`DeepSeekConfig`] is DeepSeek V4's own config and every family's role view: the family
+//! that owns a file's `model_type` ([`crate::family::Family`], listed in
+//! [`crate::families::FAMILIES`]) reads it, and the role view's family-dependent answers are
+//! one call to [`DeepSeekConfig::family`].
 
 use std::path::Path;
 
@@ -291,7 +296,35 @@ pub struct DeepSeekConfig {
 }
 
 impl DeepSeekConfig {
-    /// Parse a config from JSON text.
+    /// DeepSeek V4 / V4.1's own config from `flat` (the file with `text_config` flattened),
+    /// validated; `raw` is the file as read ([`crate::deepseek_v4::DeepSeekV4`]'s role view,
+    /// which is the config itself).
+    pub(crate) fn deepseek_v4_from_value(
+        flat: Value,
+        raw: Value,
+    ) -> std::result::Result<DeepSeekConfig, String> {
+        // The Engram pad id under both its names (the published key and the inference
+        // argument): one value is read; two different values are refused.
+        let mut flat = flat;
+        if let Some(m) = flat.as_object_mut() {
+            if let (Some(a), Some(b)) = (m.get("engram_pad_token_id"), m.get("engram_pad_id")) {
+                if a != b {
+                    return Err(format!(
+                        "engram_pad_token_id = {a} and engram_pad_id = {b} disagree"
+                    ));
+                }
+                m.remove("engram_pad_id");
+            }
+        }
+        let mut cfg: DeepSeekConfig =
+            serde_json::from_value(flat).map_err(|e| format!("unexpected value: {e}"))?;
+        cfg.raw = raw;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parse a config from JSON text: the family that owns its `model_type`
+    /// ([`crate::families::FAMILIES`]; DeepSeek V4 when none does) reads it into keep's roles.
     pub fn from_json(path: &Path, text: &str) -> Result<DeepSeekConfig> {
         let cerr = |msg: String| CheckpointError::Config {
             path: path.to_path_buf(),
@@ -318,37 +351,13 @@ impl DeepSeekConfig {
             }
             _ => raw.clone(),
         };
-        // Another family's config is read by its own module and described in keep's roles.
-        if flat.get("model_type").and_then(Value::as_str) == Some(qwen3::MODEL_TYPE) {
-            let q = qwen3::Qwen3MoeConfig::from_value(flat).map_err(cerr)?;
-            return Ok(q.role_view(raw));
-        }
-        if flat.get("model_type").and_then(Value::as_str) == Some(deepseek_v3::MODEL_TYPE) {
-            let c = deepseek_v3::DeepseekV3Config::from_value(flat).map_err(cerr)?;
-            return Ok(c.role_view(raw));
-        }
-        if flat.get("model_type").and_then(Value::as_str) == Some(gpt_oss::MODEL_TYPE) {
-            let c = gpt_oss::GptOssConfig::from_value(flat).map_err(cerr)?;
-            return Ok(c.role_view(raw));
-        }
-        // The Engram pad id under both its names (the published key and the inference
-        // argument): one value is read; two different values are refused.
-        let mut flat = flat;
-        if let Some(m) = flat.as_object_mut() {
-            if let (Some(a), Some(b)) = (m.get("engram_pad_token_id"), m.get("engram_pad_id")) {
-                if a != b {
-                    return Err(cerr(format!(
-                        "engram_pad_token_id = {a} and engram_pad_id = {b} disagree"
-                    )));
-                }
-                m.remove("engram_pad_id");
-            }
-        }
-        let mut cfg: DeepSeekConfig =
-            serde_json::from_value(flat).map_err(|e| cerr(format!("unexpected value: {e}")))?;
-        cfg.raw = raw;
-        cfg.validate().map_err(cerr)?;
-        Ok(cfg)
+        let model_type = flat
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or(MODEL_TYPES[0]);
+        DeepSeekConfig::family_of(model_type)
+            .role_view(flat, raw)
+            .map_err(cerr)
     }
 
     /// Read `config.json` from a file.
@@ -358,38 +367,16 @@ impl DeepSeekConfig {
     }
 
     /// The one validation of a config, shared by every reader (`inspect`, `repack`, `prune`,
-    /// the model's loader): every number within the bounds a DeepSeek V4/V4.1 model can have,
-    /// and internal consistency that does not need the tensors. Bounds are far above any
-    /// published model and far below what would make an allocation or a loop run away.
+    /// the model's loader): the family's ([`crate::family::Family::validate`]).
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.model_type == qwen3::MODEL_TYPE {
-            // The role view of a Qwen3-MoE config: the family's own validation.
-            return match &self.qwen3 {
-                Some(q) => q.validate(),
-                None => Err(format!(
-                    "model_type `{}` without its family config",
-                    self.model_type
-                )),
-            };
-        }
-        if self.model_type == deepseek_v3::MODEL_TYPE {
-            return match &self.deepseek_v3 {
-                Some(c) => c.validate(),
-                None => Err(format!(
-                    "model_type `{}` without its family config",
-                    self.model_type
-                )),
-            };
-        }
-        if self.model_type == gpt_oss::MODEL_TYPE {
-            return match &self.gpt_oss {
-                Some(c) => c.validate(),
-                None => Err(format!(
-                    "model_type `{}` without its family config",
-                    self.model_type
-                )),
-            };
-        }
+        self.family().validate(self)
+    }
+
+    /// DeepSeek V4 / V4.1's validation: every number within the bounds a DeepSeek V4/V4.1
+    /// model can have, and internal consistency that does not need the tensors. Bounds are far
+    /// above any published model and far below what would make an allocation or a loop run
+    /// away.
+    pub(crate) fn validate_deepseek_v4(&self) -> std::result::Result<(), String> {
         if !MODEL_TYPES.contains(&self.model_type.as_str()) {
             return Err(format!(
                 "model_type `{}` is not a DeepSeek V4 model ({})",
@@ -806,31 +793,19 @@ impl DeepSeekConfig {
     /// `mlp_only_layers`, DeepSeek-V3's `first_k_dense_replace` dense layers hold a dense MLP
     /// instead; every layer of DeepSeek V4 and gpt-oss is routed).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        if let Some(q) = &self.qwen3 {
-            return q.is_moe_layer(layer);
-        }
-        if let Some(c) = &self.deepseek_v3 {
-            return c.is_moe_layer(layer);
-        }
-        true
+        self.family().is_moe_layer(self, layer)
     }
 
     /// Whether this is a DeepSeek V4 / V4.1 config (no other family's config behind it): the
     /// keys only V4 has (`n_routed_experts_per_layer`, `n_routed_experts_mtp`) apply.
     pub fn is_deepseek_v4(&self) -> bool {
-        self.qwen3.is_none() && self.deepseek_v3.is_none() && self.gpt_oss.is_none()
+        self.family().is_deepseek_v4()
     }
 
     /// The `config.json` key that holds the routed-expert count, in the family's words (what
     /// `keep prune` rewrites).
     pub fn experts_key(&self) -> &'static str {
-        if self.qwen3.is_some() {
-            return qwen3::Qwen3MoeConfig::EXPERTS_KEY;
-        }
-        if self.gpt_oss.is_some() {
-            return gpt_oss::GptOssConfig::EXPERTS_KEY;
-        }
-        "n_routed_experts"
+        self.family().experts_key()
     }
 
     /// The prefix of routed expert `expert`'s own tensors in `scope`, as the family names them
@@ -838,16 +813,7 @@ impl DeepSeekConfig {
     /// `model.layers.N.mlp.experts.E.`); `None` where the family has no such scope (a Hugging
     /// Face family's MTP) or keeps its experts only stacked (gpt-oss).
     pub fn expert_prefix(&self, scope: naming::Scope, expert: usize) -> Option<String> {
-        if self.gpt_oss.is_some() {
-            return None;
-        }
-        if self.is_deepseek_v4() {
-            return Some(naming::expert_prefix(scope, expert));
-        }
-        match scope {
-            naming::Scope::Layer(l) => Some(naming::qwen3::expert_prefix(l, expert)),
-            _ => None,
-        }
+        self.family().expert_prefix(scope, expert)
     }
 
     /// Tensor `part` (`weight`, `scale`, …) of matrix `mat` of routed expert `expert` of decoder
@@ -861,52 +827,17 @@ impl DeepSeekConfig {
         mat: naming::ExpertMat,
         part: &str,
     ) -> Option<String> {
-        if self.gpt_oss.is_some() {
-            return None;
-        }
-        Some(if self.is_deepseek_v4() {
-            naming::expert_tensor(layer, expert, mat, part)
-        } else {
-            naming::qwen3::expert_tensor(layer, expert, mat, part)
-        })
+        self.family().expert_tensor(layer, expert, mat, part)
     }
 
     /// The matrices of routed expert `expert` of decoder layer `layer` that `keep quant` codes,
     /// as the family stores them: DeepSeek V4's `w1`/`w2`/`w3` and Hugging Face's per-expert
     /// `gate_proj`/`down_proj`/`up_proj` each under its own name (its weight and block scale
-    /// replaced), gpt-oss's gate-up and down matrices (`gpt_oss::GptOssConfig::
-    /// coded_matrices`: coded under per-expert names, replacing the layer's stacks once every
-    /// expert of it is coded).
+    /// replaced, [`per_expert_coded_matrices`]), gpt-oss's gate-up and down matrices
+    /// (`gpt_oss::GptOssConfig::coded_matrices`: coded under per-expert names, replacing the
+    /// layer's stacks once every expert of it is coded).
     pub fn coded_matrices(&self, layer: usize, expert: usize) -> Vec<CodedMatrix> {
-        if let Some(g) = &self.gpt_oss {
-            return g.coded_matrices(layer, expert);
-        }
-        let (d, i) = (self.hidden_size, self.moe_intermediate_size);
-        naming::ExpertMat::ALL
-            .into_iter()
-            .filter_map(|mat| {
-                let w = self.expert_tensor(layer, expert, mat, "weight")?;
-                let base = w.strip_suffix(".weight")?.to_string();
-                let (rows, cols) = match mat {
-                    naming::ExpertMat::W2 => (d, i),
-                    _ => (i, d),
-                };
-                // The source's block scale: V4's `.scale`, DeepSeek-V3's and Qwen's
-                // `.weight_scale_inv`.
-                let replaces = vec![
-                    w.clone(),
-                    format!("{base}.scale"),
-                    format!("{base}.weight_scale_inv"),
-                ];
-                Some(CodedMatrix {
-                    mat,
-                    rows,
-                    cols,
-                    base,
-                    replaces,
-                })
-            })
-            .collect()
+        self.family().coded_matrices(self, layer, expert)
     }
 
     /// Whether decoder layer `layer` pruned to `survivors` (ascending ids; the rest removed,
@@ -916,10 +847,7 @@ impl DeepSeekConfig {
     /// check_survivors`]); every other family's router takes any survivors. The error says what
     /// to do.
     pub fn check_survivors(&self, survivors: &[usize]) -> std::result::Result<(), String> {
-        match &self.deepseek_v3 {
-            Some(c) => c.check_survivors(survivors),
-            None => Ok(()),
-        }
+        self.family().check_survivors(self, survivors)
     }
 
     /// Routed experts in decoder layer `layer`.
@@ -986,6 +914,42 @@ impl DeepSeekConfig {
         }
         raw
     }
+}
+
+/// The routed expert matrices `keep quant` codes where the family names each expert's own
+/// matrices (DeepSeek V4, Qwen3-MoE, DeepSeek-V3): `w1`/`w2`/`w3` under their own names, each
+/// replacing its weight and its block scale.
+pub(crate) fn per_expert_coded_matrices(
+    cfg: &DeepSeekConfig,
+    layer: usize,
+    expert: usize,
+) -> Vec<CodedMatrix> {
+    let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    naming::ExpertMat::ALL
+        .into_iter()
+        .filter_map(|mat| {
+            let w = cfg.expert_tensor(layer, expert, mat, "weight")?;
+            let base = w.strip_suffix(".weight")?.to_string();
+            let (rows, cols) = match mat {
+                naming::ExpertMat::W2 => (d, i),
+                _ => (i, d),
+            };
+            // The source's block scale: V4's `.scale`, DeepSeek-V3's and Qwen's
+            // `.weight_scale_inv`.
+            let replaces = vec![
+                w.clone(),
+                format!("{base}.scale"),
+                format!("{base}.weight_scale_inv"),
+            ];
+            Some(CodedMatrix {
+                mat,
+                rows,
+                cols,
+                base,
+                replaces,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -510,29 +510,36 @@ pub fn expert_matrix<'a>(
     expert: usize,
     mat: naming::ExpertMat,
 ) -> Result<ExpertMatrix<'a>, String> {
-    if let Some(g) = &cfg.gpt_oss {
-        return gpt_oss::expert_matrix(ck, g, layer, expert, mat);
-    }
-    let n = cfg.experts_in_layer(layer);
-    if cfg.qwen3.is_some() {
-        let stacked = naming::qwen3::stacked_tensor(layer, mat, "weight");
-        if let Some(w) = ck.get(&stacked) {
-            let part = |t: Option<TensorRef<'a>>| t.map(|t| expert_slice(t, expert, n)).transpose();
-            return Ok(ExpertMatrix {
-                weight: expert_slice(w, expert, n)?,
-                scale: part(scale_of(ck, &stacked))?,
-                biases: part(biases_of(ck, &stacked))?,
-            });
-        }
-    }
-    // Qwen3-MoE and DeepSeek-V3 share Hugging Face's per-expert names.
-    let name = if cfg.qwen3.is_some() || cfg.deepseek_v3.is_some() {
-        naming::qwen3::expert_tensor(layer, expert, mat, "weight")
-    } else {
-        naming::expert_tensor(layer, expert, mat, "weight")
+    cfg.family().expert_matrix(ck, cfg, layer, expert, mat)
+}
+
+/// The `expert`-th of `n` slices of mlx-lm's stacked `stacked` weight, with its `.scales` and
+/// `.biases` sliced alike (`None`: the checkpoint has no such stack).
+pub(crate) fn stacked_expert_matrix<'a>(
+    ck: &'a Checkpoint,
+    stacked: &str,
+    expert: usize,
+    n: usize,
+) -> Result<Option<ExpertMatrix<'a>>, String> {
+    let Some(w) = ck.get(stacked) else {
+        return Ok(None);
     };
+    let part = |t: Option<TensorRef<'a>>| t.map(|t| expert_slice(t, expert, n)).transpose();
+    Ok(Some(ExpertMatrix {
+        weight: expert_slice(w, expert, n)?,
+        scale: part(scale_of(ck, stacked))?,
+        biases: part(biases_of(ck, stacked))?,
+    }))
+}
+
+/// An expert matrix stored under its own name (`name` its `.weight`, or a registered format's
+/// main part of the same base), with its scale and biases.
+pub(crate) fn named_expert_matrix<'a>(
+    ck: &'a Checkpoint,
+    name: &str,
+) -> Result<ExpertMatrix<'a>, String> {
     let w =
-        registered::main_tensor(ck, &name).ok_or_else(|| format!("tensor `{name}` is missing"))?;
+        registered::main_tensor(ck, name).ok_or_else(|| format!("tensor `{name}` is missing"))?;
     Ok(ExpertMatrix {
         weight: w,
         scale: scale_of(ck, w.name),
@@ -618,15 +625,11 @@ pub const MAX_PROBLEMS: usize = 64;
 /// projections and the norms. Only names, dtypes and shapes are read. `keep inspect` reports
 /// these and the model's loader refuses a checkpoint that has any, so the two always agree.
 pub fn model_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
-    if let Some(q) = &cfg.qwen3 {
-        return qwen3::model_problems(ck, q);
-    }
-    if let Some(c) = &cfg.gpt_oss {
-        return gpt_oss::model_problems(ck, c);
-    }
-    if let Some(c) = &cfg.deepseek_v3 {
-        return deepseek_v3::model_problems(ck, c);
-    }
+    cfg.family().model_problems(ck, cfg)
+}
+
+/// DeepSeek V4 / V4.1's part of [`model_problems`].
+pub(crate) fn deepseek_v4_problems(ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
     let mut out = vec![];
     let hint = cfg.weight_block_size();
     let (d, v) = (cfg.hidden_size, cfg.vocab_size);

@@ -2,7 +2,10 @@
 //!
 //! What it is: zero-copy (mmap) reading of one or many `*.safetensors` shards with a hostile-input
 //! header parser, the `model.safetensors.index.json` index, `config.json` as DeepSeek publishes
-//! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), the one
+//! it, the one place where DeepSeek V4/V4.1 tensor names are understood ([`naming`]), every
+//! model family keep reads behind one trait ([`Family`]: DeepSeek V4, Qwen3-MoE, DeepSeek-V3,
+//! gpt-oss, each listed once in [`families::FAMILIES`]; a config is read by the family owning
+//! its `model_type` and answers through [`DeepSeekConfig::family`]), the one
 //! classification of how a weight is stored and the one check of the tensors against the config
 //! ([`layout`], shared by inspect, repack, the model's loader and the runtime's budget), and an
 //! atomic writer that shards, writes the index and a `SHA256SUMS` file, building the output in a
@@ -20,10 +23,15 @@
 pub mod atomic;
 pub mod checkpoint;
 pub mod config;
+pub mod deepseek_v3;
+pub mod deepseek_v4;
 pub mod dtype;
 pub mod error;
+pub mod families;
+pub mod family;
 pub mod fingerprint;
 pub mod fuzzing;
+pub mod gpt_oss;
 pub mod incoherence;
 pub mod index;
 pub mod layout;
@@ -39,6 +47,7 @@ pub use checkpoint::{Checkpoint, TensorRef};
 pub use config::{DSparkKeys, DeepSeekConfig};
 pub use dtype::Dtype;
 pub use error::CheckpointError;
+pub use family::Family;
 pub use safetensors::{ShardFile, TensorInfo};
 pub use writer::{CheckpointWriter, TensorMeta, WriterOptions};
 

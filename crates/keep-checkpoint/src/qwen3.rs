@@ -1,16 +1,101 @@
 //! The Qwen3-MoE family (`model_type` `qwen3_moe`): its `config.json`, the map from its tensor
 //! names to keep's roles, and the check of its tensors against the config, in one public place.
 //!
-//! Each part lives beside the module that dispatches to it, so that the crate's modules import
-//! one way: the config and its role view in `config::qwen3` (see [`Qwen3MoeConfig`]), the names
-//! in `naming::qwen3` (see [`parse`]), the tensor check in `layout::qwen3` (see
-//! [`model_problems`]). This module re-exports all three.
+//! Each part lives beside the module it belongs to, so that the crate's modules import one way:
+//! the config and its role view in `config::qwen3` (see [`Qwen3MoeConfig`]), the names in
+//! `naming::qwen3` (see [`parse`]), the tensor check in `layout::qwen3` (see
+//! [`model_problems`]). This module re-exports all three and answers for the family
+//! ([`Qwen3Moe`], its [`crate::family::Family`]).
 
 pub use crate::config::qwen3::{Qwen3MoeConfig, MODEL_TYPE};
 pub use crate::layout::qwen3::model_problems;
 pub use crate::naming::qwen3::{
     expert_tensor, layer_prefix, mat_name, parse, stacked_tensor, EMBED, HEAD, NORM,
 };
+
+use serde_json::Value;
+
+use crate::checkpoint::Checkpoint;
+use crate::family::{own, Family};
+use crate::layout::{named_expert_matrix, stacked_expert_matrix, ExpertMatrix};
+use crate::naming::{ExpertMat, Scope};
+use crate::DeepSeekConfig;
+
+/// The Qwen3-MoE family ([`Family`]): Hugging Face's per-expert names or mlx-lm's stacked
+/// `switch_mlp`, dense layers from `mlp_only_layers` / `decoder_sparse_step`.
+#[derive(Debug, Clone, Copy)]
+pub struct Qwen3Moe;
+
+impl Family for Qwen3Moe {
+    fn name(&self) -> &'static str {
+        MODEL_TYPE
+    }
+
+    fn model_types(&self) -> &'static [&'static str] {
+        &[MODEL_TYPE]
+    }
+
+    fn role_view(&self, flat: Value, raw: Value) -> Result<DeepSeekConfig, String> {
+        Ok(Qwen3MoeConfig::from_value(flat)?.role_view(raw))
+    }
+
+    fn validate(&self, cfg: &DeepSeekConfig) -> Result<(), String> {
+        own(&cfg.qwen3, cfg)?.validate()
+    }
+
+    fn model_problems(&self, ck: &Checkpoint, cfg: &DeepSeekConfig) -> Vec<String> {
+        match own(&cfg.qwen3, cfg) {
+            Ok(q) => model_problems(ck, q),
+            Err(e) => vec![e],
+        }
+    }
+
+    fn is_moe_layer(&self, cfg: &DeepSeekConfig, layer: usize) -> bool {
+        cfg.qwen3.as_ref().is_none_or(|q| q.is_moe_layer(layer))
+    }
+
+    fn experts_key(&self) -> &'static str {
+        Qwen3MoeConfig::EXPERTS_KEY
+    }
+
+    fn expert_prefix(&self, scope: Scope, expert: usize) -> Option<String> {
+        match scope {
+            Scope::Layer(l) => Some(crate::naming::qwen3::expert_prefix(l, expert)),
+            _ => None,
+        }
+    }
+
+    fn expert_tensor(
+        &self,
+        layer: usize,
+        expert: usize,
+        mat: ExpertMat,
+        part: &str,
+    ) -> Option<String> {
+        Some(expert_tensor(layer, expert, mat, part))
+    }
+
+    /// The expert's own tensors, or its slices of mlx-lm's stacked `switch_mlp` (weight,
+    /// `.scales` and `.biases` each sliced alike).
+    fn expert_matrix<'a>(
+        &self,
+        ck: &'a Checkpoint,
+        cfg: &DeepSeekConfig,
+        layer: usize,
+        expert: usize,
+        mat: ExpertMat,
+    ) -> Result<ExpertMatrix<'a>, String> {
+        let stacked = stacked_tensor(layer, mat, "weight");
+        if let Some(m) = stacked_expert_matrix(ck, &stacked, expert, cfg.experts_in_layer(layer))? {
+            return Ok(m);
+        }
+        named_expert_matrix(ck, &expert_tensor(layer, expert, mat, "weight"))
+    }
+
+    fn tie_word_embeddings(&self, cfg: &DeepSeekConfig) -> bool {
+        cfg.qwen3.as_ref().is_some_and(|q| q.tie_word_embeddings)
+    }
+}
 
 #[cfg(test)]
 mod tests {

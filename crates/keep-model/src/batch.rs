@@ -35,11 +35,7 @@ impl Model<'_> {
         if tokens.is_empty() {
             return Ok(vec![]);
         }
-        use crate::config::Family;
-        if matches!(
-            cfg.family,
-            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
-        ) {
+        if cfg.family.is_hugging_face() {
             // Qwen3-MoE, DeepSeek-V3 and gpt-oss have no batched step yet: one sequence at a time
             // (the same logits, one weight read per sequence).
             let mut out = Vec::with_capacity(tokens.len() * cfg.vocab);

@@ -34,6 +34,26 @@ pub enum Family {
     GptOss,
 }
 
+impl Family {
+    /// The model family of a checkpoint config: the one of the checkpoint family that read it
+    /// ([`DeepSeekConfig::family`]), DeepSeek V4 or V4.1 by its `model_type`.
+    pub fn of(c: &DeepSeekConfig) -> Family {
+        match c.family().name() {
+            keep_checkpoint::qwen3::MODEL_TYPE => Family::Qwen3Moe,
+            keep_checkpoint::deepseek_v3::MODEL_TYPE => Family::DeepseekV3,
+            keep_checkpoint::gpt_oss::MODEL_TYPE => Family::GptOss,
+            _ if c.model_type == "deepseek_v4" => Family::V4,
+            _ => Family::V41,
+        }
+    }
+
+    /// Whether the family is a Hugging Face one (Qwen3-MoE, DeepSeek-V3, gpt-oss: one
+    /// residual stream, its layers a [`crate::family::DecoderLayer`]).
+    pub fn is_hugging_face(self) -> bool {
+        !matches!(self, Family::V41 | Family::V4)
+    }
+}
+
 /// How router logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scoring {
@@ -222,17 +242,7 @@ impl ModelConfig {
 
     /// Check a checkpoint's config and derive the per-layer roles.
     pub fn from_deepseek(c: &DeepSeekConfig) -> Result<ModelConfig> {
-        let family = if c.qwen3.is_some() {
-            Family::Qwen3Moe
-        } else if c.deepseek_v3.is_some() {
-            Family::DeepseekV3
-        } else if c.gpt_oss.is_some() {
-            Family::GptOss
-        } else if c.model_type == "deepseek_v4" {
-            Family::V4
-        } else {
-            Family::V41
-        };
+        let family = Family::of(c);
         // The one config validation (keep-checkpoint's, which `keep inspect` runs too): every
         // bound, the family's rules (hash routing, compress ratios), scoring, shapes the
         // attention can split, Engram keys. Configs read from a file have passed it already;
@@ -307,10 +317,7 @@ impl ModelConfig {
             rope_theta: c.rope_theta,
             compress_rope_theta: c.compress_rope_theta,
             yarn,
-            hc: if matches!(
-                family,
-                Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
-            ) {
+            hc: if family.is_hugging_face() {
                 1
             } else {
                 c.hc_mult
@@ -353,14 +360,6 @@ impl ModelConfig {
             keep_kernels::ops::Rope::plain(self.rope_dim, self.rope_theta)
         }
     }
-}
-
-/// The family config of a Qwen3-MoE model config (an error for another family).
-pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3MoeConfig> {
-    cfg.raw
-        .qwen3
-        .as_ref()
-        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ use keep_kernels::WeightView;
 pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
 use crate::experts::ExpertSource;
+use crate::family::{DecoderLayer, LayerFamily};
 use crate::linear::{lin_into, top_k_by};
 use crate::observer::{RouteEvent, RouteObserver};
 use crate::scratch::{zeroed, FamilyScratch, Scratch};
@@ -633,6 +634,41 @@ fn swiglu_into(
     act.clear();
     act.extend(g.iter().zip(u.iter()).map(|(&g, &u)| ops::silu(g) * u));
     lin_into(act, t, &m.down, obs, l, names[2], None, y)
+}
+
+/// The DeepSeek-V3 family's decoder-layer side ([`LayerFamily`]): its layers are [`DeepseekV3Layer`].
+#[derive(Debug, Clone, Copy)]
+pub struct DeepseekV3;
+
+impl LayerFamily for DeepseekV3 {
+    fn load_layer<'a>(
+        &self,
+        ck: &'a Checkpoint,
+        cfg: &ModelConfig,
+        layer: usize,
+    ) -> Result<Box<dyn DecoderLayer + 'a>> {
+        Ok(Box::new(DeepseekV3Layer::load(ck, cfg, layer)?))
+    }
+}
+
+impl DecoderLayer for DeepseekV3Layer<'_> {
+    fn layer(&self) -> usize {
+        self.layer
+    }
+
+    fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        DeepseekV3Layer::forward_into(self, cfg, experts, mask, x, start_pos, kv, obs, sc)
+    }
 }
 
 #[cfg(test)]

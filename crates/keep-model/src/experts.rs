@@ -392,11 +392,7 @@ impl<'a> CheckpointExperts<'a> {
                     continue;
                 }
                 if matches!(cfg.family, Family::Qwen3Moe | Family::DeepseekV3) {
-                    let moe = match &cfg.raw.deepseek_v3 {
-                        Some(c) => c.is_moe_layer(l),
-                        None => crate::config::family_config(cfg)?.is_moe_layer(l),
-                    };
-                    if !moe {
+                    if !cfg.raw.is_moe_layer(l) {
                         // A dense layer has no routed experts.
                         experts.push(ExpertWeights {
                             w1: WeightView::f32(&[], 0, 0)?,

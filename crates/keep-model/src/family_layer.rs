@@ -1,64 +1,84 @@
-//! One decoder layer of a Hugging Face family (Qwen3-MoE, DeepSeek-V3, gpt-oss) behind one
-//! type, for the code that runs a layer without caring which family it is (the layer-streamed
-//! forward). Each family's layer has the same `load` and `forward` (one residual stream, its KV
-//! in the layer's [`KvRows`]); DeepSeek V4's layers ([`crate::layer::LayerWeights`]) are not
-//! one of them. The routed experts come from [`FamilyLayer::experts`], the source the family's
-//! layers read them from, and the embedding, final norm and head from [`FamilyLayer::globals`].
+//! The Hugging Face families' layers behind one type ([`FamilyLayer`]), for the code that runs a
+//! layer without caring which family it is (the whole model and the layer-streamed forward), and
+//! the one place that maps a config's family to its decoder-layer side ([`layer_family`]). Each
+//! family's layer implements [`DecoderLayer`] (one residual stream, its KV in the layer's
+//! [`KvRows`]); DeepSeek V4's layers ([`crate::layer::LayerWeights`]) are not one of them. The
+//! routed experts come from [`FamilyLayer::experts`], the source the family's layers read them
+//! from, and the embedding, final norm and head from [`FamilyLayer::globals`].
 
 use keep_checkpoint::Checkpoint;
 
 use crate::cache::KvRows;
 use crate::config::{Family, ModelConfig};
-use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::experts::ExpertSource;
+use crate::family::{DecoderLayer, LayerFamily};
 use crate::globals::Globals;
 use crate::observer::RouteObserver;
+use crate::scratch::Scratch;
 use crate::Result;
 
-/// A Hugging Face family's decoder layer (one at a time is held, so the variants' sizes need
-/// not match).
-#[allow(clippy::large_enum_variant)]
-pub enum FamilyLayer<'a> {
-    Qwen3(crate::qwen3::Qwen3Layer<'a>),
-    DeepseekV3(crate::deepseek_v3::DeepseekV3Layer<'a>),
-    GptOss(crate::gpt_oss::GptOssLayer<'a>),
+/// The decoder-layer side of `family`; `None` for DeepSeek V4 / V4.1 (whose layers are
+/// [`crate::layer::LayerWeights`]).
+pub fn layer_family(family: Family) -> Option<&'static dyn LayerFamily> {
+    match family {
+        Family::Qwen3Moe => Some(&crate::qwen3::Qwen3Moe),
+        Family::DeepseekV3 => Some(&crate::deepseek_v3::DeepseekV3),
+        Family::GptOss => Some(&crate::gpt_oss::GptOss),
+        Family::V41 | Family::V4 => None,
+    }
 }
+
+/// A Hugging Face family's decoder layer.
+pub struct FamilyLayer<'a>(Box<dyn DecoderLayer + 'a>);
 
 impl<'a> FamilyLayer<'a> {
     /// Decoder layer `layer` of `cfg`'s family; `None` for DeepSeek V4 (whose layers are
     /// [`crate::layer::LayerWeights`]).
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig, layer: usize) -> Result<Option<Self>> {
-        Ok(Some(match cfg.family {
-            Family::Qwen3Moe => FamilyLayer::Qwen3(crate::qwen3::Qwen3Layer::load(ck, cfg, layer)?),
-            Family::DeepseekV3 => {
-                FamilyLayer::DeepseekV3(crate::deepseek_v3::DeepseekV3Layer::load(ck, cfg, layer)?)
-            }
-            Family::GptOss => {
-                FamilyLayer::GptOss(crate::gpt_oss::GptOssLayer::load(ck, cfg, layer)?)
-            }
-            _ => return Ok(None),
-        }))
-    }
-
-    /// The embedding, final norm and head as the family names them (gpt-oss's own; every
-    /// other family's through [`Globals::load`]).
-    pub fn globals(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {
-        match cfg.family {
-            Family::GptOss => crate::gpt_oss::globals(ck, cfg),
-            _ => Globals::load(ck, cfg),
+        match layer_family(cfg.family) {
+            Some(f) => Ok(Some(FamilyLayer(f.load_layer(ck, cfg, layer)?))),
+            None => Ok(None),
         }
     }
 
-    /// The routed experts of `layers` as the family's layers read them (gpt-oss's slices of
-    /// its MXFP4 stacks, every other family's from [`CheckpointExperts`]).
+    /// Every decoder layer of `cfg`'s family, in order; `None` for DeepSeek V4.
+    pub fn load_all(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Option<Vec<Self>>> {
+        let Some(f) = layer_family(cfg.family) else {
+            return Ok(None);
+        };
+        (0..cfg.n_layers)
+            .map(|l| Ok(FamilyLayer(f.load_layer(ck, cfg, l)?)))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// The decoder layer's index.
+    pub fn layer(&self) -> usize {
+        self.0.layer()
+    }
+
+    /// The embedding, final norm and head as the family names them (DeepSeek V4's through
+    /// [`Globals::load`]).
+    pub fn globals(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {
+        match layer_family(cfg.family) {
+            Some(f) => f.globals(ck, cfg),
+            None => Globals::load(ck, cfg),
+        }
+    }
+
+    /// The routed experts of `layers` as the family's layers read them (DeepSeek V4's from
+    /// [`crate::experts::CheckpointExperts`]).
     pub fn experts(
         ck: &'a Checkpoint,
         cfg: &ModelConfig,
         layers: std::ops::Range<usize>,
     ) -> Result<Box<dyn ExpertSource + 'a>> {
-        Ok(match cfg.family {
-            Family::GptOss => Box::new(crate::gpt_oss::GptOssExperts::new(ck, cfg)?),
-            _ => Box::new(CheckpointExperts::for_layers(ck, cfg, layers)?),
-        })
+        match layer_family(cfg.family) {
+            Some(f) => f.experts(ck, cfg, layers),
+            None => Ok(Box::new(crate::experts::CheckpointExperts::for_layers(
+                ck, cfg, layers,
+            )?)),
+        }
     }
 
     /// The layer's forward over the rows `x` (positions from `start_pos`), its KV in `kv`.
@@ -73,10 +93,23 @@ impl<'a> FamilyLayer<'a> {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        match self {
-            FamilyLayer::Qwen3(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
-            FamilyLayer::DeepseekV3(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
-            FamilyLayer::GptOss(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
-        }
+        self.0.forward(cfg, experts, mask, x, start_pos, kv, obs)
+    }
+
+    /// [`FamilyLayer::forward`] with its intermediates in `sc` (no allocation once warm).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        self.0
+            .forward_into(cfg, experts, mask, x, start_pos, kv, obs, sc)
     }
 }

@@ -35,30 +35,30 @@ pub struct Globals<'a> {
 }
 
 impl<'a> Globals<'a> {
-    /// Resolve `embed.weight`, `head.weight`, `norm.weight`.
+    /// Hugging Face's names (Qwen3-MoE, DeepSeek-V3): `model.embed_tokens`, `model.norm` and
+    /// `lm_head`, or the embedding itself where the family config ties the head to it.
+    pub fn load_hugging_face(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
+        use keep_checkpoint::qwen3::{EMBED, HEAD, NORM};
+        let hint = cfg.raw.weight_block_size();
+        let tied = cfg.raw.family().tie_word_embeddings(&cfg.raw);
+        // One stream (`hc` = 1): the embedding row itself; a tied head is the embedding.
+        let embed = weight(ck, EMBED, cfg.vocab, cfg.dim, hint)?;
+        Ok(Globals {
+            embed,
+            head: if tied {
+                embed
+            } else {
+                weight(ck, HEAD, cfg.vocab, cfg.dim, hint)?
+            },
+            norm: vec_f32(ck, NORM, cfg.dim)?,
+            hc_head: None,
+        })
+    }
+
+    /// DeepSeek V4's names: `embed.weight`, `head.weight`, `norm.weight` (and V4's
+    /// `hc_head_*`).
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let hint = cfg.raw.weight_block_size();
-        // Hugging Face's names (Qwen3-MoE, DeepSeek-V3): the same three tensors.
-        let tied = match (&cfg.raw.qwen3, &cfg.raw.deepseek_v3) {
-            (Some(q), _) => Some(q.tie_word_embeddings),
-            (_, Some(c)) => Some(c.tie_word_embeddings),
-            _ => None,
-        };
-        if let Some(tied) = tied {
-            use keep_checkpoint::qwen3::{EMBED, HEAD, NORM};
-            // One stream (`hc` = 1): the embedding row itself; a tied head is the embedding.
-            let embed = weight(ck, EMBED, cfg.vocab, cfg.dim, hint)?;
-            return Ok(Globals {
-                embed,
-                head: if tied {
-                    embed
-                } else {
-                    weight(ck, HEAD, cfg.vocab, cfg.dim, hint)?
-                },
-                norm: vec_f32(ck, NORM, cfg.dim)?,
-                hc_head: None,
-            });
-        }
         Ok(Globals {
             embed: weight(ck, "embed", cfg.vocab, cfg.dim, hint)?,
             head: weight(ck, "head", cfg.vocab, cfg.dim, hint)?,

@@ -50,6 +50,7 @@ use keep_kernels::{ops, WeightView};
 pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
 use crate::experts::{coded_rht, rht_output, ExpertSource, ExpertWeights};
+use crate::family::{DecoderLayer, LayerFamily};
 use crate::globals::Globals;
 use crate::linear::{lin_into, note_input, proj_into, top_k_by};
 use crate::observer::{ExpertOutputEvent, RouteEvent, RouteObserver};
@@ -828,6 +829,54 @@ impl ExpertSource for GptOssExperts<'_> {
                 expert,
                 msg: "no such expert".into(),
             })
+    }
+}
+
+/// The gpt-oss family's decoder-layer side ([`LayerFamily`]): its layers are [`GptOssLayer`], its embedding, norm and head [`globals`], its experts [`GptOssExperts`].
+#[derive(Debug, Clone, Copy)]
+pub struct GptOss;
+
+impl LayerFamily for GptOss {
+    fn load_layer<'a>(
+        &self,
+        ck: &'a Checkpoint,
+        cfg: &ModelConfig,
+        layer: usize,
+    ) -> Result<Box<dyn DecoderLayer + 'a>> {
+        Ok(Box::new(GptOssLayer::load(ck, cfg, layer)?))
+    }
+
+    fn globals<'a>(&self, ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {
+        globals(ck, cfg)
+    }
+
+    fn experts<'a>(
+        &self,
+        ck: &'a Checkpoint,
+        cfg: &ModelConfig,
+        _layers: std::ops::Range<usize>,
+    ) -> Result<Box<dyn ExpertSource + 'a>> {
+        Ok(Box::new(GptOssExperts::new(ck, cfg)?))
+    }
+}
+
+impl DecoderLayer for GptOssLayer<'_> {
+    fn layer(&self) -> usize {
+        self.layer
+    }
+
+    fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        GptOssLayer::forward_into(self, cfg, experts, mask, x, start_pos, kv, obs, sc)
     }
 }
 

@@ -38,6 +38,7 @@ pub mod engram_hash;
 pub mod engram_tokens;
 pub mod error;
 pub mod experts;
+pub mod family;
 pub mod family_layer;
 pub mod fuzzing;
 pub mod generate;

@@ -8,9 +8,10 @@ use keep_checkpoint::Checkpoint;
 use keep_kernels::profile;
 
 use crate::cache::Cache;
-use crate::config::{Family, ModelConfig};
+use crate::config::ModelConfig;
 use crate::engram::Engram;
-use crate::experts::{CheckpointExperts, ExpertSource};
+use crate::experts::ExpertSource;
+use crate::family_layer::FamilyLayer;
 use crate::layer::{LayerWeights, Shared, Step, Streams};
 use crate::observer::RouteObserver;
 use crate::{ModelError, Result};
@@ -66,12 +67,9 @@ pub struct Model<'a> {
     pub(crate) masks: Vec<Option<Vec<bool>>>,
     /// Engram layers (`None` without `engram_layer_ids`).
     pub engram: Option<Engram<'a>>,
-    /// Qwen3-MoE's decoder layers (`layers` is then empty).
-    pub qwen3: Vec<crate::qwen3::Qwen3Layer<'a>>,
-    /// DeepSeek-V3's decoder layers (`layers` is then empty).
-    pub deepseek_v3: Vec<crate::deepseek_v3::DeepseekV3Layer<'a>>,
-    /// gpt-oss's decoder layers (`layers` is then empty).
-    pub gpt_oss: Vec<crate::gpt_oss::GptOssLayer<'a>>,
+    /// A Hugging Face family's decoder layers (Qwen3-MoE, DeepSeek-V3, gpt-oss; `layers` is
+    /// then empty).
+    pub family_layers: Vec<FamilyLayer<'a>>,
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
     /// The DSpark drafter, once attached ([`Model::attach_dspark`]).
@@ -82,11 +80,7 @@ impl<'a> Model<'a> {
     /// Load the model with routed experts read from the checkpoint itself.
     pub fn load(ck: &'a Checkpoint) -> Result<Self> {
         let cfg = ModelConfig::from_checkpoint(ck)?;
-        let experts: Box<dyn ExpertSource> = if cfg.family == Family::GptOss {
-            Box::new(crate::gpt_oss::GptOssExperts::new(ck, &cfg)?)
-        } else {
-            Box::new(CheckpointExperts::new(ck, &cfg)?)
-        };
+        let experts = FamilyLayer::experts(ck, &cfg, 0..cfg.n_layers)?;
         Self::load_with(ck, cfg, experts)
     }
 
@@ -96,28 +90,15 @@ impl<'a> Model<'a> {
         cfg: ModelConfig,
         experts: Box<dyn ExpertSource + 'a>,
     ) -> Result<Self> {
-        let globals = crate::family_layer::FamilyLayer::globals(ck, &cfg)?;
-        let (mut deepseek_v3, mut gpt_oss) = (vec![], vec![]);
-        let (layers, qwen3) = if cfg.family == Family::Qwen3Moe {
-            let q = (0..cfg.n_layers)
-                .map(|l| crate::qwen3::Qwen3Layer::load(ck, &cfg, l))
-                .collect::<Result<Vec<_>>>()?;
-            (vec![], q)
-        } else if cfg.family == Family::DeepseekV3 {
-            deepseek_v3 = (0..cfg.n_layers)
-                .map(|l| crate::deepseek_v3::DeepseekV3Layer::load(ck, &cfg, l))
-                .collect::<Result<Vec<_>>>()?;
-            (vec![], vec![])
-        } else if cfg.family == Family::GptOss {
-            gpt_oss = (0..cfg.n_layers)
-                .map(|l| crate::gpt_oss::GptOssLayer::load(ck, &cfg, l))
-                .collect::<Result<Vec<_>>>()?;
-            (vec![], vec![])
-        } else {
-            let layers = (0..cfg.n_layers)
-                .map(|l| LayerWeights::load(ck, &cfg, l))
-                .collect::<Result<Vec<_>>>()?;
-            (layers, vec![])
+        let globals = FamilyLayer::globals(ck, &cfg)?;
+        let (layers, family_layers) = match FamilyLayer::load_all(ck, &cfg)? {
+            Some(f) => (vec![], f),
+            None => {
+                let layers = (0..cfg.n_layers)
+                    .map(|l| LayerWeights::load(ck, &cfg, l))
+                    .collect::<Result<Vec<_>>>()?;
+                (layers, vec![])
+            }
         };
         let masks = vec![None; cfg.n_layers];
         let engram = Engram::load(ck, &cfg)?;
@@ -128,9 +109,7 @@ impl<'a> Model<'a> {
             experts,
             masks,
             engram,
-            qwen3,
-            deepseek_v3,
-            gpt_oss,
+            family_layers,
             mtp: None,
             dspark: None,
         })
@@ -378,58 +357,22 @@ impl<'a> Model<'a> {
         profile::begin_step(tokens.len());
         self.globals.embed_into(&self.cfg, tokens, s)?;
         s.check_finite(|| "the embedding".into())?;
-        if self.cfg.family == Family::Qwen3Moe {
-            for lw in &self.qwen3 {
+        if self.cfg.family.is_hugging_face() {
+            // A Hugging Face family's layers (DeepSeek-V3's compressed KV, like the others' KV,
+            // lives in each layer's `qwen3` rows).
+            for lw in &self.family_layers {
+                let l = lw.layer();
                 lw.forward_into(
                     &self.cfg,
                     self.experts.as_ref(),
-                    self.masks[lw.layer].as_deref(),
+                    self.masks[l].as_deref(),
                     &mut s.x,
                     cache.pos,
-                    &mut cache.layers[lw.layer].qwen3,
+                    &mut cache.layers[l].qwen3,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
                     &mut shared.scratch,
                 )?;
-                s.check_finite(|| format!("layer {}", lw.layer))?;
-            }
-            cache.pos += tokens.len();
-            return self
-                .globals
-                .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
-        }
-        if self.cfg.family == Family::DeepseekV3 {
-            // The compressed KV of each layer lives in its `qwen3` rows (see `deepseek_v3`).
-            for lw in &self.deepseek_v3 {
-                lw.forward_into(
-                    &self.cfg,
-                    self.experts.as_ref(),
-                    self.masks[lw.layer].as_deref(),
-                    &mut s.x,
-                    cache.pos,
-                    &mut cache.layers[lw.layer].qwen3,
-                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-                    &mut shared.scratch,
-                )?;
-                s.check_finite(|| format!("layer {}", lw.layer))?;
-            }
-            cache.pos += tokens.len();
-            return self
-                .globals
-                .finish_into(&self.cfg, s, which, &mut shared.scratch, logits);
-        }
-        if self.cfg.family == Family::GptOss {
-            for lw in &self.gpt_oss {
-                lw.forward_into(
-                    &self.cfg,
-                    self.experts.as_ref(),
-                    self.masks[lw.layer].as_deref(),
-                    &mut s.x,
-                    cache.pos,
-                    &mut cache.layers[lw.layer].qwen3,
-                    obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
-                    &mut shared.scratch,
-                )?;
-                s.check_finite(|| format!("layer {}", lw.layer))?;
+                s.check_finite(|| format!("layer {l}"))?;
             }
             cache.pos += tokens.len();
             return self

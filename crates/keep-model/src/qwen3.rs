@@ -21,10 +21,10 @@ use keep_kernels::profile::{self, Part};
 use keep_kernels::WeightView;
 
 pub use crate::cache::KvRows;
-pub use crate::config::family_config;
 use crate::config::ModelConfig;
 pub use crate::experts::expert_bases;
 use crate::experts::ExpertSource;
+use crate::family::{DecoderLayer, LayerFamily};
 use crate::layer::route_with;
 use crate::linear::{lin_into, proj_into};
 use crate::observer::{RouteEvent, RouteObserver};
@@ -379,6 +379,49 @@ impl<'a> Qwen3Layer<'a> {
             }
         }
         Ok(())
+    }
+}
+
+/// The family config of a Qwen3-MoE model config (an error for another family).
+pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3MoeConfig> {
+    cfg.raw
+        .qwen3
+        .as_ref()
+        .ok_or_else(|| ModelError::Config("not a qwen3_moe config".into()))
+}
+
+/// The Qwen3-MoE family's decoder-layer side ([`LayerFamily`]): its layers are [`Qwen3Layer`].
+#[derive(Debug, Clone, Copy)]
+pub struct Qwen3Moe;
+
+impl LayerFamily for Qwen3Moe {
+    fn load_layer<'a>(
+        &self,
+        ck: &'a Checkpoint,
+        cfg: &ModelConfig,
+        layer: usize,
+    ) -> Result<Box<dyn DecoderLayer + 'a>> {
+        Ok(Box::new(Qwen3Layer::load(ck, cfg, layer)?))
+    }
+}
+
+impl DecoderLayer for Qwen3Layer<'_> {
+    fn layer(&self) -> usize {
+        self.layer
+    }
+
+    fn forward_into(
+        &self,
+        cfg: &ModelConfig,
+        experts: &dyn ExpertSource,
+        mask: Option<&[bool]>,
+        x: &mut [f32],
+        start_pos: usize,
+        kv: &mut KvRows,
+        obs: Option<&mut dyn RouteObserver>,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        Qwen3Layer::forward_into(self, cfg, experts, mask, x, start_pos, kv, obs, sc)
     }
 }
 

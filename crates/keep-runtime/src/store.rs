@@ -263,8 +263,10 @@ pub struct ExpertStore {
     per_layer: Vec<usize>,
     dim: usize,
     inter: usize,
-    /// gpt-oss: `w1` is the interleaved gate-up matrix `[2·inter, dim]` and there is no `w3`.
-    gpt_oss: bool,
+    /// The matrices of an expert with their rows and columns, as the family lays them out
+    /// (`Family::expert_matrices`: gpt-oss's `w1` is the interleaved gate-up matrix
+    /// `[2·inter, dim]` and it has no `w3`).
+    mats: Vec<(ExpertMat, usize, usize)>,
     block_hint: Option<(usize, usize)>,
     slot_bytes: u64,
     expert_bytes: u64,
@@ -383,20 +385,15 @@ impl ExpertStore {
         let mut rht = Vec::with_capacity(cfg.n_layers * cfg.n_experts);
         let (mut slot_bytes, mut expert_bytes, mut total) = (0u64, 0u64, 0u64);
         let (mut upper_buf, mut upper_total) = (0u64, 0u64);
-        let q3 = cfg.raw.qwen3.as_ref();
-        let v3 = cfg.raw.deepseek_v3.as_ref();
-        let gpt_oss = cfg.raw.gpt_oss.is_some();
+        let mats_of = cfg.raw.family().expert_matrices(&cfg.raw);
         for l in 0..cfg.n_layers {
             for x in 0..cfg.n_experts {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
                 let mut biases = [None; 3];
-                if q3.is_some_and(|q| !q.is_moe_layer(l))
-                    || v3.is_some_and(|c| !c.is_moe_layer(l))
-                    || x >= cfg.experts_in_layer(l)
-                {
-                    // A Qwen3-MoE or DeepSeek-V3 dense layer, or past the layer's own count where layers have
-                    // different counts: no routed expert, never asked for one.
+                if !cfg.raw.is_moe_layer(l) || x >= cfg.experts_in_layer(l) {
+                    // A dense layer (Qwen3-MoE's, DeepSeek-V3's), or past the layer's own count
+                    // where layers have different counts: no routed expert, never asked for one.
                     rht.push(keep_model::ExpertRht::default());
                     layouts.push(ExpertLayout {
                         tensors,
@@ -420,16 +417,6 @@ impl ExpertStore {
                 let mut resid = [None; 3];
                 let mut up_tensors: Vec<TensorPart> = vec![];
                 let mut up_mats: [Option<(usize, Option<usize>)>; 3] = [None; 3];
-                let mats_of = if gpt_oss {
-                    // gpt-oss: the gate-up matrix (gate and up rows interleaved) and down.
-                    &[(ExpertMat::W1, 2 * i, d), (ExpertMat::W2, d, i)][..]
-                } else {
-                    &[
-                        (ExpertMat::W1, i, d),
-                        (ExpertMat::W2, d, i),
-                        (ExpertMat::W3, i, d),
-                    ][..]
-                };
                 for (m, &(mat, rows, cols)) in mats_of.iter().enumerate() {
                     // The expert's own tensors, or its slices of mlx-lm's stacked `switch_mlp`
                     // (weight, scales and biases each one extent of its stacked tensor).
@@ -514,7 +501,7 @@ impl ExpertStore {
             per_layer: (0..cfg.n_layers).map(|l| cfg.experts_in_layer(l)).collect(),
             dim: d,
             inter: i,
-            gpt_oss,
+            mats: mats_of,
             block_hint: hint,
             slot_bytes: slot_bytes.max(ALIGN as u64),
             expert_bytes,
@@ -827,14 +814,8 @@ impl ExpertStore {
                 file_offset: t.file_offset,
             })
         };
-        let (d, i) = (self.dim, self.inter);
-        let shapes = if self.gpt_oss {
-            &[(2 * i, d), (d, i)][..]
-        } else {
-            &[(i, d), (d, i), (i, d)][..]
-        };
         let mut out = vec![];
-        for (m, &(rows, cols)) in shapes.iter().enumerate() {
+        for (m, &(_, rows, cols)) in self.mats.iter().enumerate() {
             let (wi, si) = lay.mats[m];
             let w = tref(wi)?;
             let s = si.map(tref).transpose()?;
@@ -856,8 +837,9 @@ impl ExpertStore {
                 self.block_hint,
             )?);
         }
-        if self.gpt_oss {
-            // No up matrix of its own (see `gpt_oss`): an empty view, as the checkpoint's.
+        // A family without an up matrix of its own (gpt-oss): an empty view, as the
+        // checkpoint's.
+        while out.len() < 3 {
             out.push(
                 keep_kernels::WeightView::f32(&[], 0, 0)
                     .map_err(|e| RuntimeError::Invalid(e.to_string()))?,

@@ -284,12 +284,14 @@ fn run_gpt_oss(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> 
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     crate::util::check_out_of_cache(&a.out)?;
-    let v3 = a.family.as_deref() == Some("deepseek_v3")
-        || (a.family.is_none()
-            && a.config.is_some()
-            && a.config
-                .as_ref()
-                .is_some_and(|p| DeepSeekConfig::read(p).is_ok_and(|c| c.deepseek_v3.is_some())));
+    // The family `--family` names, else the one that reads `--config`'s file.
+    let family = a.family.clone().or_else(|| {
+        a.config
+            .as_ref()
+            .and_then(|p| DeepSeekConfig::read(p).ok())
+            .map(|c| c.family().name().to_string())
+    });
+    let v3 = family.as_deref() == Some(keep_checkpoint::deepseek_v3::MODEL_TYPE);
     if a.experts.is_some() && !v3 {
         anyhow::bail!(
             "--experts is for --family deepseek_v3 (routed experts in a registered format)"
@@ -327,14 +329,12 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
     }
     if let Some(p) = &a.config {
         let cfg = DeepSeekConfig::read(p)?;
-        if cfg.qwen3.is_some() {
-            return run_qwen3(&a, cfg.raw);
-        }
-        if cfg.deepseek_v3.is_some() {
-            return run_deepseek_v3(&a, cfg.raw);
-        }
-        if cfg.gpt_oss.is_some() {
-            return run_gpt_oss(&a, cfg.raw);
+        // The synth writer of the config's family (DeepSeek V4's below).
+        match cfg.family().name() {
+            keep_checkpoint::qwen3::MODEL_TYPE => return run_qwen3(&a, cfg.raw),
+            keep_checkpoint::deepseek_v3::MODEL_TYPE => return run_deepseek_v3(&a, cfg.raw),
+            keep_checkpoint::gpt_oss::MODEL_TYPE => return run_gpt_oss(&a, cfg.raw),
+            _ => {}
         }
     }
     if a.layers.is_some() || a.format.is_some() {
