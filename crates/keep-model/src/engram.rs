@@ -19,6 +19,7 @@ use keep_kernels::{matmul_with, profile, WeightView};
 use crate::config::ModelConfig;
 use crate::engram_hash::EngramLayout;
 use crate::layer::Streams;
+pub use crate::scratch::EngramScratch;
 use crate::weights::{vec_f32, weight};
 use crate::{ModelError, Result};
 
@@ -273,16 +274,6 @@ impl<'a> EngramLayer<'a> {
         gate_ref(&mut s.x, kv, &self.qk, t, hc, d, cfg.eps);
         Ok(())
     }
-}
-
-/// The working buffers of the Engram layers, kept between forwards: the call's row ids
-/// `[t][slot][col]`, one slot's ids gathered, its rows and their projection.
-#[derive(Debug, Default)]
-pub struct EngramScratch {
-    pub ids: Vec<u64>,
-    gather: Vec<u64>,
-    e: Vec<f32>,
-    kv: Vec<f32>,
 }
 
 /// The row ids of engram slot `slot` in `ids` (`[t][slot][col]`): a slice of `ids` for one

@@ -100,10 +100,20 @@ pub struct Scratch {
     pub(crate) fam: FamilyScratch,
     // Engram: the call's row ids `[t][slot][col]`, one slot's ids gathered (a chunk of
     // several tokens), the concatenated rows and their key/value projection.
-    pub(crate) engram: crate::engram::EngramScratch,
+    pub(crate) engram: EngramScratch,
     /// What [`Scratch::for_context`] reserved (compressed rows, candidate blocks, attended
     /// rows, attention scores).
     reserved: [usize; 4],
+}
+
+/// The working buffers of the Engram layers, kept between forwards: the call's row ids
+/// `[t][slot][col]`, one slot's ids gathered, its rows and their projection.
+#[derive(Debug, Default)]
+pub struct EngramScratch {
+    pub ids: Vec<u64>,
+    pub(crate) gather: Vec<u64>,
+    pub(crate) e: Vec<f32>,
+    pub(crate) kv: Vec<f32>,
 }
 
 /// The routed experts' working buffers: routes grouped by (expert, rung), the batch taken,
