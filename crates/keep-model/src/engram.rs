@@ -223,11 +223,13 @@ impl<'a> EngramLayer<'a> {
         })
     }
 
-    /// Add this layer's lookup into the streams. `ids` are all engram row ids of the call's
-    /// tokens, `[t][slot][col]` as [`EngramLayout::hash`] returns them.
+    /// Add this layer's lookup into the streams, its product on `kernels`. `ids` are all
+    /// engram row ids of the call's tokens, `[t][slot][col]` as [`EngramLayout::hash`] returns
+    /// them.
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         layout: &EngramLayout,
         s: &mut Streams,
         ids: &[u64],
@@ -257,7 +259,7 @@ impl<'a> EngramLayer<'a> {
         let mut kv = vec![0f32; t * (hc + 1) * d];
         // The model's kernels, like every other product of the layer (exact unless the
         // caller chose fast).
-        matmul_with(cfg.kernels, &e, t, &self.wkv, &mut kv)?;
+        matmul_with(kernels, &e, t, &self.wkv, &mut kv)?;
         gate_ref(&mut s.x, &kv, &self.qk, t, hc, d, cfg.eps);
         Ok(())
     }
@@ -334,16 +336,17 @@ impl<'a> Engram<'a> {
         Ok(ids)
     }
 
-    /// Apply the engram of decoder layer `layer`, if it has one.
+    /// Apply the engram of decoder layer `layer`, if it has one, on `kernels`.
     pub fn apply(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         layer: usize,
         s: &mut Streams,
         ids: &[u64],
     ) -> Result<()> {
         if let Some(slot) = self.layout.slot_of(layer) {
-            self.layers[slot].forward(cfg, &self.layout, s, ids, self.rows.as_ref())?;
+            self.layers[slot].forward(cfg, kernels, &self.layout, s, ids, self.rows.as_ref())?;
         }
         Ok(())
     }

@@ -61,11 +61,13 @@ impl<'a> FamilyLayer<'a> {
         })
     }
 
-    /// The layer's forward over the rows `x` (positions from `start_pos`), its KV in `kv`.
+    /// The layer's forward over the rows `x` (positions from `start_pos`) on `kernels`, its KV
+    /// in `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: crate::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -74,9 +76,11 @@ impl<'a> FamilyLayer<'a> {
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
         match self {
-            FamilyLayer::Qwen3(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
-            FamilyLayer::DeepseekV3(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
-            FamilyLayer::GptOss(l) => l.forward(cfg, experts, mask, x, start_pos, kv, obs),
+            FamilyLayer::Qwen3(l) => l.forward(cfg, kernels, experts, mask, x, start_pos, kv, obs),
+            FamilyLayer::DeepseekV3(l) => {
+                l.forward(cfg, kernels, experts, mask, x, start_pos, kv, obs)
+            }
+            FamilyLayer::GptOss(l) => l.forward(cfg, kernels, experts, mask, x, start_pos, kv, obs),
         }
     }
 }

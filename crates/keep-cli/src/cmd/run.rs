@@ -14,7 +14,7 @@ use keep_model::generate::{
     encode_prompt, load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig,
 };
 use keep_model::ModelError;
-use keep_runtime::{RouteLog, RunInfo, RunModel, RuntimeError};
+use keep_runtime::{RouteLog, RunInfo, RuntimeError};
 
 use super::logits::model_dir;
 
@@ -176,11 +176,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     // The prompt and the context first: the run's memory is planned for them (and refused when
     // it cannot fit the budget or the machine) before anything is allocated.
-    let mut cfg = keep_model::ModelConfig::from_checkpoint(&ck)
+    let cfg = keep_model::ModelConfig::from_checkpoint(&ck)
         .with_context(|| format!("loading the model from {}", dir.display()))?;
-    if let Some(c) = b.prefill_chunk {
-        cfg.prefill_chunk = c;
-    }
+    let run_opts = keep_model::RunOptions {
+        kernels,
+        prefill_chunk: b.prefill_chunk.unwrap_or(keep_model::DEFAULT_PREFILL_CHUNK),
+    };
     let tok = match b.prompt_tokens {
         Some(_) => None,
         None => Some(load_tokenizer(&dir)?),
@@ -243,17 +244,22 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         // (or a verify window) rather than a whole prefill chunk. A plan keeps the chunk it was
         // fitted with, so that it runs what `keep fit --check` runs.
         if plan.is_none() && b.prefill_chunk.is_none() {
-            o.prefill_chunk = Some(cfg.prefill_chunk.min(ids.len().max(draft_k + 1)).max(1));
+            o.prefill_chunk = Some(
+                run_opts
+                    .prefill_chunk
+                    .min(ids.len().max(draft_k + 1))
+                    .max(1),
+            );
         }
     }
     if opts.is_none() {
-        keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
+        keep_runtime::check_machine(
+            cfg.memory_estimate(context, run_opts.prefill_chunk).total(),
+            "this run's context",
+        )?;
     }
-    let (mut model, load_secs) = keep_runtime::run::load_timed(&ck, kernels, opts.as_ref())
+    let (mut model, load_secs) = keep_runtime::run::load_timed(&ck, run_opts, opts.as_ref())
         .with_context(|| format!("loading the model from {}", dir.display()))?;
-    if let RunModel::Mapped(m, _) = &mut model {
-        m.cfg.prefill_chunk = cfg.prefill_chunk;
-    }
     if let Some(m) = model.budgeted() {
         budget::print_plan(m);
     }

@@ -209,7 +209,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     drop(ck);
     if budget.is_none() {
         keep_runtime::check_machine(
-            cfg.memory_estimate(max_context).total(),
+            cfg.memory_estimate(max_context, keep_model::DEFAULT_PREFILL_CHUNK)
+                .total(),
             "this server's context",
         )?;
     }
