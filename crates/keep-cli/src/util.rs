@@ -175,3 +175,16 @@ impl ThreadsArg {
         Ok(())
     }
 }
+
+/// A refusal of keep-runtime's `Session::open` on the model at `dir`, in the words of what
+/// failed: opening the checkpoint, reading its model, or a flag.
+pub fn open_error(e: keep_runtime::RuntimeError, dir: &Path) -> anyhow::Error {
+    use keep_runtime::RuntimeError;
+    match e {
+        e @ RuntimeError::Checkpoint(_) => {
+            anyhow::Error::from(e).context(format!("opening {}", dir.display()))
+        }
+        e @ RuntimeError::Invalid(_) => e.into(),
+        e => anyhow::Error::from(e).context(format!("loading the model from {}", dir.display())),
+    }
+}

@@ -211,8 +211,8 @@ fn int4_g32_experts_synthesise_inspect_and_run_as_their_dequantized_weights() {
     // format's fast path costs, under the fast-kernel rule's KL bound. A random model's router
     // has near ties, so an activation rounding can change a token's experts (a discrete jump no
     // kernel bound covers): the bound holds over the tokens whose experts agree, and most do.
-    mq.cfg.kernels = Kernels::Fast;
-    md.cfg.kernels = Kernels::Fast;
+    mq.opts.kernels = Kernels::Fast;
+    md.opts.kernels = Kernels::Fast;
     let (mut rq, mut rd) = (RouteRecorder::default(), RouteRecorder::default());
     let fast = mq
         .forward(&tokens, &mut mq.new_cache(), Logits::All, Some(&mut rq))

@@ -1,7 +1,8 @@
 //! Applying a plan: the checkpoint it runs (the model, or the derived checkpoint — built on
 //! request with keep-convert's `prune` from the prune plan beside the fit plan, else refused
 //! with the exact command), the runtime's options (budget, policy, warm start from the route
-//! profile when it exists, drafting), and saving the route profile at the end of a run.
+//! profile when it exists, drafting) and the session they make up (keep-runtime's
+//! `SessionSpec`), and saving the route profile at the end of a run.
 //!
 //! A plan is trusted no further than it can be checked: the model it names must have the
 //! fingerprint it records, and every file it names is resolved relative to the plan's own
@@ -16,7 +17,7 @@ use keep_artifacts::plan::PrunePlan;
 use keep_artifacts::route_profile::{RouteProfile, DEFAULT_HALF_LIFE};
 use keep_model::Kernels;
 use keep_runtime::run::DraftMode;
-use keep_runtime::{Policy, RouteLog, RuntimeOptions};
+use keep_runtime::{Draft, Policy, RouteLog, RuntimeOptions, SessionSpec};
 
 use crate::{FitError, Result};
 
@@ -167,6 +168,17 @@ pub fn runtime_options(
     ck: &keep_checkpoint::Checkpoint,
     context: usize,
 ) -> Result<Option<RuntimeOptions>> {
+    Ok(budget(plan_path, plan)?.map(|o| RuntimeOptions {
+        context: Some(context.max(plan.context)),
+        draft_tokens: draft(plan, ck).1,
+        ..o
+    }))
+}
+
+/// The plan's budget as a session takes it ([`session_spec`]): [`runtime_options`] for at
+/// least the plan's context, the drafter's tokens left to the session (which resolves them on
+/// the checkpoint as [`draft`] does). `None` when the plan maps the whole checkpoint.
+pub fn budget(plan_path: &Path, plan: &FitPlan) -> Result<Option<RuntimeOptions>> {
     let Some(budget) = plan.budget else {
         return Ok(None);
     };
@@ -186,10 +198,34 @@ pub fn runtime_options(
         policy,
         warm_start: warm,
         kernels: kernels(plan),
-        context: Some(context.max(plan.context)),
-        draft_tokens: draft(plan, ck).1,
+        context: Some(plan.context),
         ..RuntimeOptions::new(budget)
     }))
+}
+
+/// The plan's drafting as a session asks for it: the plan's drafter where the checkpoint
+/// carries it, none elsewhere — what [`draft`] comes to on the checkpoint.
+pub fn draft_spec(plan: &FitPlan) -> Draft {
+    let mode = match plan.draft.as_str() {
+        "mtp" => DraftMode::Mtp,
+        "dspark" => DraftMode::DSpark,
+        _ => return Draft::NONE,
+    };
+    Draft {
+        mode,
+        tokens: (mode == DraftMode::Mtp).then_some(DRAFT_TOKENS),
+        required: false,
+    }
+}
+
+/// The session the plan runs on its checkpoint at `dir` ([`checkpoint`]): the plan's kernels,
+/// budget ([`budget`]) and drafting ([`draft_spec`]), the default prefill chunk.
+pub fn session_spec(plan_path: &Path, plan: &FitPlan, dir: PathBuf) -> Result<SessionSpec> {
+    Ok(SessionSpec {
+        budget: budget(plan_path, plan)?,
+        draft: draft_spec(plan),
+        ..SessionSpec::new(dir, kernels(plan))
+    })
 }
 
 /// Fold a run's routes into the plan's route profile and write it back atomically (created on

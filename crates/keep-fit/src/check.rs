@@ -10,9 +10,8 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use keep_artifacts::fit_plan::FitPlan;
-use keep_checkpoint::Checkpoint;
 use keep_model::generate::{encode_prompt, GenerateOptions, Prompt, SamplerConfig};
-use keep_runtime::{RouteLog, RunModel};
+use keep_runtime::{LoadFor, RouteLog, Session};
 use serde::Serialize;
 
 use crate::{apply, checkset};
@@ -99,14 +98,14 @@ pub struct CheckReport {
 pub fn check(plan_path: &Path, o: &CheckOptions) -> Result<CheckReport> {
     let plan = FitPlan::read(plan_path)?;
     let dir = apply::checkpoint(plan_path, &plan, o.build, &|_, _| {})?;
-    let ck = Checkpoint::open(&dir)?;
-    // What `keep run --plan` runs: the plan's checkpoint, kernels, budget and drafting.
-    let (draft, draft_k) = apply::draft(&plan, &ck);
-    let context = o.prompt_tokens + o.decode_tokens + draft_k;
-    let ro = apply::runtime_options(plan_path, &plan, &ck, context)?;
+    // What `keep run --plan` runs: the plan's session (checkpoint, kernels, budget, drafting).
+    let session = Session::open(apply::session_spec(plan_path, &plan, dir.clone())?)?;
     keep_runtime::reset_peak_rss();
-    let mut model = RunModel::load(&ck, apply::kernels(&plan), ro.as_ref())?;
-    model.set_draft(&ck, draft, draft_k)?;
+    let (mut model, _) = session.load(LoadFor {
+        context: Some(o.prompt_tokens + o.decode_tokens),
+        ..LoadFor::default()
+    })?;
+    session.attach_draft(&mut model)?;
     let cfg = model.cfg().clone();
     let slots = model.budgeted().map(|m| m.plan().slots_per_layer);
     let ids = encode_prompt(

@@ -93,12 +93,14 @@ pub fn minimum_budget(ck: &Checkpoint, opts: &ProbeOptions) -> Result<u64> {
     let cfg = ModelConfig::from_checkpoint(ck)?;
     let store = ExpertStore::open(ck, &cfg, true)?;
     let guess = keep_runtime::resident_bytes(ck)
-        + cfg.memory_estimate(opts.context).total()
+        + cfg
+            .memory_estimate(opts.context, keep_model::DEFAULT_PREFILL_CHUNK)
+            .total()
         + store.slot_bytes() * (cfg.n_layers * cfg.top_k) as u64;
     match keep_runtime::BudgetPlan::with_memory(
         guess,
         keep_runtime::resident_bytes(ck),
-        cfg.memory_estimate(opts.context),
+        cfg.memory_estimate(opts.context, keep_model::DEFAULT_PREFILL_CHUNK),
         store.slot_bytes(),
         cfg.n_layers,
         cfg.top_k,

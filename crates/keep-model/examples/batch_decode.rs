@@ -36,7 +36,7 @@ fn main() {
     };
     let ck = Checkpoint::open(std::path::Path::new(dir)).expect("open the checkpoint");
     let mut model = Model::load(&ck).expect("load the model");
-    model.cfg.kernels = kernels;
+    model.opts.kernels = kernels;
     let vocab = model.cfg.vocab;
     let mut secs: Vec<Vec<f64>> = vec![vec![]; batches.len()];
     for _ in 0..reps {

@@ -57,7 +57,8 @@ impl Model<'_> {
         let mut s = self.globals.embed(cfg, tokens)?;
         s.check_finite(|| "the embedding".into())?;
         let steps: Vec<Step> = caches.iter().map(|c| step_of(cfg, c)).collect();
-        let mut shared: Vec<Shared> = caches.iter().map(|_| Shared::default()).collect();
+        let kernels = self.opts.kernels;
+        let mut shared: Vec<Shared> = caches.iter().map(|_| Shared::on(kernels)).collect();
         let mut engram = crate::engram::EngramScratch::default();
         if let Some(e) = &self.engram {
             // Row-major per token, so the sequences' ids concatenate into the batch's.
@@ -67,7 +68,7 @@ impl Model<'_> {
         }
         for lw in &self.layers {
             if let Some(e) = &self.engram {
-                e.apply(cfg, lw.layer, &mut s, &mut engram)?;
+                e.apply(cfg, kernels, lw.layer, &mut s, &mut engram)?;
             }
             self.layer_batch(lw, &mut s, &steps, caches, &mut shared)?;
             s.check_finite(|| format!("layer {}", lw.layer))?;
@@ -75,7 +76,7 @@ impl Model<'_> {
         for c in caches.iter_mut() {
             c.pos += 1;
         }
-        self.globals.finish(cfg, &s, Logits::All)
+        self.globals.finish(cfg, kernels, &s, Logits::All)
     }
 
     /// [`LayerWeights::forward`] over one row per sequence.
@@ -87,7 +88,7 @@ impl Model<'_> {
         caches: &mut [&mut Cache],
         shared: &mut [Shared],
     ) -> Result<()> {
-        let cfg = &self.cfg;
+        let (cfg, kernels) = (&self.cfg, self.opts.kernels);
         let (hc, d) = (cfg.hc, cfg.dim);
         let experts = self.experts.as_ref();
         let mask = self.masks[lw.layer].as_deref();
@@ -98,7 +99,7 @@ impl Model<'_> {
                 for (i, (c, sh)) in caches.iter_mut().zip(shared.iter_mut()).enumerate() {
                     let x = &h[i * d..(i + 1) * d];
                     let a = if cfg.family == Family::V4 {
-                        lw.attention_v4(cfg, x, 1, steps[i], &mut c.layers, &mut None)?
+                        lw.attention_v4(cfg, kernels, x, 1, steps[i], &mut c.layers, &mut None)?
                     } else {
                         lw.attention(cfg, x, 1, steps[i], &mut c.layers, sh, &mut None)?
                     };
@@ -117,7 +118,9 @@ impl Model<'_> {
             let (pre, post, comb) = hc_mix(&lw.hc_ffn, s, cfg)?;
             let mut h = collapse(s, &pre, hc, d);
             crate::linear::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
-            let m = lw.moe(cfg, experts, mask, &h, &s.tokens, moe_step, &mut None)?;
+            let m = lw.moe(
+                cfg, kernels, experts, mask, &h, &s.tokens, moe_step, &mut None,
+            )?;
             expand(&m, s, &post, &comb, hc, d);
             return Ok(());
         }
@@ -129,7 +132,9 @@ impl Model<'_> {
         let (ffn_pre, ffn_post, ffn_comb) = hc_mix(&lw.hc_ffn, s, cfg)?;
         let mut h = collapse(s, &attn_pre, hc, d);
         crate::linear::rms_norm(&mut h, d, Some(&lw.ffn_norm), cfg.eps);
-        let m = lw.moe(cfg, experts, mask, &h, &s.tokens, moe_step, &mut None)?;
+        let m = lw.moe(
+            cfg, kernels, experts, mask, &h, &s.tokens, moe_step, &mut None,
+        )?;
         expand(&m, s, &ffn_post, &ffn_comb, hc, d);
         s.pre_mix = ffn_pre;
         Ok(())

@@ -124,9 +124,6 @@ pub struct ModelConfig {
     pub hc_iters: usize,
     pub hc_eps: f32,
     pub roles: Vec<LayerRoles>,
-    /// Which kernels the products run on (not part of the checkpoint: `Exact` unless a caller
-    /// chooses `Fast`; see [`keep_kernels::Kernels`]).
-    pub kernels: keep_kernels::Kernels,
     /// Engram layers' hashing (`None`: no `engram_layer_ids`); see `engram_hash`.
     pub engram: Option<crate::engram_hash::EngramLayout>,
     /// The beginning-of-sequence token: `bos_token_id`, else [`DEFAULT_BOS`]. Generation
@@ -135,11 +132,6 @@ pub struct ModelConfig {
     /// The end-of-sequence tokens (`eos_token_id`: one id or a list; absent or null: none,
     /// generation then runs to its token limit). Generation stops at the first of them.
     pub eos: Vec<u32>,
-    /// Most tokens one forward pass computes at once (not part of the checkpoint:
-    /// [`DEFAULT_PREFILL_CHUNK`] unless a caller picks another). Longer prompts
-    /// run as consecutive chunks, which gives the same logits bit for bit and bounds the
-    /// activations (see [`crate::memory`]).
-    pub prefill_chunk: usize,
 }
 
 /// Tokens per forward pass of a long prompt. At 128 the largest per-pass buffer on the bundled
@@ -325,7 +317,6 @@ impl ModelConfig {
             hc_iters: c.hc_sinkhorn_iters,
             hc_eps: c.hc_eps as f32,
             roles,
-            kernels: keep_kernels::Kernels::Exact,
             engram: crate::engram_hash::EngramLayout::from_config(c)?,
             bos: match token_ids(&c.raw, "bos_token_id", c.vocab_size)?[..] {
                 [] => DEFAULT_BOS,
@@ -338,7 +329,6 @@ impl ModelConfig {
                 }
             },
             eos: token_ids(&c.raw, "eos_token_id", c.vocab_size)?,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         })
     }
 

@@ -211,11 +211,12 @@ impl<'a> DeepseekV3Layer<'a> {
     }
 
     /// `DeepseekV3DecoderLayer.forward` on `x` (`[t × hidden]`, in place) at positions
-    /// `start_pos..start_pos + t`, appending this layer's compressed KV to `kv`.
+    /// `start_pos..start_pos + t` on `kernels`, appending this layer's compressed KV to `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -223,7 +224,7 @@ impl<'a> DeepseekV3Layer<'a> {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
     }
 
@@ -494,6 +495,7 @@ impl<'a> DeepseekV3Layer<'a> {
         let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
         crate::layer::routed_experts_into(
             cfg,
+            sc.kernels,
             experts,
             l,
             x,

@@ -37,6 +37,7 @@ impl<'a> Model<'a> {
         let Some(mtp) = Mtp::load(ck, &self.cfg)? else {
             return Ok(false);
         };
+        let mtp = mtp.with_kernels(self.opts.kernels);
         let cache = mtp.new_cache();
         self.dspark = None;
         self.mtp = Some(Box::new(Drafter {

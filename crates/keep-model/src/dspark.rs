@@ -62,6 +62,9 @@ pub struct DSpark<'a> {
     /// The model's config with the drafter's stages as layers `n_layers + k` (window only), its
     /// top-k and its expert count.
     pub cfg: ModelConfig,
+    /// The kernels its products run on (the main model's; exact unless
+    /// [`DSpark::with_kernels`] gives others).
+    pub kernels: keep_kernels::Kernels,
     /// The config's DSpark keys, defaults applied.
     pub keys: DSparkKeys,
     stages: Vec<LayerWeights<'a>>,
@@ -97,6 +100,12 @@ pub struct DraftBlock {
 }
 
 impl<'a> DSpark<'a> {
+    /// The drafter to run its products on `kernels`.
+    pub fn with_kernels(mut self, kernels: keep_kernels::Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
     /// The drafter of `ck` (`None` when the config declares no DSpark keys), checked against
     /// `cfg`: every tensor present with its shape, or an error naming the tensor.
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Option<Self>> {
@@ -148,6 +157,7 @@ impl<'a> DSpark<'a> {
         let last = format!("mtp.{}.", n - 1);
         let targets = keys.target_layer_ids.len();
         Ok(Some(DSpark {
+            kernels: keep_kernels::Kernels::Exact,
             main_proj: weight(ck, "mtp.0.main_proj", d, d * targets, hint)?,
             main_norm: vec_f32(ck, "mtp.0.main_norm.weight", d)?,
             norm: vec_f32(ck, &format!("{last}norm.weight"), d)?,
@@ -310,7 +320,16 @@ impl<'a> DSpark<'a> {
             start_pos: anchor + 1,
             previous: c,
         };
-        let m = w.moe(cfg, &self.experts[k], None, &h, &s.tokens, step, &mut None)?;
+        let m = w.moe(
+            cfg,
+            self.kernels,
+            &self.experts[k],
+            None,
+            &h,
+            &s.tokens,
+            step,
+            &mut None,
+        )?;
         expand(&m, s, &ffn_post, &ffn_comb, hc, d);
         s.pre_mix = ffn_pre;
         Ok(())
@@ -373,7 +392,7 @@ impl<'a> DSpark<'a> {
                 w.rope.apply(&mut out[o..o + hd], pos, true);
             }
         }
-        w.grouped_out(cfg, &out, t, &mut None)
+        w.grouped_out(cfg, self.kernels, &out, t, &mut None)
     }
 }
 

@@ -31,6 +31,7 @@ impl<'a> Model<'a> {
         let Some(ds) = DSpark::load(ck, &self.cfg)? else {
             return Ok(false);
         };
+        let ds = ds.with_kernels(self.opts.kernels);
         if let Some(&l) = ds
             .keys
             .target_layer_ids

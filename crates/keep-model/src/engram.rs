@@ -224,11 +224,13 @@ impl<'a> EngramLayer<'a> {
         })
     }
 
-    /// Add this layer's lookup into the streams. `ids` are all engram row ids of the call's
-    /// tokens, `[t][slot][col]` as [`EngramLayout::hash`] returns them.
+    /// Add this layer's lookup into the streams, its product on `kernels`. `ids` are all
+    /// engram row ids of the call's tokens, `[t][slot][col]` as [`EngramLayout::hash`] returns
+    /// them.
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         layout: &EngramLayout,
         s: &mut Streams,
         ids: &[u64],
@@ -236,7 +238,7 @@ impl<'a> EngramLayer<'a> {
     ) -> Result<()> {
         let mut bufs = EngramScratch::default();
         bufs.ids.extend_from_slice(ids);
-        self.forward_with(cfg, layout, s, rows, &mut bufs)
+        self.forward_with(cfg, kernels, layout, s, rows, &mut bufs)
     }
 
     /// [`EngramLayer::forward`] on the ids in `bufs.ids`, its working buffers kept in `bufs`
@@ -244,6 +246,7 @@ impl<'a> EngramLayer<'a> {
     pub fn forward_with(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         layout: &EngramLayout,
         s: &mut Streams,
         rows: &dyn EngramRows,
@@ -270,7 +273,7 @@ impl<'a> EngramLayer<'a> {
         kv.resize(t * (hc + 1) * d, 0.0);
         // The model's kernels, like every other product of the layer (exact unless the
         // caller chose fast).
-        matmul_with(cfg.kernels, e, t, &self.wkv, kv)?;
+        matmul_with(kernels, e, t, &self.wkv, kv)?;
         gate_ref(&mut s.x, kv, &self.qk, t, hc, d, cfg.eps);
         Ok(())
     }
@@ -373,17 +376,25 @@ impl<'a> Engram<'a> {
         Ok(())
     }
 
-    /// Apply the engram of decoder layer `layer`, if it has one, on the row ids of the last
-    /// [`Engram::hash_into`] into `bufs`.
+    /// Apply the engram of decoder layer `layer`, if it has one, on `kernels`, on the row ids
+    /// of the last [`Engram::hash_into`] into `bufs`.
     pub fn apply(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         layer: usize,
         s: &mut Streams,
         bufs: &mut EngramScratch,
     ) -> Result<()> {
         if let Some(slot) = self.layout.slot_of(layer) {
-            self.layers[slot].forward_with(cfg, &self.layout, s, self.rows.as_ref(), bufs)?;
+            self.layers[slot].forward_with(
+                cfg,
+                kernels,
+                &self.layout,
+                s,
+                self.rows.as_ref(),
+                bufs,
+            )?;
         }
         Ok(())
     }

@@ -32,6 +32,7 @@ pub trait DecoderLayer: Send + Sync {
     fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -39,7 +40,7 @@ pub trait DecoderLayer: Send + Sync {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
     }
 

@@ -81,11 +81,13 @@ impl<'a> FamilyLayer<'a> {
         }
     }
 
-    /// The layer's forward over the rows `x` (positions from `start_pos`), its KV in `kv`.
+    /// The layer's forward over the rows `x` (positions from `start_pos`) on `kernels`, its KV
+    /// in `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: crate::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -93,10 +95,12 @@ impl<'a> FamilyLayer<'a> {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        self.0.forward(cfg, experts, mask, x, start_pos, kv, obs)
+        self.0
+            .forward(cfg, kernels, experts, mask, x, start_pos, kv, obs)
     }
 
-    /// [`FamilyLayer::forward`] with its intermediates in `sc` (no allocation once warm).
+    /// [`FamilyLayer::forward`] with its intermediates in `sc` (on `sc`'s kernels; no
+    /// allocation once warm).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_into(
         &self,

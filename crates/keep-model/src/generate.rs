@@ -462,7 +462,7 @@ impl Generate for Model<'_> {
     }
     /// [`Cache::for_context`]: every buffer reserved for the run.
     fn new_cache_for(&self, context: usize) -> Cache {
-        Cache::for_context(&self.cfg, context)
+        Cache::for_context(&self.cfg, context, self.opts.chunk())
     }
     fn draft_tokens(&self) -> usize {
         Model::draft_tokens(self)

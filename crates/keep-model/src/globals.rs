@@ -113,10 +113,16 @@ impl<'a> Globals<'a> {
         Ok(())
     }
 
-    /// Final collapse, norm and head for the rows `which` asks for.
-    pub fn finish(&self, cfg: &ModelConfig, s: &Streams, which: Logits) -> Result<Vec<f32>> {
+    /// Final collapse, norm and head (on `kernels`) for the rows `which` asks for.
+    pub fn finish(
+        &self,
+        cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
+        s: &Streams,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
-        self.finish_into(cfg, s, which, &mut Scratch::default(), &mut out)?;
+        self.finish_into(cfg, s, which, &mut Scratch::on(kernels), &mut out)?;
         Ok(out)
     }
 
@@ -181,7 +187,7 @@ impl<'a> Globals<'a> {
         profile::read(self.head.nbytes());
         // One product over every vocab row: threads split the rows, on the fast kernels under
         // `Kernels::Fast` (bf16 and FP8 heads on the bf16 kernels where the CPU has them).
-        keep_kernels::matmul_with(cfg.kernels, h, rows.len(), &self.head, out)?;
+        keep_kernels::matmul_with(sc.kernels, h, rows.len(), &self.head, out)?;
         if !out.iter().all(|v| v.is_finite()) {
             return Err(ModelError::NonFinite("the output head".into()));
         }

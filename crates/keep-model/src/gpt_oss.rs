@@ -45,7 +45,7 @@ use keep_kernels::matmul::matmul_many_with;
 use keep_kernels::profile::{self, Part};
 use keep_kernels::scratch::recycle;
 use keep_kernels::simd::Job;
-use keep_kernels::{ops, WeightView};
+use keep_kernels::{ops, Kernels, WeightView};
 
 pub use crate::cache::KvRows;
 use crate::config::ModelConfig;
@@ -152,7 +152,7 @@ impl Linear<'_> {
     #[allow(clippy::too_many_arguments)]
     fn apply_into(
         &self,
-        cfg: &ModelConfig,
+        kernels: Kernels,
         x: &[f32],
         t: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
@@ -160,7 +160,7 @@ impl Linear<'_> {
         name: &'static str,
         y: &mut Vec<f32>,
     ) -> Result<()> {
-        proj_into(cfg.kernels, x, t, &self.w, obs, l, name, None, y)?;
+        proj_into(kernels, x, t, &self.w, obs, l, name, None, y)?;
         add_rows(y, self.bias.as_deref());
         Ok(())
     }
@@ -246,11 +246,12 @@ impl<'a> GptOssLayer<'a> {
     }
 
     /// `GptOssDecoderLayer.forward` on `x` (`[t × hidden]`, in place) at positions
-    /// `start_pos..start_pos + t`, appending this layer's keys and values to `kv`.
+    /// `start_pos..start_pos + t` on `kernels`, appending this layer's keys and values to `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -258,7 +259,7 @@ impl<'a> GptOssLayer<'a> {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
     }
 
@@ -306,7 +307,7 @@ impl<'a> GptOssLayer<'a> {
         hn.clear();
         hn.extend_from_slice(x);
         crate::linear::rms_norm(hn, d, Some(&self.input_norm), cfg.eps);
-        self.attention(cfg, hn, t, start_pos, kv, obs, sc, y)?;
+        self.attention(hn, t, start_pos, kv, obs, sc, y)?;
         for (xi, ai) in x.iter_mut().zip(y.iter()) {
             *xi += ai;
         }
@@ -324,7 +325,6 @@ impl<'a> GptOssLayer<'a> {
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        cfg: &ModelConfig,
         x: &[f32],
         t: usize,
         start_pos: usize,
@@ -337,13 +337,11 @@ impl<'a> GptOssLayer<'a> {
         let l = self.layer;
         let hd = self.head_dim;
         let (h, kvh) = (self.q.w.rows / hd, self.k.w.rows / hd);
+        let kn = sc.kernels;
         let (q, k, v) = (&mut sc.q, &mut sc.fam.k, &mut sc.fam.v);
-        self.q
-            .apply_into(cfg, x, t, obs, l, "self_attn.q_proj", q)?;
-        self.k
-            .apply_into(cfg, x, t, obs, l, "self_attn.k_proj", k)?;
-        self.v
-            .apply_into(cfg, x, t, obs, l, "self_attn.v_proj", v)?;
+        self.q.apply_into(kn, x, t, obs, l, "self_attn.q_proj", q)?;
+        self.k.apply_into(kn, x, t, obs, l, "self_attn.k_proj", k)?;
+        self.v.apply_into(kn, x, t, obs, l, "self_attn.v_proj", v)?;
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
             for head in row.chunks_exact_mut(hd) {
                 self.rope.apply(head, start_pos + i);
@@ -417,7 +415,7 @@ impl<'a> GptOssLayer<'a> {
         drop(scores_span);
         let _p = profile::span(Part::AttnProj);
         self.o
-            .apply_into(cfg, heads, t, obs, l, "self_attn.o_proj", out)
+            .apply_into(kn, heads, t, obs, l, "self_attn.o_proj", out)
     }
 
     /// `GptOssMLP.forward`: the router (linear with bias, top-k, softmax over the k), each
@@ -482,7 +480,8 @@ impl<'a> GptOssLayer<'a> {
         let _p = profile::span(Part::Experts);
         let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
         let bufs = (&mut sc.experts, &mut sc.fam.routes);
-        self.experts_into(cfg, c, experts, x, t, chosen, bufs, ys, obs)?;
+        let kernels = sc.kernels;
+        self.experts_into(cfg, kernels, c, experts, x, t, chosen, bufs, ys, obs)?;
         // Each expert's inputs (the gate-up matrix's, `ffn.experts.w1`: the imatrix and its
         // route counts) and its unweighted outputs on its routes (`token · top_k + slot`, in
         // token order), as the shared MoE path reports them (REAP's ‖f‖ and g).
@@ -537,6 +536,7 @@ impl<'a> GptOssLayer<'a> {
     fn experts_into(
         &self,
         cfg: &ModelConfig,
+        kernels: Kernels,
         c: &GptOssConfig,
         experts: &dyn ExpertSource,
         x: &[f32],
@@ -630,7 +630,7 @@ impl<'a> GptOssLayer<'a> {
                     (xs, gs) = (xr, gr);
                     jobs.push(Job::view(&ew.w1, xa, mi, ga)?);
                 }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
+                matmul_many_with(kernels, &mut jobs)?;
                 es.jobs = recycle(jobs);
             }
             let mut off = 0;
@@ -677,7 +677,7 @@ impl<'a> GptOssLayer<'a> {
                     (xs, ys_) = (xr, yr);
                     jobs.push(Job::view(&ew.w2, xa, mi, ya)?);
                 }
-                matmul_many_with(cfg.kernels, &mut jobs)?;
+                matmul_many_with(kernels, &mut jobs)?;
                 es.jobs = recycle(jobs);
             }
             let mut off = 0;

@@ -119,6 +119,11 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// The state of a new forward call whose products run on `kernels`, over an empty scratch.
+    pub fn on(kernels: Kernels) -> Shared {
+        Shared::with(Scratch::on(kernels))
+    }
+
     /// The state of a new forward call over `scratch` (nothing shared yet; the shared rows'
     /// buffers are the scratch's spare ones).
     pub fn with(mut scratch: Scratch) -> Shared {
@@ -586,7 +591,7 @@ impl LayerWeights<'_> {
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
         let sc = &mut shared.scratch;
-        let k = cfg.kernels;
+        let k = sc.kernels;
         proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
         crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
         proj_into(
@@ -730,16 +735,17 @@ impl LayerWeights<'_> {
         r
     }
 
-    /// Grouped `wo_a` (group g reads its own heads' slice) then `wo_b`.
+    /// Grouped `wo_a` (group g reads its own heads' slice) then `wo_b`, on `kernels`.
     pub(crate) fn grouped_out(
         &self,
         cfg: &ModelConfig,
+        kernels: Kernels,
         out: &[f32],
         t: usize,
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         let mut y = Vec::new();
-        self.grouped_out_into(cfg, out, t, obs, &mut Scratch::default(), &mut y)?;
+        self.grouped_out_into(cfg, out, t, obs, &mut Scratch::on(kernels), &mut y)?;
         Ok(y)
     }
 
@@ -778,13 +784,13 @@ impl LayerWeights<'_> {
                 }
             }
             let wg = self.wo_a.slice_rows(gi * ol, (gi + 1) * ol)?;
-            keep_kernels::matmul_with(cfg.kernels, xin, t, &wg, yg)?;
+            keep_kernels::matmul_with(sc.kernels, xin, t, &wg, yg)?;
             for i in 0..t {
                 oa[i * g * ol + gi * ol..i * g * ol + (gi + 1) * ol]
                     .copy_from_slice(&yg[i * ol..(i + 1) * ol]);
             }
         }
-        proj_into(cfg.kernels, oa, t, &self.wo_b, obs, l, "attn.wo_b", None, y)
+        proj_into(sc.kernels, oa, t, &self.wo_b, obs, l, "attn.wo_b", None, y)
     }
 
     /// `Attention._compress` with `Compressor.__call__`.
@@ -1006,11 +1012,12 @@ impl LayerWeights<'_> {
         Ok(k)
     }
 
-    /// `MoE.__call__`: router, routed experts (grouped by expert), shared expert.
+    /// `MoE.__call__`: router, routed experts (grouped by expert), shared expert, on `kernels`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn moe(
         &self,
         cfg: &ModelConfig,
+        kernels: Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &[f32],
@@ -1019,7 +1026,7 @@ impl LayerWeights<'_> {
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.moe_into(cfg, experts, mask, x, tokens, step, obs, &mut sc, &mut out)?;
         Ok(out)
     }
@@ -1105,8 +1112,10 @@ impl LayerWeights<'_> {
         let (chosen, weights) = (&sc.chosen, &sc.weights);
         let (sg, su, sact, sh) = (&mut sc.sg, &mut sc.su, &mut sc.sact, &mut sc.sh);
         let ys = &mut sc.ys;
+        let kernels = sc.kernels;
         routed_experts_into(
             cfg,
+            kernels,
             experts,
             l,
             x,
@@ -1114,7 +1123,7 @@ impl LayerWeights<'_> {
             chosen,
             weights,
             |g, u| ops::swiglu_clamped(g, u, limit),
-            &mut |obs| self.shared_expert_into(cfg.kernels, x, t, limit, obs, sg, su, sact, sh),
+            &mut |obs| self.shared_expert_into(kernels, x, t, limit, obs, sg, su, sact, sh),
             obs,
             &mut sc.experts,
             ys,
@@ -1122,7 +1131,7 @@ impl LayerWeights<'_> {
         if self.hash.is_some() {
             if let Some(o) = obs.as_deref_mut() {
                 if o.wants_candidate_outputs(l) {
-                    candidate_outputs(cfg, experts, l, x, t, chosen, ys, o)?;
+                    candidate_outputs(cfg, kernels, experts, l, x, t, chosen, ys, o)?;
                 }
             }
         }
@@ -1148,7 +1157,7 @@ impl LayerWeights<'_> {
 
     /// The MoE block's output on its input rows `x` (`[t × dim]`, one per token of `tokens`)
     /// with router mask `mask`: what [`LayerWeights::forward`] adds to the streams, sidecar
-    /// included. No observer is told.
+    /// included, on the exact kernels. No observer is told.
     pub fn moe_output(
         &self,
         cfg: &ModelConfig,
@@ -1170,7 +1179,16 @@ impl LayerWeights<'_> {
             start_pos: 0,
             previous: 0,
         };
-        self.moe(cfg, experts, mask, x, tokens, step, &mut None)
+        self.moe(
+            cfg,
+            Kernels::Exact,
+            experts,
+            mask,
+            x,
+            tokens,
+            step,
+            &mut None,
+        )
     }
 }
 
@@ -1220,6 +1238,7 @@ impl LayerWeights<'_> {
 #[allow(clippy::too_many_arguments)]
 fn candidate_outputs(
     cfg: &ModelConfig,
+    kernels: Kernels,
     experts: &dyn ExpertSource,
     l: usize,
     x: &[f32],
@@ -1247,7 +1266,7 @@ fn candidate_outputs(
                     Job::view(&ew.w1, &x1, t, &mut g)?,
                     Job::view(&ew.w3, &x3, t, &mut u)?,
                 ];
-                matmul_many_with(cfg.kernels, &mut jobs)?;
+                matmul_many_with(kernels, &mut jobs)?;
             }
             rht_output(ew.rht.w1, &mut g)?;
             rht_output(ew.rht.w3, &mut u)?;
@@ -1260,7 +1279,7 @@ fn candidate_outputs(
             {
                 let a2 = rht_input(ew.rht.w2, &act)?;
                 let mut jobs = vec![Job::view(&ew.w2, &a2, t, &mut y)?];
-                matmul_many_with(cfg.kernels, &mut jobs)?;
+                matmul_many_with(kernels, &mut jobs)?;
             }
             rht_output(ew.rht.w2, &mut y)?;
             o.on_candidate_output(&CandidateOutputEvent {
@@ -1463,6 +1482,7 @@ pub fn route_with(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn routed_experts_into(
     cfg: &ModelConfig,
+    kernels: Kernels,
     experts: &dyn ExpertSource,
     l: usize,
     x: &[f32],
@@ -1629,7 +1649,7 @@ pub(crate) fn routed_experts_into(
                 jobs.push(Job::view(&ew.w1, x1, m, g)?);
                 jobs.push(Job::view(&ew.w3, x3, m, u)?);
             }
-            matmul_many_with(cfg.kernels, &mut jobs)?;
+            matmul_many_with(kernels, &mut jobs)?;
             es.jobs = recycle(jobs);
             (es.x1s, es.x3s) = (recycle(x1s), recycle(x3s));
         }
@@ -1658,7 +1678,7 @@ pub(crate) fn routed_experts_into(
                 y_rest = yr;
                 jobs.push(Job::view(&ew.w2, a, m, y)?);
             }
-            matmul_many_with(cfg.kernels, &mut jobs)?;
+            matmul_many_with(kernels, &mut jobs)?;
             es.jobs = recycle(jobs);
             es.a2s = recycle(a2s);
         }
@@ -1743,10 +1763,13 @@ fn next_batch(
 }
 
 impl LayerWeights<'_> {
-    /// `DeepseekV4Attention.forward` for `t` new rows `x` (normalised block input).
+    /// `DeepseekV4Attention.forward` for `t` new rows `x` (normalised block input) on
+    /// `kernels`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_v4(
         &self,
         cfg: &ModelConfig,
+        kernels: Kernels,
         x: &[f32],
         t: usize,
         step: Step,
@@ -1754,7 +1777,7 @@ impl LayerWeights<'_> {
         obs: &mut Option<&mut dyn RouteObserver>,
     ) -> Result<Vec<f32>> {
         let mut y = Vec::new();
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.attention_v4_into(cfg, x, t, step, caches, obs, &mut sc, &mut y)?;
         Ok(y)
     }
@@ -1775,7 +1798,7 @@ impl LayerWeights<'_> {
         let _p = profile::span(Part::AttnProj);
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
-        let k = cfg.kernels;
+        let k = sc.kernels;
         proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
         crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
         let q = &mut sc.q;

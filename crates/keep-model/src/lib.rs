@@ -52,6 +52,7 @@ pub mod memory;
 pub mod model;
 pub mod mtp;
 pub mod observer;
+pub mod options;
 pub mod qwen3;
 pub mod scratch;
 pub mod sidecar;
@@ -80,6 +81,7 @@ pub use mtp::{Mtp, MtpCache};
 pub use observer::{
     CandidateOutputEvent, ExpertOutputEvent, LinearInputEvent, RouteEvent, RouteObserver, RungEvent,
 };
+pub use options::RunOptions;
 pub use sidecar::Sidecar;
 
 /// Result type of this crate.

@@ -154,6 +154,7 @@ pub fn mtp_logits(ck: &Checkpoint, model: &Model, tokens: &[u32]) -> Result<Vec<
     let mtp = crate::Mtp::load(ck, &model.cfg)?.ok_or_else(|| {
         ModelError::Config("--mtp: the checkpoint has no MTP module (mtp.0.*)".into())
     })?;
+    let mtp = mtp.with_kernels(model.opts.kernels);
     if tokens.len() < 2 {
         return Err(ModelError::Config("--mtp needs at least two tokens".into()));
     }

@@ -2,7 +2,9 @@
 //! the decoding cache for a context of N tokens ([`ModelConfig::cache_bytes`], which
 //! [`Cache::for_context`](crate::Cache::for_context) reserves exactly, so it never grows by
 //! doubling) and the activations of one forward pass of up to
-//! [`ModelConfig::prefill_chunk`] tokens ([`ModelConfig::activation_bytes`]).
+//! [`RunOptions::prefill_chunk`](crate::RunOptions::prefill_chunk) tokens
+//! ([`ModelConfig::activation_bytes`]). The chunk is a run option, not part of the config:
+//! each estimate takes it.
 //!
 //! Prompts longer than the chunk run as consecutive chunks ([`Model::forward`](crate::Model)
 //! does it): every token is computed by the same instructions whatever the batch, and a chunk
@@ -72,10 +74,10 @@ pub struct LayerCacheRows {
 
 impl ModelConfig {
     /// The rows each buffer of `layer`'s cache can reach in a run of `context` tokens whose
-    /// forwards are at most [`ModelConfig::prefill_chunk`] tokens long.
-    pub fn cache_rows(&self, layer: usize, context: usize) -> LayerCacheRows {
+    /// forwards are at most `chunk` tokens long.
+    pub fn cache_rows(&self, layer: usize, context: usize, chunk: usize) -> LayerCacheRows {
         let roles = self.roles[layer];
-        let chunk = self.prefill_chunk.max(1).min(context.max(1));
+        let chunk = chunk.max(1).min(context.max(1));
         let mut r = LayerCacheRows {
             window: self.window.min(context) + chunk,
             ..Default::default()
@@ -142,13 +144,13 @@ impl ModelConfig {
         r
     }
 
-    /// Bytes of the decoding cache of a run of `context` tokens, as
-    /// [`Cache::for_context`] reserves it (an upper bound of what it ever holds).
-    pub fn cache_bytes(&self, context: usize) -> u64 {
+    /// Bytes of the decoding cache of a run of `context` tokens in forwards of at most `chunk`,
+    /// as [`Cache::for_context`] reserves it (an upper bound of what it ever holds).
+    pub fn cache_bytes(&self, context: usize, chunk: usize) -> u64 {
         let (hd, ihd) = (self.head_dim as u64, self.index_head_dim as u64);
         let mut total = 0u64;
         for l in 0..self.n_layers {
-            let r = self.cache_rows(l, context);
+            let r = self.cache_rows(l, context, chunk);
             let floats = r.window as u64 * hd
                 + r.compress_kv as u64 * hd
                 + r.index_k as u64 * ihd
@@ -281,13 +283,14 @@ impl ModelConfig {
             + SMALL_BUFFERS
     }
 
-    /// The cache and activations of a run of `context` tokens at this config's chunk size.
-    pub fn memory_estimate(&self, context: usize) -> MemoryEstimate {
-        let chunk = self.prefill_chunk.max(1);
+    /// The cache and activations of a run of `context` tokens in forwards of at most `chunk`
+    /// tokens (the run's [`RunOptions::prefill_chunk`](crate::RunOptions::prefill_chunk)).
+    pub fn memory_estimate(&self, context: usize, chunk: usize) -> MemoryEstimate {
+        let chunk = chunk.max(1);
         MemoryEstimate {
             context,
             chunk,
-            cache: self.cache_bytes(context),
+            cache: self.cache_bytes(context, chunk),
             activations: self.activation_bytes(chunk, context, Logits::Last),
         }
     }
@@ -302,14 +305,14 @@ fn rayon_threads() -> usize {
 }
 
 impl Cache {
-    /// An empty cache with every buffer reserved for a run of `context` tokens
-    /// ([`ModelConfig::cache_rows`]): it never reallocates within that context, and its
-    /// capacity is [`ModelConfig::cache_bytes`].
-    pub fn for_context(cfg: &ModelConfig, context: usize) -> Cache {
+    /// An empty cache with every buffer reserved for a run of `context` tokens in forwards of
+    /// at most `chunk` ([`ModelConfig::cache_rows`]): it never reallocates within that context,
+    /// and its capacity is [`ModelConfig::cache_bytes`].
+    pub fn for_context(cfg: &ModelConfig, context: usize, chunk: usize) -> Cache {
         let mut c = Cache::new(cfg.n_layers);
         let (hd, ihd) = (cfg.head_dim, cfg.index_head_dim);
         for (l, lc) in c.layers.iter_mut().enumerate() {
-            let r = cfg.cache_rows(l, context);
+            let r = cfg.cache_rows(l, context, chunk);
             lc.window.reserve_exact(r.window * hd);
             lc.compress_kv.reserve_exact(r.compress_kv * hd);
             lc.index_k.reserve_exact(r.index_k * ihd);
@@ -325,7 +328,7 @@ impl Cache {
                 st.entries.reserve_exact(rows[2]);
             }
         }
-        c.scratch = crate::scratch::Scratch::for_context(cfg, context);
+        c.scratch = crate::scratch::Scratch::for_context(cfg, context, chunk);
         c
     }
 

@@ -14,6 +14,7 @@ use crate::experts::ExpertSource;
 use crate::family_layer::FamilyLayer;
 use crate::layer::{LayerWeights, Shared, Step, Streams};
 use crate::observer::RouteObserver;
+use crate::options::RunOptions;
 use crate::{ModelError, Result};
 
 pub use crate::globals::{check_context, Globals, Logits};
@@ -60,7 +61,11 @@ pub(crate) fn step_of(cfg: &ModelConfig, cache: &Cache) -> Step {
 
 /// The whole model, borrowing its weights from an open checkpoint.
 pub struct Model<'a> {
+    /// What the checkpoint says.
     pub cfg: ModelConfig,
+    /// How it runs: the kernels and the prefill chunk (the caller's, given when the model is
+    /// built; [`Model::load_opts`]).
+    pub opts: RunOptions,
     pub globals: Globals<'a>,
     pub layers: Vec<LayerWeights<'a>>,
     pub(crate) experts: Box<dyn ExpertSource + 'a>,
@@ -77,14 +82,27 @@ pub struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
-    /// Load the model with routed experts read from the checkpoint itself.
+    /// Load the model with routed experts read from the checkpoint itself, to run with the
+    /// default options (exact kernels, the default prefill chunk).
     pub fn load(ck: &'a Checkpoint) -> Result<Self> {
-        let cfg = ModelConfig::from_checkpoint(ck)?;
-        let experts = FamilyLayer::experts(ck, &cfg, 0..cfg.n_layers)?;
-        Self::load_with(ck, cfg, experts)
+        Self::load_opts(ck, RunOptions::default())
     }
 
-    /// Load the model with routed experts from `experts`.
+    /// [`Model::load`] to run with `opts`.
+    pub fn load_opts(ck: &'a Checkpoint, opts: RunOptions) -> Result<Self> {
+        let cfg = ModelConfig::from_checkpoint(ck)?;
+        let experts = FamilyLayer::experts(ck, &cfg, 0..cfg.n_layers)?;
+        Ok(Self::load_with(ck, cfg, experts)?.with_options(opts))
+    }
+
+    /// The model to run with `opts` instead of its own.
+    pub fn with_options(mut self, opts: RunOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Load the model with routed experts from `experts`, to run with the default options
+    /// ([`Model::with_options`] gives others).
     pub fn load_with(
         ck: &'a Checkpoint,
         cfg: ModelConfig,
@@ -104,6 +122,7 @@ impl<'a> Model<'a> {
         let engram = Engram::load(ck, &cfg)?;
         Ok(Model {
             cfg,
+            opts: RunOptions::default(),
             globals,
             layers,
             experts,
@@ -155,7 +174,7 @@ impl<'a> Model<'a> {
     }
 
     /// Run `tokens` from the cache's position, updating the cache: in passes of at most
-    /// [`ModelConfig::prefill_chunk`] tokens (the logits are the same bit for bit; see
+    /// [`RunOptions::prefill_chunk`] tokens (the logits are the same bit for bit; see
     /// [`crate::memory`]), refused past `max_position_embeddings`.
     pub fn forward(
         &self,
@@ -191,7 +210,7 @@ impl<'a> Model<'a> {
             return Ok(());
         }
         check_context(&self.cfg, cache.pos, tokens.len())?;
-        let chunk = self.cfg.prefill_chunk.max(1);
+        let chunk = self.opts.chunk();
         if tokens.len() <= chunk {
             return self.chunk_into(tokens, cache, which, obs, None, logits, None);
         }
@@ -244,7 +263,7 @@ impl<'a> Model<'a> {
             pre_mix: vec![],
             tokens: vec![],
         };
-        let chunk = self.cfg.prefill_chunk.max(1);
+        let chunk = self.opts.chunk();
         let logits = run_chunked(tokens, chunk, which, |part, w| {
             let (l, s) = self.forward_chunk_streams(
                 part,
@@ -313,6 +332,7 @@ impl<'a> Model<'a> {
     ) -> Result<()> {
         let mut sc = std::mem::take(&mut cache.scratch);
         sc.ensure_reserved();
+        sc.kernels = self.opts.kernels;
         let mut shared = Shared::with(sc);
         let sc = &mut shared.scratch;
         let mut s = Streams {
@@ -397,7 +417,13 @@ impl<'a> Model<'a> {
             }
             if let Some(e) = &self.engram {
                 let _p = profile::span(profile::Part::Engram);
-                e.apply(&self.cfg, lw.layer, s, &mut shared.scratch.engram)?;
+                e.apply(
+                    &self.cfg,
+                    self.opts.kernels,
+                    lw.layer,
+                    s,
+                    &mut shared.scratch.engram,
+                )?;
             }
             lw.forward(
                 &self.cfg,

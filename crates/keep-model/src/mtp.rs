@@ -64,6 +64,9 @@ impl ExpertSource for MtpExperts<'_> {
 pub struct Mtp<'a> {
     /// The model's config with one more layer role: the block's (window only).
     cfg: ModelConfig,
+    /// The kernels its products run on (the main model's; exact unless
+    /// [`Mtp::with_kernels`] gives others).
+    kernels: keep_kernels::Kernels,
     block: LayerWeights<'a>,
     experts: MtpExperts<'a>,
     e_proj: WeightView<'a>,
@@ -83,6 +86,12 @@ pub struct MtpCache {
 }
 
 impl<'a> Mtp<'a> {
+    /// The module to run its products on `kernels`.
+    pub fn with_kernels(mut self, kernels: keep_kernels::Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
     /// The module of `ck` (`None` when the checkpoint has none), checked against `cfg`.
     pub fn load(ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Option<Self>> {
         if !present(ck) {
@@ -127,6 +136,7 @@ impl<'a> Mtp<'a> {
             )),
         };
         Ok(Some(Mtp {
+            kernels: keep_kernels::Kernels::Exact,
             block,
             experts: MtpExperts { layer, experts },
             e_proj: weight(ck, &format!("{PREFIX}e_proj"), d, d, hint)?,
@@ -263,12 +273,12 @@ impl<'a> Mtp<'a> {
             &mut s,
             step,
             &mut cache.layers,
-            &mut Shared::default(),
+            &mut Shared::on(self.kernels),
             None,
         )?;
         s.check_finite(|| "the MTP block".into())?;
         cache.pos += t;
-        let logits = self.out.finish(cfg, &s, which)?;
+        let logits = self.out.finish(cfg, self.kernels, &s, which)?;
         Ok((logits, s))
     }
 }

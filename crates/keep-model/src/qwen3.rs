@@ -123,11 +123,12 @@ impl<'a> Qwen3Layer<'a> {
     }
 
     /// `Qwen3MoeDecoderLayer.__call__` on `x` (`[t × hidden]`, in place) at positions
-    /// `start_pos..start_pos + t`, appending this layer's keys and values to `kv`.
+    /// `start_pos..start_pos + t` on `kernels`, appending this layer's keys and values to `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cfg: &ModelConfig,
+        kernels: keep_kernels::Kernels,
         experts: &dyn ExpertSource,
         mask: Option<&[bool]>,
         x: &mut [f32],
@@ -135,7 +136,7 @@ impl<'a> Qwen3Layer<'a> {
         kv: &mut KvRows,
         obs: Option<&mut dyn RouteObserver>,
     ) -> Result<()> {
-        let mut sc = Scratch::default();
+        let mut sc = Scratch::on(kernels);
         self.forward_into(cfg, experts, mask, x, start_pos, kv, obs, &mut sc)
     }
 
@@ -198,7 +199,7 @@ impl<'a> Qwen3Layer<'a> {
             }
             Ffn::Dense { gate, up, down } => {
                 let _p = profile::span(Part::SharedExpert);
-                let (l, k) = (self.layer, cfg.kernels);
+                let (l, k) = (self.layer, sc.kernels);
                 proj_into(k, hn, t, gate, obs, l, "mlp.gate_proj", None, &mut sc.sg)?;
                 proj_into(k, hn, t, up, obs, l, "mlp.up_proj", None, &mut sc.su)?;
                 let act = &mut sc.sact;
@@ -231,7 +232,7 @@ impl<'a> Qwen3Layer<'a> {
         let l = self.layer;
         let hd = self.q_norm.len();
         let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
-        let kn = cfg.kernels;
+        let kn = sc.kernels;
         let (q, k, v) = (&mut sc.q, &mut sc.fam.k, &mut sc.fam.v);
         proj_into(kn, x, t, &self.q, obs, l, "self_attn.q_proj", None, q)?;
         proj_into(kn, x, t, &self.k, obs, l, "self_attn.k_proj", None, k)?;
@@ -356,6 +357,7 @@ impl<'a> Qwen3Layer<'a> {
         let (chosen, weights, ys) = (&sc.chosen, &sc.weights, &mut sc.ys);
         crate::layer::routed_experts_into(
             cfg,
+            sc.kernels,
             experts,
             l,
             x,

@@ -29,6 +29,9 @@ pub(crate) fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// The forward's working buffers (see the module documentation).
 #[derive(Default)]
 pub struct Scratch {
+    /// The kernels this pass's products run on: the model's [`crate::RunOptions::kernels`],
+    /// set by whoever starts the pass (each pass sets it again; a reset scratch keeps it).
+    pub(crate) kernels: keep_kernels::Kernels,
     // The hidden state of the running chunk (the forward's `Streams`, lent out per call).
     pub(crate) x: Vec<f32>,
     pub(crate) pre_mix: Vec<f32>,
@@ -174,19 +177,19 @@ pub(crate) struct FamilyScratch {
 pub const KEEP_ROWS: usize = 8;
 
 impl Scratch {
-    /// Buffers for a run of `context` tokens of `cfg`: those that grow with the position
+    /// Buffers for a run of `context` tokens of `cfg` in forwards of at most `chunk`: those that grow with the position
     /// reserved for the whole run (the indexer's scores, ranking and candidate mask over every
     /// compressed row, the rows a query attends; for Qwen3-MoE, DeepSeek-V3 and gpt-oss one
     /// query head's attention scores over every position), so that no decode step reallocates
     /// them.
-    pub fn for_context(cfg: &ModelConfig, context: usize) -> Scratch {
+    pub fn for_context(cfg: &ModelConfig, context: usize, chunk: usize) -> Scratch {
         let most = |rows: &dyn Fn(usize) -> usize| (0..cfg.n_layers).map(rows).max().unwrap_or(0);
         let window = cfg.window.min(context);
         let (hd, ihd) = (cfg.head_dim.max(1), cfg.index_head_dim.max(1));
         let (rows, attended) = match cfg.family {
             Family::V41 => {
                 let rows = most(&|l| {
-                    let r = cfg.cache_rows(l, context);
+                    let r = cfg.cache_rows(l, context, chunk);
                     r.compress_kv.max(r.index_k)
                 });
                 // A query reads its window and at most `index_topk` compressed rows.
@@ -194,8 +197,8 @@ impl Scratch {
             }
             Family::V4 => {
                 // The indexer ranks every index entry; an HCA query reads every KV entry.
-                let index = most(&|l| cfg.cache_rows(l, context).v4_index[2] / ihd);
-                let kv = most(&|l| cfg.cache_rows(l, context).v4_kv[2] / hd);
+                let index = most(&|l| cfg.cache_rows(l, context, chunk).v4_index[2] / ihd);
+                let kv = most(&|l| cfg.cache_rows(l, context, chunk).v4_kv[2] / hd);
                 (index.max(kv), window + kv)
             }
             // A query reads every earlier position (a gpt-oss sliding layer fewer): only the
@@ -206,6 +209,14 @@ impl Scratch {
         };
         let blocks = rows.div_ceil(cfg.candidate_block_size.max(1));
         Scratch::reserved([rows, blocks, attended, attended])
+    }
+
+    /// An empty scratch whose passes run on `kernels`.
+    pub(crate) fn on(kernels: keep_kernels::Kernels) -> Scratch {
+        Scratch {
+            kernels,
+            ..Scratch::default()
+        }
     }
 
     /// An empty scratch with the position-growing buffers reserved: `rows` compressed rows
@@ -241,7 +252,9 @@ impl Scratch {
     /// the reservation of [`Scratch::for_context`].
     pub(crate) fn after_pass(&mut self, rows: usize) {
         if rows > KEEP_ROWS {
+            let kernels = self.kernels;
             *self = Scratch::reserved(self.reserved);
+            self.kernels = kernels;
         }
     }
 }
@@ -252,6 +265,7 @@ impl Clone for Scratch {
     fn clone(&self) -> Scratch {
         Scratch {
             reserved: self.reserved,
+            kernels: self.kernels,
             ..Scratch::default()
         }
     }
@@ -281,7 +295,7 @@ mod tests {
         let Some(cfg) = tiny() else {
             return;
         };
-        let s = Scratch::for_context(&cfg, 1000);
+        let s = Scratch::for_context(&cfg, 1000, crate::DEFAULT_PREFILL_CHUNK);
         // keep-tiny compresses by 1 on some layers: every position is a compressed row.
         assert!(s.iscores.capacity() >= 1000 && s.keys.capacity() >= 64);
         let mut c = s.clone();

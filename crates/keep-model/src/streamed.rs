@@ -5,7 +5,7 @@
 //! resolved weights plus the records' activations and caches (weights are views of the
 //! checkpoint mapping: file-backed pages the kernel can drop once the layer is released).
 //!
-//! A record longer than [`ModelConfig::prefill_chunk`] runs through each layer chunk by chunk,
+//! A record longer than the chunk ([`StreamOptions::prefill_chunk`]) runs through each layer chunk by chunk,
 //! with the chunk positions and shared state the whole model's chunked forward uses, so the
 //! layer's temporaries stay bounded by the chunk (the records' streams are held whole).
 //!
@@ -43,8 +43,8 @@ pub struct StreamOptions<'o> {
     pub release_pages: bool,
     /// Which kernels the products run on.
     pub kernels: keep_kernels::Kernels,
-    /// Tokens per chunk of a record inside each layer (`None`: the config's
-    /// [`ModelConfig::prefill_chunk`]).
+    /// Tokens per chunk of a record inside each layer (`None`: the default
+    /// [`RunOptions::prefill_chunk`](crate::RunOptions::prefill_chunk)).
     pub prefill_chunk: Option<usize>,
 }
 
@@ -92,14 +92,15 @@ pub fn forward_streamed(
     mut opts: StreamOptions,
     mut obs: Option<&mut dyn RouteObserver>,
 ) -> Result<Vec<Vec<f32>>> {
-    let mut cfg = ModelConfig::from_checkpoint(ck)?;
-    cfg.kernels = opts.kernels;
-    if let Some(c) = opts.prefill_chunk {
-        cfg.prefill_chunk = c.max(1);
-    }
+    let cfg = ModelConfig::from_checkpoint(ck)?;
+    let kernels = opts.kernels;
+    let chunk = opts
+        .prefill_chunk
+        .unwrap_or(crate::DEFAULT_PREFILL_CHUNK)
+        .max(1);
     let globals = FamilyLayer::globals(ck, &cfg)?;
     let mut states = Vec::with_capacity(records.len());
-    let mut scratch = Scratch::default();
+    let mut scratch = Scratch::on(kernels);
     let mut engram_ids = Vec::with_capacity(records.len());
     for r in records {
         let mut cache = Cache::new(cfg.n_layers);
@@ -110,7 +111,7 @@ pub fn forward_streamed(
         });
         check_context(&cfg, 0, r.len())?;
         // One shared state per chunk: a chunk's layers pass it on as the whole model's do.
-        let chunks = r.len().div_ceil(cfg.prefill_chunk.max(1));
+        let chunks = r.len().div_ceil(chunk);
         states.push((
             s,
             cache,
@@ -125,11 +126,11 @@ pub fn forward_streamed(
             let mask = opts.masks.get(l).and_then(|m| m.as_deref());
             let d = cfg.dim;
             for (s, cache, _) in states.iter_mut() {
-                let chunk = cfg.prefill_chunk.max(1);
                 for a in (0..s.t).step_by(chunk) {
                     let b = (a + chunk).min(s.t);
                     fl.forward(
                         &cfg,
+                        kernels,
                         experts.as_ref(),
                         mask,
                         &mut s.x[a * d..b * d],
@@ -176,7 +177,6 @@ pub fn forward_streamed(
             if s.t == 0 {
                 continue;
             }
-            let chunk = cfg.prefill_chunk.max(1);
             for (c, sh) in shared.iter_mut().enumerate() {
                 let (a, b) = (c * chunk, ((c + 1) * chunk).min(s.t));
                 // The chunk's rows, run as the whole model runs its chunks (a record within one
@@ -196,7 +196,7 @@ pub fn forward_streamed(
                 };
                 if let Some((lay, el, rows)) = &engram {
                     let per = lay.layer_ids.len() * lay.cols();
-                    el.forward(&cfg, lay, p, &ids[a * per..b * per], rows)?;
+                    el.forward(&cfg, kernels, lay, p, &ids[a * per..b * per], rows)?;
                 }
                 // One set of working buffers for every record's chunks, lent to each in turn
                 // (each chunk's shared state keeps only what its layers pass on).
@@ -234,7 +234,7 @@ pub fn forward_streamed(
             if s.t == 0 {
                 Ok(vec![])
             } else {
-                globals.finish(&cfg, s, opts.logits)
+                globals.finish(&cfg, kernels, s, opts.logits)
             }
         })
         .collect()

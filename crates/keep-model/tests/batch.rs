@@ -38,7 +38,7 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn check_model(dir: &Path, kernels: Kernels) {
     let ck = Checkpoint::open(dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.kernels = kernels;
+    model.opts.kernels = kernels;
     let vocab = model.cfg.vocab;
     // Each sequence twice: one cache stepped alone, one stepped in the batch.
     let mut alone: Vec<Cache> = vec![];

@@ -42,14 +42,14 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn check_model(dir: &Path, kernels: Kernels) {
     let ck = Checkpoint::open(dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.kernels = kernels;
+    model.opts.kernels = kernels;
     let toks = prompt(PROMPT, model.cfg.vocab);
-    model.cfg.prefill_chunk = PROMPT;
+    model.opts.prefill_chunk = PROMPT;
     let mut cache = model.new_cache();
     let whole = model.forward(&toks, &mut cache, Logits::All, None).unwrap();
     let next = model.forward(&[5], &mut cache, Logits::Last, None).unwrap();
     for &chunk in &CHUNKS {
-        model.cfg.prefill_chunk = chunk;
+        model.opts.prefill_chunk = chunk;
         let mut c = model.new_cache();
         let all = model.forward(&toks, &mut c, Logits::All, None).unwrap();
         let d = max_abs(&whole, &all);
@@ -62,7 +62,7 @@ fn check_model(dir: &Path, kernels: Kernels) {
             after, next,
             "{dir:?} chunk {chunk}: decode after the prefill"
         );
-        let mut c = keep_model::Cache::for_context(&model.cfg, PROMPT + 1);
+        let mut c = keep_model::Cache::for_context(&model.cfg, PROMPT + 1, model.opts.chunk());
         let last = model.forward(&toks, &mut c, Logits::Last, None).unwrap();
         assert_eq!(
             last[..],
@@ -100,7 +100,7 @@ fn streamed_chunks_equal_the_whole_model() {
         let dir = data().join(name);
         let ck = Checkpoint::open(&dir).unwrap();
         let mut model = Model::load(&ck).unwrap();
-        model.cfg.prefill_chunk = PROMPT;
+        model.opts.prefill_chunk = PROMPT;
         let vocab = model.cfg.vocab;
         let recs = vec![prompt(PROMPT, vocab), prompt(9, vocab), prompt(61, vocab)];
         let want: Vec<Vec<f32>> = recs
@@ -147,7 +147,7 @@ fn prompts_past_the_context_are_refused() {
     with_positions(td.path(), 40);
     let ck = Checkpoint::open(td.path()).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.prefill_chunk = 16;
+    model.opts.prefill_chunk = 16;
     let toks = prompt(41, model.cfg.vocab);
     let mut c = model.new_cache();
     let e = model

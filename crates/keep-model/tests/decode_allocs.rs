@@ -111,10 +111,11 @@ fn allocs_per_token_of(
     }
     let ck = Checkpoint::open(dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.kernels = keep_model::Kernels::Fast;
+    model.opts.kernels = keep_model::Kernels::Fast;
     let vocab = model.cfg.vocab as u32;
     let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + 7) % vocab).collect();
-    let mut cache: Cache = Cache::for_context(&model.cfg, prompt.len() + warm + n);
+    let mut cache: Cache =
+        Cache::for_context(&model.cfg, prompt.len() + warm + n, model.opts.chunk());
     let l = model
         .forward(&prompt, &mut cache, Logits::Last, None)
         .unwrap();
@@ -269,7 +270,7 @@ fn generate_allocs_per_token(
     rayon::broadcast(|_| WORKER.with(|w| w.set(true)));
     let ck = Checkpoint::open(&dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.kernels = keep_model::Kernels::Fast;
+    model.opts.kernels = keep_model::Kernels::Fast;
     // No end-of-sequence token: every run samples all its tokens.
     model.cfg.eos.clear();
     let opts = GenerateOptions {

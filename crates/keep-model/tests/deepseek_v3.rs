@@ -137,7 +137,7 @@ fn bf16_checkpoint_matches_transformers() {
     );
 
     // A prefill in chunks of 5 equals one pass.
-    model.cfg.prefill_chunk = 5;
+    model.opts.prefill_chunk = 5;
     let chunked = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();

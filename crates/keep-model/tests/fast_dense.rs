@@ -66,7 +66,7 @@ fn shared_expert_runs_on_the_chosen_kernels() {
     let tokens = [3u32, 17, 250, 9, 41];
     let t = tokens.len();
     for k in [Kernels::Exact, Kernels::Fast] {
-        model.cfg.kernels = k;
+        model.opts.kernels = k;
         let mut obs = SharedInputs::default();
         model
             .forward(
@@ -125,8 +125,11 @@ fn head_runs_on_the_chosen_kernels() {
         .collect();
     ops::rms_norm(&mut h, d, Some(&model.globals.norm), model.cfg.eps);
     for k in [Kernels::Exact, Kernels::Fast] {
-        model.cfg.kernels = k;
-        let got = model.globals.finish(&model.cfg, &s, Logits::All).unwrap();
+        model.opts.kernels = k;
+        let got = model
+            .globals
+            .finish(&model.cfg, model.opts.kernels, &s, Logits::All)
+            .unwrap();
         let d = first_diff(&got, &product(k, &h, t, &model.globals.head));
         assert!(d.is_none(), "{}: the head {d:?}", k.name());
         if k == Kernels::Fast && bf16_fast_here() {

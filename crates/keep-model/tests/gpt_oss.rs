@@ -149,10 +149,10 @@ fn mxfp4_checkpoint_matches_transformers() {
     }
 
     // The cache reserved for the context (chunks of 5: a prefill, then decode) never grows.
-    model.cfg.prefill_chunk = 5;
-    let mut cache = keep_model::Cache::for_context(&model.cfg, t + 3);
+    model.opts.prefill_chunk = 5;
+    let mut cache = keep_model::Cache::for_context(&model.cfg, t + 3, model.opts.chunk());
     let reserved = cache.capacity_bytes();
-    assert!(reserved as u64 <= model.cfg.cache_bytes(t + 3));
+    assert!(reserved as u64 <= model.cfg.cache_bytes(t + 3, model.opts.chunk()));
     model
         .forward(&tokens, &mut cache, Logits::Last, None)
         .unwrap();

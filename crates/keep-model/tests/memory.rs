@@ -60,17 +60,17 @@ fn planned_memory_bounds_the_heap() {
         let mut model = Model::load(&ck).unwrap();
         let vocab = model.cfg.vocab;
         for kernels in [Kernels::Exact, Kernels::Fast] {
-            model.cfg.kernels = kernels;
+            model.opts.kernels = kernels;
             for (context, chunk) in [(40, 1), (150, 16), (150, 150), (700, 64), (700, 5)] {
-                model.cfg.prefill_chunk = chunk;
+                model.opts.prefill_chunk = chunk;
                 let toks: Vec<u32> = (0..context - 8)
                     .map(|i| ((i * 53 + 7) % vocab) as u32)
                     .collect();
                 let base = LIVE.load(Ordering::Relaxed);
                 PEAK.store(base, Ordering::Relaxed);
-                let mut cache = Cache::for_context(&model.cfg, context);
+                let mut cache = Cache::for_context(&model.cfg, context, model.opts.chunk());
                 let reserved = cache.capacity_bytes();
-                let planned_cache = model.cfg.cache_bytes(context);
+                let planned_cache = model.cfg.cache_bytes(context, model.opts.chunk());
                 assert!(
                     reserved as u64 <= planned_cache,
                     "{name}: reserved {reserved}"

@@ -61,7 +61,7 @@ fn bits(l: &[Vec<f32>]) -> Vec<Vec<u32>> {
 fn check(dir: &std::path::Path, chunk: usize, expect: &[Part], read: &[Part]) {
     let ck = Checkpoint::open(dir).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.prefill_chunk = chunk;
+    model.opts.prefill_chunk = chunk;
     let v = model.cfg.vocab as u32;
     let prompt: Vec<u32> = (0..11u32).map(|i| (i * 37 + 5) % v).collect();
     let decode = 5;
@@ -198,7 +198,7 @@ fn bundled_model_profile_through_generate() {
     let ck = Checkpoint::open(&dir).unwrap();
     for kernels in [keep_model::Kernels::Exact, keep_model::Kernels::Fast] {
         let mut model = Model::load(&ck).unwrap();
-        model.cfg.kernels = kernels;
+        model.opts.kernels = kernels;
         let prompt: Vec<u32> = (0..20u32).map(|i| (i * 31 + 7) % 4096).collect();
         let opts = GenerateOptions {
             max_tokens: 6,

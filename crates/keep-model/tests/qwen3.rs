@@ -175,7 +175,7 @@ fn chunked_prefill_equals_one_pass_and_masks_remove_experts() {
     let one = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
-    model.cfg.prefill_chunk = 7;
+    model.opts.prefill_chunk = 7;
     let chunked = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
@@ -239,7 +239,7 @@ fn mlx4_fast_kernels_score_within_the_fast_bar() {
     let exact = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
-    model.cfg.kernels = keep_model::Kernels::Fast;
+    model.opts.kernels = keep_model::Kernels::Fast;
     let fast = model
         .forward(&tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();

@@ -227,7 +227,7 @@ fn fast_kernels_are_close_to_exact() {
     let exact = model
         .forward(&r.tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
-    model.cfg.kernels = Kernels::Fast;
+    model.opts.kernels = Kernels::Fast;
     let fast = model
         .forward(&r.tokens, &mut model.new_cache(), Logits::All, None)
         .unwrap();
@@ -268,7 +268,7 @@ fn mean_kl(p: &[f32], q: &[f32], vocab: usize) -> f64 {
 fn decode_equals_prefill_on(kernels: Kernels) {
     let ck = Checkpoint::open(&data().join("small")).unwrap();
     let mut model = Model::load(&ck).unwrap();
-    model.cfg.kernels = kernels;
+    model.opts.kernels = kernels;
     let r = load_ref(&data().join("small-ref.safetensors"));
     let mut c1 = model.new_cache();
     let all = model

@@ -38,10 +38,11 @@ fn log_softmax(v: &[f32]) -> Vec<f64> {
 
 fn logits(dir: &Path, toks: &[u32], kernels: Kernels) -> Vec<f32> {
     let ck = Checkpoint::open(dir).unwrap();
-    let mut cfg = ModelConfig::from_checkpoint(&ck).unwrap();
-    cfg.kernels = kernels;
+    let cfg = ModelConfig::from_checkpoint(&ck).unwrap();
     let experts = Box::new(CheckpointExperts::new(&ck, &cfg).unwrap());
-    let model = Model::load_with(&ck, cfg, experts).unwrap();
+    let model = Model::load_with(&ck, cfg, experts)
+        .unwrap()
+        .with_options(keep_model::RunOptions::with_kernels(kernels));
     let mut cache = model.new_cache();
     model.forward(toks, &mut cache, Logits::All, None).unwrap()
 }

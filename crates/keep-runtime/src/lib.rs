@@ -9,7 +9,9 @@
 //! [`BudgetedModel`], which plugs the cache into keep-model as its `ExpertSource` and implements
 //! keep-model's `Generate`, and one `keep run` ([`run`]: [`RunModel`], mapped or budgeted, driven
 //! by keep-model's one `generate`, measured in a [`RunReport`] that becomes keep-artifacts'
-//! `keep-run-stats` file). The model never learns where an expert's bytes came from. Engram table rows
+//! `keep-run-stats` file), assembled once from a spec by a [`Session`] (checkpoint, run options,
+//! budget, drafting) for `keep run`, `keep serve`, `keep eval --tasks`, `keep fit --check` and
+//! `keep logits`. The model never learns where an expert's bytes came from. Engram table rows
 //! come from the [`EngramStore`] (an LRU row cache inside the budget, reads queued as soon as a
 //! forward's token ids are known).
 //!
@@ -31,6 +33,7 @@ pub mod probe;
 pub mod routes;
 pub mod run;
 pub mod runtime;
+pub mod session;
 pub mod store;
 
 pub use budget::{check_machine, machine_memory_bytes, resident_bytes, BudgetPlan, FIXED_OVERHEAD};
@@ -49,6 +52,7 @@ pub use runtime::{
     BudgetedModel, RuntimeOptions, TierOptions, DEFAULT_ENGRAM_CACHE, DEFAULT_RESIDUAL_IO_THREADS,
     ENGRAM_SSD_THRESHOLD,
 };
+pub use session::{Draft, LoadFor, Session, SessionSpec};
 pub use store::{ExpertStore, ReadGate};
 
 /// Result type of this crate.

@@ -40,16 +40,21 @@ pub fn draft_compute(
     context: usize,
     reps: usize,
 ) -> Result<ComputeCost> {
-    let mut model = Model::load(ck)?;
-    model.cfg.kernels = kernels;
+    let model = Model::load_opts(ck, keep_model::RunOptions::with_kernels(kernels))?;
     let mtp = match drafter {
-        Drafter::Mtp => Some(Mtp::load(ck, &model.cfg)?.ok_or_else(|| {
-            ModelError::Config("the checkpoint has no MTP module (mtp.0.*) to probe".into())
-        })?),
+        Drafter::Mtp => Some(
+            Mtp::load(ck, &model.cfg)?
+                .ok_or_else(|| {
+                    ModelError::Config("the checkpoint has no MTP module (mtp.0.*) to probe".into())
+                })?
+                .with_kernels(kernels),
+        ),
         Drafter::DSpark => None,
     };
     let dspark = match drafter {
-        Drafter::DSpark if keep_model::dspark::present(ck) => DSpark::load(ck, &model.cfg)?,
+        Drafter::DSpark if keep_model::dspark::present(ck) => {
+            DSpark::load(ck, &model.cfg)?.map(|d| d.with_kernels(kernels))
+        }
         _ => None,
     };
     if drafter == Drafter::DSpark && dspark.is_none() {

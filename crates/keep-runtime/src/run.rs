@@ -14,7 +14,7 @@ use keep_artifacts::run_stats::{
 use keep_checkpoint::Checkpoint;
 use keep_kernels::profile;
 use keep_model::generate::{generate, GenStats, Generate, GenerateOptions, Piece, Prompt};
-use keep_model::{Cache, Model, ModelConfig, RouteObserver};
+use keep_model::{Cache, Model, ModelConfig, RouteObserver, RunOptions};
 
 use crate::budget::FIXED_OVERHEAD;
 use crate::cache::CacheStats;
@@ -42,19 +42,28 @@ pub struct MappedEngram {
 }
 
 impl<'a> RunModel<'a> {
-    /// Load the model of `ck`: under `budget` when given (its `kernels` are used), else mapped
-    /// whole with `kernels`.
+    /// Load the model of `ck`: under `budget` when given (its `kernels` and `prefill_chunk` are
+    /// used), else mapped whole with `kernels` and the default prefill chunk.
     pub fn load(
         ck: &'a Checkpoint,
         kernels: keep_kernels::Kernels,
         budget: Option<&RuntimeOptions>,
     ) -> Result<RunModel<'a>> {
+        RunModel::load_opts(ck, RunOptions::with_kernels(kernels), budget)
+    }
+
+    /// [`RunModel::load`] mapped whole with `opts` (under a budget, the budget's kernels and
+    /// chunk are used: [`RuntimeOptions::run_options`]).
+    pub fn load_opts(
+        ck: &'a Checkpoint,
+        opts: RunOptions,
+        budget: Option<&RuntimeOptions>,
+    ) -> Result<RunModel<'a>> {
         Ok(match budget {
-            Some(opts) => RunModel::Budgeted(BudgetedModel::load(ck, opts)?),
+            Some(b) => RunModel::Budgeted(BudgetedModel::load(ck, b)?),
             None => {
                 populate_if_it_fits(ck);
-                let mut m = Model::load(ck)?;
-                m.cfg.kernels = kernels;
+                let mut m = Model::load_opts(ck, opts)?;
                 let engram = engram_rows_above(&mut m, ck, ENGRAM_SSD_THRESHOLD)?.map(|store| {
                     MappedEngram {
                         store,
@@ -358,14 +367,14 @@ pub fn populate_if_it_fits(ck: &Checkpoint) -> u64 {
     }
 }
 
-/// Load timing: [`RunModel::load`] and the seconds it took.
+/// Load timing: [`RunModel::load_opts`] and the seconds it took.
 pub fn load_timed<'a>(
     ck: &'a Checkpoint,
-    kernels: keep_kernels::Kernels,
+    opts: RunOptions,
     budget: Option<&RuntimeOptions>,
 ) -> Result<(RunModel<'a>, f64)> {
     let t = Instant::now();
-    let m = RunModel::load(ck, kernels, budget)?;
+    let m = RunModel::load_opts(ck, opts, budget)?;
     Ok((m, t.elapsed().as_secs_f64()))
 }
 

@@ -187,6 +187,21 @@ pub fn engram_rows_above(
 }
 
 impl RuntimeOptions {
+    /// The model's run options under this budget: its kernels and its prefill chunk (the
+    /// default where none is set); a chunk of 0 is refused.
+    pub fn run_options(&self) -> Result<keep_model::RunOptions> {
+        let mut run = keep_model::RunOptions::with_kernels(self.kernels);
+        if let Some(c) = self.prefill_chunk {
+            if c == 0 {
+                return Err(RuntimeError::Invalid(
+                    "the prefill chunk must be at least 1 token".into(),
+                ));
+            }
+            run.prefill_chunk = c;
+        }
+        Ok(run)
+    }
+
     /// Defaults (LRU, [`DEFAULT_IO_THREADS`], direct I/O, no warm start) for `budget`.
     pub fn new(budget: u64) -> RuntimeOptions {
         RuntimeOptions {
@@ -520,16 +535,8 @@ pub fn check_original(
 impl<'a> BudgetedModel<'a> {
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
-        let mut cfg = ModelConfig::from_checkpoint(ck)?;
-        cfg.kernels = opts.kernels;
-        if let Some(c) = opts.prefill_chunk {
-            if c == 0 {
-                return Err(RuntimeError::Invalid(
-                    "the prefill chunk must be at least 1 token".into(),
-                ));
-            }
-            cfg.prefill_chunk = c;
-        }
+        let cfg = ModelConfig::from_checkpoint(ck)?;
+        let run = opts.run_options()?;
         let limit = cfg.raw.max_position_embeddings;
         let context = opts.context.unwrap_or(limit);
         if context == 0 || context > limit {
@@ -538,7 +545,7 @@ impl<'a> BudgetedModel<'a> {
                  (max_position_embeddings)"
             )));
         }
-        let memory = cfg.memory_estimate(context);
+        let memory = cfg.memory_estimate(context, run.prefill_chunk);
         let store = match &opts.tiers {
             Some(t) => tiered_store(ck, &cfg, t, opts.direct_io)?,
             None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
@@ -616,7 +623,8 @@ impl<'a> BudgetedModel<'a> {
             }
         }
         cache.set_hash_layers(&(0..cfg.hash_layers).collect::<Vec<_>>());
-        let mut model = Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?;
+        let mut model =
+            Model::load_with(ck, cfg, Box::new(CacheSource(cache.clone())))?.with_options(run);
         let engram = engram_rows_from_store(
             &mut model,
             ck,
@@ -663,7 +671,11 @@ impl<'a> BudgetedModel<'a> {
 
     /// An empty KV cache, reserved for the planned context (it never grows past it).
     pub fn new_cache(&self) -> Cache {
-        Cache::for_context(&self.model.cfg, self.plan.memory.context)
+        Cache::for_context(
+            &self.model.cfg,
+            self.plan.memory.context,
+            self.model.opts.chunk(),
+        )
     }
 
     /// [`Model::forward`] with the experts from the slots.
@@ -688,7 +700,7 @@ impl<'a> BudgetedModel<'a> {
         mut obs: Option<&mut dyn RouteObserver>,
     ) -> keep_model::Result<Vec<f32>> {
         self.check_planned(cache, tokens.len())?;
-        let chunk = self.model.cfg.prefill_chunk;
+        let chunk = self.model.opts.chunk();
         keep_model::model::run_chunked(tokens, chunk, which, |part, w| {
             self.prefetch_hash_layers(part);
             self.model_forward(

@@ -18,7 +18,6 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -1054,10 +1053,11 @@ impl StreamState {
 }
 
 /// How to serve.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ServeOptions {
-    /// The model directory.
-    pub dir: PathBuf,
+    /// The model: the session the engine loads it from (its directory, kernels, budget), and
+    /// plans for `max_context`.
+    pub session: keep_runtime::Session,
     /// The id the model is listed as.
     pub name: String,
     pub host: String,
@@ -1067,14 +1067,14 @@ pub struct ServeOptions {
     /// Most prompt + completion tokens of one request (at most the model's context).
     pub max_context: usize,
     pub max_body: usize,
-    pub kernels: keep_model::Kernels,
-    /// Routed experts in budgeted slots (`None`: the model mapped whole).
-    pub budget: Option<keep_runtime::RuntimeOptions>,
     /// Host names answered besides IP addresses, `localhost` and `host` (`*`: any).
     pub allowed_hosts: Vec<String>,
     /// Timeouts, the connection cap and the shutdown deadline.
     pub limits: Limits,
 }
+
+/// What a server's context is called where the machine cannot hold it.
+pub const SERVER_CONTEXT: &str = "this server's context";
 
 /// What [`serve`] reports: once it listens (`stage` loading) and once the model is warm
 /// (`stage` ready).
@@ -1120,8 +1120,8 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
             "the API key is empty: give a non-empty key (--api-key or $KEEP_API_KEY), or none to serve without one".into(),
         ));
     }
-    let tok = Arc::new(keep_model::generate::load_tokenizer(&opts.dir)?);
-    let template = ChatTemplate::from_model_dir(&opts.dir)?;
+    let tok = Arc::new(keep_model::generate::load_tokenizer(opts.session.dir())?);
+    let template = ChatTemplate::from_model_dir(opts.session.dir())?;
     let limits = Limits {
         max_connections: crate::conn::fit_connections(opts.limits.max_connections),
         ..opts.limits
@@ -1150,12 +1150,7 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
     let (handle, rx) = engine::channel();
     let (ready_tx, ready_rx) =
         tokio::sync::oneshot::channel::<Result<(u32, usize, Arc<FileGuard>)>>();
-    let (dir, kernels, budget, max_batch) = (
-        opts.dir.clone(),
-        opts.kernels,
-        opts.budget.clone(),
-        opts.max_batch,
-    );
+    let (session, max_batch, max_context) = (opts.session, opts.max_batch, opts.max_context);
     let engine_tok = tok.clone();
     let engine_metrics = metrics.clone();
     let thread = std::thread::Builder::new()
@@ -1167,21 +1162,20 @@ pub fn serve(opts: ServeOptions, mut report: impl FnMut(&Ready)) -> Result<()> {
                     let _ = t.send(Err(e));
                 }
             };
-            let ck = match keep_checkpoint::Checkpoint::open(&dir) {
-                Ok(c) => c,
-                Err(e) => {
-                    return fail(ServeError::Startup(format!(
-                        "opening {}: {e}",
-                        dir.display()
-                    )))
-                }
-            };
-            let files = match FileGuard::of_checkpoint(&ck) {
+            let files = match FileGuard::of_checkpoint(session.checkpoint()) {
                 Ok(f) => Arc::new(f),
                 Err(e) => return fail(e),
             };
-            let mut model = match keep_runtime::RunModel::load(&ck, kernels, budget.as_ref()) {
-                Ok(m) => m,
+            // The engine batches without verify forwards: no drafter is attached (a plan that
+            // drafts still has its drafter held in the budget it was fitted with).
+            let what = keep_runtime::LoadFor {
+                context: Some(max_context),
+                label: Some(SERVER_CONTEXT),
+                undrafted: true,
+                ..Default::default()
+            };
+            let mut model = match session.load(what) {
+                Ok((m, _)) => m,
                 Err(e) => return fail(e.into()),
             };
             let cfg = model.cfg();

@@ -7,10 +7,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use keep_checkpoint::Checkpoint;
 use keep_model::generate::{encode_prompt, load_tokenizer, Prompt};
 use keep_model::logits::{logits, mtp_logits, LogitsOptions};
-use keep_model::Model;
+use keep_runtime::{Session, SessionSpec};
 
 /// Write the model's logits for a token sequence to a safetensors file.
 ///
@@ -87,9 +86,13 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
         }
         _ => anyhow::bail!("give --tokens 1,2,3 or --prompt TEXT"),
     };
-    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let model =
-        Model::load(&ck).with_context(|| format!("loading the model from {}", dir.display()))?;
+    // The exact kernels and the default prefill chunk: what the fixtures and the conformance
+    // suite compare.
+    let session = Session::open(SessionSpec::new(&dir, keep_model::Kernels::Exact))
+        .map_err(|e| crate::util::open_error(e, &dir))?;
+    let model = session
+        .whole_model()
+        .with_context(|| format!("loading the model from {}", dir.display()))?;
     // A prompt is encoded as the reference tools encode it (the tokenizer's special tokens
     // added), by keep-model's one prompt encoder.
     let tokens = match ids {
@@ -108,7 +111,7 @@ pub fn run(a: LogitsArgs) -> anyhow::Result<()> {
     };
     let mut file = logits(&model, &dir.display().to_string(), &tokens, &opts)?;
     if a.mtp {
-        file.mtp_logits = Some(mtp_logits(&ck, &model, &tokens)?);
+        file.mtp_logits = Some(mtp_logits(session.checkpoint(), &model, &tokens)?);
     }
     file.write(&a.out, a.force)?;
     eprintln!(

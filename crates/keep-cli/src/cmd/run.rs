@@ -9,12 +9,12 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use keep_checkpoint::Checkpoint;
 use keep_model::generate::{
     encode_prompt, load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig,
 };
 use keep_model::ModelError;
-use keep_runtime::{RouteLog, RunInfo, RunModel, RuntimeError};
+use keep_runtime::run::DraftMode;
+use keep_runtime::{RouteLog, RunInfo, RuntimeError, Session};
 
 use super::logits::model_dir;
 
@@ -168,19 +168,42 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         None => model_dir(a.model.clone())?,
     };
-    let kernels: keep_model::Kernels = match &plan {
-        Some((_, p)) => keep_fit::apply::kernels(p),
-        None => a.kernels.into(),
-    };
     b.check(&dir)?;
-    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    // One session assembles the run: the checkpoint, its kernels and prefill chunk, the budget
+    // and the drafting (a plan's, or the flags').
+    let spec = match &plan {
+        Some((pp, p)) => {
+            let mut spec = keep_fit::apply::session_spec(pp, p, dir.clone())?;
+            spec.budget = spec.budget.map(|o| keep_runtime::RuntimeOptions {
+                io_threads: b.io_threads,
+                direct_io: !b.buffered_io,
+                prefetch_next: b.prefetch_next,
+                engram_cache: b.engram_cache,
+                ..o
+            });
+            spec
+        }
+        None => keep_runtime::SessionSpec {
+            budget: b.runtime_options()?,
+            draft: keep_runtime::Draft {
+                mode: a.draft.into(),
+                tokens: a.draft_tokens.map(|k| k as usize),
+                required: true,
+            },
+            ..keep_runtime::SessionSpec::new(dir.clone(), a.kernels.into())
+        },
+    };
+    let session = Session::open(keep_runtime::SessionSpec {
+        prefill_chunk: b.prefill_chunk,
+        draft_confidence: a.draft_confidence,
+        ..spec
+    })
+    .map_err(|e| crate::util::open_error(e, &dir))?;
+    if plan.is_none() {
+        b.check_tiers(session.checkpoint())?;
+    }
     // The prompt and the context first: the run's memory is planned for them (and refused when
     // it cannot fit the budget or the machine) before anything is allocated.
-    let mut cfg = keep_model::ModelConfig::from_checkpoint(&ck)
-        .with_context(|| format!("loading the model from {}", dir.display()))?;
-    if let Some(c) = b.prefill_chunk {
-        cfg.prefill_chunk = c;
-    }
     let tok = match b.prompt_tokens {
         Some(_) => None,
         None => Some(load_tokenizer(&dir)?),
@@ -189,86 +212,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         Some(n) => Prompt::Synthetic(n),
         None => Prompt::Text(a.prompt.as_deref().unwrap_or("")),
     };
-    let ids = encode_prompt(&cfg, tok.as_ref(), prompt, a.max_tokens)
+    let ids = encode_prompt(session.cfg(), tok.as_ref(), prompt, a.max_tokens)
         .map_err(|e| flag_error(RuntimeError::Model(e)))?;
-    // Generation stops one token short of feeding the last sampled token back.
-    // A drafting run's last verify forward may feed drafts past the last token handed on.
-    let (draft, draft_k) = match &plan {
-        Some((_, p)) => match keep_fit::apply::draft(p, &ck) {
-            (keep_runtime::run::DraftMode::Mtp, k) => (DraftArg::Mtp, k),
-            (keep_runtime::run::DraftMode::DSpark, k) => (DraftArg::Dspark, k),
-            _ => (DraftArg::None, 0),
-        },
-        None if a.draft == DraftArg::Dspark && !keep_model::dspark::present(&ck) => {
-            anyhow::bail!(
-                "--draft dspark: {} has no DSpark drafter (dspark_* keys in config.json and \
-                 mtp.0.main_proj.weight); use --draft mtp for a DeepSeek-V4 MTP module, or \
-                 --draft none",
-                dir.display()
-            )
-        }
-        None if matches!(a.draft, DraftArg::Dspark | DraftArg::Auto)
-            && keep_model::dspark::present(&ck) =>
-        {
-            let block = ck
-                .config()
-                .and_then(|c| c.dspark())
-                .map_or(1, |k| k.block_size);
-            let most = block.min(keep_model::mtp::MAX_DRAFT);
-            let k = a.draft_tokens.map_or(most, |k| (k as usize).min(most));
-            (a.draft, k)
-        }
-        None if a.draft != DraftArg::None && keep_model::mtp::present(&ck) => {
-            (a.draft, a.draft_tokens.unwrap_or(2) as usize)
-        }
-        None => (a.draft, 0),
+    // Generation stops one token short of feeding the last sampled token back. The budget holds
+    // the activations of the largest forward this run makes: the prompt (or a verify window)
+    // rather than a whole prefill chunk. A plan keeps the chunk it was fitted with, so that it
+    // runs what `keep fit --check` runs.
+    let what = keep_runtime::LoadFor {
+        context: Some(ids.len() + a.max_tokens.saturating_sub(1)),
+        prompt: plan.is_none().then_some(ids.len()),
+        ..Default::default()
     };
-    let context = ids.len() + a.max_tokens.saturating_sub(1) + draft_k;
-    let mut opts = match &plan {
-        Some((pp, p)) => keep_fit::apply::runtime_options(pp, p, &ck, context)?.map(|o| {
-            keep_runtime::RuntimeOptions {
-                io_threads: b.io_threads,
-                direct_io: !b.buffered_io,
-                prefetch_next: b.prefetch_next,
-                engram_cache: b.engram_cache,
-                prefill_chunk: b.prefill_chunk,
-                ..o
-            }
-        }),
-        None => b.runtime_options(&ck, kernels, context)?,
-    };
-    if let Some(o) = opts.as_mut() {
-        o.draft_tokens = draft_k;
-        // The budget holds the activations of the largest forward this run makes: the prompt
-        // (or a verify window) rather than a whole prefill chunk. A plan keeps the chunk it was
-        // fitted with, so that it runs what `keep fit --check` runs.
-        if plan.is_none() && b.prefill_chunk.is_none() {
-            o.prefill_chunk = Some(cfg.prefill_chunk.min(ids.len().max(draft_k + 1)).max(1));
-        }
-    }
-    if opts.is_none() {
-        keep_runtime::check_machine(cfg.memory_estimate(context).total(), "this run's context")?;
-    }
-    let (mut model, load_secs) = keep_runtime::run::load_timed(&ck, kernels, opts.as_ref())
+    session.check_memory(what)?;
+    let (mut model, load_secs) = session
+        .load(what)
         .with_context(|| format!("loading the model from {}", dir.display()))?;
-    if let RunModel::Mapped(m, _) = &mut model {
-        m.cfg.prefill_chunk = cfg.prefill_chunk;
-    }
     if let Some(m) = model.budgeted() {
         budget::print_plan(m);
     }
-    model
-        .set_draft(&ck, draft.into(), draft_k.max(1))
-        .with_context(|| format!("--draft {}", draft_name(draft)))?;
-    if let Some(p) = a.draft_confidence {
-        if !keep_model::dspark::present(&ck) || draft_k == 0 {
-            anyhow::bail!(
-                "--draft-confidence {p}: it applies to the DSpark drafter, and this run does \
-                 not draft with one (use --draft dspark on a checkpoint that carries it)"
-            );
-        }
-        model.set_dspark_confidence(Some(p));
-    }
+    session
+        .attach_draft(&mut model)
+        .with_context(|| format!("--draft {}", draft_name(session.draft().0)))?;
     let prompt = Prompt::Ids(&ids);
     let gen = GenerateOptions {
         max_tokens: a.max_tokens,
@@ -345,7 +309,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     // A run without a budget still reads Engram tables above the threshold from SSD: its row
     // counters are printed the same way.
     if b.active() || plan.is_some() || report.decode_engram.is_some() {
-        budget::print_report(&report, opts.as_ref().map(|o| o.budget));
+        budget::print_report(&report, session.runtime_options(what).map(|o| o.budget));
     }
     if let (Some((pp, p)), Some(l)) = (&plan, &log) {
         let cfg = model.cfg();
@@ -439,11 +403,11 @@ fn parse_probability(s: &str) -> Result<f32, String> {
     }
 }
 
-fn draft_name(d: DraftArg) -> &'static str {
+fn draft_name(d: DraftMode) -> &'static str {
     match d {
-        DraftArg::Mtp => "mtp",
-        DraftArg::Dspark => "dspark",
-        DraftArg::None => "none",
-        DraftArg::Auto => "auto",
+        DraftMode::Mtp => "mtp",
+        DraftMode::DSpark => "dspark",
+        DraftMode::None => "none",
+        DraftMode::Auto => "auto",
     }
 }

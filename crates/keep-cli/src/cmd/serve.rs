@@ -175,11 +175,18 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         Some((pp, p)) => keep_fit::apply::checkpoint(pp, p, false, &|_, _| {})?,
         None => model_dir(a.model.clone())?,
     };
-    let ck = keep_checkpoint::Checkpoint::open(&dir)
-        .with_context(|| format!("opening {}", dir.display()))?;
-    let cfg = keep_model::ModelConfig::from_checkpoint(&ck)
-        .with_context(|| format!("loading the model from {}", dir.display()))?;
-    let limit = cfg.raw.max_position_embeddings;
+    // One session assembles the model: the checkpoint, its kernels and the budget (a plan's, or
+    // the flags').
+    let spec = match &plan {
+        Some((pp, p)) => keep_fit::apply::session_spec(pp, p, dir.clone())?,
+        None => keep_runtime::SessionSpec {
+            budget: a.memory_budget.map(keep_runtime::RuntimeOptions::new),
+            ..keep_runtime::SessionSpec::new(dir.clone(), a.kernels.into())
+        },
+    };
+    let session =
+        keep_runtime::Session::open(spec).map_err(|e| crate::util::open_error(e, &dir))?;
+    let limit = session.cfg().raw.max_position_embeddings;
     // A plan is served for the context it was fitted to unless --max-context says otherwise.
     let max_context = a
         .max_context
@@ -189,30 +196,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         (1..=limit).contains(&max_context),
         "--max-context must be 1 to the model's {limit} positions, not {max_context}"
     );
-    let (kernels, budget) = match &plan {
-        Some((pp, p)) => (
-            keep_fit::apply::kernels(p),
-            keep_fit::apply::runtime_options(pp, p, &ck, max_context)?,
-        ),
-        None => {
-            let kernels: keep_model::Kernels = a.kernels.into();
-            (
-                kernels,
-                a.memory_budget.map(|b| keep_runtime::RuntimeOptions {
-                    kernels,
-                    context: Some(max_context),
-                    ..keep_runtime::RuntimeOptions::new(b)
-                }),
-            )
-        }
-    };
-    drop(ck);
-    if budget.is_none() {
-        keep_runtime::check_machine(
-            cfg.memory_estimate(max_context).total(),
-            "this server's context",
-        )?;
-    }
+    session.check_memory(keep_runtime::LoadFor {
+        context: Some(max_context),
+        label: Some(keep_serve::server::SERVER_CONTEXT),
+        undrafted: true,
+        ..Default::default()
+    })?;
     let name = a.name.clone().unwrap_or_else(|| {
         if bundled {
             "keep-tiny".into()
@@ -223,7 +212,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         }
     });
     let opts = keep_serve::server::ServeOptions {
-        dir: dir.clone(),
+        session,
         name: name.clone(),
         host: a.host.clone(),
         port: a.port,
@@ -231,8 +220,6 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_batch: a.max_batch,
         max_context,
         max_body: a.max_body as usize,
-        kernels,
-        budget,
         allowed_hosts: a.allowed_host.clone(),
         limits: keep_serve::conn::Limits {
             header_timeout: Duration::from_secs_f64(a.header_timeout),

@@ -7,9 +7,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use keep_calib::tasks::{self, ModelResult, Report, Spec};
-use keep_checkpoint::Checkpoint;
 use keep_model::generate::{load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig};
-use keep_runtime::RunModel;
+use keep_runtime::{LoadFor, Session, SessionSpec};
 
 /// What `keep eval --tasks` was asked.
 pub struct TasksRun<'a> {
@@ -66,9 +65,11 @@ fn one_model(
     dir: &Path,
     kernels: keep_model::Kernels,
 ) -> anyhow::Result<ModelResult> {
-    let ck = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let session = Session::open(SessionSpec::new(dir, kernels))
+        .map_err(|e| crate::util::open_error(e, dir))?;
     let tok = load_tokenizer(dir).with_context(|| format!("the tokenizer of {}", dir.display()))?;
-    let mut model = RunModel::load(&ck, kernels, None)
+    let (mut model, _) = session
+        .load(LoadFor::default())
         .with_context(|| format!("loading the model from {}", dir.display()))?;
     let bar = crate::util::count_bar(0, role);
     let r = tasks::run(

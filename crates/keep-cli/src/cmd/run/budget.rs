@@ -139,14 +139,29 @@ impl BudgetArgs {
         Ok(())
     }
 
-    /// The runtime's options when `--memory-budget` is given, planned for a run of `ck`
-    /// (the checkpoint) over `context` positions (prompt + generated tokens).
-    pub fn runtime_options(
-        &self,
-        ck: &keep_checkpoint::Checkpoint,
-        kernels: keep_model::Kernels,
-        context: usize,
-    ) -> anyhow::Result<Option<RuntimeOptions>> {
+    /// Refuse `--tiers` without `--upper-from` on a checkpoint `ck` whose allocation gives
+    /// some experts their shipped expert as the upper stage (which only the original
+    /// checkpoint has).
+    pub fn check_tiers(&self, ck: &keep_checkpoint::Checkpoint) -> anyhow::Result<()> {
+        let (Some(_), Some(f), None) = (self.memory_budget, &self.tiers, &self.upper_from) else {
+            return Ok(());
+        };
+        let a = keep_artifacts::alloc::Alloc::read(f)
+            .with_context(|| format!("--tiers {}", f.display()))?;
+        let n = shipped_upper_rungs(ck, &a).with_context(|| format!("--tiers {}", f.display()))?;
+        anyhow::ensure!(
+            n == 0,
+            "--tiers {}: {n} experts are allocated `e8p2+e81`/`e8p2+e8p2` (or `e8p2` without \
+             residual codes), whose upper rung is their shipped expert in the original \
+             checkpoint: give it with --upper-from ORIGINAL (the model keep alloc was run on)",
+            f.display()
+        );
+        Ok(())
+    }
+
+    /// The runtime's options when `--memory-budget` is given (the session plans them for the
+    /// run's context, kernels, prefill chunk and drafting).
+    pub fn runtime_options(&self) -> anyhow::Result<Option<RuntimeOptions>> {
         let Some(budget) = self.memory_budget else {
             return Ok(None);
         };
@@ -172,27 +187,13 @@ impl BudgetArgs {
             )),
             None => None,
         };
-        if let (Some(a), Some(f), None) = (&alloc, &self.tiers, &self.upper_from) {
-            let n =
-                shipped_upper_rungs(ck, a).with_context(|| format!("--tiers {}", f.display()))?;
-            anyhow::ensure!(
-                n == 0,
-                "--tiers {}: {n} experts are allocated `e8p2+e81`/`e8p2+e8p2` (or `e8p2` without \
-                 residual codes), whose upper rung is their shipped expert in the original \
-                 checkpoint: give it with --upper-from ORIGINAL (the model keep alloc was run on)",
-                f.display()
-            );
-        }
         Ok(Some(RuntimeOptions {
             policy,
             io_threads: self.io_threads,
             direct_io: !self.buffered_io,
             warm_start: self.warm_start.clone(),
             prefetch_next: self.prefetch_next,
-            kernels,
             engram_cache: self.engram_cache,
-            context: Some(context),
-            prefill_chunk: self.prefill_chunk,
             tiers: self.tau.map(|tau| TierOptions {
                 tau,
                 alloc: alloc.clone(),
