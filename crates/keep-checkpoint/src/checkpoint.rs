@@ -288,6 +288,34 @@ impl Checkpoint {
         self.order.iter().map(|&(si, ti)| self.make_ref(si, ti))
     }
 
+    /// The shards an output may take whole ([`crate::writer::ReusedShard`]): those whose every
+    /// tensor `unchanged` accepts (the output holds it under the same name, dtype, shape and
+    /// bytes) and is the one this checkpoint reads under that name.
+    pub fn whole_shards(
+        &self,
+        unchanged: impl Fn(&TensorRef<'_>) -> bool,
+    ) -> Vec<crate::writer::ReusedShard> {
+        let mut out = vec![];
+        for (si, sf) in self.shards.iter().enumerate() {
+            let tensors = &sf.header().tensors;
+            let whole = !tensors.is_empty()
+                && (0..tensors.len()).all(|ti| {
+                    self.by_name.get(tensors[ti].name.as_str()) == Some(&(si, ti))
+                        && unchanged(&self.make_ref(si, ti))
+                });
+            if whole {
+                out.push(crate::writer::ReusedShard {
+                    src: sf.path().to_path_buf(),
+                    tensors: tensors
+                        .iter()
+                        .map(|t| crate::writer::TensorMeta::new(t.name.clone(), t.dtype, &t.shape))
+                        .collect(),
+                });
+            }
+        }
+        out
+    }
+
     /// Files of the directory that are neither shards, the index, the config nor SHA256SUMS
     /// (tokenizer files and the like), which writers pass through untouched.
     pub fn aux_files(&self) -> Result<Vec<PathBuf>> {

@@ -77,6 +77,33 @@ struct Shard {
     tensors: Vec<TensorMeta>,
 }
 
+/// A shard of another checkpoint that the output holds byte for byte: the writer links it into
+/// the output (a hard link where the file system allows one, else a copy) instead of the
+/// caller streaming its tensors, and lists its tensors in the index. Quant and prune hand over
+/// every source shard none of whose tensors they change (Engram tables, for one), so an output
+/// costs disk only for what is new. Keep never writes into an existing file, so the two names
+/// of a linked shard stay equal; a tool that edits a shard in place would change both.
+#[derive(Debug, Clone)]
+pub struct ReusedShard {
+    /// The source shard file.
+    pub src: PathBuf,
+    /// Its tensors, as its header lists them.
+    pub tensors: Vec<TensorMeta>,
+}
+
+/// How the output got the shards it reused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReuseStats {
+    /// Shards hard-linked.
+    pub linked_shards: usize,
+    /// Their bytes.
+    pub linked_bytes: u64,
+    /// Shards copied (the output is on another file system, or linking is not allowed).
+    pub copied_shards: usize,
+    /// Their bytes.
+    pub copied_bytes: u64,
+}
+
 /// A file written and hashed by a background thread, so that hashing (SHA-256) and the
 /// caller's reading overlap: the caller fills 8 MiB buffers, the thread hashes and writes them.
 struct HashingFile {
@@ -175,6 +202,9 @@ pub struct CheckpointWriter {
     file: Option<HashingFile>,
     sums: Vec<(String, String)>,
     extra: Vec<String>,
+    /// The shards taken whole from another checkpoint, already in the temporary directory.
+    reused: Vec<Shard>,
+    reuse: ReuseStats,
     finished: bool,
 }
 
@@ -317,11 +347,22 @@ impl CheckpointWriter {
         tensors: Vec<TensorMeta>,
         opts: WriterOptions,
     ) -> Result<CheckpointWriter> {
+        Self::create_reusing(out, tensors, vec![], opts)
+    }
+
+    /// [`CheckpointWriter::create`], with `reused` shards of another checkpoint that the
+    /// output takes whole ([`ReusedShard`]): their tensors are not written by the caller.
+    pub fn create_reusing(
+        out: &Path,
+        tensors: Vec<TensorMeta>,
+        reused: Vec<ReusedShard>,
+        opts: WriterOptions,
+    ) -> Result<CheckpointWriter> {
         check_dir_target(out, opts.force, &opts.protect)?;
         recover_old(out)?;
         check_dir_target(out, opts.force, &opts.protect)?;
         let mut seen = std::collections::HashSet::new();
-        for t in &tensors {
+        for t in tensors.iter().chain(reused.iter().flat_map(|r| &r.tensors)) {
             if !seen.insert(t.name.as_str()) {
                 return Err(CheckpointError::Writer(format!(
                     "tensor `{}` declared twice",
@@ -355,18 +396,27 @@ impl CheckpointWriter {
             size += b;
             groups.last_mut().expect("pushed above").push(t);
         }
-        let n = groups.len();
+        let n = groups.len() + reused.len();
+        let file = |i: usize| {
+            if n <= 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+            }
+        };
+        let written = groups.len();
         let shards = groups
             .into_iter()
             .enumerate()
             .map(|(i, tensors)| Shard {
-                file: if n <= 1 {
-                    "model.safetensors".to_string()
-                } else {
-                    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
-                },
+                file: file(i),
                 tensors,
             })
+            .collect();
+        let reused: Vec<(String, ReusedShard)> = reused
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (file(written + i), r))
             .collect();
         let mut w = CheckpointWriter {
             out: out.to_path_buf(),
@@ -379,8 +429,11 @@ impl CheckpointWriter {
             file: None,
             sums: vec![],
             extra: vec![],
+            reused: vec![],
+            reuse: ReuseStats::default(),
             finished: false,
         };
+        w.place_reused(reused)?;
         w.open_shard()?;
         Ok(w)
     }
@@ -507,6 +560,58 @@ impl CheckpointWriter {
         self.add_file(name, &bytes)
     }
 
+    /// Link (or copy) the reused shards into the temporary directory, each with its checksum:
+    /// the one the source's `SHA256SUMS` lists for it, else computed from the file.
+    fn place_reused(&mut self, reused: Vec<(String, ReusedShard)>) -> Result<()> {
+        for (file, r) in reused {
+            // Link the file itself, not a symbolic link to it (a hub cache's shards are links
+            // into its blob store, often relative ones).
+            let src = std::fs::canonicalize(&r.src).map_err(|e| CheckpointError::io(&r.src, e))?;
+            let dst = self.tmp.join(&file);
+            let bytes = std::fs::metadata(&src)
+                .map_err(|e| CheckpointError::io(&src, e))?
+                .len();
+            if std::fs::hard_link(&src, &dst).is_ok() {
+                self.reuse.linked_shards += 1;
+                self.reuse.linked_bytes += bytes;
+            } else {
+                // Never copy onto an existing name: were it a link to the source, the copy
+                // would truncate the source.
+                if std::fs::symlink_metadata(&dst).is_ok() {
+                    return Err(CheckpointError::Writer(format!(
+                        "{} exists in the output being built",
+                        dst.display()
+                    )));
+                }
+                std::fs::copy(&src, &dst).map_err(|e| CheckpointError::io(&dst, e))?;
+                if self.opts.sync {
+                    File::open(&dst)
+                        .and_then(|f| f.sync_all())
+                        .map_err(|e| CheckpointError::io(&dst, e))?;
+                }
+                self.reuse.copied_shards += 1;
+                self.reuse.copied_bytes += bytes;
+            }
+            let listed = listed_sum(&r.src)?;
+            let h = match listed {
+                Some(h) => h,
+                None => crate::sums::file_sha256(&dst)?,
+            };
+            self.sums.push((file.clone(), h));
+            self.reused.push(Shard {
+                file,
+                tensors: r.tensors,
+            });
+        }
+        Ok(())
+    }
+
+    /// How the reused shards were placed (in the temporary directory from
+    /// [`CheckpointWriter::create_reusing`] on).
+    pub fn reuse_stats(&self) -> ReuseStats {
+        self.reuse
+    }
+
     /// Check that everything was written, write the index and `SHA256SUMS`, and rename the
     /// temporary directory into place. Returns the output path.
     pub fn finish(mut self) -> Result<PathBuf> {
@@ -516,10 +621,10 @@ impl CheckpointWriter {
                 t.name
             )));
         }
-        if self.shards.len() > 1 {
+        if self.shards.len() + self.reused.len() > 1 {
             let mut index = Index::default();
             let mut total = 0;
-            for s in &self.shards {
+            for s in self.shards.iter().chain(&self.reused) {
                 for t in &s.tensors {
                     index.weight_map.insert(t.name.clone(), s.file.clone());
                     total += t.nbytes();
@@ -566,6 +671,26 @@ impl CheckpointWriter {
         self.finished = true;
         Ok(self.out.clone())
     }
+}
+
+/// The checksum the `SHA256SUMS` beside `shard` lists for it, if that file exists and lists it.
+fn listed_sum(shard: &Path) -> Result<Option<String>> {
+    let (Some(dir), Some(name)) = (shard.parent(), shard.file_name()) else {
+        return Ok(None);
+    };
+    let sums = dir.join(SUMS_FILE);
+    if !sums.is_file() {
+        return Ok(None);
+    }
+    let text = crate::small_file::read_text(&sums, crate::small_file::MAX_SMALL_FILE)?;
+    let Ok(entries) = crate::sums::parse(&sums, &text) else {
+        return Ok(None);
+    };
+    let name = name.to_string_lossy();
+    Ok(entries
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, h)| h))
 }
 
 impl Drop for CheckpointWriter {

@@ -345,3 +345,89 @@ fn force_replaces_only_a_directory_keep_wrote() {
         .to_string();
     assert!(e.contains("notes.txt"), "{e}");
 }
+
+/// An output that takes shards of its source whole: they are hard links of the source's files
+/// (same inode), listed in its index and `SHA256SUMS`, the output reads the same bytes as the
+/// source, and replacing or deleting the output leaves the source intact. A name declared both
+/// written and reused is refused.
+#[test]
+fn reused_shards_are_linked_listed_and_independent_of_the_source() {
+    use std::os::unix::fs::MetadataExt;
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    write_dir(&src, &sample(), 100);
+    let ck = Checkpoint::open(&src).unwrap();
+    let n_src = ck.shards().len();
+    assert!(n_src >= 3, "{n_src} shards");
+    // Take every shard without an expert tensor whole; write the rest.
+    let reused = ck.whole_shards(|t| !t.name.contains("experts"));
+    assert!(!reused.is_empty() && reused.len() < n_src);
+    let reused_names: Vec<String> = reused
+        .iter()
+        .flat_map(|r| r.tensors.iter().map(|t| t.name.clone()))
+        .collect();
+    let written: Vec<_> = sample()
+        .into_iter()
+        .filter(|(n, ..)| !reused_names.iter().any(|r| r == n))
+        .collect();
+    let metas: Vec<TensorMeta> = written
+        .iter()
+        .map(|(n, dt, s, _)| TensorMeta::new(*n, *dt, s))
+        .collect();
+    let out = d.path().join("out");
+    let opts = WriterOptions {
+        max_shard_bytes: 100,
+        ..Default::default()
+    };
+    // The same tensor both reused and written is refused.
+    let mut twice = metas.clone();
+    twice.push(reused[0].tensors[0].clone());
+    let e = CheckpointWriter::create_reusing(&out, twice, reused.clone(), opts.clone());
+    assert!(e.err().unwrap().to_string().contains("declared twice"));
+    let mut w =
+        CheckpointWriter::create_reusing(&out, metas, reused.clone(), opts.clone()).unwrap();
+    for (n, _, _, b) in &written {
+        w.write_tensor(n, b).unwrap();
+    }
+    let stats = w.reuse_stats();
+    w.add_file("config.json", br#"{"hidden_size": 8}"#).unwrap();
+    w.finish().unwrap();
+    assert_eq!(stats.linked_shards + stats.copied_shards, reused.len());
+    let o = Checkpoint::open(&out).unwrap();
+    assert!(o.warnings().is_empty(), "{:?}", o.warnings());
+    for (n, dt, s, b) in sample() {
+        let t = o.tensor(n).unwrap();
+        assert_eq!(
+            (t.dtype, t.shape, t.bytes),
+            (dt, s.as_slice(), b.as_slice()),
+            "{n}"
+        );
+    }
+    assert!(keep_checkpoint::sums::verify_dir(&out).unwrap().passed());
+    // Same file system: each reused shard is the source's file under a second name.
+    assert_eq!(stats.linked_shards, reused.len(), "{stats:?}");
+    let inodes = |dir: &Path| -> Vec<u64> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().ino())
+            .collect()
+    };
+    let (si, oi) = (inodes(&src), inodes(&out));
+    assert_eq!(oi.iter().filter(|i| si.contains(i)).count(), reused.len());
+    // Replacing the output (--force) and deleting it leave the source as it was.
+    let mut w = CheckpointWriter::create_reusing(
+        &out,
+        vec![],
+        reused,
+        WriterOptions {
+            force: true,
+            ..opts
+        },
+    )
+    .unwrap();
+    w.add_file("config.json", br#"{"hidden_size": 8}"#).unwrap();
+    w.finish().unwrap();
+    std::fs::remove_dir_all(&out).unwrap();
+    assert!(keep_checkpoint::sums::verify_dir(&src).unwrap().passed());
+    assert_eq!(Checkpoint::open(&src).unwrap().len(), sample().len());
+}

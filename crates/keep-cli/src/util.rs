@@ -88,6 +88,24 @@ pub fn check_out_of_cache(out: &Path) -> anyhow::Result<()> {
 }
 
 /// Human-readable bytes.
+/// The line saying which source shards an output took whole (nothing when none).
+pub fn print_reused(r: &keep_checkpoint::writer::ReuseStats) {
+    if r.linked_shards > 0 {
+        println!(
+            "{} source shards of {} hard-linked unchanged (they share their bytes with the source)",
+            r.linked_shards,
+            human(r.linked_bytes)
+        );
+    }
+    if r.copied_shards > 0 {
+        println!(
+            "{} source shards of {} copied unchanged (the file system refused a hard link)",
+            r.copied_shards,
+            human(r.copied_bytes)
+        );
+    }
+}
+
 pub fn human(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;

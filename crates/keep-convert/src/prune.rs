@@ -62,6 +62,10 @@ pub struct PruneReport {
     pub unknown_copied: Vec<String>,
     pub bytes_before: u64,
     pub bytes_after: u64,
+    /// Source shards the output took whole, linked or copied (how depends on the file
+    /// system, so it is reported, not stored in `prune-map.json`).
+    #[serde(skip)]
+    pub reused: keep_checkpoint::writer::ReuseStats,
 }
 
 enum Action<'a> {
@@ -434,14 +438,33 @@ pub fn prune_with(
         protect: vec![src.to_path_buf()],
         ..Default::default()
     };
+    // Source shards whose every tensor is copied under its own name go into the output whole
+    // (linked); the rest is streamed.
+    let unchanged: std::collections::HashSet<&str> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Copy(t, name) if t.name == name => Some(t.name),
+            _ => None,
+        })
+        .collect();
+    let reused = ck.whole_shards(|t| unchanged.contains(t.name));
+    let reused_names: std::collections::HashSet<String> = reused
+        .iter()
+        .flat_map(|r| r.tensors.iter().map(|t| t.name.clone()))
+        .collect();
+    metas.retain(|m| !reused_names.contains(m.name.as_str()));
     for s in ck.shards() {
         s.advise_sequential();
     }
-    let mut w = CheckpointWriter::create(out, metas, wopts)?;
+    let mut w = CheckpointWriter::create_reusing(out, metas, reused, wopts)?;
     let mut done = 0u64;
     let (mut copied, mut sliced, mut rewritten) = (0usize, 0usize, 0usize);
     for a in &actions {
         match a {
+            Action::Copy(t, _) if reused_names.contains(t.name) => {
+                done += t.bytes.len() as u64;
+                copied += 1;
+            }
             Action::Copy(t, name) => {
                 copy_tensor(&ck, &mut w, name, t)?;
                 done += t.bytes.len() as u64;
@@ -517,6 +540,7 @@ pub fn prune_with(
         unknown_copied,
         bytes_before: ck.tensors().map(|t| t.bytes.len() as u64).sum(),
         bytes_after: total,
+        reused: w.reuse_stats(),
     };
     w.add_file(
         "prune-map.json",

@@ -24,7 +24,7 @@ fn make(dir: &Path, name: &str) -> std::path::PathBuf {
         seed: 5,
         storage: st,
         force: false,
-        max_shard_bytes: 1 << 20,
+        max_shard_bytes: 64 << 10,
     };
     synth(&cfg, &out, &o, &|_, _| {}).unwrap()
 }
@@ -115,6 +115,18 @@ fn prune_copies_survivor_bytes_and_slices_the_router() {
     let r = inspect(&o);
     assert!(r.problems.is_empty(), "{:?}", r.problems);
     assert!(keep_checkpoint::sums::verify_dir(&out).unwrap().passed());
+    // Source shards holding no expert or router tensor are linked into the output whole.
+    assert!(
+        rep.reused.linked_shards > 0 && rep.reused.copied_shards == 0,
+        "{:?}",
+        rep.reused
+    );
+    for t in s
+        .tensors()
+        .filter(|t| !t.name.contains(".ffn.experts.") && !t.name.contains(".ffn.gate."))
+    {
+        assert_eq!(o.tensor(t.name).unwrap().bytes, t.bytes, "{}", t.name);
+    }
     // A rerun is refused without --force.
     assert!(prune(&src, &p, &out, &opts, &|_, _| {}).is_err());
 }
@@ -325,7 +337,7 @@ fn bad_plans_are_errors() {
             seed: 6,
             storage: st,
             force: false,
-            max_shard_bytes: 1 << 20,
+            max_shard_bytes: 64 << 10,
         };
         let m2 = synth(&cfg, &d2.join("tiny"), &o, &|_, _| {}).unwrap();
         plan(&m2, 16, &keep4)

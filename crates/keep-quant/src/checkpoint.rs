@@ -269,14 +269,18 @@ pub struct QuantReport {
     pub bits_per_weight: f64,
     pub experts: Vec<ExpertErrors>,
     pub tensors: Vec<TensorErrors>,
+    /// Source shards the output took whole, linked or copied (by the joining call).
+    #[serde(default)]
+    pub reused: keep_checkpoint::writer::ReuseStats,
 }
 
 /// The fields of a [`QuantReport`] that describe one call rather than the output.
-pub const RUN_RECORD: [&str; 4] = [
+pub const RUN_RECORD: [&str; 5] = [
     "output",
     "layers_fitted",
     "source_bytes_fitted",
     "fit_seconds",
+    "reused",
 ];
 
 /// `quant-report.json` as stored in the checkpoint: the report without its run record, so a
@@ -743,6 +747,7 @@ pub fn quantize_with(
         bits_per_weight: bits,
         experts: vec![],
         tensors: vec![],
+        reused: Default::default(),
     };
     if !missing.is_empty() {
         return Ok(report);
@@ -794,10 +799,17 @@ pub fn quantize_with(
         let anchor = t.replaces.first().map_or(t.base.as_str(), String::as_str);
         at.entry(anchor).or_default().push(t);
     }
+    // Source shards none of whose tensors is replaced go into the output whole (linked).
+    let dropped = |name: &str| readers.get(name).copied().unwrap_or(false);
+    let reused = ck.whole_shards(|t| !dropped(t.name));
+    let reused_names: BTreeSet<&str> = reused
+        .iter()
+        .flat_map(|r| r.tensors.iter().map(|t| t.name.as_str()))
+        .collect();
     // output order: the source's, each quantized weight's tensors where its source was
     let mut plan: Vec<(TensorMeta, Option<(usize, String)>)> = vec![];
     for t in ck.tensors() {
-        if !readers.get(t.name).copied().unwrap_or(false) {
+        if !dropped(t.name) && !reused_names.contains(t.name) {
             plan.push((TensorMeta::new(t.name, t.dtype, t.shape), None));
         }
         for q in at.get(t.name).into_iter().flatten() {
@@ -822,9 +834,10 @@ pub fn quantize_with(
     }
     let mut shard_meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     shard_meta.insert(CONFIG_KEY.into(), opts.method());
-    let mut w = CheckpointWriter::create(
+    let mut w = CheckpointWriter::create_reusing(
         out,
         plan.iter().map(|(m, _)| m.clone()).collect(),
+        reused.clone(),
         WriterOptions {
             force: opts.force,
             shard_metadata: shard_meta,
@@ -832,6 +845,7 @@ pub fn quantize_with(
             ..WriterOptions::default()
         },
     )?;
+    report.reused = w.reuse_stats();
     for (m, src) in &plan {
         let bytes = match src {
             Some((l, n)) => part_cks[l].tensor(n)?.bytes,

@@ -147,3 +147,83 @@ fn mlx_affine_experts_run_in_the_model() {
     }
     assert!(kls[1] < kls[0] && kls[2] < kls[1], "{kls:?}");
 }
+
+/// The bundled model rewritten in 1 MiB shards, tokenizer files and config beside it.
+fn resharded(out: &Path) {
+    use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
+    let ck = Checkpoint::open(&bundled()).unwrap();
+    let metas = ck
+        .tensors()
+        .map(|t| TensorMeta::new(t.name, t.dtype, t.shape))
+        .collect();
+    let opts = WriterOptions {
+        max_shard_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let mut w = CheckpointWriter::create(out, metas, opts).unwrap();
+    for t in ck.tensors() {
+        w.write_tensor(t.name, t.bytes).unwrap();
+    }
+    w.copy_file("config.json", &bundled().join("config.json"))
+        .unwrap();
+    for f in ck.aux_files().unwrap() {
+        let n = f.file_name().unwrap().to_string_lossy().to_string();
+        w.copy_file(&n, &f).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// A source shard none of whose tensors quant changes is hard-linked into the output, not
+/// copied: the output holds every tensor with the same bytes as a quant of the same model in
+/// one shard, its `SHA256SUMS` verifies, and the linked files share the source's inodes.
+#[test]
+fn untouched_shards_are_linked_and_the_output_is_the_same() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let im = imatrix(tmp.path());
+    let src = tmp.path().join("sharded");
+    resharded(&src);
+    let opts = QuantOptions {
+        format: QuantFormat::E8p2,
+        experts: ExpertSelection::Only([(4, BTreeSet::from([3]))].into_iter().collect()),
+        shard: (0, 1),
+        force: false,
+        mlx_bits: None,
+    };
+    let one = tmp.path().join("from-one-shard");
+    let r1 = quantize(&bundled(), &im, &one, &opts, &|_, _| {}).unwrap();
+    assert_eq!(r1.reused.linked_shards + r1.reused.copied_shards, 0);
+    let many = tmp.path().join("from-many-shards");
+    let r = quantize(&src, &im, &many, &opts, &|_, _| {}).unwrap();
+    let n_src = Checkpoint::open(&src).unwrap().shards().len();
+    assert!(
+        r.reused.linked_shards > 0 && r.reused.linked_shards < n_src,
+        "{:?} of {n_src} shards",
+        r.reused
+    );
+    assert_eq!(r.reused.copied_shards, 0);
+    let (a, b) = (
+        Checkpoint::open(&one).unwrap(),
+        Checkpoint::open(&many).unwrap(),
+    );
+    assert!(b.warnings().is_empty(), "{:?}", b.warnings());
+    assert_eq!(a.len(), b.len());
+    for t in a.tensors() {
+        let u = b.tensor(t.name).unwrap();
+        assert_eq!(
+            (t.dtype, t.shape, t.bytes),
+            (u.dtype, u.shape, u.bytes),
+            "{}",
+            t.name
+        );
+    }
+    assert!(keep_checkpoint::sums::verify_dir(&many).unwrap().passed());
+    let inodes = |dir: &Path| -> BTreeSet<u64> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().ino())
+            .collect()
+    };
+    let shared = inodes(&src).intersection(&inodes(&many)).count();
+    assert_eq!(shared, r.reused.linked_shards);
+}

@@ -65,6 +65,7 @@ pub fn run(a: PruneArgs) -> anyhow::Result<()> {
         r.tensors_sliced,
         r.tensors_dropped
     );
+    crate::util::print_reused(&r.reused);
     for (l, p) in &r.hash_remapped {
         println!("layer {l}: tid2eid rewritten through the {p} remap");
     }

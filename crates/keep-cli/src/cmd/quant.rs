@@ -195,6 +195,7 @@ pub fn run(a: QuantArgs) -> anyhow::Result<()> {
         r.tensors_quantized,
         r.bits_per_weight
     );
+    crate::util::print_reused(&r.reused);
     for (k, (s, n)) in mean {
         println!(
             "  mean imatrix-weighted relative error per expert, {k}: {:.5}",
