@@ -282,8 +282,28 @@ pub(crate) fn affine_groups(cols: usize) -> usize {
 }
 
 /// The kernels' dot product (see the module doc), written plainly: the scalar reference of the
-/// accumulation order every level follows.
+/// accumulation order every level follows. Every `mul_add` is one fused multiply-add whatever
+/// the CPU, so the result does not depend on where it runs; on a CPU with FMA the same code is
+/// compiled with it ([`dot_fma`]), where without it each `mul_add` would be a call into the
+/// software `fmaf`.
 pub fn dot(x: &[f32], w: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { dot_fma(x, w) };
+    }
+    dot_plain(x, w)
+}
+
+/// [`dot_plain`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_fma(x: &[f32], w: &[f32]) -> f32 {
+    dot_plain(x, w)
+}
+
+#[inline(always)]
+fn dot_plain(x: &[f32], w: &[f32]) -> f32 {
     let n = w.len();
     let x = &x[..n];
     let full = n / 16 * 16;
