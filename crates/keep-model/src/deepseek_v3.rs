@@ -651,6 +651,12 @@ impl LayerFamily for DeepseekV3 {
     ) -> Result<Box<dyn DecoderLayer + 'a>> {
         Ok(Box::new(DeepseekV3Layer::load(ck, cfg, layer)?))
     }
+
+    /// The compressed KV, `kv_lora_rank` a position (the RoPE key, smaller, is reserved
+    /// alike).
+    fn kv_floats(&self, cfg: &ModelConfig, _layer: usize, context: usize, _chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |c| context * c.kv_lora_rank)
+    }
 }
 
 impl DecoderLayer for DeepseekV3Layer<'_> {

@@ -28,6 +28,12 @@ pub fn layer_family(family: Family) -> Option<&'static dyn LayerFamily> {
     }
 }
 
+/// Whether `family`'s layers fit and apply sidecars: DeepSeek V4's do, a Hugging Face family's
+/// say so ([`LayerFamily::applies_sidecars`]).
+pub fn applies_sidecars(family: Family) -> bool {
+    layer_family(family).is_none_or(|f| f.applies_sidecars())
+}
+
 /// A Hugging Face family's decoder layer.
 pub struct FamilyLayer<'a>(Box<dyn DecoderLayer + 'a>);
 

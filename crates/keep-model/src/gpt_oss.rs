@@ -846,6 +846,17 @@ impl LayerFamily for GptOss {
         Ok(Box::new(GptOssLayer::load(ck, cfg, layer)?))
     }
 
+    /// Every position's keys and values; a sliding layer's window (the last `window - 1`
+    /// positions, plus a chunk appended before the oldest are dropped).
+    fn kv_floats(&self, cfg: &ModelConfig, layer: usize, context: usize, chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |g| {
+            let rows = g
+                .window(layer)
+                .map_or(context, |w| (w - 1 + chunk).min(context));
+            rows * g.num_key_value_heads * cfg.head_dim
+        })
+    }
+
     fn globals<'a>(&self, ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {
         globals(ck, cfg)
     }

@@ -405,6 +405,11 @@ impl LayerFamily for Qwen3Moe {
     ) -> Result<Box<dyn DecoderLayer + 'a>> {
         Ok(Box::new(Qwen3Layer::load(ck, cfg, layer)?))
     }
+
+    /// Every position's keys and values.
+    fn kv_floats(&self, cfg: &ModelConfig, _layer: usize, context: usize, _chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |q| context * q.num_key_value_heads * cfg.head_dim)
+    }
 }
 
 impl DecoderLayer for Qwen3Layer<'_> {
