@@ -642,6 +642,13 @@ fn swiglu_into(
 #[derive(Debug, Clone, Copy)]
 pub struct DeepseekV3;
 
+impl crate::config::Family {
+    /// The DeepSeek-V3 family's forward (the checkpoint family [`keep_checkpoint::deepseek_v3::DeepseekV3`]).
+    #[allow(non_upper_case_globals)]
+    pub const DeepseekV3: crate::config::Family =
+        crate::config::Family::HuggingFace(&keep_checkpoint::deepseek_v3::DeepseekV3);
+}
+
 impl LayerFamily for DeepseekV3 {
     fn load_layer<'a>(
         &self,

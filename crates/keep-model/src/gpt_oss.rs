@@ -836,6 +836,13 @@ impl ExpertSource for GptOssExperts<'_> {
 #[derive(Debug, Clone, Copy)]
 pub struct GptOss;
 
+impl crate::config::Family {
+    /// The gpt-oss family's forward (the checkpoint family [`keep_checkpoint::gpt_oss::GptOss`]).
+    #[allow(non_upper_case_globals)]
+    pub const GptOss: crate::config::Family =
+        crate::config::Family::HuggingFace(&keep_checkpoint::gpt_oss::GptOss);
+}
+
 impl LayerFamily for GptOss {
     fn load_layer<'a>(
         &self,
