@@ -44,7 +44,7 @@ use faer::linalg::solvers::Solve;
 use faer::{Accum, Mat, Par, Side};
 use keep_artifacts::plan::PrunePlan;
 use keep_checkpoint::Checkpoint;
-use keep_model::config::Family;
+use keep_model::family_layer::applies_sidecars;
 use keep_model::observer::{LinearInputEvent, RouteObserver};
 use keep_model::{CheckpointExperts, ExpertSource, Logits, Model, ModelConfig, Sidecar};
 use serde::Serialize;
@@ -540,10 +540,11 @@ pub fn fit(
 ) -> Result<SidecarFit> {
     let ck = Checkpoint::open(model)?;
     let cfg = ModelConfig::from_checkpoint(&ck)?;
-    if cfg.family == Family::Qwen3Moe {
+    if !applies_sidecars(cfg.family) {
         return Err(CalibError::Mismatch(format!(
-            "{} is a Qwen3-MoE model: sidecars are fitted and applied on DeepSeek-V4.1 / V4 models",
-            model.display()
+            "{} is a `{}` model, whose layers carry no sidecars: sidecars are fitted and applied on DeepSeek-V4.1 / V4 models",
+            model.display(),
+            cfg.raw.model_type
         )));
     }
     if let Some(t) = ck.tensors().find(|t| t.name.contains(".ffn.sidecar.")) {

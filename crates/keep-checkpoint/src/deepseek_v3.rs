@@ -1,12 +1,14 @@
 //! The DeepSeek-V3 family (`model_type` `deepseek_v3`: DeepSeek-V3, R1, V3.1, Kimi-K2) as keep
 //! sees it ([`DeepseekV3`]): its config and role view in `config::deepseek_v3`, the names only it
 //! has in `naming::deepseek_v3` (the rest are Hugging Face's Qwen3-style names), its tensor check
-//! in `layout::deepseek_v3`.
+//! in [`layout`].
+
+pub(crate) mod layout;
 
 pub use crate::config::deepseek_v3::{
     layer_prefix, DeepseekV3Config, Yarn, EMBED, HEAD, MODEL_TYPE, NORM,
 };
-pub use crate::layout::deepseek_v3::model_problems;
+pub use layout::model_problems;
 
 use serde_json::Value;
 

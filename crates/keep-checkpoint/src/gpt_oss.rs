@@ -1,13 +1,16 @@
 //! The gpt-oss family (`model_type` `gpt_oss`: gpt-oss-20b and gpt-oss-120b) as keep sees it
 //! ([`GptOss`]): its config, role view and MXFP4 expert stacks in `config::gpt_oss`, the names
 //! only it has in `naming::gpt_oss` (the rest are Hugging Face's Qwen3-style names), its tensor
-//! check and stack classification in `layout::gpt_oss`.
+//! check and its experts' matrices in [`layout`] (a `*_blocks` / `*_scales` pair is classified
+//! as MXFP4 by the shared `crate::layout`, by its names).
+
+pub(crate) mod layout;
 
 pub use crate::config::gpt_oss::{
     layer_prefix, GptOssConfig, Mxfp4Stack, Stack, Yarn, BLOCKS, EMBED, FULL, HEAD, MODEL_TYPE,
     NORM, SCALES, SLIDING,
 };
-pub use crate::layout::gpt_oss::model_problems;
+pub use layout::model_problems;
 
 use serde_json::Value;
 
@@ -79,7 +82,7 @@ impl Family for GptOss {
         expert: usize,
         mat: ExpertMat,
     ) -> Result<ExpertMatrix<'a>, String> {
-        crate::layout::gpt_oss::expert_matrix(ck, own(&cfg.gpt_oss, cfg)?, layer, expert, mat)
+        layout::expert_matrix(ck, own(&cfg.gpt_oss, cfg)?, layer, expert, mat)
     }
 
     fn coded_matrices(

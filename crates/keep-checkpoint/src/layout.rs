@@ -13,7 +13,7 @@
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0 [rows, cols/32]` | MXFP8 (FP8 block 1×32, E8M0) |
 //! | `F8_E4M3 [rows, cols]` | `F8_E8M0` or `F32` `[ceil(rows/b), ceil(cols/b)]` | FP8 b×b blocks; b from `quantization_config.weight_block_size` when it fits, else 32, 64, 128 or 256 |
 //! | `I8 [rows, cols/2]` | `F8_E8M0 [rows, cols/32]` | MXFP4 (DeepSeek's FP4 experts) |
-//! | `U8 [.., rows, cols/32, 16]` named `*_blocks` | `U8 [.., rows, cols/32]` named `*_scales` | MXFP4 (gpt-oss's expert stacks, `layout::gpt_oss`) |
+//! | `U8 [.., rows, cols/32, 16]` named `*_blocks` | `U8 [.., rows, cols/32]` named `*_scales` | MXFP4 (OpenAI's expert stacks; [`naming::MXFP4_BLOCKS`]) |
 //! | `U16 [rows, cols/8]` | `F32 [rows, 1]` | E8P12 lattice codes (`keep quant`) |
 //! | `U8 [rows, cols/8]`, named `*.resid.weight` | `F32 [rows, 1]` | E81B residual stage codes (`keep quant`) |
 //! | `U32 [rows, cols·bits/32]` | `BF16 [rows, cols/64]` named `*.scales` | MLX affine, `bits` ∈ {2, 3, 4, 8}, group 64 (mlx-lm's files, `keep quant --format mlxN`) |
@@ -30,14 +30,12 @@
 //! Refused, with the reason: an FP8 or I8 weight without a scale, a scale on any other weight
 //! dtype, a scale that is not 2-D, a scale grid no block shape fits, and `U8` scales or packed
 //! weights (DeepSeek and mlx-lm's loader store E8M0 scales as `F8_E8M0` and FP4 as `I8`; a
-//! `U8` tensor says nothing about what its bytes are, except in gpt-oss's named
+//! `U8` tensor says nothing about what its bytes are, except in the named stacked MXFP4
 //! `*_blocks` / `*_scales` pairs). Scales are looked up as `<base>.scale`,
 //! then `<base>.weight_scale_inv` (V3 naming) ([`scale_of`]).
 
 use crate::naming;
 
-pub(crate) mod deepseek_v3;
-pub(crate) mod gpt_oss;
 pub(crate) mod qwen3;
 pub mod registered;
 use crate::{Checkpoint, DeepSeekConfig, Dtype, TensorRef};
@@ -221,6 +219,44 @@ fn dims(t: &TensorRef) -> Vec<usize> {
     t.shape.iter().map(|&d| d as usize).collect()
 }
 
+/// The classification of a stacked MXFP4 weight (or one expert's slice of it): `*_blocks`
+/// ([`naming::MXFP4_BLOCKS`]) `U8 [.., rows, cols/32, 16]` with its `*_scales`
+/// ([`naming::MXFP4_SCALES`]) `U8 [.., rows, cols/32]` is MXFP4 of `prod(..)·rows` rows and
+/// `cols` columns (`None`: not such a pair; the general classification decides). A `U8` tensor
+/// says what its bytes are by these names, as OpenAI publishes its expert stacks.
+fn mxfp4_stack<'a>(
+    weight: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+) -> Option<Result<WeightLayout<'a>, String>> {
+    let s = scale?;
+    let base = weight.name.strip_suffix(naming::MXFP4_BLOCKS)?;
+    if s.name.strip_suffix(naming::MXFP4_SCALES) != Some(base) {
+        return None;
+    }
+    let (w, sc) = (weight.shape, s.shape);
+    let ok = matches!(weight.dtype, Dtype::U8 | Dtype::I8)
+        && matches!(s.dtype, Dtype::U8 | Dtype::F8_E8M0)
+        && w.len() >= 3
+        && w.last() == Some(&16)
+        && sc == &w[..w.len() - 1];
+    if !ok {
+        return Some(Err(format!(
+            "MXFP4 blocks {} {:?} with scales `{}` {} {:?}: expected U8 [.., rows, columns/32, \
+             16] and U8 [.., rows, columns/32]",
+            weight.dtype, w, s.name, s.dtype, sc
+        )));
+    }
+    let g = sc[sc.len() - 1] as usize;
+    let rows = sc[..sc.len() - 1].iter().product::<u64>() as usize;
+    Some(Ok(WeightLayout {
+        weight,
+        scale,
+        layout: Layout::Mxfp4,
+        rows,
+        cols: g * 32,
+    }))
+}
+
 /// Classify a weight from its dtype and its scale's dtype and shape (`block_hint`: the config's
 /// `weight_block_size`). The error says why keep cannot read it.
 pub fn classify<'a>(
@@ -228,7 +264,7 @@ pub fn classify<'a>(
     scale: Option<TensorRef<'a>>,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
-    if let Some(l) = gpt_oss::classify_stack(weight, scale) {
+    if let Some(l) = mxfp4_stack(weight, scale) {
         return l;
     }
     if let Some(l) = registered::classify(weight, scale) {
@@ -383,8 +419,8 @@ pub fn classify_as<'a>(
     cols: usize,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightLayout<'a>, String> {
-    // gpt-oss's MXFP4 blocks are `[rows, cols/32, 16]` an expert (`gpt_oss::classify_stack`).
-    let stack = weight.shape.len() == 3 && weight.name.ends_with(crate::config::gpt_oss::BLOCKS);
+    // A stacked MXFP4 weight's blocks are `[rows, cols/32, 16]` an expert ([`mxfp4_stack`]).
+    let stack = weight.shape.len() == 3 && weight.name.ends_with(naming::MXFP4_BLOCKS);
     if weight.shape.len() != 2 && !stack {
         return Err(format!(
             "has shape {:?}, expected a [{rows}, {cols}] matrix",
@@ -500,9 +536,9 @@ pub fn expert_slice(t: TensorRef<'_>, e: usize, n: usize) -> Result<TensorRef<'_
 /// Matrix `mat` of routed expert `expert` of `layer`, wherever the checkpoint keeps it:
 /// DeepSeek's `layers.L.ffn.experts.E.wN`, Hugging Face's Qwen3-MoE `mlp.experts.E.*_proj`, or
 /// the `E`-th slice of mlx-lm's stacked `mlp.switch_mlp.*_proj` (weight, `.scales` and
-/// `.biases` sliced alike), or gpt-oss's slices of its MXFP4 stacks (`W1` the interleaved
-/// gate-up matrix, no `W3`; `layout::gpt_oss`). Names and shapes only; the layout is checked by
-/// the caller.
+/// `.biases` sliced alike), or a family's slices of its MXFP4 stacks (`W1` the interleaved
+/// gate-up matrix, no `W3`), as the family answers ([`crate::family::Family::expert_matrix`]).
+/// Names and shapes only; the layout is checked by the caller.
 pub fn expert_matrix<'a>(
     ck: &'a Checkpoint,
     cfg: &DeepSeekConfig,

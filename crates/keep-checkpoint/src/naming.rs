@@ -157,8 +157,8 @@ impl TensorName {
 }
 
 /// Parse any tensor name, DeepSeek V4's or (under `model.` / `lm_head.`) a Hugging Face
-/// family's: the names only DeepSeek-V3 has through [`deepseek_v3::parse_name`], the rest
-/// through [`qwen3::parse`] (which asks the gpt-oss module for the names only gpt-oss has).
+/// family's: the names only one Hugging Face family has through that family's `parse_name`,
+/// the rest through [`qwen3::parse`] (Hugging Face's Qwen3-style names the families share).
 /// Never fails: unrecognised names get [`Role::Unknown`].
 pub fn parse(name: &str) -> TensorName {
     // A registered format's parts (`.weight_packed`, `.weight_scale`, ...) are the weight's
@@ -168,10 +168,13 @@ pub fn parse(name: &str) -> TensorName {
         n.part = if i == 0 { Part::Weight } else { Part::Scale };
         return n;
     }
-    // Hugging Face's `model.`-rooted tree (Qwen3-MoE, DeepSeek-V3, gpt-oss) is its family
-    // modules' to name; DeepSeek V4's own names never start so.
+    // Hugging Face's `model.`-rooted tree is its family modules' to name; DeepSeek V4's own
+    // names never start so. A name is parsed without its config, so by its tree, not by the
+    // family registry (which sits above this module).
     if name.starts_with("model.") || name.starts_with("lm_head.") {
-        return deepseek_v3::parse_name(name).unwrap_or_else(|| qwen3::parse(name));
+        return deepseek_v3::parse_name(name)
+            .or_else(|| gpt_oss::parse_name(name))
+            .unwrap_or_else(|| qwen3::parse(name));
     }
     let part = if name.ends_with(".weight") {
         Part::Weight
@@ -314,6 +317,12 @@ pub fn engram_table(layer: usize, part: &str) -> String {
 pub const MLX_SCALES: &str = ".scales";
 /// How an MLX affine weight's biases are named (`<base>.biases`).
 pub const MLX_BIASES: &str = ".biases";
+/// How a stacked MXFP4 weight's packed FP4 tensor is named (`<base>_blocks`, `U8 [.., rows,
+/// cols/32, 16]`, as OpenAI publishes its expert stacks; `layout` classifies the pair).
+pub const MXFP4_BLOCKS: &str = "_blocks";
+/// How a stacked MXFP4 weight's E8M0 scale tensor is named (`<base>_scales`, its blocks'
+/// scale partner).
+pub const MXFP4_SCALES: &str = "_scales";
 
 /// The possible names of the scale tensor that belongs to weight `name` (V4 `.scale`, then V3
 /// `.weight_scale_inv`, then MLX's `.scales`); empty for a name that is not a `.weight`.
@@ -326,8 +335,8 @@ pub fn scale_candidates(name: &str) -> Vec<String> {
             .into_iter()
             .collect();
     }
-    if let Some(s) = name.strip_suffix(gpt_oss::BLOCKS) {
-        return vec![format!("{s}{}", gpt_oss::SCALES)];
+    if let Some(s) = name.strip_suffix(MXFP4_BLOCKS) {
+        return vec![format!("{s}{MXFP4_SCALES}")];
     }
     match name.strip_suffix(".weight") {
         Some(s) => vec![
@@ -353,8 +362,8 @@ pub fn weight_of_scale(name: &str) -> Option<String> {
     if let Some(s) = name.strip_suffix(".weight_scale_inv") {
         return Some(format!("{s}.weight"));
     }
-    if let Some(s) = name.strip_suffix(gpt_oss::SCALES) {
-        return Some(format!("{s}{}", gpt_oss::BLOCKS));
+    if let Some(s) = name.strip_suffix(MXFP4_SCALES) {
+        return Some(format!("{s}{MXFP4_BLOCKS}"));
     }
     name.strip_suffix(".scale")
         .or_else(|| name.strip_suffix(MLX_SCALES))

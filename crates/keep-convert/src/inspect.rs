@@ -196,8 +196,8 @@ pub fn inspect(ck: &Checkpoint) -> Report {
         if let Role::RoutedExpert { expert, .. } = name.role {
             experts.entry(name.scope).or_default().insert(expert);
         }
-        // mlx-lm's stacked `switch_mlp` (3-D) and gpt-oss's MXFP4 `*_blocks` (4-D): every slice of
-        // the first axis is an expert.
+        // mlx-lm's stacked `switch_mlp` (3-D) and the MXFP4 `*_blocks` stacks (4-D): every slice
+        // of the first axis is an expert.
         let stacked = match (name.role.clone(), t.shape.first()) {
             (Role::StackedExperts(_), Some(&n))
                 if name.part == Part::Weight && t.shape.len() >= 3 =>

@@ -2,8 +2,8 @@
 //!
 //! Pruned experts are dropped and survivors renumbered `0..E'-1` in their original order; the
 //! router's `gate.weight` rows and `gate.bias` / `gate.bias_vl` entries (DeepSeek-V3's
-//! `e_score_correction_bias`, gpt-oss's `router.bias`) are sliced to the survivors; the family's
-//! expert count in config.json (`n_routed_experts`, Qwen3-MoE's `num_experts`, gpt-oss's
+//! `e_score_correction_bias`, a `router.bias`) are sliced to the survivors; the family's expert
+//! count in config.json (its `experts_key`: `n_routed_experts`, Qwen3-MoE's `num_experts`,
 //! `num_local_experts`) becomes `E'`. The family names the experts' tensors
 //! ([`keep_checkpoint::DeepSeekConfig::expert_prefix`]) and says whether its router takes the
 //! survivors ([`keep_checkpoint::DeepSeekConfig::check_survivors`]: DeepSeek-V3's

@@ -36,8 +36,8 @@ impl Model<'_> {
             return Ok(vec![]);
         }
         if cfg.family.is_hugging_face() {
-            // Qwen3-MoE, DeepSeek-V3 and gpt-oss have no batched step yet: one sequence at a time
-            // (the same logits, one weight read per sequence).
+            // The Hugging Face families have no batched step: one sequence at a time (the
+            // same logits, one weight read per sequence).
             let mut out = Vec::with_capacity(tokens.len() * cfg.vocab);
             for (&t, c) in tokens.iter().zip(caches.iter_mut()) {
                 out.extend(self.forward(&[t], c, crate::Logits::Last, None)?);

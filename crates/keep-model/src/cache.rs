@@ -23,8 +23,9 @@ pub struct LayerCache {
     pub n_pending: usize,
     /// DeepSeek-V4: the layer's own compressor and indexer state.
     pub v4: V4Cache,
-    /// Qwen3-MoE: every position's keys and values.
-    pub qwen3: KvRows,
+    /// A Hugging Face family's layer: the keys and values it keeps (every position's, a sliding
+    /// window's, or a latent attention's compressed KV and RoPE key).
+    pub kv_rows: KvRows,
 }
 
 impl LayerCache {
@@ -36,7 +37,7 @@ impl LayerCache {
             + self.pending_kv.len()
             + self.pending_gate.len())
             + self.v4.nbytes()
-            + self.qwen3.nbytes()
+            + self.kv_rows.nbytes()
     }
 
     /// Bytes reserved (capacity of every buffer).
@@ -47,7 +48,7 @@ impl LayerCache {
             + self.pending_kv.capacity()
             + self.pending_gate.capacity())
             + self.v4.capacity_bytes()
-            + self.qwen3.capacity_bytes()
+            + self.kv_rows.capacity_bytes()
     }
 }
 

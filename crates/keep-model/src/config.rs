@@ -13,8 +13,12 @@ use keep_checkpoint::DeepSeekConfig;
 
 use crate::{ModelError, Result};
 
-/// Which forward a checkpoint runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which forward a checkpoint runs: DeepSeek V4.1's, V4's, or a Hugging Face family's (its
+/// decoder-layer side found by [`crate::family_layer::layer_family`]). Each Hugging Face
+/// family names its value in its own module (`Family::Qwen3Moe` in [`crate::qwen3`], and so
+/// on): an associated constant of [`Family::HuggingFace`] with the family keep-checkpoint read
+/// the config by.
+#[derive(Clone, Copy)]
 pub enum Family {
     /// DeepSeek-V4.1 (mlx-lm `deepseek_v41`): shared compressed KV, delayed hyper-connection
     /// pre-mix, fake-quantised KV.
@@ -22,35 +26,54 @@ pub enum Family {
     /// DeepSeek-V4 / V4-Flash (transformers `deepseek_v4`): per-layer CSA (ratio 4, overlapping
     /// windows + indexer) / HCA (other ratios) compressors, hash-routed first layers.
     V4,
-    /// Qwen3-MoE (mlx-lm `qwen3_moe`, [`crate::qwen3`]): GQA with q/k norms, softmax top-k
-    /// router, no shared expert; one residual stream (`hc` = 1).
-    Qwen3Moe,
-    /// DeepSeek-V3 / R1 / V3.1 / Kimi-K2 (`deepseek_v3`, [`crate::deepseek_v3`]): multi-head
-    /// latent attention, group-limited sigmoid router with shared experts; one residual stream.
-    DeepseekV3,
-    /// gpt-oss-20b / 120b (`gpt_oss`, [`crate::gpt_oss`]): GQA with attention sinks,
-    /// alternating sliding and full layers, MXFP4 experts with biases and a clamped SwiGLU;
-    /// one residual stream.
-    GptOss,
+    /// A Hugging Face family (one residual stream, `hc` = 1; its layers a
+    /// [`crate::family::DecoderLayer`]): the checkpoint family that read the config.
+    HuggingFace(&'static dyn keep_checkpoint::family::Family),
+}
+
+impl PartialEq for Family {
+    fn eq(&self, other: &Family) -> bool {
+        match (self, other) {
+            (Family::V41, Family::V41) | (Family::V4, Family::V4) => true,
+            (Family::HuggingFace(a), Family::HuggingFace(b)) => a.name() == b.name(),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Family {}
+
+/// A Hugging Face family shows as its checkpoint family's type (`Qwen3Moe`, ...), as the
+/// associated constant that names it.
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Family::V41 => f.write_str("V41"),
+            Family::V4 => f.write_str("V4"),
+            Family::HuggingFace(c) => c.fmt(f),
+        }
+    }
 }
 
 impl Family {
-    /// The model family of a checkpoint config: the one of the checkpoint family that read it
-    /// ([`DeepSeekConfig::family`]), DeepSeek V4 or V4.1 by its `model_type`.
+    /// The model family of a checkpoint config: the checkpoint family that read it
+    /// ([`DeepSeekConfig::family`]) when it is a Hugging Face one, else DeepSeek V4 or V4.1 by
+    /// its `model_type`.
     pub fn of(c: &DeepSeekConfig) -> Family {
-        match c.family().name() {
-            keep_checkpoint::qwen3::MODEL_TYPE => Family::Qwen3Moe,
-            keep_checkpoint::deepseek_v3::MODEL_TYPE => Family::DeepseekV3,
-            keep_checkpoint::gpt_oss::MODEL_TYPE => Family::GptOss,
-            _ if c.model_type == "deepseek_v4" => Family::V4,
-            _ => Family::V41,
+        let f = c.family();
+        if !f.is_deepseek_v4() {
+            Family::HuggingFace(f)
+        } else if c.model_type == "deepseek_v4" {
+            Family::V4
+        } else {
+            Family::V41
         }
     }
 
-    /// Whether the family is a Hugging Face one (Qwen3-MoE, DeepSeek-V3, gpt-oss: one
-    /// residual stream, its layers a [`crate::family::DecoderLayer`]).
+    /// Whether the family is a Hugging Face one (one residual stream, its layers a
+    /// [`crate::family::DecoderLayer`]).
     pub fn is_hugging_face(self) -> bool {
-        !matches!(self, Family::V41 | Family::V4)
+        matches!(self, Family::HuggingFace(_))
     }
 }
 

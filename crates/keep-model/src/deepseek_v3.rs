@@ -642,6 +642,13 @@ fn swiglu_into(
 #[derive(Debug, Clone, Copy)]
 pub struct DeepseekV3;
 
+impl crate::config::Family {
+    /// The DeepSeek-V3 family's forward (the checkpoint family [`keep_checkpoint::deepseek_v3::DeepseekV3`]).
+    #[allow(non_upper_case_globals)]
+    pub const DeepseekV3: crate::config::Family =
+        crate::config::Family::HuggingFace(&keep_checkpoint::deepseek_v3::DeepseekV3);
+}
+
 impl LayerFamily for DeepseekV3 {
     fn load_layer<'a>(
         &self,
@@ -650,6 +657,12 @@ impl LayerFamily for DeepseekV3 {
         layer: usize,
     ) -> Result<Box<dyn DecoderLayer + 'a>> {
         Ok(Box::new(DeepseekV3Layer::load(ck, cfg, layer)?))
+    }
+
+    /// The compressed KV, `kv_lora_rank` a position (the RoPE key, smaller, is reserved
+    /// alike).
+    fn kv_floats(&self, cfg: &ModelConfig, _layer: usize, context: usize, _chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |c| context * c.kv_lora_rank)
     }
 }
 

@@ -27,7 +27,7 @@ use keep_checkpoint::Checkpoint;
 use keep_kernels::hadamard::Rht;
 use keep_kernels::WeightView;
 
-use crate::config::{Family, ModelConfig};
+use crate::config::ModelConfig;
 use crate::weights::weight;
 use crate::{ModelError, Result};
 
@@ -109,7 +109,7 @@ pub fn expert_rht(
 
 /// The transforms of routed expert `expert` of `layer`, the matrices named as the family
 /// codes them (keep-checkpoint's `coded_matrices`: DeepSeek V4's, Hugging Face's per-expert
-/// names, gpt-oss's gate-up and down matrices).
+/// names, or the matrices of a family whose gate and up rows are one interleaved matrix).
 pub fn coded_rht(
     map: &BTreeMap<String, Incoherence>,
     cfg: &keep_checkpoint::DeepSeekConfig,
@@ -391,7 +391,16 @@ impl<'a> CheckpointExperts<'a> {
                     });
                     continue;
                 }
-                if matches!(cfg.family, Family::Qwen3Moe | Family::DeepseekV3) {
+                // A Hugging Face family that names its experts one by one (its own tensors or
+                // slices of a stack, by keep-checkpoint's `expert_matrix`); DeepSeek V4's are
+                // read by name below (a family whose experts are only stacked reads them
+                // through its own source, `LayerFamily::experts`).
+                let named = cfg.family.is_hugging_face()
+                    && cfg
+                        .raw
+                        .expert_tensor(l, x, keep_checkpoint::naming::ExpertMat::W1, "weight")
+                        .is_some();
+                if named {
                     if !cfg.raw.is_moe_layer(l) {
                         // A dense layer has no routed experts.
                         experts.push(ExpertWeights {

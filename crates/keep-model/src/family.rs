@@ -1,7 +1,8 @@
-//! The decoder-layer side of a Hugging Face model family (Qwen3-MoE, DeepSeek-V3, gpt-oss):
-//! [`LayerFamily`] loads a family's decoder layer, its embedding, norm and head, and the source
-//! its layers read routed experts from; [`DecoderLayer`] is one loaded layer's forward over the
-//! engine's shared pieces (`WeightView`s, the router, the [`ExpertSource`], the observers).
+//! The decoder-layer side of a Hugging Face model family (each listed in
+//! [`crate::family_layer::layer_family`]): [`LayerFamily`] loads a family's decoder layer, its
+//! embedding, norm and head, and the source its layers read routed experts from, and sizes the
+//! KV its layers keep; [`DecoderLayer`] is one loaded layer's forward over the engine's shared
+//! pieces (`WeightView`s, the router, the [`ExpertSource`], the observers).
 //!
 //! Each family implements both in its own module; [`crate::family_layer::layer_family`] lists
 //! them and picks the family of a config. The calls are
@@ -84,5 +85,17 @@ pub trait LayerFamily: Sync {
         layers: Range<usize>,
     ) -> Result<Box<dyn ExpertSource + 'a>> {
         Ok(Box::new(CheckpointExperts::for_layers(ck, cfg, layers)?))
+    }
+
+    /// The floats of keys (and as many of values) that decoder layer `layer`'s [`KvRows`] can
+    /// hold in a run of `context` tokens whose forwards are at most `chunk` tokens long: what
+    /// [`crate::Cache::for_context`] reserves (`ModelConfig::cache_rows`).
+    fn kv_floats(&self, cfg: &ModelConfig, layer: usize, context: usize, chunk: usize) -> usize;
+
+    /// Whether the family's layers fit and apply sidecars (`keep sidecar`: a low-rank map
+    /// beside a pruned layer's experts). By default they do not: only DeepSeek V4's layers
+    /// ([`crate::layer::LayerWeights`]) carry one.
+    fn applies_sidecars(&self) -> bool {
+        false
     }
 }

@@ -17,15 +17,27 @@ use crate::observer::RouteObserver;
 use crate::scratch::Scratch;
 use crate::Result;
 
+/// Every Hugging Face family the model runs, with its decoder-layer side: a new family is one
+/// line here.
+static LAYER_FAMILIES: &[(Family, &dyn LayerFamily)] = &[
+    (Family::Qwen3Moe, &crate::qwen3::Qwen3Moe),
+    (Family::DeepseekV3, &crate::deepseek_v3::DeepseekV3),
+    (Family::GptOss, &crate::gpt_oss::GptOss),
+];
+
 /// The decoder-layer side of `family`; `None` for DeepSeek V4 / V4.1 (whose layers are
 /// [`crate::layer::LayerWeights`]).
 pub fn layer_family(family: Family) -> Option<&'static dyn LayerFamily> {
-    match family {
-        Family::Qwen3Moe => Some(&crate::qwen3::Qwen3Moe),
-        Family::DeepseekV3 => Some(&crate::deepseek_v3::DeepseekV3),
-        Family::GptOss => Some(&crate::gpt_oss::GptOss),
-        Family::V41 | Family::V4 => None,
-    }
+    LAYER_FAMILIES
+        .iter()
+        .find(|(f, _)| *f == family)
+        .map(|&(_, l)| l)
+}
+
+/// Whether `family`'s layers fit and apply sidecars: DeepSeek V4's do, a Hugging Face family's
+/// say so ([`LayerFamily::applies_sidecars`]).
+pub fn applies_sidecars(family: Family) -> bool {
+    layer_family(family).is_none_or(|f| f.applies_sidecars())
 }
 
 /// A Hugging Face family's decoder layer.
@@ -115,5 +127,32 @@ impl<'a> FamilyLayer<'a> {
     ) -> Result<()> {
         self.0
             .forward_into(cfg, experts, mask, x, start_pos, kv, obs, sc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every Hugging Face family keep-checkpoint reads has a decoder-layer side here, listed
+    /// once, and shows as its checkpoint family's type.
+    #[test]
+    fn every_hugging_face_family_has_layers() {
+        for &f in keep_checkpoint::families::FAMILIES {
+            if f.is_deepseek_v4() {
+                continue;
+            }
+            let family = Family::HuggingFace(f);
+            assert!(layer_family(family).is_some(), "{} has no layers", f.name());
+            assert_eq!(format!("{family:?}"), format!("{f:?}"));
+        }
+        for (i, (a, _)) in LAYER_FAMILIES.iter().enumerate() {
+            assert!(a.is_hugging_face());
+            assert!(
+                LAYER_FAMILIES[..i].iter().all(|(b, _)| b != a),
+                "{a:?} twice"
+            );
+        }
+        assert!(layer_family(Family::V4).is_none() && layer_family(Family::V41).is_none());
     }
 }

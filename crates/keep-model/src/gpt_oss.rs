@@ -836,6 +836,13 @@ impl ExpertSource for GptOssExperts<'_> {
 #[derive(Debug, Clone, Copy)]
 pub struct GptOss;
 
+impl crate::config::Family {
+    /// The gpt-oss family's forward (the checkpoint family [`keep_checkpoint::gpt_oss::GptOss`]).
+    #[allow(non_upper_case_globals)]
+    pub const GptOss: crate::config::Family =
+        crate::config::Family::HuggingFace(&keep_checkpoint::gpt_oss::GptOss);
+}
+
 impl LayerFamily for GptOss {
     fn load_layer<'a>(
         &self,
@@ -844,6 +851,17 @@ impl LayerFamily for GptOss {
         layer: usize,
     ) -> Result<Box<dyn DecoderLayer + 'a>> {
         Ok(Box::new(GptOssLayer::load(ck, cfg, layer)?))
+    }
+
+    /// Every position's keys and values; a sliding layer's window (the last `window - 1`
+    /// positions, plus a chunk appended before the oldest are dropped).
+    fn kv_floats(&self, cfg: &ModelConfig, layer: usize, context: usize, chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |g| {
+            let rows = g
+                .window(layer)
+                .map_or(context, |w| (w - 1 + chunk).min(context));
+            rows * g.num_key_value_heads * cfg.head_dim
+        })
     }
 
     fn globals<'a>(&self, ck: &'a Checkpoint, cfg: &ModelConfig) -> Result<Globals<'a>> {

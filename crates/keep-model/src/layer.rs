@@ -1474,8 +1474,8 @@ pub fn route_with(
 /// grouped by expert, each expert's chunk multiplied together (one kernel pass for all gate and
 /// up projections, one for all down projections), `act(gate, up)` between them, the observer
 /// told every expert input and output. Writes each route's output into `ys`, `[t × top_k ×
-/// dim]` (row i, slot s), unweighted, its intermediates in `es`. Every family's MoE layer but
-/// gpt-oss's (whose experts carry biases) runs its experts through this.
+/// dim]` (row i, slot s), unweighted, its intermediates in `es`. Every family's MoE layer runs
+/// its experts through this, but one whose experts carry biases (its own expert loop).
 /// With a tiered source ([`ExpertSource::tiers`]) each slot's rung is chosen first (in token
 /// then slot order), the routes are grouped by (expert, rung), base before upper, the views come
 /// from [`ExpertSource::experts_at`] and the observer is told the rungs ([`RungEvent`]).

@@ -21,6 +21,7 @@
 
 use crate::cache::{Cache, LayerCache};
 use crate::config::{Family, ModelConfig};
+use crate::family_layer::layer_family;
 use crate::model::Logits;
 
 /// The chunk size lives with the config that carries it (re-exported here, where the memory it
@@ -68,8 +69,9 @@ pub struct LayerCacheRows {
     /// floats.
     pub v4_kv: [usize; 3],
     pub v4_index: [usize; 3],
-    /// Qwen3-MoE: floats of every position's keys, and as many of values.
-    pub qwen3_kv: usize,
+    /// A Hugging Face family: floats of the keys its layer keeps, and as many of values
+    /// ([`LayerFamily::kv_floats`](crate::family::LayerFamily::kv_floats)).
+    pub kv_rows: usize,
 }
 
 impl ModelConfig {
@@ -82,29 +84,10 @@ impl ModelConfig {
             window: self.window.min(context) + chunk,
             ..Default::default()
         };
-        if matches!(self.family, Family::Qwen3Moe | Family::GptOss) {
-            // Every position's keys and values; a gpt-oss sliding layer's window (the last
-            // `window - 1` positions, plus a chunk appended before the oldest are dropped).
-            let (kv, rows) = match (&self.raw.qwen3, &self.raw.gpt_oss) {
-                (Some(q), _) => (q.num_key_value_heads, context),
-                (_, Some(g)) => (
-                    g.num_key_value_heads,
-                    g.window(layer)
-                        .map_or(context, |w| (w - 1 + chunk).min(context)),
-                ),
-                _ => (0, context),
-            };
+        if let Some(f) = layer_family(self.family) {
+            // The family's layers keep their keys and values as the family sizes them.
             return LayerCacheRows {
-                qwen3_kv: rows * kv * self.head_dim,
-                ..Default::default()
-            };
-        }
-        if self.family == Family::DeepseekV3 {
-            // The compressed KV, `kv_lora_rank` a position (the RoPE key, smaller, is
-            // reserved alike).
-            let kvl = self.raw.deepseek_v3.as_ref().map_or(0, |c| c.kv_lora_rank);
-            return LayerCacheRows {
-                qwen3_kv: context * kvl,
+                kv_rows: f.kv_floats(self, layer, context, chunk),
                 ..Default::default()
             };
         }
@@ -112,33 +95,30 @@ impl ModelConfig {
         if ratio == 0 {
             return r;
         }
-        match self.family {
-            Family::V41 => {
-                if roles.kv_source {
-                    r.compress_kv = context / ratio;
-                    if ratio > 1 {
-                        r.pending = ratio - 1 + chunk;
-                    }
-                    if roles.index_source {
-                        r.index_k = context / ratio;
-                    }
+        // V4.1 and V4 (the Hugging Face families' rows returned above).
+        if self.family == Family::V41 {
+            if roles.kv_source {
+                r.compress_kv = context / ratio;
+                if ratio > 1 {
+                    r.pending = ratio - 1 + chunk;
+                }
+                if roles.index_source {
+                    r.index_k = context / ratio;
                 }
             }
-            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss => {}
-            Family::V4 => {
-                let csa = ratio == 4;
-                let pool = |dim_out: usize, overlap: bool| {
-                    let w = if overlap { 2 * dim_out } else { dim_out };
-                    [
-                        (ratio - 1 + chunk) * w,
-                        if overlap { ratio * w } else { 0 },
-                        (context / ratio) * dim_out,
-                    ]
-                };
-                r.v4_kv = pool(self.head_dim, csa);
-                if csa {
-                    r.v4_index = pool(self.index_head_dim, true);
-                }
+        } else if self.family == Family::V4 {
+            let csa = ratio == 4;
+            let pool = |dim_out: usize, overlap: bool| {
+                let w = if overlap { 2 * dim_out } else { dim_out };
+                [
+                    (ratio - 1 + chunk) * w,
+                    if overlap { ratio * w } else { 0 },
+                    (context / ratio) * dim_out,
+                ]
+            };
+            r.v4_kv = pool(self.head_dim, csa);
+            if csa {
+                r.v4_index = pool(self.index_head_dim, true);
             }
         }
         r
@@ -159,7 +139,7 @@ impl ModelConfig {
                 + r.v4_kv[2] as u64
                 + 2 * (r.v4_index[0] + r.v4_index[1]) as u64
                 + r.v4_index[2] as u64
-                + 2 * r.qwen3_kv as u64;
+                + 2 * r.kv_rows as u64;
             total = total.saturating_add(floats * F);
         }
         // Engram's n-gram look-back (a few token ids) and the per-layer headers.
@@ -259,19 +239,16 @@ impl ModelConfig {
             Logits::None => 0,
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
-        // Qwen3-MoE's attention: q, k, v, the attention output and one head's scores over
-        // the whole context (the DeepSeek terms above bound the rest); DeepSeek-V3's latent
-        // attention holds less (q and the output per head, one head's `kv_b_proj` rows).
-        let qwen3 = if matches!(
-            self.family,
-            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss
-        ) {
+        // A Hugging Face family's attention: q, k, v, the attention output and one head's scores
+        // over the whole context (the DeepSeek terms above bound the rest); a latent attention
+        // holds less (q and the output per head, one head's `kv_b_proj` rows).
+        let family_attn = if self.family.is_hugging_face() {
             3 * t * h * hd * F + t * d * F + (context as u64 + t) * F + hd * F
         } else {
             0
         };
         streams
-            + qwen3
+            + family_attn
             + hc_mix
             + attn
             + comp
@@ -318,8 +295,8 @@ impl Cache {
             lc.index_k.reserve_exact(r.index_k * ihd);
             lc.pending_kv.reserve_exact(r.pending * hd);
             lc.pending_gate.reserve_exact(r.pending * hd);
-            lc.qwen3.k.reserve_exact(r.qwen3_kv);
-            lc.qwen3.v.reserve_exact(r.qwen3_kv);
+            lc.kv_rows.k.reserve_exact(r.kv_rows);
+            lc.kv_rows.v.reserve_exact(r.kv_rows);
             for (st, rows) in [(&mut lc.v4.kv, r.v4_kv), (&mut lc.v4.index, r.v4_index)] {
                 st.pending_kv.reserve_exact(rows[0]);
                 st.pending_gate.reserve_exact(rows[0]);

@@ -72,8 +72,7 @@ pub struct Model<'a> {
     pub(crate) masks: Vec<Option<Vec<bool>>>,
     /// Engram layers (`None` without `engram_layer_ids`).
     pub engram: Option<Engram<'a>>,
-    /// A Hugging Face family's decoder layers (Qwen3-MoE, DeepSeek-V3, gpt-oss; `layers` is
-    /// then empty).
+    /// A Hugging Face family's decoder layers (`layers` is then empty).
     pub family_layers: Vec<FamilyLayer<'a>>,
     /// The MTP drafter, once attached ([`Model::attach_mtp`]).
     pub(crate) mtp: Option<Box<crate::mtp::Drafter<'a>>>,
@@ -378,8 +377,8 @@ impl<'a> Model<'a> {
         self.globals.embed_into(&self.cfg, tokens, s)?;
         s.check_finite(|| "the embedding".into())?;
         if self.cfg.family.is_hugging_face() {
-            // A Hugging Face family's layers (DeepSeek-V3's compressed KV, like the others' KV,
-            // lives in each layer's `qwen3` rows).
+            // A Hugging Face family's layers (whatever KV the family keeps, a latent attention's
+            // compressed KV included, lives in each layer's `kv_rows`).
             for lw in &self.family_layers {
                 let l = lw.layer();
                 lw.forward_into(
@@ -388,7 +387,7 @@ impl<'a> Model<'a> {
                     self.masks[l].as_deref(),
                     &mut s.x,
                     cache.pos,
-                    &mut cache.layers[l].qwen3,
+                    &mut cache.layers[l].kv_rows,
                     obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
                     &mut shared.scratch,
                 )?;

@@ -396,6 +396,13 @@ pub fn family_config(cfg: &ModelConfig) -> Result<&keep_checkpoint::qwen3::Qwen3
 #[derive(Debug, Clone, Copy)]
 pub struct Qwen3Moe;
 
+impl crate::config::Family {
+    /// The Qwen3-MoE family's forward (the checkpoint family [`keep_checkpoint::qwen3::Qwen3Moe`]).
+    #[allow(non_upper_case_globals)]
+    pub const Qwen3Moe: crate::config::Family =
+        crate::config::Family::HuggingFace(&keep_checkpoint::qwen3::Qwen3Moe);
+}
+
 impl LayerFamily for Qwen3Moe {
     fn load_layer<'a>(
         &self,
@@ -404,6 +411,11 @@ impl LayerFamily for Qwen3Moe {
         layer: usize,
     ) -> Result<Box<dyn DecoderLayer + 'a>> {
         Ok(Box::new(Qwen3Layer::load(ck, cfg, layer)?))
+    }
+
+    /// Every position's keys and values.
+    fn kv_floats(&self, cfg: &ModelConfig, _layer: usize, context: usize, _chunk: usize) -> usize {
+        family_config(cfg).map_or(0, |q| context * q.num_key_value_heads * cfg.head_dim)
     }
 }
 

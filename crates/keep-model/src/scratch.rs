@@ -98,8 +98,8 @@ pub struct Scratch {
     pub(crate) head_flat: Vec<f32>,
     pub(crate) head_mix: Vec<f32>,
     pub(crate) head_h: Vec<f32>,
-    // The Qwen3-MoE, DeepSeek-V3 and gpt-oss layers' own buffers (beside the ones above they
-    // share with the V4 layers).
+    // The Hugging Face families' layers' own buffers (beside the ones above they share with
+    // the V4 layers).
     pub(crate) fam: FamilyScratch,
     // Engram: the call's row ids `[t][slot][col]`, one slot's ids gathered (a chunk of
     // several tokens), the concatenated rows and their key/value projection.
@@ -146,12 +146,12 @@ pub(crate) struct ExpertScratch {
     pub(crate) jobs: Vec<Job<'static, 'static>>,
 }
 
-/// The buffers of the Qwen3-MoE, DeepSeek-V3 and gpt-oss layers that the V4 layers have no
-/// counterpart of: the key and value projections, a scaled query head, DeepSeek-V3's absorbed
-/// attention (a head's `kv_b_proj` key and value rows, the latent query and output, the RoPE
-/// query, a position's normalised latent and RoPE key) and its group-limited router (biased
-/// scores, group scores, one group's ranking, the groups kept), Qwen3's zero router bias and
-/// gpt-oss's routes per expert.
+/// The buffers of the Hugging Face families' layers that the V4 layers have no counterpart
+/// of: the key and value projections, a scaled query head, a latent attention in the absorbed
+/// form (a head's `kv_b_proj` key and value rows, the latent query and output, the RoPE query,
+/// a position's normalised latent and RoPE key), a group-limited router (biased scores, group
+/// scores, one group's ranking, the groups kept), a zero router bias and the routes per expert
+/// of a family with its own expert loop.
 #[derive(Default)]
 pub(crate) struct FamilyScratch {
     pub(crate) k: Vec<f32>,
@@ -179,9 +179,8 @@ pub const KEEP_ROWS: usize = 8;
 impl Scratch {
     /// Buffers for a run of `context` tokens of `cfg` in forwards of at most `chunk`: those that grow with the position
     /// reserved for the whole run (the indexer's scores, ranking and candidate mask over every
-    /// compressed row, the rows a query attends; for Qwen3-MoE, DeepSeek-V3 and gpt-oss one
-    /// query head's attention scores over every position), so that no decode step reallocates
-    /// them.
+    /// compressed row, the rows a query attends; for a Hugging Face family one query head's
+    /// attention scores over every position), so that no decode step reallocates them.
     pub fn for_context(cfg: &ModelConfig, context: usize, chunk: usize) -> Scratch {
         let most = |rows: &dyn Fn(usize) -> usize| (0..cfg.n_layers).map(rows).max().unwrap_or(0);
         let window = cfg.window.min(context);
@@ -201,9 +200,9 @@ impl Scratch {
                 let kv = most(&|l| cfg.cache_rows(l, context, chunk).v4_kv[2] / hd);
                 (index.max(kv), window + kv)
             }
-            // A query reads every earlier position (a gpt-oss sliding layer fewer): only the
-            // attention scores grow with the position.
-            Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss => {
+            // A Hugging Face family's query reads at most every earlier position (a sliding
+            // layer fewer): only the attention scores grow with the position.
+            _ => {
                 return Scratch::reserved([0, 0, 0, context]);
             }
         };

@@ -135,7 +135,7 @@ pub fn forward_streamed(
                         mask,
                         &mut s.x[a * d..b * d],
                         a,
-                        &mut cache.layers[l].qwen3,
+                        &mut cache.layers[l].kv_rows,
                         obs.as_mut().map(|o| &mut **o as &mut dyn RouteObserver),
                     )?;
                 }

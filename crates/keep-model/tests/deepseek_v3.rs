@@ -132,7 +132,7 @@ fn bf16_checkpoint_matches_transformers() {
     // The cache holds the compressed KV: kv_lora_rank + qk_rope_head_dim values a position.
     let c = model.cfg.raw.deepseek_v3.clone().unwrap();
     assert_eq!(
-        cache.layers[0].qwen3.k.len() + cache.layers[0].qwen3.v.len(),
+        cache.layers[0].kv_rows.k.len() + cache.layers[0].kv_rows.v.len(),
         t * (c.kv_lora_rank + c.qk_rope_head_dim)
     );
 

@@ -140,7 +140,7 @@ fn mxfp4_checkpoint_matches_transformers() {
     let w = c.sliding_window.unwrap();
     let kw = c.num_key_value_heads * c.head_dim;
     for (l, held) in [(0, w - 1), (1, t), (2, w - 1)] {
-        let kv = &cache.layers[l].qwen3;
+        let kv = &cache.layers[l].kv_rows;
         assert_eq!(
             (kv.rows, kv.k.len() / kw, kv.v.len() / kw),
             (t, held, held),

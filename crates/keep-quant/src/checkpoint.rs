@@ -4,8 +4,9 @@
 //! Which matrices an expert has, their shapes, the base names of their codes and the source
 //! tensors the codes replace are the family's (keep-checkpoint's `coded_matrices`): DeepSeek
 //! V4's `layers.{L}.ffn.experts.{E}.w{1,2,3}`, Hugging Face's per-expert
-//! `model.layers.{L}.mlp.experts.{E}.{gate,down,up}_proj`, gpt-oss's
-//! `model.layers.{L}.mlp.experts.{E}.{gate_up_proj,down_proj}` read from its MXFP4 stacks (a
+//! `model.layers.{L}.mlp.experts.{E}.{gate,down,up}_proj`, or, for a family whose experts are
+//! MXFP4 stacks with gate and up interleaved, `model.layers.{L}.mlp.experts.{E}.{gate_up_proj,
+//! down_proj}` read from its stacks (a
 //! stack is dropped once every expert of its layer is coded). A source tensor the codes would
 //! not replace (a stacked layout the model would go on reading) is refused by name.
 //!

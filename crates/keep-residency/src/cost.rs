@@ -178,7 +178,7 @@ pub fn model_bytes(
             continue;
         }
         let experts = ck.config().map_or(1, |c| c.experts_in_layer(l).max(1));
-        // The family's matrices of each expert (gpt-oss: gate-up and down, no up matrix).
+        // The family's matrices of each expert (gate-up and down where gate and up are one matrix).
         let mats = |x: usize| -> Vec<ExpertMat> {
             match ck.config() {
                 Some(c) => c.coded_matrices(l, x).into_iter().map(|m| m.mat).collect(),

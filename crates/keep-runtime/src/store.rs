@@ -264,8 +264,8 @@ pub struct ExpertStore {
     dim: usize,
     inter: usize,
     /// The matrices of an expert with their rows and columns, as the family lays them out
-    /// (`Family::expert_matrices`: gpt-oss's `w1` is the interleaved gate-up matrix
-    /// `[2·inter, dim]` and it has no `w3`).
+    /// (`Family::expert_matrices`: where gate and up are one interleaved matrix, `w1` is it,
+    /// `[2·inter, dim]`, and there is no `w3`).
     mats: Vec<(ExpertMat, usize, usize)>,
     block_hint: Option<(usize, usize)>,
     slot_bytes: u64,
@@ -837,8 +837,8 @@ impl ExpertStore {
                 self.block_hint,
             )?);
         }
-        // A family without an up matrix of its own (gpt-oss): an empty view, as the
-        // checkpoint's.
+        // A family without an up matrix of its own (gate and up interleaved in `w1`): an empty
+        // view, as the checkpoint's.
         while out.len() < 3 {
             out.push(
                 keep_kernels::WeightView::f32(&[], 0, 0)

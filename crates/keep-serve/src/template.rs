@@ -106,7 +106,7 @@ impl ChatTemplate {
     }
 
     /// The template of the model in `dir`: `dir/chat_template.jinja` when present (newer Hugging
-    /// Face releases, gpt-oss among them, ship the template so; transformers reads the file
+    /// Face releases ship the template so; transformers reads the file
     /// over the key), else `chat_template` of `dir/tokenizer_config.json` (a string, or a list
     /// of named templates of which `default` is used); `bos_token` and `eos_token` from
     /// `tokenizer_config.json` either way. `None` when there is no template.
@@ -433,7 +433,7 @@ mod tests {
 
     #[test]
     fn strftime_now_writes_the_date() {
-        // gpt-oss's template writes "Current date: {{ strftime_now('%Y-%m-%d') }}".
+        // Published templates write "Current date: {{ strftime_now('%Y-%m-%d') }}".
         let t = ChatTemplate::new(
             "{{ strftime_now('%Y-%m-%d') }}|{{ strftime_now('%d %B %Y') }}",
             "",

@@ -5,10 +5,10 @@
 
 use crate::naming::{ExpertMat, Part, Role, Scope, TensorName};
 
-/// How an expert stack's packed FP4 tensor's name ends.
-pub const BLOCKS: &str = "_blocks";
+/// How an expert stack's packed FP4 tensor's name ends (the stacked MXFP4 naming).
+pub use crate::naming::MXFP4_BLOCKS as BLOCKS;
 /// How an expert stack's E8M0 scale tensor's name ends.
-pub const SCALES: &str = "_scales";
+pub use crate::naming::MXFP4_SCALES as SCALES;
 
 /// keep's scope, role and part of a gpt-oss tensor the Hugging Face naming does not know
 /// (`None` for every other name): the attention sinks and projection biases, the router and

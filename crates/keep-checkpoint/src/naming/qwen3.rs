@@ -61,9 +61,6 @@ pub const NORM: &str = "model.norm.weight";
 /// names get [`Role::Unknown`]). A dense MLP (`mlp.{gate,up,down}_proj` of a layer in
 /// `mlp_only_layers`) is the layer's always-on FFN, [`Role::SharedExpert`].
 pub fn parse(name: &str) -> TensorName {
-    if let Some(n) = crate::naming::gpt_oss::parse_name(name) {
-        return n;
-    }
     let part = if name.ends_with(".weight") {
         Part::Weight
     } else if name.ends_with(".weight_scale_inv")

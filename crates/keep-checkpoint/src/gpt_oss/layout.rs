@@ -3,13 +3,10 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::config::gpt_oss::{layer_prefix, GptOssConfig, Mxfp4Stack, Stack, EMBED, HEAD, NORM};
-use crate::config::gpt_oss::{BLOCKS, SCALES};
 use crate::layout::{
-    expert_slice, scale_of, vector_problem, weight_as, ExpertMatrix, Layout, WeightLayout,
-    MAX_PROBLEMS,
+    expert_slice, scale_of, vector_problem, weight_as, ExpertMatrix, MAX_PROBLEMS,
 };
 use crate::naming::ExpertMat;
-use crate::{Dtype, TensorRef};
 
 /// Matrix `mat` of expert `expert` of `layer`: `W1` its `[2·intermediate, hidden]` slice of
 /// the gate-up stack (gate and up rows interleaved), `W2` its slice of the down stack (blocks and
@@ -47,43 +44,6 @@ pub(crate) fn expert_matrix<'a>(
         scale: Some(expert_slice(st.scales, expert, st.experts)?),
         biases: None,
     })
-}
-
-/// The classification of a gpt-oss expert stack (or one expert's slice of it): `*_blocks`
-/// `U8 [.., rows, cols/32, 16]` with its `*_scales` `U8 [.., rows, cols/32]` is MXFP4 of
-/// `prod(..)·rows` rows and `cols` columns (`None`: not such a pair; the general classification
-/// decides). A `U8` tensor says what its bytes are by these names, as OpenAI publishes them.
-pub(crate) fn classify_stack<'a>(
-    weight: TensorRef<'a>,
-    scale: Option<TensorRef<'a>>,
-) -> Option<Result<WeightLayout<'a>, String>> {
-    let s = scale?;
-    let base = weight.name.strip_suffix(BLOCKS)?;
-    if s.name.strip_suffix(SCALES) != Some(base) {
-        return None;
-    }
-    let (w, sc) = (weight.shape, s.shape);
-    let ok = matches!(weight.dtype, Dtype::U8 | Dtype::I8)
-        && matches!(s.dtype, Dtype::U8 | Dtype::F8_E8M0)
-        && w.len() >= 3
-        && w.last() == Some(&16)
-        && sc == &w[..w.len() - 1];
-    if !ok {
-        return Some(Err(format!(
-            "MXFP4 blocks {} {:?} with scales `{}` {} {:?}: expected U8 [.., rows, columns/32, \
-             16] and U8 [.., rows, columns/32]",
-            weight.dtype, w, s.name, s.dtype, sc
-        )));
-    }
-    let g = sc[sc.len() - 1] as usize;
-    let rows = sc[..sc.len() - 1].iter().product::<u64>() as usize;
-    Some(Ok(WeightLayout {
-        weight,
-        scale,
-        layout: Layout::Mxfp4,
-        rows,
-        cols: g * 32,
-    }))
 }
 
 /// Everything about `ck`'s tensors that contradicts `cfg` or that the model cannot read:
