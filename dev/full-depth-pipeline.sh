@@ -116,10 +116,19 @@ step quant-alloc "$W/qa/quant-report.json" -- "$KEEP" quant "$W/model" --imatrix
 drop
 step fit "$W/plan.json" -- "$KEEP" fit "$W/qa" --memory "$MEM" --out "$W/plan.json" --force --probe-tokens "$TOKENS" \
   --prompt-tokens "$PROMPT" --sequences "$SEQS" --context $((PROMPT + TOKENS + 8))
-python3 - "$W/plan.json" "$W/plan-dspark.json" <<'PY'
-import json, sys
+# The same plan drafting with DSpark: its budget grows by the drafter's tensors (mtp.*) and
+# 64 MiB for the drafter's cache copy, so the hot set stays the plan's.
+python3 - "$W/plan.json" "$W/plan-dspark.json" "$W/qa" <<'PY'
+import json, os, sys
 p = json.load(open(sys.argv[1]))
+draft = 0
+for f in os.listdir(sys.argv[3]):
+    if f.endswith(".safetensors"):
+        with open(os.path.join(sys.argv[3], f), "rb") as h:
+            head = json.loads(h.read(int.from_bytes(h.read(8), "little")))
+        draft += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k.startswith("mtp."))
 p["draft"] = "dspark"
+p["budget"] += draft + (64 << 20)
 json.dump(p, open(sys.argv[2], "w"), indent=1)
 PY
 

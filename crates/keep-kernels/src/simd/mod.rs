@@ -295,11 +295,46 @@ pub fn dot(x: &[f32], w: &[f32]) -> f32 {
     dot_plain(x, w)
 }
 
-/// [`dot_plain`] compiled for AVX2 + FMA.
+/// [`dot_plain`] in AVX2 + FMA registers: lane `l` of accumulator `k` is `acc[k][l]` of the
+/// plain loop, fed the same products in the same order, and the reduction is the plain one.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_fma(x: &[f32], w: &[f32]) -> f32 {
-    dot_plain(x, w)
+    use std::arch::x86_64::*;
+    let n = w.len();
+    let x = &x[..n];
+    let chunks = n / 16;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let z = _mm256_setzero_ps();
+    let (mut a0, mut a1, mut a2, mut a3) = ([z; 2], [z; 2], [z; 2], [z; 2]);
+    // SAFETY (every load): offsets below 16 * chunks <= n, within both slices.
+    let step = |a: &mut [__m256; 2], o: usize| {
+        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(o)), _mm256_loadu_ps(wp.add(o)), a[0]);
+        a[1] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(xp.add(o + 8)),
+            _mm256_loadu_ps(wp.add(o + 8)),
+            a[1],
+        );
+    };
+    let mut c = 0;
+    while c + 4 <= chunks {
+        step(&mut a0, 16 * c);
+        step(&mut a1, 16 * (c + 1));
+        step(&mut a2, 16 * (c + 2));
+        step(&mut a3, 16 * (c + 3));
+        c += 4;
+    }
+    for (k, a) in [&mut a0, &mut a1, &mut a2].into_iter().enumerate() {
+        if c + k < chunks {
+            step(a, 16 * (c + k));
+        }
+    }
+    let mut acc = [[0f32; 16]; 4];
+    for (dst, a) in acc.iter_mut().zip([a0, a1, a2, a3]) {
+        _mm256_storeu_ps(dst.as_mut_ptr(), a[0]);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(8), a[1]);
+    }
+    dot_finish(&acc, x, w, chunks * 16)
 }
 
 #[inline(always)]
@@ -314,6 +349,12 @@ fn dot_plain(x: &[f32], w: &[f32]) -> f32 {
             a[l] = x[16 * c + l].mul_add(w[16 * c + l], a[l]);
         }
     }
+    dot_finish(&acc, x, w, full)
+}
+
+/// The lanes of [`dot`]'s four accumulators added in its order, then the tail from `full`.
+#[inline(always)]
+fn dot_finish(acc: &[[f32; 16]; 4], x: &[f32], w: &[f32], full: usize) -> f32 {
     let mut t = [0f32; 16];
     for l in 0..16 {
         t[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
@@ -321,7 +362,7 @@ fn dot_plain(x: &[f32], w: &[f32]) -> f32 {
     let b: [f32; 8] = std::array::from_fn(|i| t[i] + t[i + 8]);
     let c = [b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]];
     let mut tail = 0f32;
-    for i in full..n {
+    for i in full..w.len() {
         tail = x[i].mul_add(w[i], tail);
     }
     ((c[0] + c[2]) + (c[1] + c[3])) + tail
@@ -531,6 +572,30 @@ mod tests {
 
     /// f32 accumulation over `cols` terms against the f64 reference, relative to Σ|x·w|.
     const REL_TOL: f32 = 1e-5;
+
+    /// The dot product the CPU runs ([`dot`]: in AVX2 + FMA registers where it has them) is the
+    /// plain loop's bits at every length, tails and partial accumulator rounds included.
+    #[test]
+    fn dot_is_the_plain_loop_bit_for_bit() {
+        let mut rng = Rng::new(41);
+        for n in (0..200).chain([255, 256, 1152, 2560, 4097]) {
+            let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+            let w: Vec<f32> = (0..n).map(|_| rng.f()).collect();
+            assert_eq!(
+                dot(&x, &w).to_bits(),
+                dot_plain(&x, &w).to_bits(),
+                "n = {n}"
+            );
+            // x longer than w: only w's length counts
+            let mut xl = x.clone();
+            xl.push(1e30);
+            assert_eq!(
+                dot(&xl, &w).to_bits(),
+                dot_plain(&x, &w).to_bits(),
+                "n = {n}"
+            );
+        }
+    }
 
     fn levels() -> Vec<Level> {
         let d = detected();
