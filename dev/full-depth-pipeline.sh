@@ -20,7 +20,8 @@
 # Usage: dev/full-depth-pipeline.sh [WORKDIR]   (default /tmp/keep-full-depth)
 # Environment: KEEP (a built keep), CONFIG, ENGRAM_BYTES (22GiB), MEM (8GiB), BUDGET_FRAC (0.5),
 #   SELECT_KEEP (75%), TEXT_GROUPS (24), PROMPT (16), TOKENS (16), SEQS (2), EVIDENCE
-#   (dev/evidence/full-depth-pipeline.json), KEEP_MODEL=1 keeps WORKDIR's checkpoints at the end.
+#   (dev/evidence/full-depth-pipeline.json), KEEP_MODEL=1 keeps WORKDIR's checkpoints at the end,
+#   UNTIL=STEP stops after that step (a rerun goes on from there).
 # The small test of the procedure (minutes, ~3 GB):
 #   CONFIG=dev/configs/flash16-half-engram.json ENGRAM_BYTES=256MiB MEM=1800MiB \
 #     EVIDENCE=/tmp/full-depth-small.json dev/full-depth-pipeline.sh /tmp/keep-full-depth-small
@@ -59,6 +60,7 @@ print(json.dumps({"step": name, "seconds": float(secs), "peak_rss_bytes": int(rs
                   "command": cmd}))
 PY
   tail -1 "$STEPS" >&2
+  if [ "${UNTIL:-}" = "$name" ]; then echo "stopping after $name (UNTIL)" >&2; exit 0; fi
 }
 
 # 1. the model
@@ -179,7 +181,9 @@ d = {
   "run_plan": j("run-plan.json"),
   "run_dspark": j("run-dspark.json"),
   "check": check,
-  "wall_secs": int(time.time()) - int(t0),
+  "wall_secs_of_the_last_call": int(time.time()) - int(t0),
+  "commit": subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(out)), "rev-parse", "HEAD"],
+                           capture_output=True, text=True).stdout.strip(),
 }
 json.dump(d, open(out, "w"), indent=1)
 c = d["check"]

@@ -3,6 +3,7 @@
 //! has in `naming::deepseek_v3` (the rest are Hugging Face's Qwen3-style names), its tensor check
 //! in [`layout`].
 
+#[path = "deepseek_v3/layout.rs"]
 pub(crate) mod layout;
 
 pub use crate::config::deepseek_v3::{

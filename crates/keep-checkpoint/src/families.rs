@@ -1,14 +1,20 @@
 //! The registry of model families: every [`Family`] keep reads, each listed once, and the
 //! role view's way to its family ([`DeepSeekConfig::family`]).
 //!
-//! A new family is one line here (and its modules, see [`crate::family`]).
+//! A new family is its module declared here and one line in [`FAMILIES`] (and its config and
+//! name parser, see [`crate::family`]).
 
-use crate::deepseek_v3::DeepseekV3;
+#[path = "deepseek_v3.rs"]
+pub mod deepseek_v3;
+#[path = "gpt_oss.rs"]
+pub mod gpt_oss;
+
 use crate::deepseek_v4::DeepSeekV4;
 use crate::family::Family;
-use crate::gpt_oss::GptOss;
 use crate::qwen3::Qwen3Moe;
 use crate::DeepSeekConfig;
+use deepseek_v3::DeepseekV3;
+use gpt_oss::GptOss;
 
 /// Every family keep reads. DeepSeek V4 comes first: a `model_type` no family owns is read as
 /// DeepSeek V4's (whose validation names the types it knows).

@@ -4,6 +4,7 @@
 //! check and its experts' matrices in [`layout`] (a `*_blocks` / `*_scales` pair is classified
 //! as MXFP4 by the shared `crate::layout`, by its names).
 
+#[path = "gpt_oss/layout.rs"]
 pub(crate) mod layout;
 
 pub use crate::config::gpt_oss::{

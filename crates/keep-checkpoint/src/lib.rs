@@ -23,7 +23,6 @@
 pub mod atomic;
 pub mod checkpoint;
 pub mod config;
-pub mod deepseek_v3;
 pub mod deepseek_v4;
 pub mod dtype;
 pub mod error;
@@ -31,7 +30,6 @@ pub mod families;
 pub mod family;
 pub mod fingerprint;
 pub mod fuzzing;
-pub mod gpt_oss;
 pub mod incoherence;
 pub mod index;
 pub mod layout;

@@ -643,10 +643,10 @@ fn swiglu_into(
 pub struct DeepseekV3;
 
 impl crate::config::Family {
-    /// The DeepSeek-V3 family's forward (the checkpoint family [`keep_checkpoint::deepseek_v3::DeepseekV3`]).
+    /// The DeepSeek-V3 family's forward (the checkpoint family [`keep_checkpoint::families::deepseek_v3::DeepseekV3`]).
     #[allow(non_upper_case_globals)]
     pub const DeepseekV3: crate::config::Family =
-        crate::config::Family::HuggingFace(&keep_checkpoint::deepseek_v3::DeepseekV3);
+        crate::config::Family::HuggingFace(&keep_checkpoint::families::deepseek_v3::DeepseekV3);
 }
 
 impl LayerFamily for DeepseekV3 {

@@ -6,6 +6,11 @@
 //! routed experts come from [`FamilyLayer::experts`], the source the family's layers read them
 //! from, and the embedding, final norm and head from [`FamilyLayer::globals`].
 
+#[path = "deepseek_v3.rs"]
+pub mod deepseek_v3;
+#[path = "gpt_oss.rs"]
+pub mod gpt_oss;
+
 use keep_checkpoint::Checkpoint;
 
 use crate::cache::KvRows;
@@ -17,12 +22,12 @@ use crate::observer::RouteObserver;
 use crate::scratch::Scratch;
 use crate::Result;
 
-/// Every Hugging Face family the model runs, with its decoder-layer side: a new family is one
-/// line here.
+/// Every Hugging Face family the model runs, with its decoder-layer side: a new family is its
+/// module declared above and one line here.
 static LAYER_FAMILIES: &[(Family, &dyn LayerFamily)] = &[
     (Family::Qwen3Moe, &crate::qwen3::Qwen3Moe),
-    (Family::DeepseekV3, &crate::deepseek_v3::DeepseekV3),
-    (Family::GptOss, &crate::gpt_oss::GptOss),
+    (Family::DeepseekV3, &deepseek_v3::DeepseekV3),
+    (Family::GptOss, &gpt_oss::GptOss),
 ];
 
 /// The decoder-layer side of `family`; `None` for DeepSeek V4 / V4.1 (whose layers are

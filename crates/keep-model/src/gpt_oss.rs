@@ -837,10 +837,10 @@ impl ExpertSource for GptOssExperts<'_> {
 pub struct GptOss;
 
 impl crate::config::Family {
-    /// The gpt-oss family's forward (the checkpoint family [`keep_checkpoint::gpt_oss::GptOss`]).
+    /// The gpt-oss family's forward (the checkpoint family [`keep_checkpoint::families::gpt_oss::GptOss`]).
     #[allow(non_upper_case_globals)]
     pub const GptOss: crate::config::Family =
-        crate::config::Family::HuggingFace(&keep_checkpoint::gpt_oss::GptOss);
+        crate::config::Family::HuggingFace(&keep_checkpoint::families::gpt_oss::GptOss);
 }
 
 impl LayerFamily for GptOss {

@@ -291,7 +291,7 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
             .and_then(|p| DeepSeekConfig::read(p).ok())
             .map(|c| c.family().name().to_string())
     });
-    let v3 = family.as_deref() == Some(keep_checkpoint::deepseek_v3::MODEL_TYPE);
+    let v3 = family.as_deref() == Some(keep_checkpoint::families::deepseek_v3::MODEL_TYPE);
     if a.experts.is_some() && !v3 {
         anyhow::bail!(
             "--experts is for --family deepseek_v3 (routed experts in a registered format)"
@@ -332,8 +332,10 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
         // The synth writer of the config's family (DeepSeek V4's below).
         match cfg.family().name() {
             keep_checkpoint::qwen3::MODEL_TYPE => return run_qwen3(&a, cfg.raw),
-            keep_checkpoint::deepseek_v3::MODEL_TYPE => return run_deepseek_v3(&a, cfg.raw),
-            keep_checkpoint::gpt_oss::MODEL_TYPE => return run_gpt_oss(&a, cfg.raw),
+            keep_checkpoint::families::deepseek_v3::MODEL_TYPE => {
+                return run_deepseek_v3(&a, cfg.raw)
+            }
+            keep_checkpoint::families::gpt_oss::MODEL_TYPE => return run_gpt_oss(&a, cfg.raw),
             _ => {}
         }
     }
