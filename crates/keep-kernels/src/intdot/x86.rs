@@ -9,7 +9,9 @@
 //! MXFP4 weights are decoded in registers (nibbles widened to 16 bits, then a 16-entry
 //! `vpshufb` table); E8P rows are first decoded into a row buffer, which then serves every
 //! input row (AVX-512: eight codes per step in registers, stored as `w + 128` bytes and then
-//! treated as an affine-8 row; AVX2: one load per code from the 512 KiB table); affine-8
+//! treated as an affine-8 row; AVX2: one load per code from the 512 KiB table); E81 rows
+//! likewise, one load per code from the 2 KiB table (stored as `w + 128` bytes on AVX-512,
+//! as int8 on AVX2); affine-8
 //! bytes are read as stored (`q − 128` is one xor in registers, and VNNI multiplies `q`
 //! itself as unsigned bytes from the activations' `−128·Σx`). Row factors (E8M0, bf16 scales, `128·s + b`) are computed 16
 //! blocks at a time.
@@ -30,8 +32,8 @@ pub(super) enum Row {
     Mx4(*const u8),
     /// Decoded int8 weights of the row.
     Buf(*const i8),
-    /// Affine-8 bytes `q` of the row as stored (or an E8P row decoded to `w + 128`, the same
-    /// form): the integer weight `q − 128` is one xor in
+    /// Affine-8 bytes `q` of the row as stored (or an E8P or E81 row decoded to `w + 128`,
+    /// the same form): the integer weight `q − 128` is one xor in
     /// registers, and the VNNI level multiplies `q` itself as unsigned bytes, starting from
     /// the activations' `−128·Σq` ([`Q8Acts::nsum4`]).
     U8(*const u8),
@@ -189,7 +191,7 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
                 *o = bf16_at(scales, r * ng + bb * QBLOCK / AFFINE8_GROUP);
             }
         }
-        IntSrc::E8p { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
+        IntSrc::E8p { .. } | IntSrc::E81 { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
         IntSrc::Registered(_) => src.block_factors(r, cols, dst),
     }
 }
@@ -793,10 +795,29 @@ unsafe fn prep_row<const AVX512: bool, const VBMI: bool>(
             }
             Row::U8(s.w.as_ptr() as *const u8)
         }
-        IntSrc::E8p { .. } | IntSrc::Affine4 { .. } | IntSrc::Registered(_) => {
+        IntSrc::E81 { codes, .. } if AVX512 => {
+            // The same `w + 128` form: one 8-byte load from the 2 KiB table per code.
+            let kc = cols / 8;
+            decode_e81_biased(&codes[r * kc..(r + 1) * kc], &mut s.w[..cols]);
+            Row::U8(s.w.as_ptr() as *const u8)
+        }
+        IntSrc::E8p { .. }
+        | IntSrc::E81 { .. }
+        | IntSrc::Affine4 { .. }
+        | IntSrc::Registered(_) => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }
+    }
+}
+
+/// E81 codes to the row's integer weights as `w + 128` bytes (the affine-8 form the AVX-512
+/// row kernels take as [`Row::U8`]): [`super::E81_I8`] with every byte's sign bit flipped.
+#[inline(always)]
+pub(super) fn decode_e81_biased(codes: &[u8], dst: &mut [i8]) {
+    for (d8, &c) in dst.chunks_exact_mut(8).zip(codes) {
+        let v = super::E81_I8[c as usize] ^ 0x8080_8080_8080_8080;
+        d8.copy_from_slice(&v.to_le_bytes().map(|b| b as i8));
     }
 }
 
@@ -881,7 +902,7 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
                 let mr = (a.m - i).min(4);
                 // E8P rows have block factor 1: their coefficients are the activations'
                 // block scales as they lie (`Q8Acts::dx`), no multiply or permute.
-                let unit = matches!(src, IntSrc::E8p { .. });
+                let unit = matches!(src, IntSrc::E8p { .. } | IntSrc::E81 { .. });
                 match (VNNI && matches!(row, Row::U8(_)), unit) {
                     (false, false) => {
                         group_mr::<VNNI, false, false>(mr, row, a, f, i, post, r, out, ld)
