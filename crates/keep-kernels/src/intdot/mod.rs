@@ -25,9 +25,11 @@
 //! - E81 (one byte per 8 weights, one f32 scale per row; the residual stage of `e8p2+e81`,
 //!   `w = scale · E81_GRID[code] / 2`): the grid entry itself (half-units) is an integer in
 //!   [−4, 4], looked up in a 256-entry table of 8 int8 ([`E81_I8`], 2 KiB, built at compile
-//!   time from `keep_format::e81::E81_GRID`) on every level: into a row buffer as int8
-//!   (scalar, AVX2, NEON, the GEMM's panel) or as `w + 128` bytes (the AVX-512 row kernels,
-//!   which then take it as an affine-8 row, as E8P's); the block factor is 1 and the row's
+//!   time from `keep_format::e81::E81_GRID`): into a row buffer as int8 (scalar, AVX2, NEON,
+//!   the GEMM's panel) or as `w + 128` bytes (the AVX-512 row kernels, which then take it as
+//!   an affine-8 row, as E8P's); with AVX-512 VBMI the row kernels decode 64 codes per step
+//!   without a table load per code, from nibble planes of the grid held in registers
+//!   ([`E81_PLANES`]); the block factor is 1 and the row's
 //!   result is multiplied by `scale / 2`. From [`E8P_GEMM_MIN_M`] rows on it takes the GEMM,
 //!   as E8P does.
 //! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
@@ -536,6 +538,25 @@ pub static E81_I8: [u64; 256] = {
             i += 1;
         }
         t[c] = u64::from_le_bytes(b);
+        c += 1;
+    }
+    t
+};
+
+/// The nibble planes the VBMI E81 decoder looks codes up in (index = code): byte `c` of
+/// plane `p` holds coordinates `2p` (low nibble) and `2p + 1` (high nibble) of code `c` as
+/// `E81_GRID[c][i] + 4` (0..=8). Four 256-byte tables: each is four 64-byte registers.
+pub static E81_PLANES: [[u8; 256]; 4] = {
+    let mut t = [[0u8; 256]; 4];
+    let mut c = 0;
+    while c < 256 {
+        let mut p = 0;
+        while p < 4 {
+            let lo = (E81_GRID[c][2 * p] + 4) as u8;
+            let hi = (E81_GRID[c][2 * p + 1] + 4) as u8;
+            t[p][c] = lo | hi << 4;
+            p += 1;
+        }
         c += 1;
     }
     t

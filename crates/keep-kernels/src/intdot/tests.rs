@@ -194,6 +194,47 @@ fn integer_decoders_equal_definitions_on_every_code() {
         x86::decode_e81_biased(&codes, &mut v);
         assert!(v.iter().zip(&a).all(|(b, w)| (*b as u8 ^ 0x80) as i8 == *w));
     }
+    // The VBMI E81 decoder: every code, at alignments and lengths that leave every partial
+    // group of 64 codes and of 8 (the masked loads and stores), bytes past the end untouched.
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::has_avx512_vbmi() {
+        let codes: Vec<u8> = (0..1000u32).map(|j| (j * 37 + j / 256) as u8).collect();
+        let src = IntSrc::E81 {
+            codes: &codes,
+            scales: &sc,
+        };
+        let mut a = vec![0i8; codes.len() * 8];
+        src.decode_row_ref(0, a.len(), &mut a);
+        for (skip, len) in [
+            (0usize, 1000usize),
+            (0, 256),
+            (3, 997),
+            (13, 70),
+            (5, 1),
+            (64, 63),
+        ] {
+            let cs = &codes[skip..skip + len];
+            for biased in [false, true] {
+                let mut v = vec![0x55i8; cs.len() * 8 + 64];
+                // SAFETY: VBMI checked above; `v` has room for every code.
+                unsafe { x86::decode_e81_vbmi_test(biased, cs, &mut v) };
+                let flip = if biased { 0x80u8 } else { 0 };
+                let want: Vec<i8> = a[skip * 8..(skip + len) * 8]
+                    .iter()
+                    .map(|&w| (w as u8 ^ flip) as i8)
+                    .collect();
+                assert_eq!(
+                    v[..len * 8],
+                    want[..],
+                    "e81 offset {skip} len {len} {biased}"
+                );
+                assert!(
+                    v[len * 8..].iter().all(|&b| b == 0x55),
+                    "e81 wrote past the end"
+                );
+            }
+        }
+    }
     // E8M0 halves.
     for e in 0..=255u8 {
         let h = e8m0_half(e);
