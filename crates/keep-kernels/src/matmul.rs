@@ -181,7 +181,8 @@ pub fn matmul_ref(x: &[f32], m: usize, w: &WeightView, out: &mut [f32]) -> Resul
 /// Which kernels a product runs on: the exact f32 decode-and-dot kernels (what `keep logits`,
 /// the fixtures and the conformance suite use), or the fast ones, which quantize activations
 /// to int8 blocks and multiply packed weights as integers where the format has an integer
-/// kernel ([`crate::intdot`]: MXFP4, and affine-8 in `matmul_many_with`), round activations to bf16 and multiply with AVX-512
+/// kernel ([`crate::intdot`]: MXFP4, E8P with an E8P12 or E81 residual or none
+/// ([`e8p_int_stages`]), and affine-8 in `matmul_many_with`), round activations to bf16 and multiply with AVX-512
 /// BF16 `vdpbf16ps` for bf16, MXFP8 and FP8-block weights where the CPU has it
 /// ([`crate::bf16dot`]), and run the exact kernel elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -213,9 +214,9 @@ impl Kernels {
 }
 
 /// The integer forms of an E8P weight's stages (`codes`/`scales` as stored, little-endian u16
-/// and f32): the main stage, and the residual when it is E8P12. `None` when the integer
-/// kernels cannot take it (columns not a multiple of 32, bytes not aligned for u16 / f32, a
-/// big-endian target, or an E81 residual), and the exact kernel runs. The fast product of a
+/// (E81: bytes) and f32): the main stage, and the residual (E8P12 or E81). `None` when the
+/// integer kernels cannot take it (columns not a multiple of 32, bytes not aligned for u16 /
+/// f32, or a big-endian target), and the exact kernel runs. The fast product of a
 /// weight with a residual is the main stage's contract result plus the residual's (one f32
 /// add per output), so it too does not depend on M or on the threading.
 pub fn e8p_int_stages<'a>(
@@ -224,20 +225,20 @@ pub fn e8p_int_stages<'a>(
     resid: Option<crate::weight::E8pResidual<'a>>,
     cols: usize,
 ) -> Option<(crate::intdot::IntSrc<'a>, Option<crate::intdot::IntSrc<'a>>)> {
-    fn stage<'a>(codes: &'a [u8], scales: &'a [u8]) -> Option<crate::intdot::IntSrc<'a>> {
+    fn f32s(scales: &[u8]) -> Option<&[f32]> {
         if cfg!(target_endian = "big") {
             return None;
         }
-        // SAFETY: every bit pattern is a valid u16 / f32; only the aligned middle is used,
-        // and only when it is the whole slice.
-        let (p0, c, s0) = unsafe { codes.align_to::<u16>() };
-        let (p1, sc, s1) = unsafe { scales.align_to::<f32>() };
-        (p0.is_empty() && s0.is_empty() && p1.is_empty() && s1.is_empty()).then_some(
-            crate::intdot::IntSrc::E8p {
-                codes: c,
-                scales: sc,
-            },
-        )
+        // SAFETY: every bit pattern is a valid f32; only the aligned middle is used, and only
+        // when it is the whole slice.
+        let (p, sc, s) = unsafe { scales.align_to::<f32>() };
+        (p.is_empty() && s.is_empty()).then_some(sc)
+    }
+    fn stage<'a>(codes: &'a [u8], scales: &'a [u8]) -> Option<crate::intdot::IntSrc<'a>> {
+        let scales = f32s(scales)?;
+        // SAFETY: every bit pattern is a valid u16; as `f32s`.
+        let (p, c, s) = unsafe { codes.align_to::<u16>() };
+        (p.is_empty() && s.is_empty()).then_some(crate::intdot::IntSrc::E8p { codes: c, scales })
     }
     if !cols.is_multiple_of(crate::intdot::QBLOCK) {
         return None;
@@ -246,7 +247,13 @@ pub fn e8p_int_stages<'a>(
     match resid {
         None => Some((main, None)),
         Some(r) if !r.e81 => Some((main, Some(stage(r.codes, r.scales)?))),
-        Some(_) => None,
+        Some(r) => Some((
+            main,
+            Some(crate::intdot::IntSrc::E81 {
+                codes: r.codes,
+                scales: f32s(r.scales)?,
+            }),
+        )),
     }
 }
 
@@ -329,8 +336,8 @@ thread_local! {
 }
 
 /// [`crate::simd::matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
-/// weight has an integer kernel (MXFP4, affine-8, MLX affine-4, a registered format's integer
-/// form) run through [`crate::intdot::int_matmul_many`] (activations
+/// weight has an integer kernel (MXFP4, E8P and its residual stage, affine-8, MLX affine-4, a
+/// registered format's integer form) run through [`crate::intdot::int_matmul_many`] (activations
 /// quantized once per distinct input), bf16 / MXFP8 / FP8-block jobs through
 /// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
 /// to bf16 once per distinct input), the rest as [`crate::simd::matmul_many`].
@@ -635,8 +642,9 @@ mod tests {
 
     /// E8P weights (with no residual, an E8P12 residual, an E81 residual) through
     /// `matmul_with` / `matmul_many_with` on the fast kernels: the integer kernels' result of
-    /// the main stage plus the residual's, bit for bit at every M and in a batch; E81
-    /// residuals and unaligned bytes run the exact kernel.
+    /// the main stage plus the residual's, bit for bit at every M (the E8P GEMM threshold,
+    /// the GEMM's, 64) and in a batch, and near the exact product; unaligned bytes run the
+    /// exact kernel.
     #[test]
     fn e8p_weights_take_the_integer_kernels_in_fast_mode() {
         use crate::intdot::{int_matmul, IntSrc};
@@ -676,7 +684,32 @@ mod tests {
             codes: &rcodes,
             scales: &rscales,
         };
-        for m in [1usize, 3, 8, 33] {
+        let res81 = IntSrc::E81 {
+            codes: &e81,
+            scales: &rscales,
+        };
+        // The E81 residual has an integer form: the stages are E8P and E81.
+        let crate::weight::WeightKind::E8p {
+            codes: wc,
+            scales: ws,
+            resid: wr,
+        } = with_e81.kind
+        else {
+            panic!("an E8P weight")
+        };
+        assert!(matches!(
+            e8p_int_stages(wc, ws, wr, cols),
+            Some((IntSrc::E8p { .. }, Some(IntSrc::E81 { .. })))
+        ));
+        for m in [
+            1usize,
+            3,
+            crate::intdot::E8P_GEMM_MIN_M,
+            8,
+            32,
+            crate::intdot::GEMM_MIN_M,
+            64,
+        ] {
             let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
             let mut want = vec![0f32; m * rows];
             int_matmul(&x, m, &main, rows, cols, &mut want).unwrap();
@@ -689,6 +722,9 @@ mod tests {
                 "m={m}"
             );
             let mut r = vec![0f32; m * rows];
+            let mut want81 = want.clone();
+            int_matmul(&x, m, &res81, rows, cols, &mut r).unwrap();
+            want81.iter_mut().zip(&r).for_each(|(a, b)| *a += b);
             int_matmul(&x, m, &res, rows, cols, &mut r).unwrap();
             want.iter_mut().zip(&r).for_each(|(a, b)| *a += b);
             matmul_with(Kernels::Fast, &x, m, &with_e8p, &mut got).unwrap();
@@ -714,26 +750,45 @@ mod tests {
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "m={m}"
             );
-            // E81 residual: the exact kernel.
-            let mut e = vec![0f32; m * rows];
-            matmul(&x, m, &with_e81, &mut e).unwrap();
+            // E81 residual: the integer kernels, alone and in the batch.
             assert!(
-                o1.iter().zip(&e).all(|(a, b)| a.to_bits() == b.to_bits()),
+                o1.iter()
+                    .zip(&want81)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "m={m}"
             );
             matmul_with(Kernels::Fast, &x, m, &with_e81, &mut got).unwrap();
             assert!(
-                got.iter().zip(&e).all(|(a, b)| a.to_bits() == b.to_bits()),
+                got.iter()
+                    .zip(&want81)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "m={m}"
             );
-            // Near the exact product (the int8 activations' rounding: 2^-8 of a block's max).
-            matmul(&x, m, &with_e8p, &mut e).unwrap();
-            let scale = e.iter().fold(0f32, |a, v| a.max(v.abs()));
-            for (a, b) in o2.iter().zip(&e) {
-                assert!(
-                    (a - b).abs() <= ACT_Q8_TOL * scale * cols as f32,
-                    "{a} vs {b}"
-                );
+            // Near the exact product: within the int8 activations' rounding (half a step,
+            // a block's largest value / 254, per term, times |w|) and the f32 sums'.
+            let mut e = vec![0f32; m * rows];
+            for (fast, w) in [(&o2, &with_e8p), (&o1, &with_e81)] {
+                matmul(&x, m, w, &mut e).unwrap();
+                for i in 0..m {
+                    let xi = &x[i * cols..(i + 1) * cols];
+                    let amax: Vec<f32> = xi
+                        .chunks_exact(crate::intdot::QBLOCK)
+                        .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())))
+                        .collect();
+                    for r in 0..rows {
+                        let (mut q8, mut mag) = (0f32, 0f32);
+                        for (j, &xv) in xi.iter().enumerate() {
+                            let wv = w.get_ref(r, j).abs();
+                            q8 += ACT_Q8_TOL * amax[j / crate::intdot::QBLOCK] * wv;
+                            mag += (xv * wv).abs();
+                        }
+                        let (a, b) = (fast[i * rows + r], e[i * rows + r]);
+                        assert!(
+                            (a - b).abs() <= 1.001 * q8 + 1e-5 * mag,
+                            "m={m} ({i},{r}): {a} vs {b}"
+                        );
+                    }
+                }
             }
         }
         // Unaligned bytes: the exact kernel (no copy, no error).
@@ -744,6 +799,19 @@ mod tests {
         let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
         matmul_with(Kernels::Fast, &x, 1, &un, &mut a).unwrap();
         matmul(&x, 1, &un, &mut b).unwrap();
+        assert_eq!(a, b);
+        // An E81 residual with unaligned scales: the exact kernel too.
+        let mut rs = vec![0u8; bytes(&rscales).len() + 1];
+        rs[1..].copy_from_slice(bytes(&rscales));
+        let un81 = plain
+            .with_residual(crate::E8pResidual {
+                codes: &e81,
+                scales: &rs[1..],
+                e81: true,
+            })
+            .unwrap();
+        matmul_with(Kernels::Fast, &x, 1, &un81, &mut a).unwrap();
+        matmul(&x, 1, &un81, &mut b).unwrap();
         assert_eq!(a, b);
     }
 

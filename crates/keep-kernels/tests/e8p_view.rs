@@ -84,7 +84,7 @@ fn e8p_views_decode_and_multiply() {
         matmul(&x, m, &w, &mut a).unwrap();
         matmul_ref(&x, m, &w, &mut b).unwrap();
         matmul_with(Kernels::Fast, &x, m, &w, &mut f).unwrap();
-        // The fast kernels take E8P (and an E8P12 residual) as integer products of the int8
+        // The fast kernels take E8P (and an E8P12 or E81 residual) as integer products of the int8
         // activations: their reference is the exact product of the dequantized activations.
         let WeightKind::E8p {
             codes: wc,

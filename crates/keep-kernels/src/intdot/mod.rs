@@ -22,6 +22,16 @@
 //!   gather, from byte planes of the pattern table held in registers ([`E8pPlanes`]), and at
 //!   M = 1 fed to the dot without the row buffer; from [`E8P_GEMM_MIN_M`] rows on, E8P
 //!   weights take the GEMM (Prefill below).
+//! - E81 (one byte per 8 weights, one f32 scale per row; the residual stage of `e8p2+e81`,
+//!   `w = scale · E81_GRID[code] / 2`): the grid entry itself (half-units) is an integer in
+//!   [−4, 4], looked up in a 256-entry table of 8 int8 ([`E81_I8`], 2 KiB, built at compile
+//!   time from `keep_format::e81::E81_GRID`): into a row buffer as int8 (scalar, AVX2, NEON,
+//!   the GEMM's panel) or as `w + 128` bytes (the AVX-512 row kernels, which then take it as
+//!   an affine-8 row, as E8P's); with AVX-512 VBMI the row kernels decode 64 codes per step
+//!   without a table load per code, from nibble planes of the grid held in registers
+//!   ([`E81_PLANES`]); the block factor is 1 and the row's
+//!   result is multiplied by `scale / 2`. From [`E8P_GEMM_MIN_M`] rows on it takes the GEMM,
+//!   as E8P does.
 //! - affine-8 (MLX `mode="affine", bits=8, group_size=64`: `w = s·q + b`, `q` a byte, bf16
 //!   `s` and `b` per 64 columns): the integer weight is `q − 128` in [−128, 127] and the block
 //!   factor `s`; the rest, `(128·s + b) · Σx`, is the bias term of step 5 (`128·s + b` is
@@ -42,7 +52,7 @@
 //! 2. `acc[b mod 4][g] = fma(c_b, p[b][g] as f32, acc[b mod 4][g])`, blocks in order;
 //! 3. `u[g] = (acc[0][g] + acc[2][g]) + (acc[1][g] + acc[3][g])`;
 //! 4. `s = ((u0+u4) + (u2+u6)) + ((u1+u5) + (u3+u7))`, then `s · post` where the format has a
-//!    row factor (E8P: `scale · 0.25`, exact);
+//!    row factor (E8P: `scale · 0.25`, E81: `scale · 0.5`, exact);
 //! 5. affine-8 and affine-4 only: with `β_b = 128·s_g + b_g` (affine-4: `β_b = b_g`) for the group `g` holding block `b` and
 //!    `e_b = d_b · S_b` (`S_b` the exact sum of block `b`'s int8 activations; one f32
 //!    multiply, `Q8Acts::ds`), sixteen lanes `L[b mod 16] = fma(β_b, e_b, L[b mod 16])` over
@@ -68,6 +78,7 @@
 use rayon::prelude::*;
 use std::sync::LazyLock;
 
+use keep_format::e81::{E81_DIM, E81_GRID};
 use keep_format::e8p::{decode_e8p, E8P_DIM};
 
 use crate::affine::AFFINE8_GROUP;
@@ -93,7 +104,8 @@ mod x86;
 /// (the same results as the row kernels; see the module doc's Prefill section).
 pub const GEMM_MIN_M: usize = 33;
 
-/// From this many activation rows on, E8P weights take the GEMM on the AVX-512 VNNI levels
+/// From this many activation rows on, E8P weights (and E81 residual stages, decoded the same
+/// way into a row buffer) take the GEMM on the AVX-512 VNNI levels
 /// (measured faster than the row kernels from here: the row kernel streams every
 /// activation row's int8, `−128·Σ` and scale arrays past each weight row, the GEMM's
 /// register tile keeps four of them per panel in L1).
@@ -124,7 +136,7 @@ pub struct Q8Acts {
     pub ds: Vec<f32>,
     pub nsum4: Vec<i32>,
     /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
-    /// of a weight whose block factors are 1 (E8P) laid out as the SIMD lanes use them.
+    /// of a weight whose block factors are 1 (E8P, E81) laid out as the SIMD lanes use them.
     pub dx: Vec<f32>,
     /// One row (`M = 1`; empty otherwise, the only case that kernel runs): `q` in the order
     /// the MXFP4 row kernel at M = 1 reads it ([`mx4_order`]): per group of four blocks, the
@@ -296,6 +308,9 @@ pub enum IntSrc<'a> {
     Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
     /// E8P codes `[rows, cols/8]`, one f32 scale per row.
     E8p { codes: &'a [u16], scales: &'a [f32] },
+    /// E81 codes `[rows, cols/8]` (one byte per 8 weights, the residual stage of
+    /// `e8p2+e81`), one f32 scale per row.
+    E81 { codes: &'a [u8], scales: &'a [f32] },
     /// Affine-8 codes `[rows, cols]`, bf16 scales and biases `[rows, cols/64]`.
     Affine8 {
         q: &'a [u8],
@@ -420,6 +435,15 @@ impl<'a> IntSrc<'a> {
                     }
                 }
             }
+            IntSrc::E81 { codes, .. } => {
+                let kc = cols / E81_DIM;
+                for (d8, &c) in dst.chunks_exact_mut(8).zip(&codes[r * kc..(r + 1) * kc]) {
+                    let w = keep_format::e81::decode_e81_ref(c);
+                    for (o, v) in d8.iter_mut().zip(w) {
+                        *o = (v * 2.0) as i8;
+                    }
+                }
+            }
             IntSrc::Affine8 { q, .. } => {
                 for (o, &c) in dst.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
                     *o = (c as i32 - 128) as i8;
@@ -449,7 +473,7 @@ impl<'a> IntSrc<'a> {
                     *o = e8m0_half(e);
                 }
             }
-            IntSrc::E8p { .. } => dst[..nb].iter_mut().for_each(|o| *o = 1.0),
+            IntSrc::E8p { .. } | IntSrc::E81 { .. } => dst[..nb].iter_mut().for_each(|o| *o = 1.0),
             IntSrc::Affine8 { scales, .. } | IntSrc::Affine4 { scales, .. } => {
                 let ng = cols / AFFINE8_GROUP;
                 for (b, o) in dst[..nb].iter_mut().enumerate() {
@@ -464,7 +488,7 @@ impl<'a> IntSrc<'a> {
         }
     }
 
-    /// The row factor applied after the reduction (E8P: `scale / 4`).
+    /// The row factor applied after the reduction (E8P: `scale / 4`, E81: `scale / 2`).
     #[inline]
     pub fn post(&self, r: usize) -> Option<f32> {
         match *self {
@@ -473,6 +497,7 @@ impl<'a> IntSrc<'a> {
             | IntSrc::Affine4 { .. }
             | IntSrc::Registered(_) => None,
             IntSrc::E8p { scales, .. } => Some(scales[r] * 0.25),
+            IntSrc::E81 { scales, .. } => Some(scales[r] * 0.5),
         }
     }
 }
@@ -498,6 +523,44 @@ pub static E8P_I8: LazyLock<Vec<u64>> = LazyLock::new(|| {
         })
         .collect()
 });
+
+/// `E81_GRID[code]` (the codeword in half-units, integers in [−4, 4]) as 8 int8 for the 256
+/// codes (index = code), little-endian in a u64: 2 KiB, built at compile time from
+/// keep-format's grid.
+pub static E81_I8: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut c = 0;
+    while c < 256 {
+        let mut b = [0u8; 8];
+        let mut i = 0;
+        while i < 8 {
+            b[i] = E81_GRID[c][i] as u8;
+            i += 1;
+        }
+        t[c] = u64::from_le_bytes(b);
+        c += 1;
+    }
+    t
+};
+
+/// The nibble planes the VBMI E81 decoder looks codes up in (index = code): byte `c` of
+/// plane `p` holds coordinates `2p` (low nibble) and `2p + 1` (high nibble) of code `c` as
+/// `E81_GRID[c][i] + 4` (0..=8). Four 256-byte tables: each is four 64-byte registers.
+pub static E81_PLANES: [[u8; 256]; 4] = {
+    let mut t = [[0u8; 256]; 4];
+    let mut c = 0;
+    while c < 256 {
+        let mut p = 0;
+        while p < 4 {
+            let lo = (E81_GRID[c][2 * p] + 4) as u8;
+            let hi = (E81_GRID[c][2 * p + 1] + 4) as u8;
+            t[p][c] = lo | hi << 4;
+            p += 1;
+        }
+        c += 1;
+    }
+    t
+};
 
 /// `4 · e8p_base(g)` as 8 int8 for the 256 patterns (index = the code's high byte),
 /// little-endian in a u64: the 2 KiB table the vector E8P decoder gathers from (it stays in
@@ -733,6 +796,12 @@ impl IntSrc<'_> {
                     d8.copy_from_slice(&v);
                 }
             }
+            IntSrc::E81 { codes, .. } => {
+                let kc = cols / E81_DIM;
+                for (d8, &c) in dst.chunks_exact_mut(8).zip(&codes[r * kc..(r + 1) * kc]) {
+                    d8.copy_from_slice(&E81_I8[c as usize].to_le_bytes().map(|b| b as i8));
+                }
+            }
             IntSrc::Affine8 { q, .. } => {
                 for (o, &c) in dst.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
                     *o = (c ^ 0x80) as i8;
@@ -808,7 +877,8 @@ unsafe fn rows_at(
         #[cfg(target_arch = "x86_64")]
         IntLevel::Avx512Vnni | IntLevel::Avx512VnniVbmi
             if a.m >= GEMM_MIN_M
-                || (a.m >= E8P_GEMM_MIN_M && matches!(src, IntSrc::E8p { .. })) =>
+                || (a.m >= E8P_GEMM_MIN_M
+                    && matches!(src, IntSrc::E8p { .. } | IntSrc::E81 { .. })) =>
         {
             gemm_x86::gemm_vnni(src, a, r0, r1, out, ld)
         }
@@ -840,6 +910,9 @@ fn check_src(src: &IntSrc, rows: usize, cols: usize) -> Result<()> {
             }
             IntSrc::E8p { codes, scales } => {
                 codes.len() == rows * cols / E8P_DIM && scales.len() == rows
+            }
+            IntSrc::E81 { codes, scales } => {
+                codes.len() == rows * cols / E81_DIM && scales.len() == rows
             }
             IntSrc::Affine8 { q, scales, biases } => {
                 let ng = rows * cols / AFFINE8_GROUP;

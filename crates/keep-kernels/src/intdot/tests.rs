@@ -167,6 +167,74 @@ fn integer_decoders_equal_definitions_on_every_code() {
             }
         }
     }
+    // E81: every code, and the half-unit codeword is an integer in [-4, 4]; the AVX-512 row
+    // kernels' `w + 128` form is the same bytes with the sign bit flipped.
+    let codes: Vec<u8> = (0..=255u8).collect();
+    let src = IntSrc::E81 {
+        codes: &codes,
+        scales: &sc,
+    };
+    let n = codes.len() * 8;
+    let (mut a, mut b) = (vec![0i8; n], vec![0i8; n]);
+    src.decode_row_ref(0, n, &mut a);
+    src.decode_row_fast(0, n, &mut b);
+    assert_eq!(a, b);
+    for (j, &v) in a.iter().enumerate() {
+        let exact = keep_format::e81::decode_e81_ref(codes[j / 8])[j % 8] * 2.0;
+        assert_eq!(v as f32, exact, "e81 code {}", j / 8);
+        assert!((-4..=4).contains(&v));
+    }
+    let mut f = [0f32; 64];
+    src.block_factors(0, n, &mut f);
+    assert!(f.iter().all(|&v| v == 1.0));
+    assert_eq!(src.post(0), Some(0.5));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut v = vec![0i8; n];
+        x86::decode_e81_biased(&codes, &mut v);
+        assert!(v.iter().zip(&a).all(|(b, w)| (*b as u8 ^ 0x80) as i8 == *w));
+    }
+    // The VBMI E81 decoder: every code, at alignments and lengths that leave every partial
+    // group of 64 codes and of 8 (the masked loads and stores), bytes past the end untouched.
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::has_avx512_vbmi() {
+        let codes: Vec<u8> = (0..1000u32).map(|j| (j * 37 + j / 256) as u8).collect();
+        let src = IntSrc::E81 {
+            codes: &codes,
+            scales: &sc,
+        };
+        let mut a = vec![0i8; codes.len() * 8];
+        src.decode_row_ref(0, a.len(), &mut a);
+        for (skip, len) in [
+            (0usize, 1000usize),
+            (0, 256),
+            (3, 997),
+            (13, 70),
+            (5, 1),
+            (64, 63),
+        ] {
+            let cs = &codes[skip..skip + len];
+            for biased in [false, true] {
+                let mut v = vec![0x55i8; cs.len() * 8 + 64];
+                // SAFETY: VBMI checked above; `v` has room for every code.
+                unsafe { x86::decode_e81_vbmi_test(biased, cs, &mut v) };
+                let flip = if biased { 0x80u8 } else { 0 };
+                let want: Vec<i8> = a[skip * 8..(skip + len) * 8]
+                    .iter()
+                    .map(|&w| (w as u8 ^ flip) as i8)
+                    .collect();
+                assert_eq!(
+                    v[..len * 8],
+                    want[..],
+                    "e81 offset {skip} len {len} {biased}"
+                );
+                assert!(
+                    v[len * 8..].iter().all(|&b| b == 0x55),
+                    "e81 wrote past the end"
+                );
+            }
+        }
+    }
     // E8M0 halves.
     for e in 0..=255u8 {
         let h = e8m0_half(e);
@@ -185,7 +253,26 @@ pub(super) fn compare(
     rng: &mut Rng,
 ) {
     // From GEMM_MIN_M on, the VNNI level runs the GEMM: odd M across its tile sizes.
-    for &m in &[1usize, 2, 3, 4, 5, 7, 8, 13, 32, GEMM_MIN_M, 38, 45] {
+    compare_at(
+        src,
+        rows,
+        cols,
+        exact,
+        rng,
+        &[1, 2, 3, 4, 5, 7, 8, 13, 32, GEMM_MIN_M, 38, 45],
+    )
+}
+
+/// [`compare`] at the activation row counts `ms`.
+fn compare_at(
+    src: &IntSrc,
+    rows: usize,
+    cols: usize,
+    exact: &dyn Fn(&[f32], usize) -> Vec<f32>,
+    rng: &mut Rng,
+    ms: &[usize],
+) {
+    for &m in ms {
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
         let a = Q8Acts::quantize(&x, m, cols).unwrap();
         let xd = a.dequantize();
@@ -296,6 +383,51 @@ fn every_level_matches_the_contract_on_odd_shapes() {
             };
             compare(&src, rows, cols, &exact, &mut rng);
         }
+    }
+}
+
+/// E81 residual stages (`IntSrc::E81`) on every level against the scalar contract and the
+/// f64 reference, on odd shapes, at M from 1 past the E8P GEMM threshold to 64.
+#[test]
+fn e81_every_level_matches_the_contract() {
+    let mut rng = Rng::new(0x5EED_0E81_0002);
+    for &(rows, cols) in &[(1, 32), (3, 64), (17, 96), (33, 160), (9, 256), (21, 1088)] {
+        let codes = rng.bytes(rows * cols / 8);
+        let scales: Vec<f32> = (0..rows).map(|_| rng.f() * 0.1 + 0.001).collect();
+        let src = IntSrc::E81 {
+            codes: &codes,
+            scales: &scales,
+        };
+        let exact = |x: &[f32], m: usize| {
+            let mut o = vec![0f32; m * rows];
+            let mut w = vec![0f32; cols];
+            for r in 0..rows {
+                keep_format::e81::decode_e81_row_ref(
+                    &codes[r * cols / 8..(r + 1) * cols / 8],
+                    scales[r],
+                    &mut w,
+                )
+                .unwrap();
+                for i in 0..m {
+                    let xi = &x[i * cols..(i + 1) * cols];
+                    let acc: f64 = xi.iter().zip(&w).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    o[i * rows + r] = acc as f32;
+                }
+            }
+            o
+        };
+        let ms = [
+            1,
+            2,
+            E8P_GEMM_MIN_M - 1,
+            E8P_GEMM_MIN_M,
+            7,
+            8,
+            32,
+            GEMM_MIN_M,
+            64,
+        ];
+        compare_at(&src, rows, cols, &exact, &mut rng, &ms);
     }
 }
 

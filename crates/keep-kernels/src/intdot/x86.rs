@@ -9,7 +9,10 @@
 //! MXFP4 weights are decoded in registers (nibbles widened to 16 bits, then a 16-entry
 //! `vpshufb` table); E8P rows are first decoded into a row buffer, which then serves every
 //! input row (AVX-512: eight codes per step in registers, stored as `w + 128` bytes and then
-//! treated as an affine-8 row; AVX2: one load per code from the 512 KiB table); affine-8
+//! treated as an affine-8 row; AVX2: one load per code from the 512 KiB table); E81 rows
+//! likewise, one load per code from the 2 KiB table (stored as `w + 128` bytes on AVX-512,
+//! as int8 on AVX2), or with VBMI 64 codes per step from nibble planes in registers;
+//! affine-8
 //! bytes are read as stored (`q − 128` is one xor in registers, and VNNI multiplies `q`
 //! itself as unsigned bytes from the activations' `−128·Σx`). Row factors (E8M0, bf16 scales, `128·s + b`) are computed 16
 //! blocks at a time.
@@ -30,8 +33,8 @@ pub(super) enum Row {
     Mx4(*const u8),
     /// Decoded int8 weights of the row.
     Buf(*const i8),
-    /// Affine-8 bytes `q` of the row as stored (or an E8P row decoded to `w + 128`, the same
-    /// form): the integer weight `q − 128` is one xor in
+    /// Affine-8 bytes `q` of the row as stored (or an E8P or E81 row decoded to `w + 128`,
+    /// the same form): the integer weight `q − 128` is one xor in
     /// registers, and the VNNI level multiplies `q` itself as unsigned bytes, starting from
     /// the activations' `−128·Σq` ([`Q8Acts::nsum4`]).
     U8(*const u8),
@@ -189,7 +192,7 @@ pub(super) unsafe fn block_factors_avx512(src: &IntSrc, r: usize, cols: usize, d
                 *o = bf16_at(scales, r * ng + bb * QBLOCK / AFFINE8_GROUP);
             }
         }
-        IntSrc::E8p { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
+        IntSrc::E8p { .. } | IntSrc::E81 { .. } => dst.iter_mut().for_each(|o| *o = 1.0),
         IntSrc::Registered(_) => src.block_factors(r, cols, dst),
     }
 }
@@ -485,6 +488,109 @@ pub(super) unsafe fn decode_e8p_vbmi<const BIASED: bool>(
     }
 }
 
+/// Bytes 0..4 of qword `c` of output register `k` of a 64-code E81 group: byte `8k + c` of
+/// the first table and of the second (`vpermi2b` over two looked-up planes), twice; bytes
+/// 4..8 are never read.
+static E81_QWORD_IDX: [[u8; 64]; 8] = {
+    let mut a = [[0u8; 64]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut c = 0;
+        while c < 8 {
+            let (lo, hi) = ((8 * k + c) as u8, (64 + 8 * k + c) as u8);
+            a[k][8 * c] = lo;
+            a[k][8 * c + 1] = hi;
+            a[k][8 * c + 2] = lo;
+            a[k][8 * c + 3] = hi;
+            c += 1;
+        }
+        k += 1;
+    }
+    a
+};
+
+/// `vpmultishiftqb` controls: byte `i` of each qword starts at bit `4i` (coordinate `i`'s
+/// nibble in the low four bits).
+static E81_SHIFTS: [u8; 64] = {
+    let mut a = [0u8; 64];
+    let mut j = 0;
+    while j < 64 {
+        a[j] = 4 * (j % 8) as u8;
+        j += 1;
+    }
+    a
+};
+
+/// The integer weight of a nibble `n = w + 4` as a `vpermb` table (index = the low six
+/// bits, of which only the nibble is meaningful): `n − 4`, or `n − 4 + 128` (`BIASED`).
+const fn e81_nibble_values(biased: bool) -> [u8; 64] {
+    let mut a = [0u8; 64];
+    let mut j = 0;
+    while j < 64 {
+        let w = (j % 16) as i32 - 4;
+        a[j] = (if biased { w + 128 } else { w }) as u8;
+        j += 1;
+    }
+    a
+}
+static E81_VALUES: [u8; 64] = e81_nibble_values(false);
+static E81_VALUES_BIASED: [u8; 64] = e81_nibble_values(true);
+
+/// E81 codes `codes[..kc]` decoded as [`decode_e81_biased`] does (`BIASED`; else the int8
+/// weights themselves, [`super::E81_I8`]'s bytes), 64 codes per step without a table load
+/// per code (AVX-512 VBMI): the four nibble planes ([`super::E81_PLANES`], in registers) are
+/// looked up for 64 codes at once (two `vpermi2b` and a blend each); per output register of
+/// eight codes, two `vpermi2b` and a blend put each code's four plane bytes in bytes 0..4 of
+/// its qword, `vpmultishiftqb` moves coordinate `i`'s nibble to byte `i`, and `vpermb` maps
+/// it to the weight. The last partial group is read and stored under masks.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VBMI; `codes` holds `kc` codes and `dst` room for `8·kc` bytes.
+#[inline(always)]
+pub(super) unsafe fn decode_e81_vbmi<const BIASED: bool>(
+    codes: *const u8,
+    kc: usize,
+    dst: *mut i8,
+) {
+    let planes: [[__m512i; 4]; 4] = std::array::from_fn(|p| plane_regs(&super::E81_PLANES[p]));
+    let shifts = ld64(E81_SHIFTS.as_ptr());
+    let values = ld64(if BIASED {
+        E81_VALUES_BIASED.as_ptr()
+    } else {
+        E81_VALUES.as_ptr()
+    });
+    // Bytes 2 and 3 of every qword come from the second pair of planes.
+    let upper: __mmask64 = 0x0C0C_0C0C_0C0C_0C0C;
+    let mut c = 0;
+    while c < kc {
+        let n = (kc - c).min(64);
+        let g = if n == 64 {
+            ld64(codes.add(c))
+        } else {
+            _mm512_maskz_loadu_epi8((1u64 << n) - 1, codes.add(c) as *const i8)
+        };
+        let kh = _mm512_movepi8_mask(g);
+        let l: [__m512i; 4] = std::array::from_fn(|p| lookup256(&planes[p], g, kh));
+        for k in 0..n.div_ceil(8) {
+            let idx = ld64(E81_QWORD_IDX[k].as_ptr());
+            let q = _mm512_mask_blend_epi8(
+                upper,
+                _mm512_permutex2var_epi8(l[0], idx, l[1]),
+                _mm512_permutex2var_epi8(l[2], idx, l[3]),
+            );
+            let w = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, q), values);
+            let d = dst.add(8 * (c + 8 * k)) as *mut __m512i;
+            let left = n - 8 * k;
+            if left >= 8 {
+                _mm512_storeu_si512(d, w);
+            } else {
+                _mm512_mask_storeu_epi8(d as *mut i8, (1u64 << (8 * left)) - 1, w);
+            }
+        }
+        c += 64;
+    }
+}
+
 /// One E8P weight row (`kc` codes) against one activation row at M = 1, decoded in
 /// registers by [`e8p_group_vbmi`] and dotted at once, without the row buffer: `|w|` against
 /// the activations negated where `w < 0` (`vpdpbusd`, exact), the block coefficient `d_b`
@@ -750,6 +856,21 @@ pub(super) unsafe fn decode_e8p_vbmi_test(biased: bool, codes: &[u16], dst: &mut
     }
 }
 
+/// [`decode_e81_vbmi`] (for the tests).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VBMI; as [`decode_e81_vbmi`].
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma")]
+pub(super) unsafe fn decode_e81_vbmi_test(biased: bool, codes: &[u8], dst: &mut [i8]) {
+    assert!(dst.len() >= 8 * codes.len());
+    if biased {
+        decode_e81_vbmi::<true>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    } else {
+        decode_e81_vbmi::<false>(codes.as_ptr(), codes.len(), dst.as_mut_ptr())
+    }
+}
+
 /// [`decode_e8p_avx512`] (for the tests).
 ///
 /// # Safety
@@ -793,10 +914,35 @@ unsafe fn prep_row<const AVX512: bool, const VBMI: bool>(
             }
             Row::U8(s.w.as_ptr() as *const u8)
         }
-        IntSrc::E8p { .. } | IntSrc::Affine4 { .. } | IntSrc::Registered(_) => {
+        IntSrc::E81 { codes, .. } if AVX512 => {
+            // The same `w + 128` form: 64 codes per step from the nibble planes (VBMI), else
+            // one 8-byte load from the 2 KiB table per code.
+            let kc = cols / 8;
+            let row = &codes[r * kc..(r + 1) * kc];
+            if VBMI {
+                decode_e81_vbmi::<true>(row.as_ptr(), kc, s.w.as_mut_ptr());
+            } else {
+                decode_e81_biased(row, &mut s.w[..cols]);
+            }
+            Row::U8(s.w.as_ptr() as *const u8)
+        }
+        IntSrc::E8p { .. }
+        | IntSrc::E81 { .. }
+        | IntSrc::Affine4 { .. }
+        | IntSrc::Registered(_) => {
             src.decode_row_fast(r, cols, &mut s.w);
             Row::Buf(s.w.as_ptr())
         }
+    }
+}
+
+/// E81 codes to the row's integer weights as `w + 128` bytes (the affine-8 form the AVX-512
+/// row kernels take as [`Row::U8`]): [`super::E81_I8`] with every byte's sign bit flipped.
+#[inline(always)]
+pub(super) fn decode_e81_biased(codes: &[u8], dst: &mut [i8]) {
+    for (d8, &c) in dst.chunks_exact_mut(8).zip(codes) {
+        let v = super::E81_I8[c as usize] ^ 0x8080_8080_8080_8080;
+        d8.copy_from_slice(&v.to_le_bytes().map(|b| b as i8));
     }
 }
 
@@ -881,7 +1027,7 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
                 let mr = (a.m - i).min(4);
                 // E8P rows have block factor 1: their coefficients are the activations'
                 // block scales as they lie (`Q8Acts::dx`), no multiply or permute.
-                let unit = matches!(src, IntSrc::E8p { .. });
+                let unit = matches!(src, IntSrc::E8p { .. } | IntSrc::E81 { .. });
                 match (VNNI && matches!(row, Row::U8(_)), unit) {
                     (false, false) => {
                         group_mr::<VNNI, false, false>(mr, row, a, f, i, post, r, out, ld)
