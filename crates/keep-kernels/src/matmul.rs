@@ -333,6 +333,10 @@ thread_local! {
     static SPLIT: std::cell::RefCell<SplitJobs> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new()))
     };
+    /// The residual stages' output buffers (job index, buffer), kept between calls so that a
+    /// steady decode allocates nothing.
+    static RESID: std::cell::RefCell<Vec<(usize, Vec<f32>)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// [`crate::simd::matmul_many`] on the chosen kernels: with [`crate::Kernels::Fast`], the jobs whose
@@ -347,23 +351,30 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
         return Ok(());
     }
     let bf = crate::bf16dot::bf_level();
-    // E8P residual stages run as jobs of their own into these buffers, added afterwards.
-    let mut resid_out: Vec<(usize, Vec<f32>)> = jobs
-        .iter()
-        .enumerate()
-        .filter_map(|(k, j)| match j.w {
-            crate::simd::Src::E8p {
-                codes,
-                scales,
-                resid,
-            } => match e8p_int_stages(codes, scales, resid, j.cols) {
-                Some((_, Some(_))) => Some((k, vec![0f32; j.out.len()])),
-                _ => None,
-            },
-            _ => None,
-        })
-        .collect();
-    let mut resid_bufs = resid_out.iter_mut().map(|(_, b)| b);
+    // E8P residual stages run as jobs of their own into these buffers (this thread's, kept
+    // between calls), added afterwards.
+    let mut resid_out = RESID.with(|r| std::mem::take(&mut *r.borrow_mut()));
+    let mut n_resid = 0;
+    for (k, j) in jobs.iter().enumerate() {
+        if let crate::simd::Src::E8p {
+            codes,
+            scales,
+            resid,
+        } = j.w
+        {
+            if let Some((_, Some(_))) = e8p_int_stages(codes, scales, resid, j.cols) {
+                if n_resid == resid_out.len() {
+                    resid_out.push((k, Vec::new()));
+                }
+                let (slot, buf) = &mut resid_out[n_resid];
+                *slot = k;
+                buf.clear();
+                buf.resize(j.out.len(), 0.0);
+                n_resid += 1;
+            }
+        }
+    }
+    let mut resid_bufs = resid_out[..n_resid].iter_mut().map(|(_, b)| b);
     // The three job lists are this thread's, kept between calls.
     let kept = SPLIT.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let (mut int_jobs, mut bf_jobs, mut rest): (
@@ -452,9 +463,10 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
     }
     let kept = (recycle(int_jobs), recycle(bf_jobs), recycle(rest));
     SPLIT.with(|s| *s.borrow_mut() = kept);
-    for (k, b) in &resid_out {
+    for (k, b) in &resid_out[..n_resid] {
         jobs[*k].out.iter_mut().zip(b).for_each(|(o, r)| *o += r);
     }
+    RESID.with(|r| *r.borrow_mut() = resid_out);
     Ok(())
 }
 
