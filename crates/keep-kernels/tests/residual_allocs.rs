@@ -73,7 +73,7 @@ fn residual_stages_allocate_nothing_once_warm() {
         for m in [1usize, 8] {
             let x: Vec<f32> = (0..m * cols).map(|i| (i % 7) as f32 - 3.0).collect();
             let mut outs = vec![vec![0f32; m * rows]; weights.len()];
-            let mut run = |outs: &mut Vec<Vec<f32>>| {
+            let run = |outs: &mut Vec<Vec<f32>>| {
                 let mut jobs: Vec<Job> = weights
                     .iter()
                     .zip(outs.iter_mut())
