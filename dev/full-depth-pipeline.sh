@@ -136,11 +136,11 @@ PY
 
 # 9. the runs
 drop
-step run "$W/run-plan.json" -- "$KEEP" run --plan "$W/plan.json" --prompt-tokens "$PROMPT" --max-tokens "$TOKENS" \
-  --temperature 0 --stats-json "$W/run-plan.json"
+step run "$W/run-plan.json" -- bash -c "'$KEEP' run --plan '$W/plan.json' --prompt-tokens '$PROMPT' --max-tokens '$TOKENS' \
+  --temperature 0 --stats-json '$W/run-plan.json' > '$W/run-plan.out'"
 drop
-step run-dspark "$W/run-dspark.json" -- "$KEEP" run --plan "$W/plan-dspark.json" --prompt-tokens "$PROMPT" \
-  --max-tokens "$TOKENS" --temperature 0 --stats-json "$W/run-dspark.json"
+step run-dspark "$W/run-dspark.json" -- bash -c "'$KEEP' run --plan '$W/plan-dspark.json' --prompt-tokens '$PROMPT' \
+  --max-tokens '$TOKENS' --temperature 0 --stats-json '$W/run-dspark.json' > '$W/run-dspark.out'"
 drop
 step check "$W/check.json" -- bash -c "'$KEEP' fit --check '$W/plan.json' --json > '$W/check.json.tmp' && mv '$W/check.json.tmp' '$W/check.json'"
 
@@ -150,7 +150,9 @@ python3 - "$W" "$EVIDENCE" "$T0" "$MEM" "$B" <<'PY'
 import json, os, subprocess, sys, time
 w, out, t0, mem, budget = sys.argv[1:6]
 j = lambda f: json.load(open(f"{w}/{f}"))
-du = lambda d: int(subprocess.check_output(["du", "-sb", f"{w}/{d}"]).split()[0])
+# one du over the three directories: a file linked into several is counted once, in the first
+_du = subprocess.check_output(["du", "-sb", f"{w}/model", f"{w}/q3", f"{w}/qa"], text=True).split()
+du = lambda d: int(_du[_du.index(f"{w}/{d}") - 1])
 cfg = j("model/config.json")
 alloc, qa, plan, check = j("alloc.json"), j("qa/quant-report.json"), j("plan.json"), j("check.json")
 mix = {}
@@ -170,7 +172,9 @@ d = {
                                      "num_experts_per_tok", "num_attention_heads", "head_dim", "vocab_size",
                                      "engram_layer_ids", "dspark_block_size", "dspark_target_layer_ids",
                                      "dspark_n_routed_experts")},
-  "bytes": {"model": du("model"), "shards_holding_engram_tables": engram, "q3_new": du("q3"), "allocated": du("qa")},
+  "bytes": {"model": du("model"), "shards_holding_engram_tables": engram, "q3_not_linked": du("q3"),
+            "allocated_not_linked": du("qa"),
+            "allocated": int(subprocess.check_output(["du", "-sbL", f"{w}/qa"]).split()[0])},
   "steps": [json.loads(l) for l in open(f"{w}/steps.jsonl")],
   "select": {k: v for k, v in j("select.json").items() if k in ("keep", "n_experts", "saliency", "jaccard_vs_frequency")},
   "alloc": {"budget_bytes": int(budget), "bytes": alloc["bytes"], "mix": mix, "predicted_loss": alloc["predicted_loss"]},
@@ -180,6 +184,7 @@ d = {
           "probes": plan["probes"]},
   "run_plan": j("run-plan.json"),
   "run_dspark": j("run-dspark.json"),
+  "greedy_identical_with_dspark": open(f"{w}/run-plan.out").read() == open(f"{w}/run-dspark.out").read(),
   "check": check,
   "wall_secs_of_the_last_call": int(time.time()) - int(t0),
   "commit": subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(out)), "rev-parse", "HEAD"],
