@@ -160,9 +160,16 @@ for l in alloc["layers"]:
     for r in l["rungs"]:
         mix[r] = mix.get(r, 0) + 1
 mem_total = int(open("/proc/meminfo").read().split("MemTotal:")[1].split()[0]) * 1024
-engram = sum(os.path.getsize(f"{w}/model/{f}") for f in os.listdir(f"{w}/model") if f.endswith(".safetensors")
-             and any(k.startswith("layers.") and ".engram.embed." in k for k in
-                     json.loads(open(f"{w}/model/{f}", "rb").read(8 + int.from_bytes(open(f"{w}/model/{f}", "rb").read(8), "little"))[8:])))
+def engram_table_bytes(d):
+    n = 0
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(d, f), "rb") as h:
+                head = json.loads(h.read(int.from_bytes(h.read(8), "little")))
+            n += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items()
+                     if k.startswith("layers.") and ".engram.embed." in k)
+    return n
+engram = engram_table_bytes(f"{w}/model")
 d = {
   "format": "keep-evidence", "version": 1,
   "what": "the whole pipeline on a V4.1-Flash-shaped model at full depth, larger than the machine's memory",
@@ -172,7 +179,7 @@ d = {
                                      "num_experts_per_tok", "num_attention_heads", "head_dim", "vocab_size",
                                      "engram_layer_ids", "dspark_block_size", "dspark_target_layer_ids",
                                      "dspark_n_routed_experts")},
-  "bytes": {"model": du("model"), "shards_holding_engram_tables": engram, "q3_not_linked": du("q3"),
+  "bytes": {"model": du("model"), "engram_tables": engram, "q3_not_linked": du("q3"),
             "allocated_not_linked": du("qa"),
             "allocated": int(subprocess.check_output(["du", "-sbL", f"{w}/qa"]).split()[0])},
   "steps": [json.loads(l) for l in open(f"{w}/steps.jsonl")],
@@ -192,7 +199,7 @@ d = {
 }
 json.dump(d, open(out, "w"), indent=1)
 c = d["check"]
-print(f"model {d['bytes']['model']/2**30:.2f} GiB ({d['bytes']['shards_holding_engram_tables']/2**30:.2f} GiB in Engram shards), "
+print(f"model {d['bytes']['model']/2**30:.2f} GiB ({d['bytes']['engram_tables']/2**30:.2f} GiB of Engram tables), "
       f"memory {mem_total/2**30:.2f} GiB; allocated checkpoint {d['bytes']['allocated']/2**30:.2f} GiB, mix {mix}")
 for s in d["steps"]:
     print(f"  {s['step']:<12} {s['seconds']:8.1f} s  peak RSS {s['peak_rss_bytes']/2**30:6.2f} GiB")
