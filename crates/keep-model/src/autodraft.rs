@@ -11,7 +11,10 @@
 //! less than one of a single row. A settled side is measured as it runs;
 //! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
 //! slot cache warms, acceptance drifts with the text); the plain side, settled because drafting
-//! lost, runs twice as long, and twice again for each further loss in a row. After [`GIVE_UP`] comparisons in a row
+//! lost, runs twice as long, and twice again for each further loss in a row, and no sooner
+//! than when the time the last drafting measurement lost is at most [`EXPLORE_SHARE`] of the
+//! decode so far (a recheck of a drafter that lost costs its catch-up and verify forwards, which
+//! on a small, fast model outweigh a short generation). After [`GIVE_UP`] comparisons in a row
 //! that drafting lost, it is stopped for the rest of the generation (the drafter is then no
 //! longer fed, which saves its block's forward on every token).
 //!
@@ -32,6 +35,9 @@ pub const MEASURE_TOKENS: u64 = 4;
 pub const RECHECK_TOKENS: u64 = 128;
 /// Consecutive comparisons lost by drafting after which it is stopped for good.
 pub const GIVE_UP: u32 = 3;
+/// A drafter that lost is measured again only when what its last measurement lost is at most
+/// this share of the decode time so far.
+pub const EXPLORE_SHARE: f64 = 0.01;
 
 /// What the generation loop does after a step ([`AutoDraft::step`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +75,12 @@ pub struct AutoDraft {
     pub draft_spt: Option<f64>,
     pub plain_spt: Option<f64>,
     losses: u32,
+    /// Seconds of every step counted so far, and the seconds the last drafting measurement
+    /// lost against plain decoding (its time less its tokens at the plain rate).
+    total_secs: f64,
+    probe_secs: f64,
+    probe_tokens: u64,
+    probe_lost: f64,
     /// Times drafting was switched off, and back on.
     pub offs: u64,
     pub ons: u64,
@@ -94,6 +106,10 @@ impl AutoDraft {
             draft_spt: None,
             plain_spt: None,
             losses: 0,
+            total_secs: 0.0,
+            probe_secs: 0.0,
+            probe_tokens: 0,
+            probe_lost: 0.0,
             offs: 0,
             ons: 0,
             plain_tokens: 0,
@@ -134,6 +150,7 @@ impl AutoDraft {
         if !drafted {
             self.plain_tokens += tokens;
         }
+        self.total_secs += secs;
         if drafted != self.drafting {
             return Switch::Keep;
         }
@@ -144,7 +161,11 @@ impl AutoDraft {
         let done = match self.phase {
             Phase::Measure if self.drafting => self.steps >= MEASURE_FORWARDS,
             Phase::Measure => self.tokens >= MEASURE_TOKENS,
-            Phase::Settled => self.tokens >= self.recheck_tokens(),
+            Phase::Settled if self.drafting => self.tokens >= self.recheck_tokens(),
+            Phase::Settled => {
+                self.tokens >= self.recheck_tokens()
+                    && self.probe_lost <= EXPLORE_SHARE * self.total_secs
+            }
             Phase::Stopped => false,
         };
         if !done {
@@ -152,6 +173,7 @@ impl AutoDraft {
         }
         if self.drafting {
             self.draft_spt = Some(spt);
+            (self.probe_secs, self.probe_tokens) = (self.secs, self.tokens);
         } else {
             self.plain_spt = Some(spt);
         }
@@ -180,6 +202,12 @@ impl AutoDraft {
                 self.drafting = !self.drafting;
                 self.phase = Phase::Measure;
             }
+        }
+        if !self.drafting && self.phase == Phase::Settled {
+            // Settled on plain decoding: what the drafting measurement lost against it (all of
+            // its time when plain decoding was not measured yet).
+            let plain = self.plain_spt.unwrap_or(0.0) * self.probe_tokens as f64;
+            self.probe_lost = (self.probe_secs - plain).max(0.0);
         }
         self.secs = 0.0;
         self.tokens = 0;
@@ -266,7 +294,9 @@ mod tests {
     #[test]
     fn a_drafter_that_keeps_losing_is_rechecked_less_often() {
         let mut a = AutoDraft::new();
-        // Drafting accepts some drafts but loses: 4 tokens in 3 forwards of 3 plain steps.
+        // Drafting accepts some drafts but loses: 4 tokens in 3 forwards of 1.6 plain steps
+        // (what a measurement loses is far below EXPLORE_SHARE of the time: the token counts
+        // alone decide when to recheck).
         let mut rechecks = vec![];
         let (mut n, mut plain_run) = (0u64, 0u64);
         while !a.stopped() && n < 10_000 {
@@ -275,7 +305,7 @@ mod tests {
                     rechecks.push(plain_run);
                     plain_run = 0;
                 }
-                a.step(true, 3.0, if n % 3 == 0 { 2 } else { 1 });
+                a.step(true, 1.6, if n % 3 == 0 { 2 } else { 1 });
             } else {
                 a.step(false, 1.0, 1);
                 plain_run += 1;
@@ -291,6 +321,34 @@ mod tests {
             "plain runs between rechecks"
         );
         assert!(a.stopped());
+    }
+
+    #[test]
+    fn a_costly_recheck_waits_until_it_is_a_small_share_of_the_decode() {
+        // A verify forward (with the drafter's catch-up) costs 50 plain steps and keeps one
+        // token: the two measuring forwards lose 100 s, so drafting is measured again only
+        // once the decode has run 100 / EXPLORE_SHARE = 10,000 s, not after RECHECK_TOKENS.
+        let mut a = AutoDraft::new();
+        let (mut n, mut plain_run) = (0u64, 0u64);
+        let mut first = None;
+        while n < 20_000 && first.is_none() {
+            if a.drafting() {
+                if plain_run > 0 {
+                    first = Some(plain_run);
+                }
+                a.step(true, 50.0, 1);
+            } else {
+                a.step(false, 1.0, 1);
+                plain_run += 1;
+            }
+            n += 1;
+        }
+        let first = first.expect("drafting was measured again");
+        assert!(
+            (9_900..=9_901).contains(&first),
+            "plain tokens before the recheck: {first}"
+        );
+        assert!(!a.stopped());
     }
 
     #[test]

@@ -578,12 +578,32 @@ pub fn encode_prompt(
     Ok(ids)
 }
 
-/// The streaming detokenizer: generated text as it grows. The whole sequence is decoded at each
-/// token and what is new is returned, so multi-token characters come out whole.
+/// The streaming detokenizer: generated text as it grows, multi-token characters whole.
+///
+/// Each token decodes a short window, not the whole sequence: the tokens from the start of the
+/// piece returned before the last (`prefix`) on, and what is new is the window's text past
+/// the text of its already returned tokens (the offsets text-generation-inference and
+/// `tokenizers`' `DecodeStream` keep). A decoder that strips a leading space or merges across
+/// tokens sees the same context either way, so the pieces are those of decoding the whole
+/// sequence at every token ([`TextStream::push_whole`], the reference the tests hold this to);
+/// where the window's text does not extend what was returned (a decoder rewrote earlier text)
+/// the whole sequence is decoded as the reference does, from where it differs. A token costs
+/// two decodes of a few tokens, where decoding the whole sequence made a generation's
+/// detokenizing quadratic in its length.
 pub struct TextStream<'t> {
     tok: &'t Tokenizer,
     ids: Vec<u32>,
+    /// Every piece returned so far, joined.
     printed: String,
+    /// The window starts at `ids[prefix]`; `ids[prefix..read]` were returned, and their text
+    /// decoded alone is `prefix_text`.
+    prefix: usize,
+    read: usize,
+    prefix_text: String,
+    /// The piece the last [`TextStream::push`] returned.
+    piece: String,
+    /// Tokens whose piece needed the whole sequence decoded.
+    whole_decodes: usize,
 }
 
 impl<'t> TextStream<'t> {
@@ -592,31 +612,76 @@ impl<'t> TextStream<'t> {
             tok,
             ids: vec![],
             printed: String::new(),
+            prefix: 0,
+            read: 0,
+            prefix_text: String::new(),
+            piece: String::new(),
+            whole_decodes: 0,
         }
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tok
+            .decode(ids, true)
+            .map_err(|e| ModelError::Tokenizer(format!("detokenizing: {e}")))
     }
 
     /// Add a token; the text that follows what was returned so far (empty while the text ends
     /// in an incomplete character; if decoding rewrote earlier text, from where it differs).
     pub fn push(&mut self, t: u32) -> Result<&str> {
         self.ids.push(t);
-        let text = self
-            .tok
-            .decode(&self.ids, true)
-            .map_err(|e| ModelError::Tokenizer(format!("detokenizing: {e}")))?;
+        let text = self.decode(&self.ids[self.prefix..])?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok("");
+        }
+        match text.strip_prefix(self.prefix_text.as_str()) {
+            Some("") => return Ok(""),
+            Some(new) => {
+                self.piece.clear();
+                self.piece.push_str(new);
+                self.printed.push_str(new);
+            }
+            None => {
+                // Earlier text rewritten: the whole sequence, as the reference decodes it.
+                self.whole_decodes += 1;
+                let whole = self.decode(&self.ids)?;
+                if whole.ends_with('\u{FFFD}') || whole == self.printed {
+                    return Ok("");
+                }
+                let common = common_prefix(&self.printed, &whole);
+                self.piece.clear();
+                self.piece.push_str(&whole[common..]);
+                self.printed = whole;
+            }
+        }
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        self.prefix_text = self.decode(&self.ids[self.prefix..self.read])?;
+        Ok(&self.piece)
+    }
+
+    /// [`TextStream::push`] by decoding the whole sequence at every token: the reference
+    /// (quadratic in the length; for tests).
+    pub fn push_whole(&mut self, t: u32) -> Result<&str> {
+        self.ids.push(t);
+        let text = self.decode(&self.ids)?;
         if text.ends_with('\u{FFFD}') || text == self.printed {
             return Ok("");
         }
-        let common = self
-            .printed
-            .char_indices()
-            .zip(text.chars())
-            .take_while(|((_, a), b)| a == b)
-            .last()
-            .map(|((i, c), _)| i + c.len_utf8())
-            .unwrap_or(0);
+        let common = common_prefix(&self.printed, &text);
         self.printed = text;
         Ok(&self.printed[common..])
     }
+}
+
+/// Bytes of the longest common prefix of `a` and `b` that ends on a character boundary.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .take_while(|((_, x), y)| x == y)
+        .last()
+        .map(|((i, c), _)| i + c.len_utf8())
+        .unwrap_or(0)
 }
 
 /// What a generation hands its caller, in order.
@@ -965,6 +1030,69 @@ fn auto_switched<G: Generate + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every piece [`TextStream::push`] returns, against decoding the whole sequence at each
+    /// token ([`TextStream::push_whole`]).
+    /// How many tokens needed the whole sequence decoded.
+    fn stream_like_whole(tok: &Tokenizer, ids: &[u32], what: &str) -> usize {
+        let (mut fast, mut whole) = (TextStream::new(tok), TextStream::new(tok));
+        for (i, &t) in ids.iter().enumerate() {
+            let a = fast.push(t).unwrap().to_string();
+            let b = whole.push_whole(t).unwrap().to_string();
+            assert_eq!(a, b, "{what}: token {i} ({t}) of {ids:?}");
+        }
+        fast.whole_decodes
+    }
+
+    #[test]
+    fn the_windowed_detokenizer_returns_the_whole_decodes_pieces() {
+        // The bundled model's byte-level BPE: real text (multi-byte characters split over
+        // tokens) and random ids (incomplete and invalid byte sequences anywhere).
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/keep-tiny");
+        let tok = load_tokenizer(std::path::Path::new(dir)).unwrap();
+        for text in [
+            "def parse(line):\n    return line.split(',')  # naïve — 日本語 🙂\n",
+            "   leading spaces\tand tabs\n\n\nclass A:\n    pass",
+            "ñ🙂🙂 é",
+        ] {
+            let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+            // Text decodes in windows alone.
+            assert_eq!(
+                stream_like_whole(&tok, &ids, text),
+                0,
+                "whole decodes: {text}"
+            );
+        }
+        let vocab = tok.get_vocab_size(true);
+        let mut r = keep_rng::rng(7);
+        for n in 0..200 {
+            let ids: Vec<u32> = (0..1 + n % 40).map(|_| r.below(vocab) as u32).collect();
+            stream_like_whole(&tok, &ids, "random ids");
+        }
+        // A SentencePiece-style decoder (Llama's: `▁` to space, byte fallback, fuse, strip
+        // one leading space): a window that starts mid-text strips its first token's space,
+        // which the piece must not lose.
+        let sp = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,
+            "decoder":{"type":"Sequence","decoders":[
+              {"type":"Replace","pattern":{"String":"▁"},"content":" "},
+              {"type":"ByteFallback"},{"type":"Fuse"},
+              {"type":"Strip","content":" ","start":1,"stop":0}]},
+            "model":{"type":"WordLevel","unk_token":"<unk>","vocab":{"<unk>":0,"▁Hello":1,
+              "▁world":2,"!":3,"<0xE6>":4,"<0x97>":5,"<0xA5>":6,"▁":7,"ab":8,"<0xFF>":9}}}"#;
+        let tok: Tokenizer = sp.parse().unwrap();
+        for ids in [
+            vec![1, 2, 3, 7, 4, 5, 6, 2, 8, 1],
+            vec![7, 7, 1, 4, 5, 2, 6, 9, 8, 3],
+            vec![4, 5, 6, 4, 5, 6, 7, 1, 9, 9, 2],
+        ] {
+            assert_eq!(stream_like_whole(&tok, &ids, "sentencepiece"), 0);
+        }
+        for n in 0..200 {
+            let ids: Vec<u32> = (0..1 + n % 30).map(|_| r.below(10) as u32).collect();
+            stream_like_whole(&tok, &ids, "sentencepiece, random ids");
+        }
+    }
 
     #[test]
     fn the_cache_is_reserved_for_the_run_up_to_the_cap() {
