@@ -9,7 +9,9 @@
 # Usage: dev/draft-auto-speed.sh [MODEL_DIR] [ROUNDS] [MAX_TOKENS] [OUT_JSON]
 #   MODEL_DIR defaults to the bundled models/keep-tiny (its trained MTP drafter), ROUNDS 7,
 #   MAX_TOKENS 256, OUT dev/evidence/draft-auto-keep-tiny.json (refused if it exists unless
-#   FORCE=1). PROMPT (default "def parse(") is the prompt text.
+#   FORCE=1). PROMPT (default "def parse(") is the prompt text. KEEP is the binary (default
+#   target/release/keep) and COMMIT the commit it was built from (default the tree's HEAD); the
+#   evidence records both and the binary's SHA-256.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${KEEP:-target/release/keep}
@@ -37,10 +39,10 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 LOAD_AFTER=$(cat /proc/loadavg)
 python3 - "$TMP" "$OUT" "$MODEL" "$ROUNDS" "$MAX" "$PROMPT" "$LOAD_BEFORE" "$LOAD_AFTER" \
-  "$(git rev-parse --short HEAD)" <<'PY'
+  "${COMMIT:-$(git rev-parse --short HEAD)}" "$KEEP" "$(sha256sum "$KEEP" | cut -c1-16)" <<'PY'
 import json, pathlib, statistics, subprocess, sys
 tmp = pathlib.Path(sys.argv[1])
-out, model, rounds, mx, prompt, lb, la, commit = sys.argv[2:10]
+out, model, rounds, mx, prompt, lb, la, commit, binary, binary_sha = sys.argv[2:12]
 rounds = int(rounds)
 def lscpu(key):
     for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
@@ -64,10 +66,13 @@ ratios = [a / n for a, n in zip(rows["auto"], rows["none"])]
 res = {
     "command": f"dev/draft-auto-speed.sh {model} {rounds} {mx}",
     "commit": commit,
+    "binary": binary,
+    "binary_sha256_16": binary_sha,
     "model": model,
     "prompt": prompt,
     "max_tokens": int(mx),
-    "machine": {"cpu": lscpu("Model name"), "cpus": lscpu("CPU(s)"), "l3": lscpu("L3 cache")},
+    "machine": {"cpu": lscpu("Model name"), "cpus": lscpu("CPU(s)"), "l3": lscpu("L3 cache"),
+                "avx512": "avx512f" in (lscpu("Flags") or "").split()},
     "loadavg_before": lb,
     "loadavg_after": la,
     "decode_tps": rows,
