@@ -24,7 +24,7 @@ use keep_checkpoint::config::deepseek_v3::{self as names, DeepseekV3Config};
 use keep_checkpoint::writer::{CheckpointWriter, TensorMeta, WriterOptions};
 use keep_checkpoint::Dtype;
 use keep_format::fp8block::{encode_fp8_block, BlockShape};
-use keep_format::registry::{find_by_name, FormatSpec};
+use keep_format::registry::{find_by_name, FormatSpec, PartKind};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
@@ -260,6 +260,9 @@ fn metas(plan: &[Planned]) -> Vec<TensorMeta> {
             Kind::Registered(f) => {
                 let f = find_by_name(f).expect("planned from the registry");
                 for (i, p) in f.parts.iter().enumerate() {
+                    if matches!(p.kind, PartKind::Optional) {
+                        continue;
+                    }
                     let name = f.part_name(&t.name, i).expect("a .weight name");
                     let dtype = Dtype::parse(p.dtype).expect("a registry dtype");
                     out.push(TensorMeta::new(name, dtype, &(p.shape)(t.rows, t.cols)));
@@ -436,7 +439,14 @@ fn write_registered(
     let names: Vec<String> = (0..f.parts.len())
         .map(|i| f.part_name(&t.name, i).expect("a .weight name"))
         .collect();
-    let cr = chunk_rows(cols, 1);
+    // A format with a per-tensor part (a global scale from the whole matrix) is encoded in one
+    // piece, the others in chunks of rows.
+    let whole = f.parts.iter().any(|p| matches!(p.kind, PartKind::Tensor));
+    let cr = if whole {
+        rows.max(1)
+    } else {
+        chunk_rows(cols, 1)
+    };
     let starts: Vec<usize> = (0..rows).step_by(cr).collect();
     let mut rest: Vec<Vec<u8>> = vec![vec![]; f.parts.len()];
     let mut written = 0u64;
@@ -458,7 +468,7 @@ fn write_registered(
                 if i == 0 {
                     written += b.len() as u64;
                     w.write_chunk(&names[0], &b)?;
-                } else if f.parts[i].row_bytes.is_some() {
+                } else if f.parts[i].computed() {
                     written += b.len() as u64;
                     rest[i].extend_from_slice(&b);
                 }
@@ -467,7 +477,10 @@ fn write_registered(
     }
     // Parts the kernels never read (the logical shape) are the whole matrix's, not a chunk's.
     for (i, p) in f.parts.iter().enumerate().skip(1) {
-        if let Some(fill) = p.fill {
+        if matches!(p.kind, PartKind::Optional) {
+            continue;
+        }
+        if let PartKind::Fill(fill) = p.kind {
             rest[i] = fill(rows, cols);
             written += rest[i].len() as u64;
         }

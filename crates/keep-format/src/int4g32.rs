@@ -19,7 +19,7 @@
 //! `q = clamp(round_half_even(x / s), −8, 7)`; readers never depend on how a scale was chosen.
 
 use crate::bf16::{bf16_to_f32, f32_to_bf16};
-use crate::spec::{Encoded, FormatSpec, IntForm, PartSpec};
+use crate::spec::{Encoded, FormatSpec, IntForm, PartKind, PartSpec};
 use crate::FormatError;
 
 /// Columns per scale.
@@ -34,22 +34,19 @@ pub static INT4_G32: FormatSpec = FormatSpec {
             suffix: ".weight_packed",
             dtype: "I32",
             shape: |r, c| vec![r as u64, (c / 8) as u64],
-            row_bytes: Some(|c| c / 2),
-            fill: None,
+            kind: PartKind::Rows(|c| c / 2),
         },
         PartSpec {
             suffix: ".weight_scale",
             dtype: "BF16",
             shape: |r, c| vec![r as u64, (c / GROUP) as u64],
-            row_bytes: Some(|c| c / GROUP * 2),
-            fill: None,
+            kind: PartKind::Rows(|c| c / GROUP * 2),
         },
         PartSpec {
             suffix: ".weight_shape",
             dtype: "I32",
             shape: |_, _| vec![2],
-            row_bytes: None,
-            fill: Some(shape_bytes),
+            kind: PartKind::Fill(shape_bytes),
         },
     ],
     col_multiple: GROUP,

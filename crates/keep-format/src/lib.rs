@@ -4,7 +4,8 @@
 //! rows in MLX's layout; DeepSeek FP8 block-scaled tensors (E8M0, power-of-two f32 and
 //! V3-style `scale_inv` scales); MLX affine 2/3/4/8-bit (packing, decode, `mx.quantize`'s
 //! rule); the format [`registry`], one entry per table-described format (INT4 group 32,
-//! compressed-tensors' `pack-quantized`, [`int4g32`]). Each format documents its byte layout and
+//! compressed-tensors' `pack-quantized`, [`int4g32`]; NVFP4, compressed-tensors'
+//! `nvfp4-pack-quantized`, [`nvfp4`]). Each format documents its byte layout and
 //! decode formula, has a `_ref` scalar implementation written from the definition and a
 //! fast path tested against it on every code. What it is not: I/O, tensor naming,
 //! threading or GEMV kernels (those live in `keep-checkpoint` and `keep-kernels`).
@@ -25,6 +26,7 @@ pub mod int4g32;
 mod minifloat;
 pub mod mlx_affine;
 pub mod mx;
+pub mod nvfp4;
 pub mod registry;
 pub mod spec;
 

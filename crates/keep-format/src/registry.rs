@@ -18,18 +18,33 @@
 //! keep-kernels runs every entry of [`REGISTRY`] on every integer level against its reference:
 //! a format added here is covered by being registered.
 
-pub use crate::spec::{dtype_bytes, Encoded, FormatSpec, IntForm, PartSpec};
+pub use crate::spec::{dtype_bytes, Encoded, FormatSpec, IntForm, PartKind, PartSpec};
 
 /// Every registered format.
-pub static REGISTRY: &[&FormatSpec] = &[&crate::int4g32::INT4_G32];
+pub static REGISTRY: &[&FormatSpec] = &[&crate::int4g32::INT4_G32, &crate::nvfp4::NVFP4];
 
 /// The registered format called `name`.
 pub fn find_by_name(name: &str) -> Option<&'static FormatSpec> {
     REGISTRY.iter().copied().find(|f| f.name == name)
 }
 
-/// The registered format and part index whose suffix ends `tensor_name`, with the base name
-/// before the suffix (`a.b.weight_packed` → (INT4-g32, 0, `a.b`)).
+/// The registered format whose main part ends `tensor_name` with dtype `dtype` (a safetensors
+/// dtype name), with the base name before the suffix (`a.b.weight_packed`, `"U8"` → (NVFP4,
+/// `a.b`)): entries that share a main suffix are told apart by its dtype.
+pub fn find_main<'a>(tensor_name: &'a str, dtype: &str) -> Option<(&'static FormatSpec, &'a str)> {
+    REGISTRY.iter().copied().find_map(|f| {
+        let p = &f.parts[0];
+        tensor_name
+            .strip_suffix(p.suffix)
+            .filter(|b| !b.is_empty() && p.dtype == dtype)
+            .map(|b| (f, b))
+    })
+}
+
+/// The first registered format and part index whose suffix ends `tensor_name`, with the base
+/// name before the suffix (`a.b.weight_packed` → (INT4-g32, 0, `a.b`)): the part's role (index
+/// 0 the main part, 1 the scale partner), which entries sharing a suffix agree on; the format
+/// itself is [`find_main`]'s, from the main part's dtype.
 pub fn find_by_part(tensor_name: &str) -> Option<(&'static FormatSpec, usize, &str)> {
     REGISTRY.iter().copied().find_map(|f| {
         f.parts.iter().enumerate().find_map(|(i, p)| {
@@ -46,28 +61,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_and_parts_are_unique() {
+    fn names_and_main_parts_are_unique() {
         let mut names: Vec<&str> = REGISTRY.iter().map(|f| f.name).collect();
-        let mut suffixes: Vec<&str> = REGISTRY
+        let mut mains: Vec<(&str, &str)> = REGISTRY
             .iter()
-            .flat_map(|f| f.parts.iter().map(|p| p.suffix))
+            .map(|f| (f.parts[0].suffix, f.parts[0].dtype))
             .collect();
-        let (n, s) = (names.len(), suffixes.len());
+        let (n, s) = (names.len(), mains.len());
         names.sort();
         names.dedup();
-        suffixes.sort();
-        suffixes.dedup();
-        assert_eq!((names.len(), suffixes.len()), (n, s));
+        mains.sort();
+        mains.dedup();
+        assert_eq!((names.len(), mains.len()), (n, s));
         for f in REGISTRY {
+            // A suffix two entries share has the same role (index) in both.
+            for (i, p) in f.parts.iter().enumerate() {
+                let (_, j, _) = find_by_part(&format!("m{}", p.suffix)).unwrap();
+                assert!(i == j || (i > 1 && j > 1), "{} `{}`", f.name, p.suffix);
+            }
+            let main = format!("a.b{}", f.parts[0].suffix);
+            assert_eq!(
+                find_main(&main, f.parts[0].dtype).map(|(g, b)| (g.name, b)),
+                Some((f.name, "a.b"))
+            );
+            assert!(find_main(&main, "F64").is_none());
             assert_eq!(find_by_name(f.name).map(|g| g.name), Some(f.name));
             if let Some(j) = f.hf_quantization_config {
                 let v: serde_json::Value = serde_json::from_str(j).unwrap();
                 assert!(v["quant_method"].is_string(), "{}", f.name);
             }
-            assert!(f.parts[0].row_bytes.is_some(), "{}: main part", f.name);
+            assert!(
+                matches!(f.parts[0].kind, PartKind::Rows(_)),
+                "{}: main part",
+                f.name
+            );
             for p in f.parts {
                 assert!(!p.suffix.ends_with(".weight"), "{}", p.suffix);
-                assert_ne!(p.row_bytes.is_some(), p.fill.is_some(), "{}", p.suffix);
             }
         }
     }
@@ -91,7 +120,7 @@ mod tests {
                 let total: u64 = enc.iter().map(|b| b.len() as u64).sum();
                 assert_eq!(total, f.bytes(rows, cols), "{}", f.name);
                 for (p, b) in f.parts.iter().zip(&enc) {
-                    if let Some(fill) = p.fill {
+                    if let PartKind::Fill(fill) = p.kind {
                         assert_eq!(fill(rows, cols), *b, "{} `{}`", f.name, p.suffix);
                     }
                 }

@@ -15,12 +15,56 @@ pub struct PartSpec {
     pub dtype: &'static str,
     /// Its shape for a `[rows, cols]` weight.
     pub shape: fn(usize, usize) -> Vec<u64>,
-    /// Bytes per weight row the kernels read (`None`: metadata the kernels never read, such as
-    /// compressed-tensors' `weight_shape`).
-    pub row_bytes: Option<fn(usize) -> usize>,
-    /// The bytes of a metadata part, which follow from `[rows, cols]` alone (`None` for the
-    /// parts the kernels read).
-    pub fill: Option<fn(usize, usize) -> Vec<u8>>,
+    /// How the kernels read it, if they do.
+    pub kind: PartKind,
+}
+
+/// How a part is read.
+#[derive(Debug, Clone, Copy)]
+pub enum PartKind {
+    /// Read by the kernels, this many bytes per weight row of `cols` columns (a row slice of
+    /// the weight takes its rows' bytes).
+    Rows(fn(usize) -> usize),
+    /// Read by the kernels whole, whatever rows a slice takes (a per-tensor scale such as
+    /// NVFP4's `weight_global_scale`).
+    Tensor,
+    /// Metadata the kernels never read, whose bytes follow from `[rows, cols]` alone (these
+    /// bytes; compressed-tensors' `weight_shape`).
+    Fill(fn(usize, usize) -> Vec<u8>),
+    /// Stored by some releases for another reader and never read by keep (NVFP4's
+    /// `input_global_scale`, for activation quantization): when present, of this dtype and
+    /// shape; the encoder writes none (an empty part), and [`FormatSpec::bytes`] counts none.
+    Optional,
+}
+
+impl PartSpec {
+    /// Whether the kernels read it.
+    pub fn computed(&self) -> bool {
+        matches!(self.kind, PartKind::Rows(_) | PartKind::Tensor)
+    }
+
+    /// Bytes per weight row, for a part the kernels read row by row.
+    pub fn row_bytes(&self, cols: usize) -> Option<usize> {
+        match self.kind {
+            PartKind::Rows(f) => Some(f(cols)),
+            _ => None,
+        }
+    }
+
+    /// Its stored bytes for a `[rows, cols]` weight.
+    pub fn bytes(&self, rows: usize, cols: usize) -> u64 {
+        (self.shape)(rows, cols).iter().product::<u64>() * dtype_bytes(self.dtype)
+    }
+
+    /// The bytes of a row slice of `n` rows of a `cols`-wide weight (what a view of those rows
+    /// holds of this part).
+    pub fn slice_bytes(&self, n: usize, cols: usize) -> usize {
+        match self.kind {
+            PartKind::Rows(f) => n * f(cols),
+            PartKind::Tensor => self.bytes(n, cols) as usize,
+            PartKind::Fill(_) | PartKind::Optional => 0,
+        }
+    }
 }
 
 /// The integer form of a registered format (see `keep-kernels`' `intdot` contract): weight
@@ -42,7 +86,10 @@ pub struct FormatSpec {
     pub name: &'static str,
     /// Report label (`keep inspect`).
     pub label: &'static str,
-    /// Its tensors; the first is the main one (its dtype and shape identify the format).
+    /// Its tensors; the first is the main one (its suffix and dtype identify the format: two
+    /// entries may share a suffix, as compressed-tensors' formats all name theirs
+    /// `weight_packed`, never a suffix and dtype), read row by row; the second, when the
+    /// kernels read it, is the weight's scale partner.
     pub parts: &'static [PartSpec],
     /// Columns must be a multiple of this.
     pub col_multiple: usize,
@@ -65,20 +112,15 @@ pub struct FormatSpec {
 impl FormatSpec {
     /// The parts the kernels read, in order (indices into [`FormatSpec::parts`]).
     pub fn computed(&self) -> impl Iterator<Item = (usize, &PartSpec)> {
-        self.parts
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.row_bytes.is_some())
+        self.parts.iter().enumerate().filter(|(_, p)| p.computed())
     }
 
-    /// Stored bytes of a `[rows, cols]` weight, every part included.
+    /// Stored bytes of a `[rows, cols]` weight, every part included but optional ones.
     pub fn bytes(&self, rows: usize, cols: usize) -> u64 {
         self.parts
             .iter()
-            .map(|p| {
-                let n: u64 = (p.shape)(rows, cols).iter().product();
-                n * dtype_bytes(p.dtype)
-            })
+            .filter(|p| !matches!(p.kind, PartKind::Optional))
+            .map(|p| p.bytes(rows, cols))
             .sum()
     }
 
@@ -98,7 +140,7 @@ impl FormatSpec {
         }
         let want: Vec<(&PartSpec, usize)> = self
             .computed()
-            .map(|(_, p)| (p, rows * p.row_bytes.map_or(0, |f| f(cols))))
+            .map(|(_, p)| (p, p.slice_bytes(rows, cols)))
             .collect();
         if want.len() != parts.len() {
             return Err(format!(

@@ -4,7 +4,8 @@
 //! exact kernels decode its rows with the entry's `decode_row` and run the scalar
 //! decode-and-dot path; the integer kernels take its integer form (small integers and one
 //! factor per 32 columns) on every level through the same row and GEMM kernels as the other
-//! decoded-row formats (see [`crate::intdot`]).
+//! decoded-row formats (see [`crate::intdot`]); a format without one (NVFP4: two scales per 32
+//! columns) runs on the decoded-row f32 path under either kernel choice.
 
 use keep_format::registry::FormatSpec;
 
@@ -65,8 +66,10 @@ impl<'a> RegView<'a> {
             .zip(self.parts())
             .zip(self.spec.computed())
         {
-            let rb = spec.row_bytes.map_or(0, |f| f(cols));
-            *o = &p[r0 * rb..r1 * rb];
+            // A per-tensor part (a global scale) stays whole.
+            if let Some(rb) = spec.row_bytes(cols) {
+                *o = &p[r0 * rb..r1 * rb];
+            }
         }
         out
     }

@@ -419,6 +419,13 @@ impl<'a> CheckpointExperts<'a> {
                                 expert: x,
                                 msg,
                             })?;
+                        if em.biases.is_none() {
+                            if let Some(v) =
+                                crate::weights::registered_view(ck, em.weight, em.scale, rows, cols)
+                            {
+                                return v;
+                            }
+                        }
                         let resid = keep_checkpoint::layout::residual_of(ck, em.weight.name);
                         crate::weights::expert_view(&em, resid, rows, cols, hint)
                     };

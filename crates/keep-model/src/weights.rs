@@ -43,6 +43,9 @@ pub fn weight<'a>(
     let w = layout::registered::main_tensor(ck, &wname)
         .ok_or_else(|| ModelError::Missing(wname.clone()))?;
     let wname = w.name;
+    if let Some(v) = registered_view(ck, w, layout::scale_of(ck, wname), rows, cols) {
+        return v;
+    }
     if let Some(b) = layout::biases_of(ck, wname) {
         return view_mlx_affine(w, layout::scale_of(ck, wname), b, rows, cols);
     }
@@ -54,6 +57,29 @@ pub fn weight<'a>(
         cols,
         block_hint,
     )
+}
+
+/// A weight in a registered format (`w` its main part), every part the kernels read gathered
+/// from `ck` by the entry (a per-tensor global scale included); `None` when `w` is not one.
+pub fn registered_view<'a>(
+    ck: &'a Checkpoint,
+    w: TensorRef<'a>,
+    scale: Option<TensorRef<'a>>,
+    rows: usize,
+    cols: usize,
+) -> Option<Result<WeightView<'a>>> {
+    layout::registered::spec_of(&w)?;
+    let name = w.name;
+    let view = || -> Result<WeightView<'a>> {
+        let l = layout::classify_as(w, scale, rows, cols, None).map_err(|e| fmt_err(name, e))?;
+        let parts = layout::registered::computed_parts(ck, &l).map_err(|e| fmt_err(name, e))?;
+        let f = l
+            .layout
+            .spec()
+            .ok_or_else(|| fmt_err(name, "no registry entry"))?;
+        WeightView::registered(f, &parts, rows, cols).map_err(|e| fmt_err(name, e.to_string()))
+    };
+    Some(view())
 }
 
 /// [`view`], with the residual stage of an E8P weight (`<base>.resid.weight` and its scale,
@@ -169,9 +195,20 @@ pub fn view<'a>(
             let Some(f) = l.layout.spec() else {
                 return Err(fmt_err(name, format!("no registered format `{format}`")));
             };
-            // The computed parts: the main tensor and (when the entry has one) its partner.
+            // The computed parts: the main tensor and (when the entry has one) its partner; a
+            // format with more is read with its checkpoint (`weight`).
+            if f.computed().count() > 2 {
+                return Err(fmt_err(
+                    name,
+                    format!(
+                        "a {format} weight has {} parts the kernels read; this path carries \
+                         two (the weight and its scale)",
+                        f.computed().count()
+                    ),
+                ));
+            }
             let parts = [w.bytes, sbytes()];
-            WeightView::registered(f, &parts[..f.computed().count().min(2)], rows, cols)
+            WeightView::registered(f, &parts[..f.computed().count()], rows, cols)
         }
     }
     .map_err(kerr)

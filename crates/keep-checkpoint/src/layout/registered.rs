@@ -6,7 +6,7 @@
 //! [`crate::layout::WeightLayout::scale`], and a part the kernels never read (compressed-tensors'
 //! `weight_shape`) is checked by [`metadata_problem`].
 
-use keep_format::registry::{find_by_part, FormatSpec, REGISTRY};
+use keep_format::registry::{find_by_part, find_main, FormatSpec, PartKind, REGISTRY};
 
 use crate::layout::{Layout, WeightLayout};
 use crate::{Checkpoint, TensorRef};
@@ -17,10 +17,28 @@ pub(crate) fn classify<'a>(
     weight: TensorRef<'a>,
     scale: Option<TensorRef<'a>>,
 ) -> Option<Result<WeightLayout<'a>, String>> {
-    let (f, 0, _) = find_by_part(weight.name)? else {
+    let (_, 0, _) = find_by_part(weight.name)? else {
         return None;
     };
+    let Some((f, _)) = find_main(weight.name, weight.dtype.name()) else {
+        let known: Vec<String> = REGISTRY
+            .iter()
+            .filter(|f| weight.name.ends_with(f.parts[0].suffix))
+            .map(|f| format!("{} ({})", f.parts[0].dtype, f.name))
+            .collect();
+        return Some(Err(format!(
+            "`{}` is {}; a registered format's is {}",
+            weight.name,
+            weight.dtype,
+            known.join(" or ")
+        )));
+    };
     Some(classify_as_spec(f, weight, scale))
+}
+
+/// The registered format of a main tensor (by its suffix and dtype), with its base name.
+pub fn spec_of<'a>(main: &TensorRef<'a>) -> Option<(&'static FormatSpec, &'a str)> {
+    find_main(main.name, main.dtype.name())
 }
 
 fn classify_as_spec<'a>(
@@ -47,7 +65,7 @@ fn classify_as_spec<'a>(
             f.name, f.col_multiple
         ));
     }
-    if let Some(p) = f.parts.get(1).filter(|p| p.row_bytes.is_some()) {
+    if let Some(p) = f.parts.get(1).filter(|p| p.computed()) {
         let want = (p.shape)(rows, cols);
         match scale {
             None => {
@@ -87,7 +105,7 @@ pub fn main_tensor<'a>(ck: &'a Checkpoint, weight_name: &str) -> Option<TensorRe
 /// Every part of the registered weight whose main tensor is `main_name` (for claiming them
 /// in reports), the main one excluded.
 pub fn parts_of(ck: &Checkpoint, main_name: &str) -> Vec<String> {
-    let Some((f, 0, base)) = find_by_part(main_name) else {
+    let Some((f, base)) = ck.get(main_name).and_then(|t| spec_of(&t)) else {
         return vec![];
     };
     f.parts[1..]
@@ -104,11 +122,21 @@ pub fn metadata_problem(ck: &Checkpoint, l: &WeightLayout) -> Option<String> {
         return None;
     };
     let f = keep_format::registry::find_by_name(name)?;
-    let (_, _, base) = find_by_part(l.weight.name)?;
-    for p in f.parts.iter().filter(|p| p.row_bytes.is_none()) {
+    let (_, base) = spec_of(&l.weight)?;
+    // The main part and the scale partner are checked by the classification.
+    for (_, p) in f
+        .parts
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter(|(i, p)| *i > 1 || !p.computed())
+    {
         let n = format!("{base}{}", p.suffix);
         let want = (p.shape)(l.rows, l.cols);
         let Some(t) = ck.get(&n) else {
+            if matches!(p.kind, PartKind::Optional) {
+                continue;
+            }
             return Some(format!("tensor `{n}` is missing (a {} weight's)", f.name));
         };
         if t.dtype.name() != p.dtype || t.shape != want.as_slice() {
@@ -117,7 +145,7 @@ pub fn metadata_problem(ck: &Checkpoint, l: &WeightLayout) -> Option<String> {
                 t.dtype, t.shape, p.dtype
             ));
         }
-        if let Some(fill) = p.fill {
+        if let PartKind::Fill(fill) = p.kind {
             if t.bytes != fill(l.rows, l.cols).as_slice() {
                 return Some(format!(
                     "tensor `{n}` does not describe a {}x{} {} weight (the packed weight's shape)",
@@ -127,6 +155,45 @@ pub fn metadata_problem(ck: &Checkpoint, l: &WeightLayout) -> Option<String> {
         }
     }
     None
+}
+
+/// The bytes of every part the kernels read of registered weight `l`, in the entry's order (the
+/// main tensor, its scale partner, then parts fetched by name such as a per-tensor global scale,
+/// each checked for dtype and shape).
+pub fn computed_parts<'a>(
+    ck: &'a Checkpoint,
+    l: &WeightLayout<'a>,
+) -> Result<Vec<&'a [u8]>, String> {
+    let Layout::Registered(name) = l.layout else {
+        return Err(format!("`{}` is not in a registered format", l.weight.name));
+    };
+    let f = keep_format::registry::find_by_name(name)
+        .ok_or_else(|| format!("no registered format `{name}`"))?;
+    let (_, base) =
+        spec_of(&l.weight).ok_or_else(|| format!("`{}`: no main part", l.weight.name))?;
+    let mut out = vec![];
+    for (i, p) in f.computed() {
+        let bytes = match (i, l.scale) {
+            (0, _) => l.weight.bytes,
+            (1, Some(s)) => s.bytes,
+            _ => {
+                let n = format!("{base}{}", p.suffix);
+                let t = ck
+                    .get(&n)
+                    .ok_or_else(|| format!("tensor `{n}` is missing (a {} weight's)", f.name))?;
+                let want = (p.shape)(l.rows, l.cols);
+                if t.dtype.name() != p.dtype || t.shape != want.as_slice() {
+                    return Err(format!(
+                        "tensor `{n}` is {} {:?}, expected {} {want:?}",
+                        t.dtype, t.shape, p.dtype
+                    ));
+                }
+                t.bytes
+            }
+        };
+        out.push(bytes);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -203,5 +270,49 @@ mod tests {
             vec![format!("{n}.weight_scale")]
         );
         let _ = scale_of;
+    }
+
+    /// Two entries share `weight_packed` and `weight_scale`: the main part's dtype picks the
+    /// format (I32 INT4-g32, U8 NVFP4), and each is checked against its own entry.
+    #[test]
+    fn formats_sharing_a_suffix_are_told_apart_by_dtype() {
+        let b = [0u8; 0];
+        let w = t("m.e.weight_packed", Dtype::U8, &[64, 16], &b);
+        let s = t("m.e.weight_scale", Dtype::F8_E4M3, &[64, 2], &b);
+        let l = classify(w, Some(s), None).unwrap();
+        assert_eq!(
+            (l.layout, l.rows, l.cols),
+            (Layout::Registered("nvfp4"), 64, 32)
+        );
+        assert_eq!(
+            spec_of(&w).map(|(f, b)| (f.name, b)),
+            Some(("nvfp4", "m.e"))
+        );
+        // NVFP4's packed bytes with INT4's bf16 scales: refused by NVFP4's entry.
+        let e = classify(
+            w,
+            Some(t("m.e.weight_scale", Dtype::BF16, &[64, 2], &b)),
+            None,
+        );
+        assert!(e.unwrap_err().contains("F8_E4M3"));
+        // A main part of neither dtype: both named.
+        let e = classify(
+            t("m.e.weight_packed", Dtype::F16, &[64, 16], &b),
+            Some(s),
+            None,
+        );
+        let e = e.unwrap_err();
+        assert!(
+            e.contains("I32 (int4-g32)") && e.contains("U8 (nvfp4)"),
+            "{e}"
+        );
+        // The global scales are the weight's partners.
+        for part in [".weight_global_scale", ".input_global_scale"] {
+            assert_eq!(parse(&format!("m.e{part}")).part, Part::Scale);
+            assert_eq!(
+                crate::naming::weight_of_scale(&format!("m.e{part}")),
+                Some("m.e.weight_packed".into())
+            );
+        }
     }
 }

@@ -105,9 +105,9 @@ pub struct SynthArgs {
     /// gpt_oss one is mxfp4 (OpenAI's layout) only.
     #[arg(long)]
     format: Option<String>,
-    /// deepseek_v3: store the routed experts in a registered number format (int4-g32: INT4
-    /// group 32, compressed-tensors' pack-quantized, as Kimi-K2-Thinking's release), the rest
-    /// bf16.
+    /// deepseek_v3: store the routed experts in a number format of keep-format's registry, by
+    /// name (int4-g32: Kimi-K2-Thinking's INT4; nvfp4: compressed-tensors' NVFP4; an unknown
+    /// name lists them), the rest bf16.
     #[arg(long)]
     experts: Option<String>,
 }

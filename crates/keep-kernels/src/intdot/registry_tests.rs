@@ -3,8 +3,9 @@
 //! the GEMM on the VNNI levels) and on odd shapes, against the scalar reference written here
 //! from the entry's definitions (its `_ref` integer decode and block factors, the contract's
 //! [`dot_blocks_ref`] and [`finish_ref`]), bit for bit; and the exact f32 path of the same
-//! weights against [`matmul_ref`] (the f64 sum of the entry's element decode). A format is
-//! covered by being registered: nothing here names one.
+//! weights against [`matmul_ref`] (the f64 sum of the entry's element decode); a format
+//! without an integer form, its fast entry point against the exact path. A format is covered
+//! by being registered: nothing here names one.
 
 use super::*;
 use crate::matmul::{matmul, matmul_ref, matmul_with};
@@ -52,7 +53,7 @@ fn reference(f: &FormatSpec, parts: &[&[u8]], rows: usize, a: &Q8Acts) -> Vec<f3
 fn every_registered_format_on_every_level_and_m_equals_its_reference() {
     let mut rng = Rng::new(0x4E6_0032);
     let levels = int_levels_available();
-    let mut runs = 0;
+    let (mut runs, mut decoded_runs) = (0, 0);
     for f in REGISTRY {
         for (rows, cols) in shapes(f) {
             let enc = encoded(f, rows, cols, &mut rng);
@@ -60,6 +61,15 @@ fn every_registered_format_on_every_level_and_m_equals_its_reference() {
             let view = WeightView::registered(f, &parts, rows, cols).unwrap();
             let Some(src) = IntSrc::from_view(&view) else {
                 assert!(f.int.is_none(), "{}: has an integer form", f.name);
+                // No integer form: the fast entry point runs the exact decoded-row path.
+                for m in MS {
+                    let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+                    let (mut fast, mut exact) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+                    matmul_with(crate::Kernels::Fast, &x, m, &view, &mut fast).unwrap();
+                    matmul(&x, m, &view, &mut exact).unwrap();
+                    assert_eq!(fast, exact, "{} matmul_with(Fast) M={m}", f.name);
+                    decoded_runs += 1;
+                }
                 continue;
             };
             for m in MS {
@@ -105,7 +115,14 @@ fn every_registered_format_on_every_level_and_m_equals_its_reference() {
             }
         }
     }
-    assert!(runs >= REGISTRY.len() * MS.len() * levels.len());
+    // Every format ran: on every integer level, or (without an integer form) on the fast
+    // entry point's decoded-row path.
+    let int = REGISTRY.iter().filter(|f| f.int.is_some()).count();
+    assert!(runs >= int * MS.len() * levels.len());
+    assert_eq!(
+        decoded_runs,
+        (REGISTRY.len() - int) * shapes(REGISTRY[0]).len() * MS.len()
+    );
 }
 
 #[test]
