@@ -16,7 +16,7 @@ use keep_artifacts::fit_plan::{CheckSet, Probes};
 use keep_artifacts::routes::RouteTrace;
 use keep_checkpoint::Checkpoint;
 use keep_model::{Kernels, ModelConfig};
-use keep_runtime::{ExpertStore, RunModel, RuntimeError, RuntimeOptions};
+use keep_runtime::{BudgetedModel, ExpertStore, RunModel, RuntimeError, RuntimeOptions, SlotNeeds};
 
 use crate::checkset::{self, Decoded};
 use crate::{FitError, Result};
@@ -66,10 +66,14 @@ pub struct ProbeOptions {
 #[derive(Debug, Clone)]
 pub struct Probe {
     pub probes: Probes,
-    /// Residents + Engram row cache + the context's cache and activations: what is not slots.
+    /// Residents + the context's cache and activations: what is not slots in the least budget
+    /// (whose default Engram row cache is empty).
     pub fixed_bytes: u64,
     /// Bytes of one expert slot.
     pub slot_bytes: u64,
+    /// What the plan's run holds besides its slots: the runtime's own split of a budget
+    /// ([`SlotNeeds::plan`]) gives each candidate's hot set.
+    pub needs: SlotNeeds,
     pub n_layers: usize,
     pub n_experts: usize,
     pub top_k: usize,
@@ -87,39 +91,31 @@ fn kernels_name(k: Kernels) -> &'static str {
     }
 }
 
+/// The runtime's options for the probes' runs and the plans' (a plan runs with the plan's
+/// kernels and context and no drafting; policy and warm start do not change the split).
+fn runtime_options(opts: &ProbeOptions, budget: u64) -> RuntimeOptions {
+    let mut ro = RuntimeOptions::new(budget);
+    ro.kernels = opts.kernels;
+    ro.context = Some(opts.context);
+    ro.io_threads = opts.io_threads;
+    ro
+}
+
+/// What a plan's run of `ck` holds besides its slots, as the runtime counts it.
+pub fn slot_needs(ck: &Checkpoint, opts: &ProbeOptions) -> Result<SlotNeeds> {
+    Ok(BudgetedModel::slot_needs(ck, &runtime_options(opts, 0))?)
+}
+
 /// The smallest budget `ck` runs in for `context` (residents, context, `top_k` slots per
-/// layer), found by asking the runtime's own budget split.
+/// layer), by the runtime's own budget split.
 pub fn minimum_budget(ck: &Checkpoint, opts: &ProbeOptions) -> Result<u64> {
-    let cfg = ModelConfig::from_checkpoint(ck)?;
-    let store = ExpertStore::open(ck, &cfg, true)?;
-    let guess = keep_runtime::resident_bytes(ck)
-        + cfg
-            .memory_estimate(opts.context, keep_model::DEFAULT_PREFILL_CHUNK)
-            .total()
-        + store.slot_bytes() * (cfg.n_layers * cfg.top_k) as u64;
-    match keep_runtime::BudgetPlan::with_memory(
-        guess,
-        keep_runtime::resident_bytes(ck),
-        cfg.memory_estimate(opts.context, keep_model::DEFAULT_PREFILL_CHUNK),
-        store.slot_bytes(),
-        cfg.n_layers,
-        cfg.top_k,
-        cfg.n_experts,
-    ) {
-        Ok(_) => {}
-        Err(RuntimeError::BudgetTooSmall { needed, .. }) => return Ok(needed),
-        Err(e) => return Err(e.into()),
-    }
-    Ok(guess)
+    Ok(slot_needs(ck, opts)?.minimum())
 }
 
 /// Load `ck` in `budget`, growing it once by what the runtime says is missing (the Engram row
 /// cache comes out of the budget too).
 fn load<'a>(ck: &'a Checkpoint, opts: &ProbeOptions, budget: u64) -> Result<RunModel<'a>> {
-    let mut ro = RuntimeOptions::new(budget);
-    ro.kernels = opts.kernels;
-    ro.context = Some(opts.context);
-    ro.io_threads = opts.io_threads;
+    let mut ro = runtime_options(opts, budget);
     match RunModel::load(ck, opts.kernels, Some(&ro)) {
         Ok(m) => Ok(m),
         Err(RuntimeError::BudgetTooSmall { needed, .. }) => {
@@ -218,7 +214,8 @@ pub fn probe(ck: &Checkpoint, opts: &ProbeOptions) -> Result<Probe> {
         ));
     }
     // Every expert in memory, when the machine has room: the compute alone.
-    let all = fixed + slot_bytes * (cfg.n_layers * cfg.n_experts) as u64;
+    let needs = slot_needs(ck, opts)?;
+    let all = needs.every_expert();
     let room = mem_available()
         .map(|a| a.saturating_sub(((a as f64 * AUTO_MARGIN_FRACTION) as u64).max(AUTO_MARGIN_MIN)))
         .unwrap_or(0);
@@ -279,6 +276,7 @@ pub fn probe(ck: &Checkpoint, opts: &ProbeOptions) -> Result<Probe> {
         },
         fixed_bytes: fixed,
         slot_bytes,
+        needs,
         n_layers: cfg.n_layers,
         n_experts: cfg.n_experts,
         top_k: cfg.top_k,

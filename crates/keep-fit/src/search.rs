@@ -313,19 +313,22 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
     let budget = o.memory.bytes;
     let mut cands: Vec<(Candidate, usize)> = vec![];
     for (li, lv) in levels.iter().enumerate() {
-        let avail = budget.saturating_sub(p.fixed_bytes) / p.slot_bytes.max(1) / l as u64;
-        let slots = (avail as usize).min(lv.kept);
+        // The runtime's own split of the budget (its Engram row cache included, every slot the
+        // largest expert's size): the hot set the plan's run will have.
+        let split = p.needs.with_experts(lv.kept).plan(budget).ok();
+        let slots = split.as_ref().map_or(0, |s| s.slots_per_layer);
         if (o.knob == Knob::Offload && lv.kept != n) || (o.knob == Knob::Prune && slots != lv.kept)
         {
             continue;
         }
-        if slots < k {
+        let Some(split) = split else {
+            let avail = budget.saturating_sub(p.fixed_bytes) / p.slot_bytes.max(1) / l as u64;
             notes.push(format!(
                 "{} experts kept: the memory leaves {avail} slots per layer, fewer than top-k {k}",
                 lv.kept
             ));
             continue;
-        }
+        };
         let kl = if lv.kept == n && o.kernels == Kernels::Exact && points.is_empty() {
             Predicted {
                 value: Some(0.0),
@@ -372,7 +375,7 @@ pub fn fit(o: &FitOptions) -> Result<FitOutcome> {
             }
         }
         for (policy, s) in rows {
-            let mem = p.fixed_bytes + slots as u64 * l as u64 * p.slot_bytes;
+            let mem = split.planned();
             cands.push((
                 Candidate {
                     name: name.clone(),

@@ -10,9 +10,12 @@
 //!   (`layers.N.engram.embed.*`) are never resident: their rows are read on demand into the
 //!   Engram row cache, whose bytes the runtime adds to the residents' share.
 //! - **Slots**: the rest of the budget, split evenly over the MoE layers, in whole slots of
-//!   [`ExpertStore::slot_bytes`](crate::ExpertStore::slot_bytes) (one expert's aligned reads),
-//!   at most `n_experts` per layer. A budget that cannot hold the residents plus `top_k` slots
-//!   per layer is refused with the number of bytes needed.
+//!   [`ExpertStore::slot_bytes`](crate::ExpertStore::slot_bytes) (the largest expert's aligned
+//!   reads: on a checkpoint of mixed rungs every slot holds the largest rung), at most
+//!   `n_experts` per layer. A budget that cannot hold the residents plus `top_k` slots per
+//!   layer is refused with the number of bytes needed. [`SlotNeeds::plan`] is the one split
+//!   (the Engram row cache it gives included): the runtime plans with it and `keep fit`
+//!   predicts with it.
 //!
 //! - **Context**: the decoding cache for the run's context (prompt + generated tokens: window,
 //!   compressed KV, index keys, open compressor groups — reserved exactly up front) and the
@@ -113,7 +116,12 @@ pub fn check_machine(bytes: u64, what: &str) -> Result<()> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BudgetPlan {
     pub budget: u64,
+    /// What the budget holds besides the context and the slots: the resident weights and the
+    /// caches and drafting a run holds beside them ([`SlotNeeds`]), the Engram row cache
+    /// included.
     pub residents: u64,
+    /// Of `residents`, the Engram row cache (0 without Engram layers).
+    pub engram_cache: u64,
     pub slot_bytes: u64,
     pub n_layers: usize,
     pub top_k: usize,
@@ -191,6 +199,7 @@ impl BudgetPlan {
         Ok(BudgetPlan {
             budget,
             residents,
+            engram_cache: 0,
             slot_bytes,
             n_layers,
             top_k,
@@ -209,6 +218,188 @@ impl BudgetPlan {
     /// Resident + context + slot bytes (≤ budget).
     pub fn planned(&self) -> u64 {
         self.fixed() + self.slot_total
+    }
+}
+
+/// The Engram row cache a budgeted run holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngramShare {
+    /// The model has no Engram layers.
+    None,
+    /// A size the run sets (`--engram-cache`).
+    Set(u64),
+    /// Unset: [`default_engram_cache`] of the budget, capped at `cap`, in whole rows of
+    /// `row_bytes`.
+    Default { cap: u64, row_bytes: u64 },
+}
+
+/// Everything the split of a budget depends on: what a budgeted run holds besides its expert
+/// slots, and the slots' shape. [`SlotNeeds::plan`] is the one split of a budget into slots:
+/// the runtime plans its run with it ([`BudgetedModel::load`](crate::BudgetedModel::load),
+/// the needs from [`BudgetedModel::slot_needs`](crate::BudgetedModel::slot_needs)) and
+/// `keep fit` predicts its hot sets with it, so that a plan's hot set is the run's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotNeeds {
+    /// The resident weights ([`resident_bytes`]).
+    pub weights: u64,
+    /// The residual cache of a run with precision tiers (0 without).
+    pub residual_cache: u64,
+    /// The drafter's tensors and cache copy of a drafting run (0 without).
+    pub drafting: u64,
+    pub engram: EngramShare,
+    /// The context's decoding cache and one pass's activations.
+    pub memory: MemoryEstimate,
+    /// Bytes of every slot ([`ExpertStore::slot_bytes`](crate::ExpertStore::slot_bytes): the
+    /// largest expert's aligned reads, whatever the rungs of the others).
+    pub slot_bytes: u64,
+    pub n_layers: usize,
+    pub top_k: usize,
+    pub n_experts: usize,
+}
+
+impl SlotNeeds {
+    /// What is held beside the slots, the context and the Engram row cache.
+    fn held(&self) -> u64 {
+        self.weights
+            .saturating_add(self.residual_cache)
+            .saturating_add(self.drafting)
+    }
+
+    /// The Engram row cache a run under `budget` holds.
+    pub fn engram_cache(&self, budget: u64) -> u64 {
+        match self.engram {
+            EngramShare::None => 0,
+            EngramShare::Set(b) => b,
+            // What the budget leaves after the rest and top-k slots (a budget too small for
+            // those is refused by the split as without Engram layers).
+            EngramShare::Default { cap, row_bytes } => default_engram_cache(
+                budget,
+                self.held().saturating_add(self.memory.total()),
+                self.slot_bytes,
+                self.n_layers,
+                self.top_k,
+                self.n_experts,
+                cap,
+                row_bytes,
+            ),
+        }
+    }
+
+    /// The least budget the run plans in: what is held, the context and `top_k` slots per
+    /// layer (a default Engram row cache is empty there).
+    pub fn minimum(&self) -> u64 {
+        let set = match self.engram {
+            EngramShare::Set(b) => b,
+            _ => 0,
+        };
+        BudgetPlan::minimum(
+            self.held()
+                .saturating_add(set)
+                .saturating_add(self.memory.total()),
+            self.slot_bytes,
+            self.n_layers,
+            self.top_k,
+        )
+    }
+
+    /// A budget in which every expert has a slot: the least one, plus `n_experts − top_k` more
+    /// slots per layer, plus the whole default Engram row cache (which takes its share first).
+    pub fn every_expert(&self) -> u64 {
+        let more = self
+            .slot_bytes
+            .saturating_mul(self.n_experts.saturating_sub(self.top_k) as u64)
+            .saturating_mul(self.n_layers as u64);
+        let engram = match self.engram {
+            EngramShare::Default { cap, .. } => cap,
+            _ => 0,
+        };
+        self.minimum().saturating_add(more).saturating_add(engram)
+    }
+
+    /// The same run on a checkpoint keeping `n_experts` experts a layer (a pruned level of
+    /// `keep fit`; its slots are the same size).
+    pub fn with_experts(&self, n_experts: usize) -> SlotNeeds {
+        SlotNeeds {
+            n_experts,
+            ..self.clone()
+        }
+    }
+
+    /// Split `budget`: the Engram row cache it gives, the rest as [`BudgetPlan::with_memory`]
+    /// splits it; a budget too small is refused naming what the residents' share holds
+    /// besides the weights.
+    pub fn plan(&self, budget: u64) -> Result<BudgetPlan> {
+        let engram_cache = self.engram_cache(budget);
+        BudgetPlan::with_memory(
+            budget,
+            self.held().saturating_add(engram_cache),
+            self.memory,
+            self.slot_bytes,
+            self.n_layers,
+            self.top_k,
+            self.n_experts,
+        )
+        .map(|p| BudgetPlan { engram_cache, ..p })
+        .map_err(|e| {
+            name_held(
+                e,
+                &[
+                    ("the Engram row cache (--engram-cache)", engram_cache),
+                    ("the residual cache (--residual-cache)", self.residual_cache),
+                    ("drafting (the MTP module and a cache copy)", self.drafting),
+                ],
+            )
+        })
+    }
+}
+
+/// A too-small budget's error naming what the residents' share holds besides the weights (the
+/// caches and drafting), so that a cache too large for the budget is named, not the weights.
+fn name_held(e: RuntimeError, parts: &[(&str, u64)]) -> RuntimeError {
+    match e {
+        RuntimeError::BudgetTooSmall {
+            budget,
+            residents,
+            context,
+            context_bytes,
+            cache,
+            activations,
+            chunk,
+            layers,
+            top_k,
+            slot_bytes,
+            slots,
+            needed,
+            ..
+        } => {
+            let named: Vec<String> = parts
+                .iter()
+                .filter(|(_, b)| *b > 0)
+                .map(|(what, b)| format!("{what} takes {b} bytes"))
+                .collect();
+            let held = if named.is_empty() {
+                String::new()
+            } else {
+                format!(", of which {}", named.join(" and "))
+            }
+            .into_boxed_str();
+            RuntimeError::BudgetTooSmall {
+                budget,
+                residents,
+                held,
+                context,
+                context_bytes,
+                cache,
+                activations,
+                chunk,
+                layers,
+                top_k,
+                slot_bytes,
+                slots,
+                needed,
+            }
+        }
+        e => e,
     }
 }
 
@@ -299,6 +490,69 @@ mod tests {
         // Slots that hold every expert take no more: the row cache gets the rest.
         let all = 4 * 62 * 100;
         assert_eq!(cache(min + all + 30_000, 1 << 20), 30_000 / 33 * 33);
+    }
+
+    #[test]
+    fn slot_needs_split_the_budget_as_the_runtime_does() {
+        let none = MemoryEstimate {
+            context: 0,
+            chunk: 0,
+            cache: 0,
+            activations: 0,
+        };
+        let needs = SlotNeeds {
+            weights: 1000,
+            residual_cache: 0,
+            drafting: 0,
+            engram: EngramShare::None,
+            memory: none,
+            slot_bytes: 100,
+            n_layers: 4,
+            top_k: 2,
+            n_experts: 64,
+        };
+        // Without Engram layers: BudgetPlan's split.
+        let min = 1000 + 4 * 2 * 100;
+        assert_eq!(needs.minimum(), min);
+        let b = min + 4 * 10 * 100;
+        assert_eq!(
+            needs.plan(b).unwrap(),
+            BudgetPlan::new(b, 1000, 100, 4, 2, 64).unwrap()
+        );
+        assert_eq!(needs.every_expert(), 1000 + 4 * 64 * 100);
+        assert_eq!(
+            needs.plan(needs.every_expert()).unwrap().slots_per_layer,
+            64
+        );
+        assert_eq!(needs.with_experts(16).plan(b).unwrap().slots_per_layer, 12);
+        // A default Engram row cache takes half of what top-k slots leave: fewer slots.
+        let engram = SlotNeeds {
+            engram: EngramShare::Default {
+                cap: 1 << 20,
+                row_bytes: 16,
+            },
+            ..needs.clone()
+        };
+        let p = engram.plan(b).unwrap();
+        assert_eq!(p.engram_cache, 4 * 10 * 100 / 2);
+        assert_eq!(p.residents, 1000 + p.engram_cache);
+        assert_eq!(p.slots_per_layer, 7);
+        assert!(p.planned() <= b);
+        // Every expert's slot beside the whole row cache.
+        let all = engram.every_expert();
+        let p = engram.plan(all).unwrap();
+        assert_eq!((p.slots_per_layer, p.engram_cache), (64, 1 << 20));
+        // Too small: refused naming a set row cache.
+        let set = SlotNeeds {
+            engram: EngramShare::Set(500),
+            ..needs
+        };
+        assert_eq!(set.minimum(), min + 500);
+        let msg = set.plan(min).unwrap_err().to_string();
+        assert!(
+            msg.contains("Engram row cache (--engram-cache) takes 500"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -36,7 +36,10 @@ pub mod runtime;
 pub mod session;
 pub mod store;
 
-pub use budget::{check_machine, machine_memory_bytes, resident_bytes, BudgetPlan, FIXED_OVERHEAD};
+pub use budget::{
+    check_machine, machine_memory_bytes, resident_bytes, BudgetPlan, EngramShare, SlotNeeds,
+    FIXED_OVERHEAD,
+};
 pub use cache::{CacheStats, GuessStats, LayerStats, SlotCache, TierStats};
 pub use engram::{EngramStats, EngramStore};
 pub use error::RuntimeError;

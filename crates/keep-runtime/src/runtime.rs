@@ -33,7 +33,7 @@ use keep_model::{
     ModelConfig, RouteEvent, RouteObserver,
 };
 
-use crate::budget::{check_machine, default_engram_cache, resident_bytes, BudgetPlan};
+use crate::budget::{check_machine, resident_bytes, BudgetPlan, EngramShare, SlotNeeds};
 use crate::cache::{CacheSource, CacheStats, SlotCache};
 use crate::engram::{engram_table_bytes, EngramStats, EngramStore};
 use crate::io::DEFAULT_IO_THREADS;
@@ -347,56 +347,6 @@ impl RouteObserver for Guesser<'_, '_, '_> {
     }
 }
 
-/// A too-small budget's error naming what the residents' share holds besides the weights (the
-/// caches and drafting), so that a cache too large for the budget is named, not the weights.
-fn name_held(e: RuntimeError, parts: &[(&str, u64)]) -> RuntimeError {
-    match e {
-        RuntimeError::BudgetTooSmall {
-            budget,
-            residents,
-            context,
-            context_bytes,
-            cache,
-            activations,
-            chunk,
-            layers,
-            top_k,
-            slot_bytes,
-            slots,
-            needed,
-            ..
-        } => {
-            let named: Vec<String> = parts
-                .iter()
-                .filter(|(_, b)| *b > 0)
-                .map(|(what, b)| format!("{what} takes {b} bytes"))
-                .collect();
-            let held = if named.is_empty() {
-                String::new()
-            } else {
-                format!(", of which {}", named.join(" and "))
-            }
-            .into_boxed_str();
-            RuntimeError::BudgetTooSmall {
-                budget,
-                residents,
-                held,
-                context,
-                context_bytes,
-                cache,
-                activations,
-                chunk,
-                layers,
-                top_k,
-                slot_bytes,
-                slots,
-                needed,
-            }
-        }
-        e => e,
-    }
-}
-
 /// The expert store of a run with precision tiers: each expert's upper stage by keep-residency's
 /// rule ([`upper_stages`](keep_residency::tiers::upper_stages)) — residual codes read apart
 /// from the base, and with [`TierOptions::upper_from`] shipped experts of the original
@@ -532,66 +482,82 @@ pub fn check_original(
     Ok((ock, ocfg, bytes))
 }
 
+/// The context a budgeted run plans for (the model's whole context when unset; refused past
+/// it), and its decoding cache and one pass's activations.
+fn planned_memory(cfg: &ModelConfig, opts: &RuntimeOptions) -> Result<MemoryEstimate> {
+    let run = opts.run_options()?;
+    let limit = cfg.raw.max_position_embeddings;
+    let context = opts.context.unwrap_or(limit);
+    if context == 0 || context > limit {
+        return Err(RuntimeError::Invalid(format!(
+            "a context of {context} tokens: the model holds 1 to {limit} \
+             (max_position_embeddings)"
+        )));
+    }
+    Ok(cfg.memory_estimate(context, run.prefill_chunk))
+}
+
+/// The expert store of a budgeted run: tiered with precision tiers.
+fn open_store(ck: &Checkpoint, cfg: &ModelConfig, opts: &RuntimeOptions) -> Result<ExpertStore> {
+    match &opts.tiers {
+        Some(t) => tiered_store(ck, cfg, t, opts.direct_io),
+        None => ExpertStore::open(ck, cfg, opts.direct_io),
+    }
+}
+
+/// What a run of `ck` with `store` under `opts` holds besides its slots (see
+/// [`BudgetedModel::slot_needs`]).
+fn slot_needs(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    store: &ExpertStore,
+    opts: &RuntimeOptions,
+    memory: MemoryEstimate,
+) -> SlotNeeds {
+    let engram = match (&cfg.engram, opts.engram_cache) {
+        (None, _) => EngramShare::None,
+        (Some(_), Some(set)) => EngramShare::Set(set),
+        (Some(layout), None) => EngramShare::Default {
+            cap: engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE),
+            row_bytes: crate::engram::row_bytes(layout.head_dim) as u64,
+        },
+    };
+    SlotNeeds {
+        weights: resident_bytes(ck),
+        residual_cache: opts.tiers.as_ref().map_or(0, |t| t.residual_cache),
+        drafting: if opts.draft_tokens > 0 {
+            draft_bytes(ck, &memory)
+        } else {
+            0
+        },
+        engram,
+        memory,
+        slot_bytes: store.slot_bytes(),
+        n_layers: cfg.n_layers,
+        top_k: cfg.top_k,
+        n_experts: cfg.n_experts,
+    }
+}
+
 impl<'a> BudgetedModel<'a> {
+    /// What a run of `ck` under `opts` holds besides its expert slots, and the slots' shape
+    /// (the expert store opened as the run opens it, nothing read): what
+    /// [`SlotNeeds::plan`] splits a budget with, here and in `keep fit`'s predictions.
+    pub fn slot_needs(ck: &Checkpoint, opts: &RuntimeOptions) -> Result<SlotNeeds> {
+        let cfg = ModelConfig::from_checkpoint(ck)?;
+        let memory = planned_memory(&cfg, opts)?;
+        let store = open_store(ck, &cfg, opts)?;
+        Ok(slot_needs(ck, &cfg, &store, opts, memory))
+    }
+
     /// Plan the budget, allocate the slots, optionally warm them, and load the model.
     pub fn load(ck: &'a Checkpoint, opts: &RuntimeOptions) -> Result<BudgetedModel<'a>> {
         let cfg = ModelConfig::from_checkpoint(ck)?;
         let run = opts.run_options()?;
-        let limit = cfg.raw.max_position_embeddings;
-        let context = opts.context.unwrap_or(limit);
-        if context == 0 || context > limit {
-            return Err(RuntimeError::Invalid(format!(
-                "a context of {context} tokens: the model holds 1 to {limit} \
-                 (max_position_embeddings)"
-            )));
-        }
-        let memory = cfg.memory_estimate(context, run.prefill_chunk);
-        let store = match &opts.tiers {
-            Some(t) => tiered_store(ck, &cfg, t, opts.direct_io)?,
-            None => ExpertStore::open(ck, &cfg, opts.direct_io)?,
-        };
-        let residual_cache = opts.tiers.as_ref().map_or(0, |t| t.residual_cache);
-        let drafting = if opts.draft_tokens > 0 {
-            draft_bytes(ck, &memory)
-        } else {
-            0
-        };
-        let others = resident_bytes(ck) + residual_cache + drafting;
-        let engram_cache = match (&cfg.engram, opts.engram_cache) {
-            (None, _) => 0,
-            (Some(_), Some(set)) => set,
-            // Unset: what the budget leaves after the rest and top-k slots (a budget too small
-            // for those is refused below as without Engram layers).
-            (Some(layout), None) => default_engram_cache(
-                opts.budget,
-                others.saturating_add(memory.total()),
-                store.slot_bytes(),
-                cfg.n_layers,
-                cfg.top_k,
-                cfg.n_experts,
-                engram_table_bytes(ck).min(DEFAULT_ENGRAM_CACHE),
-                crate::engram::row_bytes(layout.head_dim) as u64,
-            ),
-        };
-        let plan = BudgetPlan::with_memory(
-            opts.budget,
-            others + engram_cache,
-            memory,
-            store.slot_bytes(),
-            cfg.n_layers,
-            cfg.top_k,
-            cfg.n_experts,
-        )
-        .map_err(|e| {
-            name_held(
-                e,
-                &[
-                    ("the Engram row cache (--engram-cache)", engram_cache),
-                    ("the residual cache (--residual-cache)", residual_cache),
-                    ("drafting (the MTP module and a cache copy)", drafting),
-                ],
-            )
-        })?;
+        let memory = planned_memory(&cfg, opts)?;
+        let store = open_store(ck, &cfg, opts)?;
+        let plan = slot_needs(ck, &cfg, &store, opts, memory).plan(opts.budget)?;
+        let engram_cache = plan.engram_cache;
         check_machine(plan.planned(), "this budgeted run")?;
         let cache = Arc::new(SlotCache::with_tiers(
             store,
