@@ -480,22 +480,28 @@ pub fn weight_as<'a>(
     Ok(l)
 }
 
-/// One routed expert's matrix as stored: its weight, its scale partner and (MLX affine) its
-/// biases, each a tensor of the checkpoint or expert `e`'s slice of the layer's stacked tensor
-/// (mlx-lm's `switch_mlp`, [`expert_slice`]): the same mapped bytes either way, nothing copied.
-#[derive(Debug, Clone, Copy)]
+/// One routed expert's matrix as stored: its weight, its scale partner, (MLX affine) its
+/// biases and (a registered format) the further parts the kernels read, each a tensor of the
+/// checkpoint or expert `e`'s slice of the layer's stacked tensor (mlx-lm's `switch_mlp`,
+/// [`expert_slice`]): the same mapped bytes either way, nothing copied.
+#[derive(Debug, Clone)]
 pub struct ExpertMatrix<'a> {
     pub weight: TensorRef<'a>,
     pub scale: Option<TensorRef<'a>>,
     pub biases: Option<TensorRef<'a>>,
+    /// The parts of a registered format the kernels read past the weight and its scale, in
+    /// the entry's order, those the checkpoint has ([`registered::further_parts`]: NVFP4's
+    /// per-tensor `weight_global_scale`); empty for every other format.
+    pub further: Vec<TensorRef<'a>>,
 }
 
 impl ExpertMatrix<'_> {
-    /// Stored bytes of the weight, scale and biases.
+    /// Stored bytes of the weight, scale, biases and further parts the kernels read.
     pub fn bytes(&self) -> u64 {
         [Some(self.weight), self.scale, self.biases]
             .iter()
             .flatten()
+            .chain(&self.further)
             .map(|t| t.bytes.len() as u64)
             .sum()
     }
@@ -565,6 +571,7 @@ pub(crate) fn stacked_expert_matrix<'a>(
         weight: expert_slice(w, expert, n)?,
         scale: part(scale_of(ck, stacked))?,
         biases: part(biases_of(ck, stacked))?,
+        further: vec![],
     }))
 }
 
@@ -580,6 +587,7 @@ pub(crate) fn named_expert_matrix<'a>(
         weight: w,
         scale: scale_of(ck, w.name),
         biases: biases_of(ck, w.name),
+        further: registered::further_parts(ck, &w),
     })
 }
 

@@ -419,13 +419,7 @@ impl<'a> CheckpointExperts<'a> {
                                 expert: x,
                                 msg,
                             })?;
-                        if em.biases.is_none() {
-                            if let Some(v) =
-                                crate::weights::registered_view(ck, em.weight, em.scale, rows, cols)
-                            {
-                                return v;
-                            }
-                        }
+                        // A registered format's matrix carries every part its kernels read.
                         let resid = keep_checkpoint::layout::residual_of(ck, em.weight.name);
                         crate::weights::expert_view(&em, resid, rows, cols, hint)
                     };

@@ -68,11 +68,31 @@ pub fn registered_view<'a>(
     rows: usize,
     cols: usize,
 ) -> Option<Result<WeightView<'a>>> {
-    layout::registered::spec_of(&w)?;
-    let name = w.name;
+    let m = layout::ExpertMatrix {
+        weight: w,
+        scale,
+        biases: None,
+        further: layout::registered::further_parts(ck, &w),
+    };
+    registered_matrix_view(&m, rows, cols)
+}
+
+/// A matrix in a registered format (its weight the entry's main part) from the parts it
+/// carries: the weight, its scale partner and the further parts the kernels read (a per-tensor
+/// global scale), however many the entry has; `None` when the weight is in no registered
+/// format.
+pub fn registered_matrix_view<'a>(
+    m: &layout::ExpertMatrix<'a>,
+    rows: usize,
+    cols: usize,
+) -> Option<Result<WeightView<'a>>> {
+    layout::registered::spec_of(&m.weight)?;
+    let name = m.weight.name;
     let view = || -> Result<WeightView<'a>> {
-        let l = layout::classify_as(w, scale, rows, cols, None).map_err(|e| fmt_err(name, e))?;
-        let parts = layout::registered::computed_parts(ck, &l).map_err(|e| fmt_err(name, e))?;
+        let l = layout::classify_as(m.weight, m.scale, rows, cols, None)
+            .map_err(|e| fmt_err(name, e))?;
+        let parts = layout::registered::computed_parts_with(&l, &m.further)
+            .map_err(|e| fmt_err(name, e))?;
         let f = l
             .layout
             .spec()
@@ -93,6 +113,16 @@ pub fn view_with_residual<'a>(
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightView<'a>> {
     let v = view(w, scale, rows, cols, block_hint)?;
+    with_residual_stage(v, resid, rows, cols)
+}
+
+/// `v` with the residual stage of an E8P weight attached when `resid` has one.
+fn with_residual_stage<'a>(
+    v: WeightView<'a>,
+    resid: Option<(TensorRef<'a>, Option<TensorRef<'a>>)>,
+    rows: usize,
+    cols: usize,
+) -> Result<WeightView<'a>> {
     let Some((rw, rs)) = resid else {
         return Ok(v);
     };
@@ -107,7 +137,9 @@ pub fn view_with_residual<'a>(
 
 /// The view of one routed expert's matrix wherever the checkpoint keeps it (its own tensors or
 /// a slice of mlx-lm's stacked `switch_mlp`; keep-checkpoint's [`layout::expert_matrix`]), with
-/// the residual stage of an E8P weight when `resid` has one.
+/// the residual stage of an E8P weight when `resid` has one. A registered format's matrix is
+/// read from the parts it carries ([`registered_matrix_view`]), so the expert store's slot,
+/// which holds exactly those parts, gives the same view as the mapped checkpoint.
 pub fn expert_view<'a>(
     m: &layout::ExpertMatrix<'a>,
     resid: Option<(TensorRef<'a>, Option<TensorRef<'a>>)>,
@@ -115,8 +147,11 @@ pub fn expert_view<'a>(
     cols: usize,
     block_hint: Option<(usize, usize)>,
 ) -> Result<WeightView<'a>> {
-    match m.biases {
-        Some(b) => view_mlx_affine(m.weight, m.scale, b, rows, cols),
+    if let Some(b) = m.biases {
+        return view_mlx_affine(m.weight, m.scale, b, rows, cols);
+    }
+    match registered_matrix_view(m, rows, cols) {
+        Some(v) => with_residual_stage(v?, resid, rows, cols),
         None => view_with_residual(m.weight, m.scale, resid, rows, cols, block_hint),
     }
 }
@@ -196,7 +231,8 @@ pub fn view<'a>(
                 return Err(fmt_err(name, format!("no registered format `{format}`")));
             };
             // The computed parts: the main tensor and (when the entry has one) its partner; a
-            // format with more is read with its checkpoint (`weight`).
+            // format with more is read with the parts an expert matrix carries
+            // (`registered_matrix_view`) or with its checkpoint (`weight`).
             if f.computed().count() > 2 {
                 return Err(fmt_err(
                     name,

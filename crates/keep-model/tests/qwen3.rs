@@ -294,6 +294,7 @@ fn stacked_experts_are_slices_of_the_mapping() {
                 weight,
                 scale,
                 biases,
+                ..
             } = expert_matrix(&ck, &cfg, 0, e, mat).unwrap();
             // The e-th slice of the mapped stacked tensor, at its own file offset: no copy.
             assert_eq!(weight.bytes.as_ptr(), stacked.bytes[e * per..].as_ptr());

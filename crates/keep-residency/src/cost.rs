@@ -196,6 +196,7 @@ pub fn model_bytes(
                             weight: t,
                             scale: keep_checkpoint::layout::scale_of(&ck, &w),
                             biases: keep_checkpoint::layout::biases_of(&ck, &w),
+                            further: vec![],
                         })
                         .ok_or_else(|| format!("tensor `{w}` is missing"))
                 }

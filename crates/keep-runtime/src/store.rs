@@ -3,8 +3,11 @@
 //! the reads that bring one expert into a slot buffer.
 //!
 //! An expert is its three matrices `w1`, `w2`, `w3`, each a `.weight` and an optional `.scale`
-//! (or `.weight_scale_inv`, or MLX's `.scales` with its `.biases`): up to nine tensors, each
-//! contiguous in its shard but not necessarily adjacent. Experts that mlx-lm stacks per layer
+//! (or `.weight_scale_inv`, or MLX's `.scales` with its `.biases`), or a registered format's
+//! parts the kernels read, however many its entry has (keep-checkpoint's `ExpertMatrix`:
+//! NVFP4's `weight_packed`, `weight_scale` and the per-tensor `weight_global_scale`, read with
+//! the expert into its slot like the others): each tensor contiguous in its shard but not
+//! necessarily adjacent. Experts that mlx-lm stacks per layer
 //! (`switch_mlp`) are the expert's slice of each stacked tensor: nine extents, each in its own
 //! stacked tensor, so nine reads (the layout puts them apart; a per-expert layout such as
 //! `keep synth`'s or `keep quant`'s is one). Extents of one shard closer than [`COALESCE_GAP`] are merged into one read (a
@@ -65,6 +68,9 @@ pub struct ExpertLayout {
     pub mats: [(usize, Option<usize>); 3],
     /// Per matrix, the index into `tensors` of an MLX affine weight's `.biases`, if any.
     pub biases: [Option<usize>; 3],
+    /// Per matrix, the indices into `tensors` of the further parts a registered format's
+    /// kernels read past the weight and its scale (NVFP4's global scale), in the entry's order.
+    pub further: [Vec<usize>; 3],
     /// Per matrix, the residual stage of an E8P weight (code tensor, scale tensor), if any.
     pub resid: [Option<(usize, Option<usize>)>; 3],
     pub runs: Vec<ReadRun>,
@@ -391,6 +397,7 @@ impl ExpertStore {
                 let mut tensors = vec![];
                 let mut mats = [(0usize, None); 3];
                 let mut biases = [None; 3];
+                let mut further: [Vec<usize>; 3] = Default::default();
                 if !cfg.raw.is_moe_layer(l) || x >= cfg.experts_in_layer(l) {
                     // A dense layer (Qwen3-MoE's, DeepSeek-V3's), or past the layer's own count
                     // where layers have different counts: no routed expert, never asked for one.
@@ -403,6 +410,7 @@ impl ExpertStore {
                         slot_bytes: 0,
                         resid: [None; 3],
                         biases,
+                        further,
                         upper: None,
                     });
                     continue;
@@ -441,6 +449,10 @@ impl ExpertStore {
                         tensors.push(part_of(b));
                         tensors.len() - 1
                     });
+                    for &t in &em.further {
+                        tensors.push(part_of(t));
+                        further[m].push(tensors.len() - 1);
+                    }
                     if split {
                         up_mats[m] = rt.map(|(r, rs)| {
                             up_tensors.push(part_of(r));
@@ -485,6 +497,7 @@ impl ExpertStore {
                     tensors,
                     mats,
                     biases,
+                    further,
                     resid,
                     runs,
                     bytes,
@@ -828,6 +841,10 @@ impl ExpertStore {
                 weight: w,
                 scale: s,
                 biases: lay.biases[m].map(tref).transpose()?,
+                further: lay.further[m]
+                    .iter()
+                    .map(|&i| tref(i))
+                    .collect::<Result<_>>()?,
             };
             out.push(keep_model::weights::expert_view(
                 &em,

@@ -36,6 +36,7 @@ pub(crate) fn expert_matrix<'a>(
             weight: w,
             scale: scale_of(ck, &coded),
             biases: None,
+            further: vec![],
         });
     }
     let st = Mxfp4Stack::open(ck, cfg, layer, s)?;
@@ -43,6 +44,7 @@ pub(crate) fn expert_matrix<'a>(
         weight: expert_slice(st.blocks, expert, st.experts)?,
         scale: Some(expert_slice(st.scales, expert, st.experts)?),
         biases: None,
+        further: vec![],
     })
 }
 

@@ -118,6 +118,7 @@ fn stacked_problem<'a>(
             weight: expert_slice(w, 0, n)?,
             scale: part(scale_of(ck, &name))?,
             biases: part(biases_of(ck, &name))?,
+            further: vec![],
         })
     })();
     m.and_then(|m| expert_matrix_as(&m, rows, cols, None)).err()

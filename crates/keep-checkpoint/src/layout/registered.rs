@@ -157,12 +157,36 @@ pub fn metadata_problem(ck: &Checkpoint, l: &WeightLayout) -> Option<String> {
     None
 }
 
+/// The parts of the registered weight whose main tensor is `main` that the kernels read past
+/// the main tensor and its scale partner (NVFP4's per-tensor `weight_global_scale`), in the
+/// entry's order, those `ck` has (a missing one is named by [`computed_parts_with`]); empty when
+/// `main` is in no registered format.
+pub fn further_parts<'a>(ck: &'a Checkpoint, main: &TensorRef<'a>) -> Vec<TensorRef<'a>> {
+    let Some((f, base)) = spec_of(main) else {
+        return vec![];
+    };
+    f.computed()
+        .filter(|&(i, _)| i >= 2)
+        .filter_map(|(_, p)| ck.get(&format!("{base}{}", p.suffix)))
+        .collect()
+}
+
 /// The bytes of every part the kernels read of registered weight `l`, in the entry's order (the
 /// main tensor, its scale partner, then parts fetched by name such as a per-tensor global scale,
 /// each checked for dtype and shape).
 pub fn computed_parts<'a>(
     ck: &'a Checkpoint,
     l: &WeightLayout<'a>,
+) -> Result<Vec<&'a [u8]>, String> {
+    computed_parts_with(l, &further_parts(ck, &l.weight))
+}
+
+/// [`computed_parts`] with the parts past the scale partner taken from `further` (by name, as
+/// an expert matrix carries them, [`crate::layout::ExpertMatrix::further`]) rather than from the
+/// checkpoint: each present and of its entry's dtype and shape.
+pub fn computed_parts_with<'a>(
+    l: &WeightLayout<'a>,
+    further: &[TensorRef<'a>],
 ) -> Result<Vec<&'a [u8]>, String> {
     let Layout::Registered(name) = l.layout else {
         return Err(format!("`{}` is not in a registered format", l.weight.name));
@@ -173,25 +197,34 @@ pub fn computed_parts<'a>(
         spec_of(&l.weight).ok_or_else(|| format!("`{}`: no main part", l.weight.name))?;
     let mut out = vec![];
     for (i, p) in f.computed() {
-        let bytes = match (i, l.scale) {
-            (0, _) => l.weight.bytes,
-            (1, Some(s)) => s.bytes,
-            _ => {
-                let n = format!("{base}{}", p.suffix);
-                let t = ck
-                    .get(&n)
-                    .ok_or_else(|| format!("tensor `{n}` is missing (a {} weight's)", f.name))?;
-                let want = (p.shape)(l.rows, l.cols);
-                if t.dtype.name() != p.dtype || t.shape != want.as_slice() {
-                    return Err(format!(
-                        "tensor `{n}` is {} {:?}, expected {} {want:?}",
-                        t.dtype, t.shape, p.dtype
-                    ));
-                }
-                t.bytes
-            }
+        let n = format!("{base}{}", p.suffix);
+        let t = match (i, l.scale) {
+            (0, _) => l.weight,
+            (1, Some(s)) => s,
+            _ => *further
+                .iter()
+                .find(|t| t.name == n)
+                .ok_or_else(|| format!("tensor `{n}` is missing (a {} weight's)", f.name))?,
         };
-        out.push(bytes);
+        if i > 0 {
+            let want = (p.shape)(l.rows, l.cols);
+            if t.dtype.name() != p.dtype || t.shape != want.as_slice() {
+                return Err(format!(
+                    "tensor `{}` is {} {:?}, expected {} {want:?}",
+                    t.name, t.dtype, t.shape, p.dtype
+                ));
+            }
+        }
+        out.push(t.bytes);
+    }
+    if let Some(t) = further.iter().find(|t| {
+        !f.computed()
+            .any(|(i, p)| i >= 2 && t.name == format!("{base}{}", p.suffix))
+    }) {
+        return Err(format!(
+            "tensor `{}` is not a part a {} weight's kernels read",
+            t.name, f.name
+        ));
     }
     Ok(out)
 }
