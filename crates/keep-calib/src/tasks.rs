@@ -59,7 +59,16 @@ pub struct Spec {
     /// top-level statement), so a check sees one unit of code.
     #[serde(default)]
     pub stop: Vec<String>,
+    /// Back the prompt's last token off and make the first sampled token begin with its text
+    /// (token healing; keep-model's `Healed`), so a prompt that ends in a newline before an
+    /// indented body is continued as the model saw such text in training (default true).
+    #[serde(default = "yes")]
+    pub token_healing: bool,
     pub tasks: Vec<Task>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// One prompt and its check.
@@ -178,12 +187,27 @@ impl Spec {
             .wrapping_add(i as u64)
     }
 
-    /// `completion` cut before the first stop string.
-    pub fn cut<'a>(&self, completion: &'a str) -> &'a str {
+    /// `completion` cut before the first stop string, where a stop string may begin in the
+    /// prompt's tail: after a prompt that ends with a newline, a completion that opens the next
+    /// top-level `def` straight away matches `"\ndef "` and is cut to nothing.
+    pub fn cut<'a>(&self, prompt: &str, completion: &'a str) -> &'a str {
         let end = self
             .stop
             .iter()
-            .filter_map(|s| completion.find(s.as_str()))
+            .filter_map(|s| {
+                // The prompt's last bytes a match could start in (on a character boundary).
+                let mut from = prompt.len().saturating_sub(s.len().saturating_sub(1));
+                while !prompt.is_char_boundary(from) {
+                    from += 1;
+                }
+                let tail = &prompt[from..];
+                let joined = format!("{tail}{completion}");
+                joined
+                    .match_indices(s.as_str())
+                    .map(|(j, _)| j)
+                    .find(|j| j + s.len() > tail.len())
+                    .map(|j| j.saturating_sub(tail.len()))
+            })
             .min()
             .unwrap_or(completion.len());
         &completion[..end]
@@ -582,9 +606,15 @@ pub fn run(
         for i in 0..spec.samples {
             let seed = spec.seed_of(ti, i);
             let full = sample(&t.prompt, seed)?;
-            let completion = spec.cut(&full).to_string();
+            let completion = spec.cut(&t.prompt, &full).to_string();
             let program = format!("{}{}", t.prompt, completion);
-            let outcome = check(&t.check, &program, timeout, python)?;
+            // A model that writes nothing has not done the task, even where the prompt alone
+            // would pass (a docstring-only body parses).
+            let outcome = if completion.trim().is_empty() {
+                Outcome::fail("the completion is empty")
+            } else {
+                check(&t.check, &program, timeout, python)?
+            };
             outcomes.push(SampleOutcome {
                 seed,
                 completion,
@@ -721,6 +751,7 @@ mod tests {
             top_p: 0.95,
             seed: 10,
             stop: vec!["\n\n\n".into()],
+            token_healing: true,
             tasks,
         }
     }
@@ -807,6 +838,66 @@ mod tests {
         // Seeds 10, 11, 12: two even ones pass once cut at the stop string.
         assert_eq!(r.passed, 2);
         assert_eq!(r.tasks[0].outcomes[0].completion, "    return x");
+    }
+
+    #[test]
+    fn a_stop_string_that_starts_in_the_prompt_cuts_the_completion() {
+        // The prompt ends with a newline; a completion that opens the next top-level statement
+        // straight away matches "\ndef " across the boundary and is cut to nothing.
+        let mut s = spec(vec![]);
+        s.stop = vec!["\ndef ".into(), "\n\n\n".into()];
+        let prompt = "def f(x):\n    \"\"\"Doc.\"\"\"\n";
+        assert_eq!(s.cut(prompt, "def g(y):\n    return y\n"), "");
+        assert_eq!(s.cut(prompt, "\n\nx = 1\n"), "");
+        assert_eq!(s.cut(prompt, "    return x\ndef g():\n"), "    return x");
+        // A stop string wholly inside the prompt does not cut.
+        assert_eq!(s.cut("a\ndef b", "    c\n"), "    c\n");
+        // A prompt tail that is not on a character boundary of the stop's length.
+        assert_eq!(s.cut("aécd\n", "def x"), "");
+        assert_eq!(s.cut("", "x\ndef y"), "x");
+    }
+
+    #[test]
+    fn every_committed_spec_is_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tasks");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "json") {
+                let s = Spec::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert!(s.token_healing, "{}", p.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "{n} specs in {}", dir.display());
+    }
+
+    #[test]
+    fn an_empty_completion_fails_every_check() {
+        // A docstring-only body parses: the prompt alone must not pass for the model.
+        let mut s = spec(vec![task("a", Check::Parses)]);
+        s.tasks[0].prompt = "def f(x):\n    \"\"\"Doc.\"\"\"\n".into();
+        s.stop = vec!["\ndef ".into()];
+        let r = run(
+            &s,
+            None,
+            "teacher",
+            "m",
+            &mut |_, seed| {
+                Ok(match seed % 3 {
+                    0 => "  \n".into(),
+                    1 => "def g():\n    pass\n".into(),
+                    _ => "    return x\n".into(),
+                })
+            },
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(r.passed, 1, "{:?}", r.tasks[0].outcomes);
+        assert_eq!(
+            r.tasks[0].outcomes[0].outcome.why.as_deref(),
+            Some("the completion is empty")
+        );
     }
 
     #[test]

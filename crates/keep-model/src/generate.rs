@@ -518,6 +518,108 @@ pub enum Prompt<'a> {
     Ids(&'a [u32]),
     /// `n` deterministic token ids for models without a tokenizer ([`synthetic_prompt`]).
     Synthetic(usize),
+    /// A text prompt with its last token backed off ([`Healed`]).
+    Healed(&'a Healed),
+}
+
+/// A text prompt with its last token backed off ("token healing", as guidance does): the model
+/// is prefilled with every token but the last, and the first sampled token must begin with the
+/// backed-off token's text. A prompt that ends inside what the tokenizer makes one token (a
+/// newline before an indented line: a byte-level BPE merges `"\n"` and the indent into one
+/// token) is then continued as the model saw such text in training, not as if the token
+/// boundary were real, where a model takes a lone `"\n"` token to end the block. The text
+/// handed on starts after the prompt's text. Built once per prompt and tokenizer (it decodes
+/// every token of the vocabulary).
+#[derive(Debug, Clone)]
+pub struct Healed {
+    ids: Vec<u32>,
+    /// The backed-off token's text; empty when nothing was backed off.
+    prefix: String,
+    /// The tokens whose text begins with `prefix` (the backed-off token among them).
+    allowed: Vec<u32>,
+}
+
+impl Healed {
+    /// `text` encoded as [`Prompt::Text`] encodes it, its last token backed off when it is an
+    /// ordinary token whose text is whole characters and at least one token stays before it;
+    /// tokens are the first `vocab` ids (the model's logits).
+    pub fn new(tok: &Tokenizer, text: &str, vocab: usize) -> Result<Healed> {
+        let err = |e| ModelError::Tokenizer(format!("tokenizing the prompt: {e}"));
+        let mut ids = tok.encode(text, true).map_err(err)?.get_ids().to_vec();
+        let one = |id: u32| tok.decode(&[id], false).map_err(err);
+        let plain = Healed {
+            ids: ids.clone(),
+            prefix: String::new(),
+            allowed: vec![],
+        };
+        let Some(&last) = ids.last() else {
+            return Ok(plain);
+        };
+        let prefix = one(last)?;
+        // A special token decodes to nothing once special tokens are skipped.
+        let special = tok.decode(&[last], true).map_err(err)?.is_empty();
+        if ids.len() < 2 || special || prefix.is_empty() || prefix.contains('\u{FFFD}') {
+            return Ok(plain);
+        }
+        let mut allowed = vec![];
+        for id in 0..vocab.min(tok.get_vocab_size(true)) as u32 {
+            if one(id)?.starts_with(&prefix) {
+                allowed.push(id);
+            }
+        }
+        ids.pop();
+        Ok(Healed {
+            ids,
+            prefix,
+            allowed,
+        })
+    }
+
+    /// The prompt's ids as prefilled.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The backed-off token's text (empty: nothing was backed off).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Restrict the first token's `logits` to the tokens that begin with the prefix.
+    fn mask(&self, logits: &mut [f32]) {
+        if self.prefix.is_empty() {
+            return;
+        }
+        let mut keep = vec![false; logits.len()];
+        for &a in &self.allowed {
+            if let Some(k) = keep.get_mut(a as usize) {
+                *k = true;
+            }
+        }
+        for (l, k) in logits.iter_mut().zip(keep) {
+            if !k {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The part of `piece` past what is left of a healed prompt's prefix in `strip` (consumed as it
+/// is matched; a piece that does not continue it ends the stripping and is handed on whole).
+fn strip_healed<'s>(strip: &mut String, piece: &'s str) -> &'s str {
+    if strip.is_empty() {
+        return piece;
+    }
+    if let Some(rest) = piece.strip_prefix(strip.as_str()) {
+        strip.clear();
+        return rest;
+    }
+    if strip.starts_with(piece) {
+        strip.drain(..piece.len());
+        return "";
+    }
+    strip.clear();
+    piece
 }
 
 /// The state keep-rng's [`keep_rng::Lcg64`] stream starts from for [`synthetic_prompt`].
@@ -566,6 +668,7 @@ pub fn encode_prompt(
                 .to_vec()
         }
         Prompt::Ids(ids) => ids.to_vec(),
+        Prompt::Healed(h) => h.ids.clone(),
         Prompt::Synthetic(n) => {
             check(n)?;
             synthetic_prompt(n, cfg.vocab)
@@ -800,6 +903,11 @@ pub fn generate<G: Generate + ?Sized>(
     mut on_piece: impl FnMut(Piece) -> ControlFlow<()>,
 ) -> Result<GenStats> {
     let mut dec = Decoder::new(model.cfg(), opts)?;
+    let healed = match prompt {
+        Prompt::Healed(h) => Some(h),
+        _ => None,
+    };
+    let mut strip = healed.map(|h| h.prefix.clone()).unwrap_or_default();
     let prompt = encode_prompt(model.cfg(), opts.tokenizer, prompt, opts.max_tokens)?;
     let mut stats = GenStats {
         prompt_tokens: prompt.len(),
@@ -823,6 +931,9 @@ pub fn generate<G: Generate + ?Sized>(
         &mut logits,
     )?;
     stats.prefill_secs = t0.elapsed().as_secs_f64();
+    if let Some(h) = healed {
+        h.mask(&mut logits);
+    }
     model.prefilled();
     profile::set_phase(Phase::Decode);
     let t1 = Instant::now();
@@ -841,7 +952,7 @@ pub fn generate<G: Generate + ?Sized>(
                 true
             }
             Sampled::Token { id, text, last } => {
-                let flow = match (opts.tokenizer, text) {
+                let flow = match (opts.tokenizer, strip_healed(&mut strip, text)) {
                     (Some(_), "") => ControlFlow::Continue(()),
                     (Some(_), s) => on_piece(Piece::Text(s)),
                     (None, _) => on_piece(Piece::Token(id)),
@@ -1158,6 +1269,75 @@ mod tests {
         })
         .unwrap();
         (got, s)
+    }
+
+    #[test]
+    fn a_healed_prompt_backs_off_its_last_token_and_the_first_token_continues_it() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/keep-tiny");
+        let tok = load_tokenizer(std::path::Path::new(dir)).unwrap();
+        let text = "def f(x):\n    \"\"\"Doc.\"\"\"\n";
+        let plain = tok.encode(text, true).unwrap().get_ids().to_vec();
+        let h = Healed::new(&tok, text, 4096).unwrap();
+        assert_eq!(h.ids(), &plain[..plain.len() - 1]);
+        assert_eq!(h.prefix(), "\n");
+        // The byte-level BPE's newline-and-indent token is among the allowed first tokens.
+        let indent = tok.encode("def f(x):\n    return x", true).unwrap();
+        let nl_indent = indent.get_ids()[indent
+            .get_tokens()
+            .iter()
+            .position(|t| t.starts_with('Ċ'))
+            .unwrap()];
+        assert!(h.allowed.contains(&nl_indent) && h.allowed.contains(&plain[plain.len() - 1]));
+        let decode = |id: u32| tok.decode(&[id], false).unwrap();
+        assert!(h.allowed.iter().all(|&a| decode(a).starts_with('\n')));
+
+        // Through generate: the model (favouring the token after the last one fed) may only
+        // start with a token that begins with "\n", and the text handed on starts after it.
+        let opts = |tokenizer| GenerateOptions {
+            max_tokens: 3,
+            sampling: GREEDY,
+            tokenizer,
+        };
+        let gen = |prompt: Prompt| {
+            let mut m = counter(r#"{"vocab_size":4096}"#);
+            let mut text = String::new();
+            generate(&mut m, prompt, &opts(Some(&tok)), None, |p| {
+                if let Piece::Text(t) = p {
+                    text.push_str(t);
+                }
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            (m.forwards, text)
+        };
+        let (fwd, healed_text) = gen(Prompt::Healed(&h));
+        assert_eq!(fwd[0], h.ids());
+        let first = fwd[1][0];
+        assert!(h.allowed.contains(&first), "{first} {:?}", decode(first));
+        let want: String = [first, fwd[2][0]]
+            .iter()
+            .map(|&t| decode(t))
+            .collect::<String>()
+            .strip_prefix('\n')
+            .unwrap()
+            .to_string();
+        assert!(healed_text.starts_with(&want), "{healed_text:?} {want:?}");
+        // The plain prompt takes the token after the last one, which is no newline.
+        let (fwd, _) = gen(Prompt::Text(text));
+        assert_eq!(fwd[0], plain);
+        assert_eq!(fwd[1][0], plain[plain.len() - 1] + 1);
+        assert!(!h.allowed.contains(&fwd[1][0]));
+    }
+
+    #[test]
+    fn stripping_a_healed_prefix_follows_the_pieces() {
+        let mut s = String::from("\n  ");
+        assert_eq!(strip_healed(&mut s, "\n"), "");
+        assert_eq!(strip_healed(&mut s, "  x"), "x");
+        assert_eq!(strip_healed(&mut s, "y"), "y");
+        let mut s = String::from("ab");
+        assert_eq!(strip_healed(&mut s, "zz"), "zz");
+        assert_eq!(strip_healed(&mut s, "ab"), "ab");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use keep_calib::tasks::{self, ModelResult, Report, Spec};
-use keep_model::generate::{load_tokenizer, GenerateOptions, Piece, Prompt, SamplerConfig};
+use keep_model::generate::{load_tokenizer, GenerateOptions, Healed, Piece, Prompt, SamplerConfig};
 use keep_runtime::{LoadFor, Session, SessionSpec};
 
 /// What `keep eval --tasks` was asked.
@@ -72,6 +72,8 @@ fn one_model(
         .load(LoadFor::default())
         .with_context(|| format!("loading the model from {}", dir.display()))?;
     let bar = crate::util::count_bar(0, role);
+    // Each prompt's healed form, built once (it decodes the vocabulary).
+    let mut heal: std::collections::HashMap<String, Healed> = Default::default();
     let r = tasks::run(
         spec,
         python,
@@ -87,8 +89,20 @@ fn one_model(
                 },
                 tokenizer: Some(&tok),
             };
+            let healed;
+            let prompt = if spec.token_healing {
+                if !heal.contains_key(prompt) {
+                    let h = Healed::new(&tok, prompt, model.cfg().vocab)
+                        .map_err(|e| keep_calib::CalibError::Task(e.to_string()))?;
+                    heal.insert(prompt.to_string(), h);
+                }
+                healed = &heal[prompt];
+                Prompt::Healed(healed)
+            } else {
+                Prompt::Text(prompt)
+            };
             let mut text = String::new();
-            keep_runtime::run::run(&mut model, Prompt::Text(prompt), &gen, None, |p| {
+            keep_runtime::run::run(&mut model, prompt, &gen, None, |p| {
                 if let Piece::Text(s) = p {
                     text.push_str(s);
                     // Nothing after a stop string is checked: stop sampling there.
