@@ -208,47 +208,56 @@ def checkpoint_tensors(cfg, params, gate_bias):
     return out
 
 
-def load_exported(model_dir):
-    """Decode an exported directory into model.py's parameter tree (f32) and state."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    t, _ = read_safetensors(Path(model_dir) / "model.safetensors")
-
+def _decoder(t):
     def val(name):
         dt, shape, arr = t[name]
         if dt == "F8_E4M3":
             return decode_fp8_block(arr, t[name.replace(".weight", ".scale")][2])
         return np.asarray(arr, np.float32)
+    return val
 
+
+def layer_params(t, L, E):
+    """One exported block (`L` = "layers.i" or "mtp.0") decoded into model.py's layer tree
+    (f32), and its router's correction bias."""
+    val = _decoder(t)
+    lp = {
+        "attn_norm": val(f"{L}.attn_norm.weight"), "ffn_norm": val(f"{L}.ffn_norm.weight"),
+        "wq_a": val(f"{L}.attn.wq_a.weight"), "q_norm": val(f"{L}.attn.q_norm.weight"),
+        "wq_b": val(f"{L}.attn.wq_b.weight"), "wkv": val(f"{L}.attn.wkv.weight"),
+        "kv_norm": val(f"{L}.attn.kv_norm.weight"), "wo_a": val(f"{L}.attn.wo_a.weight"),
+        "wo_b": val(f"{L}.attn.wo_b.weight"), "attn_sink": val(f"{L}.attn.attn_sink"),
+        "gate_w": val(f"{L}.ffn.gate.weight"),
+    }
+    for which in ("attn", "ffn"):
+        for part in ("fn", "base", "scale"):
+            lp[f"hc_{which}_{part}"] = val(f"{L}.hc_{which}_{part}")
+    opt = {"cmp_wkv": "attn.compressor.wkv.weight", "cmp_wgate": "attn.compressor.wgate.weight",
+           "cmp_norm": "attn.compressor.norm.weight", "idx_wq_b": "attn.indexer.wq_b.weight",
+           "idx_weights_proj": "attn.indexer.weights_proj.weight", "idx_wk": "attn.indexer.wk.weight",
+           "idx_k_norm": "attn.indexer.k_norm.weight"}
+    for k, n in opt.items():
+        if f"{L}.{n}" in t:
+            lp[k] = val(f"{L}.{n}")
+    for w in ("w1", "w2", "w3"):
+        lp[f"ex_{w}"] = np.stack([
+            decode_fp4(t[f"{L}.ffn.experts.{e}.{w}.weight"][2], t[f"{L}.ffn.experts.{e}.{w}.scale"][2])
+            for e in range(E)])
+        lp[f"sh_{w}"] = val(f"{L}.ffn.shared_experts.{w}.weight")
+    return lp, val(f"{L}.ffn.gate.bias")
+
+
+def load_exported(model_dir):
+    """Decode an exported directory into model.py's parameter tree (f32) and state."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    t, _ = read_safetensors(Path(model_dir) / "model.safetensors")
+    val = _decoder(t)
     params = {"embed": val("embed.weight"), "head": val("head.weight"), "norm": val("norm.weight"), "layers": []}
-    E = cfg["n_routed_experts"]
     bias = []
     for i in range(cfg["num_hidden_layers"]):
-        L = f"layers.{i}"
-        lp = {
-            "attn_norm": val(f"{L}.attn_norm.weight"), "ffn_norm": val(f"{L}.ffn_norm.weight"),
-            "wq_a": val(f"{L}.attn.wq_a.weight"), "q_norm": val(f"{L}.attn.q_norm.weight"),
-            "wq_b": val(f"{L}.attn.wq_b.weight"), "wkv": val(f"{L}.attn.wkv.weight"),
-            "kv_norm": val(f"{L}.attn.kv_norm.weight"), "wo_a": val(f"{L}.attn.wo_a.weight"),
-            "wo_b": val(f"{L}.attn.wo_b.weight"), "attn_sink": val(f"{L}.attn.attn_sink"),
-            "gate_w": val(f"{L}.ffn.gate.weight"),
-        }
-        for which in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                lp[f"hc_{which}_{part}"] = val(f"{L}.hc_{which}_{part}")
-        opt = {"cmp_wkv": "attn.compressor.wkv.weight", "cmp_wgate": "attn.compressor.wgate.weight",
-               "cmp_norm": "attn.compressor.norm.weight", "idx_wq_b": "attn.indexer.wq_b.weight",
-               "idx_weights_proj": "attn.indexer.weights_proj.weight", "idx_wk": "attn.indexer.wk.weight",
-               "idx_k_norm": "attn.indexer.k_norm.weight"}
-        for k, n in opt.items():
-            if f"{L}.{n}" in t:
-                lp[k] = val(f"{L}.{n}")
-        for w in ("w1", "w2", "w3"):
-            lp[f"ex_{w}"] = np.stack([
-                decode_fp4(t[f"{L}.ffn.experts.{e}.{w}.weight"][2], t[f"{L}.ffn.experts.{e}.{w}.scale"][2])
-                for e in range(E)])
-            lp[f"sh_{w}"] = val(f"{L}.ffn.shared_experts.{w}.weight")
+        lp, b = layer_params(t, f"layers.{i}", cfg["n_routed_experts"])
         params["layers"].append(lp)
-        bias.append(val(f"{L}.ffn.gate.bias"))
+        bias.append(b)
     return cfg, params, {"gate_bias": np.stack(bias)}
 
 

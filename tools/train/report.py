@@ -8,6 +8,9 @@
   token stream (each window scored from position 0: 255 predictions);
 - the unigram baseline (token frequencies of the training split, add-one
   smoothed) on exactly the same predicted tokens, and on the whole held-out split;
+- the same two on the `foreign` split: projects the model never saw (corpus.py), and the
+  strictest unigram baseline there: the entropy of the scored tokens under their own
+  frequencies (a unigram fitted on the very text it scores);
 - per-layer expert-load entropy over those windows against log(E), the mean
   per-window entropy (locality: what one 256-token window uses), and how much
   the choice depends on the token: H(expert | token id) and I(expert; token id)
@@ -31,27 +34,50 @@ from mlx_lm.models import deepseek_v41
 from mlx_lm.utils import load_model
 from tokenizers import Tokenizer
 
+from corpus import load_split
+
 HERE = Path(__file__).resolve().parent
-STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 EOS = "<|endoftext|>"
 PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Stack:\n    def push(self, item):\n"]
 
 
 def split_ids(tok, split):
+    """One split of the corpus (corpus.py; hashes checked there) as one token stream."""
     eos = tok.token_to_id(EOS)
     ids = []
-    for line in (HERE / "corpus_manifest.tsv").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        s, digest, _, rel = line.split("\t")
-        if s != split:
-            continue
-        data = (STDLIB / rel).read_bytes()
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise SystemExit(f"{rel}: hash mismatch; refusing")
-        ids.extend(tok.encode(data.decode("utf-8")).ids)
+    for _, text in load_split(split):
+        ids.extend(tok.encode(text).ids)
         ids.append(eos)
     return np.asarray(ids, np.int64)
+
+
+def window_starts(n, windows, seq):
+    """Non-overlapping windows spread evenly over a stream of n tokens."""
+    n_win = min(windows, n // seq)
+    starts = np.linspace(0, n - seq, n_win).astype(np.int64)
+    return (starts // seq) * seq
+
+
+def self_entropy(ids):
+    """Entropy (nats/token) of a token sequence under its own unigram frequencies."""
+    c = np.bincount(ids).astype(np.float64)
+    p = c[c > 0] / c.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def score(model, stream, starts, seq, logp_uni):
+    """(model nats, unigram nats, predictions) over the windows: each scored from position 0."""
+    nll, nll_uni, ntok = 0.0, 0.0, 0
+    for s in starts:
+        ids = stream[s:s + seq]
+        logits = model(mx.array(ids[None].astype(np.int32)))[0].astype(mx.float32)
+        lse = mx.logsumexp(logits, axis=-1)
+        tgt = mx.array(ids[1:].astype(np.int32))
+        lp = mx.take_along_axis(logits[:-1], tgt[:, None], axis=-1)[:, 0] - lse[:-1]
+        nll -= float(mx.sum(lp).item())
+        nll_uni -= float(logp_uni[ids[1:]].sum())
+        ntok += len(ids) - 1
+    return nll / ntok, nll_uni / ntok, ntok
 
 
 def bytes_by_format(path):
@@ -112,6 +138,9 @@ def main():
     rep["train_tokens"] = int(len(train))
     rep["heldout_tokens"] = int(len(held))
     rep["unigram_heldout_full_nats"] = float(-logp_uni[held[1:]].mean())
+    foreign = split_ids(tok, "foreign")
+    rep["foreign_tokens"] = int(len(foreign))
+    rep["unigram_foreign_full_nats"] = float(-logp_uni[foreign[1:]].mean())
 
     model, config = load_model(model_dir)
     model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a,
@@ -129,9 +158,8 @@ def main():
         captured.append(np.array(chosen))
         return chosen, weights
 
-    n_win = min(args.windows, len(held) // args.seq)
-    starts = np.linspace(0, len(held) - args.seq, n_win).astype(np.int64)
-    starts = (starts // args.seq) * args.seq  # non-overlapping, evenly spread
+    starts = window_starts(len(held), args.windows, args.seq)
+    n_win = len(starts)
     nll, nll_uni, ntok = 0.0, 0.0, 0
     load_total = np.zeros((L, E))
     # (layer, token id) -> expert counts, for the mutual information I(expert; token)
@@ -165,6 +193,17 @@ def main():
     rep["eval_predicted_tokens"] = int(ntok)
     rep["heldout_nats_mlx_f32"] = nll / ntok
     rep["unigram_nats_same_tokens"] = nll_uni / ntok
+    f_starts = window_starts(len(foreign), args.windows, args.seq)
+    f_nll, f_uni, f_tok = score(model, foreign, f_starts, args.seq, logp_uni)
+    rep["foreign_windows"] = int(len(f_starts))
+    rep["foreign_predicted_tokens"] = int(f_tok)
+    rep["foreign_nats_mlx_f32"] = f_nll
+    rep["foreign_unigram_nats_same_tokens"] = f_uni
+    # The strictest unigram: fitted on the very tokens it scores (their own frequencies, no
+    # smoothing needed), over the scored windows and over the whole foreign split.
+    scored = np.concatenate([foreign[s + 1:s + args.seq] for s in f_starts])
+    rep["foreign_unigram_self_nats_same_tokens"] = self_entropy(scored)
+    rep["foreign_unigram_self_nats_full"] = self_entropy(foreign[1:])
     layers = []
     for layer in range(L):
         p = load_total[layer] / load_total[layer].sum()

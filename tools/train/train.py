@@ -1,7 +1,8 @@
-"""Train keep-tiny (DeepSeek-V4.1 architecture) on the stdlib corpus, on CPU.
+"""Train keep-tiny (DeepSeek-V4.1 architecture) on the corpus of corpus.py, on CPU.
 
-    .venv/bin/python train.py --out runs/keep-tiny            # fresh run
-    .venv/bin/python train.py --out runs/keep-tiny --resume   # continue
+    .venv/bin/python train.py --out runs/keep-tiny --stdlib-only      # the first stage
+    .venv/bin/python train.py --out runs/keep-tiny --resume           # continue a run
+    .venv/bin/python train.py --out runs/stage2 --init-from DIR       # continued training
 
 Writes runs/.../ckpt.pkl every --ckpt-every steps (params, optimizer, router
 biases, data RNG) and a JSON line per logged step to runs/.../log.jsonl.
@@ -9,6 +10,7 @@ The last --qat-steps steps train with the export's weight quantization in the
 loop (FP8 32x32 residents, FP4 experts, bf16 elsewhere; straight-through).
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -23,28 +25,32 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer
 
-from corpus import load_split
+from corpus import MANIFEST, PACKAGES, load_split
 from model import CONFIG, forward, init_params, init_state
 
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"
 
 
-def encode_split(tok, split):
+def encode_split(tok, split, packages=True):
     eos = tok.token_to_id(EOS)
     ids = []
-    for _, text in load_split(split):
+    for _, text in load_split(split, packages):
         ids.extend(tok.encode(text).ids)
         ids.append(eos)
     return np.asarray(ids, np.int32)
 
 
-def tokens_cached(tok_path, split):
-    cache = HERE / "runs" / f"tokens-{split}.npy"
+def tokens_cached(tok_path, split, packages=True):
+    if packages:
+        key = hashlib.sha256(MANIFEST.read_bytes() + PACKAGES.read_bytes() + Path(tok_path).read_bytes()).hexdigest()[:12]
+    else:
+        key = "stdlib-" + hashlib.sha256(MANIFEST.read_bytes() + Path(tok_path).read_bytes()).hexdigest()[:12]
+    cache = HERE / "runs" / f"tokens-{split}-{key}.npy"
     tok = Tokenizer.from_file(str(tok_path))
     if cache.exists():
         return np.load(cache)
-    arr = encode_split(tok, split)
+    arr = encode_split(tok, split, packages)
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.save(cache, arr)
     return arr
@@ -84,13 +90,17 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stdlib-only", action="store_true",
+                    help="train on the standard library alone (the first stage's corpus)")
+    ap.add_argument("--init-from", help="start from the weights and router biases of an exported model directory "
+                    "(continued training) instead of a random initialisation")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = CONFIG
 
-    train_ids = tokens_cached(args.tokenizer, "train")
-    held_ids = tokens_cached(args.tokenizer, "heldout")
+    train_ids = tokens_cached(args.tokenizer, "train", not args.stdlib_only)
+    held_ids = tokens_cached(args.tokenizer, "heldout", not args.stdlib_only)
     print(f"train tokens {len(train_ids)}, heldout tokens {len(held_ids)}", flush=True)
 
     # The learning rate is applied by hand so that resume needs no schedule state.
@@ -109,6 +119,16 @@ def main():
         state = jax.tree_util.tree_map(jnp.asarray, c["state"])
         step0, rng, elapsed0 = c["step"], c["rng"], c["elapsed"]
         print(f"resumed at step {step0}", flush=True)
+    elif args.init_from:
+        from export import load_exported
+        cfg0, p0, st0 = load_exported(args.init_from)
+        if any(cfg0.get(k) != v for k, v in cfg.items() if k in cfg0 and k != "num_nextn_predict_layers"):
+            raise SystemExit(f"--init-from {args.init_from}: its config differs from model.py's CONFIG")
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), p0)
+        state = jax.tree_util.tree_map(jnp.asarray, st0)
+        opt_state = opt.init(params)
+        step0, rng, elapsed0 = 0, np.random.default_rng(args.seed + 1), 0.0
+        print(f"initialised from {args.init_from}", flush=True)
     else:
         params = init_params(cfg, args.seed)
         state = init_state(cfg)

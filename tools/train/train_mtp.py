@@ -41,8 +41,8 @@ import ml_dtypes
 import numpy as np
 import optax
 
-from export import (layer_tensors, load_exported, read_safetensors, write_safetensors, write_sums,
-                    _t, encode_fp8_block)
+from export import (decode_fp8_block, layer_params, layer_tensors, load_exported, read_safetensors,
+                    write_safetensors, write_sums, _t, encode_fp8_block)
 from model import (F32_KEYS, FP4_KEYS, FP8_KEYS, block, collapse, finish, fq_bf16, fq_w_fp4,
                    fq_w_fp8, new_aux, rms_norm, ste, trunk)
 from train import tokens_cached
@@ -104,6 +104,23 @@ def init_mtp(cfg, main, rng):
         "hc_head_scale": jnp.ones(1, jnp.float32),
         "block": {k: jnp.asarray(v) for k, v in last.items()},
     }
+
+
+def load_mtp(model_dir, cfg):
+    """The mtp.0.* module of an exported model decoded into init_mtp's tree, and its router bias."""
+    t, _ = read_safetensors(Path(model_dir) / "model.safetensors")
+    if f"{PREFIX}e_proj.weight" not in t:
+        raise SystemExit(f"--init-from {model_dir}: the model has no {PREFIX}* module")
+    block_p, bias = layer_params(t, PREFIX.rstrip("."), cfg["n_routed_experts"])
+    f32 = lambda n: jnp.asarray(np.asarray(t[n][2], np.float32))
+    fp8 = lambda n: jnp.asarray(decode_fp8_block(t[n + ".weight"][2], t[n + ".scale"][2]))
+    mp = {"e_proj": fp8(f"{PREFIX}e_proj"), "h_proj": fp8(f"{PREFIX}h_proj"),
+          "enorm": f32(f"{PREFIX}enorm.weight"), "hnorm": f32(f"{PREFIX}hnorm.weight"),
+          "norm": f32(f"{PREFIX}norm.weight"),
+          "hc_head_fn": f32(f"{PREFIX}hc_head_fn"), "hc_head_base": f32(f"{PREFIX}hc_head_base"),
+          "hc_head_scale": f32(f"{PREFIX}hc_head_scale"),
+          "block": {k: jnp.asarray(v) for k, v in block_p.items()}}
+    return mp, jnp.asarray(bias)
 
 
 def main_streams(cfg, main, state, windows, batch, label):
@@ -176,6 +193,8 @@ def main():
     ap.add_argument("--log", default=str(HERE / "logs" / "train-mtp.jsonl"))
     ap.add_argument("--json", default=str(HERE / "logs" / "train-mtp.json"))
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--init-from", help="start from the mtp.0.* module of this exported model directory "
+                    "(one trained on an earlier main model) instead of the last decoder layer")
     args = ap.parse_args()
     t_start = time.time()
     cfg, params, state = load_exported(args.model)
@@ -197,6 +216,8 @@ def main():
 
     mp = init_mtp(cfg, params, rng)
     bias = jnp.asarray(state["gate_bias"][-1])
+    if args.init_from:
+        mp, bias = load_mtp(args.init_from, cfg)
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.scale_by_adam(b1=0.9, b2=0.95),

@@ -16,7 +16,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--out", default="tokenizer.json")
     args = ap.parse_args()
-    files = load_split("train")
+    files = load_split("train", packages=False)  # the first stage's corpus
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
