@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reduced-rank sidecars on the bundled model: REAP-pruned 75 / 50 / 25% (keeping 24 / 16 / 8 of
+# Reduced-rank sidecars on the bundled model (or MODEL, a model of the same tokenizer): REAP-pruned 75 / 50 / 25% (keeping 24 / 16 / 8 of
 # 32 experts) without sidecars and with `keep sidecar` ranks 8 / 32 / 128, each scored by
 # `keep eval` (mean KL and top-1 against the teacher on the pack's held-out split). At equal
 # bytes: the same levels keeping 1 and 2 more experts per layer (REAP order), with each
@@ -8,15 +8,16 @@
 # Usage: dev/sidecar-quality.sh WORKDIR [OUT.json]
 #   TOKENS=8192 (calibration tokens each sidecar is fitted on; validation: a quarter of that),
 #   RIDGE=auto (or a relative ridge), RANKS="8 32 128",
-#   LEVELS="75 50 25". Needs target/release/keep (cargo build --release -p keep-cli).
-# Writes OUT.json (default dev/evidence/sidecar-quality-keep-tiny.json) and leaves every plan,
+#   LEVELS="75 50 25", MODEL=models/keep-tiny. Needs target/release/keep (cargo build --release -p keep-cli).
+# Writes OUT.json (default dev/evidence/sidecar-quality-NAME.json, NAME the model folder's name) and leaves every plan,
 # checkpoint report and eval report in WORKDIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W="$(realpath -m "${1:?usage: dev/sidecar-quality.sh WORKDIR [OUT.json]}")"
-OUT="${2:-dev/evidence/sidecar-quality-keep-tiny.json}"
+MODEL="${MODEL:-models/keep-tiny}"
+OUT="${2:-dev/evidence/sidecar-quality-$(basename "$MODEL").json}"
 K="${KEEP:-$(pwd)/target/release/keep}"
-M="$(pwd)/models/keep-tiny"
+M="$(realpath "$MODEL")"
 P="$(pwd)/models/keep-tiny-pack"
 TOKENS=${TOKENS:-8192}
 RIDGE=${RIDGE:-auto}
@@ -46,13 +47,13 @@ for lv in $LEVELS; do
   done
 done
 printf '{"loadavg_after": "%s"}\n' "$(cut -d' ' -f1-3 /proc/loadavg)" > "$W/machine-after.json"
-python3 - "$W" "$OUT" "$TOKENS" "$RIDGE" "$LEVELS" "$RANKS" <<'EOF'
+python3 - "$W" "$OUT" "$TOKENS" "$RIDGE" "$LEVELS" "$RANKS" "$MODEL" <<'EOF'
 import json, os, sys
-w, out, tokens, ridge, levels, ranks = sys.argv[1:]
+w, out, tokens, ridge, levels, ranks, model = sys.argv[1:]
 levels = [int(x) for x in levels.split()]
 ranks = [int(x) for x in ranks.split()]
 load = lambda p: json.load(open(os.path.join(w, p)))
-cfg = json.load(open("models/keep-tiny/config.json"))
+cfg = json.load(open(os.path.join(model, "config.json")))
 hidden, layers, n_exp = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["n_routed_experts"]
 def ck_bytes(name):
     d = os.path.join(w, "ck", name)
@@ -60,7 +61,7 @@ def ck_bytes(name):
 def student(name):
     s = load(f"eval/{name}.json")
     return s, s["students"][0]
-full = sum(os.path.getsize(os.path.join("models/keep-tiny", f)) for f in os.listdir("models/keep-tiny") if f.endswith(".safetensors"))
+full = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
 rows, equal = [], []
 teacher_nll = None
 for lv in levels:
@@ -95,14 +96,14 @@ for lv in levels:
                                         "mean_kl": y["mean_kl"], "top1": y["top1"]} for y in more]})
 ev = {
     "format": "keep-sidecar-quality", "version": 1,
-    "model": "models/keep-tiny", "hidden": hidden, "layers": layers, "experts": n_exp,
+    "model": model, "hidden": hidden, "layers": layers, "experts": n_exp,
     "model_bytes": full,
     "expert_bytes_per_layer": expert_bytes,
     "saliency": "reap", "fit_tokens": int(tokens), "ridge": ridge if ridge == "auto" else float(ridge),
     "sidecar_dtype": "F32",
     "teacher_nll": teacher_nll,
     "machine": load("machine.json") | load("machine-after.json"),
-    "command": f"TOKENS={tokens} RIDGE={ridge} dev/sidecar-quality.sh WORKDIR",
+    "command": f"MODEL={model} TOKENS={tokens} RIDGE={ridge} LEVELS=\"{' '.join(map(str, levels))}\" RANKS=\"{' '.join(map(str, ranks))}\" dev/sidecar-quality.sh WORKDIR",
     "rows": rows,
     "equal_bytes": equal,
 }

@@ -2,7 +2,10 @@
 //! own that verify accepts and inspect reports, a checkpoint without sidecars scores exactly as
 //! the plan's router-masked student (the path without a sidecar is untouched), and the rank-32
 //! sidecars the fit keeps (those that lower the KL on its validation records) bring the pruned
-//! half closer to the teacher on the held-out split.
+//! half closer to the teacher on the held-out split. The fit is what a user runs (`--ridge auto`,
+//! chosen on validation records) on 48 records and up to 8,192 tokens: with half of that and a
+//! fixed ridge, rank 32 overfits a model trained longer (`models/keep-tiny-code`'s sidecars raise
+//! its held-out KL), where with these settings they lower it on both bundled candidates.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -79,7 +82,7 @@ fn build() -> Fixture {
     let cache = w.join("cache");
     std::fs::create_dir_all(&cache).unwrap();
     let model = root().join("models/keep-tiny");
-    let pack = small_pack(w, 24);
+    let pack = small_pack(w, 48);
     let (run, teacher) = (w.join("run"), w.join("teacher"));
     for (out, split) in [(&run, "calibration"), (&teacher, "eval")] {
         keep(&cache)
@@ -125,9 +128,9 @@ fn build() -> Fixture {
                 "--rank",
                 "32",
                 "--ridge",
-                "1e-2",
+                "auto",
                 "--max-tokens",
-                "4096",
+                "8192",
                 "--json",
                 "--out",
             ])
@@ -221,7 +224,7 @@ fn a_sidecar_checkpoint_is_what_the_fit_reports_and_the_plain_path_is_untouched(
         f.cfg["keep_sidecar"]
     );
     assert!(
-        f.inspect_text.contains("(ridge 0.01; per layer 0.01"),
+        f.inspect_text.contains("(ridge auto; per layer "),
         "{}",
         f.inspect_text
     );
