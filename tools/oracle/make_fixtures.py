@@ -20,6 +20,11 @@ version=1, command=<the command above>, model_sha256, mlx_lm version:
   full-sequence prefill). seq0 is 256 tokens long (> 4x the 64-token window,
   >> 2x the largest compress ratio 4); to stay small it stores every 8th
   position and the last 16. seq1 (64 tokens) and seq2 (19 tokens) store all.
+  With them, each layer's window KV rows around their FP8 round trip (as
+  `model_ref.py --fp8-kv` writes them): `seq{i}.kv_fp8_in` and
+  `seq{i}.kv_fp8_out` f32 [layers, T, head_dim], `seq{i}.kv_fp8_scale_exp`
+  int32 [layers, T, head_dim/32], so that a test can show that a divergence is
+  a rounding flip (`fp8_flip.py`'s rule) rather than a fault.
 - routes.safetensors: for seq0, per layer N `layer{N}.experts` int32 [T, k]
   and `layer{N}.weights` f32 [T, k] (after routed_scaling_factor), each row
   sorted by expert id; captured from mlx-lm's Router.__call__.
@@ -44,6 +49,9 @@ from mlx_lm.models import deepseek_v41
 from mlx_lm.utils import load_model
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_ref import KvFp8Recorder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "tools" / "train" / "corpus_manifest.tsv"
@@ -113,7 +121,11 @@ def generate(model_dir, out_dir):
     tensors = {}
     files = {}
     for i, (rel, ids) in enumerate(seqs):
-        logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+        kv = KvFp8Recorder()
+        try:
+            logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+        finally:
+            kv.close()
         T = len(ids)
         if T > 64:
             pos = sorted(set(range(0, T, 8)) | set(range(T - 16, T)))
@@ -123,6 +135,8 @@ def generate(model_dir, out_dir):
         tensors[f"seq{i}.tokens"] = ids
         tensors[f"seq{i}.positions"] = pos
         tensors[f"seq{i}.logits"] = np.ascontiguousarray(logits[pos])
+        for k, v in kv.tensors(len(model.layers)).items():
+            tensors[f"seq{i}.{k}"] = np.ascontiguousarray(v)
         files[f"seq{i}"] = rel
     save_file(tensors, str(out_dir / "logits.safetensors"),
               metadata={**meta, "kind": "logits", "sources": json.dumps(files)})
