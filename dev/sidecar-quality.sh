@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Reduced-rank sidecars on the bundled model (or MODEL, a model of the same tokenizer): REAP-pruned 75 / 50 / 25% (keeping 24 / 16 / 8 of
-# 32 experts) without sidecars and with `keep sidecar` ranks 8 / 32 / 128, each scored by
-# `keep eval` (mean KL and top-1 against the teacher on the pack's held-out split). At equal
-# bytes: the same levels keeping 1 and 2 more experts per layer (REAP order), with each
-# variant's bytes per layer beside it.
+# Reduced-rank sidecars on the bundled model (or MODEL with PACK, a pack its vocabulary
+# covers): REAP-pruned 75 / 50 / 25% (keeping 24 / 16 / 8 of 32 experts on the bundled model)
+# without sidecars and with `keep sidecar` ranks 8 / 32 / 128, each scored by `keep eval` (mean
+# KL and top-1 against the teacher on the pack's held-out split). At equal bytes: the same
+# levels keeping 1 and 2 more experts per layer (REAP order), with each variant's bytes per
+# layer beside it.
 #
 # Usage: dev/sidecar-quality.sh WORKDIR [OUT.json]
 #   TOKENS=8192 (calibration tokens each sidecar is fitted on; validation: a quarter of that),
 #   RIDGE=auto (or a relative ridge), RANKS="8 32 128",
-#   LEVELS="75 50 25", MODEL=models/keep-tiny. Needs target/release/keep (cargo build --release -p keep-cli).
-# Writes OUT.json (default dev/evidence/sidecar-quality-NAME.json, NAME the model folder's name) and leaves every plan,
+#   LEVELS="75 50 25", MODEL=models/keep-tiny, PACK=models/keep-tiny-pack. Needs
+#   target/release/keep (cargo build --release -p keep-cli).
+# Writes OUT.json (default dev/evidence/sidecar-quality-NAME.json, NAME the model folder's
+# name) and leaves every plan,
 # checkpoint report and eval report in WORKDIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +21,12 @@ MODEL="${MODEL:-models/keep-tiny}"
 OUT="${2:-dev/evidence/sidecar-quality-$(basename "$MODEL").json}"
 K="${KEEP:-$(pwd)/target/release/keep}"
 M="$(realpath "$MODEL")"
-P="$(pwd)/models/keep-tiny-pack"
+P="$(realpath "${PACK:-models/keep-tiny-pack}")"
 TOKENS=${TOKENS:-8192}
 RIDGE=${RIDGE:-auto}
 RANKS=${RANKS:-8 32 128}
 LEVELS=${LEVELS:-75 50 25}
+NE=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['n_routed_experts'])" "$M/config.json")
 mkdir -p "$W/plans" "$W/ck" "$W/eval" "$W/fit"
 printf '{"cores": %s, "loadavg_before": "%s", "cpu": "%s", "commit": "%s"}\n' "$(nproc)" \
   "$(cut -d' ' -f1-3 /proc/loadavg)" "$(lscpu | sed -n 's/^Model name: *//p')" "$(git rev-parse HEAD)" \
@@ -33,7 +37,7 @@ score() { # NAME CHECKPOINT
   [ -f "$W/eval/$1.json" ] || $K eval "$2" --teacher "$W/teacher" --pack "$P" --json > "$W/eval/$1.json"
 }
 for lv in $LEVELS; do
-  k=$((32 * lv / 100))
+  k=$((NE * lv / 100))
   for kk in $k $((k + 1)) $((k + 2)); do
     [ -f "$W/plans/reap-$kk.json" ] || $K select "$W/run" --keep "$kk" --saliency reap --no-plot \
       --out "$W/plans/reap-$kk.json" --json > "$W/plans/select-$kk.json"
@@ -47,9 +51,9 @@ for lv in $LEVELS; do
   done
 done
 printf '{"loadavg_after": "%s"}\n' "$(cut -d' ' -f1-3 /proc/loadavg)" > "$W/machine-after.json"
-python3 - "$W" "$OUT" "$TOKENS" "$RIDGE" "$LEVELS" "$RANKS" "$MODEL" <<'EOF'
+python3 - "$W" "$OUT" "$TOKENS" "$RIDGE" "$LEVELS" "$RANKS" "$MODEL" "${PACK:-models/keep-tiny-pack}" <<'EOF'
 import json, os, sys
-w, out, tokens, ridge, levels, ranks, model = sys.argv[1:]
+w, out, tokens, ridge, levels, ranks, model, pack = sys.argv[1:]
 levels = [int(x) for x in levels.split()]
 ranks = [int(x) for x in ranks.split()]
 load = lambda p: json.load(open(os.path.join(w, p)))
@@ -96,14 +100,14 @@ for lv in levels:
                                         "mean_kl": y["mean_kl"], "top1": y["top1"]} for y in more]})
 ev = {
     "format": "keep-sidecar-quality", "version": 1,
-    "model": model, "hidden": hidden, "layers": layers, "experts": n_exp,
+    "model": model, "pack": pack, "hidden": hidden, "layers": layers, "experts": n_exp,
     "model_bytes": full,
     "expert_bytes_per_layer": expert_bytes,
     "saliency": "reap", "fit_tokens": int(tokens), "ridge": ridge if ridge == "auto" else float(ridge),
     "sidecar_dtype": "F32",
     "teacher_nll": teacher_nll,
     "machine": load("machine.json") | load("machine-after.json"),
-    "command": f"MODEL={model} TOKENS={tokens} RIDGE={ridge} LEVELS=\"{' '.join(map(str, levels))}\" RANKS=\"{' '.join(map(str, ranks))}\" dev/sidecar-quality.sh WORKDIR",
+    "command": f"MODEL={model} PACK={pack} TOKENS={tokens} RIDGE={ridge} LEVELS=\"{' '.join(map(str, levels))}\" RANKS=\"{' '.join(map(str, ranks))}\" dev/sidecar-quality.sh WORKDIR",
     "rows": rows,
     "equal_bytes": equal,
 }
