@@ -8,7 +8,11 @@
 //! for [`MEASURE_FORWARDS`] verify forwards, then decodes [`MEASURE_TOKENS`] tokens without
 //! drafts, and settles on the faster per generated token. Verify forwards that kept one token
 //! each (no draft accepted) lose without a comparison: a forward of K + 1 rows never costs
-//! less than one of a single row. A settled side is measured as it runs;
+//! less than one of a single row. A drafter whose fastest measured verify forward costs at
+//! least K + 1 plain steps is stopped at the comparison: no acceptance can make it pay, since
+//! a forward yields at most K + 1 tokens (a small model that computes rather than reads, whose
+//! rows cost what they multiply; the fastest forward of the measurement is taken, so a
+//! first forward that pages in the drafter or catches it up does not decide alone). A settled side is measured as it runs;
 //! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
 //! slot cache warms, acceptance drifts with the text); the plain side, settled because drafting
 //! lost, runs twice as long, and twice again for each further loss in a row, and no sooner
@@ -75,6 +79,11 @@ pub struct AutoDraft {
     pub draft_spt: Option<f64>,
     pub plain_spt: Option<f64>,
     losses: u32,
+    /// Drafts per verify forward (K): a forward yields at most K + 1 tokens.
+    k: u64,
+    /// The fastest verify forward of the current drafting measurement, and of the last one.
+    fastest: f64,
+    probe_fastest: f64,
     /// Seconds of every step counted so far, and the seconds the last drafting measurement
     /// lost against plain decoding (its time less its tokens at the plain rate).
     total_secs: f64,
@@ -88,15 +97,9 @@ pub struct AutoDraft {
     pub plain_tokens: u64,
 }
 
-impl Default for AutoDraft {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl AutoDraft {
-    /// Start drafting, measuring.
-    pub fn new() -> AutoDraft {
+    /// Start drafting `k` tokens per verify forward, measuring.
+    pub fn new(k: usize) -> AutoDraft {
         AutoDraft {
             drafting: true,
             phase: Phase::Measure,
@@ -106,6 +109,9 @@ impl AutoDraft {
             draft_spt: None,
             plain_spt: None,
             losses: 0,
+            k: k as u64,
+            fastest: f64::INFINITY,
+            probe_fastest: f64::INFINITY,
             total_secs: 0.0,
             probe_secs: 0.0,
             probe_tokens: 0,
@@ -157,6 +163,9 @@ impl AutoDraft {
         self.secs += secs;
         self.tokens += tokens;
         self.steps += 1;
+        if drafted {
+            self.fastest = self.fastest.min(secs);
+        }
         let spt = self.secs / self.tokens.max(1) as f64;
         let done = match self.phase {
             Phase::Measure if self.drafting => self.steps >= MEASURE_FORWARDS,
@@ -174,6 +183,7 @@ impl AutoDraft {
         if self.drafting {
             self.draft_spt = Some(spt);
             (self.probe_secs, self.probe_tokens) = (self.secs, self.tokens);
+            self.probe_fastest = self.fastest;
         } else {
             self.plain_spt = Some(spt);
         }
@@ -185,6 +195,12 @@ impl AutoDraft {
                 self.losses += 1;
                 self.drafting = false;
                 self.phase = Phase::Settled;
+            }
+            // Both sides measured, and even a forward whose every draft is accepted would lose:
+            // drafting cannot pay on this run.
+            (Phase::Measure, Some(_), Some(p)) if self.probe_fastest >= (self.k + 1) as f64 * p => {
+                self.losses = GIVE_UP;
+                self.drafting = false;
             }
             // Both sides measured after a measuring phase: settle on the faster.
             (Phase::Measure, Some(d), Some(p)) => {
@@ -212,6 +228,7 @@ impl AutoDraft {
         self.secs = 0.0;
         self.tokens = 0;
         self.steps = 0;
+        self.fastest = f64::INFINITY;
         if self.losses >= GIVE_UP {
             self.phase = Phase::Stopped;
             if was {
@@ -256,7 +273,7 @@ mod tests {
 
     #[test]
     fn drafting_that_pays_stays_on_and_is_rechecked() {
-        let mut a = AutoDraft::new();
+        let mut a = AutoDraft::new(2);
         // 2 tokens per 1.2 plain steps: drafting is 1.67x faster.
         let f = run(&mut a, 2000, 1.2, 2, 1.0);
         assert!(!a.stopped());
@@ -268,7 +285,7 @@ mod tests {
 
     #[test]
     fn drafting_that_loses_is_switched_off_then_stopped() {
-        let mut a = AutoDraft::new();
+        let mut a = AutoDraft::new(2);
         // One token a verify forward that costs three plain steps: no draft accepted.
         run(&mut a, 2000, 3.0, 1, 1.0);
         assert!(a.stopped());
@@ -276,7 +293,7 @@ mod tests {
         assert_eq!(a.offs, u64::from(GIVE_UP));
         assert_eq!(a.ons, u64::from(GIVE_UP) - 1);
         // Drafting that accepts some drafts is compared with plain decoding, and still loses.
-        let mut b = AutoDraft::new();
+        let mut b = AutoDraft::new(2);
         let mut n = 0;
         while !b.stopped() && n < 2000 {
             if b.drafting() {
@@ -292,8 +309,38 @@ mod tests {
     }
 
     #[test]
+    fn a_forward_dearer_than_k_plus_one_plain_steps_stops_at_the_first_comparison() {
+        // K = 2 and every draft accepted (3 tokens a forward), but a forward costs 3.2 plain
+        // steps: no acceptance can make drafting pay, so it is stopped at once, after the
+        // measuring forwards, with no recheck.
+        let mut a = AutoDraft::new(2);
+        let mut forwards = 0;
+        for _ in 0..5_000 {
+            if a.drafting() {
+                a.step(true, 3.2, 3);
+                forwards += 1;
+            } else {
+                a.step(false, 1.0, 1);
+            }
+        }
+        assert!(a.stopped());
+        assert_eq!(forwards, MEASURE_FORWARDS);
+        assert_eq!((a.offs, a.ons), (1, 0));
+        // The fastest forward decides: a first forward slowed by the drafter's catch-up (or its
+        // pages read in) does not stop a drafter whose next forward costs 2 plain steps.
+        let mut b = AutoDraft::new(2);
+        b.step(true, 9.0, 3);
+        b.step(true, 2.0, 3);
+        for _ in 0..MEASURE_TOKENS {
+            b.step(false, 1.0, 1);
+        }
+        assert!(b.plain_spt.is_some());
+        assert!(!b.stopped(), "stopped by a slow first forward");
+    }
+
+    #[test]
     fn a_drafter_that_keeps_losing_is_rechecked_less_often() {
-        let mut a = AutoDraft::new();
+        let mut a = AutoDraft::new(2);
         // Drafting accepts some drafts but loses: 4 tokens in 3 forwards of 1.6 plain steps
         // (what a measurement loses is far below EXPLORE_SHARE of the time: the token counts
         // alone decide when to recheck).
@@ -328,7 +375,7 @@ mod tests {
         // A verify forward (with the drafter's catch-up) costs 50 plain steps and keeps one
         // token: the two measuring forwards lose 100 s, so drafting is measured again only
         // once the decode has run 100 / EXPLORE_SHARE = 10,000 s, not after RECHECK_TOKENS.
-        let mut a = AutoDraft::new();
+        let mut a = AutoDraft::new(2);
         let (mut n, mut plain_run) = (0u64, 0u64);
         let mut first = None;
         while n < 20_000 && first.is_none() {
@@ -353,7 +400,7 @@ mod tests {
 
     #[test]
     fn steps_of_the_other_side_are_not_counted() {
-        let mut a = AutoDraft::new();
+        let mut a = AutoDraft::new(2);
         for _ in 0..100 {
             assert_eq!(a.step(false, 9.0, 1), Switch::Keep);
         }

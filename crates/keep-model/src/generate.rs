@@ -939,7 +939,7 @@ pub fn generate<G: Generate + ?Sized>(
     let t1 = Instant::now();
     let k = model.draft_tokens().min(crate::mtp::MAX_DRAFT);
     stats.draft.k = k;
-    let mut auto = (k > 0 && model.draft_auto()).then(crate::autodraft::AutoDraft::new);
+    let mut auto = (k > 0 && model.draft_auto()).then(|| crate::autodraft::AutoDraft::new(k));
     let vocab = model.cfg().vocab;
     // The next token: drawn from `logits`, or already chosen (a rejected draft's correction).
     let mut chosen: Option<u32> = None;

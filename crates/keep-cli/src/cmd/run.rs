@@ -63,7 +63,8 @@ pub struct RunArgs {
     /// to none either way. auto, the default, drafts with DSpark when the checkpoint carries
     /// it, else with an MTP module when it has one, and switches drafting off and back on from
     /// a running measurement of the seconds per token with and without it (it stops for good
-    /// after losing three comparisons in a row). Under --memory-budget the verify window's
+    /// after losing three comparisons in a row, or at once when its fastest verify forward
+    /// costs at least K + 1 plain steps). Under --memory-budget the verify window's
     /// experts go through the slots, and the budget also holds the drafter's tensors and one
     /// copy of the decoding cache.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
