@@ -265,11 +265,17 @@ unsafe fn rows_impl<const VBMI: bool>(
 /// thread a 151,936×2048 matrix read 22–25 GB/s this way against 17 with four rows
 /// interleaved (four streams a row apart), and a cache-resident 4096×2048 one 50 against 38
 /// GB/s (`keep bench matmul --format bf16 --m 1 --threads 1`, the two built side by side and
-/// run alternately).
+/// run alternately). Each step of four chunks asks for the four cache lines [`PREFETCH`]
+/// bytes ahead, as the exact bf16 kernel does: a matrix larger than the caches (a head) is
+/// read faster that way, one that fits them as fast (`dev/matmul-two-builds.sh`, evidence
+/// `bf16-m1-prefetch.json`).
 ///
 /// # Safety
 /// AVX-512 F/BW/BF16; `w` holds `r1` rows of `cols` (a multiple of 32) bf16, `xp` `cols`
 /// bf16, `out` valid for writes at `r0..r1`.
+/// Bytes ahead of the weights read that [`bf16_rows_m1`] asks the cache for.
+const PREFETCH: usize = 2048;
+
 #[inline(always)]
 unsafe fn bf16_rows_m1(
     w: *const u16,
@@ -286,6 +292,10 @@ unsafe fn bf16_rows_m1(
         let mut acc = [_mm512_setzero_ps(); 4];
         let mut c = 0;
         while c < full {
+            let p = wp.add(CHUNK * c) as *const i8;
+            for l in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + 64 * l));
+            }
             for k in 0..4 {
                 acc[k] = _mm512_dpbf16_ps(acc[k], ld16(wp, c + k), ld16(xp, c + k));
             }
