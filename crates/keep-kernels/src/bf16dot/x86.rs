@@ -321,6 +321,10 @@ unsafe fn row_m1_fused(qp: *const u8, xp: *const u16, sp: *const f32, nc: usize)
     let full = nc / 4 * 4;
     let mut c = 0;
     while c < full {
+        let ahead = qp.add(CHUNK * c) as *const i8;
+        for l in 0..2 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH + 64 * l));
+        }
         for h in [0, 2] {
             let [w0, w1] = decode64_vbmi(&bt, qp.add(CHUNK * (c + h)));
             for (k, w) in [(h, w0), (h + 1, w1)] {

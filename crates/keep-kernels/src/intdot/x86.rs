@@ -703,6 +703,10 @@ unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI; `p` holds `16·nb` bytes and `e` `nb`; `a` is one row of `32·nb`.
+/// Bytes ahead of the weights read that the M = 1 row kernel asks the cache for (as the
+/// exact kernels and the bf16 row kernel do).
+const PREFETCH: usize = 2048;
+
 #[inline(always)]
 unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
     let full = nb / 4 * 4;
@@ -715,6 +719,11 @@ unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
     let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let mut b = 0;
     while b < full {
+        // The four cache lines of weights this step reads, PREFETCH bytes ahead.
+        let ahead = p.add(b * QBLOCK / 2) as *const i8;
+        for l in 0..4 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH + 64 * l));
+        }
         let c16 = mx4_coef16(e.add(b), d.add(b), (nb - b).min(16));
         for j in 0..((full - b) / 4).min(4) {
             let bb = b + 4 * j;
