@@ -10,7 +10,8 @@
 #   BEFORE, AFTER: keep binaries (copy them aside first); ROUNDS default 5; OUT default
 #   dev/evidence/matmul-two-builds.json (refused if it exists unless FORCE=1). FORMAT (bf16),
 #   KERNELS (fast), SHAPES ("4096x4096,151936x2048"), MS ("1"), THREADS ("1,2"),
-#   SECONDS_PER_CASE (2), BEFORE_COMMIT / AFTER_COMMIT (recorded as given).
+#   SECONDS_PER_CASE (2), BEFORE_COMMIT / AFTER_COMMIT (recorded as given); KEEP_SIMD (e.g.
+#   avx2, to time the AVX2 kernels on an AVX-512 machine) is passed on and recorded.
 set -euo pipefail
 BEFORE="$1" AFTER="$2"
 ROUNDS="${3:-5}"
@@ -81,6 +82,7 @@ doc = {"bench": "matmul-two-builds",
        "before_commit": os.environ.get("BEFORE_COMMIT", ""), "after_commit": os.environ.get("AFTER_COMMIT", ""),
        "before_sha256_16": sha(before), "after_sha256_16": sha(after),
        "rounds": int(rounds), "machine": {"cpu": cpu, "cpus": os.cpu_count(), "l3": l3},
+       "keep_simd": os.environ.get("KEEP_SIMD", ""),
        "loadavg_before": lb, "loadavg_after": la,
        "metric": "median over rounds of wall us per call; after_speedup is the median of per-round before/after time",
        "summary": summary, "rows": rows}

@@ -1284,6 +1284,10 @@ unsafe fn group256<const MR: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut b = 0;
     while b < full {
+        if let Row::Mx4(p) = row {
+            // This step's cache line of packed weights, PREFETCH bytes ahead.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(b * QBLOCK / 2 + PREFETCH) as *const i8);
+        }
         for h in 0..4 {
             let k = (b + h) * QBLOCK;
             let w = row.w32(k);

@@ -16,6 +16,25 @@ trait Dec {
     /// through [`block_buf`]'s buffer.
     const PLAIN: bool = false;
     unsafe fn dec(&self, r: usize, k: usize) -> (__m256, __m256);
+    /// Ask the cache for the weight bytes of row `r`'s 64 columns from `k` on, [`PREFETCH`]
+    /// bytes ahead (the M = 1 loop, once per 64 columns; nothing by default).
+    #[inline(always)]
+    unsafe fn prefetch(&self, _r: usize, _k: usize) {}
+}
+
+/// Bytes ahead of the weights read that [`Dec::prefetch`] asks for (as the AVX-512 kernels
+/// do): rows larger than the caches stream from memory, and the hardware prefetcher alone
+/// leaves the loop waiting on them.
+const PREFETCH: usize = 2048;
+
+/// [`PREFETCH`] bytes ahead of `bytes` bytes at `p`, one request per cache line.
+#[inline(always)]
+unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
+    let mut o = 0;
+    while o < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + o) as *const i8);
+        o += 64;
+    }
 }
 
 #[inline(always)]
@@ -107,6 +126,10 @@ impl Dec for Bf16D {
             _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)),
         )
     }
+    #[inline(always)]
+    unsafe fn prefetch(&self, r: usize, k: usize) {
+        prefetch_lines(self.0.wrapping_add((r * self.1 + k) * 2), 128);
+    }
 }
 
 struct Mxfp8D(*const u8, *const u8, usize);
@@ -121,6 +144,10 @@ impl Dec for Mxfp8D {
             Some(t) => times(v, t),
             None => times_scale(v, e8m0_to_f32(b)),
         }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(&self, r: usize, k: usize) {
+        prefetch_lines(self.0.wrapping_add(r * self.2 + k), 64);
     }
 }
 
@@ -147,6 +174,10 @@ impl Dec for Mxfp4D {
         let w1 = (p.add(4) as *const u32).read_unaligned();
         (nib(u32::from_le(w0)), nib(u32::from_le(w1)))
     }
+    #[inline(always)]
+    unsafe fn prefetch(&self, r: usize, k: usize) {
+        prefetch_lines(self.0.wrapping_add((r * self.2 + k) / 2), 32);
+    }
 }
 
 struct Fp8BlockD<'a> {
@@ -164,6 +195,10 @@ impl Dec for Fp8BlockD<'_> {
         let gc = self.cols.div_ceil(self.bc);
         let s = block_scale(self.scales, ((self.row0 + r) / self.br) * gc + k / self.bc);
         times_scale(e4m3_x2m8(self.q.add(r * self.cols + k)), s)
+    }
+    #[inline(always)]
+    unsafe fn prefetch(&self, r: usize, k: usize) {
+        prefetch_lines(self.q.wrapping_add(r * self.cols + k), 64);
     }
 }
 
@@ -230,6 +265,7 @@ unsafe fn block<D: Dec, const MR: usize>(
     let mut hi = [[z; 4]; MR];
     let mut k = 0;
     while k < full64 {
+        d.prefetch(r, k);
         for q in 0..4 {
             let (w0, w1) = d.dec(r, k + 16 * q);
             for j in 0..MR {
