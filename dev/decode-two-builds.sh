@@ -8,7 +8,8 @@
 # Usage: dev/decode-two-builds.sh BEFORE AFTER MODEL [ROUNDS] [OUT_JSON]
 #   BEFORE, AFTER: keep binaries (copy them aside first); ROUNDS 6; OUT
 #   dev/evidence/decode-two-builds.json (refused if it exists unless FORCE=1). THREADS ("1,2"),
-#   PROMPT_TOKENS (16), MAX_TOKENS (32), BEFORE_COMMIT / AFTER_COMMIT (recorded as given).
+#   PROMPT_TOKENS (16), MAX_TOKENS (32), BEFORE_COMMIT / AFTER_COMMIT (recorded as given);
+#   KEEP_SIMD (e.g. avx2) is passed on and recorded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=${1:?usage: dev/decode-two-builds.sh BEFORE AFTER MODEL [ROUNDS] [OUT_JSON]}
@@ -69,6 +70,7 @@ doc = {"bench": "decode-two-builds", "command": f"dev/decode-two-builds.sh BEFOR
        "before_commit": os.environ.get("BEFORE_COMMIT", ""), "after_commit": os.environ.get("AFTER_COMMIT", ""),
        "before_sha256_16": sha(before), "after_sha256_16": sha(after),
        "machine": {"cpu": cpu, "cpus": os.cpu_count(), "l3": l3},
+       "keep_simd": os.environ.get("KEEP_SIMD", ""),
        "loadavg_before": lb, "loadavg_after": la, "rounds": rounds, "threads": res}
 with open(out + ".tmp", "w") as f:
     json.dump(doc, f, indent=1)
