@@ -11,12 +11,12 @@
 //! less than one of a single row. A drafter whose fastest measured verify forward costs at
 //! least K + 1 plain steps is stopped at the comparison: no acceptance can make it pay, since
 //! a forward yields at most K + 1 tokens (a small model that computes rather than reads, whose
-//! rows cost what they multiply; the fastest forward of the measurement is taken, so a
-//! first forward that pages in the drafter or catches it up does not decide alone). A settled side is measured as it runs;
-//! after [`RECHECK_TOKENS`] tokens the other side is measured again (conditions change: the
-//! slot cache warms, acceptance drifts with the text); the plain side, settled because drafting
-//! lost, runs twice as long, and twice again for each further loss in a row, and no sooner
-//! than when the time the last drafting measurement lost is at most [`EXPLORE_SHARE`] of the
+//! rows cost what they multiply; the fastest forward of the measurement is taken, so a first
+//! forward that pages in the drafter or catches it up does not decide alone). A settled side
+//! is measured as it runs; after [`RECHECK_TOKENS`] tokens the other side is measured again
+//! (conditions change: the slot cache warms, acceptance drifts with the text); the plain side,
+//! settled because drafting lost, runs twice as long, and twice again for each further loss in
+//! a row, and no sooner than when the time the last drafting measurement lost is at most [`EXPLORE_SHARE`] of the
 //! decode so far (a recheck of a drafter that lost costs its catch-up and verify forwards, which
 //! on a small, fast model outweigh a short generation). After [`GIVE_UP`] comparisons in a row
 //! that drafting lost, it is stopped for the rest of the generation (the drafter is then no

@@ -259,6 +259,10 @@ unsafe fn rows_impl<const VBMI: bool>(
     SCRATCH.with(|c| c.replace(s));
 }
 
+/// Bytes ahead of the weights read that [`bf16_rows_m1`] and [`row_m1_fused`] ask the cache
+/// for.
+const PREFETCH: usize = 2048;
+
 /// bf16 rows `r0..r1` of `w` (`cols` wide) against one input row `xp`, written to
 /// `out[r]`: one row at a time, its four accumulator chains exactly the contract's unscaled
 /// form. Consecutive rows are consecutive in memory, so the weights stream in order: on one
@@ -273,9 +277,6 @@ unsafe fn rows_impl<const VBMI: bool>(
 /// # Safety
 /// AVX-512 F/BW/BF16; `w` holds `r1` rows of `cols` (a multiple of 32) bf16, `xp` `cols`
 /// bf16, `out` valid for writes at `r0..r1`.
-/// Bytes ahead of the weights read that [`bf16_rows_m1`] asks the cache for.
-const PREFETCH: usize = 2048;
-
 #[inline(always)]
 unsafe fn bf16_rows_m1(
     w: *const u16,

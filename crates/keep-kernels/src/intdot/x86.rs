@@ -688,6 +688,10 @@ unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
     _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_maskz_loadu_ps(k, d))
 }
 
+/// Bytes ahead of the weights read that the M = 1 row kernels ([`mx4_row_m1`], and the AVX2
+/// rows of MXFP4) ask the cache for, as the exact kernels and the bf16 row kernel do.
+const PREFETCH: usize = 2048;
+
 /// One MXFP4 weight row (`nb` blocks: packed bytes at `p`, E8M0 bytes at `e`) against one
 /// activation row at M = 1, four blocks (64 packed bytes) per step: the low and high
 /// nibbles (`and`, shift) looked up as `w + 12` (two `vpshufb`), interleaved back into
@@ -703,10 +707,6 @@ unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI; `p` holds `16·nb` bytes and `e` `nb`; `a` is one row of `32·nb`.
-/// Bytes ahead of the weights read that the M = 1 row kernel asks the cache for (as the
-/// exact kernels and the bf16 row kernel do).
-const PREFETCH: usize = 2048;
-
 #[inline(always)]
 unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
     let full = nb / 4 * 4;
