@@ -56,7 +56,10 @@ mod test_rng;
 pub mod weight;
 
 pub use error::KernelError;
-pub use matmul::{matmul, matmul_many_with, matmul_ref, matmul_rows, matmul_with, Kernels};
+pub use intdot::ActLevels;
+pub use matmul::{
+    matmul, matmul_many_levels, matmul_many_with, matmul_ref, matmul_rows, matmul_with, Kernels,
+};
 pub use registered::RegView;
 pub use weight::{BlockScales, E8pResidual, WeightKind, WeightView};
 

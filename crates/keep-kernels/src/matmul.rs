@@ -346,6 +346,16 @@ thread_local! {
 /// [`crate::bf16dot::bf_matmul_many_at`] where the CPU has AVX-512 BF16 (activations rounded
 /// to bf16 once per distinct input), the rest as [`crate::simd::matmul_many`].
 pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) -> Result<()> {
+    matmul_many_levels(kernels, crate::intdot::ActLevels::One, jobs)
+}
+
+/// [`matmul_many_with`] with the integer kernels' activations quantized to `levels` int8
+/// levels ([`crate::intdot::ActLevels`]; the bf16 and exact kernels do not quantize theirs).
+pub fn matmul_many_levels(
+    kernels: crate::Kernels,
+    levels: crate::intdot::ActLevels,
+    jobs: &mut [crate::simd::Job],
+) -> Result<()> {
     if kernels == crate::Kernels::Exact {
         crate::simd::matmul_many(jobs);
         return Ok(());
@@ -456,7 +466,7 @@ pub fn matmul_many_with(kernels: crate::Kernels, jobs: &mut [crate::simd::Job]) 
         crate::bf16dot::bf_matmul_many_at(level, &mut bf_jobs)?;
     }
     if !int_jobs.is_empty() {
-        crate::intdot::int_matmul_many(&mut int_jobs)?;
+        crate::intdot::int_matmul_many_levels(levels, &mut int_jobs)?;
     }
     if !rest.is_empty() {
         crate::simd::matmul_many(&mut rest);

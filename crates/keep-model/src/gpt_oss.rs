@@ -41,7 +41,7 @@ use std::mem::take;
 use keep_checkpoint::config::gpt_oss::{layer_prefix, GptOssConfig, Stack, EMBED, HEAD, NORM};
 use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::Checkpoint;
-use keep_kernels::matmul::matmul_many_with;
+use keep_kernels::matmul::{matmul_many_levels, matmul_many_with};
 use keep_kernels::profile::{self, Part};
 use keep_kernels::scratch::recycle;
 use keep_kernels::simd::Job;
@@ -677,7 +677,7 @@ impl<'a> GptOssLayer<'a> {
                     (xs, ys_) = (xr, yr);
                     jobs.push(Job::view(&ew.w2, xa, mi, ya)?);
                 }
-                matmul_many_with(kernels, &mut jobs)?;
+                matmul_many_levels(kernels, crate::layer::DOWN_ACTS, &mut jobs)?;
                 es.jobs = recycle(jobs);
             }
             let mut off = 0;

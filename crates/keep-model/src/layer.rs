@@ -18,11 +18,12 @@
 use std::borrow::Cow;
 
 use keep_checkpoint::Checkpoint;
-use keep_kernels::matmul::matmul_many_with;
+use keep_kernels::matmul::{matmul_many_levels, matmul_many_with};
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::profile::{self, Part};
 use keep_kernels::scratch::recycle;
 use keep_kernels::simd::Job;
+use keep_kernels::ActLevels;
 use keep_kernels::{matmul, Kernels, WeightView};
 
 use crate::cache::LayerCache;
@@ -1279,7 +1280,7 @@ fn candidate_outputs(
             {
                 let a2 = rht_input(ew.rht.w2, &act)?;
                 let mut jobs = vec![Job::view(&ew.w2, &a2, t, &mut y)?];
-                matmul_many_with(kernels, &mut jobs)?;
+                matmul_many_levels(kernels, DOWN_ACTS, &mut jobs)?;
             }
             rht_output(ew.rht.w2, &mut y)?;
             o.on_candidate_output(&CandidateOutputEvent {
@@ -1469,6 +1470,13 @@ pub fn route_with(
         *w *= cfg.route_scale;
     }
 }
+
+/// The int8 levels of the routed experts' down-projection inputs under the fast kernels: two
+/// (`x ≈ q₁·d₁ + q₂·d₂`). The SwiGLU products a down projection reads are heavy-tailed, so
+/// one level (a step of 1/127 of each block's largest value) rounds most of a block coarsely;
+/// on the bundled models that rounding is most of the fast kernels' distance from the exact
+/// ones (`keep eval --kernels fast`). The gate and up projections keep one level.
+pub(crate) const DOWN_ACTS: ActLevels = ActLevels::Two;
 
 /// The routed experts of layer `l` over `t` rows of `x` (`chosen`/`weights`: `[t × top_k]`):
 /// grouped by expert, each expert's chunk multiplied together (one kernel pass for all gate and
@@ -1678,7 +1686,7 @@ pub(crate) fn routed_experts_into(
                 y_rest = yr;
                 jobs.push(Job::view(&ew.w2, a, m, y)?);
             }
-            matmul_many_with(kernels, &mut jobs)?;
+            matmul_many_levels(kernels, DOWN_ACTS, &mut jobs)?;
             es.jobs = recycle(jobs);
             es.a2s = recycle(a2s);
         }

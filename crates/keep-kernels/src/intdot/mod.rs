@@ -138,13 +138,13 @@ pub struct Q8Acts {
     /// `m × cols/4`: every block scale `d_b` eight times (entry `8b + g`), the coefficients
     /// of a weight whose block factors are 1 (E8P, E81) laid out as the SIMD lanes use them.
     pub dx: Vec<f32>,
-    /// One row (`M = 1`; empty otherwise, the only case that kernel runs): `q` in the order
-    /// the MXFP4 row kernel at M = 1 reads it ([`mx4_order`]): per group of four blocks, the
-    /// first 16 values of each block, then the last 16 of each; a last incomplete group as
-    /// `q`.
+    /// `m × cols` below [`GEMM_MIN_M`] rows (empty from there on, where the GEMM runs): each
+    /// row of `q` in the order the MXFP4 row kernels read it ([`mx4_order`]): per group of
+    /// four blocks, the first 16 values of each block, then the last 16 of each; a last
+    /// incomplete group as `q`.
     pub qmx4: Vec<i8>,
-    /// `cols/4` (with [`Q8Acts::qmx4`]): `−12 · Σ` of every four values of `qmx4` (the
-    /// start of that kernel's integer sums, which multiply `w + 12` as unsigned bytes).
+    /// `m × cols/4` (with [`Q8Acts::qmx4`]): `−12 · Σ` of every four values of `qmx4` (the
+    /// start of those kernels' integer sums, which multiply `w + 12` as unsigned bytes).
     pub n12mx4: Vec<i32>,
 }
 
@@ -185,6 +185,48 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     amax / QMAX
 }
 
+/// `x` (`m × cols`, `cols % 32 == 0`) is an input of `m` rows of `cols`.
+fn check_acts(x: &[f32], m: usize, cols: usize) -> Result<()> {
+    if !cols.is_multiple_of(QBLOCK) {
+        return Err(KernelError::Shape {
+            what: "int8 activations",
+            msg: format!("{cols} columns is not a multiple of {QBLOCK}"),
+        });
+    }
+    if m.checked_mul(cols) != Some(x.len()) {
+        return Err(KernelError::Operand {
+            what: "x",
+            expected: m.saturating_mul(cols),
+            got: x.len(),
+        });
+    }
+    Ok(())
+}
+
+/// [`quantize_block`] over every block of `x` into `q` and `d` (sized for it), on AVX-512
+/// where the CPU has it (the same values).
+fn quantize_into(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::level() >= crate::cpu::Level::Avx512 {
+        // SAFETY: AVX-512 checked; `q` and `d` are sized for `x` by the callers.
+        unsafe { x86::quantize_blocks_avx512(x, q, d) };
+        return;
+    }
+    quantize_scalar(x, q, d);
+}
+
+/// [`quantize_block`] over every block (the scalar level; the AVX-512 one is tested against
+/// it).
+fn quantize_scalar(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((xb, qb), d) in x
+        .chunks_exact(QBLOCK)
+        .zip(q.chunks_exact_mut(QBLOCK))
+        .zip(d.iter_mut())
+    {
+        *d = quantize_block(xb, qb);
+    }
+}
+
 impl Q8Acts {
     /// Quantize `m` rows of `cols` (`cols % 32 == 0`).
     pub fn quantize(x: &[f32], m: usize, cols: usize) -> Result<Self> {
@@ -195,19 +237,7 @@ impl Q8Acts {
 
     /// As [`Q8Acts::quantize`], reusing this value's buffers.
     pub fn requantize(&mut self, x: &[f32], m: usize, cols: usize) -> Result<()> {
-        if !cols.is_multiple_of(QBLOCK) {
-            return Err(KernelError::Shape {
-                what: "int8 activations",
-                msg: format!("{cols} columns is not a multiple of {QBLOCK}"),
-            });
-        }
-        if m.checked_mul(cols) != Some(x.len()) {
-            return Err(KernelError::Operand {
-                what: "x",
-                expected: m.saturating_mul(cols),
-                got: x.len(),
-            });
-        }
+        check_acts(x, m, cols)?;
         let _quant = crate::profile::quant_span();
         self.m = m;
         self.cols = cols;
@@ -215,28 +245,46 @@ impl Q8Acts {
         self.q.resize(m * cols, 0);
         self.d.clear();
         self.d.resize(m * cols / QBLOCK, 0.0);
-        #[cfg(target_arch = "x86_64")]
-        if crate::cpu::level() >= crate::cpu::Level::Avx512 {
-            // SAFETY: AVX-512 checked; `q` and `d` are sized for `x` above.
-            unsafe { x86::quantize_blocks_avx512(x, &mut self.q, &mut self.d) };
-            self.finish_sums();
-            return Ok(());
-        }
-        self.quantize_scalar(x);
+        quantize_into(x, &mut self.q, &mut self.d);
         self.finish_sums();
         Ok(())
     }
 
-    /// [`quantize_block`] over every block (the scalar level; the AVX-512 one is tested
-    /// against it).
-    fn quantize_scalar(&mut self, x: &[f32]) {
-        for ((xb, qb), d) in x
-            .chunks_exact(QBLOCK)
-            .zip(self.q.chunks_exact_mut(QBLOCK))
-            .zip(self.d.iter_mut())
-        {
-            *d = quantize_block(xb, qb);
-        }
+    /// Two int8 levels per row (`x ≈ q₁·d₁ + q₂·d₂`): `2m` rows, rows `0..m` being `x`
+    /// quantized as [`Q8Acts::requantize`] does and row `m + i` the residual `x − q₁·d₁` of
+    /// row `i` (f32) quantized the same way, so a block's error falls from half a step of its
+    /// largest value to half a step of its largest residual (about 1/254 of that). The
+    /// product of row `i` is the sum of the products of rows `i` and `m + i`
+    /// ([`ActLevels::Two`]). `resid` is scratch.
+    pub fn requantize_two(
+        &mut self,
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        resid: &mut Vec<f32>,
+    ) -> Result<()> {
+        check_acts(x, m, cols)?;
+        let _quant = crate::profile::quant_span();
+        let nb = m * cols / QBLOCK;
+        self.m = 2 * m;
+        self.cols = cols;
+        self.q.clear();
+        self.q.resize(2 * m * cols, 0);
+        self.d.clear();
+        self.d.resize(2 * nb, 0.0);
+        let (q1, q2) = self.q.split_at_mut(m * cols);
+        let (d1, d2) = self.d.split_at_mut(nb);
+        quantize_into(x, q1, d1);
+        resid.clear();
+        resid.extend(
+            x.iter()
+                .zip(q1.iter())
+                .enumerate()
+                .map(|(j, (&v, &q))| v - q as f32 * d1[j / QBLOCK]),
+        );
+        quantize_into(resid, q2, d2);
+        self.finish_sums();
+        Ok(())
     }
 
     /// The sums, products and spread scales derived from `q` and `d`.
@@ -260,22 +308,28 @@ impl Q8Acts {
         );
         self.qmx4.clear();
         self.n12mx4.clear();
-        if self.m != 1 {
+        if self.m >= GEMM_MIN_M {
             return;
         }
-        // `mx4_order` sixteen values at a time.
-        let (cols, g4) = (self.cols, 4 * QBLOCK);
+        // Each row in `mx4_order`, sixteen values at a time.
+        let (m, cols, g4) = (self.m, self.cols, 4 * QBLOCK);
         let whole = cols / g4 * g4;
-        self.qmx4.resize(cols, 0);
-        for g in (0..whole).step_by(g4) {
-            for half in 0..2 {
-                for l in 0..4 {
-                    let (dst, src) = (g + 64 * half + 16 * l, g + QBLOCK * l + 16 * half);
-                    self.qmx4[dst..dst + 16].copy_from_slice(&self.q[src..src + 16]);
+        self.qmx4.resize(m * cols, 0);
+        for i in 0..m {
+            let (src_row, dst_row) = (
+                &self.q[i * cols..(i + 1) * cols],
+                &mut self.qmx4[i * cols..(i + 1) * cols],
+            );
+            for g in (0..whole).step_by(g4) {
+                for half in 0..2 {
+                    for l in 0..4 {
+                        let (dst, src) = (g + 64 * half + 16 * l, g + QBLOCK * l + 16 * half);
+                        dst_row[dst..dst + 16].copy_from_slice(&src_row[src..src + 16]);
+                    }
                 }
             }
+            dst_row[whole..].copy_from_slice(&src_row[whole..cols]);
         }
-        self.qmx4[whole..].copy_from_slice(&self.q[whole..cols]);
         self.n12mx4.extend(
             self.qmx4
                 .chunks_exact(4)
@@ -286,7 +340,7 @@ impl Q8Acts {
     /// [`Q8Acts::quantize`] on the scalar level only (the reference of the vector one).
     pub fn quantize_ref(x: &[f32], m: usize, cols: usize) -> Result<Self> {
         let mut a = Q8Acts::quantize(x, m, cols)?;
-        a.quantize_scalar(x);
+        quantize_scalar(x, &mut a.q, &mut a.d);
         a.finish_sums();
         Ok(a)
     }
@@ -1023,10 +1077,29 @@ pub struct IntJob<'a, 'b> {
     pub out: &'b mut [f32],
 }
 
+/// How many int8 levels the activations of a product are quantized to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActLevels {
+    /// One: `x ≈ q·d` ([`Q8Acts::requantize`]), as llama.cpp's `q8_0`.
+    #[default]
+    One,
+    /// Two: `x ≈ q₁·d₁ + q₂·d₂` ([`Q8Acts::requantize_two`]); a row's result is the sum
+    /// `y₁ + y₂` (one f32 add) of the contract's results on its two levels (the weight row
+    /// decoded once for both). About twice the multiplies of [`ActLevels::One`], for about 1/254 of its
+    /// rounding error.
+    Two,
+}
+
 /// Independent integer products in one parallel pass (a token's top-k experts). Activations
 /// are quantized once per distinct input (jobs whose `x` is the same slice share it). Each
 /// output equals [`int_matmul`] of its job.
 pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
+    int_matmul_many_levels(ActLevels::One, jobs)
+}
+
+/// [`int_matmul_many`] with the activations quantized to `levels` int8 levels. Row `i` of a
+/// job's output depends only on row `i` of its input, whatever the batch, `m` or level.
+pub fn int_matmul_many_levels(levels: ActLevels, jobs: &mut [IntJob]) -> Result<()> {
     for j in jobs.iter() {
         check_operands(j.x, j.m, j.rows, j.cols, j.out)?;
         check_src(&j.w, j.rows, j.cols)?;
@@ -1035,42 +1108,96 @@ pub fn int_matmul_many(jobs: &mut [IntJob]) -> Result<()> {
     // thread (a decode step quantizes the same few shapes every layer: no allocation once
     // they are warm).
     let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let mut two = TWO_LEVELS.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let mut books = Books::take();
+    let (lv, rows_per) = match levels {
+        ActLevels::One => (1, 1),
+        ActLevels::Two => (2, 2),
+    };
+    let resid = &mut two.resid;
     let prepared = prepare_per_input(
         jobs.iter().map(|j| (j.x, j.m, j.cols)),
         &mut spare,
         &mut books.which,
         &mut books.keys,
-        |a, x, m, cols| a.requantize(x, m, cols),
+        |a, x, m, cols| match levels {
+            ActLevels::One => a.requantize(x, m, cols),
+            ActLevels::Two => a.requantize_two(x, m, cols, resid),
+        },
     );
     if let Err(e) = prepared {
         keep_spare(spare);
+        TWO_LEVELS.with(|s| *s.borrow_mut() = two);
         books.keep();
         return Err(e);
     }
     let level = int_level();
     books
         .shapes
-        .extend(jobs.iter().map(|j| (j.m, j.rows, j.cols)));
-    books
-        .outs
-        .extend(jobs.iter_mut().map(|j| SyncPtr(j.out.as_mut_ptr())));
-    let jobs_ro: &[IntJob] = jobs;
-    let (acts, which) = (&spare, &books.which);
-    run_row_jobs(
-        &books.shapes,
-        &books.outs,
-        &mut books.tasks,
-        |ji, r0, r1, out| {
-            let j = &jobs_ro[ji];
-            // SAFETY: operand lengths were checked above; `run_row_jobs` hands each task a
-            // disjoint row range of its job's m×rows output.
-            unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
-        },
-    );
+        .extend(jobs.iter().map(|j| (rows_per * j.m, j.rows, j.cols)));
+    if lv == 1 {
+        books
+            .outs
+            .extend(jobs.iter_mut().map(|j| SyncPtr(j.out.as_mut_ptr())));
+    } else {
+        // Each job's two-level results into a buffer of its own, summed into its output below.
+        while two.outs.len() < jobs.len() {
+            two.outs.push(Vec::new());
+        }
+        for (j, o) in jobs.iter().zip(two.outs.iter_mut()) {
+            o.clear();
+            o.resize(rows_per * j.m * j.rows, 0.0);
+        }
+        books.outs.extend(
+            two.outs[..jobs.len()]
+                .iter_mut()
+                .map(|o| SyncPtr(o.as_mut_ptr())),
+        );
+    }
+    {
+        let jobs_ro: &[IntJob] = jobs;
+        let (acts, which) = (&spare, &books.which);
+        run_row_jobs(
+            &books.shapes,
+            &books.outs,
+            &mut books.tasks,
+            |ji, r0, r1, out| {
+                let j = &jobs_ro[ji];
+                // SAFETY: operand lengths were checked above (the two-level buffers are sized
+                // for `2m` rows); `run_row_jobs` hands each task a disjoint row range of its
+                // job's output.
+                unsafe { rows_at(level, &j.w, &acts[which[ji]], r0, r1, out, j.rows) };
+            },
+        );
+    }
+    if lv == 2 {
+        for (j, y) in jobs.iter_mut().zip(&two.outs) {
+            let (y1, y2) = y.split_at(j.m * j.rows);
+            for ((o, a), b) in j.out.iter_mut().zip(y1).zip(y2) {
+                *o = a + b;
+            }
+        }
+    }
     keep_spare(spare);
+    two.outs.retain(|o| o.capacity() <= SPARE_MAX_VALUES);
+    if two.resid.capacity() > 2 * SPARE_MAX_VALUES {
+        two.resid = Vec::new();
+    }
+    TWO_LEVELS.with(|s| *s.borrow_mut() = two);
     books.keep();
     Ok(())
+}
+
+/// A thread's buffers for [`ActLevels::Two`]: the rows to quantize, and each job's results.
+#[derive(Default)]
+struct TwoLevelBufs {
+    resid: Vec<f32>,
+    outs: Vec<Vec<f32>>,
+}
+
+thread_local! {
+    static TWO_LEVELS: std::cell::RefCell<TwoLevelBufs> =
+        std::cell::RefCell::new(TwoLevelBufs::default());
 }
 
 /// Most quantized activation buffers a thread keeps between [`int_matmul_many`] calls.

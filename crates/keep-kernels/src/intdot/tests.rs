@@ -874,18 +874,113 @@ fn mx4_order_is_a_permutation_of_each_row() {
         }
     }
     for cols in [32usize, 160, 256, 4128] {
-        let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
-        let a = Q8Acts::quantize(&x, 1, cols).unwrap();
-        assert_eq!((a.qmx4.len(), a.n12mx4.len()), (cols, cols / 4));
-        for j in 0..cols {
-            assert_eq!(a.qmx4[j], a.q[mx4_order(j, cols)], "cols {cols}: {j}");
-        }
-        for (k, n) in a.n12mx4.iter().enumerate() {
-            let s: i32 = (0..4).map(|e| a.qmx4[4 * k + e] as i32).sum();
-            assert_eq!(*n, -12 * s);
+        for m in [1usize, 3] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 37 % 101) as f32) - 50.0)
+                .collect();
+            let a = Q8Acts::quantize(&x, m, cols).unwrap();
+            assert_eq!((a.qmx4.len(), a.n12mx4.len()), (m * cols, m * cols / 4));
+            for i in 0..m {
+                for j in 0..cols {
+                    let want = a.q[i * cols + mx4_order(j, cols)];
+                    assert_eq!(a.qmx4[i * cols + j], want, "cols {cols}: ({i}, {j})");
+                }
+            }
+            for (k, n) in a.n12mx4.iter().enumerate() {
+                let s: i32 = (0..4).map(|e| a.qmx4[4 * k + e] as i32).sum();
+                assert_eq!(*n, -12 * s);
+            }
         }
     }
-    // Only the M = 1 kernel reads them.
-    let a = Q8Acts::quantize(&[1.0; 64], 2, 32).unwrap();
+    // The GEMM does not read them.
+    let a = Q8Acts::quantize(&vec![1.0; GEMM_MIN_M * 32], GEMM_MIN_M, 32).unwrap();
     assert!(a.qmx4.is_empty() && a.n12mx4.is_empty());
+}
+
+/// Two-level activations ([`ActLevels::Two`]): row `i` of a product is the sum of the
+/// contract's results on its two levels (the level-one row exactly what one level gives, the
+/// residual row quantized from `x − q₁·d₁`), it depends on nothing but row `i` (any `m`, any
+/// batch, threaded or not, every level), and its distance from the exact product is far below
+/// one level's on heavy-tailed rows (a few large values per block, as SwiGLU outputs have).
+#[test]
+fn two_level_activations_are_the_sum_of_their_levels_and_closer_to_exact() {
+    let mut rng = Rng::new(0x5EED_2222_0003);
+    let (rows, cols) = (67, 4096);
+    let p = rng.bytes(rows * cols / 2);
+    let s = rng.scales(rows * cols / 32);
+    let w = WeightView::mxfp4(&p, &s, rows, cols).unwrap();
+    let src = IntSrc::from_view(&w).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    // Heavy-tailed rows: mostly small values, one large one per 32.
+    let heavy = |rng: &mut Rng, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|j| {
+                let v = rng.f() * 0.05;
+                if j % 32 == 7 {
+                    v * 400.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    };
+    let all = heavy(&mut rng, 45 * cols);
+    let two = |x: &[f32], m: usize| {
+        let mut out = vec![0f32; m * rows];
+        let mut jobs = [IntJob {
+            w: src,
+            rows,
+            cols,
+            x,
+            m,
+            out: &mut out,
+        }];
+        pool.install(|| int_matmul_many_levels(ActLevels::Two, &mut jobs).unwrap());
+        out
+    };
+    for m in [1usize, 2, 5, GEMM_MIN_M / 2 + 1, 45] {
+        let x = &all[..m * cols];
+        let got = two(x, m);
+        // The definition: the level-one rows and the residual rows through the contract.
+        let a = Q8Acts::quantize(x, m, cols).unwrap();
+        let resid: Vec<f32> = x
+            .iter()
+            .zip(a.dequantize())
+            .map(|(&v, dq)| v - dq)
+            .collect();
+        let r = Q8Acts::quantize(&resid, m, cols).unwrap();
+        for lv in int_levels_available() {
+            let (mut y1, mut y2) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+            int_matmul_at(lv, &src, rows, &a, &mut y1).unwrap();
+            int_matmul_at(lv, &src, rows, &r, &mut y2).unwrap();
+            let want: Vec<f32> = y1.iter().zip(&y2).map(|(a, b)| a + b).collect();
+            assert_eq!(got, want, "{lv:?} m = {m}");
+        }
+        // Row independence: each row alone gives the same bits.
+        for i in [0, m - 1] {
+            assert_eq!(
+                two(&x[i * cols..(i + 1) * cols], 1),
+                got[i * rows..(i + 1) * rows]
+            );
+        }
+        // Closer to the exact product than one level, by far.
+        let mut exact = vec![0f32; m * rows];
+        matmul_ref(x, m, &w, &mut exact).unwrap();
+        let mut one = vec![0f32; m * rows];
+        int_matmul(x, m, &src, rows, cols, &mut one).unwrap();
+        let err = |y: &[f32]| -> f64 {
+            y.iter()
+                .zip(&exact)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+        };
+        let (e1, e2) = (err(&one), err(&got));
+        assert!(
+            e2 * 1e3 < e1,
+            "m = {m}: two levels {e2:e}, one level {e1:e}"
+        );
+    }
 }

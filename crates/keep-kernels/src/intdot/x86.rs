@@ -671,11 +671,18 @@ static MXFP4_U12: [u8; 16] = {
     a
 };
 
-/// The coefficients `c_b = f_b · d_b` of `n` (1..=16) blocks: the E8M0 bytes at `e` as
-/// [`block_factors_avx512`] reads them, times the activation scales at `d` (lanes past `n`
-/// are not read from memory).
+/// Bytes ahead of the weights read that the M = 1 row kernels ([`mx4_rows`], and the AVX2
+/// rows of MXFP4) ask the cache for, as the exact kernels and the bf16 row kernel do.
+const PREFETCH: usize = 2048;
+
+/// Weight rows the MXFP4 row kernels take against each group of four activation rows before
+/// moving on (see [`rows_avx512_impl`]).
+const MX4_PANEL: usize = 8;
+
+/// The block factors of `n` (1..=16) blocks: the E8M0 bytes at `e` as
+/// [`block_factors_avx512`] reads them (lanes past `n` are not read from memory).
 #[inline(always)]
-unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
+unsafe fn mx4_fac16(e: *const u8, n: usize) -> __m512 {
     let k: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
     let v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, e as *const i8));
     let mut bits = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
@@ -685,38 +692,47 @@ unsafe fn mx4_coef16(e: *const u8, d: *const f32, n: usize) -> __m512 {
     bits = _mm512_mask_mov_epi32(bits, k0, _mm512_set1_epi32(0x0020_0000));
     bits = _mm512_mask_mov_epi32(bits, k1, _mm512_set1_epi32(0x0040_0000));
     bits = _mm512_mask_mov_epi32(bits, kf, _mm512_set1_epi32(f32::NAN.to_bits() as i32));
-    _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_maskz_loadu_ps(k, d))
+    _mm512_castsi512_ps(bits)
 }
 
-/// Bytes ahead of the weights read that the M = 1 row kernels ([`mx4_row_m1`], and the AVX2
-/// rows of MXFP4) ask the cache for, as the exact kernels and the bf16 row kernel do.
-const PREFETCH: usize = 2048;
-
-/// One MXFP4 weight row (`nb` blocks: packed bytes at `p`, E8M0 bytes at `e`) against one
-/// activation row at M = 1, four blocks (64 packed bytes) per step: the low and high
-/// nibbles (`and`, shift) looked up as `w + 12` (two `vpshufb`), interleaved back into
-/// column order within each 128-bit lane (`vpunpck{l,h}bw`: register 0 holds the first 16
-/// weights of each of the four blocks, register 1 the last 16), multiplied as unsigned bytes
-/// with [`Q8Acts::qmx4`] (the activations in that order) by `vpdpbusd` starting from
-/// [`Q8Acts::n12mx4`] (`−12·Σq`), so each 32-bit lane is exactly the contract's `p[b][g]`
-/// (register 0: `g` < 4, register 1: `g` ≥ 4, block `b + lane/4`); then one FMA per
-/// register with the block coefficients spread four lanes each. Lane `4l + g` of the two
-/// accumulators is the contract's `acc[l][g]` and `acc[l][g + 4]` (`b mod 4 = l`, since
-/// steps start at multiples of four), and the blocks past the last whole step run the
-/// contract in scalar code on them, so the value is the contract's bit for bit.
+/// One MXFP4 weight row (`nb` blocks: packed bytes at `p`, E8M0 bytes at `e`) against the
+/// `MR` (1..=4) activation rows `i..i + MR` of `a`, four blocks (64 packed bytes) per step: the
+/// low and high nibbles (`and`, shift) looked up as `w + 12` (two `vpshufb`), interleaved
+/// back into column order within each 128-bit lane (`vpunpck{l,h}bw`: register 0 holds the
+/// first 16 weights of each of the four blocks, register 1 the last 16) once for all `MR`
+/// rows, multiplied as unsigned bytes with each row's [`Q8Acts::qmx4`] (the activations in
+/// that order) by `vpdpbusd` starting from its [`Q8Acts::n12mx4`] (`−12·Σq`), so each 32-bit
+/// lane is exactly the contract's `p[b][g]` (register 0: `g` < 4, register 1: `g` ≥ 4, block
+/// `b + lane/4`); then one FMA per register with the row's block coefficients spread four
+/// lanes each. Lane `4l + g` of a row's two accumulators is the contract's `acc[l][g]` and
+/// `acc[l][g + 4]` (`b mod 4 = l`, since steps start at multiples of four), and the blocks
+/// past the last whole step run the contract in scalar code on them, so each value is the
+/// contract's bit for bit. Output `j` goes to `out[(i + j) · ld]`.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL/VNNI; `p` holds `16·nb` bytes and `e` `nb`; `a` is one row of `32·nb`.
+/// AVX-512 F/BW/VL/VNNI; `p` holds `16·nb` bytes and `e` `nb`; `a` has rows `i..i + MR` of
+/// `32·nb` with `qmx4` and `n12mx4` filled; `out` as in `super::rows_scalar`.
 #[inline(always)]
-unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
-    let full = nb / 4 * 4;
+unsafe fn mx4_rows<const MR: usize>(
+    p: *const u8,
+    e: *const u8,
+    a: &Q8Acts,
+    i: usize,
+    nb: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let (cols, full) = (nb * QBLOCK, nb / 4 * 4);
     let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_U12.as_ptr() as *const __m128i));
     let nib = _mm512_set1_epi8(0x0F);
-    let (qp, np, d) = (a.qmx4.as_ptr(), a.n12mx4.as_ptr(), a.d.as_ptr());
+    let qp: [*const i8; MR] = std::array::from_fn(|j| a.qmx4.as_ptr().add((i + j) * cols));
+    let np: [*const i32; MR] = std::array::from_fn(|j| a.n12mx4.as_ptr().add((i + j) * cols / 4));
+    let d: [*const f32; MR] = std::array::from_fn(|j| a.d.as_ptr().add((i + j) * nb));
     let base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let idx: [__m512i; 4] =
         std::array::from_fn(|j| _mm512_add_epi32(base, _mm512_set1_epi32(4 * j as i32)));
-    let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut lo = [_mm512_setzero_ps(); MR];
+    let mut hi = [_mm512_setzero_ps(); MR];
     let mut b = 0;
     while b < full {
         // The four cache lines of weights this step reads, PREFETCH bytes ahead.
@@ -724,42 +740,54 @@ unsafe fn mx4_row_m1(p: *const u8, e: *const u8, a: &Q8Acts, nb: usize) -> f32 {
         for l in 0..4 {
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH + 64 * l));
         }
-        let c16 = mx4_coef16(e.add(b), d.add(b), (nb - b).min(16));
-        for j in 0..((full - b) / 4).min(4) {
-            let bb = b + 4 * j;
+        let n = (nb - b).min(16);
+        let f16 = mx4_fac16(e.add(b), n);
+        let k: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+        let c16: [__m512; MR] =
+            std::array::from_fn(|j| _mm512_mul_ps(f16, _mm512_maskz_loadu_ps(k, d[j].add(b))));
+        for s in 0..((full - b) / 4).min(4) {
+            let bb = b + 4 * s;
             let v = _mm512_loadu_si512(p.add(bb * QBLOCK / 2) as *const __m512i);
             let wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
             let wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+            let (w0, w1) = (_mm512_unpacklo_epi8(wl, wh), _mm512_unpackhi_epi8(wl, wh));
             let o = bb * QBLOCK;
-            let p0 = _mm512_dpbusd_epi32(
-                _mm512_loadu_si512(np.add(o / 4) as *const __m512i),
-                _mm512_unpacklo_epi8(wl, wh),
-                _mm512_loadu_si512(qp.add(o) as *const __m512i),
-            );
-            let p1 = _mm512_dpbusd_epi32(
-                _mm512_loadu_si512(np.add(o / 4 + 16) as *const __m512i),
-                _mm512_unpackhi_epi8(wl, wh),
-                _mm512_loadu_si512(qp.add(o + 64) as *const __m512i),
-            );
-            let cv = _mm512_permutexvar_ps(idx[j], c16);
-            lo = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p0), lo);
-            hi = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p1), hi);
+            for j in 0..MR {
+                let p0 = _mm512_dpbusd_epi32(
+                    _mm512_loadu_si512(np[j].add(o / 4) as *const __m512i),
+                    w0,
+                    _mm512_loadu_si512(qp[j].add(o) as *const __m512i),
+                );
+                let p1 = _mm512_dpbusd_epi32(
+                    _mm512_loadu_si512(np[j].add(o / 4 + 16) as *const __m512i),
+                    w1,
+                    _mm512_loadu_si512(qp[j].add(o + 64) as *const __m512i),
+                );
+                let cv = _mm512_permutexvar_ps(idx[s], c16[j]);
+                lo[j] = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p0), lo[j]);
+                hi[j] = _mm512_fmadd_ps(cv, _mm512_cvtepi32_ps(p1), hi[j]);
+            }
         }
         b += 16;
     }
-    if full == nb {
-        return finish_m1(lo, hi);
+    for j in 0..MR {
+        let v = if full == nb {
+            finish_m1(lo[j], hi[j])
+        } else {
+            let mut acc = m1_acc(lo[j], hi[j]);
+            let dj = d[j];
+            tail_blocks(
+                Row::Mx4(p),
+                a.q.as_ptr().add((i + j) * cols),
+                |bb| super::e8m0_half(*e.add(bb)) * *dj.add(bb),
+                &mut acc,
+                full,
+                nb,
+            );
+            super::finish_ref(&acc)
+        };
+        *out.add((i + j) * ld) = v;
     }
-    let mut acc = m1_acc(lo, hi);
-    tail_blocks(
-        Row::Mx4(p),
-        a.q.as_ptr(),
-        |bb| super::e8m0_half(*e.add(bb)) * *d.add(bb),
-        &mut acc,
-        full,
-        nb,
-    );
-    super::finish_ref(&acc)
 }
 
 /// The contract's accumulators from the M = 1 kernels' two registers: lane `4l + g` of `lo`
@@ -1008,21 +1036,39 @@ unsafe fn rows_avx512_impl<const VNNI: bool, const VBMI: bool>(
             SCRATCH.with(|c| c.replace(taken));
             return;
         }
-        // (`qmx4` is filled for every one-row `Q8Acts`; checked since the reads are unchecked.)
-        if let (true, 1, IntSrc::Mxfp4 { packed, scales }, true) = (
+        // (`qmx4` is filled for every `Q8Acts` below the GEMM's rows; checked since the
+        // reads are unchecked.)
+        if let (true, IntSrc::Mxfp4 { packed, scales }, true) = (
             VNNI,
-            a.m,
             *src,
-            a.qmx4.len() == cols && a.n12mx4.len() == cols / 4,
+            a.qmx4.len() == a.m * cols && a.n12mx4.len() == a.m * cols / 4,
         ) {
-            // M = 1: nibbles to `w + 12` bytes in registers, one `vpdpbusd` per two blocks.
-            for r in r0..r1 {
-                *out.add(r) = mx4_row_m1(
-                    packed.as_ptr().add(r * cols / 2),
-                    scales.as_ptr().add(r * nb),
-                    a,
-                    nb,
-                );
+            // Nibbles to `w + 12` bytes in registers once per weight row and group of up to
+            // four activation rows, one `vpdpbusd` per two blocks and activation row; a panel
+            // of MX4_PANEL weight rows meets every group before the next panel, so a group's
+            // activations are read from L1 by every row of the panel.
+            let mut rp = r0;
+            while rp < r1 {
+                let re = (rp + MX4_PANEL).min(r1);
+                let mut i = 0;
+                while i < a.m {
+                    let mr = (a.m - i).min(4);
+                    for r in rp..re {
+                        let (p, e) = (
+                            packed.as_ptr().add(r * cols / 2),
+                            scales.as_ptr().add(r * nb),
+                        );
+                        let o = out.add(r);
+                        match mr {
+                            1 => mx4_rows::<1>(p, e, a, i, nb, o, ld),
+                            2 => mx4_rows::<2>(p, e, a, i, nb, o, ld),
+                            3 => mx4_rows::<3>(p, e, a, i, nb, o, ld),
+                            _ => mx4_rows::<4>(p, e, a, i, nb, o, ld),
+                        }
+                    }
+                    i += mr;
+                }
+                rp = re;
             }
             SCRATCH.with(|c| c.replace(taken));
             return;
