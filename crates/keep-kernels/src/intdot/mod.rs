@@ -1108,12 +1108,16 @@ pub fn int_matmul_many_levels(levels: ActLevels, jobs: &mut [IntJob]) -> Result<
     // thread (a decode step quantizes the same few shapes every layer: no allocation once
     // they are warm).
     let mut spare = SPARE_ACTS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    let mut two = TWO_LEVELS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    let mut books = Books::take();
     let (lv, rows_per) = match levels {
         ActLevels::One => (1, 1),
         ActLevels::Two => (2, 2),
     };
+    // (Empty, without an allocation, for one level.)
+    let mut two = match levels {
+        ActLevels::One => TwoLevelBufs::default(),
+        ActLevels::Two => TWO_LEVELS.with(|s| std::mem::take(&mut *s.borrow_mut())),
+    };
+    let mut books = Books::take();
     let resid = &mut two.resid;
     let prepared = prepare_per_input(
         jobs.iter().map(|j| (j.x, j.m, j.cols)),
@@ -1127,7 +1131,7 @@ pub fn int_matmul_many_levels(levels: ActLevels, jobs: &mut [IntJob]) -> Result<
     );
     if let Err(e) = prepared {
         keep_spare(spare);
-        TWO_LEVELS.with(|s| *s.borrow_mut() = two);
+        keep_two_levels(two);
         books.keep();
         return Err(e);
     }
@@ -1179,13 +1183,20 @@ pub fn int_matmul_many_levels(levels: ActLevels, jobs: &mut [IntJob]) -> Result<
         }
     }
     keep_spare(spare);
+    if lv == 2 {
+        keep_two_levels(two);
+    }
+    books.keep();
+    Ok(())
+}
+
+/// Keep the decode-sized buffers of `two` for this thread's next two-level call.
+fn keep_two_levels(mut two: TwoLevelBufs) {
     two.outs.retain(|o| o.capacity() <= SPARE_MAX_VALUES);
     if two.resid.capacity() > 2 * SPARE_MAX_VALUES {
         two.resid = Vec::new();
     }
     TWO_LEVELS.with(|s| *s.borrow_mut() = two);
-    books.keep();
-    Ok(())
 }
 
 /// A thread's buffers for [`ActLevels::Two`]: the rows to quantize, and each job's results.
@@ -1196,8 +1207,12 @@ struct TwoLevelBufs {
 }
 
 thread_local! {
-    static TWO_LEVELS: std::cell::RefCell<TwoLevelBufs> =
-        std::cell::RefCell::new(TwoLevelBufs::default());
+    static TWO_LEVELS: std::cell::RefCell<TwoLevelBufs> = const {
+        std::cell::RefCell::new(TwoLevelBufs {
+            resid: Vec::new(),
+            outs: Vec::new(),
+        })
+    };
 }
 
 /// Most quantized activation buffers a thread keeps between [`int_matmul_many`] calls.
