@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Decode speed of one model on two builds of keep, side by side: `keep run` greedy with
 # `--draft none`, interleaved rounds (odd rounds BEFORE first, even rounds AFTER first), at each
-# thread count. Decode tokens/s of every run from `--stats-json`; the evidence has every round,
+# thread count. Decode (and prefill) tokens/s of every run from `--stats-json`; the evidence has every round,
 # the medians, the median of the per-round ratios AFTER / BEFORE, the machine, the load and both
 # binaries' hashes. Measure on a quiet machine: the script reports, it asserts nothing.
 #
@@ -9,13 +9,15 @@
 #   BEFORE, AFTER: keep binaries (copy them aside first); ROUNDS 6; OUT
 #   dev/evidence/decode-two-builds.json (refused if it exists unless FORCE=1). THREADS ("1,2"),
 #   PROMPT_TOKENS (16), MAX_TOKENS (32), BEFORE_COMMIT / AFTER_COMMIT (recorded as given);
-#   KEEP_SIMD (e.g. avx2) is passed on and recorded.
+#   KEEP_SIMD (e.g. avx2) is passed on and recorded. MODEL_AFTER (default MODEL): the model the
+#   AFTER binary runs, to set one model on one build beside another on another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=${1:?usage: dev/decode-two-builds.sh BEFORE AFTER MODEL [ROUNDS] [OUT_JSON]}
 AFTER=${2:?usage: dev/decode-two-builds.sh BEFORE AFTER MODEL [ROUNDS] [OUT_JSON]}
 MODEL=${3:?usage: dev/decode-two-builds.sh BEFORE AFTER MODEL [ROUNDS] [OUT_JSON]}
 ROUNDS=${4:-6}
+MODEL_AFTER=${MODEL_AFTER:-$MODEL}
 OUT=${5:-dev/evidence/decode-two-builds.json}
 THREADS=${THREADS:-1,2}
 PT=${PROMPT_TOKENS:-16}
@@ -25,28 +27,27 @@ if [[ -e "$OUT" && "${FORCE:-0}" != 1 ]]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-cat "$MODEL"/*.safetensors >/dev/null
+cat "$MODEL"/*.safetensors "$MODEL_AFTER"/*.safetensors >/dev/null
 IFS=, read -ra TT <<<"$THREADS"
 # One warm-up run of each build (page cache, first-touch costs) before the timed rounds.
-for b in "$BEFORE" "$AFTER"; do
-  "$b" run "$MODEL" --prompt-tokens "$PT" --max-tokens 4 --temperature 0 --draft none >/dev/null 2>&1
-done
+"$BEFORE" run "$MODEL" --prompt-tokens "$PT" --max-tokens 4 --temperature 0 --draft none >/dev/null 2>&1
+"$AFTER" run "$MODEL_AFTER" --prompt-tokens "$PT" --max-tokens 4 --temperature 0 --draft none >/dev/null 2>&1
 LOAD_BEFORE=$(cat /proc/loadavg)
 for r in $(seq 1 "$ROUNDS"); do
   if (( r % 2 )); then order="before after"; else order="after before"; fi
   for t in "${TT[@]}"; do
     for side in $order; do
-      if [[ $side == before ]]; then bin=$BEFORE; else bin=$AFTER; fi
+      if [[ $side == before ]]; then bin=$BEFORE m=$MODEL; else bin=$AFTER m=$MODEL_AFTER; fi
       cut -d' ' -f1-3 /proc/loadavg >"$TMP/$side-$t-$r.load"
-      "$bin" run "$MODEL" --prompt-tokens "$PT" --max-tokens "$MAX" --temperature 0 \
+      "$bin" run "$m" --prompt-tokens "$PT" --max-tokens "$MAX" --temperature 0 \
         --draft none --threads "$t" --stats-json "$TMP/$side-$t-$r.json" >/dev/null 2>&1
     done
   done
 done
 LOAD_AFTER=$(cat /proc/loadavg)
-python3 - "$TMP" "$OUT" "$ROUNDS" "$THREADS" "$LOAD_BEFORE" "$LOAD_AFTER" "$BEFORE" "$AFTER" "$MODEL" "$PT" "$MAX" <<'PY'
+python3 - "$TMP" "$OUT" "$ROUNDS" "$THREADS" "$LOAD_BEFORE" "$LOAD_AFTER" "$BEFORE" "$AFTER" "$MODEL" "$PT" "$MAX" "$MODEL_AFTER" <<'PY'
 import json, os, statistics, subprocess, sys
-tmp, out, rounds, threads, lb, la, before, after, model, pt, mx = sys.argv[1:12]
+tmp, out, rounds, threads, lb, la, before, after, model, pt, mx, model_after = sys.argv[1:13]
 rounds = int(rounds)
 res = []
 for t in [int(x) for x in threads.split(",")]:
@@ -54,7 +55,11 @@ for t in [int(x) for x in threads.split(",")]:
             for s in ("before", "after")}
     loads = [open(f"{tmp}/before-{t}-{r}.load").read().strip() for r in range(1, rounds + 1)]
     ratios = [a / b for a, b in zip(runs["after"], runs["before"])]
+    pre = {s: [json.load(open(f"{tmp}/{s}-{t}-{r}.json"))["prefill_tps"] for r in range(1, rounds + 1)]
+           for s in ("before", "after")}
+    pre_ratios = [a / b for a, b in zip(pre["after"], pre["before"])]
     res.append({"threads": t, "decode_tps": runs, "loadavg_per_round": loads,
+                "prefill_tps": pre, "prefill_median_ratio_after_before": statistics.median(pre_ratios),
                 "median_tps": {s: statistics.median(v) for s, v in runs.items()},
                 "median_ratio_after_before": statistics.median(ratios),
                 "ratio_min": min(ratios), "ratio_max": max(ratios)})
@@ -66,7 +71,7 @@ def sha(p):
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
 l3 = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^L3 cache: *//p'"], capture_output=True, text=True).stdout.strip()
 doc = {"bench": "decode-two-builds", "command": f"dev/decode-two-builds.sh BEFORE AFTER MODEL {rounds}",
-       "model": model, "prompt_tokens": int(pt), "max_tokens": int(mx),
+       "model": model, "model_after": model_after, "prompt_tokens": int(pt), "max_tokens": int(mx),
        "before_commit": os.environ.get("BEFORE_COMMIT", ""), "after_commit": os.environ.get("AFTER_COMMIT", ""),
        "before_sha256_16": sha(before), "after_sha256_16": sha(after),
        "machine": {"cpu": cpu, "cpus": os.cpu_count(), "l3": l3},
