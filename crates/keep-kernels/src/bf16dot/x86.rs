@@ -222,41 +222,89 @@ unsafe fn rows_impl<const VBMI: bool>(
                 s.w.as_ptr()
             }
         };
-        for i in 0..a.m {
-            let xp = a.x.as_ptr().add(i * cols);
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let full = nc / 4 * 4;
-            if scaled {
-                let sp = s.s.as_ptr();
-                let mut c = 0;
-                while c < full {
-                    for k in 0..4 {
-                        let blk =
-                            _mm512_dpbf16_ps(_mm512_setzero_ps(), ld16(wp, c + k), ld16(xp, c + k));
-                        acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c + k)), blk, acc[k]);
-                    }
-                    c += 4;
-                }
-                for c in full..nc {
-                    let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld16(wp, c), ld16(xp, c));
-                    acc[c % 4] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(c)), blk, acc[c % 4]);
-                }
-            } else {
-                let mut c = 0;
-                while c < full {
-                    for k in 0..4 {
-                        acc[k] = _mm512_dpbf16_ps(acc[k], ld16(wp, c + k), ld16(xp, c + k));
-                    }
-                    c += 4;
-                }
-                for c in full..nc {
-                    acc[c % 4] = _mm512_dpbf16_ps(acc[c % 4], ld16(wp, c), ld16(xp, c));
-                }
+        let sp = if scaled { Some(s.s.as_ptr()) } else { None };
+        let mut i = 0;
+        while i < a.m {
+            let mr = (a.m - i).min(4);
+            let o = out.add(i * ld + r);
+            match mr {
+                1 => rows_mr::<1>(wp, a, i, nc, sp, o, ld),
+                2 => rows_mr::<2>(wp, a, i, nc, sp, o, ld),
+                3 => rows_mr::<3>(wp, a, i, nc, sp, o, ld),
+                _ => rows_mr::<4>(wp, a, i, nc, sp, o, ld),
             }
-            *out.add(i * ld + r) = finish(acc);
+            i += mr;
         }
     }
     SCRATCH.with(|c| c.replace(s));
+}
+
+/// One weight row (bf16 at `wp`, `nc` chunks; `sp`: the chunk scales of a scaled row)
+/// against the `MR` (1..=4) input rows `i..i + MR` of `a`, each chunk of weights loaded once
+/// for all of them; every input row's four accumulator chains are exactly the contract's (so
+/// the same bits as one row at a time, with `4·MR` independent chains in flight). Output `j`
+/// goes to `out[j · ld]`.
+///
+/// # Safety
+/// AVX-512 F/BW/BF16; `wp` holds `32·nc` bf16 and `sp` (when given) `nc` scales; `a` has rows
+/// `i..i + MR`; `out` valid for writes at `j · ld` for `j < MR`.
+#[inline(always)]
+unsafe fn rows_mr<const MR: usize>(
+    wp: *const u16,
+    a: &Bf16Acts,
+    i: usize,
+    nc: usize,
+    sp: Option<*const f32>,
+    out: *mut f32,
+    ld: usize,
+) {
+    let cols = a.cols;
+    let xp: [*const u16; MR] = std::array::from_fn(|j| a.x.as_ptr().add((i + j) * cols));
+    let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+    let full = nc / 4 * 4;
+    match sp {
+        Some(sp) => {
+            let mut c = 0;
+            while c < full {
+                for k in 0..4 {
+                    let (w, sc) = (ld16(wp, c + k), _mm512_set1_ps(*sp.add(c + k)));
+                    for j in 0..MR {
+                        let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, ld16(xp[j], c + k));
+                        acc[j][k] = _mm512_fmadd_ps(sc, blk, acc[j][k]);
+                    }
+                }
+                c += 4;
+            }
+            for c in full..nc {
+                let (w, sc) = (ld16(wp, c), _mm512_set1_ps(*sp.add(c)));
+                for j in 0..MR {
+                    let blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, ld16(xp[j], c));
+                    acc[j][c % 4] = _mm512_fmadd_ps(sc, blk, acc[j][c % 4]);
+                }
+            }
+        }
+        None => {
+            let mut c = 0;
+            while c < full {
+                for k in 0..4 {
+                    let w = ld16(wp, c + k);
+                    for j in 0..MR {
+                        acc[j][k] = _mm512_dpbf16_ps(acc[j][k], w, ld16(xp[j], c + k));
+                    }
+                }
+                c += 4;
+            }
+            for c in full..nc {
+                let w = ld16(wp, c);
+                for j in 0..MR {
+                    acc[j][c % 4] = _mm512_dpbf16_ps(acc[j][c % 4], w, ld16(xp[j], c));
+                }
+            }
+        }
+    }
+    for j in 0..MR {
+        *out.add(j * ld) = finish(acc[j]);
+    }
 }
 
 /// Bytes ahead of the weights read that [`bf16_rows_m1`] and [`row_m1_fused`] ask the cache
