@@ -59,7 +59,9 @@ for t in [int(x) for x in threads.split(",")]:
            for s in ("before", "after")}
     pre_ratios = [a / b for a, b in zip(pre["after"], pre["before"])]
     res.append({"threads": t, "decode_tps": runs, "loadavg_per_round": loads,
-                "prefill_tps": pre, "prefill_median_ratio_after_before": statistics.median(pre_ratios),
+                "prefill_tps": pre, "prefill_median_tps": {s: statistics.median(v) for s, v in pre.items()},
+                "prefill_median_ratio_after_before": statistics.median(pre_ratios),
+                "prefill_ratio_min": min(pre_ratios), "prefill_ratio_max": max(pre_ratios),
                 "median_tps": {s: statistics.median(v) for s, v in runs.items()},
                 "median_ratio_after_before": statistics.median(ratios),
                 "ratio_min": min(ratios), "ratio_max": max(ratios)})
