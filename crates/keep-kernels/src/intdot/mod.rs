@@ -1085,8 +1085,8 @@ pub enum ActLevels {
     One,
     /// Two: `x ≈ q₁·d₁ + q₂·d₂` ([`Q8Acts::requantize_two`]); a row's result is the sum
     /// `y₁ + y₂` (one f32 add) of the contract's results on its two levels (the weight row
-    /// decoded once for both). About twice the multiplies of [`ActLevels::One`], for about 1/254 of its
-    /// rounding error.
+    /// decoded once for both). About twice the multiplies of [`ActLevels::One`], for about
+    /// 1/254 of its rounding error.
     Two,
 }
 
