@@ -1472,10 +1472,10 @@ pub fn route_with(
 }
 
 /// The int8 levels of the routed experts' down-projection inputs under the fast kernels: two
-/// (`x ≈ q₁·d₁ + q₂·d₂`). The SwiGLU products a down projection reads are heavy-tailed, so
-/// one level (a step of 1/127 of each block's largest value) rounds most of a block coarsely;
-/// on the bundled models that rounding is most of the fast kernels' distance from the exact
-/// ones (`keep eval --kernels fast`). The gate and up projections keep one level.
+/// (`x ≈ q₁·d₁ + q₂·d₂`). One level (a step of 1/127 of each block's largest value) is coarse
+/// for every SwiGLU product much smaller than its block's largest; on `keep-tiny-code` that
+/// rounding was the largest single part of the fast kernels' distance from the exact ones
+/// (`keep eval --kernels fast`). The gate and up projections keep one level.
 pub(crate) const DOWN_ACTS: ActLevels = ActLevels::Two;
 
 /// The routed experts of layer `l` over `t` rows of `x` (`chosen`/`weights`: `[t × top_k]`):
