@@ -7,7 +7,7 @@
 # the binary's hash and the commit. Not a test: `fast_kernels_rule` is the test.
 #
 # Usage: dev/fast-kernels-rule.sh OUT_JSON [MODEL ...]
-#   models default: models/keep-tiny models/keep-tiny-code; KEEP (default target/release/keep,
+#   models default: models/keep-tiny; KEEP (default target/release/keep,
 #   built if absent); COMMIT recorded as given (default: git HEAD). Refuses to replace OUT_JSON
 #   unless FORCE=1.
 set -euo pipefail
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: dev/fast-kernels-rule.sh OUT_JSON [MODEL ...]}
 shift
 MODELS=("$@")
-[[ ${#MODELS[@]} -gt 0 ]] || MODELS=(models/keep-tiny models/keep-tiny-code)
+[[ ${#MODELS[@]} -gt 0 ]] || MODELS=(models/keep-tiny)
 if [[ -e "$OUT" && "${FORCE:-0}" != 1 ]]; then
   echo "refusing to replace $OUT (FORCE=1 to replace)" >&2; exit 1
 fi

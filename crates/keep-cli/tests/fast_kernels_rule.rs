@@ -1,10 +1,9 @@
 //! The rule that makes `--kernels fast` the default, tested on what it was decided on: the
-//! bundled model (`models/keep-tiny`), and the model trained further on code that is to take
-//! its place (`models/keep-tiny-code`), each scored on the fast kernels against its own
-//! exact-kernel teacher over the bundled pack's held-out split — the computation of `keep
-//! calibrate --split eval` then `keep eval --teacher RUN --kernels fast` — has mean KL(exact ‖
-//! fast) at most [`MAX_MEAN_KL`] and top-1 agreement at least [`MIN_TOP1`]. Through the
-//! binary, as a user runs it (about a minute and a half per model in the debug profile).
+//! bundled model (`models/keep-tiny`) scored on the fast kernels against its own exact-kernel
+//! teacher over the bundled pack's held-out split — the computation of `keep calibrate --split
+//! eval` then `keep eval --teacher RUN --kernels fast` — has mean KL(exact ‖ fast) at most
+//! [`MAX_MEAN_KL`] and top-1 agreement at least [`MIN_TOP1`]. Through the binary, as a user
+//! runs it (about a minute and a half in the debug profile).
 
 use std::path::{Path, PathBuf};
 
@@ -25,16 +24,11 @@ fn keep(cache: &Path) -> Command {
     c
 }
 
-#[test]
-fn fast_kernels_meet_the_default_rule_on_the_bundled_model() {
-    rule_holds("models/keep-tiny");
-}
-
 /// The routed experts' down projections take two-level int8 activations for this model: with
 /// one level its top-1 agreement is 0.988.
 #[test]
-fn fast_kernels_meet_the_default_rule_on_the_code_model() {
-    rule_holds("models/keep-tiny-code");
+fn fast_kernels_meet_the_default_rule_on_the_bundled_model() {
+    rule_holds("models/keep-tiny");
 }
 
 fn rule_holds(model: &str) {

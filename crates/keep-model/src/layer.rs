@@ -1473,7 +1473,7 @@ pub fn route_with(
 
 /// The int8 levels of the routed experts' down-projection inputs under the fast kernels: two
 /// (`x ≈ q₁·d₁ + q₂·d₂`). One level (a step of 1/127 of each block's largest value) is coarse
-/// for every SwiGLU product much smaller than its block's largest; on `keep-tiny-code` that
+/// for every SwiGLU product much smaller than its block's largest; on the bundled model that
 /// rounding was the largest single part of the fast kernels' distance from the exact ones
 /// (`keep eval --kernels fast`). The gate and up projections keep one level.
 pub(crate) const DOWN_ACTS: ActLevels = ActLevels::Two;
