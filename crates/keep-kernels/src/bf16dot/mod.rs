@@ -53,8 +53,11 @@ mod gemm_x86;
 mod x86;
 
 /// From this many activation rows on, the AVX-512 BF16 level runs the cache-blocked GEMM
-/// (the same results as the row kernel; see the module doc's Prefill section).
-pub const GEMM_MIN_M: usize = 33;
+/// (the same results as the row kernel; see the module doc's Prefill section). Measured:
+/// from 5 rows the GEMM's panel (each decoded weight row met by a register tile of activation
+/// rows) beats the row kernel's groups of up to four rows at 4096×4096 and 2304×5120, bf16
+/// and MXFP8; at 4 rows the two are even, at 3 the row kernel holds.
+pub const GEMM_MIN_M: usize = 5;
 
 /// Weight rows per GEMM panel (decoded once, reused by every activation row).
 pub const GEMM_PANEL: usize = 16;
