@@ -190,27 +190,11 @@ pub fn e8p_matmul(x: &[f32], m: usize, w: &E8pView, out: &mut [f32]) -> Result<(
     crate::cpu::check_operands(x, m, w.rows, w.cols, out)?;
     let rows_n = w.rows;
     let ptr = SyncPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    if m * rows_n * w.cols < crate::cpu::PAR_MIN_MACS || threads < 2 || rows_n < 2 {
-        // SAFETY: lengths checked; single thread.
-        unsafe { rows(w, x, m, 0, rows_n, ptr.0, rows_n) };
-        return Ok(());
-    }
-    let chunks = (threads * 4).min(rows_n);
-    let per = rows_n.div_ceil(chunks);
-    let region = crate::profile::Region::begin();
-    let reg = region.as_ref();
-    (0..chunks).into_par_iter().for_each(|c| {
+    crate::rows::par_rows(rows_n, m * w.cols, |r0, r1| {
         let p = &ptr;
-        let (r0, r1) = (c * per, ((c + 1) * per).min(rows_n));
-        if r0 < r1 {
-            // SAFETY: disjoint rows of the m×rows output per chunk.
-            crate::profile::task(reg, || unsafe { rows(w, x, m, r0, r1, p.0, rows_n) });
-        }
+        // SAFETY: lengths checked; disjoint rows of the m×rows output per task.
+        unsafe { rows(w, x, m, r0, r1, p.0, rows_n) }
     });
-    if let Some(r) = region {
-        r.finish();
-    }
     Ok(())
 }
 

@@ -38,11 +38,10 @@
 //! block across the row) take this path; [`BfSrc::from_view`] says `None` otherwise and the
 //! caller runs the exact kernel.
 
-use rayon::prelude::*;
 use std::sync::LazyLock;
 
 use crate::codec::{e4m3_to_f32_ref, e8m0_to_f32};
-use crate::cpu::{check_operands, PAR_MIN_MACS};
+use crate::cpu::check_operands;
 use crate::rows::{block_scale, prepare_per_input, run_row_jobs, Books, SyncPtr};
 use crate::weight::{BlockScales, WeightView};
 use crate::{KernelError, Result};
@@ -473,27 +472,11 @@ pub fn bf_matmul_at(
         });
     }
     let ptr = SyncPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    if a.m * rows * a.cols < PAR_MIN_MACS || threads < 2 || rows < 2 {
-        // SAFETY: out has m*rows elements (checked); one thread.
-        unsafe { rows_at(level, src, a, 0, rows, ptr.0, rows) };
-        return Ok(());
-    }
-    let chunks = (threads * 4).min(rows);
-    let per = rows.div_ceil(chunks);
-    let region = crate::profile::Region::begin();
-    let reg = region.as_ref();
-    (0..chunks).into_par_iter().for_each(|c| {
+    crate::rows::par_rows(rows, a.m * a.cols, |r0, r1| {
         let p = &ptr;
-        let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
-        if r0 < r1 {
-            // SAFETY: each chunk writes only its own rows of the m×rows output.
-            crate::profile::task(reg, || unsafe { rows_at(level, src, a, r0, r1, p.0, rows) });
-        }
+        // SAFETY: out has m*rows elements (checked); each task writes only its own rows.
+        unsafe { rows_at(level, src, a, r0, r1, p.0, rows) }
     });
-    if let Some(r) = region {
-        r.finish();
-    }
     Ok(())
 }
 

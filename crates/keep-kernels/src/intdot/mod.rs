@@ -75,7 +75,6 @@
 //! starting value of the integer sum). Every (input row, weight row) result is the same bits
 //! as the row kernels'.
 
-use rayon::prelude::*;
 use std::sync::LazyLock;
 
 use keep_format::e81::{E81_DIM, E81_GRID};
@@ -83,7 +82,7 @@ use keep_format::e8p::{decode_e8p, E8P_DIM};
 
 use crate::affine::AFFINE8_GROUP;
 use crate::codec::bf16_at;
-use crate::cpu::{check_operands, PAR_MIN_MACS};
+use crate::cpu::check_operands;
 use crate::e8p::E8pView;
 use crate::rows::{prepare_per_input, run_row_jobs, Books, SyncPtr};
 use crate::weight::{WeightKind, WeightView};
@@ -1015,28 +1014,11 @@ pub fn int_matmul_at(
     }
     let level = level.min(best_available());
     let ptr = SyncPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    let (m, cols) = (a.m, a.cols);
-    if m * rows * cols < PAR_MIN_MACS || threads < 2 || rows < 2 {
-        // SAFETY: out has m*rows elements (checked); one thread.
-        unsafe { rows_at(level, src, a, 0, rows, ptr.0, rows) };
-        return Ok(());
-    }
-    let chunks = (threads * 4).min(rows);
-    let per = rows.div_ceil(chunks);
-    let region = crate::profile::Region::begin();
-    let reg = region.as_ref();
-    (0..chunks).into_par_iter().for_each(|c| {
+    crate::rows::par_rows(rows, a.m * a.cols, |r0, r1| {
         let p = &ptr;
-        let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
-        if r0 < r1 {
-            // SAFETY: each chunk writes only its own rows of the m×rows output.
-            crate::profile::task(reg, || unsafe { rows_at(level, src, a, r0, r1, p.0, rows) });
-        }
+        // SAFETY: out has m*rows elements (checked); each task writes only its own rows.
+        unsafe { rows_at(level, src, a, r0, r1, p.0, rows) }
     });
-    if let Some(r) = region {
-        r.finish();
-    }
     Ok(())
 }
 

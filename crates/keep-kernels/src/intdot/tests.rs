@@ -462,7 +462,7 @@ fn extreme_scales_and_special_inputs() {
 fn threaded_and_many_equal_one_thread() {
     let mut rng = Rng::new(7);
     let (rows, cols) = (1037, 4128);
-    assert!(rows * cols >= PAR_MIN_MACS);
+    assert!(rows * cols >= crate::cpu::PAR_MIN_MACS);
     let (p, sc) = (rng.bytes(rows * cols / 2), rng.scales(rows * cols / 32));
     let w = WeightView::mxfp4(&p, &sc, rows, cols).unwrap();
     let src = IntSrc::from_view(&w).unwrap();
@@ -526,7 +526,7 @@ fn threaded_and_many_equal_one_thread() {
     }
     // Affine-8: threaded equals one thread, and `matmul_many_with(Fast)` routes it here.
     let (rows, cols) = (517, 4096);
-    assert!(rows * cols >= PAR_MIN_MACS);
+    assert!(rows * cols >= crate::cpu::PAR_MIN_MACS);
     let q = rng.bytes(rows * cols);
     let ng = rows * cols / crate::affine::AFFINE8_GROUP;
     let bf = |v: f32| crate::bf16dot::f32_to_bf16_rne(v).to_le_bytes();

@@ -436,29 +436,11 @@ pub(crate) fn run_at(
 ) {
     assert!(x.len() >= m * cols && out.len() >= m * rows);
     let ptr = SyncPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    if m * rows * cols < crate::cpu::PAR_MIN_MACS || threads < 2 || rows < 2 {
-        // SAFETY: out has m*rows elements; single thread.
-        unsafe { rows_at(level, &src, cols, x, m, 0, rows, ptr.0, rows) };
-        return;
-    }
-    let chunks = (threads * 4).min(rows);
-    let per = rows.div_ceil(chunks);
-    let region = crate::profile::Region::begin();
-    let reg = region.as_ref();
-    (0..chunks).into_par_iter().for_each(|c| {
+    crate::rows::par_rows(rows, m * cols, |r0, r1| {
         let p = &ptr;
-        let (r0, r1) = (c * per, ((c + 1) * per).min(rows));
-        if r0 < r1 {
-            // SAFETY: each chunk writes only its own rows of the m×rows output.
-            crate::profile::task(reg, || unsafe {
-                rows_at(level, &src, cols, x, m, r0, r1, p.0, rows)
-            });
-        }
+        // SAFETY: out has m*rows elements; each task writes only its own rows.
+        unsafe { rows_at(level, &src, cols, x, m, r0, r1, p.0, rows) }
     });
-    if let Some(r) = region {
-        r.finish();
-    }
 }
 
 pub(crate) fn run(src: Src, rows: usize, cols: usize, x: &[f32], m: usize, out: &mut [f32]) {
