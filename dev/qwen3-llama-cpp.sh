@@ -30,6 +30,7 @@
 #    keep / llama.cpp for prefill and decode.
 #
 # Usage: dev/qwen3-llama-cpp.sh [ROUNDS] [OUT.json]
+#   LLAMA_AMX=1 builds llama.cpp with AMX where -march=native has it (default off; see below).
 #   ROUNDS default 3; OUT default dev/evidence/qwen3-llama-cpp.json (refused if it exists unless
 #   FORCE=1). LAYERS (default 4: about 5 GiB bf16 + 2.6 GiB per 8-bit and 1.4 GiB per 4-bit copy),
 #   THREADS (1), P (64), N (32), PAIRS ("bf16 q8 q4"), KEEP (target/release/keep), PY (a Python
@@ -65,13 +66,19 @@ fi
 BUILD_ONLY=1 LLAMA_SIDE_DIR="$W" "$REPO/dev/llama-cpp-side-by-side.sh" >&2
 SRC="$W/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
 CMAKE="$(command -v cmake || echo "$W/venv/bin/cmake")"
-B="$W/full"
+# AMX: keep does not use it, and where a virtual machine lists the AMX flags without enabling the
+# tile state (this project's machines), -march=native code faults on its first tile instruction.
+# LLAMA_AMX=0 (the default) builds llama.cpp without it (-mno-amx-*); LLAMA_AMX=1 keeps
+# -march=native's choice, for a machine where AMX runs. The evidence records which.
+LLAMA_AMX="${LLAMA_AMX:-0}"
+NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [[ "$LLAMA_AMX" == 1 ]]; then B="$W/full"; FLAGS=(); else B="$W/full-noamx"; FLAGS=(-DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX"); fi
 if [[ ! -f "$B/build/CMakeCache.txt" ]]; then
   mkdir -p "$B"
   nice -n 10 "$CMAKE" -S "$SRC" -B "$B/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DGGML_BACKEND_DL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$B/configure.log"
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF "${FLAGS[@]}" >"$B/configure.log"
 fi
 nice -n 10 "$CMAKE" --build "$B/build" --target llama-bench llama-quantize -j "$(nproc)" >"$B/build.log"
 LB="$B/build/bin/llama-bench" LQ="$B/build/bin/llama-quantize"
@@ -178,9 +185,11 @@ BASE_DESC=""
 if [[ -n "${KEEP_BASE:-}" ]]; then
   BASE_DESC="$("$KEEP_BASE" --version 2>/dev/null || true) ${KEEP_BASE_COMMIT:-}"
 fi
-python3 - "$RAW" "$OUT" "$ROUNDS" "$PAIRS" "$LAYERS" "$THREADS" "$P" "$N" "$*" "${CONFIG:-qwen3-30b-a3b}" "$BASE_DESC" <<'PYEOF'
+LLAMA_BUILD="llama.cpp vendored in llama-cpp-python $LCP_VERSION; GGML_NATIVE=ON (-march=native), Release, static"
+[[ "$LLAMA_AMX" == 1 ]] || LLAMA_BUILD="$LLAMA_BUILD, AMX off ($NOAMX)"
+python3 - "$RAW" "$OUT" "$ROUNDS" "$PAIRS" "$LAYERS" "$THREADS" "$P" "$N" "$*" "${CONFIG:-qwen3-30b-a3b}" "$BASE_DESC" "$LLAMA_BUILD" <<'PYEOF'
 import json, os, platform, statistics, subprocess, sys, time
-raw, out, rounds, pairs, layers, threads, p, n, args, shape, base = sys.argv[1:12]
+raw, out, rounds, pairs, layers, threads, p, n, args, shape, base, llama_build = sys.argv[1:13]
 rounds = int(rounds)
 def lscpu():
     try:
@@ -193,6 +202,7 @@ res = {"format": "keep-side-by-side-qwen3", "version": 1,
        "machine": {"uname": platform.uname()._asdict(), "nproc": os.cpu_count(),
                    "lscpu_model": next((l.split(":", 1)[1].strip() for l in lscpu().splitlines()
                                         if l.startswith("Model name")), None)},
+       "llama_build": llama_build,
        "shape": {"preset_or_config": shape, "layers": int(layers), "threads": int(threads),
                  "prompt_tokens": int(p), "decode_tokens": int(n)},
        "pairs": {}}

@@ -30,7 +30,7 @@ unsafe impl Sync for SyncPtr {}
 /// threads' finish: a thread left idle at the end of a memory-bound pass is read bandwidth
 /// lost, and on two threads one core alone reads about half the machine's line. At 4 per
 /// thread the 151,936×2048 bf16 head of Qwen3-30B-A3B shapes left 7.4 ms of a 38 ms pass with
-/// one thread waiting; at 16, 1.3 ms of 34 (`keep run --profile`, 2 threads). Each task costs a
+/// one thread waiting; at 16, 1.6 ms of 34 (`keep run --profile`, 2 threads). Each task costs a
 /// hand-off of a few microseconds; the smallest threaded product (`PAR_MIN_MACS`) still gives
 /// each task 64 Ki multiply-adds.
 pub(crate) const TASKS_PER_THREAD: usize = 16;
@@ -222,7 +222,12 @@ mod tests {
     /// The tasks of a batch cover each job's rows once, in order, within the job.
     #[test]
     fn row_tasks_cover_each_job_once() {
-        let shapes = [(1, 768, 2048), (1, 2048, 768), (3, 5, 64), (1, 151_936, 2048)];
+        let shapes = [
+            (1, 768, 2048),
+            (1, 2048, 768),
+            (3, 5, 64),
+            (1, 151_936, 2048),
+        ];
         for threads in [1, 2, 16] {
             let tasks = row_tasks(shapes.iter().copied(), threads);
             for (ji, &(_, rows, _)) in shapes.iter().enumerate() {
