@@ -1360,3 +1360,27 @@ fn threads_sizes_the_worker_pool_and_zero_is_refused() {
         .code(2)
         .stderr(predicate::str::contains("--threads"));
 }
+
+/// `keep synth --threads N` sizes its pool, and the checkpoint is the same bytes on one thread
+/// and on two (the shards' SHA256SUMS compared).
+#[test]
+fn synth_threads_flag_writes_the_same_bytes() {
+    let w = workdir("synth-threads");
+    let mut sums = vec![];
+    for t in ["1", "2"] {
+        let out = w.join(format!("t{t}"));
+        keep()
+            .args(["synth", "--preset", "tiny", "--threads", t, "--out"])
+            .arg(&out)
+            .assert()
+            .success();
+        sums.push(std::fs::read_to_string(out.join("SHA256SUMS")).unwrap());
+    }
+    assert_eq!(sums[0], sums[1]);
+    keep()
+        .args(["synth", "--preset", "tiny", "--threads", "0", "--out"])
+        .arg(w.join("t0"))
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("--threads"));
+}

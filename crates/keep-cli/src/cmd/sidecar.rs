@@ -70,6 +70,8 @@ pub struct SidecarArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 fn parse_ridge(s: &str) -> Result<Ridge, String> {
@@ -110,6 +112,7 @@ struct Report {
 }
 
 pub fn run(a: SidecarArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     let model = match a.model.clone() {
         Some(m) => m,
         None => crate::bundled::default_model_dir()?,

@@ -110,6 +110,8 @@ pub struct SynthArgs {
     /// name lists them), the rest bf16.
     #[arg(long)]
     experts: Option<String>,
+    #[command(flatten)]
+    threads: crate::util::ThreadsArg,
 }
 
 /// `keep synth --family qwen3_moe`: keep-convert's `synth_qwen3`.
@@ -283,6 +285,7 @@ fn run_gpt_oss(a: &SynthArgs, mut raw: serde_json::Value) -> anyhow::Result<()> 
 }
 
 pub fn run(a: SynthArgs) -> anyhow::Result<()> {
+    a.threads.apply()?;
     crate::util::check_out_of_cache(&a.out)?;
     // The family `--family` names, else the one that reads `--config`'s file.
     let family = a.family.clone().or_else(|| {
