@@ -593,7 +593,18 @@ impl LayerWeights<'_> {
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
         let sc = &mut shared.scratch;
         let k = sc.kernels;
-        proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
+        // `wq_a` and `wkv` read the same input: one pass.
+        crate::linear::projs_into(
+            k,
+            x,
+            t,
+            [
+                (&self.wq_a, "attn.wq_a", &mut sc.qr),
+                (&self.wkv, "attn.wkv", &mut sc.kv),
+            ],
+            obs,
+            l,
+        )?;
         crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
         proj_into(
             k,
@@ -614,7 +625,6 @@ impl LayerWeights<'_> {
             }
         }
         let kv = &mut sc.kv;
-        proj_into(k, x, t, &self.wkv, obs, l, "attn.wkv", None, kv)?;
         crate::linear::rms_norm(kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             let row = &mut kv[i * hd..(i + 1) * hd];
@@ -1212,8 +1222,17 @@ impl LayerWeights<'_> {
         let _span = profile::span(Part::SharedExpert);
         let l = self.layer;
         let [sw1, sw2, sw3] = &self.shared;
-        proj_into(kernels, x, t, sw1, obs, l, "ffn.shared_experts.w1", None, g)?;
-        proj_into(kernels, x, t, sw3, obs, l, "ffn.shared_experts.w3", None, u)?;
+        crate::linear::projs_into(
+            kernels,
+            x,
+            t,
+            [
+                (sw1, "ffn.shared_experts.w1", g),
+                (sw3, "ffn.shared_experts.w3", u),
+            ],
+            obs,
+            l,
+        )?;
         act.clear();
         act.extend(
             g.iter()
@@ -1807,7 +1826,18 @@ impl LayerWeights<'_> {
         let l = self.layer;
         let (h, hd, ql) = (cfg.heads, cfg.head_dim, cfg.q_lora);
         let k = sc.kernels;
-        proj_into(k, x, t, &self.wq_a, obs, l, "attn.wq_a", None, &mut sc.qr)?;
+        // `wq_a` and `wkv` read the same input: one pass.
+        crate::linear::projs_into(
+            k,
+            x,
+            t,
+            [
+                (&self.wq_a, "attn.wq_a", &mut sc.qr),
+                (&self.wkv, "attn.wkv", &mut sc.kv),
+            ],
+            obs,
+            l,
+        )?;
         crate::linear::rms_norm(&mut sc.qr, ql, Some(&self.q_norm), cfg.eps);
         let q = &mut sc.q;
         proj_into(k, &sc.qr, t, &self.wq_b, obs, l, "attn.wq_b", None, q)?;
@@ -1820,7 +1850,6 @@ impl LayerWeights<'_> {
             }
         }
         let kv = &mut sc.kv;
-        proj_into(k, x, t, &self.wkv, obs, l, "attn.wkv", None, kv)?;
         crate::linear::rms_norm(kv, hd, Some(&self.kv_norm), cfg.eps);
         for i in 0..t {
             self.rope.apply(

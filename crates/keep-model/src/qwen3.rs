@@ -234,9 +234,18 @@ impl<'a> Qwen3Layer<'a> {
         let (h, kvh) = (self.q.rows / hd, self.k.rows / hd);
         let kn = sc.kernels;
         let (q, k, v) = (&mut sc.q, &mut sc.fam.k, &mut sc.fam.v);
-        proj_into(kn, x, t, &self.q, obs, l, "self_attn.q_proj", None, q)?;
-        proj_into(kn, x, t, &self.k, obs, l, "self_attn.k_proj", None, k)?;
-        proj_into(kn, x, t, &self.v, obs, l, "self_attn.v_proj", None, v)?;
+        crate::linear::projs_into(
+            kn,
+            x,
+            t,
+            [
+                (&self.q, "self_attn.q_proj", q),
+                (&self.k, "self_attn.k_proj", k),
+                (&self.v, "self_attn.v_proj", v),
+            ],
+            obs,
+            l,
+        )?;
         crate::linear::rms_norm(q, hd, Some(&self.q_norm), cfg.eps);
         crate::linear::rms_norm(k, hd, Some(&self.k_norm), cfg.eps);
         for (i, row) in q.chunks_exact_mut(h * hd).enumerate() {
