@@ -183,7 +183,8 @@ mod tests {
             .map(|&b| (b as f32 - 127.5) / 64.0)
             .collect();
         type Parts = Vec<Vec<u8>>;
-        let formats: [(&str, fn(usize, usize, u64) -> Parts); 4] = [
+        type Make = fn(usize, usize, u64) -> Parts;
+        let formats: [(&str, Make); 4] = [
             ("bf16", |r, c, s| vec![bf16s(r * c, s)]),
             ("mxfp8", |r, c, s| {
                 vec![
