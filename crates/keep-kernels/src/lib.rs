@@ -36,6 +36,7 @@
 //! [`hadamard::Rht`]), `rayon`, `thiserror`.
 
 pub mod affine;
+pub mod attend;
 pub mod bf16dot;
 pub mod codec;
 pub mod cpu;

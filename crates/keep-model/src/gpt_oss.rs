@@ -41,6 +41,7 @@ use std::mem::take;
 use keep_checkpoint::config::gpt_oss::{layer_prefix, GptOssConfig, Stack, EMBED, HEAD, NORM};
 use keep_checkpoint::naming::ExpertMat;
 use keep_checkpoint::Checkpoint;
+use keep_kernels::attend::{self, CausalRows, KvSource, Scale};
 use keep_kernels::matmul::{matmul_many_levels, matmul_many_with};
 use keep_kernels::profile::{self, Part};
 use keep_kernels::scratch::recycle;
@@ -366,45 +367,26 @@ impl<'a> GptOssLayer<'a> {
         let base = kv.rows - kv.k.len() / kw;
         drop(proj_span);
         let scores_span = profile::span(Part::AttnScores);
-        let scale = (hd as f32).powf(-0.5);
-        let group = h / kvh;
         let heads = zeroed(&mut sc.heads, t * h * hd);
-        let scores = &mut sc.scores;
-        let mut read = 0usize;
-        for i in 0..t {
-            let pos = start_pos + i;
-            let first = match self.window {
-                Some(w) => (pos + 1).saturating_sub(w),
-                None => 0,
-            };
-            read += pos + 1 - first;
-            for head in 0..h {
-                let g = head / group;
-                let qh = &q[(i * h + head) * hd..(i * h + head + 1) * hd];
-                scores.clear();
-                for r in first - base..=pos - base {
-                    let krow = &kv.k[r * kw + g * hd..r * kw + (g + 1) * hd];
-                    scores.push(keep_kernels::matmul::dot(qh, krow) * scale);
-                }
-                // The sink joins the softmax: max and denominator over scores and sink.
-                let sink = self.sinks[head];
-                let m = scores.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - m).exp();
-                for s in scores.iter_mut() {
-                    *s = (*s - m).exp();
-                    sum += *s;
-                }
-                let o = &mut heads[(i * h + head) * hd..(i * h + head + 1) * hd];
-                for (j, &p) in scores.iter().enumerate() {
-                    let r = first - base + j;
-                    let p = p / sum;
-                    let vrow = &kv.v[r * kw + g * hd..r * kw + (g + 1) * hd];
-                    for (a, b) in o.iter_mut().zip(vrow) {
-                        *a += p * b;
-                    }
-                }
-            }
-        }
+        let rows = CausalRows {
+            k: &kv.k,
+            v: &kv.v,
+            stride: kw,
+            head_dim: hd,
+            start: start_pos,
+            base,
+            window: self.window,
+        };
+        let shape = attend::Heads {
+            queries: t,
+            heads: h,
+            head_dim: hd,
+            group: h / kvh,
+        };
+        let scale = Scale::Score((hd as f32).powf(-0.5));
+        let sinks = Some(&self.sinks[..]);
+        attend::attend(shape, q, &rows, scale, sinks, heads, &mut sc.scores);
+        let read: usize = (0..t).map(|i| rows.count(i)).sum();
         profile::read(read * 2 * kw * 4);
         if let Some(w) = self.window {
             // Keep what the next query sees: the last `w - 1` positions.

@@ -18,6 +18,7 @@
 use std::borrow::Cow;
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::attend::{self, attend_one, Heads, Scale, SharedRows};
 use keep_kernels::matmul::{matmul_many_levels, matmul_many_with};
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::profile::{self, Part};
@@ -715,18 +716,17 @@ impl LayerWeights<'_> {
                 }
             };
             profile::read(keys.len() * hd * 4);
-            for hh in 0..h {
-                let qo = (i * h + hh) * hd;
-                let o = &mut out[qo..qo + hd];
-                attend_rows(
-                    &q[qo..qo + hd],
-                    scale,
-                    keys.len(),
-                    row,
-                    self.sinks[hh],
-                    o,
-                    scores,
-                );
+            let shape = Heads {
+                queries: 1,
+                heads: h,
+                head_dim: hd,
+                group: h,
+            };
+            let (qi, oi) = (&q[i * h * hd..(i + 1) * h * hd], &mut out[i * h * hd..]);
+            let rows = SharedRows { n: keys.len(), row };
+            let sinks = Some(&self.sinks[..]);
+            attend::attend(shape, qi, &rows, Scale::Query(scale), sinks, oi, scores);
+            for o in oi[..h * hd].chunks_exact_mut(hd) {
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
         }
@@ -1329,43 +1329,22 @@ pub fn attend(
     attend_rows(q, scale, rows.len(), |r| rows[r], sink, out, scores)
 }
 
-/// [`attend`] over `n` rows given by `row(r)` (no list of row slices to build).
+/// [`attend`] over `n` rows given by `row(r)` (no list of row slices to build): keep-kernels'
+/// attention op on one query head.
 pub fn attend_rows<'r>(
     q: &[f32],
     scale: f32,
     n: usize,
-    row: impl Fn(usize) -> &'r [f32],
+    row: impl Fn(usize) -> &'r [f32] + Sync,
     sink: f32,
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
-    let mut qs = [0f32; 1024];
-    let mut long = Vec::new();
-    let qs: &mut [f32] = if q.len() <= qs.len() {
-        &mut qs[..q.len()]
-    } else {
-        long.resize(q.len(), 0f32);
-        &mut long[..]
-    };
-    for (a, b) in qs.iter_mut().zip(q) {
-        *a = b * scale;
+    if scores.len() < n {
+        scores.resize(n, 0.0);
     }
-    scores.clear();
-    for r in 0..n {
-        scores.push(keep_kernels::matmul::dot(qs, row(r)));
-    }
-    let m = scores.iter().copied().fold(sink, f32::max);
-    let mut sum = (sink - m).exp();
-    for v in scores.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    for (r, &p) in scores.iter().enumerate() {
-        let w = p / sum;
-        for (a, b) in out.iter_mut().zip(row(r).iter()) {
-            *a += w * b;
-        }
-    }
+    let rows = SharedRows { n, row };
+    attend_one(&rows, 0, 0, q, Scale::Query(scale), Some(sink), out, scores);
 }
 
 /// `Compressor.__call__`'s pooling: each of `n` groups of `ratio` rows becomes
@@ -1961,18 +1940,17 @@ impl LayerWeights<'_> {
                 }
             };
             profile::read(keys.len() * hd * 4);
-            for hh in 0..h {
-                let qo = (i * h + hh) * hd;
-                let o = &mut out[qo..qo + hd];
-                attend_rows(
-                    &q[qo..qo + hd],
-                    scale,
-                    keys.len(),
-                    row,
-                    self.sinks[hh],
-                    o,
-                    scores,
-                );
+            let shape = Heads {
+                queries: 1,
+                heads: h,
+                head_dim: hd,
+                group: h,
+            };
+            let (qi, oi) = (&q[i * h * hd..(i + 1) * h * hd], &mut out[i * h * hd..]);
+            let rows = SharedRows { n: keys.len(), row };
+            let sinks = Some(&self.sinks[..]);
+            attend::attend(shape, qi, &rows, Scale::Query(scale), sinks, oi, scores);
+            for o in oi[..h * hd].chunks_exact_mut(hd) {
                 self.rope.apply(o, (step.start_pos + i) as f32, true);
             }
         }

@@ -177,7 +177,9 @@ impl ModelConfig {
         // Two hyper-connection mixes alive (attention's and the MoE's: pre, post, comb), the
         // normalised copy of the streams and the raw mix of the one being computed.
         let hc_mix = 2 * t * (2 * hc + hc * hc) * F + t * hc * d * F + t * nm * F;
-        // Block input, attention projections, per-query rows and the grouped output.
+        let threads = rayon_threads() as u64;
+        // Block input, attention projections, per-query rows (their scores once per thread)
+        // and the grouped output.
         let window = (self.window as u64) + t;
         let attn = t * d * F
             + t * ql * F
@@ -187,7 +189,7 @@ impl ModelConfig {
             + t * (h * hd / g.max(1)) * F
             + t * ol * F
             + t * d * F
-            + (window + kidx) * (F + 16);
+            + (window + kidx) * (threads * F + 16);
         // Compressor: projections (two series for V4's CSA), pooled rows, index keys; the
         // open-group rows appended to the cache are counted in the cache.
         let new_rows = t + 1;
@@ -230,7 +232,6 @@ impl ModelConfig {
             .into_iter()
             .max()
             .unwrap_or(0);
-        let threads = rayon_threads() as u64;
         let kernels = 2 * t * widest * F + threads * 4 * widest * F;
         // Final collapse, norm and head.
         let rows = match which {
@@ -240,10 +241,10 @@ impl ModelConfig {
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
         // A Hugging Face family's attention: q, k, v, the attention output and one head's scores
-        // over the whole context (the DeepSeek terms above bound the rest); a latent attention
+        // over the whole context per thread (the DeepSeek terms above bound the rest); a latent attention
         // holds less (q and the output per head, one head's `kv_b_proj` rows).
         let family_attn = if self.family.is_hugging_face() {
-            3 * t * h * hd * F + t * d * F + (context as u64 + t) * F + hd * F
+            3 * t * h * hd * F + t * d * F + threads * (context as u64 + t) * F + hd * F
         } else {
             0
         };

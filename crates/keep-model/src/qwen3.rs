@@ -16,6 +16,7 @@ use keep_checkpoint::qwen3 as names;
 use std::mem::take;
 
 use keep_checkpoint::Checkpoint;
+use keep_kernels::attend::{self, CausalRows, Scale};
 use keep_kernels::ops;
 use keep_kernels::profile::{self, Part};
 use keep_kernels::WeightView;
@@ -270,37 +271,24 @@ impl<'a> Qwen3Layer<'a> {
         let scores_span = profile::span(Part::AttnScores);
         // Each query reads the keys and values of the positions up to its own.
         profile::read((t * start_pos + t * (t + 1) / 2) * 2 * kvh * hd * 4);
-        let scale = (hd as f32).powf(-0.5);
-        let group = h / kvh;
-        let kw = kvh * hd;
         let heads = zeroed(&mut sc.heads, t * h * hd);
-        let scores = &mut sc.scores;
-        let qs = zeroed(&mut sc.fam.qs, hd);
-        for i in 0..t {
-            let visible = start_pos + i + 1;
-            for head in 0..h {
-                let g = head / group;
-                for (a, b) in qs
-                    .iter_mut()
-                    .zip(&q[(i * h + head) * hd..(i * h + head + 1) * hd])
-                {
-                    *a = b * scale;
-                }
-                scores.clear();
-                for r in 0..visible {
-                    let krow = &kv.k[r * kw + g * hd..r * kw + (g + 1) * hd];
-                    scores.push(keep_kernels::matmul::dot(qs, krow));
-                }
-                ops::softmax(scores);
-                let o = &mut heads[(i * h + head) * hd..(i * h + head + 1) * hd];
-                for (r, &p) in scores.iter().enumerate() {
-                    let vrow = &kv.v[r * kw + g * hd..r * kw + (g + 1) * hd];
-                    for (a, b) in o.iter_mut().zip(vrow) {
-                        *a += p * b;
-                    }
-                }
-            }
-        }
+        let rows = CausalRows {
+            k: &kv.k,
+            v: &kv.v,
+            stride: kvh * hd,
+            head_dim: hd,
+            start: start_pos,
+            base: 0,
+            window: None,
+        };
+        let shape = attend::Heads {
+            queries: t,
+            heads: h,
+            head_dim: hd,
+            group: h / kvh,
+        };
+        let scale = Scale::Query((hd as f32).powf(-0.5));
+        attend::attend(shape, q, &rows, scale, None, heads, &mut sc.scores);
         drop(scores_span);
         proj_into(kn, heads, t, &self.o, obs, l, "self_attn.o_proj", None, out)
     }

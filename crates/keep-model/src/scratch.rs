@@ -147,7 +147,7 @@ pub(crate) struct ExpertScratch {
 }
 
 /// The buffers of the Hugging Face families' layers that the V4 layers have no counterpart
-/// of: the key and value projections, a scaled query head, a latent attention in the absorbed
+/// of: the key and value projections, a latent attention in the absorbed
 /// form (a head's `kv_b_proj` key and value rows, the latent query and output, the RoPE query,
 /// a position's normalised latent and RoPE key), a group-limited router (biased scores, group
 /// scores, one group's ranking, the groups kept), a zero router bias and the routes per expert
@@ -156,7 +156,6 @@ pub(crate) struct ExpertScratch {
 pub(crate) struct FamilyScratch {
     pub(crate) k: Vec<f32>,
     pub(crate) v: Vec<f32>,
-    pub(crate) qs: Vec<f32>,
     pub(crate) wk: Vec<f32>,
     pub(crate) wv: Vec<f32>,
     pub(crate) q_lat: Vec<f32>,
@@ -226,13 +225,20 @@ impl Scratch {
             reserved,
             ..Scratch::default()
         };
-        s.ensure_reserved();
+        s.reserve(1);
         s
     }
 
     /// Reserve what [`Scratch::for_context`] asked for where a buffer holds less (nothing to do
-    /// but after a clone, whose buffers are empty).
+    /// but after a clone, whose buffers are empty, or before the first forward): the attention
+    /// scores once per worker thread, each of which scores its own query heads.
     pub(crate) fn ensure_reserved(&mut self) {
+        self.reserve(keep_kernels::cpu::threads());
+    }
+
+    /// [`Scratch::ensure_reserved`] for `threads` threads (the pool's size is asked only when
+    /// a forward runs: asking starts the pool, whose size is then fixed).
+    fn reserve(&mut self, threads: usize) {
         fn at_least<T>(v: &mut Vec<T>, n: usize) {
             if v.capacity() < n {
                 v.reserve_exact(n - v.len());
@@ -244,7 +250,7 @@ impl Scratch {
         at_least(&mut self.candidates, rows);
         at_least(&mut self.blocks, blocks);
         at_least(&mut self.keys, attended);
-        at_least(&mut self.scores, scores);
+        at_least(&mut self.scores, scores * threads);
     }
 
     /// After a pass of `rows` rows: past [`KEEP_ROWS`], give every buffer back and keep only

@@ -1,0 +1,414 @@
+//! Attention of query heads over cached key and value rows: the op every family's attention
+//! calls for its scores, softmax and weighted sum (Qwen3-MoE's and gpt-oss's grouped-query
+//! attention, DeepSeek-V4's window and compressed rows), with the (query, head) pairs of one
+//! call run in parallel on the worker pool.
+//!
+//! One pair is computed by one sequence of operations whatever the pair count and however
+//! pairs are cut into tasks: scores `dot(q·s, k_r)` ([`Scale::Query`]) or `dot(q, k_r)·s`
+//! ([`Scale::Score`]) in row order, the softmax's maximum and denominator in row order (with the
+//! head's sink logit first where the family has one), and the output `Σ_r (p_r / Σ)·v_r`
+//! accumulated in row order from zero. So decode equals prefill bit for bit, and the op equals
+//! the per-pair loop each family ran before ([`attend_one`], the scalar statement of it, is
+//! what the tests hold the parallel op against).
+//!
+//! Where the rows are is the family's ([`KvSource`]): [`CausalRows`] is a contiguous cache
+//! (every earlier position, or a sliding window of them); a family that gathers rows (V4's
+//! window and selected compressed rows) implements the trait over its own list.
+
+use rayon::prelude::*;
+
+use crate::rows::{SyncPtr, TASKS_PER_THREAD};
+
+/// Where the score scale is applied.
+#[derive(Debug, Clone, Copy)]
+pub enum Scale {
+    /// To the query before the dots (`dot(q·s, k)`; Qwen3-MoE, DeepSeek-V4).
+    Query(f32),
+    /// To each dot (`dot(q, k)·s`; gpt-oss).
+    Score(f32),
+}
+
+/// The key and value rows each query attends.
+pub trait KvSource<'a>: Sync {
+    /// Rows query `i` attends.
+    fn count(&self, i: usize) -> usize;
+    /// Key `r` (of `count(i)`) of query `i` for KV head `g`.
+    fn key(&self, i: usize, g: usize, r: usize) -> &'a [f32];
+    /// Value `r` of query `i` for KV head `g`.
+    fn value(&self, i: usize, g: usize, r: usize) -> &'a [f32];
+}
+
+/// A contiguous cache of `[rows × kv_heads·head_dim]` keys and values where query `i` sits at
+/// position `start + i` and attends every position up to its own, or only the last `window` of
+/// them; cache row `0` holds position `base` (a sliding cache dropped the rows before).
+#[derive(Debug, Clone, Copy)]
+pub struct CausalRows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// Floats per cache row (`kv_heads · head_dim`).
+    pub stride: usize,
+    pub head_dim: usize,
+    /// Position of query 0.
+    pub start: usize,
+    /// Position of cache row 0.
+    pub base: usize,
+    /// Positions a query sees, its own included (`None`: all).
+    pub window: Option<usize>,
+}
+
+impl CausalRows<'_> {
+    /// Cache row of query `i`'s first key.
+    #[inline]
+    fn first(&self, i: usize) -> usize {
+        let pos = self.start + i;
+        let first = match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        };
+        first - self.base
+    }
+
+    #[inline]
+    fn row<'s>(&self, m: &'s [f32], i: usize, g: usize, r: usize) -> &'s [f32] {
+        let at = (self.first(i) + r) * self.stride + g * self.head_dim;
+        &m[at..at + self.head_dim]
+    }
+}
+
+impl<'a> KvSource<'a> for CausalRows<'a> {
+    #[inline]
+    fn count(&self, i: usize) -> usize {
+        self.start + i + 1 - self.first(i) - self.base
+    }
+    #[inline]
+    fn key(&self, i: usize, g: usize, r: usize) -> &'a [f32] {
+        self.row(self.k, i, g, r)
+    }
+    #[inline]
+    fn value(&self, i: usize, g: usize, r: usize) -> &'a [f32] {
+        self.row(self.v, i, g, r)
+    }
+}
+
+/// One query's `n` rows given by `row(r)`, each both key and value (one KV head shared by
+/// every query head: DeepSeek-V4's window and compressed rows); `i` and `g` are ignored, so
+/// a call covers one query.
+pub struct SharedRows<F> {
+    pub n: usize,
+    pub row: F,
+}
+
+impl<'r, F: Fn(usize) -> &'r [f32] + Sync> KvSource<'r> for SharedRows<F> {
+    #[inline]
+    fn count(&self, _: usize) -> usize {
+        self.n
+    }
+    #[inline]
+    fn key(&self, _: usize, _: usize, r: usize) -> &'r [f32] {
+        (self.row)(r)
+    }
+    #[inline]
+    fn value(&self, _: usize, _: usize, r: usize) -> &'r [f32] {
+        (self.row)(r)
+    }
+}
+
+/// The shape of one call: `queries` × `heads` query heads of `head_dim`, `group` query heads
+/// per KV head (head `h` reads KV head `h / group`).
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub queries: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub group: usize,
+}
+
+/// One (query `i`, head `head`) pair: `out` (`head_dim`, added to: zero it first) gets the
+/// softmax-weighted sum of the values; `q` is the head's query; `scores` holds at least
+/// `kv.count(i)` floats of working space.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn attend_one<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    q: &[f32],
+    scale: Scale,
+    sink: Option<f32>,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let n = kv.count(i);
+    let scores = &mut scores[..n];
+    match scale {
+        Scale::Query(s) => {
+            let mut buf = [0f32; 1024];
+            let mut long = Vec::new();
+            let qs: &mut [f32] = if q.len() <= buf.len() {
+                &mut buf[..q.len()]
+            } else {
+                long.resize(q.len(), 0f32);
+                &mut long[..]
+            };
+            for (a, b) in qs.iter_mut().zip(q) {
+                *a = b * s;
+            }
+            for (r, o) in scores.iter_mut().enumerate() {
+                *o = crate::matmul::dot(qs, kv.key(i, g, r));
+            }
+        }
+        Scale::Score(s) => {
+            for (r, o) in scores.iter_mut().enumerate() {
+                *o = crate::matmul::dot(q, kv.key(i, g, r)) * s;
+            }
+        }
+    }
+    // A missing sink is a logit of −∞: it leaves the maximum and adds exp(−∞) = 0 first.
+    let sink = sink.unwrap_or(f32::NEG_INFINITY);
+    let m = scores.iter().copied().fold(sink, f32::max);
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    let mut sum = (sink - m).exp();
+    for v in scores.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    for (r, &p) in scores.iter().enumerate() {
+        let w = p / sum;
+        for (a, b) in out.iter_mut().zip(kv.value(i, g, r)) {
+            *a += w * b;
+        }
+    }
+}
+
+/// Every (query, head) pair of `shape` into `out` (`[queries × heads × head_dim]`, zeroed
+/// here) from `q` (the same layout), `sinks` one logit per head where the family has them;
+/// `scores`: working space, grown to `threads · most rows` (reserve it for the context to
+/// keep decode free of allocations). Pairs run in parallel when the call is large enough.
+pub fn attend<'a, K: KvSource<'a>>(
+    shape: Heads,
+    q: &[f32],
+    kv: &K,
+    scale: Scale,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let Heads {
+        queries: t,
+        heads: h,
+        head_dim: hd,
+        group,
+    } = shape;
+    let pairs = t * h;
+    let out = &mut out[..pairs * hd];
+    out.fill(0.0);
+    let q = &q[..pairs * hd];
+    let most = (0..t).map(|i| kv.count(i)).max().unwrap_or(0);
+    let rows: usize = (0..t).map(|i| kv.count(i)).sum();
+    let threads = rayon::current_num_threads();
+    let parallel = threads > 1 && pairs > 1 && rows * h * hd * 2 >= crate::cpu::PAR_MIN_MACS;
+    let slots = if parallel { threads } else { 1 };
+    if scores.len() < slots * most {
+        scores.resize(slots * most, 0.0);
+    }
+    let group = group.max(1);
+    let one = |p: usize, o: &mut [f32], sc: &mut [f32]| {
+        let (i, head) = (p / h, p % h);
+        attend_one(
+            kv,
+            i,
+            head / group,
+            &q[p * hd..(p + 1) * hd],
+            scale,
+            sinks.map(|s| s[head]),
+            o,
+            sc,
+        );
+    };
+    if !parallel {
+        for (p, o) in out.chunks_exact_mut(hd).enumerate() {
+            one(p, o, &mut scores[..most]);
+        }
+        return;
+    }
+    let chunks = (threads * TASKS_PER_THREAD).min(pairs);
+    let per = pairs.div_ceil(chunks);
+    let (optr, sptr) = (SyncPtr(out.as_mut_ptr()), SyncPtr(scores.as_mut_ptr()));
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
+    (0..chunks).into_par_iter().for_each(|c| {
+        let (p0, p1) = (c * per, ((c + 1) * per).min(pairs));
+        if p0 >= p1 {
+            return;
+        }
+        // Each pool thread runs one task at a time and a task calls no parallel code, so a
+        // thread's slot of the working space is its own for the task.
+        let slot = rayon::current_thread_index().unwrap_or(0) % slots;
+        let (op, sp) = (&optr, &sptr);
+        crate::profile::task(reg, || {
+            // SAFETY: pairs p0..p1 own out[p0·hd..p1·hd] (tasks' ranges are disjoint) and this
+            // thread owns scores slot `slot`; both lie inside their buffers.
+            let (o, sc) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(op.0.add(p0 * hd), (p1 - p0) * hd),
+                    std::slice::from_raw_parts_mut(sp.0.add(slot * most), most),
+                )
+            };
+            for (k, o) in o.chunks_exact_mut(hd).enumerate() {
+                one(p0 + k, o, sc);
+            }
+        });
+    });
+    if let Some(r) = region {
+        r.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::Rng;
+
+    fn rand(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.f()).collect()
+    }
+
+    /// The parallel op equals the pair-by-pair statement bit for bit, for both scale kinds,
+    /// with and without sinks, full and windowed caches, one query (decode) and many (prefill),
+    /// on 1–3 threads; and a prefill's row `i` equals a decode at that position.
+    #[test]
+    fn parallel_pairs_equal_the_pair_by_pair_loop() {
+        let mut rng = Rng::new(11);
+        let (kvh, hd, group) = (2, 40, 3);
+        let h = kvh * group;
+        let stride = kvh * hd;
+        for threads in 1..=3 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            // The last two are above the threading threshold.
+            for (start, t, window) in [
+                (0, 1, None),
+                (5, 1, None),
+                (9, 64, Some(7)),
+                (0, 200, None),
+                (50, 120, Some(60)),
+            ] {
+                let rows = start + t;
+                let (k, v) = (rand(&mut rng, rows * stride), rand(&mut rng, rows * stride));
+                let q = rand(&mut rng, t * h * hd);
+                let sinks = rand(&mut rng, h);
+                let kv = CausalRows {
+                    k: &k,
+                    v: &v,
+                    stride,
+                    head_dim: hd,
+                    start,
+                    base: 0,
+                    window,
+                };
+                for scale in [Scale::Query(0.3), Scale::Score(0.3)] {
+                    for sink in [None, Some(&sinks[..])] {
+                        let shape = Heads {
+                            queries: t,
+                            heads: h,
+                            head_dim: hd,
+                            group,
+                        };
+                        let mut got = vec![f32::NAN; t * h * hd];
+                        pool.install(|| {
+                            attend(shape, &q, &kv, scale, sink, &mut got, &mut Vec::new())
+                        });
+                        let mut want = vec![0f32; t * h * hd];
+                        let mut sc = vec![0f32; rows];
+                        for i in 0..t {
+                            for head in 0..h {
+                                let p = i * h + head;
+                                attend_one(
+                                    &kv,
+                                    i,
+                                    head / group,
+                                    &q[p * hd..(p + 1) * hd],
+                                    scale,
+                                    sink.map(|s| s[head]),
+                                    &mut want[p * hd..(p + 1) * hd],
+                                    &mut sc,
+                                );
+                            }
+                        }
+                        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{threads} threads, t {t}");
+                        // The last query of a prefill is a decode at its position.
+                        let one = CausalRows {
+                            start: start + t - 1,
+                            ..kv
+                        };
+                        let mut dec = vec![0f32; h * hd];
+                        let shape1 = Heads {
+                            queries: 1,
+                            ..shape
+                        };
+                        let ql = &q[(t - 1) * h * hd..];
+                        attend(shape1, ql, &one, scale, sink, &mut dec, &mut Vec::new());
+                        assert_eq!(bits(&dec), bits(&got[(t - 1) * h * hd..]));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scores against a direct f64 softmax attention: the op is attention.
+    #[test]
+    fn one_pair_is_softmax_attention() {
+        let mut rng = Rng::new(5);
+        let (hd, n) = (16, 9);
+        let (k, v, q) = (
+            rand(&mut rng, n * hd),
+            rand(&mut rng, n * hd),
+            rand(&mut rng, hd),
+        );
+        let kv = CausalRows {
+            k: &k,
+            v: &v,
+            stride: hd,
+            head_dim: hd,
+            start: n - 1,
+            base: 0,
+            window: None,
+        };
+        for sink in [None, Some(0.7f32)] {
+            let mut out = vec![0f32; hd];
+            attend_one(
+                &kv,
+                0,
+                0,
+                &q,
+                Scale::Score(0.25),
+                sink,
+                &mut out,
+                &mut [0.0; 16],
+            );
+            let s: Vec<f64> = (0..n)
+                .map(|r| {
+                    (0..hd)
+                        .map(|j| q[j] as f64 * k[r * hd + j] as f64)
+                        .sum::<f64>()
+                        * 0.25
+                })
+                .collect();
+            let e: Vec<f64> = s.iter().map(|x| x.exp()).collect();
+            let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |x| (x as f64).exp());
+            for j in 0..hd {
+                let want: f64 = (0..n).map(|r| e[r] / z * v[r * hd + j] as f64).sum();
+                assert!(
+                    (out[j] as f64 - want).abs() < 1e-5,
+                    "{j}: {} vs {want}",
+                    out[j]
+                );
+            }
+        }
+    }
+}
