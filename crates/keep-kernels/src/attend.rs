@@ -1,10 +1,11 @@
 //! Attention of query heads over cached key and value rows: the op every family's attention
 //! calls for its scores, softmax and weighted sum (Qwen3-MoE's and gpt-oss's grouped-query
 //! attention, DeepSeek-V4's window and compressed rows), with the (query, head) pairs of one
-//! call run in parallel on the worker pool.
+//! call run in parallel on the worker pool, four heads of one KV head at a time where they come
+//! in fours (one pass over each key and value row for the four).
 //!
 //! One pair is computed by one sequence of operations whatever the pair count and however
-//! pairs are cut into tasks: scores `dot(q·s, k_r)` ([`Scale::Query`]) or `dot(q, k_r)·s`
+//! pairs are cut into tasks or grouped: scores `dot(q·s, k_r)` ([`Scale::Query`]) or `dot(q, k_r)·s`
 //! ([`Scale::Score`]) in row order, the softmax's maximum and denominator in row order (with the
 //! head's sink logit first where the family has one), and the output `Σ_r (p_r / Σ)·v_r`
 //! accumulated in row order from zero. So decode equals prefill bit for bit, and the op equals
@@ -12,8 +13,8 @@
 //! what the tests hold the parallel op against).
 //!
 //! Where the rows are is the family's ([`KvSource`]): [`CausalRows`] is a contiguous cache
-//! (every earlier position, or a sliding window of them); a family that gathers rows (V4's
-//! window and selected compressed rows) implements the trait over its own list.
+//! (every earlier position, or a sliding window of them); [`SharedRows`] a list of rows that
+//! are both key and value (V4's window and selected compressed rows).
 
 use rayon::prelude::*;
 
@@ -182,10 +183,88 @@ pub fn attend_one<'a, K: KvSource<'a> + ?Sized>(
     }
 }
 
+/// Four heads of query `i` that read the same KV head `g` (consecutive heads of one group),
+/// each computed exactly as [`attend_one`] computes it: the four dots against a key row in one
+/// pass over it ([`crate::matmul::dot4`], each equal to `dot` bit for bit), and each value row
+/// read once for the four weighted sums, every output element still summed in row order.
+/// `out`: the four heads' outputs, one after the other (added to: zero them first); `scores`:
+/// at least `4 · kv.count(i)` floats.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn attend_four<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    q: [&[f32]; 4],
+    scale: Scale,
+    sinks: [Option<f32>; 4],
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (n, hd) = (kv.count(i), q[0].len());
+    if hd > 1024 {
+        for (j, o) in out.chunks_exact_mut(hd).take(4).enumerate() {
+            attend_one(kv, i, g, q[j], scale, sinks[j], o, scores);
+        }
+        return;
+    }
+    let scores = &mut scores[..4 * n];
+    let mut buf = [[0f32; 1024]; 4];
+    let qs: [&[f32]; 4] = match scale {
+        Scale::Query(s) => {
+            for (b, qj) in buf.iter_mut().zip(q) {
+                for (a, v) in b.iter_mut().zip(qj) {
+                    *a = v * s;
+                }
+            }
+            let [b0, b1, b2, b3] = &buf;
+            [&b0[..hd], &b1[..hd], &b2[..hd], &b3[..hd]]
+        }
+        Scale::Score(_) => q,
+    };
+    for r in 0..n {
+        let d = crate::matmul::dot4(qs, kv.key(i, g, r));
+        for (j, d) in d.into_iter().enumerate() {
+            scores[j * n + r] = match scale {
+                Scale::Query(_) => d,
+                Scale::Score(s) => d * s,
+            };
+        }
+    }
+    let mut sums = [0f32; 4];
+    let mut live = [false; 4];
+    for (j, sc) in scores.chunks_exact_mut(n.max(1)).take(4).enumerate() {
+        let sink = sinks[j].unwrap_or(f32::NEG_INFINITY);
+        let m = sc.iter().copied().fold(sink, f32::max);
+        if m == f32::NEG_INFINITY || n == 0 {
+            continue;
+        }
+        let mut sum = (sink - m).exp();
+        for v in sc.iter_mut() {
+            *v = (*v - m).exp();
+            sum += *v;
+        }
+        (sums[j], live[j]) = (sum, true);
+    }
+    for r in 0..n {
+        let v = kv.value(i, g, r);
+        for (j, o) in out.chunks_exact_mut(hd).take(4).enumerate() {
+            if live[j] {
+                let w = scores[j * n + r] / sums[j];
+                for (a, b) in o.iter_mut().zip(v) {
+                    *a += w * b;
+                }
+            }
+        }
+    }
+}
+
 /// Every (query, head) pair of `shape` into `out` (`[queries × heads × head_dim]`, zeroed
 /// here) from `q` (the same layout), `sinks` one logit per head where the family has them;
-/// `scores`: working space, grown to `threads · most rows` (reserve it for the context to
-/// keep decode free of allocations). Pairs run in parallel when the call is large enough.
+/// `scores`: working space, grown to `4 · threads · most rows` (reserve it for the context to
+/// keep decode free of allocations). Where a KV head's query heads come in fours, each four
+/// is one unit ([`attend_four`]), else each pair ([`attend_one`]); units run in parallel when
+/// the call is large enough.
 pub fn attend<'a, K: KvSource<'a>>(
     shape: Heads,
     q: &[f32],
@@ -201,46 +280,51 @@ pub fn attend<'a, K: KvSource<'a>>(
         head_dim: hd,
         group,
     } = shape;
+    let group = group.max(1);
     let pairs = t * h;
     let out = &mut out[..pairs * hd];
     out.fill(0.0);
     let q = &q[..pairs * hd];
     let most = (0..t).map(|i| kv.count(i)).max().unwrap_or(0);
     let rows: usize = (0..t).map(|i| kv.count(i)).sum();
+    // Heads per unit: four where every KV head's query heads come in fours.
+    let width = if group.is_multiple_of(4) { 4 } else { 1 };
+    let units = pairs / width;
     let threads = rayon::current_num_threads();
-    let parallel = threads > 1 && pairs > 1 && rows * h * hd * 2 >= crate::cpu::PAR_MIN_MACS;
+    let parallel = threads > 1 && units > 1 && rows * h * hd * 2 >= crate::cpu::PAR_MIN_MACS;
     let slots = if parallel { threads } else { 1 };
-    if scores.len() < slots * most {
-        scores.resize(slots * most, 0.0);
+    let slot_len = width * most;
+    if scores.len() < slots * slot_len {
+        scores.resize(slots * slot_len, 0.0);
     }
-    let group = group.max(1);
-    let one = |p: usize, o: &mut [f32], sc: &mut [f32]| {
+    let one = |u: usize, o: &mut [f32], sc: &mut [f32]| {
+        let p = u * width;
         let (i, head) = (p / h, p % h);
-        attend_one(
-            kv,
-            i,
-            head / group,
-            &q[p * hd..(p + 1) * hd],
-            scale,
-            sinks.map(|s| s[head]),
-            o,
-            sc,
-        );
+        let qh = |j: usize| &q[(p + j) * hd..(p + j + 1) * hd];
+        let sink = |j: usize| sinks.map(|s| s[head + j]);
+        if width == 4 {
+            let qs = [qh(0), qh(1), qh(2), qh(3)];
+            let sk = [sink(0), sink(1), sink(2), sink(3)];
+            attend_four(kv, i, head / group, qs, scale, sk, o, sc);
+        } else {
+            attend_one(kv, i, head / group, qh(0), scale, sink(0), o, sc);
+        }
     };
+    let unit_len = width * hd;
     if !parallel {
-        for (p, o) in out.chunks_exact_mut(hd).enumerate() {
-            one(p, o, &mut scores[..most]);
+        for (u, o) in out.chunks_exact_mut(unit_len).enumerate() {
+            one(u, o, &mut scores[..slot_len]);
         }
         return;
     }
-    let chunks = (threads * TASKS_PER_THREAD).min(pairs);
-    let per = pairs.div_ceil(chunks);
+    let chunks = (threads * TASKS_PER_THREAD).min(units);
+    let per = units.div_ceil(chunks);
     let (optr, sptr) = (SyncPtr(out.as_mut_ptr()), SyncPtr(scores.as_mut_ptr()));
     let region = crate::profile::Region::begin();
     let reg = region.as_ref();
     (0..chunks).into_par_iter().for_each(|c| {
-        let (p0, p1) = (c * per, ((c + 1) * per).min(pairs));
-        if p0 >= p1 {
+        let (u0, u1) = (c * per, ((c + 1) * per).min(units));
+        if u0 >= u1 {
             return;
         }
         // Each pool thread runs one task at a time and a task calls no parallel code, so a
@@ -248,16 +332,16 @@ pub fn attend<'a, K: KvSource<'a>>(
         let slot = rayon::current_thread_index().unwrap_or(0) % slots;
         let (op, sp) = (&optr, &sptr);
         crate::profile::task(reg, || {
-            // SAFETY: pairs p0..p1 own out[p0·hd..p1·hd] (tasks' ranges are disjoint) and this
-            // thread owns scores slot `slot`; both lie inside their buffers.
+            // SAFETY: units u0..u1 own out[u0·unit_len..u1·unit_len] (tasks' ranges are
+            // disjoint) and this thread owns scores slot `slot`; both lie inside their buffers.
             let (o, sc) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(op.0.add(p0 * hd), (p1 - p0) * hd),
-                    std::slice::from_raw_parts_mut(sp.0.add(slot * most), most),
+                    std::slice::from_raw_parts_mut(op.0.add(u0 * unit_len), (u1 - u0) * unit_len),
+                    std::slice::from_raw_parts_mut(sp.0.add(slot * slot_len), slot_len),
                 )
             };
-            for (k, o) in o.chunks_exact_mut(hd).enumerate() {
-                one(p0 + k, o, sc);
+            for (k, o) in o.chunks_exact_mut(unit_len).enumerate() {
+                one(u0 + k, o, sc);
             }
         });
     });
@@ -281,79 +365,81 @@ mod tests {
     #[test]
     fn parallel_pairs_equal_the_pair_by_pair_loop() {
         let mut rng = Rng::new(11);
-        let (kvh, hd, group) = (2, 40, 3);
-        let h = kvh * group;
-        let stride = kvh * hd;
-        for threads in 1..=3 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            // The last two are above the threading threshold.
-            for (start, t, window) in [
-                (0, 1, None),
-                (5, 1, None),
-                (9, 64, Some(7)),
-                (0, 200, None),
-                (50, 120, Some(60)),
-            ] {
-                let rows = start + t;
-                let (k, v) = (rand(&mut rng, rows * stride), rand(&mut rng, rows * stride));
-                let q = rand(&mut rng, t * h * hd);
-                let sinks = rand(&mut rng, h);
-                let kv = CausalRows {
-                    k: &k,
-                    v: &v,
-                    stride,
-                    head_dim: hd,
-                    start,
-                    base: 0,
-                    window,
-                };
-                for scale in [Scale::Query(0.3), Scale::Score(0.3)] {
-                    for sink in [None, Some(&sinks[..])] {
-                        let shape = Heads {
-                            queries: t,
-                            heads: h,
-                            head_dim: hd,
-                            group,
-                        };
-                        let mut got = vec![f32::NAN; t * h * hd];
-                        pool.install(|| {
-                            attend(shape, &q, &kv, scale, sink, &mut got, &mut Vec::new())
-                        });
-                        let mut want = vec![0f32; t * h * hd];
-                        let mut sc = vec![0f32; rows];
-                        for i in 0..t {
-                            for head in 0..h {
-                                let p = i * h + head;
-                                attend_one(
-                                    &kv,
-                                    i,
-                                    head / group,
-                                    &q[p * hd..(p + 1) * hd],
-                                    scale,
-                                    sink.map(|s| s[head]),
-                                    &mut want[p * hd..(p + 1) * hd],
-                                    &mut sc,
-                                );
+        for (kvh, hd, group) in [(2, 40, 3), (2, 40, 4), (1, 24, 8)] {
+            let h = kvh * group;
+            let stride = kvh * hd;
+            for threads in 1..=3 {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                // The last two are above the threading threshold.
+                for (start, t, window) in [
+                    (0, 1, None),
+                    (5, 1, None),
+                    (9, 64, Some(7)),
+                    (0, 200, None),
+                    (50, 120, Some(60)),
+                ] {
+                    let rows = start + t;
+                    let (k, v) = (rand(&mut rng, rows * stride), rand(&mut rng, rows * stride));
+                    let q = rand(&mut rng, t * h * hd);
+                    let sinks = rand(&mut rng, h);
+                    let kv = CausalRows {
+                        k: &k,
+                        v: &v,
+                        stride,
+                        head_dim: hd,
+                        start,
+                        base: 0,
+                        window,
+                    };
+                    for scale in [Scale::Query(0.3), Scale::Score(0.3)] {
+                        for sink in [None, Some(&sinks[..])] {
+                            let shape = Heads {
+                                queries: t,
+                                heads: h,
+                                head_dim: hd,
+                                group,
+                            };
+                            let mut got = vec![f32::NAN; t * h * hd];
+                            pool.install(|| {
+                                attend(shape, &q, &kv, scale, sink, &mut got, &mut Vec::new())
+                            });
+                            let mut want = vec![0f32; t * h * hd];
+                            let mut sc = vec![0f32; rows];
+                            for i in 0..t {
+                                for head in 0..h {
+                                    let p = i * h + head;
+                                    attend_one(
+                                        &kv,
+                                        i,
+                                        head / group,
+                                        &q[p * hd..(p + 1) * hd],
+                                        scale,
+                                        sink.map(|s| s[head]),
+                                        &mut want[p * hd..(p + 1) * hd],
+                                        &mut sc,
+                                    );
+                                }
                             }
+                            let bits =
+                                |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&got), bits(&want), "{threads} threads, t {t}");
+                            // The last query of a prefill is a decode at its position.
+                            let one = CausalRows {
+                                start: start + t - 1,
+                                ..kv
+                            };
+                            let mut dec = vec![0f32; h * hd];
+                            let shape1 = Heads {
+                                queries: 1,
+                                ..shape
+                            };
+                            let ql = &q[(t - 1) * h * hd..];
+                            attend(shape1, ql, &one, scale, sink, &mut dec, &mut Vec::new());
+                            assert_eq!(bits(&dec), bits(&got[(t - 1) * h * hd..]));
                         }
-                        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(&got), bits(&want), "{threads} threads, t {t}");
-                        // The last query of a prefill is a decode at its position.
-                        let one = CausalRows {
-                            start: start + t - 1,
-                            ..kv
-                        };
-                        let mut dec = vec![0f32; h * hd];
-                        let shape1 = Heads {
-                            queries: 1,
-                            ..shape
-                        };
-                        let ql = &q[(t - 1) * h * hd..];
-                        attend(shape1, ql, &one, scale, sink, &mut dec, &mut Vec::new());
-                        assert_eq!(bits(&dec), bits(&got[(t - 1) * h * hd..]));
                     }
                 }
             }

@@ -178,8 +178,8 @@ impl ModelConfig {
         // normalised copy of the streams and the raw mix of the one being computed.
         let hc_mix = 2 * t * (2 * hc + hc * hc) * F + t * hc * d * F + t * nm * F;
         let threads = rayon_threads() as u64;
-        // Block input, attention projections, per-query rows (their scores once per thread)
-        // and the grouped output.
+        // Block input, attention projections, per-query rows (the scores of four heads once
+        // per thread) and the grouped output.
         let window = (self.window as u64) + t;
         let attn = t * d * F
             + t * ql * F
@@ -189,7 +189,7 @@ impl ModelConfig {
             + t * (h * hd / g.max(1)) * F
             + t * ol * F
             + t * d * F
-            + (window + kidx) * (threads * F + 16);
+            + (window + kidx) * (4 * threads * F + 16);
         // Compressor: projections (two series for V4's CSA), pooled rows, index keys; the
         // open-group rows appended to the cache are counted in the cache.
         let new_rows = t + 1;
@@ -241,10 +241,10 @@ impl ModelConfig {
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
         // A Hugging Face family's attention: q, k, v, the attention output and one head's scores
-        // over the whole context per thread (the DeepSeek terms above bound the rest); a latent attention
+        // over the whole context, four heads per thread (the DeepSeek terms above bound the rest); a latent attention
         // holds less (q and the output per head, one head's `kv_b_proj` rows).
         let family_attn = if self.family.is_hugging_face() {
-            3 * t * h * hd * F + t * d * F + threads * (context as u64 + t) * F + hd * F
+            3 * t * h * hd * F + t * d * F + 4 * threads * (context as u64 + t) * F + hd * F
         } else {
             0
         };

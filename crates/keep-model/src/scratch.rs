@@ -231,14 +231,15 @@ impl Scratch {
 
     /// Reserve what [`Scratch::for_context`] asked for where a buffer holds less (nothing to do
     /// but after a clone, whose buffers are empty, or before the first forward): the attention
-    /// scores once per worker thread, each of which scores its own query heads.
+    /// scores of four query heads (keep-kernels' `attend` scores a KV head's query heads four
+    /// at a time) once per worker thread, each of which scores its own heads.
     pub(crate) fn ensure_reserved(&mut self) {
-        self.reserve(keep_kernels::cpu::threads());
+        self.reserve(4 * keep_kernels::cpu::threads());
     }
 
-    /// [`Scratch::ensure_reserved`] for `threads` threads (the pool's size is asked only when
-    /// a forward runs: asking starts the pool, whose size is then fixed).
-    fn reserve(&mut self, threads: usize) {
+    /// [`Scratch::ensure_reserved`] with `copies` query heads' scores (the pool's size is asked
+    /// only when a forward runs: asking starts the pool, whose size is then fixed).
+    fn reserve(&mut self, copies: usize) {
         fn at_least<T>(v: &mut Vec<T>, n: usize) {
             if v.capacity() < n {
                 v.reserve_exact(n - v.len());
@@ -250,7 +251,7 @@ impl Scratch {
         at_least(&mut self.candidates, rows);
         at_least(&mut self.blocks, blocks);
         at_least(&mut self.keys, attended);
-        at_least(&mut self.scores, scores * threads);
+        at_least(&mut self.scores, scores * copies);
     }
 
     /// After a pass of `rows` rows: past [`KEEP_ROWS`], give every buffer back and keep only
