@@ -67,7 +67,8 @@
 //! mode too.
 //!
 //! # Prefill
-//! From [`GEMM_MIN_M`] activation rows on, the AVX-512 VNNI level runs a cache-blocked GEMM
+//! From [`GEMM_MIN_M`] activation rows on (E8P from [`E8P_GEMM_MIN_M`], affine-8 from
+//! [`AFFINE8_GEMM_MIN_M`]), the AVX-512 VNNI level runs a cache-blocked GEMM
 //! (`gemm_x86`) on the same contract: a panel of [`GEMM_PANEL`] weight rows is decoded to int8
 //! once and reused by every activation row from L1/L2, and a register tile of activation rows
 //! × weight rows shares each loaded vector (activations offset to unsigned bytes, `q + 128`,
@@ -109,6 +110,12 @@ pub const GEMM_MIN_M: usize = 33;
 /// activation row's int8, `−128·Σ` and scale arrays past each weight row, the GEMM's
 /// register tile keeps four of them per panel in L1).
 pub const E8P_GEMM_MIN_M: usize = 4;
+
+/// From this many activation rows on, affine-8 weights (and MLX affine 8-bit, the same bytes)
+/// take the GEMM on the AVX-512 VNNI levels (measured faster than the row kernels from here
+/// on an Intel Xeon, `dev/evidence/matmul-affine8-gemm-from-3-rows.json`; the MXFP4 and MLX
+/// affine-4 row kernels, which decode in registers, stay ahead of the GEMM up to 32 rows).
+pub const AFFINE8_GEMM_MIN_M: usize = 3;
 
 /// Weight rows per GEMM panel (decoded once, reused by every activation row).
 pub const GEMM_PANEL: usize = 16;
@@ -931,7 +938,8 @@ unsafe fn rows_at(
         IntLevel::Avx512Vnni | IntLevel::Avx512VnniVbmi
             if a.m >= GEMM_MIN_M
                 || (a.m >= E8P_GEMM_MIN_M
-                    && matches!(src, IntSrc::E8p { .. } | IntSrc::E81 { .. })) =>
+                    && matches!(src, IntSrc::E8p { .. } | IntSrc::E81 { .. }))
+                || (a.m >= AFFINE8_GEMM_MIN_M && matches!(src, IntSrc::Affine8 { .. })) =>
         {
             gemm_x86::gemm_vnni(src, a, r0, r1, out, ld)
         }
