@@ -350,6 +350,45 @@ pub fn attend<'a, K: KvSource<'a>>(
     }
 }
 
+/// Tasks that each own one block of an output, of a working space and of a scores buffer
+/// (DeepSeek-V3's latent attention: a task's heads, one after another, with the head's
+/// decoded `kv_b_proj` rows): `f(task, out, work, scores)` for every task, `out` cut into
+/// blocks of `out_len` (the last may be shorter), `work` and `scores` into exact blocks of
+/// `work_len` and `scores_len`, as many tasks as `out` has blocks (the other two hold at least
+/// that many); on the worker pool when `parallel`, else here in order (timed as one profile
+/// region when parallel).
+#[allow(clippy::too_many_arguments)]
+pub fn par_blocks(
+    out: &mut [f32],
+    out_len: usize,
+    work: &mut [f32],
+    work_len: usize,
+    scores: &mut [f32],
+    scores_len: usize,
+    parallel: bool,
+    f: impl Fn(usize, &mut [f32], &mut [f32], &mut [f32]) + Sync,
+) {
+    let (ol, wl, sl) = (out_len.max(1), work_len.max(1), scores_len.max(1));
+    if !parallel {
+        out.chunks_mut(ol)
+            .zip(work.chunks_exact_mut(wl))
+            .zip(scores.chunks_exact_mut(sl))
+            .enumerate()
+            .for_each(|(c, ((o, w), s))| f(c, o, w, s));
+        return;
+    }
+    let region = crate::profile::Region::begin();
+    let reg = region.as_ref();
+    out.par_chunks_mut(ol)
+        .zip(work.par_chunks_exact_mut(wl))
+        .zip(scores.par_chunks_exact_mut(sl))
+        .enumerate()
+        .for_each(|(c, ((o, w), s))| crate::profile::task(reg, || f(c, o, w, s)));
+    if let Some(r) = region {
+        r.finish();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,6 +481,47 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Every task gets its own blocks, in order, the last output block shorter, parallel or
+    /// not (fails when a task is handed another's working space).
+    #[test]
+    fn par_blocks_hands_each_task_its_own_blocks() {
+        for parallel in [false, true] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            let (mut out, mut work, mut sc) =
+                (vec![0f32; 23], vec![0f32; 5 * 4], vec![0f32; 5 * 2]);
+            pool.install(|| {
+                par_blocks(
+                    &mut out,
+                    5,
+                    &mut work,
+                    4,
+                    &mut sc,
+                    2,
+                    parallel,
+                    |c, o, w, s| {
+                        assert_eq!((w.len(), s.len()), (4, 2));
+                        assert!(w.iter().chain(s.iter()).all(|&v| v == 0.0), "shared work");
+                        w.fill(c as f32 + 1.0);
+                        s.fill(c as f32 + 1.0);
+                        for (j, v) in o.iter_mut().enumerate() {
+                            *v = (c * 5 + j) as f32;
+                        }
+                    },
+                )
+            });
+            assert_eq!(out, (0..23).map(|v| v as f32).collect::<Vec<_>>());
+            for c in 0..5 {
+                assert!(work[c * 4..(c + 1) * 4]
+                    .iter()
+                    .all(|&v| v == c as f32 + 1.0));
+                assert!(sc[c * 2..(c + 1) * 2].iter().all(|&v| v == c as f32 + 1.0));
             }
         }
     }

@@ -36,6 +36,7 @@ use std::mem::take;
 
 use keep_checkpoint::config::deepseek_v3::{layer_prefix, DeepseekV3Config, Yarn};
 use keep_checkpoint::Checkpoint;
+use keep_kernels::attend::par_blocks;
 use keep_kernels::ops::{self, Rope};
 use keep_kernels::profile::{self, Part};
 use keep_kernels::WeightView;
@@ -53,6 +54,10 @@ use crate::{ModelError, Result};
 /// The epsilon of `q_a_layernorm` and `kv_a_layernorm` (both references construct them with
 /// the RMSNorm default, not `rms_norm_eps`).
 const LATENT_EPS: f32 = 1e-6;
+
+/// Head tasks per worker thread of the latent attention: each holds its heads' decoded
+/// `kv_b_proj` rows, so few, but more than one per thread for work stealing to even out.
+const MLA_TASKS_PER_THREAD: usize = 2;
 
 /// The family config of a DeepSeek-V3 model config (an error for another family).
 pub fn family_config(cfg: &ModelConfig) -> Result<&DeepseekV3Config> {
@@ -377,13 +382,25 @@ impl<'a> DeepseekV3Layer<'a> {
         let scores_span = profile::span(Part::AttnScores);
         // Each query reads the compressed KV and RoPE keys of the positions up to its own.
         profile::read((t * start_pos + t * (t + 1) / 2) * (kvl + rope) * 4);
-        let heads = zeroed(&mut sc.heads, t * h * vd);
-        let wk = zeroed(&mut f.wk, nope * kvl);
-        let wv = zeroed(&mut f.wv, vd * kvl);
-        let q_lat = zeroed(&mut f.q_lat, kvl);
-        let o_lat = zeroed(&mut f.o_lat, kvl);
-        let (q_pe, scores) = (&mut f.q_pe, &mut sc.scores);
-        for head in 0..h {
+        // Heads run in parallel, a task's heads one after another on its own working space
+        // (the head's `kv_b_proj` key and value rows, latent query and output, RoPE query,
+        // scores), each into its own `[t × vd]` block of `by_head`; the blocks are then laid
+        // out as `[t × h × vd]`. Each head's arithmetic is the same whatever the cut.
+        let tasks = h
+            .min(MLA_TASKS_PER_THREAD * keep_kernels::cpu::threads())
+            .max(1);
+        let per = h.div_ceil(tasks);
+        let tasks = h.div_ceil(per);
+        let (wlen, most) = ((nope + vd) * kvl + 2 * kvl + rope, start_pos + t);
+        let work = zeroed(&mut f.mla_work, tasks * wlen);
+        let by_head = zeroed(&mut f.mla_heads, h * t * vd);
+        let scores = zeroed(&mut sc.scores, tasks * most);
+        let (kv, q) = (&*kv, &q[..]);
+        let one_head = |head: usize, o: &mut [f32], w: &mut [f32], scores: &mut [f32]| {
+            let (wk, rest) = w.split_at_mut(nope * kvl);
+            let (wv, rest) = rest.split_at_mut(vd * kvl);
+            let (q_lat, rest) = rest.split_at_mut(kvl);
+            let (o_lat, q_pe) = rest.split_at_mut(kvl);
             // The head's key and value rows of `kv_b_proj`, decoded once for all queries.
             let r0 = head * (nope + vd);
             for j in 0..nope {
@@ -404,14 +421,14 @@ impl<'a> DeepseekV3Layer<'a> {
                         *o += a * w;
                     }
                 }
-                q_pe.clear();
-                q_pe.extend(qh[nope..].iter().map(|v| v * self.scale));
+                for (o, v) in q_pe.iter_mut().zip(&qh[nope..]) {
+                    *o = v * self.scale;
+                }
                 let visible = start_pos + i + 1;
-                scores.clear();
-                for r in 0..visible {
-                    let s = keep_kernels::matmul::dot(q_lat, &kv.k[r * kvl..(r + 1) * kvl])
+                let scores = &mut scores[..visible];
+                for (r, s) in scores.iter_mut().enumerate() {
+                    *s = keep_kernels::matmul::dot(q_lat, &kv.k[r * kvl..(r + 1) * kvl])
                         + keep_kernels::matmul::dot(q_pe, &kv.v[r * rope..(r + 1) * rope]);
-                    scores.push(s);
                 }
                 ops::softmax(scores);
                 o_lat.fill(0.0);
@@ -420,10 +437,32 @@ impl<'a> DeepseekV3Layer<'a> {
                         *o += p * ck;
                     }
                 }
-                let oh = &mut heads[(i * h + head) * vd..(i * h + head + 1) * vd];
+                let oh = &mut o[i * vd..(i + 1) * vd];
                 for (j, o) in oh.iter_mut().enumerate() {
                     *o = keep_kernels::matmul::dot(o_lat, &wv[j * kvl..(j + 1) * kvl]);
                 }
+            }
+        };
+        let parallel = tasks > 1 && h * t * most * kvl * 2 >= keep_kernels::cpu::PAR_MIN_MACS;
+        let (ol, sl) = (per * t * vd, most);
+        par_blocks(
+            by_head,
+            ol,
+            work,
+            wlen,
+            scores,
+            sl,
+            parallel,
+            |c, o, w, sc| {
+                for (k, o) in o.chunks_exact_mut(t * vd).enumerate() {
+                    one_head(c * per + k, o, w, sc);
+                }
+            },
+        );
+        let heads = zeroed(&mut sc.heads, t * h * vd);
+        for (head, block) in by_head.chunks_exact(t * vd).enumerate() {
+            for (i, row) in block.chunks_exact(vd).enumerate() {
+                heads[(i * h + head) * vd..(i * h + head + 1) * vd].copy_from_slice(row);
             }
         }
         drop(scores_span);
@@ -663,6 +702,19 @@ impl LayerFamily for DeepseekV3 {
     /// alike).
     fn kv_floats(&self, cfg: &ModelConfig, _layer: usize, context: usize, _chunk: usize) -> usize {
         family_config(cfg).map_or(0, |c| context * c.kv_lora_rank)
+    }
+
+    fn attention_work_floats(&self, cfg: &ModelConfig, chunk: usize, threads: usize) -> usize {
+        family_config(cfg).map_or(0, |c| {
+            let (nope, rope, vd, kvl) = (
+                c.qk_nope_head_dim,
+                c.qk_rope_head_dim,
+                c.v_head_dim,
+                c.kv_lora_rank,
+            );
+            let tasks = c.num_attention_heads.min(MLA_TASKS_PER_THREAD * threads);
+            tasks * ((nope + vd) * kvl + 2 * kvl + rope) + c.num_attention_heads * chunk * vd
+        })
     }
 }
 

@@ -92,6 +92,14 @@ pub trait LayerFamily: Sync {
     /// [`crate::Cache::for_context`] reserves (`ModelConfig::cache_rows`).
     fn kv_floats(&self, cfg: &ModelConfig, layer: usize, context: usize, chunk: usize) -> usize;
 
+    /// Floats of working space a layer's attention holds in a forward of `chunk` tokens on
+    /// `threads` worker threads beyond the shared terms of
+    /// [`crate::ModelConfig::activation_bytes`] (a latent attention's per-task decoded
+    /// `kv_b_proj` rows and its outputs head by head). None by default.
+    fn attention_work_floats(&self, _cfg: &ModelConfig, _chunk: usize, _threads: usize) -> usize {
+        0
+    }
+
     /// Whether the family's layers fit and apply sidecars (`keep sidecar`: a low-rank map
     /// beside a pruned layer's experts). By default they do not: only DeepSeek V4's layers
     /// ([`crate::layer::LayerWeights`]) carry one.

@@ -241,10 +241,18 @@ impl ModelConfig {
         };
         let head = rows * (hc * d + hc + d) * F + rows * self.vocab as u64 * F;
         // A Hugging Face family's attention: q, k, v, the attention output and one head's scores
-        // over the whole context, four heads per thread (the DeepSeek terms above bound the rest); a latent attention
-        // holds less (q and the output per head, one head's `kv_b_proj` rows).
+        // over the whole context, four heads per thread (the DeepSeek terms above bound the
+        // rest), and what the family's attention holds beyond them (a latent attention: its
+        // head tasks' decoded `kv_b_proj` rows and its outputs head by head).
         let family_attn = if self.family.is_hugging_face() {
-            3 * t * h * hd * F + t * d * F + 4 * threads * (context as u64 + t) * F + hd * F
+            let work = layer_family(self.family).map_or(0, |f| {
+                f.attention_work_floats(self, t as usize, threads as usize)
+            });
+            3 * t * h * hd * F
+                + t * d * F
+                + 4 * threads * (context as u64 + t) * F
+                + hd * F
+                + work as u64 * F
         } else {
             0
         };

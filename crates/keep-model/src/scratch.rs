@@ -148,19 +148,17 @@ pub(crate) struct ExpertScratch {
 
 /// The buffers of the Hugging Face families' layers that the V4 layers have no counterpart
 /// of: the key and value projections, a latent attention in the absorbed
-/// form (a head's `kv_b_proj` key and value rows, the latent query and output, the RoPE query,
-/// a position's normalised latent and RoPE key), a group-limited router (biased scores, group
+/// form (each head task's working space — its heads' `kv_b_proj` key and value rows, latent
+/// query and output, RoPE query —, the heads' outputs head by head, a position's normalised
+/// latent and RoPE key), a group-limited router (biased scores, group
 /// scores, one group's ranking, the groups kept), a zero router bias and the routes per expert
 /// of a family with its own expert loop.
 #[derive(Default)]
 pub(crate) struct FamilyScratch {
     pub(crate) k: Vec<f32>,
     pub(crate) v: Vec<f32>,
-    pub(crate) wk: Vec<f32>,
-    pub(crate) wv: Vec<f32>,
-    pub(crate) q_lat: Vec<f32>,
-    pub(crate) o_lat: Vec<f32>,
-    pub(crate) q_pe: Vec<f32>,
+    pub(crate) mla_work: Vec<f32>,
+    pub(crate) mla_heads: Vec<f32>,
     pub(crate) kpe: Vec<f32>,
     pub(crate) biased: Vec<f32>,
     pub(crate) groups: Vec<(f32, usize)>,
