@@ -38,6 +38,9 @@
 #   KEEP_BASE=PATH runs a second keep build (say, the commit before a change) right after keep in
 #   every round, on the same checkpoint and flags: its medians and the ratios keep / base and
 #   base / llama.cpp are added to the pair (KEEP_BASE_COMMIT names it in the evidence).
+#   LLAMA_NO_REPACK=1 runs llama-bench a second time in every round with `--repack 0` (the
+#   GGUF's blocks as stored, without the CPU backend's interleaved copy of q4_0/q8_0 weights):
+#   its medians and the ratios keep / that and repack / no repack are added to the pair.
 #   KEEP_FILES=1 keeps the checkpoints and GGUFs for the next run; PREPARE_ONLY=1 writes them and
 #   stops (run the rounds later, on a quiet machine, with the same LAYERS/PAIRS). CONFIG=FILE synthesises that
 #   Qwen3-MoE config.json instead of the preset (a quick check of the script at small shapes).
@@ -167,6 +170,11 @@ for r in $(seq 1 "$ROUNDS"); do
     page_in "$g"
     echo "$(load1)" >"$RAW/$pair-$r.llama.load"
     "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 -o json >"$RAW/$pair-$r.llama.json" 2>"$RAW/$pair-$r.llama.err"
+    if [[ "${LLAMA_NO_REPACK:-0}" == 1 ]]; then
+      echo "$(load1)" >"$RAW/$pair-$r.llama0.load"
+      "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 --repack 0 -o json \
+        >"$RAW/$pair-$r.llama0.json" 2>"$RAW/$pair-$r.llama0.err"
+    fi
     page_in "$k"/*.safetensors
     echo "$(load1)" >"$RAW/$pair-$r.keep.load"
     "$KEEP" run "$k" --threads "$THREADS" --prompt-tokens "$P" --max-tokens "$N" \
@@ -214,10 +222,15 @@ for pair in pairs.split():
         tg = next(x for x in lj if x["n_gen"] > 0)
         kj = json.load(open(f"{raw}/{pair}-{r}.keep.json"))
         extra = {}
+        if os.path.exists(f"{raw}/{pair}-{r}.llama0.json"):
+            l0 = json.load(open(f"{raw}/{pair}-{r}.llama0.json"))
+            extra = {"llama_no_repack_load": float(open(f"{raw}/{pair}-{r}.llama0.load").read()),
+                     "llama_no_repack_prefill_tps": next(x for x in l0 if x["n_prompt"] > 0)["avg_ts"],
+                     "llama_no_repack_decode_tps": next(x for x in l0 if x["n_gen"] > 0)["avg_ts"]}
         if os.path.exists(f"{raw}/{pair}-{r}.base.json"):
             bj = json.load(open(f"{raw}/{pair}-{r}.base.json"))
-            extra = {"base_load": float(open(f"{raw}/{pair}-{r}.base.load").read()),
-                     "base_prefill_tps": bj["prefill_tps"], "base_decode_tps": bj["decode_tps"]}
+            extra.update({"base_load": float(open(f"{raw}/{pair}-{r}.base.load").read()),
+                          "base_prefill_tps": bj["prefill_tps"], "base_decode_tps": bj["decode_tps"]})
         rows.append({"round": r, **extra,
                      "llama_load": float(open(f"{raw}/{pair}-{r}.llama.load").read()),
                      "keep_load": float(open(f"{raw}/{pair}-{r}.keep.load").read()),
@@ -242,6 +255,19 @@ for pair in pairs.split():
         "ratio_keep_over_llama": {"prefill": med("keep_prefill_tps") / med("llama_prefill_tps"),
                                   "decode": med("keep_decode_tps") / med("llama_decode_tps")},
     }
+    if all("llama_no_repack_decode_tps" in x for x in rows):
+        v = res["pairs"][pair]
+        v["llama_no_repack"] = ("llama-bench --repack 0: the GGUF's blocks as stored (by default "
+                                "the CPU backend repacks q4_0/q8_0 weights into interleaved rows "
+                                "for its GEMV/GEMM kernels)")
+        for k in ("llama_no_repack_prefill_tps", "llama_no_repack_decode_tps"):
+            v["median"][k] = med(k)
+        v["ratio_keep_over_llama_no_repack"] = {
+            "prefill": med("keep_prefill_tps") / med("llama_no_repack_prefill_tps"),
+            "decode": med("keep_decode_tps") / med("llama_no_repack_decode_tps")}
+        v["ratio_llama_repack_over_no_repack"] = {
+            "prefill": med("llama_prefill_tps") / med("llama_no_repack_prefill_tps"),
+            "decode": med("llama_decode_tps") / med("llama_no_repack_decode_tps")}
     if all("base_decode_tps" in x for x in rows):
         v = res["pairs"][pair]
         v["base"] = base.strip()

@@ -18,7 +18,8 @@
 use std::arch::x86_64::*;
 
 use super::x86::{
-    bias_rows_avx512, block_factors_avx512, finish_m1, finish_row, m1_acc, tail_blocks, Row,
+    bias_blocks_avx512, bias_lanes, bias_rows_avx512, block_factors_avx512, finish_m1, finish_row,
+    m1_acc, reduce8, tail_blocks, Row,
 };
 use super::{IntSrc, Q8Acts, QBLOCK, SCRATCH};
 use crate::affine::AFFINE8_GROUP;
@@ -124,23 +125,37 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
         SCRATCH.with(|c| c.replace(taken));
         return;
     }
+    // Rows whose blocks are all in whole groups of four (every real shape) add the bias term
+    // in the group and reduce four rows' sums and bias terms together (`reduce8`).
+    let fused = full == nb;
+    if fused {
+        s.bb.resize(nb, 0.0);
+    }
     for r in r0..r1 {
         block_factors_avx512(src, r, cols, &mut s.f);
         let tail = tail_row(packed, r, cols, full, &mut s.w);
         let wp = packed.as_ptr().add(r * cols / 2);
         let f = s.f.as_ptr();
+        let bb = if fused {
+            bias_blocks_avx512(src, r, cols, &mut s.bb);
+            Some(s.bb.as_ptr())
+        } else {
+            None
+        };
         let mut i = 0;
         while i < a.m {
             let mr = (a.m - i).min(4);
             match mr {
-                4 => group512::<VNNI, 4>(wp, tail, a, f, i, r, out, ld),
-                3 => group512::<VNNI, 3>(wp, tail, a, f, i, r, out, ld),
-                2 => group512::<VNNI, 2>(wp, tail, a, f, i, r, out, ld),
-                _ => group512::<VNNI, 1>(wp, tail, a, f, i, r, out, ld),
+                4 => group512::<VNNI, 4>(wp, tail, a, f, bb, i, r, out, ld),
+                3 => group512::<VNNI, 3>(wp, tail, a, f, bb, i, r, out, ld),
+                2 => group512::<VNNI, 2>(wp, tail, a, f, bb, i, r, out, ld),
+                _ => group512::<VNNI, 1>(wp, tail, a, f, bb, i, r, out, ld),
             }
             i += mr;
         }
-        bias_rows_avx512(src, a, r, out, ld);
+        if !fused {
+            bias_rows_avx512(src, a, r, out, ld);
+        }
     }
     SCRATCH.with(|c| c.replace(taken));
 }
@@ -262,7 +277,9 @@ unsafe fn bias_m1(bp: *const u16, ds: *const f32, nb: usize) -> f32 {
 }
 
 /// Activation rows `i..i+MR` against weight row `r` (packed nibbles at `wp`): steps 1–4 of
-/// the contract, the bias term is added by the caller.
+/// the contract; with `bb` (the row's `β_b`, every block in a whole group of four) step 5
+/// too, the sums and bias terms of the rows reduced together ([`reduce8`]), otherwise the
+/// bias term is added by the caller.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn group512<const VNNI: bool, const MR: usize>(
@@ -270,6 +287,7 @@ unsafe fn group512<const VNNI: bool, const MR: usize>(
     tail: Row,
     a: &Q8Acts,
     f: *const f32,
+    bb: Option<*const f32>,
     i: usize,
     r: usize,
     out: *mut f32,
@@ -301,6 +319,22 @@ unsafe fn group512<const VNNI: bool, const MR: usize>(
             acc[j][1] = _mm512_fmadd_ps(cb, _mm512_cvtepi32_ps(p1), acc[j][1]);
         }
         b += 4;
+    }
+    if let Some(bb) = bb {
+        // Per row: `u = (acc0 + acc2) + (acc1 + acc3)` (acc[j][0] holds the contract's acc[0]
+        // in its low half and acc[1], acc[j][1] acc[2] and acc[3]) and the bias lanes
+        // `v = L[..8] + L[8..]`; rows past MR are zeros, reduced and not stored.
+        let mut x = [_mm256_setzero_ps(); 8];
+        for j in 0..MR {
+            let s = _mm512_add_ps(acc[j][0], acc[j][1]);
+            x[j] = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+            x[4 + j] = bias_lanes(bb, a.ds.as_ptr().add((i + j) * nb), nb);
+        }
+        let v = reduce8(x);
+        for j in 0..MR {
+            *out.add((i + j) * ld + r) = v[j] + v[4 + j];
+        }
+        return;
     }
     for j in 0..MR {
         // acc[j][0] holds the contract's acc[0] (low half) and acc[1], acc[j][1] acc[2], acc[3].

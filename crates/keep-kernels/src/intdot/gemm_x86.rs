@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{bias_avx512, hsum256, tail_blocks, Row};
+use super::x86::{bias_avx512, bias_lanes, reduce8, tail_blocks, Row};
 use super::{IntSrc, Q8Acts, GEMM_PANEL, MXFP4_I8, QBLOCK};
 
 /// Activation rows per register tile.
@@ -268,6 +268,48 @@ impl Tile<'_, '_> {
             }
             b += 4;
         }
+        let bias = !self.p.beta.is_empty() && self.src.has_bias();
+        if full == nb {
+            // Every pair's eight-lane sum `(acc0 + acc2) + (acc1 + acc3)` and, with a bias
+            // term, its bias lanes, reduced eight at a time (the same bits as one by one).
+            let mut xs = [_mm256_setzero_ps(); 2 * MR * NR];
+            let mut n = 0;
+            for r in 0..N {
+                for j in 0..M {
+                    let s = _mm512_add_ps(acc[r][j][0], acc[r][j][1]);
+                    xs[n] = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+                    n += 1;
+                }
+            }
+            if bias {
+                for r in 0..N {
+                    let bb = self.p.beta.as_ptr().add((self.k + r) * nb);
+                    for j in 0..M {
+                        xs[n] = bias_lanes(bb, a.ds.as_ptr().add((self.i + j) * nb), nb);
+                        n += 1;
+                    }
+                }
+            }
+            let mut red = [0f32; 2 * MR * NR];
+            let mut c = 0;
+            while c < n {
+                let v = reduce8(std::array::from_fn(|e| xs[c + e]));
+                red[c..c + 8].copy_from_slice(&v);
+                c += 8;
+            }
+            for r in 0..N {
+                let row = self.row + r;
+                let post = self.src.post(row);
+                for j in 0..M {
+                    let mut s = post.map_or(red[r * M + j], |p| red[r * M + j] * p);
+                    if bias {
+                        s += red[M * N + r * M + j];
+                    }
+                    *self.out.add((self.i + j) * self.ld + row) = s;
+                }
+            }
+            return;
+        }
         for r in 0..N {
             let row = self.row + r;
             let post = self.src.post(row);
@@ -280,12 +322,7 @@ impl Tile<'_, '_> {
                     _mm512_castps512_ps256(acc[r][j][1]),
                     _mm512_extractf32x8_ps(acc[r][j][1], 1),
                 );
-                let s = if full == nb {
-                    hsum256(_mm256_add_ps(
-                        _mm256_add_ps(lo0, lo1),
-                        _mm256_add_ps(hi0, hi1),
-                    ))
-                } else {
+                let s = {
                     let mut v = [[0f32; 8]; 4];
                     _mm256_storeu_ps(v[0].as_mut_ptr(), lo0);
                     _mm256_storeu_ps(v[1].as_mut_ptr(), hi0);
@@ -307,7 +344,7 @@ impl Tile<'_, '_> {
                     super::finish_ref(&v)
                 };
                 let mut s = post.map_or(s, |p| s * p);
-                if !self.p.beta.is_empty() && self.src.has_bias() {
+                if bias {
                     let bb = self.p.beta.as_ptr().add((self.k + r) * nb);
                     s += bias_avx512(bb, a.ds.as_ptr().add((self.i + j) * nb), nb);
                 }

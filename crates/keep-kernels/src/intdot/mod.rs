@@ -791,11 +791,12 @@ fn has_neon_dotprod() -> bool {
     }
 }
 
-/// Per-thread scratch: a decoded integer row and its block factors.
+/// Per-thread scratch: a decoded integer row, its block factors and bias-term weights.
 #[derive(Default)]
 struct Scratch {
     w: Vec<i8>,
     f: Vec<f32>,
+    bb: Vec<f32>,
 }
 
 thread_local! {

@@ -991,6 +991,43 @@ pub(super) unsafe fn hsum256(b: __m256) -> f32 {
     _mm_cvtss_f32(e)
 }
 
+/// Eight vectors reduced at once, each by the contract's tree
+/// `((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7))` (the additions [`hsum256`] makes, so the
+/// same bits as eight calls of it), in transposed form: the 128-bit halves added pairwise,
+/// then the 64-bit pairs, then the neighbours.
+///
+/// # Safety
+/// AVX (the caller's target features).
+#[inline(always)]
+pub(super) unsafe fn reduce8(x: [__m256; 8]) -> [f32; 8] {
+    // [a0+a4, a1+a5, a2+a6, a3+a7 | b0+b4, ...] for the pairs (a, b) = (x0, x1), ...
+    let half = |a: __m256, b: __m256| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(a, b, 0x20),
+            _mm256_permute2f128_ps(a, b, 0x31),
+        )
+    };
+    let (s01, s23, s45, s67) = (
+        half(x[0], x[1]),
+        half(x[2], x[3]),
+        half(x[4], x[5]),
+        half(x[6], x[7]),
+    );
+    // [(a0+a4)+(a2+a6), (a1+a5)+(a3+a7)] of a and c in the low lane, b and d in the high.
+    let pairs = |p: __m256, q: __m256| {
+        _mm256_add_ps(_mm256_shuffle_ps(p, q, 0x44), _mm256_shuffle_ps(p, q, 0xEE))
+    };
+    let (t0, t1) = (pairs(s01, s23), pairs(s45, s67));
+    // [x0, x2, x4, x6 | x1, x3, x5, x7] reduced.
+    let red = _mm256_add_ps(
+        _mm256_shuffle_ps(t0, t1, 0x88),
+        _mm256_shuffle_ps(t0, t1, 0xDD),
+    );
+    let mut v = [0f32; 8];
+    _mm256_storeu_ps(v.as_mut_ptr(), red);
+    [v[0], v[4], v[1], v[5], v[2], v[6], v[3], v[7]]
+}
+
 /// Product of 64 int8 `|w|` with `q · sign(w)`: 16 i32 sums of four.
 #[inline(always)]
 unsafe fn dot64<const VNNI: bool>(aw: __m512i, neg: __mmask64, q: __m512i) -> __m512i {
@@ -1361,6 +1398,17 @@ unsafe fn group256<const MR: usize>(
 /// AVX-512 F; `bb` and `ds` hold `nb` floats.
 #[inline(always)]
 pub(super) unsafe fn bias_avx512(bb: *const f32, ds: *const f32, nb: usize) -> f32 {
+    hsum256(bias_lanes(bb, ds, nb))
+}
+
+/// Step 5's sixteen lanes for one row folded to eight (`v[j] = L[j] + L[j+8]`; the fixed
+/// tree of [`hsum256`] or [`reduce8`] finishes it): `β_b` at `bb` times `e_b` at `ds`, one FMA
+/// per 16 blocks, the last masked.
+///
+/// # Safety
+/// AVX-512 F; `bb` and `ds` hold `nb` floats.
+#[inline(always)]
+pub(super) unsafe fn bias_lanes(bb: *const f32, ds: *const f32, nb: usize) -> __m256 {
     let mut l = _mm512_setzero_ps();
     let mut b = 0;
     while b + 16 <= nb {
@@ -1373,9 +1421,8 @@ pub(super) unsafe fn bias_avx512(bb: *const f32, ds: *const f32, nb: usize) -> f
         let y = _mm512_maskz_loadu_ps(k, ds.add(b));
         l = _mm512_mask3_fmadd_ps(x, y, l, k);
     }
-    let v = _mm256_add_ps(
+    _mm256_add_ps(
         _mm512_castps512_ps256(l),
         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
-    );
-    hsum256(v)
+    )
 }
