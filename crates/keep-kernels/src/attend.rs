@@ -175,11 +175,161 @@ pub fn attend_one<'a, K: KvSource<'a> + ?Sized>(
         *v = (*v - m).exp();
         sum += *v;
     }
-    for (r, &p) in scores.iter().enumerate() {
-        let w = p / sum;
-        for (a, b) in out.iter_mut().zip(kv.value(i, g, r)) {
-            *a += w * b;
+    for v in scores.iter_mut() {
+        *v /= sum;
+    }
+    let hd = out.len();
+    weighted_rows(kv, i, g, scores, [true, false, false, false], out, hd);
+}
+
+/// `out[j] += w[j][r] · v_r` (the product rounded, then the sum) for every value row `r` in
+/// order, for the live heads `j` of up to four (`w`: `heads × n` weights, head `j`'s at
+/// `j·n`; `out`: the heads' outputs one after the other, `hd` each; the first
+/// `min(hd, value row)` columns). The same bits on every level: the vector levels multiply
+/// and add per lane as the scalar loop does, without fusing.
+fn weighted_rows<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    w: &[f32],
+    live: [bool; 4],
+    out: &mut [f32],
+    hd: usize,
+) {
+    let n = kv.count(i);
+    if n == 0 || hd == 0 {
+        return;
+    }
+    let cols = hd.min(kv.value(i, g, 0).len());
+    #[cfg(target_arch = "x86_64")]
+    match crate::cpu::level() {
+        // SAFETY: the CPU has the level's features (checked by `cpu::level`).
+        crate::cpu::Level::Avx512 => unsafe {
+            weighted_rows_avx512(kv, i, g, w, live, out, hd, cols)
+        },
+        // SAFETY: as above.
+        crate::cpu::Level::Avx2 => unsafe { weighted_rows_avx2(kv, i, g, w, live, out, hd, cols) },
+        _ => weighted_rows_scalar(kv, i, g, w, live, out, hd, 0..cols),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    weighted_rows_scalar(kv, i, g, w, live, out, hd, 0..cols)
+}
+
+/// [`weighted_rows`] in plain Rust on columns `c` (the vector levels' tails).
+#[allow(clippy::too_many_arguments)]
+fn weighted_rows_scalar<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    w: &[f32],
+    live: [bool; 4],
+    out: &mut [f32],
+    hd: usize,
+    c: std::ops::Range<usize>,
+) {
+    let n = kv.count(i);
+    for r in 0..n {
+        let v = &kv.value(i, g, r)[c.clone()];
+        for (j, o) in out.chunks_exact_mut(hd).take(4).enumerate() {
+            if live[j] {
+                let wj = w[j * n + r];
+                for (a, b) in o[c.clone()].iter_mut().zip(v) {
+                    *a += wj * b;
+                }
+            }
         }
+    }
+}
+
+/// [`weighted_rows`] on 16 lanes (AVX-512 F).
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_rows_avx512<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    w: &[f32],
+    live: [bool; 4],
+    out: &mut [f32],
+    hd: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let n = kv.count(i);
+    let full = cols / 16 * 16;
+    let heads = (out.len() / hd).min(4);
+    for r in 0..n {
+        let v = &kv.value(i, g, r)[..full];
+        for j in 0..heads {
+            if !live[j] {
+                continue;
+            }
+            let wj = _mm512_set1_ps(w[j * n + r]);
+            let o = &mut out[j * hd..j * hd + full];
+            let mut k = 0;
+            while k < full {
+                // SAFETY: k + 16 <= full, the length of both slices.
+                let p = _mm512_mul_ps(wj, _mm512_loadu_ps(v.as_ptr().add(k)));
+                _mm512_storeu_ps(
+                    o.as_mut_ptr().add(k),
+                    _mm512_add_ps(_mm512_loadu_ps(o.as_ptr().add(k)), p),
+                );
+                k += 16;
+            }
+        }
+    }
+    if full < cols {
+        weighted_rows_scalar(kv, i, g, w, live, out, hd, full..cols);
+    }
+}
+
+/// [`weighted_rows`] on 8 lanes (AVX).
+///
+/// # Safety
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_rows_avx2<'a, K: KvSource<'a> + ?Sized>(
+    kv: &K,
+    i: usize,
+    g: usize,
+    w: &[f32],
+    live: [bool; 4],
+    out: &mut [f32],
+    hd: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let n = kv.count(i);
+    let full = cols / 8 * 8;
+    let heads = (out.len() / hd).min(4);
+    for r in 0..n {
+        let v = &kv.value(i, g, r)[..full];
+        for j in 0..heads {
+            if !live[j] {
+                continue;
+            }
+            let wj = _mm256_set1_ps(w[j * n + r]);
+            let o = &mut out[j * hd..j * hd + full];
+            let mut k = 0;
+            while k < full {
+                // SAFETY: k + 8 <= full, the length of both slices.
+                let p = _mm256_mul_ps(wj, _mm256_loadu_ps(v.as_ptr().add(k)));
+                _mm256_storeu_ps(
+                    o.as_mut_ptr().add(k),
+                    _mm256_add_ps(_mm256_loadu_ps(o.as_ptr().add(k)), p),
+                );
+                k += 8;
+            }
+        }
+    }
+    if full < cols {
+        weighted_rows_scalar(kv, i, g, w, live, out, hd, full..cols);
     }
 }
 
@@ -231,7 +381,6 @@ pub fn attend_four<'a, K: KvSource<'a> + ?Sized>(
             };
         }
     }
-    let mut sums = [0f32; 4];
     let mut live = [false; 4];
     for (j, sc) in scores.chunks_exact_mut(n.max(1)).take(4).enumerate() {
         let sink = sinks[j].unwrap_or(f32::NEG_INFINITY);
@@ -244,19 +393,12 @@ pub fn attend_four<'a, K: KvSource<'a> + ?Sized>(
             *v = (*v - m).exp();
             sum += *v;
         }
-        (sums[j], live[j]) = (sum, true);
-    }
-    for r in 0..n {
-        let v = kv.value(i, g, r);
-        for (j, o) in out.chunks_exact_mut(hd).take(4).enumerate() {
-            if live[j] {
-                let w = scores[j * n + r] / sums[j];
-                for (a, b) in o.iter_mut().zip(v) {
-                    *a += w * b;
-                }
-            }
+        for v in sc.iter_mut() {
+            *v /= sum;
         }
+        live[j] = true;
     }
+    weighted_rows(kv, i, g, scores, live, out, hd);
 }
 
 /// Every (query, head) pair of `shape` into `out` (`[queries × heads × head_dim]`, zeroed
@@ -522,6 +664,60 @@ mod tests {
                     .iter()
                     .all(|&v| v == c as f32 + 1.0));
                 assert!(sc[c * 2..(c + 1) * 2].iter().all(|&v| v == c as f32 + 1.0));
+            }
+        }
+    }
+
+    /// The weighted sum of value rows is the plain loop's bits on every level this CPU has,
+    /// with and without columns past the last whole vector and with a head skipped (fails
+    /// when a level fuses the multiply and the add).
+    #[test]
+    fn weighted_rows_are_the_plain_loop_on_every_level() {
+        let mut rng = Rng::new(17);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for hd in [8, 20, 40, 64, 77] {
+            let n = 13;
+            let v = rand(&mut rng, n * hd);
+            let kv = CausalRows {
+                k: &v,
+                v: &v,
+                stride: hd,
+                head_dim: hd,
+                start: n - 1,
+                base: 0,
+                window: None,
+            };
+            let w = rand(&mut rng, 4 * n);
+            let live = [true, false, true, true];
+            let init = rand(&mut rng, 4 * hd);
+            let mut want = init.clone();
+            for r in 0..n {
+                for j in (0..4).filter(|&j| live[j]) {
+                    for c in 0..hd {
+                        want[j * hd + c] += w[j * n + r] * v[r * hd + c];
+                    }
+                }
+            }
+            let mut got = vec![init.clone(); 2];
+            weighted_rows_scalar(&kv, 0, 0, &w, live, &mut got[0], hd, 0..hd);
+            weighted_rows(&kv, 0, 0, &w, live, &mut got[1], hd);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if is_x86_feature_detected!("avx512f") {
+                    let mut o = init.clone();
+                    // SAFETY: AVX-512 F checked.
+                    unsafe { weighted_rows_avx512(&kv, 0, 0, &w, live, &mut o, hd, hd) };
+                    got.push(o);
+                }
+                if is_x86_feature_detected!("avx") {
+                    let mut o = init.clone();
+                    // SAFETY: AVX checked.
+                    unsafe { weighted_rows_avx2(&kv, 0, 0, &w, live, &mut o, hd, hd) };
+                    got.push(o);
+                }
+            }
+            for (l, o) in got.iter().enumerate() {
+                assert_eq!(bits(o), bits(&want), "hd {hd}, level {l}");
             }
         }
     }
