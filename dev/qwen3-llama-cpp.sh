@@ -38,6 +38,9 @@
 #   KEEP_BASE=PATH runs a second keep build (say, the commit before a change) right after keep in
 #   every round, on the same checkpoint and flags: its medians and the ratios keep / base and
 #   base / llama.cpp are added to the pair (KEEP_BASE_COMMIT names it in the evidence).
+#   LLAMA_DECODE_AT_PROMPT=1 times llama-bench's decode after a P-token context (`-d P`, two
+#   llama-bench runs: prefill from position 0, then decode at depth P), as keep decodes after
+#   its prompt; without it llama-bench generates from an empty context (recorded either way).
 #   LLAMA_NO_REPACK=1 runs llama-bench a second time in every round with `--repack 0` (the
 #   GGUF's blocks as stored, without the CPU backend's interleaved copy of q4_0/q8_0 weights):
 #   its medians and the ratios keep / that and repack / no repack are added to the pair.
@@ -169,11 +172,22 @@ for r in $(seq 1 "$ROUNDS"); do
     esac
     page_in "$g"
     echo "$(load1)" >"$RAW/$pair-$r.llama.load"
-    "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 -o json >"$RAW/$pair-$r.llama.json" 2>"$RAW/$pair-$r.llama.err"
+    bench() { # OUT-STEM EXTRA-ARGS...: llama-bench's prefill and decode into OUT-STEM.json
+      local stem=$1; shift
+      if [[ "${LLAMA_DECODE_AT_PROMPT:-0}" == 1 ]]; then
+        # Decode after a prompt of P tokens (-d P), as keep decodes; prefill from position 0.
+        "$LB" -m "$g" -t "$THREADS" -p "$P" -n 0 -r 1 -o json "$@" >"$stem.pp.json" 2>"$stem.err"
+        "$LB" -m "$g" -t "$THREADS" -p 0 -n "$N" -d "$P" -r 1 -o json "$@" >"$stem.tg.json" 2>>"$stem.err"
+        python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1])) + json.load(open(sys.argv[2]))))' \
+          "$stem.pp.json" "$stem.tg.json" >"$stem.json"
+      else
+        "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 -o json "$@" >"$stem.json" 2>"$stem.err"
+      fi
+    }
+    bench "$RAW/$pair-$r.llama"
     if [[ "${LLAMA_NO_REPACK:-0}" == 1 ]]; then
       echo "$(load1)" >"$RAW/$pair-$r.llama0.load"
-      "$LB" -m "$g" -t "$THREADS" -p "$P" -n "$N" -r 1 --repack 0 -o json \
-        >"$RAW/$pair-$r.llama0.json" 2>"$RAW/$pair-$r.llama0.err"
+      bench "$RAW/$pair-$r.llama0" --repack 0
     fi
     page_in "$k"/*.safetensors
     echo "$(load1)" >"$RAW/$pair-$r.keep.load"
@@ -211,6 +225,9 @@ res = {"format": "keep-side-by-side-qwen3", "version": 1,
                    "lscpu_model": next((l.split(":", 1)[1].strip() for l in lscpu().splitlines()
                                         if l.startswith("Model name")), None)},
        "llama_build": llama_build,
+       "llama_decode_context": (f"after {p} tokens (llama-bench -d {p})"
+                                if os.environ.get("LLAMA_DECODE_AT_PROMPT") == "1"
+                                else "from an empty context (llama-bench -n without -d)"),
        "shape": {"preset_or_config": shape, "layers": int(layers), "threads": int(threads),
                  "prompt_tokens": int(p), "decode_tokens": int(n)},
        "pairs": {}}
