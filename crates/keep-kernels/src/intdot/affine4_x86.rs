@@ -111,7 +111,28 @@ unsafe fn rows_avx512_impl<const VNNI: bool>(
     if VNNI && a.m == 1 && a.qmx4.len() == cols {
         let (sp, bp) = (scales.as_ptr() as *const u16, biases.as_ptr() as *const u16);
         let ng = cols / AFFINE8_GROUP;
-        for r in r0..r1 {
+        let mut r = r0;
+        // Four rows at a time (every block in a whole group of four): their sums and bias
+        // terms reduced together, the same tree as one by one.
+        while full == nb && r + 4 <= r1 {
+            let mut x = [_mm256_setzero_ps(); 8];
+            for j in 0..4 {
+                let (lo, hi) = row_m1_acc(
+                    packed.as_ptr().add((r + j) * cols / 2),
+                    sp.add((r + j) * ng),
+                    a,
+                    nb,
+                );
+                x[j] = m1_lanes(lo, hi);
+                x[4 + j] = bias_m1_lanes(bp.add((r + j) * ng), a.ds.as_ptr(), nb);
+            }
+            let v = reduce8(x);
+            for j in 0..4 {
+                *out.add(r + j) = v[j] + v[4 + j];
+            }
+            r += 4;
+        }
+        for r in r..r1 {
             let tail = tail_row(packed, r, cols, full, &mut s.w);
             let v = row_m1(
                 packed.as_ptr().add(r * cols / 2),
@@ -183,6 +204,31 @@ const PREFETCH_AHEAD: usize = 2048;
 #[inline(always)]
 unsafe fn row_m1(wp: *const u8, sp: *const u16, tail: Row, a: &Q8Acts, nb: usize) -> f32 {
     let full = nb / 4 * 4;
+    let (lo, hi) = row_m1_acc(wp, sp, a, nb);
+    if full == nb {
+        return finish_m1(lo, hi);
+    }
+    let d = a.d.as_ptr();
+    let mut acc = m1_acc(lo, hi);
+    let f = |bb: usize| f32::from_bits((*sp.add(bb * QBLOCK / AFFINE8_GROUP) as u32) << 16);
+    tail_blocks(
+        tail,
+        a.q.as_ptr(),
+        |bb| f(bb) * *d.add(bb),
+        &mut acc,
+        full,
+        nb,
+    );
+    super::finish_ref(&acc)
+}
+
+/// [`row_m1`]'s two accumulators over the row's whole groups of four blocks.
+///
+/// # Safety
+/// As [`row_m1`].
+#[inline(always)]
+unsafe fn row_m1_acc(wp: *const u8, sp: *const u16, a: &Q8Acts, nb: usize) -> (__m512, __m512) {
+    let full = nb / 4 * 4;
     let nib = _mm512_set1_epi8(0x0F);
     let (qp, d) = (a.qmx4.as_ptr(), a.d.as_ptr());
     let base = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -223,20 +269,22 @@ unsafe fn row_m1(wp: *const u8, sp: *const u16, tail: Row, a: &Q8Acts, nb: usize
         }
         b += 16;
     }
-    if full == nb {
-        return finish_m1(lo, hi);
-    }
-    let mut acc = m1_acc(lo, hi);
-    let f = |bb: usize| f32::from_bits((*sp.add(bb * QBLOCK / AFFINE8_GROUP) as u32) << 16);
-    tail_blocks(
-        tail,
-        a.q.as_ptr(),
-        |bb| f(bb) * *d.add(bb),
-        &mut acc,
-        full,
-        nb,
-    );
-    super::finish_ref(&acc)
+    (lo, hi)
+}
+
+/// [`finish_m1`]'s first steps: each register halved to four lanes (`lo` gives `u[0..4]`,
+/// `hi` `u[4..8]`), the two side by side, so that the fixed tree of [`reduce8`] finishes it
+/// in [`finish_m1`]'s order.
+#[inline(always)]
+unsafe fn m1_lanes(lo: __m512, hi: __m512) -> __m256 {
+    let half = |x: __m512| {
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(x),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)),
+        );
+        _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))
+    };
+    _mm256_set_m128(half(hi), half(lo))
 }
 
 /// Up to 16 blocks' group values (bf16 at `p`, one per two blocks) as f32, each twice; lanes
@@ -260,6 +308,15 @@ unsafe fn groups_masked(p: *const u16, n: usize) -> __m512 {
 /// AVX-512 F/BW/VL; `bp` holds `nb / 2` values and `ds` `nb`.
 #[inline(always)]
 unsafe fn bias_m1(bp: *const u16, ds: *const f32, nb: usize) -> f32 {
+    super::x86::hsum256(bias_m1_lanes(bp, ds, nb))
+}
+
+/// [`bias_m1`]'s sixteen lanes folded to eight (before the fixed tree).
+///
+/// # Safety
+/// As [`bias_m1`].
+#[inline(always)]
+unsafe fn bias_m1_lanes(bp: *const u16, ds: *const f32, nb: usize) -> __m256 {
     let mut l = _mm512_setzero_ps();
     let mut b = 0;
     while b < nb {
@@ -269,11 +326,10 @@ unsafe fn bias_m1(bp: *const u16, ds: *const f32, nb: usize) -> f32 {
         l = _mm512_mask3_fmadd_ps(groups_masked(bp.add(b / 2), n), e, l, k);
         b += 16;
     }
-    let v = _mm256_add_ps(
+    _mm256_add_ps(
         _mm512_castps512_ps256(l),
         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(l), 1)),
-    );
-    super::x86::hsum256(v)
+    )
 }
 
 /// Activation rows `i..i+MR` against weight row `r` (packed nibbles at `wp`): steps 1–4 of
